@@ -1,0 +1,340 @@
+"""The SGLang adapter: the only module that touches SGLang internals (pinned to sglang==0.5.17).
+
+It loads a model with SGLang's own loader into an in-process `ModelRunner`, builds EXTEND (prefill-only)
+batches from token lists, and returns per token the EAGLE-3 auxiliary states and the final post-norm state.
+Full-vocab logits are never computed: the model's logits processor is replaced by one that only keeps the
+hidden states it is handed.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import types
+from array import array
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+SGLANG_VERSION = "0.5.17"
+
+LAYER_CONVENTION = (
+    "id k = output of decoder layer k (0-based) = HF output_hidden_states[k+1]; "
+    "last = final hidden state after the model's final norm"
+)
+
+
+def prepare_process(device: str) -> None:
+    """Environment that must be in place before sglang is first imported."""
+    if device == "cpu":
+        # Many sglang modules snapshot the platform at import time.
+        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+        _shim_sgl_kernel_if_missing()
+    # torchrun exports TORCHELASTIC_USE_AGENT_STORE=True, which turns every rank into a client of
+    # SGLang's own tcp:// rendezvous with no server behind it: a silent 30-minute hang, even at world 1.
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+    # Copied from what sglang's engine entry point sets, minus the process-wide side effects.
+    os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    os.environ.setdefault("CUDA_MODULE_LOADING", "AUTO")
+
+
+class _SglKernelImportShim(types.ModuleType):
+    """Stands in for `sgl_kernel` where the installed wheel cannot load (CUDA-only wheel on a CPU host).
+
+    SGLang's CPU engine imports a dozen `*_cpu` names from it at module level but, without AMX, never
+    calls them: every layer takes its `forward_native` path. Any call therefore means a path we do not
+    support, and raises. It is deliberately not a package, so `import sgl_kernel.x` keeps failing with
+    ImportError, which SGLang's own fallbacks rely on.
+    """
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def unavailable(*args, **kwargs):
+            raise RuntimeError(f"sgl_kernel.{name} was called, but sgl_kernel is only an import shim on this CPU host")
+
+        unavailable.__name__ = name
+        return unavailable
+
+
+def _shim_sgl_kernel_if_missing() -> None:
+    if "sgl_kernel" in sys.modules:
+        return
+    try:
+        importlib.import_module("sgl_kernel")
+    except (ImportError, OSError):
+        sys.modules["sgl_kernel"] = _SglKernelImportShim("sgl_kernel")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    device: str = "cuda"  # "cuda" or "cpu"
+    dtype: str = "auto"  # "auto" (the checkpoint's), "bfloat16", "float16", "float32"
+    tp_size: int = 1
+    tp_rank: int = 0
+    gpu_id: int = 0
+    nccl_port: int = 29600
+    attention_backend: str | None = None  # None: fa3 on Hopper when installed, else triton
+    max_tokens_per_batch: int = 16384
+    max_seqs_per_batch: int = 256
+    context_length: int | None = None
+    layer_ids: tuple[int, ...] | None = None  # None: SGLang's EAGLE-3 default for the model
+    load_format: str = "auto"
+    mem_fraction_static: float = 0.85
+    trust_remote_code: bool = False
+
+
+@dataclass
+class Captured:
+    """One batch's states on the engine's device, tokens packed request by request."""
+
+    aux: torch.Tensor  # [T, k*H]
+    last: torch.Tensor  # [T, H]
+
+
+def default_attention_backend(device: str) -> str:
+    if device == "cpu":
+        return "torch_native"
+    try:
+        hopper = torch.cuda.get_device_capability()[0] == 9
+        importlib.import_module("sgl_kernel.flash_ops")
+        return "fa3" if hopper else "triton"
+    except (ImportError, OSError, RuntimeError):
+        return "triton"
+
+
+# How each SGLang model file turns the ids handed to set_eagle3_layers_to_capture into the layer index
+# whose *input* residual stream it records. Storing HF hidden_states[k+1] means recording the input of
+# layer k+1. Architectures absent here are refused rather than guessed.
+_PLUS_ONE = "adds +1 to every id"
+_CAPTURE_RULES = {
+    "LlamaForCausalLM": _PLUS_ONE,
+    "MistralForCausalLM": _PLUS_ONE,
+    "Qwen2ForCausalLM": _PLUS_ONE,
+    "Qwen3ForCausalLM": _PLUS_ONE,
+}
+
+
+def validate_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
+    ids = tuple(int(i) for i in ids)
+    if not ids:
+        raise ValueError("--layers needs at least one layer id")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"--layers has duplicate ids: {list(ids)}")
+    for i in ids:
+        # The output of the last layer is never captured by SGLang (it would be dropped silently); the
+        # final post-norm state is stored separately as `hidden_states`.
+        if not 0 <= i < num_layers - 1:
+            raise ValueError(
+                f"layer id {i} is out of range: ids are 0..{num_layers - 2} for a model of {num_layers} "
+                f"decoder layers (id k = output of layer k; the last layer's output is not capturable)"
+            )
+    return tuple(sorted(ids))
+
+
+class Engine:
+    """An in-process SGLang ModelRunner that returns hidden states for ragged prefill batches."""
+
+    def __init__(self, cfg: EngineConfig):
+        prepare_process(cfg.device)
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.distributed.parallel_state_wrapper import ParallelState
+        from sglang.srt.layers.moe.utils import initialize_moe_config
+        from sglang.srt.layers.quantization.fp4_utils import initialize_fp4_gemm_config
+        from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
+        from sglang.srt.layers.quantization.unquant import initialize_bf16_gemm_config
+        from sglang.srt.model_executor.model_runner import ModelRunner
+        from sglang.srt.server_args import ServerArgs
+
+        self.cfg = cfg
+        if cfg.device == "cuda":
+            torch.cuda.set_device(cfg.gpu_id)
+        backend = cfg.attention_backend or default_attention_backend(cfg.device)
+        sa = ServerArgs(
+            model_path=cfg.model_path,
+            load_format=cfg.load_format,
+            dtype=cfg.dtype,
+            device=cfg.device,
+            tp_size=cfg.tp_size,
+            trust_remote_code=cfg.trust_remote_code,
+            attention_backend=backend,
+            sampling_backend="pytorch",
+            # Prefill graphs would replay without running our capture module; extraction is prefill only.
+            disable_cuda_graph=True,
+            disable_radix_cache=True,
+            disable_overlap_schedule=True,
+            chunked_prefill_size=-1,
+            skip_tokenizer_init=True,
+            # The KV pool only ever holds one forward's tokens, so everything else stays activation room.
+            max_total_tokens=cfg.max_tokens_per_batch + 64,
+            max_running_requests=cfg.max_seqs_per_batch,
+            context_length=cfg.context_length,
+            mem_fraction_static=cfg.mem_fraction_static,
+            disable_custom_all_reduce=cfg.device == "cpu",
+            log_level="error",
+        )
+        self.attention_backend = backend
+        initialize_moe_config(sa)
+        initialize_fp8_gemm_config(sa)
+        initialize_fp4_gemm_config(sa)
+        initialize_bf16_gemm_config(sa)
+        mc = ModelConfig.from_server_args(sa)
+        ps = ParallelState(
+            tp_rank=cfg.tp_rank, tp_size=cfg.tp_size, pp_rank=0, pp_size=1, dp_rank=None, dp_size=1,
+            attn_tp_rank=cfg.tp_rank, attn_tp_size=cfg.tp_size, attn_cp_rank=0, attn_cp_size=1,
+            attn_dp_rank=0, attn_dp_size=1, moe_ep_rank=0, moe_ep_size=1, moe_dp_rank=None, moe_dp_size=1,
+            dcp_size=1, gpu_id=cfg.gpu_id,
+        )
+        self.runner = ModelRunner(
+            model_config=mc, mem_fraction_static=sa.mem_fraction_static, gpu_id=cfg.gpu_id, ps=ps,
+            nccl_port=cfg.nccl_port, server_args=sa,
+        )
+        model = self.runner.model
+        self.architecture = type(model).__name__
+        self.hf_config = mc.hf_config
+        self.num_layers = mc.hf_config.num_hidden_layers
+        self.hidden_size = mc.hf_config.hidden_size
+        self.dtype = str(mc.dtype).removeprefix("torch.")
+        self.layer_ids = self._configure_capture(model, cfg.layer_ids)
+        self._logits_processor = model.logits_processor
+        self._capture = _CaptureOnly()
+        self.runner.alloc_memory_pool()
+        self.runner.init_attention_backends()
+        self.runner.init_cuda_graphs()
+        self.device = self.runner.device
+
+    def _configure_capture(self, model, requested: tuple[int, ...] | None) -> tuple[int, ...]:
+        rule = _CAPTURE_RULES.get(self.architecture)
+        if rule is None or not hasattr(model, "set_eagle3_layers_to_capture"):
+            raise NotImplementedError(
+                f"architecture {self.architecture} ({self.cfg.model_path}) is not supported: its SGLang "
+                f"model file's EAGLE-3 capture convention has not been verified against HF transformers"
+            )
+        if requested is None:
+            # Ask SGLang for its own default, so training data matches what EAGLE-3 inference captures.
+            model.set_eagle3_layers_to_capture(None)
+            requested = [i - 1 for i in model.model.layers_to_capture]
+        ids = validate_layer_ids(requested, self.num_layers)
+        model.set_eagle3_layers_to_capture(list(ids))
+        self._capture_points = list(model.model.layers_to_capture)
+        return ids
+
+    def _set_capture(self, on: bool) -> None:
+        model = self.runner.model
+        model.capture_aux_hidden_states = on
+        # The decoder returns (states, aux) whenever it has layers to capture, so bare prefill needs
+        # the list emptied, not just the flag cleared.
+        model.model.layers_to_capture = self._capture_points if on else []
+        model.logits_processor = self._capture if on else self._logits_processor
+
+    def forward(self, seqs: Sequence[np.ndarray], capture: bool = True) -> Captured | None:
+        """Prefill `seqs` as one EXTEND batch. With capture, return their states (still on the device).
+
+        capture=False runs SGLang's unmodified prefill (last-token logits only), the benchmark's ceiling.
+        """
+        from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
+        from sglang.srt.sampling.sampling_params import SamplingParams
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        total = sum(len(s) for s in seqs)
+        if total > self.cfg.max_tokens_per_batch or len(seqs) > self.cfg.max_seqs_per_batch:
+            raise ValueError(
+                f"batch of {len(seqs)} sequences / {total} tokens exceeds the engine's "
+                f"{self.cfg.max_seqs_per_batch} sequences / {self.cfg.max_tokens_per_batch} tokens"
+            )
+        self._set_capture(capture)
+        sp = SamplingParams(temperature=0, max_new_tokens=1)
+        reqs = []
+        # Fresh Req objects every batch: a Req reused after the pools are cleared would keep its stale
+        # req_pool_idx and be treated as a chunk continuation.
+        for i, ids in enumerate(seqs):
+            r = Req(rid=str(i), origin_input_text="", origin_input_ids=array("q", ids), sampling_params=sp)
+            r.full_untruncated_fill_ids = r.origin_input_ids
+            r.logprob_start_len = -1  # no input logprobs, hence no full-vocab logits
+            r.set_extend_range(len(r.prefix_indices), len(ids))
+            reqs.append(r)
+        batch = ScheduleBatch.init_new(
+            reqs=reqs,
+            req_to_token_pool=self.runner.req_to_token_pool,
+            token_to_kv_pool_allocator=self.runner.token_to_kv_pool_allocator,
+            tree_cache=_NoTreeCache(
+                page_size=self.runner.server_args.page_size,
+                device=self.device,
+                token_to_kv_pool_allocator=self.runner.token_to_kv_pool_allocator,
+            ),
+            model_config=self.runner.model_config,
+            enable_overlap=False,
+            spec_algorithm=SpeculativeAlgorithm.NONE,
+        )
+        try:
+            batch.prepare_for_extend()
+            batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device, non_blocking=True)
+            batch.prefill_input_ids_cpu = None
+            fb = ForwardBatch.init_new(
+                batch,
+                self.runner,
+                capture_hidden_mode=CaptureHiddenMode.FULL if capture else CaptureHiddenMode.NULL,
+                return_hidden_states_before_norm=False,
+            )
+            with torch.no_grad():
+                self.runner.forward(fb)
+        finally:
+            # Outputs are fresh tensors, not views into the KV pool, so the pool can be reused at once.
+            self.runner.req_to_token_pool.clear()
+            self.runner.token_to_kv_pool_allocator.clear()
+        if not capture:
+            return None
+        aux, last = self._capture.take()
+        if aux.shape[0] != total or aux.shape[1] != len(self.layer_ids) * self.hidden_size:
+            raise RuntimeError(
+                f"SGLang returned aux states of shape {tuple(aux.shape)} for {total} tokens and layers "
+                f"{list(self.layer_ids)}; expected {(total, len(self.layer_ids) * self.hidden_size)}"
+            )
+        return Captured(aux=aux, last=last)
+
+
+class _CaptureOnly(torch.nn.Module):
+    """Takes the logits processor's place: keeps the states it is handed and computes no logits."""
+
+    def forward(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states=None, *args, **kwargs):
+        from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
+        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+
+        self._taken = (pack_aux_hidden_states(aux_hidden_states), hidden_states)
+        return LogitsProcessorOutput(next_token_logits=None)
+
+    def take(self):
+        out, self._taken = self._taken, None
+        return out
+
+
+class _NoTreeCache(types.SimpleNamespace):
+    """The tree-cache interface ScheduleBatch needs when every batch starts from empty pools."""
+
+    def supports_swa(self):
+        return False
+
+    def supports_mamba(self):
+        return False
+
+    def is_chunk_cache(self):
+        return True
+
+    def is_tree_cache(self):
+        return False
+
+    def evict(self, params):
+        pass
+
+    def available_and_evictable_str(self):
+        return f"available={self.token_to_kv_pool_allocator.available_size()}"
+
+    def pretty_print(self):
+        pass
