@@ -1,0 +1,84 @@
+#!/usr/bin/env python
+"""Extract EAGLE-3 training hidden states from a model with SGLang, into bf16 safetensors shards.
+
+\b
+One GPU, or the embedded tiny model on CPU:
+    python bin/extract.py --data corpus.jsonl
+A node (data parallel, tensor parallel, or both; any number of nodes with --nnodes):
+    torchrun --nproc-per-node 8 bin/extract.py --model /models/Llama-3.1-8B-Instruct --data corpus.jsonl --out /data/hs
+    torchrun --nproc-per-node 8 bin/extract.py --model /models/big --tp 4 --data corpus.jsonl --out /data/hs
+
+\b
+Input: JSONL, one record per line, any mix of
+    {"conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}]}   (ShareGPT)
+    {"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]} (OpenAI)
+    {"text": ...}                                     (plain text, every token in the loss)
+    {"input_ids": [...], "loss_mask": [...]}          (pre-tokenized; loss_mask optional)
+with an optional "id". Chats are rendered with the model's own chat template; the loss mask covers
+assistant tokens only. Bad lines go to OUT/rejects.jsonl with file, line and reason; the run goes on.
+
+\b
+Output: OUT/shard_NNN.safetensors holding input_ids, loss_mask, aux_hidden_states [T, k*H],
+hidden_states [T, H] (after the final norm), offsets and sample_index; OUT/index.json lists them.
+Layer id k is the output of decoder layer k, i.e. HF output_hidden_states[k+1].
+"""
+import _bin_path  # noqa: F401  (must come first: see its docstring)
+import click
+
+from offline_extract.extraction import ExtractOptions, run
+
+
+@click.command(help=__doc__)
+@click.option("--data", "data", multiple=True, required=True, type=click.Path(exists=True, dir_okay=False),
+              help="JSONL corpus; repeat for several files (records are numbered across them in order).")
+@click.option("--out", default="out", show_default=True, type=click.Path(file_okay=False),
+              help="Output directory for shards, index.json and rejects.jsonl.")
+@click.option("--model", default=None,
+              help="HF model directory. Default: the embedded tiny random Llama, built locally, run on CPU.")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
+              help="Default: cuda when a GPU is visible, else cpu.")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
+              show_default=True, help="Compute dtype (auto = the checkpoint's). Shards are always bf16.")
+@click.option("--tp", default=1, show_default=True, help="Tensor-parallel size; world size / tp replicas run data-parallel.")
+@click.option("--layers", default=None,
+              help="Comma-separated EAGLE-3 layer ids (id k = output of decoder layer k). "
+                   "Default: SGLang's EAGLE-3 default for the model, e.g. [1, N/2-1, N-4] for Llama.")
+@click.option("--max-length", default=4096, show_default=True, help="Longest sample in tokens.")
+@click.option("--overlong", type=click.Choice(["truncate", "skip"]), default="truncate", show_default=True,
+              help="What to do with a sample longer than --max-length (recorded per sample either way).")
+@click.option("--tokens-per-batch", default=None, type=int,
+              help="Token budget of one forward. Default: 16384 on GPU, 4096 on CPU (at least --max-length).")
+@click.option("--seqs-per-batch", default=256, show_default=True, help="Most sequences in one forward.")
+@click.option("--shard-size-mb", default=1024, show_default=True, help="Target hidden-state bytes per shard.")
+@click.option("--attention-backend", default=None,
+              help="SGLang attention backend. Default: fa3 on Hopper when installed, else triton; torch_native on CPU.")
+@click.option("--load-format", default="auto", show_default=True,
+              help="SGLang load format; 'dummy' gives random weights (benchmarks only).")
+@click.option("--mem-fraction-static", default=0.85, show_default=True,
+              help="GPU memory fraction for weights plus the (prefill-sized) KV pool.")
+@click.option("--port-base", default=29600, show_default=True,
+              help="Each data-parallel replica's SGLang rendezvous uses port-base + dp_rank.")
+@click.option("--verify", default=0, show_default=True,
+              help="Before extracting, compare the first N samples against HF transformers and stop on mismatch.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow model code from the model directory.")
+@click.option("--no-progress", is_flag=True, help="No progress bar (e.g. for logs).")
+def main(data, out, model, device, dtype, tp, layers, max_length, overlong, tokens_per_batch, seqs_per_batch,
+         shard_size_mb, attention_backend, load_format, mem_fraction_static, port_base, verify,
+         trust_remote_code, no_progress):
+    try:
+        layer_ids = tuple(int(x) for x in layers.split(",")) if layers else None
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {layers!r}", param_hint="--layers")
+    summary = run(ExtractOptions(
+        data=tuple(data), out=out, model=model, device=device, dtype=dtype, tp=tp, layers=layer_ids,
+        max_length=max_length, overlong=overlong, tokens_per_batch=tokens_per_batch,
+        seqs_per_batch=seqs_per_batch, shard_bytes=shard_size_mb << 20, attention_backend=attention_backend,
+        load_format=load_format, mem_fraction_static=mem_fraction_static, port_base=port_base, verify=verify,
+        trust_remote_code=trust_remote_code, progress=not no_progress,
+    ))
+    if summary is not None:
+        click.echo(summary.report(out), err=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Distributed layout: which part of the work this process does, from torchrun's environment.
+
+Plain `python` is the one-process case. Global rank r is (dp_rank, tp_rank) = divmod(r, tp): torchrun
+numbers ranks node by node, so a TP group never straddles nodes. Each DP replica is its own SGLang
+world with its own rendezvous port; replicas only meet through torchrun's agent store, never through a
+global process group (SGLang refuses one whose size differs from its TP size).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+
+@dataclass(frozen=True)
+class Layout:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    tp_size: int = 1
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.tp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def writes(self) -> bool:
+        """Under TP every rank holds the same all-reduced states; one copy is enough."""
+        return self.tp_rank == 0
+
+    @property
+    def leads(self) -> bool:
+        """The one process that writes the directory-wide files (index, rejects) at the end."""
+        return self.rank == 0
+
+    def owns(self, record_index: int) -> bool:
+        return record_index % self.dp_size == self.dp_rank
+
+    def nccl_port(self, base: int) -> int:
+        return base + self.dp_rank
+
+    def describe(self) -> str:
+        return f"rank {self.rank}/{self.world_size} = dp {self.dp_rank}/{self.dp_size} x tp {self.tp_rank}/{self.tp_size}"
+
+
+def layout_from_env(tp_size: int = 1, env: dict | None = None) -> Layout:
+    env = os.environ if env is None else env
+    world = int(env.get("WORLD_SIZE", 1))
+    local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+    if tp_size < 1:
+        raise ValueError(f"--tp must be at least 1, got {tp_size}")
+    if local_world % tp_size:
+        raise ValueError(
+            f"--tp {tp_size} must divide the processes per node ({local_world}): a TP group has to stay "
+            f"inside one node"
+        )
+    return Layout(
+        rank=int(env.get("RANK", 0)),
+        world_size=world,
+        local_rank=int(env.get("LOCAL_RANK", 0)),
+        local_world_size=local_world,
+        tp_size=tp_size,
+    )
+
+
+class Coordinator:
+    """Barriers and small exchanges between all ranks, over torchrun's agent TCPStore.
+
+    With one process there is nobody to wait for, and every call returns at once.
+    """
+
+    def __init__(self, layout: Layout, namespace: str, timeout: timedelta = timedelta(days=30)):
+        self.layout = layout
+        self.store = None
+        if layout.world_size > 1:
+            import torch.distributed as dist
+
+            # Torchrun's agent already serves a store on MASTER_ADDR:MASTER_PORT; a prefix keeps our keys
+            # apart from torch's own.
+            base = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+            )
+            self.store = dist.PrefixStore(f"offline_extract/{namespace}/", base)
+        self._rounds = 0
+
+    def all_gather(self, value) -> list:
+        """Every rank's JSON-serializable `value`, in rank order; also a barrier."""
+        if self.store is None:
+            return [value]
+        self._rounds += 1
+        key = f"{self._rounds}/"
+        self.store.set(key + str(self.layout.rank), json.dumps(value))
+        keys = [key + str(r) for r in range(self.layout.world_size)]
+        self.store.wait(keys)
+        return [json.loads(self.store.get(k)) for k in keys]
+
+    def barrier(self) -> None:
+        self.all_gather(None)

@@ -1,0 +1,299 @@
+"""The extraction job: records -> token samples -> ragged batches -> engine -> shard writer.
+
+Each process runs this; `distributed.Layout` decides which records it owns and whether it writes.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from itertools import chain, count, islice
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from . import __version__, parity
+from .batching import batch_by_tokens
+from .corpus import Record, Reject, read_corpus
+from .distributed import Coordinator, Layout, layout_from_env
+from .progress import RunProgress
+from .sglang_adapter import LAYER_CONVENTION, Engine, EngineConfig
+from .shards import SampleInfo, ShardWriter, shard_paths, write_index
+from .tiny_model import ensure_tiny_model
+from .tokenization import Sample, SampleTokenizer
+
+STORED_DTYPE = torch.bfloat16
+REJECTS_FILE = "rejects.jsonl"
+
+
+@dataclass(frozen=True)
+class ExtractOptions:
+    data: tuple[str, ...]
+    out: str = "out"
+    model: str | None = None  # None: the embedded tiny Llama, on CPU
+    device: str | None = None  # None: cuda if available, else cpu
+    dtype: str = "auto"
+    tp: int = 1
+    layers: tuple[int, ...] | None = None
+    max_length: int = 4096
+    overlong: str = "truncate"
+    tokens_per_batch: int | None = None
+    seqs_per_batch: int = 256
+    shard_bytes: int = 1 << 30
+    attention_backend: str | None = None
+    load_format: str = "auto"
+    mem_fraction_static: float = 0.85
+    port_base: int = 29600
+    verify: int = 0
+    trust_remote_code: bool = False
+    progress: bool = True
+
+
+@dataclass
+class Summary:
+    records: int = 0
+    extracted: int = 0
+    skipped: int = 0
+    rejected: int = 0
+    tokens: int = 0
+    bytes_written: int = 0
+    shards: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    parity: list[dict] = field(default_factory=list)
+
+    def merge(self, other: "Summary") -> "Summary":
+        return Summary(
+            records=self.records + other.records,
+            extracted=self.extracted + other.extracted,
+            skipped=self.skipped + other.skipped,
+            rejected=self.rejected + other.rejected,
+            tokens=self.tokens + other.tokens,
+            bytes_written=self.bytes_written + other.bytes_written,
+            shards=sorted(self.shards + other.shards),
+            seconds=max(self.seconds, other.seconds),
+            parity=self.parity or other.parity,
+        )
+
+    def report(self, out: str | os.PathLike) -> str:
+        lines = [
+            f"records {self.records}: extracted {self.extracted}, skipped {self.skipped}, rejected {self.rejected}",
+            f"tokens {self.tokens:,} in {self.seconds:.1f} s ({self.tokens / max(self.seconds, 1e-9):,.0f} tok/s), "
+            f"{len(self.shards)} shards, {self.bytes_written / 1e9:.3f} GB -> {out}",
+        ]
+        if self.skipped or self.rejected:
+            lines.append(f"skipped and rejected records are listed in {Path(out) / REJECTS_FILE}")
+        for row in self.parity:
+            lines.append(
+                f"parity {row['layer']:>8} vs HF hidden_states[{row['hf_index']}]: max_abs {row['max_abs']:.3g} "
+                f"cosine {row['cosine']:.6f} {'ok' if row['ok'] else 'FAIL'}"
+            )
+        return "\n".join(lines)
+
+
+def _resolve_device(device: str | None) -> str:
+    if device is not None:
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _weights_fingerprint(model_dir: Path) -> str:
+    """Names, sizes and safetensors headers of the weight files: cheap even for a 1 TB checkpoint, and
+    it changes whenever the set of tensors, their shapes or their files change."""
+    h = hashlib.sha256()
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            h.update(f.name.encode() + f.stat().st_size.to_bytes(8, "little") + fh.read(n))
+    return h.hexdigest()
+
+
+def run_metadata(opts: ExtractOptions, model_dir: Path, engine: Engine, tokenizer: SampleTokenizer) -> dict:
+    return {
+        "model": str(model_dir),
+        "architecture": engine.architecture,
+        "config_sha256": hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest(),
+        "weights": "dummy (random)" if opts.load_format == "dummy" else _weights_fingerprint(model_dir),
+        "tokenizer_path": str(model_dir),
+        **tokenizer.fingerprint(),
+        "layer_ids": list(engine.layer_ids),
+        "layer_convention": LAYER_CONVENTION,
+        "sglang_capture_points": list(engine.capture_points),
+        "num_layers": engine.num_layers,
+        "hidden_size": engine.hidden_size,
+        "dtype": str(STORED_DTYPE).removeprefix("torch."),
+        "compute_dtype": engine.dtype,
+        "attention_backend": engine.attention_backend,
+        "tp_size": opts.tp,
+        "max_length": opts.max_length,
+        "overlong": opts.overlong,
+        "sglang_version": importlib.metadata.version("sglang"),
+        "torch_version": torch.__version__,
+        "offline_extract_version": __version__,
+    }
+
+
+def _owned(layout: Layout, opts: ExtractOptions, tokenizer: SampleTokenizer, rejects, summary: Summary) -> Iterator[Sample]:
+    """This replica's samples; its bad records go to `rejects` and are counted, never dropped."""
+    for item in read_corpus(opts.data):
+        if not layout.owns(item.index):
+            continue
+        summary.records += 1
+        if isinstance(item, Record):
+            item = tokenizer(item)
+        if isinstance(item, Sample):
+            yield item
+            continue
+        if item.kind == "skipped":
+            summary.skipped += 1
+        else:
+            summary.rejected += 1
+        if rejects is not None:
+            rejects.write(json.dumps(item.to_json()) + "\n")
+
+
+def _count_owned(layout: Layout, paths: Sequence[str]) -> int:
+    n = 0
+    for path in paths:
+        with open(path, "rb") as f:
+            n += sum(1 for line in f if line.strip())
+    return len(range(layout.dp_rank, n, layout.dp_size))
+
+
+def _verify(engine: Engine, layout: Layout, opts: ExtractOptions, model_dir: Path, head: list[Sample]) -> list[dict]:
+    """Parity gate on the first samples, before extraction spends any time."""
+    states = []
+    for s in head:
+        c = engine.forward([s.input_ids])
+        states.append((s.input_ids.tolist(), c.aux.cpu(), c.last.cpu()))
+    if not layout.writes:
+        return []
+    hf = parity.load_hf_model(str(model_dir), engine.dtype, str(engine.device))
+    rows = parity.compare(states, hf, engine.layer_ids, engine.dtype)
+    del hf
+    if str(engine.device).startswith("cuda"):
+        torch.cuda.empty_cache()  # once, so HF's weights do not shrink the extraction's activation room
+    parity.check(rows, engine.dtype, len(head))
+    return [r.to_json() for r in rows]
+
+
+def _check_out_dir(out: Path) -> None:
+    if shard_paths(out):
+        raise FileExistsError(
+            f"{out} already holds shards; choose a new --out (resuming into a directory is not supported yet)"
+        )
+
+
+def run(opts: ExtractOptions) -> Summary | None:
+    """Run this process's part of the job; the leading process gets the whole run's summary."""
+    start = time.perf_counter()
+    layout = layout_from_env(opts.tp)
+    device = _resolve_device(opts.device)
+    model_dir = Path(opts.model) if opts.model else ensure_tiny_model()
+    # SGLang turns a float32 checkpoint into bf16 under "auto"; the embedded model exists to prove
+    # parity in fp32, so it keeps its own dtype.
+    dtype = "float32" if opts.dtype == "auto" and not opts.model else opts.dtype
+    out = Path(opts.out)
+    coord = Coordinator(layout, namespace=f"run-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
+    _check_out_dir(out)
+    coord.barrier()  # nobody writes before every rank has seen the directory empty
+    out.mkdir(parents=True, exist_ok=True)
+
+    from transformers import AutoTokenizer
+
+    tokenizer = SampleTokenizer(
+        AutoTokenizer.from_pretrained(model_dir, trust_remote_code=opts.trust_remote_code),
+        max_length=opts.max_length,
+        overlong=opts.overlong,
+    )
+    tokens_per_batch = opts.tokens_per_batch or max(opts.max_length, 16384 if device == "cuda" else 4096)
+    if opts.max_length > tokens_per_batch:
+        raise ValueError(f"--max-length {opts.max_length} exceeds --tokens-per-batch {tokens_per_batch}")
+    engine = Engine(
+        EngineConfig(
+            model_path=str(model_dir),
+            device=device,
+            dtype=dtype,
+            tp_size=opts.tp,
+            tp_rank=layout.tp_rank,
+            gpu_id=layout.local_rank,
+            nccl_port=layout.nccl_port(opts.port_base),
+            attention_backend=opts.attention_backend,
+            max_tokens_per_batch=tokens_per_batch,
+            max_seqs_per_batch=opts.seqs_per_batch,
+            context_length=max(opts.max_length, 8),
+            layer_ids=opts.layers,
+            load_format=opts.load_format,
+            mem_fraction_static=opts.mem_fraction_static,
+            trust_remote_code=opts.trust_remote_code,
+        )
+    )
+
+    summary = Summary()
+    rejects_part = out / f".rejects.dp{layout.dp_rank}.jsonl"
+    rejects = open(rejects_part, "w") if layout.writes else None
+    samples = _owned(layout, opts, tokenizer, rejects, summary)
+    head = list(islice(samples, opts.verify))
+    summary.parity = _verify(engine, layout, opts, model_dir, head) if head else []
+    meta = run_metadata(opts, model_dir, engine, tokenizer)
+    meta["parity"] = summary.parity
+    writer = (
+        ShardWriter(out, meta, shard_bytes=opts.shard_bytes, shard_numbers=count(layout.dp_rank, layout.dp_size))
+        if layout.writes
+        else None
+    )
+    show = layout.leads and opts.progress
+    label = f"dp {layout.dp_rank}/{layout.dp_size}" if layout.dp_size > 1 else "extract"
+    shown = 0
+    with RunProgress(_count_owned(layout, opts.data) if show else None, label, enabled=show) as bar:
+        for batch in batch_by_tokens(chain(head, samples), tokens_per_batch, opts.seqs_per_batch):
+            captured = engine.forward([s.input_ids for s in batch.samples])
+            if writer is not None:
+                writer.add_batch(
+                    [SampleInfo(s.index, s.id, s.source, s.line, s.source_len, s.truncated) for s in batch.samples],
+                    torch.from_numpy(np.concatenate([s.input_ids for s in batch.samples])),
+                    torch.from_numpy(np.concatenate([s.loss_mask for s in batch.samples])),
+                    captured.aux.to("cpu", STORED_DTYPE),
+                    captured.last.to("cpu", STORED_DTYPE),
+                    lengths=[s.num_tokens for s in batch.samples],
+                )
+            summary.extracted += len(batch.samples)
+            summary.tokens += batch.num_tokens
+            # Records read so far, bad ones included, so the bar reaches its total.
+            bar.advance(summary.records - shown, batch.num_tokens, writer.bytes_written if writer else 0)
+            shown = summary.records
+        if writer is not None:
+            summary.shards = [p.name for p in writer.close()]
+            summary.bytes_written = writer.bytes_written
+    if rejects is not None:
+        rejects.close()
+    summary.seconds = time.perf_counter() - start
+
+    # Every replica has finished writing: the leader can describe the whole directory.
+    parts = coord.all_gather(asdict(summary) if layout.writes else None)
+    total = Summary()
+    for p in parts:
+        if p is not None:
+            total = total.merge(Summary(**p))
+    if not layout.leads:
+        return None
+    _merge_rejects(out, layout.dp_size)
+    write_index(out)
+    return total
+
+
+def _merge_rejects(out: Path, dp_size: int) -> None:
+    rows = []
+    for r in range(dp_size):
+        part = out / f".rejects.dp{r}.jsonl"
+        if part.exists():
+            rows += [json.loads(line) for line in part.read_text().splitlines() if line]
+            part.unlink()
+    rows.sort(key=lambda row: row["index"])
+    tmp = out / f".{REJECTS_FILE}.tmp"
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    os.replace(tmp, out / REJECTS_FILE)

@@ -1,0 +1,100 @@
+"""The parity gate: the engine's states against HF transformers on the same weights.
+
+For every sample checked, aux layer id k must equal HF `hidden_states[k+1]` and the last state HF
+`hidden_states[-1]` (after the final norm). A drafter trained on misaligned states is worthless, so a
+mismatch stops the run before any GPU time is spent on extraction.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import torch
+
+# fp32 runs the same math in both stacks and must agree to rounding; bf16 differs by accumulation order,
+# so it is judged by direction (cosine) and by error relative to the states' own scale.
+TOLERANCES = {
+    "float32": {"max_abs": 1e-5, "max_rel": None, "min_cosine": 0.99999},
+    "bfloat16": {"max_abs": None, "max_rel": 0.05, "min_cosine": 0.999},
+    "float16": {"max_abs": None, "max_rel": 0.02, "min_cosine": 0.999},
+}
+
+
+@dataclass(frozen=True)
+class LayerParity:
+    layer: str  # "aux k" or "last"
+    hf_index: int  # index into HF output_hidden_states
+    max_abs: float
+    max_rel: float  # max_abs / max |HF state|
+    cosine: float  # the worst per-token cosine similarity
+    ok: bool
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class ParityError(RuntimeError):
+    pass
+
+
+def hf_hidden_states(model, input_ids: Sequence[int], device) -> tuple[torch.Tensor, ...]:
+    ids = torch.as_tensor(list(input_ids), dtype=torch.long, device=device)[None]
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+    return tuple(h[0] for h in out.hidden_states)
+
+
+def load_hf_model(model_path: str, dtype: str, device: str):
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype, attn_implementation="sdpa")
+    return model.to(device).eval()
+
+
+def compare(
+    engine_states: Sequence[tuple[Sequence[int], torch.Tensor, torch.Tensor]],
+    hf_model,
+    layer_ids: Sequence[int],
+    dtype: str,
+) -> list[LayerParity]:
+    """engine_states: (input_ids, aux [T, k*H], last [T, H]) per sample, in the engine's compute dtype."""
+    tol = TOLERANCES[dtype]
+    device = next(hf_model.parameters()).device
+    names = [f"aux {k}" for k in layer_ids] + ["last"]
+    worst = {n: [0.0, 0.0, 1.0] for n in names}  # max_abs, max_rel, min cosine
+    hf_index = {f"aux {k}": k + 1 for k in layer_ids}
+    for input_ids, aux, last in engine_states:
+        hs = hf_hidden_states(hf_model, input_ids, device)
+        hf_index["last"] = len(hs) - 1
+        ours = list(aux.float().chunk(len(layer_ids), dim=-1)) + [last.float()]
+        for name, mine in zip(names, ours):
+            ref = hs[hf_index[name]].float().to(mine.device)
+            diff = (mine - ref).abs().max().item()
+            scale = ref.abs().max().item() or 1.0
+            cos = torch.nn.functional.cosine_similarity(mine, ref, dim=-1).min().item()
+            w = worst[name]
+            w[0], w[1], w[2] = max(w[0], diff), max(w[1], diff / scale), min(w[2], cos)
+    rows = []
+    for name in names:
+        max_abs, max_rel, cos = worst[name]
+        ok = cos >= tol["min_cosine"]
+        ok &= tol["max_abs"] is None or max_abs <= tol["max_abs"]
+        ok &= tol["max_rel"] is None or max_rel <= tol["max_rel"]
+        rows.append(LayerParity(name, hf_index[name], max_abs, max_rel, cos, bool(ok)))
+    return rows
+
+
+def check(rows: Sequence[LayerParity], dtype: str, num_samples: int) -> None:
+    bad = [r for r in rows if not r.ok]
+    if bad:
+        tol = TOLERANCES[dtype]
+        lines = "\n".join(
+            f"  {r.layer:>8} (HF hidden_states[{r.hf_index}]): max_abs={r.max_abs:.3g} "
+            f"max_rel={r.max_rel:.3g} cosine={r.cosine:.6f}"
+            for r in bad
+        )
+        raise ParityError(
+            f"parity gate failed on {num_samples} samples in {dtype} (tolerance {tol}):\n{lines}\n"
+            f"The extracted states do not match HF transformers; refusing to write training data."
+        )
