@@ -56,8 +56,9 @@ from offline_extract.extraction import ExtractOptions, run
               help="SGLang load format; 'dummy' gives random weights (benchmarks only).")
 @click.option("--mem-fraction-static", default=0.85, show_default=True,
               help="GPU memory fraction for weights plus the (prefill-sized) KV pool.")
-@click.option("--port-base", default=29600, show_default=True,
-              help="Each data-parallel replica's SGLang rendezvous uses port-base + dp_rank.")
+@click.option("--port-base", default=None, type=int,
+              help="Each data-parallel replica's SGLang rendezvous uses port-base + dp_rank. "
+                   "Default: a free port alone, 29600 under torchrun.")
 @click.option("--verify", default=0, show_default=True,
               help="Before extracting, compare the first N samples against HF transformers and stop on mismatch.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow model code from the model directory.")

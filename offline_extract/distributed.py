@@ -9,8 +9,18 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
+
+
+DEFAULT_PORT_BASE = 29600
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -46,7 +56,11 @@ class Layout:
     def owns(self, record_index: int) -> bool:
         return record_index % self.dp_size == self.dp_rank
 
-    def nccl_port(self, base: int) -> int:
+    def nccl_port(self, base: int | None) -> int:
+        """SGLang's rendezvous port for this replica. Alone, any free port will do; under torchrun every
+        rank of a replica must agree without talking, so it is derived from the base."""
+        if base is None:
+            return free_port() if self.world_size == 1 else DEFAULT_PORT_BASE + self.dp_rank
         return base + self.dp_rank
 
     def describe(self) -> str:

@@ -48,7 +48,7 @@ class ExtractOptions:
     attention_backend: str | None = None
     load_format: str = "auto"
     mem_fraction_static: float = 0.85
-    port_base: int = 29600
+    port_base: int | None = None
     verify: int = 0
     trust_remote_code: bool = False
     progress: bool = True

@@ -121,6 +121,17 @@ _CAPTURE_RULES = {
 }
 
 
+def capture_rule(architecture: str, model_path: str = "") -> str:
+    rule = _CAPTURE_RULES.get(architecture)
+    if rule is None:
+        raise NotImplementedError(
+            f"architecture {architecture} ({model_path or 'model'}) is not supported: its SGLang model file's "
+            f"EAGLE-3 capture convention has not been verified against HF transformers. Supported: "
+            f"{', '.join(sorted(_CAPTURE_RULES))}"
+        )
+    return rule
+
+
 def validate_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
     ids = tuple(int(i) for i in ids)
     if not ids:
@@ -210,19 +221,14 @@ class Engine:
         self.device = self.runner.device
 
     def _configure_capture(self, model, requested: tuple[int, ...] | None) -> tuple[int, ...]:
-        rule = _CAPTURE_RULES.get(self.architecture)
-        if rule is None or not hasattr(model, "set_eagle3_layers_to_capture"):
-            raise NotImplementedError(
-                f"architecture {self.architecture} ({self.cfg.model_path}) is not supported: its SGLang "
-                f"model file's EAGLE-3 capture convention has not been verified against HF transformers"
-            )
+        capture_rule(self.architecture, self.cfg.model_path)
         if requested is None:
             # Ask SGLang for its own default, so training data matches what EAGLE-3 inference captures.
             model.set_eagle3_layers_to_capture(None)
             requested = [i - 1 for i in model.model.layers_to_capture]
         ids = validate_layer_ids(requested, self.num_layers)
         model.set_eagle3_layers_to_capture(list(ids))
-        self._capture_points = list(model.model.layers_to_capture)
+        self.capture_points = list(model.model.layers_to_capture)
         return ids
 
     def _set_capture(self, on: bool) -> None:
@@ -230,7 +236,7 @@ class Engine:
         model.capture_aux_hidden_states = on
         # The decoder returns (states, aux) whenever it has layers to capture, so bare prefill needs
         # the list emptied, not just the flag cleared.
-        model.model.layers_to_capture = self._capture_points if on else []
+        model.model.layers_to_capture = self.capture_points if on else []
         model.logits_processor = self._capture if on else self._logits_processor
 
     def forward(self, seqs: Sequence[np.ndarray], capture: bool = True) -> Captured | None:

@@ -1,0 +1,245 @@
+"""Streaming reader for JSONL corpora in the ShareGPT, OpenAI, plain-text and pre-tokenized formats.
+
+Every non-blank line becomes either a `Record` or a `Reject`; nothing is dropped silently, and a bad
+line never stops the lines after it from being read.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+FORMAT_KEYS = {"conversations": "sharegpt", "messages": "openai", "text": "text", "input_ids": "tokens"}
+
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+}
+OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant"}
+
+# Raw UTF-8 bytes cannot encode a surrogate, so an unpaired one can only come from a \uD800-\uDFFF
+# escape; lines without such an escape skip the (costlier) full check.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+@dataclass(frozen=True)
+class Record:
+    source: str
+    line: int
+    index: int
+    id: str
+    format: str
+    messages: tuple[tuple[str, str], ...] | None = None
+    text: str | None = None
+    input_ids: tuple[int, ...] | None = None
+    loss_mask: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Reject:
+    source: str
+    line: int
+    index: int
+    id: str | None
+    reason: str
+    kind: str = "rejected"
+
+    def to_json(self) -> dict:
+        return {
+            "source": self.source,
+            "line": self.line,
+            "index": self.index,
+            "id": self.id,
+            "kind": self.kind,
+            "reason": self.reason,
+        }
+
+
+class _BadRecord(Exception):
+    pass
+
+
+def _json_type(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
+
+def _messages(obj: dict, key: str, role_key: str, content_key: str, roles: dict[str, str]):
+    turns = obj[key]
+    if not isinstance(turns, list):
+        raise _BadRecord(f"{key} is not an array (got {_json_type(turns)})")
+    if not turns:
+        raise _BadRecord("empty conversation")
+    out = []
+    for i, turn in enumerate(turns):
+        where = f"{key}[{i}]"
+        if not isinstance(turn, dict):
+            raise _BadRecord(f"{where} is not an object (got {_json_type(turn)})")
+        for k in (role_key, content_key):
+            if k not in turn:
+                raise _BadRecord(f"{where} has no {k!r}")
+        role = turn[role_key]
+        if not isinstance(role, str) or role not in roles:
+            raise _BadRecord(f"unknown role {role!r} in {where}")
+        content = turn[content_key]
+        if not isinstance(content, str):
+            raise _BadRecord(f"{where}.{content_key} is not a string (got {_json_type(content)})")
+        out.append((roles[role], content))
+    if not any(role == "assistant" for role, _ in out):
+        raise _BadRecord("no assistant turn")
+    return tuple(out)
+
+
+def _int_list(obj: dict, key: str) -> tuple[int, ...]:
+    values = obj[key]
+    if not isinstance(values, list):
+        raise _BadRecord(f"{key} is not an array (got {_json_type(values)})")
+    # Type and range checks run at C speed; only a failing list is walked to name the culprit.
+    if not (set(map(type, values)) <= {int} and (not values or min(values) >= 0)):
+        i, v = next((i, v) for i, v in enumerate(values) if type(v) is not int or v < 0)
+        raise _BadRecord(f"{key}[{i}] is not a non-negative integer (got {json.dumps(v)})")
+    return tuple(values)
+
+
+def _tokens(obj: dict) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    ids = _int_list(obj, "input_ids")
+    if not ids:
+        raise _BadRecord("input_ids is empty")
+    if obj.get("loss_mask") is None:
+        return ids, None
+    mask = _int_list(obj, "loss_mask")
+    if len(mask) != len(ids):
+        raise _BadRecord(f"loss_mask length {len(mask)} != input_ids length {len(ids)}")
+    if max(mask) > 1:
+        i = next(i for i, v in enumerate(mask) if v > 1)
+        raise _BadRecord(f"loss_mask[{i}] is {mask[i]}, expected 0 or 1")
+    return ids, mask
+
+
+def _check_surrogates(raw: bytes, obj: dict, key: str) -> None:
+    if not _SURROGATE_ESCAPE.search(raw):
+        return
+    # Only the fields kept in the Record: extra metadata with odd escapes is not our concern.
+    dumped = json.dumps([obj.get("id"), obj[key]], ensure_ascii=False)
+    try:
+        dumped.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _BadRecord(
+            f"contains an unpaired surrogate escape \\u{ord(dumped[e.start]):04x}, which is not valid text"
+        ) from None
+
+
+def _explicit_id(obj: dict) -> str | None:
+    if "id" not in obj:
+        return None
+    value = obj["id"]
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise _BadRecord(f"id must be a string or an integer (got {_json_type(value)})")
+    if value == "":
+        raise _BadRecord("id is an empty string")
+    return str(value)
+
+
+def _parse(raw: bytes, first_line: bool):
+    """Decode one line into its JSON object; raises _BadRecord with a fixable reason."""
+    try:
+        # A BOM is only legitimate at the very start of a file.
+        text = raw.decode("utf-8-sig" if first_line else "utf-8")
+    except UnicodeDecodeError as e:
+        raise _BadRecord(f"not valid UTF-8: {e.reason} at byte {e.start + 1}") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _BadRecord(f"invalid JSON: {e.msg} at column {e.colno}") from None
+    except (ValueError, RecursionError) as e:  # integers past Python's digit limit, absurd nesting
+        raise _BadRecord(f"invalid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise _BadRecord(f"expected a JSON object, got {_json_type(obj)}")
+    return obj
+
+
+def _record(obj: dict, raw: bytes, source: str, line: int, index: int, id_: str) -> Record:
+    present = [k for k in FORMAT_KEYS if k in obj]
+    if not present:
+        raise _BadRecord("record has none of conversations/messages/text/input_ids")
+    if len(present) > 1:
+        raise _BadRecord(f"record has more than one of conversations/messages/text/input_ids: {', '.join(present)}")
+    key = present[0]
+    fmt = FORMAT_KEYS[key]
+    _check_surrogates(raw, obj, key)
+    common = dict(source=source, line=line, index=index, id=id_, format=fmt)
+    if fmt == "sharegpt":
+        return Record(**common, messages=_messages(obj, key, "from", "value", SHAREGPT_ROLES))
+    if fmt == "openai":
+        return Record(**common, messages=_messages(obj, key, "role", "content", OPENAI_ROLES))
+    if fmt == "text":
+        text = obj["text"]
+        if not isinstance(text, str):
+            raise _BadRecord(f"text is not a string (got {_json_type(text)})")
+        if not text:
+            raise _BadRecord("text is empty")
+        return Record(**common, text=text)
+    ids, mask = _tokens(obj)
+    return Record(**common, input_ids=ids, loss_mask=mask)
+
+
+def read_corpus(paths: Sequence[str | Path]) -> Iterator[Record | Reject]:
+    """Yield a Record or Reject for every non-blank line of `paths`, in order, streaming.
+
+    Missing files raise FileNotFoundError here, before anything is read, so a typo in the last path
+    is caught before any work is done on the first. Ids must be unique across all files, derived ids
+    included: the same file given twice, or two files with the same name and no ids, is reported
+    line by line as duplicates rather than producing ambiguous ids.
+    """
+    sources = [str(p) for p in paths]
+    for source in sources:
+        path = Path(source)
+        if not path.exists():
+            raise FileNotFoundError(f"corpus file not found: {source}")
+        if path.is_dir():
+            raise IsADirectoryError(f"corpus path is a directory, not a JSONL file: {source}")
+    return _read(sources)
+
+
+def _read(sources: list[str]) -> Iterator[Record | Reject]:
+    # id -> (position in sources, line) of its first occurrence, compact enough for millions of ids.
+    seen: dict[str, tuple[int, int]] = {}
+    index = 0
+    for file_no, source in enumerate(sources):
+        name = Path(source).name
+        with open(source, "rb") as f:
+            for line, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                id_ = None
+                try:
+                    obj = _parse(raw, first_line=line == 1)
+                    id_ = _explicit_id(obj)
+                    if id_ is None:
+                        id_ = f"{name}:{line}"
+                    # Registered before the format checks so the duplicates reported do not depend
+                    # on which other lines happen to be malformed.
+                    first = seen.setdefault(id_, (file_no, line))
+                    if first != (file_no, line):
+                        raise _BadRecord(f"duplicate id {id_!r} (first at {sources[first[0]]}:{first[1]})")
+                    yield _record(obj, raw, source, line, index, id_)
+                except _BadRecord as e:
+                    yield Reject(source, line, index, id_, str(e))
+                index += 1

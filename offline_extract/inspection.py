@@ -1,0 +1,281 @@
+"""Summaries of extracted shards for humans and tests.
+
+`summarize` and `sample_view` compute plain JSON-able dicts; `render_summary` and `render_sample` draw
+them with rich. Statistics stream over shards in row chunks so memory stays bounded whatever the
+output size.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from offline_extract.shards import INDEX_NAME, Shard, ShardError, open_shard, read_header, shard_paths
+
+# Upper bound on the float32 copy of one chunk of rows; the float64 reduction temporaries double it.
+CHUNK_BYTES = 256 << 20
+LOSS_STYLE = "bold green"
+CONTEXT_STYLE = "dim"
+
+
+def resolve_shards(path: str | os.PathLike) -> list[Path]:
+    """The shard files a path names: the file itself, or a directory's shards (per index.json if present)."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise ShardError(f"{path} is neither a shard file nor an output directory")
+    index_path = path / INDEX_NAME
+    if index_path.is_file():
+        paths = [path / s["file"] for s in json.loads(index_path.read_text())["shards"]]
+        missing = [p.name for p in paths if not p.is_file()]
+        if missing:
+            raise ShardError(f"{index_path} lists shards that do not exist: {missing}")
+    else:
+        paths = shard_paths(path)
+    if not paths:
+        raise ShardError(f"{path} contains no shard_*.safetensors files")
+    return paths
+
+
+class _RunningStats:
+    """Count, mean, M2 (Chan et al.'s parallel update), absmax and non-finite counts over many chunks.
+
+    Mean/std/absmax cover finite values only, so one stray NaN does not hide the distribution; NaN and
+    Inf are counted separately. Chunk reductions run in float64 so billions of values do not drift.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.mean = 0.0
+        self.m2 = 0.0
+        self.absmax = 0.0
+        self.nan = 0
+        self.inf = 0
+
+    def update(self, x: torch.Tensor) -> None:
+        nan = int(torch.isnan(x).sum())
+        inf = int(torch.isinf(x).sum())
+        self.nan += nan
+        self.inf += inf
+        finite = x[torch.isfinite(x)] if nan or inf else x
+        n = finite.numel()
+        if n == 0:
+            return
+        mean = float(finite.mean(dtype=torch.float64))
+        m2 = float(((finite.double() - mean) ** 2).sum())
+        total = self.count + n
+        delta = mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += m2 + delta * delta * self.count * n / total
+        self.count = total
+        self.absmax = max(self.absmax, float(finite.abs().max()))
+
+    def result(self, name: str, layer_id: int | None) -> dict:
+        empty = self.count == 0
+        return {
+            "name": name,
+            "layer_id": layer_id,
+            "count": self.count,
+            "mean": None if empty else self.mean,
+            "std": None if empty else math.sqrt(self.m2 / self.count),
+            "absmax": None if empty else self.absmax,
+            "nan": self.nan,
+            "inf": self.inf,
+        }
+
+
+def _layer_names(run: dict, num_aux: int) -> list[tuple[str, int | None]]:
+    layer_ids = run.get("layer_ids")
+    if layer_ids is None:
+        return [(f"aux[{j}]", None) for j in range(num_aux)]
+    if len(layer_ids) != num_aux:
+        raise ShardError(
+            f"run lists {len(layer_ids)} layer_ids {layer_ids} but aux_hidden_states holds {num_aux} layers"
+        )
+    return [(f"layer {lid}", lid) for lid in layer_ids]
+
+
+def summarize(path: str | os.PathLike) -> dict:
+    """Counts, run facts, and per captured layer mean/std/absmax/NaN/Inf for a shard or directory."""
+    paths = resolve_shards(path)
+    shards = [open_shard(p) for p in paths]
+    run = shards[0].run
+    hidden = shards[0].shapes["hidden_states"][1]
+    aux_width = shards[0].shapes["aux_hidden_states"][1]
+    for s in shards:
+        widths = (s.shapes["aux_hidden_states"][1], s.shapes["hidden_states"][1])
+        if widths != (aux_width, hidden):
+            raise ShardError(
+                f"{s.path} has (aux width, hidden size) {widths}, unlike {paths[0]}'s {(aux_width, hidden)}"
+            )
+    if hidden == 0 or aux_width % hidden:
+        raise ShardError(f"{paths[0]}: aux width {aux_width} is not a multiple of hidden size {hidden}")
+    num_aux = aux_width // hidden
+    names = [*_layer_names(run, num_aux), ("last (post-norm)", None)]
+    stats = [_RunningStats() for _ in names]
+
+    chunk_rows = max(1, CHUNK_BYTES // ((aux_width + hidden) * 4))
+    loss_tokens = 0
+    for shard in shards:
+        loss_tokens += int(shard.tensor("loss_mask").sum(dtype=torch.int64))
+        for start in range(0, shard.num_tokens, chunk_rows):
+            stop = min(start + chunk_rows, shard.num_tokens)
+            rows = shard.rows(start, stop, ("aux_hidden_states", "hidden_states"))
+            aux = rows["aux_hidden_states"].float()
+            for j in range(num_aux):
+                stats[j].update(aux[:, j * hidden : (j + 1) * hidden])
+            stats[-1].update(rows["hidden_states"].float())
+
+    num_tokens = sum(s.num_tokens for s in shards)
+    return {
+        "path": str(path),
+        "num_shards": len(shards),
+        "num_samples": sum(len(s.samples) for s in shards),
+        "num_tokens": num_tokens,
+        "loss_tokens": loss_tokens,
+        "loss_fraction": loss_tokens / num_tokens if num_tokens else None,
+        "layer_ids": run.get("layer_ids"),
+        "layer_convention": run.get("layer_convention"),
+        "dtype": run.get("dtype"),
+        "hidden_size": hidden,
+        "num_aux_layers": num_aux,
+        "layers": [st.result(name, lid) for st, (name, lid) in zip(stats, names)],
+    }
+
+
+def _find_sample(path: str | os.PathLike, sample_id: str) -> tuple[Shard, int]:
+    paths = resolve_shards(path)
+    index_path = Path(path) / INDEX_NAME
+    if index_path.is_file():
+        located = json.loads(index_path.read_text())["samples"]
+        if sample_id in located["id"]:
+            k = located["id"].index(sample_id)
+            return open_shard(paths[located["shard"][k]]), located["row"][k]
+    else:
+        for p in paths:
+            ids = [s.id for s in read_header(p).samples]
+            if sample_id in ids:
+                return open_shard(p), ids.index(sample_id)
+    raise ShardError(f"no sample with id {sample_id!r} in {path}")
+
+
+@dataclass(frozen=True)
+class _Decoded:
+    decode: Callable[[list[int]], str] | None  # None when only ids can be shown
+    note: str | None
+
+
+def _load_decoder(run: dict) -> _Decoded:
+    tokenizer_path = run.get("tokenizer_path")
+    if not tokenizer_path:
+        return _Decoded(None, "the run records no tokenizer_path; showing token ids")
+    if not Path(tokenizer_path).exists():
+        return _Decoded(None, f"tokenizer not found at {tokenizer_path}; showing token ids")
+    from transformers import AutoTokenizer  # slow to import, and only --sample needs it
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    except Exception as e:  # any tokenizer failure should degrade to ids, not abort the inspection
+        return _Decoded(None, f"could not load tokenizer at {tokenizer_path} ({e}); showing token ids")
+    return _Decoded(lambda ids: tokenizer.decode(ids, skip_special_tokens=False), None)
+
+
+def sample_view(path: str | os.PathLike, sample_id: str) -> dict:
+    """One sample's metadata and tokens, split into runs of equal loss mask (decoded when possible)."""
+    shard, row = _find_sample(path, sample_id)
+    tensors = shard.sample(row)
+    ids = tensors["input_ids"].numpy()
+    mask = tensors["loss_mask"].numpy().astype(bool)
+    decoded = _load_decoder(shard.run)
+    bounds = [0, *(np.flatnonzero(np.diff(mask)) + 1).tolist(), len(ids)]
+    spans = []
+    for a, b in zip(bounds, bounds[1:]):
+        if a == b:
+            continue
+        span_ids = ids[a:b].tolist()
+        spans.append(
+            {
+                "loss": bool(mask[a]),
+                "ids": span_ids,
+                "text": decoded.decode(span_ids) if decoded.decode else None,
+            }
+        )
+    return {
+        **asdict(shard.samples[row]),
+        "shard": str(shard.path),
+        "row": row,
+        "num_tokens": len(ids),
+        "loss_tokens": int(mask.sum()),
+        "tokenizer_path": shard.run.get("tokenizer_path"),
+        "tokenizer_note": decoded.note,
+        "spans": spans,
+    }
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.6g}"
+
+
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def render_summary(summary: dict, console: Console) -> None:
+    overview = Table(title=f"offline_extract: {summary['path']}", show_header=False)
+    overview.add_column(style="bold")
+    overview.add_column()
+    for label, value in [
+        ("shards", summary["num_shards"]),
+        ("samples", summary["num_samples"]),
+        ("tokens", summary["num_tokens"]),
+        ("loss tokens", f"{summary['loss_tokens']} ({_percent(summary['loss_fraction'])} of tokens)"),
+        ("layer ids", summary["layer_ids"]),
+        ("layer convention", summary["layer_convention"]),
+        ("dtype", summary["dtype"]),
+        ("hidden size", summary["hidden_size"]),
+    ]:
+        overview.add_row(label, Text("-" if value is None else str(value)))
+    console.print(overview)
+
+    layers = Table(title="captured layers (finite values; float32)")
+    for column in ("layer", "mean", "std", "absmax", "NaN", "Inf"):
+        layers.add_column(column, justify="left" if column == "layer" else "right")
+    for layer in summary["layers"]:
+        bad = "bold red" if layer["nan"] or layer["inf"] else None
+        layers.add_row(
+            layer["name"],
+            _fmt(layer["mean"]),
+            _fmt(layer["std"]),
+            _fmt(layer["absmax"]),
+            Text(str(layer["nan"]), style=bad or ""),
+            Text(str(layer["inf"]), style=bad or ""),
+        )
+    console.print(layers)
+
+
+def render_sample(view: dict, console: Console) -> None:
+    meta = Table(title=f"sample {view['id']}", show_header=False)
+    meta.add_column(style="bold")
+    meta.add_column()
+    keys = ("index", "source", "line", "source_len", "truncated", "shard", "row", "num_tokens", "loss_tokens")
+    for key in keys:
+        meta.add_row(key, Text(str(view[key])))
+    console.print(meta)
+    if view["tokenizer_note"]:
+        console.print(f"[yellow]{view['tokenizer_note']}[/yellow]")
+    body = Text()
+    for span in view["spans"]:
+        piece = span["text"] if span["text"] is not None else " ".join(map(str, span["ids"])) + " "
+        body.append(piece, style=LOSS_STYLE if span["loss"] else CONTEXT_STYLE)
+    console.print(Text.assemble("legend: ", ("loss tokens", LOSS_STYLE), " / ", ("context", CONTEXT_STYLE)))
+    console.print(body)

@@ -1,0 +1,392 @@
+"""Shards of extracted hidden states: writing, reading, and the per-directory index.
+
+A shard is one safetensors file holding many samples concatenated along the token axis:
+
+    input_ids          int32    [T]
+    loss_mask          uint8    [T]
+    aux_hidden_states  bfloat16 [T, k*H]   (EAGLE-3 layers, ascending layer order)
+    hidden_states      bfloat16 [T, H]     (final post-norm state)
+    offsets            int64    [n+1]      (sample i is rows offsets[i]:offsets[i+1])
+    sample_index       int64    [n]        (record index of each sample in the corpus)
+
+The safetensors metadata key ``"offline_extract"`` holds a JSON document with the format version, the
+run dict given to the writer (stored verbatim), and one entry per sample (see `SampleInfo`).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import stat
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+FORMAT_VERSION = 1
+METADATA_KEY = "offline_extract"
+INDEX_NAME = "index.json"
+SHARD_GLOB = "shard_*.safetensors"
+SAMPLE_TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
+# Shards from different runs must never be indexed together; these run keys identify a run's output.
+RUN_KEYS_THAT_MUST_AGREE = ("model", "layer_ids")
+
+
+class ShardError(ValueError):
+    """A shard or shard directory is malformed, inconsistent, or does not contain what was asked for."""
+
+
+@dataclass(frozen=True)
+class SampleInfo:
+    index: int
+    id: str
+    source: str
+    line: int
+    source_len: int
+    truncated: bool
+
+
+def shard_name(number: int) -> str:
+    return f"shard_{number:03d}.safetensors"
+
+
+def _shard_number(path: Path) -> int:
+    return int(path.name[len("shard_") : -len(".safetensors")])
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(final: Path, write) -> None:
+    """Calls write(tmp_path), makes the bytes durable, then renames into place.
+
+    Readers (and a crashed run's resume) therefore see either no file or a complete one under `final`.
+    """
+    tmp = final.with_name(f".{final.name}.tmp")
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(final.parent)
+
+
+def _save_with_umask_mode(tmp: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    # safetensors' writer leaves files 0600, which other users' training jobs could not read; a file we
+    # create ourselves gets the mode the process umask allows, and the shard keeps that mode.
+    tmp.touch()
+    mode = stat.S_IMODE(tmp.stat().st_mode)
+    save_file(tensors, tmp, metadata=metadata)
+    os.chmod(tmp, mode)
+
+
+def _host_tensor(x: np.ndarray | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # Always copy: callers may reuse pinned staging buffers for the next batch while this one is buffered.
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(np.ascontiguousarray(x))
+    return x.to(device="cpu", dtype=dtype, copy=True)
+
+
+class ShardWriter:
+    """Buffers batches of extracted samples and writes them as shards of about `shard_bytes` each.
+
+    A shard is flushed as soon as its hidden-state bytes (aux + last, bf16) reach `shard_bytes`, so it
+    exceeds that size by less than one sample; samples are never split across shards.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        run: dict,
+        *,
+        shard_bytes: int = 1 << 30,
+        shard_numbers: Iterator[int] | None = None,
+    ):
+        if shard_bytes <= 0:
+            raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
+        json.dumps(run)  # fail now, not after the first shard's worth of GPU work
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.run = run
+        self.shard_bytes = shard_bytes
+        self._numbers = shard_numbers if shard_numbers is not None else itertools.count()
+        self._paths: list[Path] = []
+        self._closed = False
+        self._widths: tuple[int, int] | None = None  # (k*H, H), fixed by the first batch
+        self._reset_buffer()
+        self.bytes_written = 0
+        self.samples_written = 0
+        self.tokens_written = 0
+
+    def _reset_buffer(self) -> None:
+        self._samples: list[SampleInfo] = []
+        self._lengths: list[int] = []
+        self._chunks: dict[str, list[torch.Tensor]] = {name: [] for name in SAMPLE_TENSORS}
+        self._buffered_bytes = 0
+
+    def add_batch(
+        self,
+        samples: Sequence[SampleInfo],
+        input_ids: np.ndarray | torch.Tensor,
+        loss_mask: np.ndarray | torch.Tensor,
+        aux: torch.Tensor,
+        last: torch.Tensor,
+        *,
+        lengths: Sequence[int],
+    ) -> None:
+        """Adds `samples`, whose tokens are packed in order along dim 0 of every tensor.
+
+        `lengths[i]` is the token count of `samples[i]`; the packed tensors must have sum(lengths) rows.
+        """
+        if self._closed:
+            raise ShardError("add_batch called on a closed ShardWriter")
+        lengths = [int(n) for n in lengths]
+        if len(lengths) != len(samples):
+            raise ShardError(f"{len(samples)} samples but {len(lengths)} lengths")
+        if any(n < 0 for n in lengths):
+            raise ShardError(f"negative sample length in {lengths}")
+        total = sum(lengths)
+        tensors = {
+            "input_ids": _host_tensor(input_ids, torch.int32),
+            "loss_mask": _host_tensor(loss_mask, torch.uint8),
+            "aux_hidden_states": _host_tensor(aux, torch.bfloat16),
+            "hidden_states": _host_tensor(last, torch.bfloat16),
+        }
+        for name, t in tensors.items():
+            want_dims = 1 if name in ("input_ids", "loss_mask") else 2
+            if t.dim() != want_dims or t.shape[0] != total:
+                raise ShardError(
+                    f"{name} has shape {tuple(t.shape)}; expected {want_dims} dims with "
+                    f"sum(lengths)={total} rows"
+                )
+        widths = (tensors["aux_hidden_states"].shape[1], tensors["hidden_states"].shape[1])
+        if widths[1] == 0 or widths[0] % widths[1] != 0:
+            raise ShardError(f"aux width {widths[0]} is not a multiple of hidden size {widths[1]}")
+        if self._widths is None:
+            self._widths = widths
+        elif widths != self._widths:
+            raise ShardError(f"(aux width, hidden size) changed from {self._widths} to {widths}")
+        row_bytes = (widths[0] + widths[1]) * 2
+
+        first_sample = first_row = row = 0
+        for i, n in enumerate(lengths):
+            row += n
+            self._buffered_bytes += n * row_bytes
+            if self._buffered_bytes >= self.shard_bytes:
+                stop = i + 1
+                self._buffer(samples[first_sample:stop], lengths[first_sample:stop], tensors, first_row, row)
+                self._flush()
+                first_sample, first_row = stop, row
+        if first_sample < len(samples):
+            self._buffer(samples[first_sample:], lengths[first_sample:], tensors, first_row, row)
+
+    def _buffer(
+        self,
+        samples: Sequence[SampleInfo],
+        lengths: list[int],
+        tensors: dict[str, torch.Tensor],
+        start: int,
+        stop: int,
+    ) -> None:
+        self._samples.extend(samples)
+        self._lengths.extend(lengths)
+        for name, t in tensors.items():
+            self._chunks[name].append(t[start:stop])
+
+    def _flush(self) -> None:
+        if not self._samples:
+            return
+        path = self.out_dir / shard_name(next(self._numbers))
+        if path.exists():
+            raise FileExistsError(f"{path} already exists; refusing to overwrite another run's shard")
+        tensors = {name: torch.cat(chunks) for name, chunks in self._chunks.items()}
+        tensors["offsets"] = torch.tensor(np.cumsum([0, *self._lengths]), dtype=torch.int64)
+        tensors["sample_index"] = torch.tensor([s.index for s in self._samples], dtype=torch.int64)
+        document = {
+            "format_version": FORMAT_VERSION,
+            "run": self.run,
+            "samples": [asdict(s) for s in self._samples],
+        }
+        metadata = {METADATA_KEY: json.dumps(document)}
+        _atomic_write(path, lambda tmp: _save_with_umask_mode(tmp, tensors, metadata))
+        self._paths.append(path)
+        self.bytes_written += path.stat().st_size
+        self.samples_written += len(self._samples)
+        self.tokens_written += int(tensors["offsets"][-1])
+        self._reset_buffer()
+
+    def close(self) -> list[Path]:
+        """Writes the buffered tail and returns every shard written, in writing order."""
+        if not self._closed:
+            self._flush()
+            self._closed = True
+        return list(self._paths)
+
+
+@dataclass
+class ShardHeader:
+    """What a shard's header alone tells: enough to index a directory without reading tensor data."""
+
+    path: Path
+    run: dict
+    samples: list[SampleInfo]
+    shapes: dict[str, tuple[int, ...]]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.shapes["input_ids"][0]
+
+
+def read_header(path: str | os.PathLike) -> ShardHeader:
+    path = Path(path)
+    try:
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for non-safetensors files
+        raise ShardError(f"{path} is not a readable safetensors file: {e}") from e
+    if METADATA_KEY not in metadata:
+        raise ShardError(f"{path} is not an offline_extract shard (no {METADATA_KEY!r} metadata)")
+    document = json.loads(metadata[METADATA_KEY])
+    if document.get("format_version") != FORMAT_VERSION:
+        version = document.get("format_version")
+        raise ShardError(f"{path} has format_version {version}, expected {FORMAT_VERSION}")
+    missing = [n for n in (*SAMPLE_TENSORS, "offsets", "sample_index") if n not in shapes]
+    if missing:
+        raise ShardError(f"{path} lacks tensors {missing}")
+    return ShardHeader(path, document["run"], [SampleInfo(**s) for s in document["samples"]], shapes)
+
+
+@dataclass
+class Shard:
+    """A shard opened for reading; tensor data is read from disk only when asked for."""
+
+    path: Path
+    run: dict
+    samples: list[SampleInfo]
+    shapes: dict[str, tuple[int, ...]]
+    offsets: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.offsets[-1]
+
+    def position(self, i_or_id: int | str) -> int:
+        """The row of a sample in this shard, given its position (int) or its id (str)."""
+        if isinstance(i_or_id, str):
+            for pos, s in enumerate(self.samples):
+                if s.id == i_or_id:
+                    return pos
+            raise KeyError(f"no sample with id {i_or_id!r} in {self.path}")
+        if not 0 <= i_or_id < len(self.samples):
+            raise IndexError(f"sample position {i_or_id} out of range: {self.path} holds {len(self.samples)}")
+        return i_or_id
+
+    def sample(self, i_or_id: int | str) -> dict[str, torch.Tensor]:
+        """One sample's rows of input_ids, loss_mask, aux_hidden_states and hidden_states."""
+        pos = self.position(i_or_id)
+        return self.rows(self.offsets[pos], self.offsets[pos + 1])
+
+    def rows(self, start: int, stop: int, names: Sequence[str] = SAMPLE_TENSORS) -> dict[str, torch.Tensor]:
+        """Token rows start:stop of the per-token tensors, reading only those rows from disk."""
+        with safe_open(self.path, framework="pt") as f:
+            return {name: f.get_slice(name)[start:stop] for name in names}
+
+    def tensor(self, name: str) -> torch.Tensor:
+        with safe_open(self.path, framework="pt") as f:
+            return f.get_tensor(name)
+
+
+def open_shard(path: str | os.PathLike) -> Shard:
+    header = read_header(path)
+    with safe_open(header.path, framework="pt") as f:
+        offsets = f.get_tensor("offsets").tolist()
+    if len(offsets) != len(header.samples) + 1 or offsets[-1] != header.num_tokens:
+        raise ShardError(f"{header.path}: offsets do not match its {len(header.samples)} samples")
+    return Shard(header.path, header.run, header.samples, header.shapes, offsets)
+
+
+def shard_paths(out_dir: str | os.PathLike) -> list[Path]:
+    """The directory's shards in shard-number order (numeric, so shard_1000 sorts after shard_999)."""
+    return sorted(Path(out_dir).glob(SHARD_GLOB), key=_shard_number)
+
+
+def _check_run_agrees(first: ShardHeader, other: ShardHeader) -> None:
+    for key in RUN_KEYS_THAT_MUST_AGREE:
+        if first.run.get(key) != other.run.get(key):
+            raise ShardError(
+                f"{other.path.name} and {first.path.name} come from different runs: "
+                f"run[{key!r}] is {other.run.get(key)!r} vs {first.run.get(key)!r}"
+            )
+
+
+def _scan(out_dir: str | os.PathLike) -> tuple[list[ShardHeader], list[tuple[int, int, int]]]:
+    """Headers of all shards plus (sample index, shard position, row) sorted by sample index."""
+    paths = shard_paths(out_dir)
+    if not paths:
+        raise ShardError(f"no {SHARD_GLOB} files in {out_dir}")
+    headers = [read_header(p) for p in paths]
+    where: dict[int, tuple[int, int]] = {}
+    for s_pos, h in enumerate(headers):
+        _check_run_agrees(headers[0], h)
+        for row, info in enumerate(h.samples):
+            if info.index in where:
+                other = headers[where[info.index][0]].path.name
+                raise ShardError(
+                    f"sample index {info.index} (id {info.id!r}) is in both {other} and {h.path.name}"
+                )
+            where[info.index] = (s_pos, row)
+    return headers, sorted((index, s_pos, row) for index, (s_pos, row) in where.items())
+
+
+def write_index(out_dir: str | os.PathLike) -> Path:
+    """Writes out_dir/index.json describing every shard and where each sample lives, from headers only."""
+    out_dir = Path(out_dir)
+    headers, order = _scan(out_dir)
+    index = {
+        "format_version": FORMAT_VERSION,
+        "run": headers[0].run,
+        "num_samples": len(order),
+        "num_tokens": sum(h.num_tokens for h in headers),
+        "shards": [
+            {
+                "file": h.path.name,
+                "num_samples": len(h.samples),
+                "num_tokens": h.num_tokens,
+                "bytes": h.path.stat().st_size,
+            }
+            for h in headers
+        ],
+        "samples": {
+            "id": [headers[s].samples[row].id for _, s, row in order],
+            "shard": [s for _, s, _ in order],
+            "row": [row for _, _, row in order],
+            "index": [index for index, _, _ in order],
+        },
+    }
+    path = out_dir / INDEX_NAME
+    _atomic_write(path, lambda tmp: tmp.write_text(json.dumps(index)))
+    return path
+
+
+def iter_samples(out_dir: str | os.PathLike) -> Iterator[tuple[SampleInfo, dict[str, torch.Tensor]]]:
+    """Every sample in the directory with its tensors, in sample-index order."""
+    headers, order = _scan(out_dir)
+    shards = [open_shard(h.path) for h in headers]
+    for _, s, row in order:
+        yield shards[s].samples[row], shards[s].sample(row)

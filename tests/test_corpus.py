@@ -1,0 +1,236 @@
+import json
+import os
+import queue
+import threading
+
+import pytest
+
+from offline_extract.corpus import Record, Reject, read_corpus
+
+
+def write_lines(path, lines):
+    """Write raw JSONL; str items are JSON-encoded dicts or literal text, bytes are written verbatim."""
+    with open(path, "wb") as f:
+        for line in lines:
+            if isinstance(line, dict):
+                line = json.dumps(line)
+            if isinstance(line, str):
+                line = line.encode("utf-8")
+            f.write(line + b"\n")
+    return path
+
+
+GOOD_TEXT = {"text": "fine"}
+
+
+def test_sharegpt_roles_are_normalized(tmp_path):
+    path = write_lines(
+        tmp_path / "c.jsonl",
+        [
+            {
+                "conversations": [
+                    {"from": "system", "value": "S"},
+                    {"from": "human", "value": "H"},
+                    {"from": "gpt", "value": "G"},
+                    {"from": "user", "value": "U"},
+                    {"from": "chatgpt", "value": "C"},
+                    {"from": "assistant", "value": "A"},
+                ]
+            }
+        ],
+    )
+    [rec] = list(read_corpus([path]))
+    assert rec.format == "sharegpt"
+    assert rec.messages == (
+        ("system", "S"),
+        ("user", "H"),
+        ("assistant", "G"),
+        ("user", "U"),
+        ("assistant", "C"),
+        ("assistant", "A"),
+    )
+    assert rec.text is None and rec.input_ids is None and rec.loss_mask is None
+
+
+def test_each_format(tmp_path):
+    path = write_lines(
+        tmp_path / "c.jsonl",
+        [
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "id": "m"},
+            {"text": "plain words", "id": 7},
+            {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]},
+            {"input_ids": [5, 6], "loss_mask": None},
+        ],
+    )
+    chat, text, toks, toks_nomask = read_corpus([path])
+    assert (chat.format, chat.messages, chat.id) == ("openai", (("user", "q"), ("assistant", "a")), "m")
+    assert (text.format, text.text, text.id) == ("text", "plain words", "7")
+    assert (toks.format, toks.input_ids, toks.loss_mask, toks.id) == ("tokens", (5, 6, 7), (0, 1, 1), "c.jsonl:3")
+    assert (toks_nomask.input_ids, toks_nomask.loss_mask) == ((5, 6), None)
+
+
+def test_blank_lines_have_no_index_but_count_as_lines(tmp_path):
+    path = write_lines(tmp_path / "c.jsonl", ["", GOOD_TEXT, "   ", "\t", GOOD_TEXT, ""])
+    recs = list(read_corpus([str(path)]))
+    assert [(r.line, r.index) for r in recs] == [(2, 0), (5, 1)]
+    assert all(r.source == str(path) for r in recs)
+
+
+def test_crlf_and_bom(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"text": "a"}\r\n{"text": "b"}\r\n')
+    recs = list(read_corpus([path]))
+    assert [r.text for r in recs] == ["a", "b"]
+
+
+def test_index_continues_across_files_and_derived_ids_use_the_file_name(tmp_path):
+    a = write_lines(tmp_path / "a.jsonl", [GOOD_TEXT, "oops"])
+    b = write_lines(tmp_path / "b.jsonl", ["", GOOD_TEXT])
+    recs = list(read_corpus([a, b]))
+    assert [(type(r), r.source, r.line, r.index) for r in recs] == [
+        (Record, str(a), 1, 0),
+        (Reject, str(a), 2, 1),
+        (Record, str(b), 2, 2),
+    ]
+    assert recs[0].id == "a.jsonl:1" and recs[2].id == "b.jsonl:2"
+
+
+BAD_LINES = [
+    (b'{"text": "a" "b"}', "invalid JSON: Expecting ',' delimiter at column 14", None),
+    (b"[1, 2]", "expected a JSON object, got array", None),
+    (b'{"text": "caf\xe9"}', "not valid UTF-8: invalid continuation byte at byte 14", None),
+    (b'{"id": "z"}', "record has none of conversations/messages/text/input_ids", "z"),
+    (
+        b'{"text": "a", "input_ids": [1]}',
+        "record has more than one of conversations/messages/text/input_ids: text, input_ids",
+        "bad.jsonl:2",
+    ),
+    (b'{"conversations": []}', "empty conversation", "bad.jsonl:2"),
+    (b'{"conversations": {"from": "gpt"}}', "conversations is not an array (got object)", "bad.jsonl:2"),
+    (
+        b'{"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"},'
+        b' {"from": "bot", "value": "c"}]}',
+        "unknown role 'bot' in conversations[2]",
+        "bad.jsonl:2",
+    ),
+    (b'{"conversations": [{"from": "human", "value": "a"}]}', "no assistant turn", "bad.jsonl:2"),
+    (b'{"conversations": ["hi"]}', "conversations[0] is not an object (got string)", "bad.jsonl:2"),
+    (b'{"conversations": [{"value": "hi"}]}', "conversations[0] has no 'from'", "bad.jsonl:2"),
+    (
+        b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": null}]}',
+        "messages[1].content is not a string (got null)",
+        "bad.jsonl:2",
+    ),
+    (
+        b'{"messages": [{"role": "tool", "content": "a"}, {"role": "assistant", "content": "b"}]}',
+        "unknown role 'tool' in messages[0]",
+        "bad.jsonl:2",
+    ),
+    (
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]}',
+        "messages[0].content is not a string (got array)",
+        "bad.jsonl:2",
+    ),
+    (b'{"text": 5}', "text is not a string (got integer)", "bad.jsonl:2"),
+    (b'{"text": ""}', "text is empty", "bad.jsonl:2"),
+    (b'{"text": "a\\ud800b"}', "contains an unpaired surrogate escape \\ud800, which is not valid text", "bad.jsonl:2"),
+    (b'{"input_ids": []}', "input_ids is empty", "bad.jsonl:2"),
+    (b'{"input_ids": "1 2"}', "input_ids is not an array (got string)", "bad.jsonl:2"),
+    (b'{"input_ids": [1, -2, 3]}', "input_ids[1] is not a non-negative integer (got -2)", "bad.jsonl:2"),
+    (b'{"input_ids": [1, 2.0]}', "input_ids[1] is not a non-negative integer (got 2.0)", "bad.jsonl:2"),
+    (b'{"input_ids": [true]}', "input_ids[0] is not a non-negative integer (got true)", "bad.jsonl:2"),
+    (
+        b'{"input_ids": [1, 2, 3, 4, 5, 6], "loss_mask": [1, 1, 1, 1, 1]}',
+        "loss_mask length 5 != input_ids length 6",
+        "bad.jsonl:2",
+    ),
+    (b'{"input_ids": [1, 2], "loss_mask": [0, 2]}', "loss_mask[1] is 2, expected 0 or 1", "bad.jsonl:2"),
+    (b'{"text": "a", "id": 1.5}', "id must be a string or an integer (got number)", None),
+    (b'{"text": "a", "id": ""}', "id is an empty string", None),
+]
+
+
+@pytest.mark.parametrize("raw, reason, reject_id", BAD_LINES, ids=[r for _, r, _ in BAD_LINES])
+def test_bad_line_is_rejected_and_neighbours_survive(tmp_path, raw, reason, reject_id):
+    path = write_lines(tmp_path / "bad.jsonl", [{"text": "before"}, raw, "", {"text": "after"}])
+    before, bad, after = read_corpus([path])
+    assert (before.text, before.line, before.index) == ("before", 1, 0)
+    assert bad == Reject(source=str(path), line=2, index=1, id=reject_id, reason=reason, kind="rejected")
+    assert (after.text, after.line, after.index) == ("after", 4, 2)
+
+
+def test_unpaired_surrogate_in_unused_metadata_is_ignored(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_bytes(b'{"text": "ok \\ud83d\\ude00", "meta": "\\udc00"}\n')
+    [rec] = read_corpus([path])
+    assert rec.text == "ok \U0001f600"
+
+
+def test_reject_to_json_round_trips_through_json():
+    rej = Reject(source="f.jsonl", line=3, index=2, id=None, reason="empty conversation")
+    assert json.loads(json.dumps(rej.to_json())) == {
+        "source": "f.jsonl",
+        "line": 3,
+        "index": 2,
+        "id": None,
+        "kind": "rejected",
+        "reason": "empty conversation",
+    }
+
+
+def test_duplicate_ids(tmp_path):
+    a = write_lines(tmp_path / "corpus.jsonl", [{"text": "a", "id": "x"}, {"text": "b", "id": 3}, {"text": "c"}])
+    b = write_lines(
+        tmp_path / "more.jsonl",
+        [
+            {"text": "d", "id": "x"},
+            {"text": "e", "id": "3"},  # int 3 and str "3" are the same id
+            {"text": "f", "id": "corpus.jsonl:3"},  # collides with a derived id
+            {"text": "g", "id": "new"},
+        ],
+    )
+    recs = list(read_corpus([a, b]))
+    assert [r.id for r in recs if isinstance(r, Record)] == ["x", "3", "corpus.jsonl:3", "new"]
+    rejects = [r for r in recs if isinstance(r, Reject)]
+    assert [(r.line, r.index, r.id, r.reason) for r in rejects] == [
+        (1, 3, "x", f"duplicate id 'x' (first at {a}:1)"),
+        (2, 4, "3", f"duplicate id '3' (first at {a}:2)"),
+        (3, 5, "corpus.jsonl:3", f"duplicate id 'corpus.jsonl:3' (first at {a}:3)"),
+    ]
+
+
+def test_id_of_an_invalid_record_still_claims_it(tmp_path):
+    # The duplicates reported must not depend on whether the first holder of an id is well formed.
+    path = write_lines(tmp_path / "c.jsonl", [{"id": "k", "text": 1}, {"id": "k", "text": "ok"}])
+    first, second = read_corpus([path])
+    assert first.reason == "text is not a string (got integer)"
+    assert second.reason == f"duplicate id 'k' (first at {path}:1)"
+
+
+def test_missing_file_raises_before_reading_anything(tmp_path):
+    good = write_lines(tmp_path / "good.jsonl", [GOOD_TEXT])
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        read_corpus([good, missing])
+    with pytest.raises(IsADirectoryError, match=str(tmp_path)):
+        read_corpus([tmp_path])
+
+
+def test_reading_streams(tmp_path):
+    """The first record arrives while the writer still holds the rest of the file back."""
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    got = queue.Queue()
+
+    def consume():
+        for rec in read_corpus([fifo]):
+            got.put(rec)
+        got.put(None)
+
+    threading.Thread(target=consume, daemon=True).start()
+    with open(fifo, "wb", buffering=0) as w:
+        w.write(b'{"text": "first"}\n')
+        assert got.get(timeout=10).text == "first"
+        w.write(b'{"text": "second"}\n')
+    assert got.get(timeout=10).text == "second"
+    assert got.get(timeout=10) is None

@@ -1,0 +1,112 @@
+"""The SGLang adapter on CPU against HF transformers on the same weights (fp32, the embedded tiny Llama).
+
+SGLang allows one ModelRunner per process, so every test here shares one engine.
+"""
+import numpy as np
+import pytest
+import torch
+
+from offline_extract import parity
+from offline_extract.distributed import free_port
+from offline_extract.sglang_adapter import Engine, EngineConfig, capture_rule, validate_layer_ids
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return Engine(
+        EngineConfig(
+            model_path=str(tiny_model_dir), device="cpu", dtype="float32", max_tokens_per_batch=2048,
+            max_seqs_per_batch=16, context_length=2048, nccl_port=free_port(),
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    return parity.load_hf_model(str(tiny_model_dir), "float32", "cpu")
+
+
+def _seqs(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(6, 380, n).astype(np.int32) for n in lengths]
+
+
+def test_default_layers_are_sglang_eagle3_defaults(engine):
+    n = engine.num_layers
+    # SGLang's Llama default captures the inputs of layers [2, N//2, N-3], i.e. outputs of [1, N//2-1, N-4].
+    assert engine.layer_ids == (1, n // 2 - 1, n - 4)
+    assert engine.capture_points == [k + 1 for k in engine.layer_ids]
+
+
+def test_every_token_matches_hf_hidden_states_in_fp32(engine, hf_model):
+    seqs = _seqs([7, 33, 1, 120])
+    captured = engine.forward(seqs)
+    assert captured.aux.shape == (sum(map(len, seqs)), len(engine.layer_ids) * engine.hidden_size)
+    assert captured.last.shape == (sum(map(len, seqs)), engine.hidden_size)
+    start = 0
+    for ids in seqs:
+        hs = parity.hf_hidden_states(hf_model, ids.tolist(), "cpu")
+        rows = slice(start, start + len(ids))
+        start += len(ids)
+        for j, k in enumerate(engine.layer_ids):
+            mine = captured.aux[rows, j * engine.hidden_size : (j + 1) * engine.hidden_size]
+            assert (mine - hs[k + 1]).abs().max().item() <= 1e-5, f"aux id {k} vs HF hidden_states[{k + 1}]"
+            # The neighbours differ by far more than the tolerance, so an off-by-one cannot pass.
+            assert (mine - hs[k]).abs().max().item() > 1e-2
+        assert (captured.last[rows] - hs[-1]).abs().max().item() <= 1e-5
+        assert (captured.last[rows] - hs[-2]).abs().max().item() > 1e-2, "last state must be after the final norm"
+
+
+def test_parity_gate_passes_and_catches_an_off_by_one(engine, hf_model):
+    seqs = _seqs([12, 40], seed=1)
+    states = []
+    for ids in seqs:
+        c = engine.forward([ids])
+        states.append((ids.tolist(), c.aux, c.last))
+    rows = parity.compare(states, hf_model, engine.layer_ids, "float32")
+    assert all(r.ok for r in rows) and len(rows) == len(engine.layer_ids) + 1
+    assert max(r.max_abs for r in rows) <= 1e-5
+    parity.check(rows, "float32", len(seqs))
+
+    shifted = [k - 1 for k in engine.layer_ids]  # states labelled one layer too deep
+    bad = parity.compare(states, hf_model, shifted, "float32")
+    assert [r.ok for r in bad] == [False] * len(shifted) + [True]
+    with pytest.raises(parity.ParityError, match="parity gate failed"):
+        parity.check(bad, "float32", len(seqs))
+
+
+def test_states_do_not_depend_on_batch_composition(engine):
+    seqs = _seqs([50, 9, 77], seed=2)
+    together = engine.forward(seqs)
+    alone = engine.forward([seqs[1]])
+    assert torch.allclose(together.aux[50:59], alone.aux, atol=1e-6)
+    assert torch.allclose(together.last[50:59], alone.last, atol=1e-6)
+
+
+def test_bare_prefill_then_capture_again(engine):
+    seqs = _seqs([30, 31], seed=3)
+    before = engine.forward(seqs)
+    assert engine.forward(seqs, capture=False) is None
+    after = engine.forward(seqs)
+    assert torch.equal(before.aux, after.aux) and torch.equal(before.last, after.last)
+
+
+def test_batch_over_budget_is_refused(engine):
+    with pytest.raises(ValueError, match="exceeds the engine"):
+        engine.forward(_seqs([2049]))
+
+
+def test_layer_id_validation():
+    assert validate_layer_ids([4, 1, 3], 8) == (1, 3, 4)
+    with pytest.raises(ValueError, match="last layer"):
+        validate_layer_ids([1, 7], 8)
+    with pytest.raises(ValueError, match="out of range"):
+        validate_layer_ids([-1, 2], 8)
+    with pytest.raises(ValueError, match="duplicate"):
+        validate_layer_ids([2, 2], 8)
+
+
+def test_unverified_architecture_is_refused_by_name():
+    assert capture_rule("LlamaForCausalLM")
+    with pytest.raises(NotImplementedError, match="GPTBigCodeForCausalLM.*not supported"):
+        capture_rule("GPTBigCodeForCausalLM", "/models/starcoder")

@@ -1,0 +1,181 @@
+import io
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from rich.console import Console
+
+from offline_extract import inspection
+from offline_extract.shards import SampleInfo, ShardError, ShardWriter, write_index
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bin" / "inspect.py"
+H = 4
+RUN = {"model": "tiny", "layer_ids": [2, 5], "layer_convention": "after_layer", "dtype": "bfloat16"}
+LENGTHS = [3, 3, 4]
+
+
+def known_tensors():
+    """Two aux layers and a last state, all exact in bf16, with a NaN and two Infs planted in layer 5."""
+    n = sum(LENGTHS) * H
+    layer2 = (torch.arange(n, dtype=torch.float32).reshape(-1, H) - 20) / 4
+    layer5 = torch.arange(n, dtype=torch.float32).reshape(-1, H) / 2
+    layer5[2, 1] = math.nan
+    layer5[7, 0] = math.inf
+    layer5[8, 2] = -math.inf
+    last = (torch.arange(n, dtype=torch.float32).reshape(-1, H) % 7) - 3
+    return layer2, layer5, last
+
+
+def write_known(out_dir, run=RUN):
+    layer2, layer5, last = known_tensors()
+    samples = [SampleInfo(i, f"s{i}", "data.jsonl", i + 1, n, False) for i, n in enumerate(LENGTHS)]
+    input_ids = np.concatenate([np.arange(n) + 100 * (i + 1) for i, n in enumerate(LENGTHS)])
+    loss_mask = np.array([0, 1, 1, 0, 0, 1, 0, 1, 1, 1])
+    # Two samples (24 hidden-state bytes per token) fill the first shard; the last goes to a second one.
+    writer = ShardWriter(out_dir, run, shard_bytes=6 * (3 * H * 2))
+    writer.add_batch(samples, input_ids, loss_mask, torch.cat([layer2, layer5], 1), last, lengths=LENGTHS)
+    assert len(writer.close()) == 2
+    return out_dir
+
+
+def expected_stats(x):
+    values = x.double().numpy().ravel()
+    finite = values[np.isfinite(values)]
+    return {
+        "count": finite.size,
+        "mean": finite.mean(),
+        "std": finite.std(),
+        "absmax": np.abs(finite).max(),
+        "nan": int(np.isnan(values).sum()),
+        "inf": int(np.isinf(values).sum()),
+    }
+
+
+def check_summary(summary):
+    assert summary["num_shards"] == 2
+    assert summary["num_samples"] == 3
+    assert summary["num_tokens"] == 10
+    assert summary["loss_tokens"] == 6
+    assert summary["loss_fraction"] == pytest.approx(0.6)
+    assert summary["layer_ids"] == [2, 5]
+    assert summary["layer_convention"] == "after_layer"
+    assert summary["dtype"] == "bfloat16"
+    assert summary["hidden_size"] == H
+    assert [layer["name"] for layer in summary["layers"]] == ["layer 2", "layer 5", "last (post-norm)"]
+    for layer, tensor in zip(summary["layers"], known_tensors()):
+        want = expected_stats(tensor)
+        assert layer["count"] == want["count"]
+        assert layer["nan"] == want["nan"]
+        assert layer["inf"] == want["inf"]
+        for key in ("mean", "std", "absmax"):
+            assert layer[key] == pytest.approx(want[key], rel=1e-12), (layer["name"], key)
+
+
+def test_summary_statistics_stream_over_shards_and_chunks(tmp_path, monkeypatch):
+    write_known(tmp_path)
+    # Three rows per chunk, so statistics are combined across chunks as well as shards.
+    monkeypatch.setattr(inspection, "CHUNK_BYTES", 3 * (3 * H) * 4)
+    summary = inspection.summarize(tmp_path)
+    check_summary(summary)
+    assert [layer["nan"] for layer in summary["layers"]] == [0, 1, 0]
+    assert [layer["inf"] for layer in summary["layers"]] == [0, 2, 0]
+
+
+def test_summary_of_a_single_shard(tmp_path):
+    write_known(tmp_path)
+    summary = inspection.summarize(tmp_path / "shard_001.safetensors")
+    assert (summary["num_shards"], summary["num_samples"], summary["num_tokens"]) == (1, 1, 4)
+    assert summary["layers"][2]["mean"] == pytest.approx(expected_stats(known_tensors()[2][6:])["mean"])
+
+
+def test_layer_ids_must_match_aux_width(tmp_path):
+    write_known(tmp_path, run={**RUN, "layer_ids": [1, 2, 3]})
+    with pytest.raises(ShardError, match="3 layer_ids"):
+        inspection.summarize(tmp_path)
+
+
+def run_script(*args, cwd):
+    command = [sys.executable, str(SCRIPT), *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, cwd=cwd)
+
+
+def test_script_json_on_a_directory(tmp_path):
+    write_known(tmp_path / "out")
+    write_index(tmp_path / "out")
+    result = run_script(tmp_path / "out", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    check_summary(json.loads(result.stdout))
+
+
+def test_script_shows_a_sample_as_ids_without_tokenizer(tmp_path):
+    write_known(tmp_path)
+    result = run_script(tmp_path, "--sample", "s1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "no tokenizer_path" in result.stdout
+    assert "200 201 202" in result.stdout
+    assert "300" not in result.stdout
+
+
+def test_script_errors_name_what_is_wrong(tmp_path):
+    write_known(tmp_path)
+    result = run_script(tmp_path, "--sample", "nope", cwd=tmp_path)
+    assert result.returncode != 0
+    assert "'nope'" in result.stderr and str(tmp_path) in result.stderr
+    missing = tmp_path / "missing"
+    result = run_script(missing, cwd=tmp_path)
+    assert result.returncode != 0
+    assert f"{missing} is neither a shard file nor an output directory" in result.stderr
+
+
+def test_sample_view_splits_tokens_by_loss_mask(tmp_path):
+    write_known(tmp_path)
+    write_index(tmp_path)
+    view = inspection.sample_view(tmp_path, "s2")
+    assert (view["index"], view["row"], view["num_tokens"], view["loss_tokens"]) == (2, 0, 4, 3)
+    assert [(span["loss"], span["ids"], span["text"]) for span in view["spans"]] == [
+        (False, [300], None),
+        (True, [301, 302, 303], None),
+    ]
+
+
+def test_missing_tokenizer_is_reported(tmp_path):
+    write_known(tmp_path, run={**RUN, "tokenizer_path": str(tmp_path / "gone")})
+    view = inspection.sample_view(tmp_path, "s0")
+    assert view["tokenizer_note"] == f"tokenizer not found at {tmp_path / 'gone'}; showing token ids"
+    assert [span["ids"] for span in view["spans"]] == [[100], [101, 102]]
+
+
+def test_sample_is_decoded_with_loss_tokens_highlighted(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "how": 3, "are": 4, "you": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path / "tok")
+
+    writer = ShardWriter(tmp_path / "out", {**RUN, "tokenizer_path": str(tmp_path / "tok")})
+    sample = SampleInfo(0, "greeting", "chat.jsonl", 1, 5, False)
+    writer.add_batch([sample], np.array([1, 2, 3, 4, 5]), np.array([0, 0, 1, 1, 1]),
+                     torch.zeros(5, 2 * H), torch.zeros(5, H), lengths=[5])
+    writer.close()
+
+    view = inspection.sample_view(tmp_path / "out", "greeting")
+    assert view["tokenizer_note"] is None
+    spans = [(span["loss"], span["text"]) for span in view["spans"]]
+    assert spans == [(False, "hello world"), (True, "how are you")]
+    out = io.StringIO()
+    inspection.render_sample(view, Console(file=out, force_terminal=True, color_system="standard", width=200))
+    assert "\x1b[1;32mhow are you" in out.getvalue()
+    assert "\x1b[2mhello world" in out.getvalue()
+
+
+def test_a_file_that_is_not_a_shard_is_rejected(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ShardError, match="notes.txt is not a readable safetensors file"):
+        inspection.summarize(tmp_path / "notes.txt")

@@ -1,0 +1,260 @@
+import itertools
+import json
+import os
+import stat
+
+import numpy as np
+import pytest
+import torch
+
+from offline_extract import shards
+from offline_extract.shards import (
+    SampleInfo,
+    ShardError,
+    ShardWriter,
+    iter_samples,
+    open_shard,
+    shard_name,
+    shard_paths,
+    write_index,
+)
+
+K, H = 3, 8
+ROW_BYTES = (K + 1) * H * 2
+RUN = {
+    "model": "tiny",
+    "model_hash": "abc",
+    "layer_ids": [1, 2, 3],
+    "layer_convention": "after_layer",
+    "dtype": "bfloat16",
+}
+
+
+def make_batch(indices, lengths, seed=0):
+    """Synthetic samples whose tensors are exact in bf16 and carry their sample index, for traceability."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    samples = [
+        SampleInfo(i, f"s{i}", source="data.jsonl", line=i + 1, source_len=n + 2, truncated=i % 2 == 0)
+        for i, n in zip(indices, lengths)
+    ]
+    input_ids = np.concatenate([np.full(n, 1000 + i) for i, n in zip(indices, lengths)]).astype(np.int64)
+    loss_mask = torch.rand(total, generator=gen) > 0.5
+    aux = torch.randn(total, K * H, generator=gen).to(torch.bfloat16).float()
+    last = torch.randn(total, H, generator=gen).to(torch.bfloat16)
+    return samples, input_ids, loss_mask, aux, last
+
+
+def write(out_dir, batches, shard_bytes=1 << 30, run=RUN, **kwargs):
+    writer = ShardWriter(out_dir, run, shard_bytes=shard_bytes, **kwargs)
+    for indices, lengths, seed in batches:
+        writer.add_batch(*make_batch(indices, lengths, seed), lengths=lengths)
+    return writer, writer.close()
+
+
+def expected_samples(batches):
+    """Per sample index: (SampleInfo, tensors as the reader should return them)."""
+    out = {}
+    for indices, lengths, seed in batches:
+        samples, ids, mask, aux, last = make_batch(indices, lengths, seed)
+        start = 0
+        for info, n in zip(samples, lengths):
+            out[info.index] = (
+                info,
+                {
+                    "input_ids": torch.from_numpy(ids[start : start + n]).to(torch.int32),
+                    "loss_mask": mask[start : start + n].to(torch.uint8),
+                    "aux_hidden_states": aux[start : start + n].to(torch.bfloat16),
+                    "hidden_states": last[start : start + n],
+                },
+            )
+            start += n
+    return out
+
+
+def assert_tensors_equal(got, want):
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].dtype == want[name].dtype, name
+        assert torch.equal(got[name], want[name]), name
+
+
+BATCHES = [([0, 1, 2], [5, 3, 7], 0), ([3, 4], [4, 6], 1), ([5, 6, 7, 8], [2, 9, 1, 5], 2)]
+
+
+def test_round_trip_several_batches_into_several_shards(tmp_path):
+    writer, paths = write(tmp_path, BATCHES, shard_bytes=12 * ROW_BYTES)
+    want = expected_samples(BATCHES)
+    assert len(paths) > 2
+    assert writer.samples_written == 9
+    assert writer.tokens_written == sum(sum(lengths) for _, lengths, _ in BATCHES)
+    assert writer.bytes_written == sum(p.stat().st_size for p in paths)
+
+    seen = []
+    for path in paths:
+        shard = open_shard(path)
+        assert shard.run == RUN
+        lengths = [len(want[s.index][1]["input_ids"]) for s in shard.samples]
+        assert shard.offsets == np.cumsum([0, *lengths]).tolist()
+        assert torch.equal(shard.tensor("offsets"), torch.tensor(shard.offsets, dtype=torch.int64))
+        assert shard.tensor("sample_index").tolist() == [s.index for s in shard.samples]
+        assert shard.tensor("aux_hidden_states").dtype == torch.bfloat16
+        for pos, info in enumerate(shard.samples):
+            assert info == want[info.index][0]
+            assert_tensors_equal(shard.sample(pos), want[info.index][1])
+            assert_tensors_equal(shard.sample(info.id), want[info.index][1])
+            seen.append(info.index)
+    assert seen == list(range(9))
+
+    got = list(iter_samples(tmp_path))
+    assert [info.id for info, _ in got] == [f"s{i}" for i in range(9)]
+    for info, tensors in got:
+        assert_tensors_equal(tensors, want[info.index][1])
+
+
+def test_shards_split_at_sample_boundaries_once_full(tmp_path):
+    # 10 rows per shard: a shard closes on the sample that reaches 10 rows; a sample larger than the limit
+    # gets a shard of its own.
+    batches = [([0, 1, 2, 3], [4, 4, 4, 25], 0), ([4, 5], [9, 1], 1)]
+    _, paths = write(tmp_path, batches, shard_bytes=10 * ROW_BYTES)
+    layout = [[s.index for s in open_shard(p).samples] for p in paths]
+    assert layout == [[0, 1, 2], [3], [4, 5]]
+    assert [open_shard(p).num_tokens for p in paths] == [12, 25, 10]
+
+
+def test_shard_name_width_grows_with_number():
+    assert shard_name(0) == "shard_000.safetensors"
+    assert shard_name(42) == "shard_042.safetensors"
+    assert shard_name(999) == "shard_999.safetensors"
+    assert shard_name(1234) == "shard_1234.safetensors"
+
+
+def test_widened_names_sort_numerically(tmp_path):
+    batches = [([0], [3], 0), ([1], [3], 1), ([2], [3], 2)]
+    _, paths = write(tmp_path, batches, shard_bytes=1, shard_numbers=iter([998, 999, 1000]))
+    assert [p.name for p in paths] == [shard_name(998), shard_name(999), "shard_1000.safetensors"]
+    assert shard_paths(tmp_path) == paths
+    index = json.loads(write_index(tmp_path).read_text())
+    assert [s["file"] for s in index["shards"]] == [p.name for p in paths]
+
+
+def test_data_parallel_shard_numbers_interleave(tmp_path):
+    even = [([0, 2], [3, 3], 0), ([4, 6], [3, 3], 1)]
+    odd = [([1, 3], [3, 3], 2), ([5, 7], [3, 3], 3)]
+    _, paths0 = write(tmp_path, even, shard_bytes=6 * ROW_BYTES, shard_numbers=itertools.count(0, 2))
+    _, paths1 = write(tmp_path, odd, shard_bytes=6 * ROW_BYTES, shard_numbers=itertools.count(1, 2))
+    assert [p.name for p in paths0] == ["shard_000.safetensors", "shard_002.safetensors"]
+    assert [p.name for p in paths1] == ["shard_001.safetensors", "shard_003.safetensors"]
+    want = expected_samples(even + odd)
+    got = list(iter_samples(tmp_path))
+    assert [info.index for info, _ in got] == list(range(8))
+    for info, tensors in got:
+        assert_tensors_equal(tensors, want[info.index][1])
+
+
+def test_write_index_contents(tmp_path):
+    batches = [([2, 0], [3, 4], 0), ([3, 1], [5, 2], 1)]
+    _, paths = write(tmp_path, batches, shard_bytes=7 * ROW_BYTES)
+    path = write_index(tmp_path)
+    assert path == tmp_path / "index.json"
+    index = json.loads(path.read_text())
+    assert index["format_version"] == 1
+    assert index["run"] == RUN
+    assert index["num_samples"] == 4
+    assert index["num_tokens"] == 14
+    assert [p.name for p in paths] == [shard_name(0), shard_name(1)]
+    assert index["shards"] == [
+        {"file": p.name, "num_samples": 2, "num_tokens": 7, "bytes": p.stat().st_size} for p in paths
+    ]
+    assert index["samples"] == {
+        "id": ["s0", "s1", "s2", "s3"],
+        "shard": [0, 1, 0, 1],
+        "row": [1, 1, 0, 0],
+        "index": [0, 1, 2, 3],
+    }
+
+
+def test_write_index_rejects_a_sample_in_two_shards(tmp_path):
+    write(tmp_path, [([0, 1], [2, 2], 0)], shard_numbers=iter([0]))
+    write(tmp_path, [([1, 2], [2, 2], 1)], shard_numbers=iter([1]))
+    with pytest.raises(ShardError, match=r"sample index 1 .*shard_000.*shard_001"):
+        write_index(tmp_path)
+    assert not (tmp_path / "index.json").exists()
+
+
+def test_write_index_rejects_shards_of_different_runs(tmp_path):
+    write(tmp_path, [([0], [2], 0)], shard_numbers=iter([0]))
+    write(tmp_path, [([1], [2], 1)], shard_numbers=iter([1]), run={**RUN, "layer_ids": [2, 5, 9]})
+    with pytest.raises(ShardError, match="layer_ids"):
+        write_index(tmp_path)
+
+
+def test_write_index_needs_shards(tmp_path):
+    with pytest.raises(ShardError, match="no shard_"):
+        write_index(tmp_path)
+
+
+def test_writes_leave_only_final_files(tmp_path):
+    write(tmp_path, BATCHES, shard_bytes=12 * ROW_BYTES)
+    write_index(tmp_path)
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["index.json", *(shard_name(i) for i in range(len(names) - 1))]
+    assert len(names) > 2
+
+
+def test_crash_while_serializing_leaves_no_partial_shard(tmp_path, monkeypatch):
+    def crash_midway(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\x00" * 100)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(shards, "save_file", crash_midway)
+    writer = ShardWriter(tmp_path, RUN, shard_bytes=ROW_BYTES)
+    with pytest.raises(OSError, match="disk full"):
+        writer.add_batch(*make_batch([0], [4]), lengths=[4])
+    assert os.listdir(tmp_path) == []
+
+
+def test_shard_files_get_the_umask_mode(tmp_path):
+    old = os.umask(0o027)
+    try:
+        _, paths = write(tmp_path, [([0], [2], 0)])
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(paths[0].stat().st_mode) == 0o640
+
+
+def test_buffered_batches_are_copies(tmp_path):
+    samples, ids, mask, aux, last = make_batch([0], [4])
+    want = last.clone()
+    writer = ShardWriter(tmp_path, RUN)
+    writer.add_batch(samples, ids, mask, aux, last, lengths=[4])
+    last.zero_()  # a caller reusing its staging buffer for the next batch
+    (path,) = writer.close()
+    assert torch.equal(open_shard(path).sample(0)["hidden_states"], want)
+
+
+def test_refuses_to_overwrite_an_existing_shard(tmp_path):
+    write(tmp_path, [([0], [2], 0)])
+    with pytest.raises(FileExistsError, match="shard_000"):
+        write(tmp_path, [([1], [2], 1)])
+
+
+def test_add_batch_checks_shapes(tmp_path):
+    samples, ids, mask, aux, last = make_batch([0, 1], [3, 4])
+    writer = ShardWriter(tmp_path, RUN)
+    with pytest.raises(ShardError, match="sum\\(lengths\\)=6"):
+        writer.add_batch(samples, ids, mask, aux, last, lengths=[3, 3])
+    with pytest.raises(ShardError, match="2 samples but 1 lengths"):
+        writer.add_batch(samples, ids, mask, aux, last, lengths=[7])
+    with pytest.raises(ShardError, match="not a multiple"):
+        writer.add_batch(samples, ids, mask, aux[:, :-1], last, lengths=[3, 4])
+    writer.close()
+    with pytest.raises(ShardError, match="closed"):
+        writer.add_batch(samples, ids, mask, aux, last, lengths=[3, 4])
+
+
+def test_unknown_sample_in_a_shard(tmp_path):
+    _, (path,) = write(tmp_path, [([0], [2], 0)])
+    with pytest.raises(KeyError, match="nope"):
+        open_shard(path).sample("nope")

@@ -1,0 +1,260 @@
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from offline_extract.corpus import Record, Reject, read_corpus
+from offline_extract.tokenization import Sample, SampleTokenizer
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "corpus.jsonl"
+
+
+@pytest.fixture(scope="module")
+def load_tokenizer(tiny_model_dir):
+    return lambda: AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def tok(load_tokenizer):
+    return load_tokenizer()
+
+
+def chat(*messages, fmt="openai", id="c"):
+    return Record(source="s.jsonl", line=4, index=3, id=id, format=fmt, messages=tuple(messages))
+
+
+def runs(mask):
+    """(start, stop) of each run of ones in a 0/1 mask."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    return list(zip(edges[0::2], edges[1::2]))
+
+
+def check_assistant_runs(tok, sample, contents):
+    """Each masked run is exactly one assistant turn: its first content token through its <|end|>."""
+    end_id = tok.convert_tokens_to_ids("<|end|>")
+    spans = runs(sample.loss_mask)
+    assert len(spans) == len(contents)
+    for (start, stop), content in zip(spans, contents):
+        ids = sample.input_ids[start:stop]
+        assert tok.decode(ids) == content + "<|end|>"
+        assert ids[0] == tok(content, add_special_tokens=False)["input_ids"][0]
+        assert ids[-1] == end_id
+        # The token before the run is the header's newline, which inference feeds rather than generates.
+        assert tok.convert_ids_to_tokens(sample.input_ids[start - 2 : start].tolist()) == ["<|assistant|>", "Ċ"]
+
+
+def test_multi_turn_chat_with_system_prompt(tok):
+    rec = chat(
+        ("system", "Be brief."),
+        ("user", "What is the capital of France?"),
+        ("assistant", "The capital of France is Paris."),
+        ("user", "How many legs does a spider have?"),
+        ("assistant", "A spider has eight legs."),
+        ("user", "Thank you!"),
+        ("assistant", "You are welcome."),
+    )
+    sample = SampleTokenizer(tok, max_length=1024)(rec)
+    assert isinstance(sample, Sample)
+    assert (sample.index, sample.id, sample.source, sample.line) == (3, "c", "s.jsonl", 4)
+    assert sample.input_ids.dtype == np.int32 and sample.loss_mask.dtype == np.uint8
+    full = tok.apply_chat_template([{"role": r, "content": c} for r, c in rec.messages], tokenize=False)
+    assert sample.input_ids.tolist() == tok(full, add_special_tokens=False)["input_ids"]
+    assert sample.input_ids[0] == tok.bos_token_id
+    contents = ["The capital of France is Paris.", "A spider has eight legs.", "You are welcome."]
+    check_assistant_runs(tok, sample, contents)
+    masked = tok.decode(sample.input_ids[sample.loss_mask.astype(bool)])
+    assert masked == "".join(c + "<|end|>" for c in contents)
+    assert (sample.num_tokens, sample.source_len, sample.truncated) == (len(sample.input_ids), sample.num_tokens, False)
+
+
+def test_sharegpt_and_openai_tokenize_identically(tok, tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text(
+        json.dumps({"conversations": [{"from": "human", "value": "Hello"}, {"from": "gpt", "value": "Hi!"}]})
+        + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi!"}]})
+        + "\n"
+    )
+    st = SampleTokenizer(tok, max_length=64)
+    a, b = (st(r) for r in read_corpus([path]))
+    assert a.input_ids.tolist() == b.input_ids.tolist()
+    assert a.loss_mask.tolist() == b.loss_mask.tolist()
+    check_assistant_runs(tok, a, ["Hi!"])
+
+
+def test_trailing_user_turn_opening_assistant_and_empty_reply(tok):
+    st = SampleTokenizer(tok, max_length=256)
+    opening = st(chat(("assistant", "Hello, how are you today?"), ("user", "I am fine."), ("assistant", "")))
+    spans = runs(opening.loss_mask)
+    assert tok.decode(opening.input_ids[slice(*spans[0])]) == "Hello, how are you today?<|end|>"
+    # An empty reply still teaches the drafter to end the turn.
+    assert opening.input_ids[slice(*spans[1])].tolist() == [tok.convert_tokens_to_ids("<|end|>")]
+
+    trailing = st(chat(("user", "Hi"), ("assistant", "Hello."), ("user", "Goodbye.")))
+    check_assistant_runs(tok, trailing, ["Hello."])
+    last_user = np.flatnonzero(trailing.input_ids == tok.convert_tokens_to_ids("<|user|>"))[-1]
+    assert tok.decode(trailing.input_ids[last_user:]) == "<|user|>\nGoodbye.<|end|>"
+    assert not trailing.loss_mask[last_user:].any()
+
+
+def test_token_straddling_the_span_start_is_excluded(load_tokenizer):
+    tok = load_tokenizer()
+    # A header that ends mid-word, so BPE merges its tail with the reply's first characters.
+    tok.chat_template = (
+        "{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>' }}"
+        "{% if m['role'] == 'assistant' %}Re{% endif %}{{ m['content'] }}<|end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>Re{% endif %}"
+    )
+    sample = SampleTokenizer(tok, max_length=64)(chat(("user", "Explain."), ("assistant", "cursion is fun")))
+    full = tok.apply_chat_template(
+        [{"role": "user", "content": "Explain."}, {"role": "assistant", "content": "cursion is fun"}], tokenize=False
+    )
+    offsets = tok(full, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    content_start = full.index("cursion")
+    straddling = [i for i, (s, e) in enumerate(offsets) if s < content_start < e]
+    assert len(straddling) == 1, "precondition: the tokenizer merges across the header boundary"
+    assert sample.loss_mask[straddling[0]] == 0
+    assert sample.loss_mask[straddling[0] + 1] == 1
+    masked = tok.decode(sample.input_ids[sample.loss_mask.astype(bool)])
+    assert "cursion is fun<|end|>".endswith(masked) and len(masked) < len("cursion is fun<|end|>")
+
+
+def test_template_that_is_not_prefix_stable_is_rejected(load_tokenizer):
+    tok = load_tokenizer()
+    # Like templates that render the final assistant turn differently from earlier ones.
+    tok.chat_template = (
+        "{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>' }}\n"
+        "{% if loop.last %}[final]{% endif %}{{ m['content'] }}<|end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    st = SampleTokenizer(tok, max_length=64)
+    result = st(chat(("user", "a"), ("assistant", "b"), ("user", "c"), ("assistant", "d")))
+    assert result == Reject(
+        source="s.jsonl",
+        line=4,
+        index=3,
+        id="c",
+        reason="chat template is not prefix-stable: messages[:1] with the generation prompt does not render as a "
+        "prefix of the whole conversation",
+    )
+
+
+def test_template_errors_are_rejects_and_missing_template_raises(load_tokenizer):
+    tok = load_tokenizer()
+    tok.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    st = SampleTokenizer(tok, max_length=64)
+    rej = st(chat(("system", "s"), ("user", "u"), ("assistant", "a")))
+    assert isinstance(rej, Reject) and rej.reason == "chat template error: System role not supported"
+    assert isinstance(st(chat(("user", "u"), ("assistant", "a"))), Sample)
+
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        st(chat(("user", "u"), ("assistant", "a")))
+    assert isinstance(st(Record("s", 1, 0, "t", "text", text="ok")), Sample)
+
+
+def test_plain_text(tok):
+    text = "The quick brown fox jumps over the lazy dog."
+    sample = SampleTokenizer(tok, max_length=64)(Record("s", 1, 0, "t", "text", text=text))
+    assert sample.input_ids[0] == tok.bos_token_id
+    assert sample.input_ids.tolist() == tok(text)["input_ids"]
+    assert tok.decode(sample.input_ids[1:]) == text
+    assert sample.loss_mask.tolist() == [1] * sample.num_tokens
+
+
+def test_pre_tokenized_with_and_without_loss_mask(tok):
+    st = SampleTokenizer(tok, max_length=64)
+    with_mask = st(Record("s", 1, 0, "t", "tokens", input_ids=(10, 11, 383), loss_mask=(0, 1, 1)))
+    assert with_mask.input_ids.tolist() == [10, 11, 383] and with_mask.loss_mask.tolist() == [0, 1, 1]
+    without = st(Record("s", 2, 1, "u", "tokens", input_ids=(10, 11, 12)))
+    assert without.loss_mask.tolist() == [1, 1, 1]
+    assert without.input_ids.dtype == np.int32 and without.loss_mask.dtype == np.uint8
+
+    too_big = st(Record("s", 3, 2, "v", "tokens", input_ids=(10, 384, 999, 11)))
+    assert too_big == Reject("s", 3, 2, "v", f"input_ids[1] = 384 >= vocab size {len(tok)}")
+    assert len(tok) == 384
+
+    empty = st(Record("s", 4, 3, "w", "tokens", input_ids=()))
+    assert empty == Reject("s", 4, 3, "w", "tokenizes to zero tokens")
+
+
+def test_truncate_and_skip(tok):
+    rec = Record("s", 1, 0, "t", "text", text="Hidden states are vectors of floating point numbers.")
+    full = SampleTokenizer(tok, max_length=1000)(rec)
+    n = full.num_tokens
+    assert n > 5
+
+    cut = SampleTokenizer(tok, max_length=5)(rec)
+    assert (cut.num_tokens, cut.source_len, cut.truncated) == (5, n, True)
+    assert cut.input_ids.tolist() == full.input_ids[:5].tolist()
+    assert cut.loss_mask.tolist() == [1] * 5
+
+    exact = SampleTokenizer(tok, max_length=n)(rec)
+    assert (exact.num_tokens, exact.truncated) == (n, False)
+
+    skipped = SampleTokenizer(tok, max_length=5, overlong="skip")(rec)
+    assert skipped == Reject("s", 1, 0, "t", f"{n} tokens > --max-length 5", kind="skipped")
+    assert isinstance(SampleTokenizer(tok, max_length=n, overlong="skip")(rec), Sample)
+
+    with pytest.raises(ValueError, match="overlong"):
+        SampleTokenizer(tok, max_length=5, overlong="drop")
+
+
+def test_chat_truncated_before_any_reply_keeps_a_zero_mask(tok):
+    rec = chat(("user", "Please explain recursion in detail."), ("assistant", "Recursion is a function calling itself."))
+    sample = SampleTokenizer(tok, max_length=6)(rec)
+    assert isinstance(sample, Sample)
+    assert sample.truncated and sample.num_tokens == 6 and sample.source_len > 6
+    assert sample.loss_mask.tolist() == [0] * 6
+
+    partial = SampleTokenizer(tok, max_length=sample.source_len - 1)(rec)
+    assert partial.loss_mask[-1] == 1 and partial.input_ids[-1] != tok.convert_tokens_to_ids("<|end|>")
+
+
+def test_fingerprint(load_tokenizer):
+    tok = load_tokenizer()
+    fp = SampleTokenizer(tok, max_length=8).fingerprint()
+    assert set(fp) == {"tokenizer_sha256", "chat_template_sha256"}
+    assert all(len(v) == 64 and int(v, 16) >= 0 for v in fp.values())
+
+    # transformers leaves truncation settings on the backend after a call; that must not matter.
+    other = load_tokenizer()
+    other("some text", truncation=True, max_length=3)
+    assert SampleTokenizer(other, max_length=99).fingerprint() == fp
+
+    other.chat_template = other.chat_template.replace("\n", "\n\n")
+    changed = SampleTokenizer(other, max_length=8).fingerprint()
+    assert changed["tokenizer_sha256"] == fp["tokenizer_sha256"]
+    assert changed["chat_template_sha256"] != fp["chat_template_sha256"]
+
+    other.backend_tokenizer.add_tokens(["<|extra|>"])
+    assert SampleTokenizer(other, max_length=8).fingerprint()["tokenizer_sha256"] != fp["tokenizer_sha256"]
+
+
+def test_needs_a_fast_tokenizer():
+    class Slow:
+        is_fast = False
+
+    with pytest.raises(TypeError, match="fast"):
+        SampleTokenizer(Slow(), max_length=8)
+
+
+def test_example_corpus_is_valid(tok):
+    records = list(read_corpus([EXAMPLES]))
+    assert [r for r in records if isinstance(r, Reject)] == []
+    assert {r.format for r in records} == {"sharegpt", "openai", "text", "tokens"}
+    assert 20 <= len(records) <= 30
+    st = SampleTokenizer(tok, max_length=512)
+    samples = [st(r) for r in records]
+    assert all(isinstance(s, Sample) and not s.truncated for s in samples)
+    chats = [(r, s) for r, s in zip(records, samples) if r.messages]
+    assert any(sum(role == "assistant" for role, _ in r.messages) >= 2 for r, _ in chats)
+    assert any(r.messages[0][0] == "system" for r, _ in chats)
+    for r, s in chats:
+        replies = "".join(c + "<|end|>" for role, c in r.messages if role == "assistant")
+        assert tok.decode(s.input_ids[s.loss_mask.astype(bool)]) == replies
