@@ -26,6 +26,7 @@ import _bin_path  # noqa: F401  (must come first: see its docstring)
 import click
 
 from offline_extract.extraction import ExtractOptions, run
+from offline_extract.parity import ParityError
 
 
 @click.command(help=__doc__)
@@ -49,7 +50,8 @@ from offline_extract.extraction import ExtractOptions, run
 @click.option("--tokens-per-batch", default=None, type=int,
               help="Token budget of one forward. Default: 16384 on GPU, 4096 on CPU (at least --max-length).")
 @click.option("--seqs-per-batch", default=256, show_default=True, help="Most sequences in one forward.")
-@click.option("--shard-size-mb", default=1024, show_default=True, help="Target hidden-state bytes per shard.")
+@click.option("--shard-size-mb", default=1024.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Target hidden-state MiB per shard (a shard closes once it reaches this).")
 @click.option("--attention-backend", default=None,
               help="SGLang attention backend. Default: fa3 on Hopper when installed, else triton; torch_native on CPU.")
 @click.option("--load-format", default="auto", show_default=True,
@@ -70,13 +72,18 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
         layer_ids = tuple(int(x) for x in layers.split(",")) if layers else None
     except ValueError:
         raise click.BadParameter(f"expected comma-separated integers, got {layers!r}", param_hint="--layers")
-    summary = run(ExtractOptions(
+    opts = ExtractOptions(
         data=tuple(data), out=out, model=model, device=device, dtype=dtype, tp=tp, layers=layer_ids,
         max_length=max_length, overlong=overlong, tokens_per_batch=tokens_per_batch,
-        seqs_per_batch=seqs_per_batch, shard_bytes=shard_size_mb << 20, attention_backend=attention_backend,
+        seqs_per_batch=seqs_per_batch, shard_bytes=int(shard_size_mb * (1 << 20)), attention_backend=attention_backend,
         load_format=load_format, mem_fraction_static=mem_fraction_static, port_base=port_base, verify=verify,
         trust_remote_code=trust_remote_code, progress=not no_progress,
-    ))
+    )
+    try:
+        summary = run(opts)
+    except (OSError, ValueError, NotImplementedError, ParityError) as e:
+        # Bad input or a failed check: the message names it; a traceback would only bury it.
+        raise click.ClickException(str(e)) from e
     if summary is not None:
         click.echo(summary.report(out), err=True)
 

@@ -13,7 +13,7 @@ import sys
 import types
 from array import array
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -109,19 +109,60 @@ def default_attention_backend(device: str) -> str:
         return "triton"
 
 
-# How each SGLang model file turns the ids handed to set_eagle3_layers_to_capture into the layer index
-# whose *input* residual stream it records. Storing HF hidden_states[k+1] means recording the input of
-# layer k+1. Architectures absent here are refused rather than guessed.
+# A capture point p means "record the residual stream entering decoder layer p" (SGLang's
+# `layers_to_capture`); storing HF hidden_states[k+1] for layer id k therefore needs capture point k+1.
+# Each SGLang model file turns the ids handed to set_eagle3_layers_to_capture into capture points its own
+# way, so every supported architecture names the inverse: which ids to pass for given capture points.
+# Architectures absent here are refused rather than guessed.
+
+
+def _ids_adding_one(points: list[int]) -> list[int]:
+    return [p - 1 for p in points]
+
+
+def _ids_for_deepseek(points: list[int]) -> list[int]:
+    # deepseek_v2 adds +1 only when ids[0] == 1 and otherwise takes the ids as capture points. Passing the
+    # points themselves is exact unless the first is 1; capture follows layer order, not list order, so a
+    # leading 1 can go to the back. A lone point 1 cannot be expressed at all.
+    if points[0] != 1:
+        return list(points)
+    if len(points) == 1:
+        raise ValueError(
+            "layer id 0 alone cannot be captured by SGLang's deepseek_v2 model file: its "
+            "set_eagle3_layers_to_capture turns [1] into capture point 2 and [0] into capture point 0 "
+            "(the embeddings), so an EAGLE-3 server could not feed a drafter trained on it either"
+        )
+    return points[1:] + [1]
+
+
+@dataclass(frozen=True)
+class CaptureRule:
+    source: str  # where the model file's set_eagle3_layers_to_capture lives, in sglang/srt/models
+    convention: str  # what that method does with the ids it is given
+    ids_for_points: Callable[[list[int]], list[int]]
+    # Qwen-MoE's decoder loop ignores `layers_to_capture` and asks each layer for an `_is_layer_to_capture`
+    # attribute, which set_eagle3_layers_to_capture only ever sets, never clears.
+    in_layer_flags: bool = False
+    # Multimodal wrappers delegate capture to a causal LM held in this attribute; that LM owns the capture
+    # switch, the decoder and the logits processor.
+    language_model: str | None = None
+
+
 _PLUS_ONE = "adds +1 to every id"
+_DEEPSEEK = "adds +1 to every id only if ids[0] == 1, else uses the ids verbatim"
 _CAPTURE_RULES = {
-    "LlamaForCausalLM": _PLUS_ONE,
-    "MistralForCausalLM": _PLUS_ONE,
-    "Qwen2ForCausalLM": _PLUS_ONE,
-    "Qwen3ForCausalLM": _PLUS_ONE,
+    "LlamaForCausalLM": CaptureRule("llama.py:885", _PLUS_ONE, _ids_adding_one),
+    "MistralForCausalLM": CaptureRule("llama.py:885 (inherited)", _PLUS_ONE, _ids_adding_one),
+    "Qwen2ForCausalLM": CaptureRule("qwen2.py:747", _PLUS_ONE, _ids_adding_one),
+    "Qwen3ForCausalLM": CaptureRule("qwen3.py:688", _PLUS_ONE, _ids_adding_one),
+    "Qwen3MoeForCausalLM": CaptureRule(
+        "qwen3_moe.py:1073, flags set in qwen2_moe.py:891", _PLUS_ONE, _ids_adding_one, in_layer_flags=True
+    ),
+    "DeepseekV3ForCausalLM": CaptureRule("deepseek_v2.py:3134 (inherited)", _DEEPSEEK, _ids_for_deepseek),
 }
 
 
-def capture_rule(architecture: str, model_path: str = "") -> str:
+def capture_rule(architecture: str, model_path: str = "") -> CaptureRule:
     rule = _CAPTURE_RULES.get(architecture)
     if rule is None:
         raise NotImplementedError(
@@ -221,23 +262,39 @@ class Engine:
         self.device = self.runner.device
 
     def _configure_capture(self, model, requested: tuple[int, ...] | None) -> tuple[int, ...]:
-        capture_rule(self.architecture, self.cfg.model_path)
+        if not callable(getattr(model, "set_eagle3_layers_to_capture", None)):
+            raise NotImplementedError(
+                f"architecture {self.architecture} ({self.cfg.model_path}) cannot capture EAGLE-3 states: SGLang's "
+                f"model file {type(model).__module__} defines no set_eagle3_layers_to_capture"
+            )
+        rule = capture_rule(self.architecture, self.cfg.model_path)
+        lm = getattr(model, rule.language_model) if rule.language_model else model
         if requested is None:
             # Ask SGLang for its own default, so training data matches what EAGLE-3 inference captures.
             model.set_eagle3_layers_to_capture(None)
-            requested = [i - 1 for i in model.model.layers_to_capture]
+            requested = [p - 1 for p in lm.model.layers_to_capture]
         ids = validate_layer_ids(requested, self.num_layers)
-        model.set_eagle3_layers_to_capture(list(ids))
-        self.capture_points = list(model.model.layers_to_capture)
+        points = [k + 1 for k in ids]
+        _route_capture(lm, rule, [])  # drops the default's sticky per-layer flags
+        model.set_eagle3_layers_to_capture(rule.ids_for_points(points))
+        # Read back what SGLang itself resolved, so a model file that changes its convention fails here.
+        if rule.in_layer_flags:
+            resolved = [i for i, layer in enumerate(lm.model.layers) if getattr(layer, "_is_layer_to_capture", False)]
+        else:
+            resolved = sorted(lm.model.layers_to_capture)
+        if resolved != points:
+            raise RuntimeError(
+                f"SGLang's {rule.source} ({rule.convention}) resolved layer ids {list(ids)} to capture points "
+                f"{resolved}, expected {points}"
+            )
+        self._capture_rule, self._capture_lm = rule, lm
+        self.capture_points = resolved
         return ids
 
     def _set_capture(self, on: bool) -> None:
-        model = self.runner.model
-        model.capture_aux_hidden_states = on
-        # The decoder returns (states, aux) whenever it has layers to capture, so bare prefill needs
-        # the list emptied, not just the flag cleared.
-        model.model.layers_to_capture = self.capture_points if on else []
-        model.logits_processor = self._capture if on else self._logits_processor
+        lm = self._capture_lm
+        _route_capture(lm, self._capture_rule, self.capture_points if on else [])
+        lm.logits_processor = self._capture if on else self._logits_processor
 
     def forward(self, seqs: Sequence[np.ndarray], capture: bool = True) -> Captured | None:
         """Prefill `seqs` as one EXTEND batch. With capture, return their states (still on the device).
@@ -304,6 +361,16 @@ class Engine:
                 f"{list(self.layer_ids)}; expected {(total, len(self.layer_ids) * self.hidden_size)}"
             )
         return Captured(aux=aux, last=last)
+
+
+def _route_capture(lm, rule: CaptureRule, points: list[int]) -> None:
+    """Capture exactly `points` (none: SGLang's plain prefill). The decoder returns (states, aux) whenever
+    anything was captured, so turning capture off needs the points emptied, not just the flag cleared."""
+    lm.capture_aux_hidden_states = bool(points)
+    lm.model.layers_to_capture = list(points)
+    if rule.in_layer_flags:
+        for i, layer in enumerate(lm.model.layers):
+            layer._is_layer_to_capture = i in points
 
 
 class _CaptureOnly(torch.nn.Module):

@@ -1,7 +1,8 @@
 """The embedded default model: a tiny random Llama with a locally trained tokenizer and chat template.
 
 Everything here is generated from fixed seeds, so two machines build the same files; nothing is
-downloaded. `random_checkpoint` also serves larger generated models (the GPU suite's 8B-shaped Llama).
+downloaded. `build_model` writes the other architectures the parity suites check (Qwen3, Qwen3-MoE,
+DeepSeek-V3 and Kimi-K2 shapes, and the GPU suite's 8B-shaped Llama) with the same tokenizer.
 """
 from __future__ import annotations
 
@@ -104,6 +105,155 @@ def tiny_llama_config(vocab_size: int) -> dict:
     }
 
 
+def _tiny_qwen3_config(vocab_size: int) -> dict:
+    return {
+        **tiny_llama_config(vocab_size),
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+    }
+
+
+def _tiny_qwen3_moe_config(vocab_size: int) -> dict:
+    # Every layer sparse, as in Qwen3-30B-A3B; 8 experts so that top-2 routing leaves most of them unused.
+    return {
+        **_tiny_qwen3_config(vocab_size),
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "output_router_logits": False,
+    }
+
+
+def _tiny_deepseek_v3_config(vocab_size: int) -> dict:
+    # MLA with both LoRA ranks, interleaved RoPE under YaRN (whose mscale changes the softmax scale), grouped
+    # sigmoid routing with the correction bias, shared experts, and dense first layers: every DeepSeek-V3
+    # path that a ported checkpoint exercises, at toy size.
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 8,
+        "first_k_dense_replace": 2,
+        "moe_layer_freq": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 48,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 4,
+        "topk_group": 2,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "hidden_act": "silu",
+        "max_position_embeddings": 16384,
+        "rope_theta": 10000.0,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 1,
+        "torch_dtype": "float32",
+    }
+
+
+def _tiny_kimi_k2_config(vocab_size: int) -> dict:
+    # Kimi-K2 runs on the same DeepSeek-V3 classes; what takes a different path is its routing: a single
+    # expert group (n_group = topk_group = 1) and one dense first layer.
+    return {
+        **_tiny_deepseek_v3_config(vocab_size),
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 12,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.827,
+    }
+
+
+def _llama3_8b_config(_vocab_size: int) -> dict:
+    # Llama-3's own vocabulary size, which only sizes the embedding: the tiny tokenizer's ids all fit in it.
+    return {
+        **tiny_llama_config(128256),
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "torch_dtype": "bfloat16",
+    }
+
+
+# Architecture name -> config builder taking the tokenizer's vocab size. Tiny ones have 8 layers so that
+# SGLang's default EAGLE-3 ids [1, N/2-1, N-4] are distinct and inside the model.
+ARCHITECTURES = {
+    "llama": tiny_llama_config,
+    "qwen3": _tiny_qwen3_config,
+    "qwen3_moe": _tiny_qwen3_moe_config,
+    "deepseek_v3": _tiny_deepseek_v3_config,
+    "kimi_k2": _tiny_kimi_k2_config,
+    "llama3_8b": _llama3_8b_config,
+}
+
+
+def build_model(
+    arch: str,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    overrides: dict | None = None,
+    seed: int = 0,
+) -> Path:
+    """Write a seeded random model of `arch` (a key of ARCHITECTURES) with the embedded tokenizer.
+
+    `device` is where the weights are drawn (a GPU makes the 8B-shaped model quick); `overrides` replace
+    top-level config fields.
+    """
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHITECTURES)}")
+    tiny = ensure_tiny_model()
+    tiny_config = json.loads((tiny / "config.json").read_text())
+    config = ARCHITECTURES[arch](tiny_config["vocab_size"])
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        config[key] = tiny_config[key]
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    config.update(overrides or {})
+    out = random_checkpoint(config, out_dir, seed=seed, dtype=dtype, device=device)
+    for f in tiny.iterdir():
+        if f.name != "config.json" and not f.name.endswith(".safetensors"):
+            shutil.copy2(f, out / f.name)
+    return out
+
+
 def _random_tensor(name: str, shape, gen: torch.Generator, dtype, device) -> torch.Tensor:
     """Weights that keep activations O(1) through the stack, so a 1e-5 tolerance means something.
 
@@ -125,25 +275,31 @@ def random_checkpoint(
     device: str = "cpu",
     max_file_bytes: int = 4 << 30,
 ) -> Path:
-    """Write config.json and seeded random weights for any HF causal-LM config, in HF's own layout.
+    """Write config.json and seeded random weights for any HF causal-LM config, in the layout HF saves.
 
     Parameter names and shapes come from instantiating the HF model on the meta device, so the same
     function serves every architecture transformers knows.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     hf_config = AutoConfig.from_pretrained(out)
     with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(hf_config).state_dict().items()}
+        meta_model = AutoModelForCausalLM.from_config(hf_config)
+    shapes = {k: tuple(v.shape) for k, v in meta_model.state_dict().items()}
 
     gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = {name: _random_tensor(name, shape, gen, dtype, device).cpu() for name, shape in shapes.items()}
+    # transformers 5 holds MoE experts fused ([E, 2I, H]); published checkpoints, and so SGLang's loaders,
+    # name every expert's projections separately. Saving does the same split; for dense models it is a no-op.
+    tensors = revert_weight_conversion(meta_model, tensors)
+
     files: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, shape in shapes.items():
-        t = _random_tensor(name, shape, gen, dtype, device).cpu()
+    for name, t in tensors.items():
         nbytes = t.numel() * t.element_size()
         if files[-1] and size + nbytes > max_file_bytes:
             files.append({})
@@ -154,10 +310,10 @@ def random_checkpoint(
         save_file(files[0], str(out / "model.safetensors"), metadata={"format": "pt"})
         return out
     weight_map = {}
-    for i, tensors in enumerate(files):
+    for i, part in enumerate(files):
         fname = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
-        weight_map.update({k: fname for k in tensors})
+        save_file(part, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in part})
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return out
 

@@ -1,0 +1,241 @@
+"""PyTorch datasets over an output directory of shards, for training on the extracted hidden states.
+
+`HiddenStateDataset` is map-style: item i is the i-th sample in sample-index (corpus) order, and
+`get_by_id` finds a sample by its id. `HiddenStateIterableDataset` streams every sample once per epoch
+in a seeded order shuffled across shards, split without overlap across distributed ranks and
+DataLoader workers.
+
+Each item is a dict:
+
+    input_ids          int64    [T]       (widened from the shard's int32: nn.Embedding, cross-entropy
+                                           targets and SpecForge all take int64)
+    loss_mask          uint8    [T]       (0/1, as stored)
+    aux_hidden_states  bfloat16 [T, k*H]  (EAGLE-3 layers in run["layer_ids"] order)
+    hidden_states      bfloat16 [T, H]    (final post-norm state)
+    id                 str
+
+Shards are opened lazily, once per process, through safetensors' memory map, and an item reads only
+its own rows. Every tensor in an item owns a storage of exactly its size: safetensors' slices are views
+of the whole memory-mapped tensor, and handing such a view to torch.save or to a DataLoader worker's
+result queue would write or copy the entire shard tensor, not the sample.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from offline_extract.shards import FORMAT_VERSION, INDEX_NAME, SAMPLE_TENSORS, ShardError, _scan, shard_paths
+
+
+@dataclass
+class Catalog:
+    """Where every sample of an output directory lives, in sample-index order."""
+
+    out_dir: Path
+    run: dict
+    shard_files: list[Path]
+    ids: list[str]
+    # numpy rather than lists of ints: forked DataLoader workers share these pages instead of copying
+    # them as reference counts change.
+    shard: np.ndarray
+    row: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def _catalog_from_index(out_dir: Path, index: dict) -> Catalog | None:
+    """The catalog index.json describes, or None when the shards on disk no longer match it."""
+    if index.get("format_version") != FORMAT_VERSION:
+        raise ShardError(
+            f"{out_dir / INDEX_NAME} has format_version {index.get('format_version')}, expected {FORMAT_VERSION}"
+        )
+    listed = index["shards"]
+    on_disk = {p.name: p for p in shard_paths(out_dir)}
+    if sorted(on_disk) != sorted(s["file"] for s in listed) or any(
+        on_disk[s["file"]].stat().st_size != s["bytes"] for s in listed
+    ):
+        return None
+    samples = index["samples"]
+    return Catalog(
+        out_dir=out_dir,
+        run=index["run"],
+        shard_files=[on_disk[s["file"]] for s in listed],
+        ids=list(samples["id"]),
+        shard=np.asarray(samples["shard"], dtype=np.int64),
+        row=np.asarray(samples["row"], dtype=np.int64),
+    )
+
+
+def load_catalog(out_dir: str | os.PathLike) -> Catalog:
+    """Reads out_dir/index.json when it matches the shards present, else scans every shard's header."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        raise ShardError(f"{out_dir} is not a directory of offline_extract shards")
+    index_path = out_dir / INDEX_NAME
+    if index_path.is_file():
+        catalog = _catalog_from_index(out_dir, json.loads(index_path.read_text()))
+        if catalog is not None:
+            return catalog
+        # A run still writing, or resumed after the index was written: the headers are the truth.
+        warnings.warn(f"{index_path} does not match the shards in {out_dir}; scanning shard headers instead")
+    headers, order = _scan(out_dir)
+    return Catalog(
+        out_dir=out_dir,
+        run=headers[0].run,
+        shard_files=[h.path for h in headers],
+        ids=[headers[s].samples[row].id for _, s, row in order],
+        shard=np.asarray([s for _, s, _ in order], dtype=np.int64),
+        row=np.asarray([row for _, _, row in order], dtype=np.int64),
+    )
+
+
+class _ShardHandles:
+    """This process's open shards, each with its offsets; reopened after a fork, dropped when pickled."""
+
+    def __init__(self, files: list[Path]):
+        self._files = files
+        self._pid = os.getpid()
+        self._open: dict[int, tuple[object, list[int]]] = {}
+
+    def __getstate__(self) -> dict:
+        # safe_open handles cannot be pickled; a spawned DataLoader worker opens its own.
+        return {"_files": self._files, "_pid": None, "_open": {}}
+
+    def _handle(self, shard: int) -> tuple[object, list[int]]:
+        if self._pid != os.getpid():
+            # A forked worker inherits the parent's mappings; its own keep the parent's state out of it.
+            self._open = {}
+            self._pid = os.getpid()
+        entry = self._open.get(shard)
+        if entry is None:
+            handle = safe_open(self._files[shard], framework="pt")
+            entry = (handle, handle.get_tensor("offsets").tolist())
+            self._open[shard] = entry
+        return entry
+
+    def read(self, shard: int, row: int) -> dict[str, torch.Tensor]:
+        handle, offsets = self._handle(shard)
+        if row + 1 >= len(offsets):
+            raise ShardError(f"{self._files[shard]} has {len(offsets) - 1} samples; row {row} was asked for")
+        start, stop = offsets[row], offsets[row + 1]
+        item = {name: handle.get_slice(name)[start:stop].clone() for name in SAMPLE_TENSORS}
+        item["input_ids"] = item["input_ids"].long()
+        return item
+
+
+class HiddenStateDataset(Dataset):
+    """Map-style: item i is the i-th sample in sample-index order (see the module docstring)."""
+
+    def __init__(self, out_dir: str | os.PathLike):
+        self.catalog = load_catalog(out_dir)
+        self._handles = _ShardHandles(self.catalog.shard_files)
+        self._position_of_id: dict[str, int] | None = None
+
+    @property
+    def run(self) -> dict:
+        return self.catalog.run
+
+    @property
+    def ids(self) -> list[str]:
+        return self.catalog.ids
+
+    def __len__(self) -> int:
+        return len(self.catalog)
+
+    def __getitem__(self, i: int) -> dict:
+        n = len(self.catalog)
+        if not -n <= i < n:
+            raise IndexError(f"sample {i} out of range for {n} samples")
+        i %= n
+        item = self._handles.read(int(self.catalog.shard[i]), int(self.catalog.row[i]))
+        item["id"] = self.catalog.ids[i]
+        return item
+
+    def index_of(self, sample_id: str) -> int:
+        if self._position_of_id is None:
+            self._position_of_id = {sid: i for i, sid in enumerate(self.catalog.ids)}
+        try:
+            return self._position_of_id[sample_id]
+        except KeyError:
+            raise KeyError(f"no sample with id {sample_id!r} in {self.catalog.out_dir}") from None
+
+    def get_by_id(self, sample_id: str) -> dict:
+        return self[self.index_of(sample_id)]
+
+
+class HiddenStateIterableDataset(IterableDataset):
+    """Every sample once per epoch, in an order shuffled across shards by (seed, epoch).
+
+    Rank r of world_size takes positions r, r + world_size, ... of the epoch's order, and DataLoader
+    worker w of W takes every W-th of those, so no sample is read twice. With drop_last the order is
+    cut to a multiple of world_size, giving every rank the same count (which data-parallel training
+    needs to stay in step) at the cost of up to world_size - 1 samples per epoch.
+
+    Samples are read in random order rather than shard by shard: one sample is many megabytes of
+    contiguous rows per tensor, so a random order costs little over a sequential one even from disk.
+
+    Call set_epoch before each epoch's iterator is created; workers copy the dataset when the iterator
+    starts, so persistent_workers=True would keep the first epoch's order.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        shuffle: bool = True,
+        seed: int = 0,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool = False,
+    ):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank={rank} world_size={world_size}")
+        self.catalog = load_catalog(out_dir)
+        self.shuffle = shuffle
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.drop_last = drop_last
+        self.epoch = 0
+        self._handles = _ShardHandles(self.catalog.shard_files)
+
+    @property
+    def run(self) -> dict:
+        return self.catalog.run
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _rank_positions(self) -> np.ndarray:
+        n = len(self.catalog)
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(n)
+        else:
+            order = np.arange(n)
+        if self.drop_last:
+            order = order[: n - n % self.world_size]
+        return order[self.rank :: self.world_size]
+
+    def __len__(self) -> int:
+        """Samples this rank yields per epoch, over all of its DataLoader workers."""
+        return len(self._rank_positions())
+
+    def __iter__(self) -> Iterator[dict]:
+        positions = self._rank_positions()
+        worker = get_worker_info()
+        if worker is not None:
+            positions = positions[worker.id :: worker.num_workers]
+        for i in positions:
+            item = self._handles.read(int(self.catalog.shard[i]), int(self.catalog.row[i]))
+            item["id"] = self.catalog.ids[i]
+            yield item

@@ -1,0 +1,139 @@
+"""bin/extract.py end to end on CPU with the embedded tiny model: one process, and torchrun DP=2."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from offline_extract.corpus import Record, read_corpus
+from offline_extract.shards import iter_samples, open_shard, shard_paths
+from offline_extract.tokenization import SampleTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT / "examples" / "corpus.jsonl"
+
+
+def _extract(out, *args, torchrun: int | None = None, env=None):
+    cmd = [sys.executable, str(ROOT / "bin" / "extract.py"), "--out", str(out), "--no-progress", *args]
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun),
+               "--master-port", str(_port()), *cmd[1:]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, **(env or {})}, timeout=600)
+    return proc
+
+
+def _port():
+    from offline_extract.distributed import free_port
+
+    return free_port()
+
+
+def _ok(proc):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def cache_env(tiny_model_dir, tmp_path_factory):
+    # The CLI builds the embedded model under OFFLINE_EXTRACT_CACHE; pointing it at a temp dir keeps the
+    # tests off the user's cache and proves the build path works from scratch.
+    return {"OFFLINE_EXTRACT_CACHE": str(tmp_path_factory.mktemp("cache"))}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, cache_env):
+    out = tmp_path_factory.mktemp("single") / "out"
+    proc = _ok(_extract(out, "--data", str(CORPUS), "--verify", "3", "--shard-size-mb", "0.05",
+                        "--tokens-per-batch", "512", "--max-length", "512", env=cache_env))
+    return out, proc
+
+
+def test_default_run_writes_every_sample_with_its_tokens(single, cache_env):
+    out, proc = single
+    model_dir = Path(cache_env["OFFLINE_EXTRACT_CACHE"]) / "tiny-llama-v1"
+    tok = SampleTokenizer(AutoTokenizer.from_pretrained(model_dir), max_length=4096)
+    expected = {r.id: tok(r) for r in read_corpus([CORPUS]) if isinstance(r, Record)}
+    got = {info.id: tensors for info, tensors in iter_samples(out)}
+    assert set(got) == set(expected) and len(got) == 24
+    for sid, sample in expected.items():
+        t = got[sid]
+        assert t["input_ids"].tolist() == sample.input_ids.tolist()
+        assert t["loss_mask"].tolist() == sample.loss_mask.tolist()
+        assert t["aux_hidden_states"].dtype == torch.bfloat16
+        assert t["aux_hidden_states"].shape == (sample.num_tokens, 3 * 64)
+        assert t["hidden_states"].shape == (sample.num_tokens, 64)
+        assert torch.isfinite(t["aux_hidden_states"].float()).all()
+    assert "records 24: extracted 24, skipped 0, rejected 0" in proc.stderr
+
+
+def test_shards_carry_provenance_and_parity(single):
+    out, _ = single
+    paths = shard_paths(out)
+    assert len(paths) > 1, "a 50 KiB shard size must cut several shards"
+    run = open_shard(paths[0]).run
+    assert run["layer_ids"] == [1, 3, 4]
+    assert run["sglang_capture_points"] == [2, 4, 5]
+    assert "HF output_hidden_states[k+1]" in run["layer_convention"]
+    assert run["dtype"] == "bfloat16" and run["compute_dtype"] == "float32"
+    assert run["sglang_version"] == "0.5.17"
+    for key in ("config_sha256", "weights", "tokenizer_sha256", "chat_template_sha256"):
+        assert len(run[key]) == 64, key
+    rows = {r["layer"]: r for r in run["parity"]}
+    assert set(rows) == {"aux 1", "aux 3", "aux 4", "last"}
+    assert all(r["ok"] and r["max_abs"] <= 1e-5 for r in rows.values())
+    index = json.loads((out / "index.json").read_text())
+    assert index["num_samples"] == 24
+    assert sorted(s["file"] for s in index["shards"]) == sorted(p.name for p in paths)
+
+
+def test_bad_lines_are_recorded_and_good_ones_kept(tmp_path, cache_env):
+    lines = CORPUS.read_text().splitlines()[:6]
+    bad = ["{not json", '{"messages": [{"role": "bot", "content": "x"}]}', '{"text": ""}']
+    corpus = tmp_path / "mixed.jsonl"
+    corpus.write_text("\n".join(lines[:2] + bad[:1] + lines[2:4] + bad[1:] + lines[4:]) + "\n")
+    out = tmp_path / "out"
+    proc = _ok(_extract(out, "--data", str(corpus), env=cache_env))
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert [r["line"] for r in rejects] == [3, 6, 7]
+    assert all(r["source"] == str(corpus) and r["reason"] for r in rejects)
+    assert "invalid JSON" in rejects[0]["reason"] and "bot" in rejects[1]["reason"]
+    assert len(list(iter_samples(out))) == 6
+    assert "records 9: extracted 6, skipped 0, rejected 3" in proc.stderr
+
+
+def test_existing_output_is_not_overwritten(single, cache_env):
+    out, _ = single
+    proc = _extract(out, "--data", str(CORPUS), env=cache_env)
+    assert proc.returncode != 0
+    assert "already holds shards" in proc.stderr
+
+
+@pytest.mark.slow
+def test_torchrun_dp2_union_equals_single_process(single, tmp_path, cache_env):
+    out1, _ = single
+    out2 = tmp_path / "dp2"
+    _ok(_extract(out2, "--data", str(CORPUS), "--tokens-per-batch", "512", "--max-length", "512", torchrun=2, env=cache_env))
+    names = {p.name for p in shard_paths(out2)}
+    assert {"shard_000.safetensors", "shard_001.safetensors"} <= names, "both replicas must write"
+    one = {info.id: (info, t) for info, t in iter_samples(out1)}
+    two = {info.id: (info, t) for info, t in iter_samples(out2)}
+    assert one.keys() == two.keys()
+    for sid, (info, t) in one.items():
+        info2, t2 = two[sid]
+        assert info == info2
+        for name in ("input_ids", "loss_mask"):
+            assert torch.equal(t[name], t2[name]), (sid, name)
+        for name in ("aux_hidden_states", "hidden_states"):
+            # Same weights, same math; only the batch neighbours differ. Allow one bf16 rounding step.
+            assert torch.allclose(t[name].float(), t2[name].float(), rtol=2**-7, atol=1e-6), (sid, name)
+
+
+def test_help_explains_formats_and_layers():
+    proc = _ok(subprocess.run([sys.executable, str(ROOT / "bin" / "extract.py"), "--help"],
+                              capture_output=True, text=True, cwd=ROOT))
+    for needle in ("ShareGPT", "OpenAI", "input_ids", "--layers", "hidden_states[k+1]", "torchrun", "--verify"):
+        assert needle in proc.stdout, needle
