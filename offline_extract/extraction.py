@@ -12,22 +12,22 @@ import time
 from dataclasses import asdict, dataclass, field
 from itertools import chain, count, islice
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from . import __version__, parity
-from .batching import batch_by_tokens
+from .batching import Batch, batch_by_tokens
 from .corpus import Record, Reject, read_corpus
 from .distributed import Coordinator, Layout, layout_from_env
+from .offload import STORED_DTYPE, HostOffload
 from .progress import RunProgress
 from .sglang_adapter import LAYER_CONVENTION, Engine, EngineConfig
 from .shards import SampleInfo, ShardWriter, shard_paths, write_index
 from .tiny_model import ensure_tiny_model
 from .tokenization import Sample, SampleTokenizer
 
-STORED_DTYPE = torch.bfloat16
 REJECTS_FILE = "rejects.jsonl"
 
 
@@ -64,6 +64,7 @@ class Summary:
     bytes_written: int = 0
     shards: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    extract_seconds: float = 0.0
     parity: list[dict] = field(default_factory=list)
 
     def merge(self, other: "Summary") -> "Summary":
@@ -76,13 +77,15 @@ class Summary:
             bytes_written=self.bytes_written + other.bytes_written,
             shards=sorted(self.shards + other.shards),
             seconds=max(self.seconds, other.seconds),
+            extract_seconds=max(self.extract_seconds, other.extract_seconds),
             parity=self.parity or other.parity,
         )
 
     def report(self, out: str | os.PathLike) -> str:
         lines = [
             f"records {self.records}: extracted {self.extracted}, skipped {self.skipped}, rejected {self.rejected}",
-            f"tokens {self.tokens:,} in {self.seconds:.1f} s ({self.tokens / max(self.seconds, 1e-9):,.0f} tok/s), "
+            f"tokens {self.tokens:,}: {self.tokens / max(self.extract_seconds, 1e-9):,.0f} tok/s over "
+            f"{self.extract_seconds:.1f} s of extraction ({self.seconds:.1f} s with start-up)",
             f"{len(self.shards)} shards, {self.bytes_written / 1e9:.3f} GB -> {out}",
         ]
         if self.skipped or self.rejected:
@@ -154,6 +157,39 @@ def _owned(layout: Layout, opts: ExtractOptions, tokenizer: SampleTokenizer, rej
             summary.rejected += 1
         if rejects is not None:
             rejects.write(json.dumps(item.to_json()) + "\n")
+
+
+def _info(s: Sample) -> SampleInfo:
+    return SampleInfo(s.index, s.id, s.source, s.line, s.source_len, s.truncated)
+
+
+def extract_batches(engine: Engine, batches: Iterable[Batch], writer: ShardWriter | None, on_batch=lambda b: None) -> None:
+    """The hot loop: forward each batch and hand its states to the writer without waiting for the host.
+
+    Ranks that do not write (tp_rank > 0) still take part in every forward: TP needs all of them.
+    """
+    if writer is None:
+        for batch in batches:
+            engine.forward([s.input_ids for s in batch.samples])
+            on_batch(batch)
+        return
+
+    def consume(batch: Batch, aux: torch.Tensor, last: torch.Tensor) -> None:
+        writer.add_batch(
+            [_info(s) for s in batch.samples],
+            np.concatenate([s.input_ids for s in batch.samples]),
+            np.concatenate([s.loss_mask for s in batch.samples]),
+            aux,
+            last,
+            lengths=[s.num_tokens for s in batch.samples],
+        )
+
+    widths = (len(engine.layer_ids) * engine.hidden_size, engine.hidden_size)
+    with HostOffload(consume, engine.device, engine.cfg.max_tokens_per_batch, widths) as offload:
+        for batch in batches:
+            captured = engine.forward([s.input_ids for s in batch.samples])
+            offload.submit(batch, captured.aux, captured.last)
+            on_batch(batch)
 
 
 def _count_owned(layout: Layout, paths: Sequence[str]) -> int:
@@ -250,25 +286,23 @@ def run(opts: ExtractOptions) -> Summary | None:
     label = f"dp {layout.dp_rank}/{layout.dp_size}" if layout.dp_size > 1 else "extract"
     shown = 0
     with RunProgress(_count_owned(layout, opts.data) if show else None, label, enabled=show) as bar:
-        for batch in batch_by_tokens(chain(head, samples), tokens_per_batch, opts.seqs_per_batch):
-            captured = engine.forward([s.input_ids for s in batch.samples])
-            if writer is not None:
-                writer.add_batch(
-                    [SampleInfo(s.index, s.id, s.source, s.line, s.source_len, s.truncated) for s in batch.samples],
-                    torch.from_numpy(np.concatenate([s.input_ids for s in batch.samples])),
-                    torch.from_numpy(np.concatenate([s.loss_mask for s in batch.samples])),
-                    captured.aux.to("cpu", STORED_DTYPE),
-                    captured.last.to("cpu", STORED_DTYPE),
-                    lengths=[s.num_tokens for s in batch.samples],
-                )
+
+        def advance(batch: Batch) -> None:
+            nonlocal shown
             summary.extracted += len(batch.samples)
             summary.tokens += batch.num_tokens
             # Records read so far, bad ones included, so the bar reaches its total.
             bar.advance(summary.records - shown, batch.num_tokens, writer.bytes_written if writer else 0)
             shown = summary.records
-        if writer is not None:
-            summary.shards = [p.name for p in writer.close()]
-            summary.bytes_written = writer.bytes_written
+
+        extract_start = time.perf_counter()
+        try:
+            extract_batches(engine, batch_by_tokens(chain(head, samples), tokens_per_batch, opts.seqs_per_batch), writer, advance)
+        finally:
+            if writer is not None:
+                summary.shards = [p.name for p in writer.close()]
+                summary.bytes_written = writer.bytes_written
+        summary.extract_seconds = time.perf_counter() - extract_start
     if rejects is not None:
         rejects.close()
     summary.seconds = time.perf_counter() - start

@@ -17,7 +17,9 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import stat
+import queue
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -25,7 +27,6 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 FORMAT_VERSION = 1
 METADATA_KEY = "offline_extract"
@@ -86,27 +87,94 @@ def _atomic_write(final: Path, write) -> None:
     _fsync_dir(final.parent)
 
 
-def _save_with_umask_mode(tmp: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    # safetensors' writer leaves files 0600, which other users' training jobs could not read; a file we
-    # create ourselves gets the mode the process umask allows, and the shard keeps that mode.
-    tmp.touch()
-    mode = stat.S_IMODE(tmp.stat().st_mode)
-    save_file(tensors, tmp, metadata=metadata)
-    os.chmod(tmp, mode)
+# safetensors dtype codes of the tensors a shard holds.
+_DTYPE_CODES = {torch.int64: "I64", torch.int32: "I32", torch.bfloat16: "BF16", torch.uint8: "U8"}
+# File order: 8-byte types first so every tensor starts aligned to its element size for zero-copy mmap.
+_FILE_ORDER = ("offsets", "sample_index", "input_ids", "aux_hidden_states", "hidden_states", "loss_mask")
 
 
-def _host_tensor(x: np.ndarray | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # Always copy: callers may reuse pinned staging buffers for the next batch while this one is buffered.
-    if isinstance(x, np.ndarray):
-        x = torch.from_numpy(np.ascontiguousarray(x))
-    return x.to(device="cpu", dtype=dtype, copy=True)
+def _serialize(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write a safetensors file straight from the tensors' memory, without an intermediate bytes copy.
+
+    The layout is safetensors' own (u64 header length, JSON header padded to 8 bytes, raw data), so the
+    reference reader opens it; the tests read every shard back through it.
+    """
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name in _FILE_ORDER:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPE_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    # A file we create gets the mode the process umask allows (safetensors' own writer leaves 0600,
+    # which other users' training jobs could not read).
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for name in _FILE_ORDER:
+            t = tensors[name].contiguous()
+            if t.numel():
+                f.write(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+
+
+def _as_tensor(x: np.ndarray | torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x
+
+
+class _ShardBuffer:
+    """Host memory for one shard in the making; reused from shard to shard to avoid page faults."""
+
+    def __init__(self, widths: tuple[int, int], tokens: int):
+        self.widths = widths
+        self.tensors = {
+            "input_ids": torch.empty(tokens, dtype=torch.int32),
+            "loss_mask": torch.empty(tokens, dtype=torch.uint8),
+            "aux_hidden_states": torch.empty(tokens, widths[0], dtype=torch.bfloat16),
+            "hidden_states": torch.empty(tokens, widths[1], dtype=torch.bfloat16),
+        }
+        self.clear()
+
+    @property
+    def capacity(self) -> int:
+        return self.tensors["input_ids"].shape[0]
+
+    def clear(self) -> None:
+        self.samples: list[SampleInfo] = []
+        self.lengths: list[int] = []
+        self.tokens = 0
+
+    def append(self, samples, lengths, tensors: dict[str, torch.Tensor], start: int, stop: int) -> None:
+        need = self.tokens + stop - start
+        if need > self.capacity:  # the sample that crosses the shard target: grow once, then reuse
+            grown = _ShardBuffer(self.widths, max(need, self.capacity + self.capacity // 16))
+            for name, t in self.tensors.items():
+                grown.tensors[name][: self.tokens].copy_(t[: self.tokens])
+            self.tensors = grown.tensors
+        for name, t in tensors.items():
+            self.tensors[name][self.tokens : need].copy_(t[start:stop])
+        self.samples.extend(samples)
+        self.lengths.extend(lengths)
+        self.tokens = need
+
+    def contents(self) -> dict[str, torch.Tensor]:
+        out = {name: t[: self.tokens] for name, t in self.tensors.items()}
+        out["offsets"] = torch.tensor(np.cumsum([0, *self.lengths]), dtype=torch.int64)
+        out["sample_index"] = torch.tensor([s.index for s in self.samples], dtype=torch.int64)
+        return out
 
 
 class ShardWriter:
-    """Buffers batches of extracted samples and writes them as shards of about `shard_bytes` each.
+    """Assembles batches of extracted samples into shards of about `shard_bytes` and writes them.
 
-    A shard is flushed as soon as its hidden-state bytes (aux + last, bf16) reach `shard_bytes`, so it
-    exceeds that size by less than one sample; samples are never split across shards.
+    A shard is closed as soon as its hidden-state bytes (aux + last, bf16) reach `shard_bytes`, so it
+    exceeds that size by less than one sample; samples are never split across shards. `add_batch` copies
+    its input into a shard buffer and returns, so callers may reuse their (pinned) staging memory at once.
+    Complete shards are written by `writers` threads in parallel, each file sequentially; at most
+    `writers + 1` shard buffers exist, so host memory is bounded whatever the corpus size, and a caller
+    that outpaces the disk blocks in `add_batch`. A failed write (disk full, I/O error) is raised from the
+    next `add_batch` or from `close`, and leaves no file under a shard's final name.
     """
 
     def __init__(
@@ -116,28 +184,30 @@ class ShardWriter:
         *,
         shard_bytes: int = 1 << 30,
         shard_numbers: Iterator[int] | None = None,
+        writers: int = 4,
     ):
         if shard_bytes <= 0:
             raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
+        if writers < 1:
+            raise ValueError(f"writers must be at least 1, got {writers}")
         json.dumps(run)  # fail now, not after the first shard's worth of GPU work
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.run = run
         self.shard_bytes = shard_bytes
         self._numbers = shard_numbers if shard_numbers is not None else itertools.count()
+        self._pool = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="shard-writer")
+        self._free: queue.Queue[_ShardBuffer] = queue.Queue()
+        self._buffers_left = writers + 1
+        self._pending: list[Future] = []
         self._paths: list[Path] = []
         self._closed = False
         self._widths: tuple[int, int] | None = None  # (k*H, H), fixed by the first batch
-        self._reset_buffer()
+        self._current: _ShardBuffer | None = None
+        self._lock = threading.Lock()
         self.bytes_written = 0
         self.samples_written = 0
         self.tokens_written = 0
-
-    def _reset_buffer(self) -> None:
-        self._samples: list[SampleInfo] = []
-        self._lengths: list[int] = []
-        self._chunks: dict[str, list[torch.Tensor]] = {name: [] for name in SAMPLE_TENSORS}
-        self._buffered_bytes = 0
 
     def add_batch(
         self,
@@ -155,6 +225,7 @@ class ShardWriter:
         """
         if self._closed:
             raise ShardError("add_batch called on a closed ShardWriter")
+        self._raise_failed_writes()
         lengths = [int(n) for n in lengths]
         if len(lengths) != len(samples):
             raise ShardError(f"{len(samples)} samples but {len(lengths)} lengths")
@@ -162,10 +233,10 @@ class ShardWriter:
             raise ShardError(f"negative sample length in {lengths}")
         total = sum(lengths)
         tensors = {
-            "input_ids": _host_tensor(input_ids, torch.int32),
-            "loss_mask": _host_tensor(loss_mask, torch.uint8),
-            "aux_hidden_states": _host_tensor(aux, torch.bfloat16),
-            "hidden_states": _host_tensor(last, torch.bfloat16),
+            "input_ids": _as_tensor(input_ids),
+            "loss_mask": _as_tensor(loss_mask),
+            "aux_hidden_states": _as_tensor(aux),
+            "hidden_states": _as_tensor(last),
         }
         for name, t in tensors.items():
             want_dims = 1 if name in ("input_ids", "loss_mask") else 2
@@ -186,56 +257,69 @@ class ShardWriter:
         first_sample = first_row = row = 0
         for i, n in enumerate(lengths):
             row += n
-            self._buffered_bytes += n * row_bytes
-            if self._buffered_bytes >= self.shard_bytes:
-                stop = i + 1
-                self._buffer(samples[first_sample:stop], lengths[first_sample:stop], tensors, first_row, row)
+            if (self._buffered_tokens() + row - first_row) * row_bytes >= self.shard_bytes:
+                self._buffer().append(samples[first_sample : i + 1], lengths[first_sample : i + 1], tensors, first_row, row)
                 self._flush()
-                first_sample, first_row = stop, row
+                first_sample, first_row = i + 1, row
         if first_sample < len(samples):
-            self._buffer(samples[first_sample:], lengths[first_sample:], tensors, first_row, row)
+            self._buffer().append(samples[first_sample:], lengths[first_sample:], tensors, first_row, row)
 
-    def _buffer(
-        self,
-        samples: Sequence[SampleInfo],
-        lengths: list[int],
-        tensors: dict[str, torch.Tensor],
-        start: int,
-        stop: int,
-    ) -> None:
-        self._samples.extend(samples)
-        self._lengths.extend(lengths)
-        for name, t in tensors.items():
-            self._chunks[name].append(t[start:stop])
+    def _buffered_tokens(self) -> int:
+        return self._current.tokens if self._current is not None else 0
+
+    def _buffer(self) -> _ShardBuffer:
+        if self._current is None:
+            if self._buffers_left:
+                self._buffers_left -= 1
+                row_bytes = (self._widths[0] + self._widths[1]) * 2
+                self._current = _ShardBuffer(self._widths, max(1, -(-self.shard_bytes // row_bytes)))
+            else:
+                # Back-pressure: wait for a writer to hand a buffer back.
+                self._current = self._free.get()
+                self._raise_failed_writes()
+        return self._current
 
     def _flush(self) -> None:
-        if not self._samples:
+        buf, self._current = self._current, None
+        if buf is None or not buf.samples:
             return
         path = self.out_dir / shard_name(next(self._numbers))
         if path.exists():
             raise FileExistsError(f"{path} already exists; refusing to overwrite another run's shard")
-        tensors = {name: torch.cat(chunks) for name, chunks in self._chunks.items()}
-        tensors["offsets"] = torch.tensor(np.cumsum([0, *self._lengths]), dtype=torch.int64)
-        tensors["sample_index"] = torch.tensor([s.index for s in self._samples], dtype=torch.int64)
-        document = {
-            "format_version": FORMAT_VERSION,
-            "run": self.run,
-            "samples": [asdict(s) for s in self._samples],
-        }
-        metadata = {METADATA_KEY: json.dumps(document)}
-        _atomic_write(path, lambda tmp: _save_with_umask_mode(tmp, tensors, metadata))
-        self._paths.append(path)
-        self.bytes_written += path.stat().st_size
-        self.samples_written += len(self._samples)
-        self.tokens_written += int(tensors["offsets"][-1])
-        self._reset_buffer()
+        self._pending.append(self._pool.submit(self._write, path, buf))
+
+    def _write(self, path: Path, buf: _ShardBuffer) -> Path:
+        try:
+            tensors = buf.contents()
+            document = {"format_version": FORMAT_VERSION, "run": self.run, "samples": [asdict(s) for s in buf.samples]}
+            _atomic_write(path, lambda tmp: _serialize(tmp, tensors, {METADATA_KEY: json.dumps(document)}))
+            with self._lock:
+                self.bytes_written += path.stat().st_size
+                self.samples_written += len(buf.samples)
+                self.tokens_written += buf.tokens
+            return path
+        finally:
+            buf.clear()
+            self._free.put(buf)
+
+    def _raise_failed_writes(self) -> None:
+        done = [f for f in self._pending if f.done()]
+        for f in done:
+            self._pending.remove(f)
+            self._paths.append(f.result())  # re-raises a writer thread's error here
 
     def close(self) -> list[Path]:
-        """Writes the buffered tail and returns every shard written, in writing order."""
+        """Writes the buffered tail, waits for every write, and returns the shards written."""
         if not self._closed:
-            self._flush()
             self._closed = True
-        return list(self._paths)
+            try:
+                self._flush()
+                for f in self._pending:
+                    f.exception()  # wait for all, so no thread still writes when we raise
+                self._raise_failed_writes()
+            finally:
+                self._pool.shutdown(wait=True)
+        return sorted(self._paths, key=_shard_number)
 
 
 @dataclass

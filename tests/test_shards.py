@@ -203,15 +203,16 @@ def test_writes_leave_only_final_files(tmp_path):
 
 
 def test_crash_while_serializing_leaves_no_partial_shard(tmp_path, monkeypatch):
-    def crash_midway(tensors, filename, metadata=None):
-        with open(filename, "wb") as f:
+    def crash_midway(path, tensors, metadata):
+        with open(path, "wb") as f:
             f.write(b"\x00" * 100)
         raise OSError("disk full")
 
-    monkeypatch.setattr(shards, "save_file", crash_midway)
+    monkeypatch.setattr(shards, "_serialize", crash_midway)
     writer = ShardWriter(tmp_path, RUN, shard_bytes=ROW_BYTES)
+    writer.add_batch(*make_batch([0], [4]), lengths=[4])  # the write runs on a writer thread
     with pytest.raises(OSError, match="disk full"):
-        writer.add_batch(*make_batch([0], [4]), lengths=[4])
+        writer.close()
     assert os.listdir(tmp_path) == []
 
 

@@ -1,0 +1,92 @@
+"""Moving captured states off the GPU without making the GPU wait for the host.
+
+Each batch's states are copied on a side CUDA stream into one of a few reused pinned host buffers; a
+background thread waits for the copy and hands the host rows to the consumer (the shard writer). The
+main loop only blocks when every pinned buffer is still in flight, which is the back-pressure that keeps
+host memory bounded when the disk is slower than the GPU.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable
+
+import torch
+
+from .batching import Batch
+
+Consumer = Callable[[Batch, torch.Tensor, torch.Tensor], None]
+
+STORED_DTYPE = torch.bfloat16
+
+
+class HostOffload:
+    def __init__(self, consume: Consumer, device: torch.device | str, max_tokens: int, widths: tuple[int, int], depth: int = 3):
+        self._consume = consume
+        self._device = torch.device(device)
+        self._cuda = self._device.type == "cuda"
+        self._free: queue.Queue = queue.Queue()
+        if self._cuda:
+            self._stream = torch.cuda.Stream(self._device)
+            for _ in range(depth):
+                # Allocated once: pinning half a gigabyte takes about 0.1 s.
+                self._free.put(tuple(torch.empty(max_tokens, w, dtype=STORED_DTYPE, pin_memory=True) for w in widths))
+        else:
+            for _ in range(depth):
+                self._free.put(None)
+        self._ready: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._drain, name="host-offload", daemon=True)
+        self._thread.start()
+
+    def submit(self, batch: Batch, aux: torch.Tensor, last: torch.Tensor) -> None:
+        """Start moving one batch's states to the host; returns before the copy is done."""
+        buffers = self._free.get()
+        self._raise_error()
+        if not self._cuda:
+            self._ready.put((batch, None, (aux.to(STORED_DTYPE), last.to(STORED_DTYPE)), buffers))
+            return
+        t = aux.shape[0]
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(self._stream):
+            host = tuple(buf[:t] for buf in buffers)
+            for dst, src in zip(host, (aux, last)):
+                dst.copy_(src, non_blocking=True)
+                # The caching allocator must not hand this memory to the next forward while we read it.
+                src.record_stream(self._stream)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        self._ready.put((batch, done, host, buffers))
+
+    def _drain(self) -> None:
+        while (item := self._ready.get()) is not None:
+            batch, done, host, buffers = item
+            try:
+                if self._error is None:
+                    if done is not None:
+                        done.synchronize()
+                    self._consume(batch, *host)
+            except BaseException as e:  # surfaced to the main thread on its next submit or close
+                self._error = e
+            finally:
+                self._free.put(buffers)
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        """Wait until every submitted batch reached the consumer; re-raise the consumer's failure."""
+        self._ready.put(None)
+        self._thread.join()
+        self._raise_error()
+
+    def __enter__(self) -> "HostOffload":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._ready.put(None)
+            self._thread.join()
