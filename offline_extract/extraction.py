@@ -21,7 +21,7 @@ from . import __version__, parity
 from .batching import Batch, batch_by_tokens
 from .corpus import Record, Reject, read_corpus
 from .distributed import Coordinator, Layout, layout_from_env
-from .offload import STORED_DTYPE, HostOffload
+from .offload import STORED_DTYPE, HostOffload, pinned_buffers
 from .progress import RunProgress
 from .sglang_adapter import LAYER_CONVENTION, Engine, EngineConfig
 from .shards import SampleInfo, ShardWriter, shard_paths, write_index
@@ -163,10 +163,13 @@ def _info(s: Sample) -> SampleInfo:
     return SampleInfo(s.index, s.id, s.source, s.line, s.source_len, s.truncated)
 
 
-def extract_batches(engine: Engine, batches: Iterable[Batch], writer: ShardWriter | None, on_batch=lambda b: None) -> None:
+def extract_batches(
+    engine: Engine, batches: Iterable[Batch], writer: ShardWriter | None, on_batch=lambda b: None, staging=None
+) -> None:
     """The hot loop: forward each batch and hand its states to the writer without waiting for the host.
 
-    Ranks that do not write (tp_rank > 0) still take part in every forward: TP needs all of them.
+    `staging` (from `staging_buffers`) may be passed in to reuse pinned memory across calls. Ranks that
+    do not write (tp_rank > 0) still take part in every forward: TP needs all of them.
     """
     if writer is None:
         for batch in batches:
@@ -184,12 +187,16 @@ def extract_batches(engine: Engine, batches: Iterable[Batch], writer: ShardWrite
             lengths=[s.num_tokens for s in batch.samples],
         )
 
-    widths = (len(engine.layer_ids) * engine.hidden_size, engine.hidden_size)
-    with HostOffload(consume, engine.device, engine.cfg.max_tokens_per_batch, widths) as offload:
+    with HostOffload(consume, engine.device, staging or staging_buffers(engine)) as offload:
         for batch in batches:
             captured = engine.forward([s.input_ids for s in batch.samples])
             offload.submit(batch, captured.aux, captured.last)
             on_batch(batch)
+
+
+def staging_buffers(engine: Engine) -> list:
+    widths = (len(engine.layer_ids) * engine.hidden_size, engine.hidden_size)
+    return pinned_buffers(engine.device, engine.cfg.max_tokens_per_batch, widths)
 
 
 def _count_owned(layout: Layout, paths: Sequence[str]) -> int:
@@ -230,9 +237,9 @@ def run(opts: ExtractOptions) -> Summary | None:
     layout = layout_from_env(opts.tp)
     device = _resolve_device(opts.device)
     model_dir = Path(opts.model) if opts.model else ensure_tiny_model()
-    # SGLang turns a float32 checkpoint into bf16 under "auto"; the embedded model exists to prove
-    # parity in fp32, so it keeps its own dtype.
-    dtype = "float32" if opts.dtype == "auto" and not opts.model else opts.dtype
+    # SGLang turns a float32 checkpoint into bf16 under "auto"; on CPU the embedded model exists to prove
+    # parity in fp32, so it keeps its own dtype there (SGLang's CUDA kernels take half precision only).
+    dtype = "float32" if opts.dtype == "auto" and not opts.model and device == "cpu" else opts.dtype
     out = Path(opts.out)
     coord = Coordinator(layout, namespace=f"run-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
     _check_out_dir(out)

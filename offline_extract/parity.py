@@ -27,6 +27,9 @@ class LayerParity:
     max_abs: float
     max_rel: float  # max_abs / max |HF state|
     cosine: float  # the worst per-token cosine similarity
+    # Mean cosine against the adjacent HF state (hidden_states[i-1]): how far an off-by-one would land,
+    # which shows that the match above is discriminating.
+    neighbour_cosine: float
     ok: bool
 
     def to_json(self) -> dict:
@@ -62,7 +65,7 @@ def compare(
     tol = TOLERANCES[dtype]
     device = next(hf_model.parameters()).device
     names = [f"aux {k}" for k in layer_ids] + ["last"]
-    worst = {n: [0.0, 0.0, 1.0] for n in names}  # max_abs, max_rel, min cosine
+    worst = {n: [0.0, 0.0, 1.0, []] for n in names}  # max_abs, max_rel, min cosine, neighbour cosines
     hf_index = {f"aux {k}": k + 1 for k in layer_ids}
     for input_ids, aux, last in engine_states:
         hs = hf_hidden_states(hf_model, input_ids, device)
@@ -73,15 +76,17 @@ def compare(
             diff = (mine - ref).abs().max().item()
             scale = ref.abs().max().item() or 1.0
             cos = torch.nn.functional.cosine_similarity(mine, ref, dim=-1).min().item()
+            neighbour = hs[hf_index[name] - 1].float().to(mine.device)
             w = worst[name]
             w[0], w[1], w[2] = max(w[0], diff), max(w[1], diff / scale), min(w[2], cos)
+            w[3].append(torch.nn.functional.cosine_similarity(mine, neighbour, dim=-1).mean().item())
     rows = []
     for name in names:
-        max_abs, max_rel, cos = worst[name]
+        max_abs, max_rel, cos, neighbour = worst[name]
         ok = cos >= tol["min_cosine"]
         ok &= tol["max_abs"] is None or max_abs <= tol["max_abs"]
         ok &= tol["max_rel"] is None or max_rel <= tol["max_rel"]
-        rows.append(LayerParity(name, hf_index[name], max_abs, max_rel, cos, bool(ok)))
+        rows.append(LayerParity(name, hf_index[name], max_abs, max_rel, cos, sum(neighbour) / len(neighbour), bool(ok)))
     return rows
 
 

@@ -1,0 +1,61 @@
+#!/usr/bin/env python
+"""Measure extraction tokens/s against bare SGLang prefill, on the same GPU, batches and process.
+
+\b
+    python bin/bench.py                                   # 8B-shaped dummy model, lognormal lengths, /dev/shm
+    python bin/bench.py --out /dev/shm/x --out /tmp/x --baseline-hf
+    python bin/bench.py --lengths fixed --mean-length 2048
+    torchrun --nproc-per-node 8 bin/bench.py              # DP=8: aggregate tokens/s
+
+Every --out is measured in the same run (tmpfs and a disk path are both fine); the disk's own parallel
+write rate is probed there first. Results (JSON, with this command) go to --results-dir.
+"""
+import _bin_path  # noqa: F401  (must come first: see its docstring)
+import os
+import sys
+
+import click
+
+from offline_extract.benchmarking import BenchOptions, run_bench
+
+
+def _command() -> str:
+    argv = " ".join(["bin/bench.py", *sys.argv[1:]])
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        nodes = int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"])
+        return f"torchrun --nnodes {nodes} --nproc-per-node {os.environ['LOCAL_WORLD_SIZE']} {argv}"
+    return f"python {argv}"
+
+
+@click.command(help=__doc__)
+@click.option("--model", default=None, help="HF model directory. Default: a generated config of --shape.")
+@click.option("--shape", default="llama3_8b", show_default=True, help="Generated model shape (see tiny_model.ARCHITECTURES).")
+@click.option("--load-format", default="dummy", show_default=True, help="'dummy': random weights, no files needed.")
+@click.option("--dtype", default="bfloat16", show_default=True)
+@click.option("--attention-backend", default=None, help="Default: fa3 on Hopper when installed, else triton.")
+@click.option("--out", "outs", multiple=True, default=["/dev/shm/offline_extract_bench"], show_default=True,
+              help="Where extraction writes shards; repeat to measure several targets in one run.")
+@click.option("--lengths", type=click.Choice(["lognormal", "fixed"]), default="lognormal", show_default=True)
+@click.option("--mean-length", default=1700, show_default=True, help="Mean (lognormal) or exact (fixed) tokens a sample.")
+@click.option("--max-length", default=8192, show_default=True, help="Cap of the lognormal lengths.")
+@click.option("--num-tokens", default=1_000_000, show_default=True, help="Synthetic corpus size in tokens.")
+@click.option("--tokens-per-batch", default=16384, show_default=True)
+@click.option("--warmup-batches", default=2, show_default=True)
+@click.option("--baseline-hf", is_flag=True, help="Also time HF transformers with output_hidden_states + .cpu().")
+@click.option("--disk-probe-gb", default=4.0, show_default=True, help="Bytes written to measure each --out's write rate.")
+@click.option("--writers", default=4, show_default=True, help="Shard writer threads.")
+@click.option("--results-dir", default="benchmarks/results", show_default=True)
+@click.option("--profile", default=None, help="Write a torch-profiler trace and tables of 4 extraction batches here.")
+def main(model, shape, load_format, dtype, attention_backend, outs, lengths, mean_length, max_length, num_tokens,
+         tokens_per_batch, warmup_batches, baseline_hf, disk_probe_gb, writers, results_dir, profile):
+    run_bench(BenchOptions(
+        model=model, shape=shape, load_format=load_format, dtype=dtype, attention_backend=attention_backend,
+        outs=tuple(outs), lengths=lengths, mean_length=mean_length, max_length=max_length, num_tokens=num_tokens,
+        tokens_per_batch=tokens_per_batch, warmup_batches=warmup_batches, baseline_hf=baseline_hf,
+        disk_probe_bytes=int(disk_probe_gb * (1 << 30)), writers=writers, results_dir=results_dir,
+        profile=profile, command=_command(),
+    ))
+
+
+if __name__ == "__main__":
+    main()

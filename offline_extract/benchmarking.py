@@ -1,0 +1,326 @@
+"""Benchmarking: extraction throughput against bare SGLang prefill, on the same GPU, batches and process.
+
+Modes, in this order, each after untimed warm-up batches:
+1. bare prefill: SGLang's forward with no capture and no copy-out (the ceiling);
+2. extraction: capture, copy to host and write shards to each `--out` (tmpfs or disk), timed until the
+   last shard is on disk;
+3. optionally HF transformers with output_hidden_states, copying the same layers to host.
+Under torchrun every data-parallel replica runs its share and the figures are aggregated.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import os
+import shutil
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .batching import Batch, batch_by_tokens
+from .corpus import Record
+from .distributed import Coordinator, Layout, layout_from_env
+from .extraction import extract_batches, staging_buffers
+from .offload import STORED_DTYPE
+from .sglang_adapter import Engine, EngineConfig
+from .shards import ShardWriter
+from .tiny_model import TRAINING_TEXT, build_model
+from .tokenization import Sample, SampleTokenizer
+
+# Dense bf16 tensor-core peaks, for MFU.
+PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    model: str | None = None  # a model directory; None: generate `shape`
+    shape: str = "llama3_8b"
+    load_format: str = "dummy"
+    dtype: str = "bfloat16"
+    attention_backend: str | None = None
+    outs: tuple[str, ...] = ("/dev/shm/offline_extract_bench",)
+    lengths: str = "lognormal"  # "lognormal" or "fixed"
+    mean_length: int = 1700
+    max_length: int = 8192
+    num_tokens: int = 1_000_000
+    tokens_per_batch: int = 16384
+    warmup_batches: int = 2
+    baseline_hf: bool = False
+    disk_probe_bytes: int = 4 << 30
+    writers: int = 4
+    seed: int = 0
+    results_dir: str = "benchmarks/results"
+    profile: str | None = None
+    command: str = ""
+
+
+def synthetic_corpus(tokenizer: SampleTokenizer, opts: BenchOptions, dp_rank: int = 0, dp_size: int = 1) -> list[Sample]:
+    """Chat-formatted samples with a realistic length distribution, so loss masks are real.
+
+    Lengths are lognormal (sigma 0.8) around `mean_length` and capped by `max_length`, or all exactly
+    `mean_length` for "fixed". Text is drawn from the tiny model's vocabulary of words.
+    """
+    rng = np.random.default_rng(opts.seed)
+    words = TRAINING_TEXT.split()
+    fixed = opts.lengths == "fixed"
+    # Fixed lengths: overshoot, then truncation cuts every sample to exactly the target.
+    tokenize = SampleTokenizer(tokenizer.tokenizer, max_length=opts.mean_length if fixed else opts.max_length)
+    samples, total, i = [], 0, 0
+    sigma = 0.8
+    while total < opts.num_tokens:
+        if fixed:
+            target = int(opts.mean_length * 1.5)
+        else:
+            target = int(max(16, rng.lognormal(math.log(opts.mean_length) - sigma**2 / 2, sigma)))
+        turns = int(rng.integers(1, 4))
+        messages = []
+        for _ in range(turns):
+            # Roughly 1.6 tokens a word with the tiny tokenizer; a fifth of each turn is the user's.
+            n = max(2, int(target / turns / 1.6))
+            messages.append(("user", " ".join(rng.choice(words, max(1, n // 5)))))
+            messages.append(("assistant", " ".join(rng.choice(words, n - n // 5))))
+        record = Record(source="synthetic", line=i + 1, index=i, id=f"synthetic-{i}", format="openai", messages=tuple(messages))
+        sample = tokenize(record)
+        if fixed and sample.num_tokens != opts.mean_length:
+            raise AssertionError(f"synthetic sample of {sample.num_tokens} tokens in a fixed-{opts.mean_length} run")
+        i += 1
+        total += sample.num_tokens
+        if sample.index % dp_size == dp_rank:
+            samples.append(sample)
+    return samples
+
+
+def model_flops_per_token(config, samples: list[Sample]) -> float:
+    """Forward FLOPs per token: 2 x matmul weights (no LM head: extraction computes no logits) plus
+    causal attention (QK^T and AV over each token's prefix)."""
+    h, layers = config.hidden_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    kv = getattr(config, "num_key_value_heads", heads)
+    inter = config.intermediate_size
+    per_layer = h * heads * head_dim + 2 * h * kv * head_dim + heads * head_dim * h + 3 * h * inter
+    tokens = sum(s.num_tokens for s in samples)
+    attention = sum(4 * layers * heads * head_dim * s.num_tokens * (s.num_tokens + 1) / 2 for s in samples)
+    return 2 * layers * per_layer + attention / tokens
+
+
+def _peak_flops() -> float | None:
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def _host_peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def out_kind(path: str) -> str:
+    """'tmpfs' or 'disk', from the file system that holds `path`."""
+    target = os.path.realpath(path)
+    best, kind = "", "disk"
+    with open("/proc/mounts") as f:
+        for line in f:
+            _, mount, fstype, *_ = line.split()
+            if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
+                best, kind = mount, "tmpfs" if fstype in ("tmpfs", "ramfs") else "disk"
+    return kind
+
+
+def disk_write_rate(directory: Path, total_bytes: int, streams: int) -> float:
+    """Aggregate bytes/s of `streams` parallel sequential writers with fsync, like the shard writers."""
+    directory.mkdir(parents=True, exist_ok=True)
+    chunk = np.ones(64 << 20, dtype=np.uint8)
+    per_stream = max(len(chunk), total_bytes // streams)
+
+    def write(i: int) -> None:
+        path = directory / f".probe-{i}"
+        with open(path, "wb") as f:
+            for _ in range(per_stream // len(chunk)):
+                f.write(memoryview(chunk))
+            f.flush()
+            os.fsync(f.fileno())
+        path.unlink()
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(streams)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return streams * (per_stream // len(chunk)) * len(chunk) / (time.perf_counter() - start)
+
+
+def _timed(coord: Coordinator, fn) -> float:
+    coord.barrier()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return max(coord.all_gather(time.perf_counter() - start))
+
+
+def _bare(engine: Engine, batches: list[Batch]) -> None:
+    for b in batches:
+        engine.forward([s.input_ids for s in b.samples], capture=False)
+
+
+def _hf_pass(model, batches: list[Batch], layer_ids, device) -> None:
+    """The usual HF script: pad each batch, output_hidden_states, copy the layers it needs to host."""
+    pick = [k + 1 for k in layer_ids] + [-1]
+    for b in batches:
+        n = max(s.num_tokens for s in b.samples)
+        ids = torch.zeros(len(b.samples), n, dtype=torch.long)
+        mask = torch.zeros(len(b.samples), n, dtype=torch.long)
+        for i, s in enumerate(b.samples):
+            ids[i, : s.num_tokens] = torch.from_numpy(s.input_ids)
+            mask[i, : s.num_tokens] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        with torch.no_grad():
+            hs = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False).hidden_states
+        keep = mask.bool()
+        for j in pick:
+            hs[j][keep].cpu()
+
+
+def run_bench(opts: BenchOptions) -> list[dict]:
+    layout = layout_from_env(1)
+    torch.cuda.set_device(layout.local_rank)
+    coord = Coordinator(layout, namespace=f"bench-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
+    model_dir = Path(opts.model) if opts.model else _generated_config(opts.shape, layout, coord)
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = SampleTokenizer(AutoTokenizer.from_pretrained(model_dir), max_length=opts.max_length)
+    samples = synthetic_corpus(tokenizer, opts, layout.dp_rank, layout.dp_size)
+    batches = list(batch_by_tokens(samples, opts.tokens_per_batch, 256))
+    warm, timed = batches[: opts.warmup_batches], batches[opts.warmup_batches :]
+    tokens = sum(b.num_tokens for b in timed)
+    engine = Engine(EngineConfig(
+        model_path=str(model_dir), device="cuda", dtype=opts.dtype, gpu_id=layout.local_rank,
+        nccl_port=layout.nccl_port(None), attention_backend=opts.attention_backend,
+        max_tokens_per_batch=opts.tokens_per_batch, max_seqs_per_batch=256, context_length=opts.max_length,
+        load_format=opts.load_format,
+    ))
+    config = AutoConfig.from_pretrained(model_dir)
+
+    staging = staging_buffers(engine)
+    _bare(engine, warm)
+    bare_s = _timed(coord, lambda: _bare(engine, timed))
+
+    results = []
+    for out in opts.outs:
+        root = Path(out) / f"rank{layout.rank}"
+        shutil.rmtree(root, ignore_errors=True)
+        disk_rate = disk_write_rate(root / "probe", opts.disk_probe_bytes, opts.writers)
+        torch.cuda.reset_peak_memory_stats()
+        run_meta = {"model": str(model_dir), "layer_ids": list(engine.layer_ids), "benchmark": True}
+
+        def extract(batches: list[Batch], name: str) -> None:
+            writer = ShardWriter(root / name, run_meta, writers=opts.writers)
+            extract_batches(engine, batches, writer, staging=staging)
+            writer.close()
+
+        extract(warm, "warm")
+        if opts.profile:
+            _profile(lambda: extract(timed[:4], "profile"), Path(opts.profile))
+        extract_s = _timed(coord, lambda: extract(timed, "shards"))
+        total_tokens = sum(coord.all_gather(tokens))
+        row_bytes = (len(engine.layer_ids) + 1) * engine.hidden_size * STORED_DTYPE.itemsize + 4 + 1
+        results.append({
+            "command": opts.command,
+            "device": torch.cuda.get_device_name(),
+            "world_size": layout.world_size,
+            "sglang_version": importlib.metadata.version("sglang"),
+            "torch_version": torch.__version__,
+            "model": opts.model or f"{opts.shape} (generated config, load_format={opts.load_format})",
+            "dtype": opts.dtype,
+            "attention_backend": engine.attention_backend,
+            "layer_ids": list(engine.layer_ids),
+            "lengths": opts.lengths if opts.lengths == "fixed" else f"lognormal mean {opts.mean_length} cap {opts.max_length}",
+            "num_samples": sum(coord.all_gather(sum(len(b.samples) for b in timed))),
+            "num_tokens": total_tokens,
+            "tokens_per_batch": opts.tokens_per_batch,
+            "bare_prefill_tok_s": total_tokens / bare_s,
+            "extract_tok_s": total_tokens / extract_s,
+            "extract_over_bare": bare_s / extract_s,
+            "out": out,
+            "out_kind": out_kind(out),
+            "disk_write_bytes_s": sum(coord.all_gather(disk_rate)),
+            "bytes_per_token": row_bytes,
+            "extract_bytes_s": total_tokens * row_bytes / extract_s,
+            "mfu_bare": _mfu(config, samples, total_tokens / bare_s / layout.world_size),
+            "mfu_extract": _mfu(config, samples, total_tokens / extract_s / layout.world_size),
+            "host_peak_rss_bytes": max(coord.all_gather(_host_peak_rss())),
+            "gpu_peak_bytes": max(coord.all_gather(torch.cuda.max_memory_allocated())),
+        })
+        shutil.rmtree(root, ignore_errors=True)
+
+    if opts.baseline_hf:
+        hf_s = _hf_baseline(config, engine, warm, timed, coord)
+        for r in results:
+            r["hf_tok_s"] = r["num_tokens"] / hf_s
+            r["extract_over_hf"] = hf_s * r["extract_tok_s"] / r["num_tokens"]
+    if layout.leads:
+        _save(results, opts)
+    return results
+
+
+def _mfu(config, samples: list[Sample], tok_s_per_gpu: float) -> float | None:
+    peak = _peak_flops()
+    return None if peak is None else model_flops_per_token(config, samples) * tok_s_per_gpu / peak
+
+
+def _hf_baseline(config, engine: Engine, warm, timed, coord: Coordinator) -> float:
+    from transformers import AutoModelForCausalLM
+
+    # Random weights of the same shape: speed does not depend on the values.
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    _hf_pass(model, warm, engine.layer_ids, "cuda")
+    seconds = _timed(coord, lambda: _hf_pass(model, timed, engine.layer_ids, "cuda"))
+    del model
+    torch.cuda.empty_cache()
+    return seconds
+
+
+def _profile(fn, out_dir: Path) -> None:
+    """A torch-profiler trace of `fn` (a few extraction batches) and its tables of where time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(out_dir / "extract_trace.json"))
+    (out_dir / "extract_profile.txt").write_text(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+        + "\n\n"
+        + prof.key_averages().table(sort_by="cpu_time_total", row_limit=40)
+    )
+
+
+def _generated_config(shape: str, layout: Layout, coord: Coordinator) -> Path:
+    """A config and tokenizer for `shape` with no weights: SGLang's dummy loader draws them."""
+    path = Path(f"/tmp/offline_extract_bench_{shape}")
+    if layout.local_rank == 0 and not (path / "config.json").exists():
+        build_model(shape, path, dtype=torch.bfloat16, weights=False)
+    coord.barrier()
+    return path
+
+
+def _save(results: list[dict], opts: BenchOptions) -> None:
+    out = Path(opts.results_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for r in results:
+        name = f"bench_{opts.shape if not opts.model else Path(opts.model).name}_{opts.lengths}_{r['out_kind']}_w{r['world_size']}_{stamp}.json"
+        (out / name).write_text(json.dumps(r, indent=2) + "\n")
+        print(json.dumps(r, indent=2), file=sys.stderr)

@@ -1,0 +1,240 @@
+import itertools
+import pickle
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from offline_extract import reader
+from offline_extract.reader import HiddenStateDataset, HiddenStateIterableDataset
+from offline_extract.shards import (
+    SAMPLE_TENSORS,
+    SampleInfo,
+    ShardError,
+    ShardWriter,
+    open_shard,
+    shard_paths,
+    write_index,
+)
+
+K, H = 3, 8
+ROW_BYTES = (K + 1) * H * 2
+RUN = {"model": "tiny", "layer_ids": [1, 2, 3], "hidden_size": H}
+LENGTHS = [5, 3, 7, 1, 9, 4, 6, 2, 8, 3, 5, 7, 4]
+N = len(LENGTHS)
+
+
+def write_rank(out_dir, indices, shard_numbers, seed, lengths=LENGTHS):
+    """Samples `indices` as one data-parallel rank writes them, in shards of about 12 rows."""
+    gen = torch.Generator().manual_seed(seed)
+    writer = ShardWriter(out_dir, RUN, shard_bytes=12 * ROW_BYTES, shard_numbers=shard_numbers)
+    lengths = [lengths[i] for i in indices]
+    total = sum(lengths)
+    writer.add_batch(
+        [SampleInfo(i, f"s{i}", "data.jsonl", i + 1, n, False) for i, n in zip(indices, lengths)],
+        torch.randint(0, 50_000, (total,), generator=gen),
+        torch.rand(total, generator=gen) < 0.5,
+        torch.randn(total, K * H, generator=gen),
+        torch.randn(total, H, generator=gen),
+        lengths=lengths,
+    )
+    writer.close()
+
+
+@pytest.fixture
+def out_dir(tmp_path):
+    """Two ranks' shards, so sample-index order differs from shard order; with index.json."""
+    write_rank(tmp_path, list(range(0, N, 2)), itertools.count(0, 2), seed=0)
+    write_rank(tmp_path, list(range(1, N, 2)), itertools.count(1, 2), seed=1)
+    write_index(tmp_path)
+    assert len(shard_paths(tmp_path)) >= 4
+    return tmp_path
+
+
+def truth(out_dir):
+    """Sample id -> tensors as the shard API reads them, in sample-index order."""
+    found = {}
+    for path in shard_paths(out_dir):
+        shard = open_shard(path)
+        for pos, info in enumerate(shard.samples):
+            found[info.index] = (info.id, shard.sample(pos))
+    return dict(found[i] for i in sorted(found))
+
+
+def assert_item_matches(item, want):
+    assert set(item) == {*SAMPLE_TENSORS, "id"}
+    assert item["input_ids"].dtype == torch.int64
+    assert torch.equal(item["input_ids"], want["input_ids"].long())
+    for name in ("loss_mask", "aux_hidden_states", "hidden_states"):
+        assert item[name].dtype == want[name].dtype, name
+        assert torch.equal(item[name], want[name]), name
+    assert item["aux_hidden_states"].shape == (len(item["input_ids"]), K * H)
+    assert item["hidden_states"].shape == (len(item["input_ids"]), H)
+
+
+@pytest.mark.parametrize("with_index", [True, False])
+def test_map_items_equal_the_shards_in_sample_index_order(out_dir, with_index):
+    if not with_index:
+        (out_dir / "index.json").unlink()
+    want = truth(out_dir)
+    ds = HiddenStateDataset(out_dir)
+    assert len(ds) == N
+    assert ds.ids == [f"s{i}" for i in range(N)] == list(want)
+    assert ds.run == RUN
+    for i, (sample_id, tensors) in enumerate(want.items()):
+        item = ds[i]
+        assert item["id"] == sample_id
+        assert_item_matches(item, tensors)
+    assert torch.equal(ds[-1]["hidden_states"], ds[N - 1]["hidden_states"])
+    with pytest.raises(IndexError):
+        ds[N]
+
+
+def test_lookup_by_id(out_dir):
+    want = truth(out_dir)
+    ds = HiddenStateDataset(out_dir)
+    assert ds.index_of("s7") == 7
+    item = ds.get_by_id("s7")
+    assert item["id"] == "s7"
+    assert_item_matches(item, want["s7"])
+    with pytest.raises(KeyError, match="nope"):
+        ds.get_by_id("nope")
+
+
+class CountingHandle:
+    """Records what a reader asks of a safe_open handle."""
+
+    def __init__(self, inner, log):
+        self.inner, self.log = inner, log
+
+    def get_tensor(self, name):
+        self.log.append(("tensor", name))
+        return self.inner.get_tensor(name)
+
+    def get_slice(self, name):
+        handle = self
+
+        class Slice:
+            def __getitem__(self, key):
+                handle.log.append(("slice", name, key.start, key.stop))
+                return handle.inner.get_slice(name)[key]
+
+        return Slice()
+
+
+def test_reads_only_the_sample_rows_and_opens_each_shard_once(out_dir, monkeypatch):
+    log, opened = [], []
+    real = reader.safe_open
+
+    def counting_open(path, framework):
+        opened.append(path)
+        return CountingHandle(real(path, framework=framework), log)
+
+    monkeypatch.setattr(reader, "safe_open", counting_open)
+    ds = HiddenStateDataset(out_dir)
+    assert opened == []  # index.json alone builds the catalog
+
+    where = {}
+    for path in shard_paths(out_dir):
+        shard = open_shard(path)
+        for pos, info in enumerate(shard.samples):
+            where[info.id] = (path, shard.offsets[pos], shard.offsets[pos + 1])
+
+    for i in (4, 6, 4):
+        log.clear()
+        ds[i]
+        path, start, stop = where[f"s{i}"]
+        reads = [entry for entry in log if entry != ("tensor", "offsets")]
+        assert sorted(reads) == sorted(("slice", name, start, stop) for name in SAMPLE_TENSORS)
+    assert sorted(opened) == sorted({where["s4"][0], where["s6"][0]})
+
+
+def test_items_own_storages_of_their_own_size(out_dir):
+    # A view of the memory-mapped shard tensor would make torch.save, or a DataLoader worker's result
+    # queue, carry the whole shard tensor along with the sample.
+    item = HiddenStateDataset(out_dir)[2]
+    for name in SAMPLE_TENSORS:
+        t = item[name]
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
+
+
+def test_pickled_dataset_reopens_its_shards(out_dir):
+    ds = HiddenStateDataset(out_dir)
+    first = ds[3]
+    copy = pickle.loads(pickle.dumps(ds))
+    assert torch.equal(copy[3]["aux_hidden_states"], first["aux_hidden_states"])
+
+
+def test_stale_index_falls_back_to_scanning(out_dir):
+    # A shard written after index.json, as by a resumed run.
+    write_rank(out_dir, [N], iter([100]), seed=2, lengths=[*LENGTHS, 4])
+    with pytest.warns(UserWarning, match="does not match"):
+        ds = HiddenStateDataset(out_dir)
+    assert ds.ids[-1] == f"s{N}"
+    assert len(ds) == N + 1
+
+
+def test_bad_directories(tmp_path):
+    with pytest.raises(ShardError, match="not a directory"):
+        HiddenStateDataset(tmp_path / "missing")
+    with pytest.raises(ShardError, match="no shard_"):
+        HiddenStateDataset(tmp_path)
+
+
+def ids_of(ds, worker=None, monkeypatch=None):
+    if worker is not None:
+        monkeypatch.setattr(reader, "get_worker_info", lambda: SimpleNamespace(id=worker[0], num_workers=worker[1]))
+    return [item["id"] for item in ds]
+
+
+def test_iterable_across_two_dataloader_workers_yields_each_sample_once(out_dir):
+    want = truth(out_dir)
+    ds = HiddenStateIterableDataset(out_dir, seed=3)
+    next(iter(ds))  # handles opened in the parent must not be used by forked workers
+    items = list(DataLoader(ds, batch_size=None, num_workers=2))
+    assert sorted(item["id"] for item in items) == sorted(want)
+    for item in items:
+        assert_item_matches(item, want[item["id"]])
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_ranks_and_workers_split_without_duplicates(out_dir, monkeypatch, world_size, num_workers):
+    seen = []
+    for rank in range(world_size):
+        ds = HiddenStateIterableDataset(out_dir, seed=1, rank=rank, world_size=world_size)
+        rank_ids = []
+        for worker in range(num_workers):
+            rank_ids += ids_of(ds, (worker, num_workers), monkeypatch)
+        assert len(rank_ids) == len(ds)
+        seen += rank_ids
+    assert sorted(seen) == sorted(f"s{i}" for i in range(N))
+
+
+def test_drop_last_gives_every_rank_the_same_count(out_dir):
+    world_size = 4
+    per_rank = [list(ids_of(HiddenStateIterableDataset(out_dir, rank=r, world_size=4, drop_last=True)))
+                for r in range(world_size)]
+    assert [len(ids) for ids in per_rank] == [N // world_size] * world_size
+    flat = [i for ids in per_rank for i in ids]
+    assert len(set(flat)) == len(flat)
+
+
+def test_shuffle_is_seeded(out_dir):
+    def order(**kwargs):
+        return ids_of(HiddenStateIterableDataset(out_dir, **kwargs))
+
+    assert order(seed=0) == order(seed=0)
+    assert order(seed=0) != order(seed=1)
+    assert sorted(order(seed=0)) == sorted(order(seed=1))
+    assert order(shuffle=False) == [f"s{i}" for i in range(N)]
+    ds = HiddenStateIterableDataset(out_dir, seed=0)
+    ds.set_epoch(1)
+    assert ids_of(ds) != order(seed=0)
+    assert ids_of(ds) == ids_of(ds)
+
+
+def test_rank_arguments_are_checked(out_dir):
+    with pytest.raises(ValueError, match="rank"):
+        HiddenStateIterableDataset(out_dir, rank=2, world_size=2)
