@@ -2,7 +2,7 @@
 
 SGLang's EXTEND batches take sequences of any lengths packed end to end, so a batch is just a run of
 consecutive samples. Packing keeps corpus order, which makes batches a pure function of the corpus and
-the options.
+the options. A sample longer than the budget travels alone; the engine prefills it in chunks.
 """
 from __future__ import annotations
 
@@ -27,11 +27,6 @@ def batch_by_tokens(samples: Iterable[Sample], max_tokens: int, max_seqs: int) -
     pending: list[Sample] = []
     tokens = 0
     for sample in samples:
-        if sample.num_tokens > max_tokens:
-            raise ValueError(
-                f"sample {sample.id} ({sample.source}:{sample.line}) has {sample.num_tokens} tokens, more than "
-                f"one forward's budget of {max_tokens}; lower --max-length or raise --tokens-per-batch"
-            )
         if pending and (tokens + sample.num_tokens > max_tokens or len(pending) == max_seqs):
             yield Batch(tuple(pending))
             pending, tokens = [], 0

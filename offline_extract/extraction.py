@@ -196,7 +196,7 @@ def extract_batches(
 
 def staging_buffers(engine: Engine) -> list:
     widths = (len(engine.layer_ids) * engine.hidden_size, engine.hidden_size)
-    return pinned_buffers(engine.device, engine.cfg.max_tokens_per_batch, widths)
+    return pinned_buffers(engine.device, engine.max_sequence_tokens, widths)
 
 
 def _count_owned(layout: Layout, paths: Sequence[str]) -> int:
@@ -253,9 +253,7 @@ def run(opts: ExtractOptions) -> Summary | None:
         max_length=opts.max_length,
         overlong=opts.overlong,
     )
-    tokens_per_batch = opts.tokens_per_batch or max(opts.max_length, 16384 if device == "cuda" else 4096)
-    if opts.max_length > tokens_per_batch:
-        raise ValueError(f"--max-length {opts.max_length} exceeds --tokens-per-batch {tokens_per_batch}")
+    tokens_per_batch = opts.tokens_per_batch or (16384 if device == "cuda" else 4096)
     engine = Engine(
         EngineConfig(
             model_path=str(model_dir),

@@ -147,6 +147,16 @@ class CaptureRule:
     # switch, the decoder and the logits processor.
     language_model: str | None = None
 
+    def causal_lm(self, model):
+        return getattr(model, self.language_model) if self.language_model else model
+
+    def captured_points(self, model) -> list[int]:
+        """The capture points `model` is set to, read from where its decoder loop looks."""
+        decoder = self.causal_lm(model).model
+        if self.in_layer_flags:
+            return [i for i, layer in enumerate(decoder.layers) if getattr(layer, "_is_layer_to_capture", False)]
+        return sorted(decoder.layers_to_capture)
+
 
 _PLUS_ONE = "adds +1 to every id"
 _DEEPSEEK = "adds +1 to every id only if ids[0] == 1, else uses the ids verbatim"
@@ -159,6 +169,10 @@ _CAPTURE_RULES = {
         "qwen3_moe.py:1073, flags set in qwen2_moe.py:891", _PLUS_ONE, _ids_adding_one, in_layer_flags=True
     ),
     "DeepseekV3ForCausalLM": CaptureRule("deepseek_v2.py:3134 (inherited)", _DEEPSEEK, _ids_for_deepseek),
+    "KimiK25ForConditionalGeneration": CaptureRule(
+        "kimi_k25.py:920, delegating to deepseek_v2.py:3134", _DEEPSEEK, _ids_for_deepseek,
+        language_model="language_model",
+    ),
 }
 
 
@@ -171,6 +185,35 @@ def capture_rule(architecture: str, model_path: str = "") -> CaptureRule:
             f"{', '.join(sorted(_CAPTURE_RULES))}"
         )
     return rule
+
+
+def model_capture_rule(model, model_path: str = "") -> CaptureRule:
+    """The rule for a loaded SGLang model; a model file that has no EAGLE-3 capture at all says so."""
+    cls = type(model)
+    if not callable(getattr(cls, "set_eagle3_layers_to_capture", None)):
+        raise NotImplementedError(
+            f"architecture {cls.__name__} ({model_path or 'model'}) cannot capture EAGLE-3 states: SGLang's model "
+            f"file {cls.__module__} defines no set_eagle3_layers_to_capture"
+        )
+    return capture_rule(cls.__name__, model_path)
+
+
+def resolve_capture(model, rule: CaptureRule, points: list[int] | None) -> list[int]:
+    """Hand SGLang's `model` the ids that its own set_eagle3_layers_to_capture turns into `points` (None:
+    no ids, i.e. the model file's EAGLE-3 default), and return the capture points it actually set."""
+    route_capture(rule.causal_lm(model), rule, [])  # a previous call's per-layer flags would stick
+    model.set_eagle3_layers_to_capture(None if points is None else rule.ids_for_points(points))
+    return rule.captured_points(model)
+
+
+def route_capture(lm, rule: CaptureRule, points: list[int]) -> None:
+    """Capture exactly `points` (none: SGLang's plain prefill). The decoder returns (states, aux) whenever
+    anything was captured, so turning capture off needs the points emptied, not just the flag cleared."""
+    lm.capture_aux_hidden_states = bool(points)
+    lm.model.layers_to_capture = list(points)
+    if rule.in_layer_flags:
+        for i, layer in enumerate(lm.model.layers):
+            layer._is_layer_to_capture = i in points
 
 
 def validate_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
@@ -224,7 +267,8 @@ class Engine:
             chunked_prefill_size=-1,
             skip_tokenizer_init=True,
             # The KV pool only ever holds one forward's tokens, so everything else stays activation room.
-            max_total_tokens=cfg.max_tokens_per_batch + 64,
+            # Room for one forward's tokens, or one chunked sequence with its whole prefix.
+            max_total_tokens=max(cfg.max_tokens_per_batch, cfg.context_length or 0) + 64,
             max_running_requests=cfg.max_seqs_per_batch,
             context_length=cfg.context_length,
             mem_fraction_static=cfg.mem_fraction_static,
@@ -250,11 +294,12 @@ class Engine:
         model = self.runner.model
         self.architecture = type(model).__name__
         self.hf_config = mc.hf_config
-        self.num_layers = mc.hf_config.num_hidden_layers
-        self.hidden_size = mc.hf_config.hidden_size
+        # The decoder's own config: a multimodal wrapper's (Kimi-K2.5) nests it as text_config.
+        self.num_layers = mc.hf_text_config.num_hidden_layers
+        self.hidden_size = mc.hf_text_config.hidden_size
         self.dtype = str(mc.dtype).removeprefix("torch.")
         self.layer_ids = self._configure_capture(model, cfg.layer_ids)
-        self._logits_processor = model.logits_processor
+        self._logits_processor = self._capture_lm.logits_processor
         self._capture = _CaptureOnly()
         self.runner.alloc_memory_pool()
         self.runner.init_attention_backends()
@@ -262,67 +307,81 @@ class Engine:
         self.device = self.runner.device
 
     def _configure_capture(self, model, requested: tuple[int, ...] | None) -> tuple[int, ...]:
-        if not callable(getattr(model, "set_eagle3_layers_to_capture", None)):
-            raise NotImplementedError(
-                f"architecture {self.architecture} ({self.cfg.model_path}) cannot capture EAGLE-3 states: SGLang's "
-                f"model file {type(model).__module__} defines no set_eagle3_layers_to_capture"
-            )
-        rule = capture_rule(self.architecture, self.cfg.model_path)
-        lm = getattr(model, rule.language_model) if rule.language_model else model
+        rule = model_capture_rule(model, self.cfg.model_path)
         if requested is None:
             # Ask SGLang for its own default, so training data matches what EAGLE-3 inference captures.
-            model.set_eagle3_layers_to_capture(None)
-            requested = [p - 1 for p in lm.model.layers_to_capture]
+            requested = [p - 1 for p in resolve_capture(model, rule, None)]
         ids = validate_layer_ids(requested, self.num_layers)
         points = [k + 1 for k in ids]
-        _route_capture(lm, rule, [])  # drops the default's sticky per-layer flags
-        model.set_eagle3_layers_to_capture(rule.ids_for_points(points))
-        # Read back what SGLang itself resolved, so a model file that changes its convention fails here.
-        if rule.in_layer_flags:
-            resolved = [i for i, layer in enumerate(lm.model.layers) if getattr(layer, "_is_layer_to_capture", False)]
-        else:
-            resolved = sorted(lm.model.layers_to_capture)
+        resolved = resolve_capture(model, rule, points)
         if resolved != points:
             raise RuntimeError(
                 f"SGLang's {rule.source} ({rule.convention}) resolved layer ids {list(ids)} to capture points "
                 f"{resolved}, expected {points}"
             )
-        self._capture_rule, self._capture_lm = rule, lm
+        self._capture_rule, self._capture_lm = rule, rule.causal_lm(model)
         self.capture_points = resolved
         return ids
 
     def _set_capture(self, on: bool) -> None:
-        lm = self._capture_lm
-        _route_capture(lm, self._capture_rule, self.capture_points if on else [])
-        lm.logits_processor = self._capture if on else self._logits_processor
+        route_capture(self._capture_lm, self._capture_rule, self.capture_points if on else [])
+        self._capture_lm.logits_processor = self._capture if on else self._logits_processor
 
     def forward(self, seqs: Sequence[np.ndarray], capture: bool = True) -> Captured | None:
         """Prefill `seqs` as one EXTEND batch. With capture, return their states (still on the device).
 
+        A single sequence longer than one forward's token budget is prefilled in chunks (`forward_chunked`).
         capture=False runs SGLang's unmodified prefill (last-token logits only), the benchmark's ceiling.
         """
-        from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
-        from sglang.srt.sampling.sampling_params import SamplingParams
-        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
         total = sum(len(s) for s in seqs)
+        if len(seqs) == 1 and total > self.cfg.max_tokens_per_batch:
+            return self.forward_chunked(seqs[0], self.cfg.max_tokens_per_batch, capture)
         if total > self.cfg.max_tokens_per_batch or len(seqs) > self.cfg.max_seqs_per_batch:
             raise ValueError(
                 f"batch of {len(seqs)} sequences / {total} tokens exceeds the engine's "
                 f"{self.cfg.max_seqs_per_batch} sequences / {self.cfg.max_tokens_per_batch} tokens"
             )
-        self._set_capture(capture)
-        sp = SamplingParams(temperature=0, max_new_tokens=1)
-        reqs = []
         # Fresh Req objects every batch: a Req reused after the pools are cleared would keep its stale
         # req_pool_idx and be treated as a chunk continuation.
-        for i, ids in enumerate(seqs):
-            r = Req(rid=str(i), origin_input_text="", origin_input_ids=array("q", ids), sampling_params=sp)
-            r.full_untruncated_fill_ids = r.origin_input_ids
-            r.logprob_start_len = -1  # no input logprobs, hence no full-vocab logits
-            r.set_extend_range(len(r.prefix_indices), len(ids))
-            reqs.append(r)
+        reqs = [_new_req(i, ids) for i, ids in enumerate(seqs)]
+        try:
+            return self._extend(reqs, capture)
+        finally:
+            self._clear_pools()
+
+    def forward_chunked(self, ids: np.ndarray, chunk: int, capture: bool = True) -> Captured | None:
+        """Prefill one long sequence `chunk` tokens at a time, each chunk attending to the KV cache of
+        the ones before (SGLang's extend with a prefix), so its states equal an unchunked prefill's."""
+        if len(ids) > self.max_sequence_tokens:
+            raise ValueError(
+                f"a sequence of {len(ids)} tokens does not fit the KV pool of {self.max_sequence_tokens} tokens "
+                f"(raise context_length)"
+            )
+        req = _new_req(0, ids)
+        parts = []
+        try:
+            for start in range(0, len(ids), chunk):
+                if start:
+                    pool = self.runner.req_to_token_pool.req_to_token
+                    req.prefix_indices = pool[req.req_pool_idx, :start].to(req.prefix_indices.dtype)
+                req.set_extend_range(start, min(start + chunk, len(ids)))
+                parts.append(self._extend([req], capture))
+        finally:
+            self._clear_pools()
+        if not capture:
+            return None
+        return Captured(aux=torch.cat([p.aux for p in parts]), last=torch.cat([p.last for p in parts]))
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        return max(self.cfg.max_tokens_per_batch, self.cfg.context_length or 0)
+
+    def _extend(self, reqs: list, capture: bool) -> Captured | None:
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        self._set_capture(capture)
         batch = ScheduleBatch.init_new(
             reqs=reqs,
             req_to_token_pool=self.runner.req_to_token_pool,
@@ -336,25 +395,21 @@ class Engine:
             enable_overlap=False,
             spec_algorithm=SpeculativeAlgorithm.NONE,
         )
-        try:
-            batch.prepare_for_extend()
-            batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device, non_blocking=True)
-            batch.prefill_input_ids_cpu = None
-            fb = ForwardBatch.init_new(
-                batch,
-                self.runner,
-                capture_hidden_mode=CaptureHiddenMode.FULL if capture else CaptureHiddenMode.NULL,
-                return_hidden_states_before_norm=False,
-            )
-            with torch.no_grad():
-                self.runner.forward(fb)
-        finally:
-            # Outputs are fresh tensors, not views into the KV pool, so the pool can be reused at once.
-            self.runner.req_to_token_pool.clear()
-            self.runner.token_to_kv_pool_allocator.clear()
+        batch.prepare_for_extend()
+        batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device, non_blocking=True)
+        batch.prefill_input_ids_cpu = None
+        fb = ForwardBatch.init_new(
+            batch,
+            self.runner,
+            capture_hidden_mode=CaptureHiddenMode.FULL if capture else CaptureHiddenMode.NULL,
+            return_hidden_states_before_norm=False,
+        )
+        with torch.no_grad():
+            self.runner.forward(fb)
         if not capture:
             return None
         aux, last = self._capture.take()
+        total = sum(r.extend_range.end - r.extend_range.start for r in reqs)
         if aux.shape[0] != total or aux.shape[1] != len(self.layer_ids) * self.hidden_size:
             raise RuntimeError(
                 f"SGLang returned aux states of shape {tuple(aux.shape)} for {total} tokens and layers "
@@ -362,15 +417,26 @@ class Engine:
             )
         return Captured(aux=aux, last=last)
 
+    def _clear_pools(self) -> None:
+        # Outputs are fresh tensors, not views into the KV pool, so the pool can be reused at once.
+        self.runner.req_to_token_pool.clear()
+        self.runner.token_to_kv_pool_allocator.clear()
 
-def _route_capture(lm, rule: CaptureRule, points: list[int]) -> None:
-    """Capture exactly `points` (none: SGLang's plain prefill). The decoder returns (states, aux) whenever
-    anything was captured, so turning capture off needs the points emptied, not just the flag cleared."""
-    lm.capture_aux_hidden_states = bool(points)
-    lm.model.layers_to_capture = list(points)
-    if rule.in_layer_flags:
-        for i, layer in enumerate(lm.model.layers):
-            layer._is_layer_to_capture = i in points
+
+def _new_req(i: int, ids: np.ndarray):
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    r = Req(
+        rid=str(i),
+        origin_input_text="",
+        origin_input_ids=array("q", ids),
+        sampling_params=SamplingParams(temperature=0, max_new_tokens=1),
+    )
+    r.full_untruncated_fill_ids = r.origin_input_ids
+    r.logprob_start_len = -1  # no input logprobs, hence no full-vocab logits
+    r.set_extend_range(len(r.prefix_indices), len(ids))
+    return r
 
 
 class _CaptureOnly(torch.nn.Module):

@@ -16,7 +16,7 @@ def engine(tiny_model_dir):
     return Engine(
         EngineConfig(
             model_path=str(tiny_model_dir), device="cpu", dtype="float32", max_tokens_per_batch=2048,
-            max_seqs_per_batch=16, context_length=2048, nccl_port=free_port(),
+            max_seqs_per_batch=16, context_length=4096, nccl_port=free_port(),
         )
     )
 
@@ -93,7 +93,9 @@ def test_bare_prefill_then_capture_again(engine):
 
 def test_batch_over_budget_is_refused(engine):
     with pytest.raises(ValueError, match="exceeds the engine"):
-        engine.forward(_seqs([2049]))
+        engine.forward(_seqs([2000, 49]))
+    with pytest.raises(ValueError, match="does not fit the KV pool"):
+        engine.forward(_seqs([4097]))
 
 
 def test_layer_id_validation():
@@ -110,3 +112,21 @@ def test_unverified_architecture_is_refused_by_name():
     assert capture_rule("LlamaForCausalLM")
     with pytest.raises(NotImplementedError, match="GPTBigCodeForCausalLM.*not supported"):
         capture_rule("GPTBigCodeForCausalLM", "/models/starcoder")
+
+
+def test_chunked_prefill_equals_one_pass_and_hf(engine, hf_model):
+    ids = _seqs([300], seed=4)[0]
+    whole = engine.forward([ids])
+    chunked = engine.forward_chunked(ids, 37)
+    assert (chunked.aux - whole.aux).abs().max().item() <= 1e-5
+    assert (chunked.last - whole.last).abs().max().item() <= 1e-5
+    rows = parity.compare([(ids.tolist(), chunked.aux, chunked.last)], hf_model, engine.layer_ids, "float32")
+    assert all(r.ok for r in rows), rows
+
+
+def test_a_sequence_over_the_batch_budget_is_chunked_by_forward(engine, hf_model):
+    ids = _seqs([engine.cfg.max_tokens_per_batch + 500], seed=5)[0]
+    c = engine.forward([ids])
+    assert c.aux.shape[0] == len(ids)
+    rows = parity.compare([(ids.tolist(), c.aux, c.last)], hf_model, engine.layer_ids, "float32")
+    assert all(r.ok for r in rows), rows
