@@ -25,7 +25,8 @@ Layer id k is the output of decoder layer k, i.e. HF output_hidden_states[k+1].
 import _bin_path  # noqa: F401  (must come first: see its docstring)
 import click
 
-from offline_extract.extraction import ExtractOptions, run
+from offline_extract import extraction, planning
+from offline_extract.extraction import ExtractOptions
 from offline_extract.parity import ParityError
 
 
@@ -63,11 +64,17 @@ from offline_extract.parity import ParityError
                    "Default: a free port alone, 29600 under torchrun.")
 @click.option("--verify", default=0, show_default=True,
               help="Before extracting, compare the first N samples against HF transformers and stop on mismatch.")
+@click.option("--trim-after-last-loss-token", is_flag=True,
+              help="Drop each sample's tokens after its last loss token (they carry no training signal).")
+@click.option("--dry-run", is_flag=True,
+              help="Tokenize the corpus, print samples, tokens, bytes per output tensor and free space at --out, "
+                   "and stop; exits non-zero if the output would not fit (unless --force).")
+@click.option("--force", is_flag=True, help="Go ahead even if a check says no (see --dry-run).")
 @click.option("--trust-remote-code", is_flag=True, help="Allow model code from the model directory.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (e.g. for logs).")
 def main(data, out, model, device, dtype, tp, layers, max_length, overlong, tokens_per_batch, seqs_per_batch,
          shard_size_mb, attention_backend, load_format, mem_fraction_static, port_base, verify,
-         trust_remote_code, no_progress):
+         trim_after_last_loss_token, dry_run, force, trust_remote_code, no_progress):
     try:
         layer_ids = tuple(int(x) for x in layers.split(",")) if layers else None
     except ValueError:
@@ -77,10 +84,17 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
         max_length=max_length, overlong=overlong, tokens_per_batch=tokens_per_batch,
         seqs_per_batch=seqs_per_batch, shard_bytes=int(shard_size_mb * (1 << 20)), attention_backend=attention_backend,
         load_format=load_format, mem_fraction_static=mem_fraction_static, port_base=port_base, verify=verify,
-        trust_remote_code=trust_remote_code, progress=not no_progress,
+        trim_after_last_loss=trim_after_last_loss_token, trust_remote_code=trust_remote_code,
+        progress=not no_progress,
     )
+    if dry_run:
+        plan = extraction.dry_run(opts)
+        click.echo(planning.render(plan, out))
+        if not plan.fits and not force:
+            raise click.ClickException(f"the output would not fit in {out}; free space first or pass --force")
+        return
     try:
-        summary = run(opts)
+        summary = extraction.run(opts)
     except (OSError, ValueError, NotImplementedError, ParityError) as e:
         # Bad input or a failed check: the message names it; a traceback would only bury it.
         raise click.ClickException(str(e)) from e

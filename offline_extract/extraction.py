@@ -17,7 +17,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from . import __version__, parity
+from . import __version__, parity, planning
 from .batching import Batch, batch_by_tokens
 from .corpus import Record, Reject, read_corpus
 from .distributed import Coordinator, Layout, layout_from_env
@@ -50,6 +50,7 @@ class ExtractOptions:
     mem_fraction_static: float = 0.85
     port_base: int | None = None
     verify: int = 0
+    trim_after_last_loss: bool = False
     trust_remote_code: bool = False
     progress: bool = True
 
@@ -134,6 +135,7 @@ def run_metadata(opts: ExtractOptions, model_dir: Path, engine: Engine, tokenize
         "tp_size": opts.tp,
         "max_length": opts.max_length,
         "overlong": opts.overlong,
+        "trim_after_last_loss_token": opts.trim_after_last_loss,
         "sglang_version": importlib.metadata.version("sglang"),
         "torch_version": torch.__version__,
         "offline_extract_version": __version__,
@@ -231,6 +233,28 @@ def _check_out_dir(out: Path) -> None:
         )
 
 
+def _sample_tokenizer(opts: ExtractOptions, model_dir: Path) -> SampleTokenizer:
+    from transformers import AutoTokenizer
+
+    return SampleTokenizer(
+        AutoTokenizer.from_pretrained(model_dir, trust_remote_code=opts.trust_remote_code),
+        max_length=opts.max_length,
+        overlong=opts.overlong,
+        trim_after_last_loss=opts.trim_after_last_loss,
+    )
+
+
+def dry_run(opts: ExtractOptions) -> planning.Plan:
+    """Tokenize the whole corpus as the run would and size its output, without loading the model."""
+    from transformers import AutoConfig
+
+    model_dir = Path(opts.model) if opts.model else ensure_tiny_model()
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=opts.trust_remote_code).get_text_config()
+    # Every supported model's SGLang EAGLE-3 default captures three layers.
+    num_aux = len(opts.layers) if opts.layers else 3
+    return planning.plan(opts.data, _sample_tokenizer(opts, model_dir), opts.out, config.hidden_size, num_aux)
+
+
 def run(opts: ExtractOptions) -> Summary | None:
     """Run this process's part of the job; the leading process gets the whole run's summary."""
     start = time.perf_counter()
@@ -246,13 +270,7 @@ def run(opts: ExtractOptions) -> Summary | None:
     coord.barrier()  # nobody writes before every rank has seen the directory empty
     out.mkdir(parents=True, exist_ok=True)
 
-    from transformers import AutoTokenizer
-
-    tokenizer = SampleTokenizer(
-        AutoTokenizer.from_pretrained(model_dir, trust_remote_code=opts.trust_remote_code),
-        max_length=opts.max_length,
-        overlong=opts.overlong,
-    )
+    tokenizer = _sample_tokenizer(opts, model_dir)
     tokens_per_batch = opts.tokens_per_batch or (16384 if device == "cuda" else 4096)
     engine = Engine(
         EngineConfig(

@@ -7,7 +7,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
-def _human_bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
@@ -46,7 +46,7 @@ class RunProgress:
         self.tokens += tokens
         rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
         self._progress.update(
-            self._task, advance=samples, rate=f"{rate:,.0f}", written=_human_bytes(bytes_written)
+            self._task, advance=samples, rate=f"{rate:,.0f}", written=human_bytes(bytes_written)
         )
 
     def log(self, message: str) -> None:

@@ -59,7 +59,7 @@ class SampleTokenizer:
       with truncated=True lets the consumer count or drop such samples explicitly.
     """
 
-    def __init__(self, tokenizer, max_length: int, overlong: str = "truncate"):
+    def __init__(self, tokenizer, max_length: int, overlong: str = "truncate", trim_after_last_loss: bool = False):
         if overlong not in OVERLONG_POLICIES:
             raise ValueError(f"overlong must be one of {OVERLONG_POLICIES}, got {overlong!r}")
         if max_length < 1:
@@ -69,6 +69,7 @@ class SampleTokenizer:
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.overlong = overlong
+        self.trim_after_last_loss = trim_after_last_loss
         self.vocab_size = len(tokenizer)
         self._fingerprint: dict | None = None
 
@@ -101,6 +102,13 @@ class SampleTokenizer:
                     kind="skipped",
                 )
             ids, mask = ids[: self.max_length], mask[: self.max_length]
+        if self.trim_after_last_loss:
+            # Tokens after the last loss token carry no training signal; states for them are wasted bytes.
+            keep = int(np.flatnonzero(mask)[-1]) + 1 if mask.any() else 0
+            if keep == 0:
+                return Reject(record.source, record.line, record.index, record.id,
+                              "no loss tokens left to keep (--trim-after-last-loss-token)", kind="skipped")
+            ids, mask = ids[:keep], mask[:keep]
         return Sample(record.index, record.id, record.source, record.line, ids, mask, source_len, truncated)
 
     def _tokens(self, record: Record) -> tuple[np.ndarray, np.ndarray]:

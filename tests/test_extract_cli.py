@@ -137,3 +137,24 @@ def test_help_explains_formats_and_layers():
                               capture_output=True, text=True, cwd=ROOT))
     for needle in ("ShareGPT", "OpenAI", "input_ids", "--layers", "hidden_states[k+1]", "torchrun", "--verify"):
         assert needle in proc.stdout, needle
+
+
+def test_dry_run_sizes_the_output_and_writes_nothing(tmp_path, cache_env):
+    out = tmp_path / "out"
+    proc = _ok(_extract(out, "--data", str(CORPUS), "--dry-run", env=cache_env))
+    assert "records 24: 24 samples, 0 skipped, 0 rejected" in proc.stdout
+    assert "aux_hidden_states" in proc.stdout and "fits" in proc.stdout
+    assert not out.exists()
+
+
+def test_trim_after_last_loss_token_is_applied_and_recorded(tmp_path, cache_env):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(
+        '{"id": "t", "messages": [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi."},'
+        ' {"role": "user", "content": "A closing question that is never answered"}]}\n'
+    )
+    out = tmp_path / "out"
+    _ok(_extract(out, "--data", str(corpus), "--trim-after-last-loss-token", env=cache_env))
+    (info, t), = list(iter_samples(out))
+    assert t["loss_mask"][-1] == 1 and info.source_len > t["input_ids"].shape[0]
+    assert open_shard(shard_paths(out)[0]).run["trim_after_last_loss_token"] is True

@@ -258,3 +258,23 @@ def test_example_corpus_is_valid(tok):
     for r, s in chats:
         replies = "".join(c + "<|end|>" for role, c in r.messages if role == "assistant")
         assert tok.decode(s.input_ids[s.loss_mask.astype(bool)]) == replies
+
+
+def test_trim_after_last_loss_token(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from offline_extract.corpus import Record
+    from offline_extract.tokenization import SampleTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    msgs = (("user", "Hello"), ("assistant", "Hi there."), ("user", "Bye now, thanks a lot"))
+    rec = Record(source="c.jsonl", line=1, index=0, id="a", format="openai", messages=msgs)
+    full = SampleTokenizer(tok, max_length=4096)(rec)
+    trimmed = SampleTokenizer(tok, max_length=4096, trim_after_last_loss=True)(rec)
+    last = int(np.flatnonzero(full.loss_mask)[-1])
+    assert full.num_tokens > last + 1, "the closing user turn must add tokens after the last loss token"
+    assert trimmed.input_ids.tolist() == full.input_ids[: last + 1].tolist()
+    assert trimmed.loss_mask[-1] == 1 and trimmed.loss_mask.sum() == full.loss_mask.sum()
+    no_loss = Record(source="c.jsonl", line=2, index=1, id="b", format="tokens", input_ids=(5, 6), loss_mask=(0, 0))
+    reject = SampleTokenizer(tok, max_length=4096, trim_after_last_loss=True)(no_loss)
+    assert reject.kind == "skipped" and "no loss tokens" in reject.reason

@@ -1,0 +1,76 @@
+"""The dry run: what a corpus will cost before any GPU time is spent.
+
+It reads and tokenizes the whole corpus exactly as extraction would (same policies, same rejects) and
+turns the token count into bytes per output tensor, set against the free space at the output.
+"""
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from .corpus import Record, read_corpus
+from .progress import human_bytes
+from .tokenization import Sample, SampleTokenizer
+
+# Bytes per token besides the hidden states: int32 input_ids and uint8 loss_mask.
+_TOKEN_BYTES = {"input_ids": 4, "loss_mask": 1}
+# Per sample: an int64 offset and an int64 sample index, plus its metadata entry (about 150 bytes of JSON).
+_SAMPLE_BYTES = 16 + 150
+
+
+@dataclass(frozen=True)
+class Plan:
+    records: int
+    samples: int
+    skipped: int
+    rejected: int
+    tokens: int
+    loss_tokens: int
+    bytes_by_tensor: dict[str, int]
+    free_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_tensor.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.free_bytes
+
+
+def plan(data, tokenizer: SampleTokenizer, out: str | Path, hidden_size: int, num_aux_layers: int) -> Plan:
+    records = samples = skipped = rejected = tokens = loss_tokens = 0
+    for item in read_corpus(data):
+        records += 1
+        if isinstance(item, Record):
+            item = tokenizer(item)
+        if isinstance(item, Sample):
+            samples += 1
+            tokens += item.num_tokens
+            loss_tokens += int(item.loss_mask.sum())
+        elif item.kind == "skipped":
+            skipped += 1
+        else:
+            rejected += 1
+    sizes = {
+        "aux_hidden_states": tokens * num_aux_layers * hidden_size * 2,
+        "hidden_states": tokens * hidden_size * 2,
+        **{name: tokens * n for name, n in _TOKEN_BYTES.items()},
+        "offsets, sample_index, metadata": samples * _SAMPLE_BYTES,
+    }
+    existing = Path(out)
+    while not existing.exists():
+        existing = existing.parent
+    return Plan(records, samples, skipped, rejected, tokens, loss_tokens, sizes, shutil.disk_usage(existing).free)
+
+
+def render(p: Plan, out: str | Path) -> str:
+    lines = [
+        f"records {p.records}: {p.samples} samples, {p.skipped} skipped, {p.rejected} rejected",
+        f"tokens {p.tokens:,} ({p.loss_tokens:,} in the loss, {p.loss_tokens / max(p.tokens, 1):.1%})",
+    ]
+    lines += [f"  {name:<32} {human_bytes(size):>12}" for name, size in p.bytes_by_tensor.items()]
+    lines.append(f"  {'total':<32} {human_bytes(p.total_bytes):>12}")
+    lines.append(f"free at {out}: {human_bytes(p.free_bytes)} -> {'fits' if p.fits else 'DOES NOT FIT'}")
+    return "\n".join(lines)

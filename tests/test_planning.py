@@ -1,0 +1,32 @@
+import shutil
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from offline_extract import planning
+from offline_extract.corpus import Record, read_corpus
+from offline_extract.tokenization import SampleTokenizer
+
+CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus.jsonl"
+
+
+def test_plan_counts_what_extraction_would_write(tiny_model_dir, tmp_path):
+    tok = SampleTokenizer(AutoTokenizer.from_pretrained(tiny_model_dir), max_length=4096)
+    samples = [tok(r) for r in read_corpus([CORPUS]) if isinstance(r, Record)]
+    tokens = sum(s.num_tokens for s in samples)
+    p = planning.plan([CORPUS], tok, tmp_path / "not-yet", hidden_size=64, num_aux_layers=3)
+    assert (p.records, p.samples, p.tokens) == (24, 24, tokens)
+    assert p.loss_tokens == sum(int(s.loss_mask.sum()) for s in samples)
+    assert p.bytes_by_tensor["aux_hidden_states"] == tokens * 3 * 64 * 2
+    assert p.bytes_by_tensor["hidden_states"] == tokens * 64 * 2
+    assert p.fits and "fits" in planning.render(p, tmp_path)
+
+
+def test_plan_says_when_output_does_not_fit(tiny_model_dir, tmp_path, monkeypatch):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    tok = SampleTokenizer(AutoTokenizer.from_pretrained(tiny_model_dir), max_length=4096)
+    p = planning.plan([CORPUS], tok, tmp_path, hidden_size=64, num_aux_layers=3)
+    assert not p.fits and "DOES NOT FIT" in planning.render(p, tmp_path)
