@@ -1,0 +1,95 @@
+"""The GPU path in bf16 against HF transformers on the same generated weights (run with `-m gpu`).
+
+Every check goes through bin/extract.py --verify, the product's own parity gate, and reads the parity
+rows it writes into the shards' metadata. With OFFLINE_EXTRACT_RESULTS set, each test also writes its
+rows there as JSON for benchmarks/results/.
+"""
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from offline_extract.shards import iter_samples, open_shard, shard_paths
+from offline_extract.tiny_model import build_model
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT / "examples" / "corpus.jsonl"
+MIN_COSINE = 0.999
+
+
+def _extract(out, *args):
+    cmd = [sys.executable, str(ROOT / "bin" / "extract.py"), "--out", str(out), "--no-progress", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return proc
+
+
+def _parity(out, architecture, name):
+    run = open_shard(shard_paths(out)[0]).run
+    rows = [{"architecture": architecture, "backend": run["attention_backend"], **r} for r in run["parity"]]
+    if os.environ.get("OFFLINE_EXTRACT_RESULTS"):
+        d = Path(os.environ["OFFLINE_EXTRACT_RESULTS"])
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{name}.json").write_text(json.dumps(rows, indent=2))
+    return run, rows
+
+
+def _check(rows, layer_ids):
+    assert [r["layer"] for r in rows] == [f"aux {k}" for k in layer_ids] + ["last"]
+    for r in rows:
+        assert r["ok"] and r["cosine"] >= MIN_COSINE, r
+        # The convention holds: the matched HF state is far closer than its neighbour.
+        assert r["neighbour_cosine"] < r["cosine"] - 0.01, r
+    assert [r["hf_index"] for r in rows[:-1]] == [k + 1 for k in layer_ids]
+
+
+def test_default_backend_is_fa3_only_where_installed():
+    from offline_extract.sglang_adapter import default_attention_backend
+
+    try:
+        importlib.import_module("sgl_kernel.flash_ops")
+        has_fa3 = torch.cuda.get_device_capability()[0] == 9
+    except ImportError:
+        has_fa3 = False
+    assert default_attention_backend("cuda") == ("fa3" if has_fa3 else "triton")
+
+
+def test_small_llama_bf16_matches_hf(tmp_path):
+    model = build_model("llama", tmp_path / "m", dtype=torch.bfloat16, device="cuda")
+    out = tmp_path / "out"
+    _extract(out, "--model", str(model), "--data", str(CORPUS), "--verify", "12", "--attention-backend", "triton")
+    run, rows = _parity(out, "llama (tiny, generated)", "gpu_parity_llama_tiny")
+    assert run["compute_dtype"] == "bfloat16" and run["layer_ids"] == [1, 3, 4]
+    _check(rows, run["layer_ids"])
+    assert len(list(iter_samples(out))) == 24
+
+
+@pytest.fixture(scope="module")
+def llama3_8b(tmp_path_factory):
+    # Generated on the GPU in bf16: ~16 GB written once, shared by the tests below.
+    return build_model("llama3_8b", tmp_path_factory.mktemp("llama3_8b"), dtype=torch.bfloat16, device="cuda",
+                       overrides={"max_position_embeddings": 32768})
+
+
+def test_llama3_8b_shaped_matches_hf_including_a_32k_chunked_sample(llama3_8b, tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    long_ids = np.random.default_rng(0).integers(10, 380, 32768).tolist()
+    corpus.write_text(json.dumps({"id": "long-32k", "input_ids": long_ids}) + "\n" + CORPUS.read_text())
+    out = tmp_path / "out"
+    # A forward holds 8192 tokens, so the 32k sample is prefilled in four chunks on prefix KV.
+    _extract(out, "--model", str(llama3_8b), "--data", str(corpus), "--verify", "4", "--max-length", "32768",
+             "--tokens-per-batch", "8192", "--attention-backend", "triton")
+    run, rows = _parity(out, "llama3_8b (generated)", "gpu_parity_llama3_8b")
+    assert run["layer_ids"] == [1, 15, 28]  # SGLang's default for 32 layers
+    _check(rows, run["layer_ids"])
+    samples = {info.id: t for info, t in iter_samples(out)}
+    assert samples["long-32k"]["aux_hidden_states"].shape == (32768, 3 * 4096)
+    assert len(samples) == 25
