@@ -292,14 +292,13 @@ def _hf_baseline(config, engine: Engine, warm, timed, coord: Coordinator) -> flo
 
 
 def _profile(fn, out_dir: Path) -> None:
-    """A torch-profiler trace of `fn` (a few extraction batches) and its tables of where time goes."""
+    """Torch-profiler tables of where the time of `fn` (a few extraction batches) goes."""
     from torch.profiler import ProfilerActivity, profile
 
     out_dir.mkdir(parents=True, exist_ok=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    prof.export_chrome_trace(str(out_dir / "extract_trace.json"))
     (out_dir / "extract_profile.txt").write_text(
         prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
         + "\n\n"

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 TINY_VERSION = "1"
 
@@ -30,7 +30,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}\n{% endif %}"
 )
 
-_TRAINING_TEXT = """
+TRAINING_TEXT = """
 The quick brown fox jumps over the lazy dog. A drafter model learns to predict the next tokens of a
 larger target model from its hidden states. Speculative decoding proposes several tokens at once and
 the target model verifies them in a single forward pass. Hidden states are vectors of floating point
@@ -58,7 +58,7 @@ def _train_tokenizer(vocab_size: int = 384):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    lines = [line for line in _TRAINING_TEXT.splitlines() if line.strip()]
+    lines = [line for line in TRAINING_TEXT.splitlines() if line.strip()]
     tok.train_from_iterator(lines * 4, trainer)
     bos = tok.token_to_id("<|bos|>")
     # trim_offsets=False keeps character offsets exact, which the loss mask relies on.
@@ -106,10 +106,17 @@ def tiny_llama_config(vocab_size: int) -> dict:
 
 
 def _tiny_qwen3_config(vocab_size: int) -> dict:
+    # Head dim 64, unlike the tiny Llama's 16: the GPU suite runs these on FlashInfer, whose prefill kernels
+    # exist for 64, 128 and 256 only.
     return {
         **tiny_llama_config(vocab_size),
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
         "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0,
     }
@@ -123,7 +130,7 @@ def _tiny_qwen3_moe_config(vocab_size: int) -> dict:
         "model_type": "qwen3_moe",
         "num_experts": 8,
         "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32,
+        "moe_intermediate_size": 128,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
         "norm_topk_prob": True,
@@ -134,24 +141,25 @@ def _tiny_qwen3_moe_config(vocab_size: int) -> dict:
 def _tiny_deepseek_v3_config(vocab_size: int) -> dict:
     # MLA with both LoRA ranks, interleaved RoPE under YaRN (whose mscale changes the softmax scale), grouped
     # sigmoid routing with the correction bias, shared experts, and dense first layers: every DeepSeek-V3
-    # path that a ported checkpoint exercises, at toy size.
+    # path that a ported checkpoint exercises, at toy width. The attention head dims are DeepSeek-V3's own,
+    # the only ones GPU MLA kernels are built for.
     return {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
         "vocab_size": vocab_size,
-        "hidden_size": 64,
-        "intermediate_size": 160,
-        "moe_intermediate_size": 32,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "moe_intermediate_size": 128,
         "num_hidden_layers": 8,
         "first_k_dense_replace": 2,
         "moe_layer_freq": 1,
         "num_attention_heads": 4,
         "num_key_value_heads": 4,
-        "q_lora_rank": 48,
-        "kv_lora_rank": 32,
-        "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8,
-        "v_head_dim": 16,
+        "q_lora_rank": 192,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
         "n_routed_experts": 8,
         "n_shared_experts": 1,
         "num_experts_per_tok": 2,
@@ -224,6 +232,44 @@ ARCHITECTURES = {
 }
 
 
+def _kimi_k25_config(text_config: dict) -> dict:
+    # The wrapper SGLang serves Kimi-K2.5 with: a DeepSeek-V3 text model plus a MoonViT tower and projector,
+    # here at toy size. Only the fields SGLang's kimi_k25.py reads are set; the tower gets no weights.
+    vision = {
+        "patch_size": 14,
+        "init_pos_emb_height": 8,
+        "init_pos_emb_width": 8,
+        "num_attention_heads": 2,
+        "num_hidden_layers": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "vt_hidden_size": 32,
+        "mm_hidden_size": 32,
+        "text_hidden_size": text_config["hidden_size"],
+    }
+    return {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": text_config,
+        "vision_config": vision,
+        "media_placeholder_token_id": text_config["vocab_size"] - 1,
+        **{k: text_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype")},
+    }
+
+
+def _wrap_as_kimi_k25(model_dir: Path) -> None:
+    """Turn a written DeepSeek-V3 checkpoint into the Kimi-K2.5 layout: the same weights under
+    `language_model.`, and no vision weights, which SGLang's loader does not require."""
+    text_config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(_kimi_k25_config(text_config), indent=2))
+    path = model_dir / "model.safetensors"
+    save_file({f"language_model.{k}": v for k, v in load_file(path).items()}, str(path), metadata={"format": "pt"})
+
+
+# Architectures HF transformers cannot build itself, as (the HF-buildable one holding the weights, wrapper).
+_WRAPPED = {"kimi_k25": ("kimi_k2", _wrap_as_kimi_k25)}
+
+
 def build_model(
     arch: str,
     out_dir: str | os.PathLike,
@@ -232,22 +278,36 @@ def build_model(
     device: str = "cpu",
     overrides: dict | None = None,
     seed: int = 0,
+    tokenizer_dir: str | os.PathLike | None = None,
+    weights: bool = True,
 ) -> Path:
-    """Write a seeded random model of `arch` (a key of ARCHITECTURES) with the embedded tokenizer.
+    """Write a seeded random model of `arch` with the embedded tokenizer (from `tokenizer_dir` if given,
+    else the cached embedded model).
 
-    `device` is where the weights are drawn (a GPU makes the 8B-shaped model quick); `overrides` replace
-    top-level config fields.
+    `arch` is a key of ARCHITECTURES, or "kimi_k25": exactly the weights of "kimi_k2" under the same seed,
+    wrapped as Kimi-K2.5, so that "kimi_k2" built alongside is its HF reference. `device` is where the
+    weights are drawn (a GPU makes the 8B-shaped model quick); `overrides` replace top-level config fields
+    (of the text config, for a wrapped architecture). weights=False writes the config alone, for SGLang's
+    dummy loader.
     """
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHITECTURES)}")
-    tiny = ensure_tiny_model()
+    base, wrap = _WRAPPED.get(arch, (arch, None))
+    if base not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join([*ARCHITECTURES, *_WRAPPED])}")
+    tiny = Path(tokenizer_dir) if tokenizer_dir else ensure_tiny_model()
     tiny_config = json.loads((tiny / "config.json").read_text())
-    config = ARCHITECTURES[arch](tiny_config["vocab_size"])
+    config = ARCHITECTURES[base](tiny_config["vocab_size"])
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         config[key] = tiny_config[key]
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     config.update(overrides or {})
-    out = random_checkpoint(config, out_dir, seed=seed, dtype=dtype, device=device)
+    if weights:
+        out = random_checkpoint(config, out_dir, seed=seed, dtype=dtype, device=device)
+    else:  # for SGLang's dummy loader, which draws its own random weights
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+    if wrap is not None:
+        wrap(out)
     for f in tiny.iterdir():
         if f.name != "config.json" and not f.name.endswith(".safetensors"):
             shutil.copy2(f, out / f.name)
