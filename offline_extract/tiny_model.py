@@ -263,7 +263,8 @@ def _wrap_as_kimi_k25(model_dir: Path) -> None:
     text_config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps(_kimi_k25_config(text_config), indent=2))
     path = model_dir / "model.safetensors"
-    save_file({f"language_model.{k}": v for k, v in load_file(path).items()}, str(path), metadata={"format": "pt"})
+    if path.exists():  # absent when only the config was written
+        save_file({f"language_model.{k}": v for k, v in load_file(path).items()}, str(path), metadata={"format": "pt"})
 
 
 # Architectures HF transformers cannot build itself, as (the HF-buildable one holding the weights, wrapper).

@@ -1,0 +1,131 @@
+"""One architecture's engine against HF transformers, in a process of its own (SGLang allows one
+ModelRunner per process). Run by test_architectures.py and test_gpu_architectures.py; prints nothing,
+writes a JSON report.
+
+    python tests/arch_parity.py MODEL_DIR --out report.json [--hf-reference DIR] [--device cuda --dtype bfloat16
+        --attention-backend triton] [--layer-sets "0,3,6;1,2;2,5;0"]
+
+The engine starts with SGLang's default layer ids; each --layer-sets entry then re-points the running
+engine's capture and is compared against HF again, so every id mapping is checked on the same weights.
+"""
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from offline_extract import parity  # noqa: E402
+from offline_extract.distributed import free_port  # noqa: E402
+from offline_extract.sglang_adapter import Engine, EngineConfig, prepare_process  # noqa: E402
+
+LENGTHS = (5, 37, 64)  # several requests in one batch, so packing by request is exercised too
+
+
+def _route_mla_prefill_to_absorbed_path() -> None:
+    """SGLang 0.5.17's DeepSeek attention has no dispatch entry for torch_native and falls back to the
+    triton one, which picks the MHA prefill path; torch_native then reads K back from the MLA latent cache
+    and fails ("Expected size for first two dimensions of batch2 tensor to be: [4, 192] but got: [4, 576]"
+    for the tiny DeepSeek-V3: the 192-wide MHA key against the 576-wide latent).
+    SGLang's absorbed-MLA path, which it uses for decode and prefix prefill, runs on torch_native, so the
+    CPU check routes prefill there. It computes the same attention in a different association, which is
+    why MLA gets a relative rather than an absolute fp32 tolerance; GPU backends keep SGLang's dispatch."""
+    from sglang.srt.models.deepseek_common.attention_backend_handler import (
+        AttentionBackendRegistry,
+        _dispatch_mla_subtype,
+    )
+
+    AttentionBackendRegistry.register("torch_native", _dispatch_mla_subtype)
+
+
+def _compare(captured, layer_ids, seqs, hf_states):
+    """Each captured state against HF, worst over tokens, with its distance to the neighbouring HF states:
+    an off-by-one would show up as an error that large."""
+    names = [f"aux {k}" for k in layer_ids] + ["last"]
+    worst, start = {}, 0
+    for seq, hs in zip(seqs, hf_states):
+        n = len(seq)
+        mine = list(captured.aux[start : start + n].float().cpu().chunk(len(layer_ids), dim=-1))
+        mine.append(captured.last[start : start + n].float().cpu())
+        start += n
+        for name, state, index in zip(names, mine, [k + 1 for k in layer_ids] + [len(hs) - 1]):
+            ref = hs[index]
+            diff = (state - ref).abs().max().item()
+            w = worst.setdefault(name, {"layer": name, "hf_index": index, "max_abs": 0.0, "max_rel": 0.0,
+                                        "cosine": 1.0, "neighbour_gap": float("inf")})
+            w["max_abs"] = max(w["max_abs"], diff)
+            w["max_rel"] = max(w["max_rel"], diff / (ref.abs().max().item() or 1.0))
+            w["cosine"] = min(w["cosine"], torch.nn.functional.cosine_similarity(state, ref, dim=-1).min().item())
+            for j in (index - 1, index + 1):
+                if 0 <= j < len(hs):
+                    w["neighbour_gap"] = min(w["neighbour_gap"], (state - hs[j]).abs().max().item())
+    return list(worst.values())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--hf-reference", default=None, help="HF-loadable directory with the same weights (default: model)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--attention-backend", default=None)
+    ap.add_argument("--layer-sets", default="", help="';'-separated comma lists of layer ids to re-point capture to")
+    args = ap.parse_args()
+
+    report = {"model": args.model, "device": args.device, "dtype": args.dtype}
+    try:
+        prepare_process(args.device)
+        if args.device == "cpu":
+            _route_mla_prefill_to_absorbed_path()
+        engine = Engine(
+            EngineConfig(
+                model_path=args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
+                max_tokens_per_batch=1024, max_seqs_per_batch=8, context_length=1024, nccl_port=free_port(),
+                mem_fraction_static=0.5,
+            )
+        )
+        report.update(
+            architecture=engine.architecture, num_layers=engine.num_layers, attention_backend=engine.attention_backend
+        )
+        rng = np.random.default_rng(0)
+        seqs = [rng.integers(6, 380, n).astype(np.int32) for n in LENGTHS]  # inside the tiny tokenizer's vocab
+        hf = parity.load_hf_model(args.hf_reference or args.model, args.dtype, args.device)
+        device = next(hf.parameters()).device
+        hf_states = [[h.float().cpu() for h in parity.hf_hidden_states(hf, s.tolist(), device)] for s in seqs]
+        del hf
+
+        captured = engine.forward(seqs)
+        # Bare prefill must turn capture fully off, and capture must come back unchanged after it.
+        report["bare_prefill_returned"] = engine.forward(seqs, capture=False) is not None
+        again = engine.forward(seqs)
+        report["recapture_max_abs"] = max(
+            (again.aux - captured.aux).abs().max().item(), (again.last - captured.last).abs().max().item()
+        )
+
+        # First SGLang's default ids (requested None), as the engine chose them at start.
+        checks = [{"requested": None, "layer_ids": list(engine.layer_ids), "capture_points": engine.capture_points,
+                   "rows": _compare(captured, engine.layer_ids, seqs, hf_states)}]
+        for spec in [s for s in args.layer_sets.split(";") if s]:
+            check = {"requested": [int(x) for x in spec.split(",")]}
+            checks.append(check)
+            try:
+                engine.layer_ids = engine._configure_capture(engine.runner.model, tuple(check["requested"]))
+            except ValueError as e:
+                check["error"] = str(e)
+                continue
+            check["layer_ids"], check["capture_points"] = list(engine.layer_ids), list(engine.capture_points)
+            check["rows"] = _compare(engine.forward(seqs), engine.layer_ids, seqs, hf_states)
+        report["checks"] = checks
+    except Exception as e:  # the report carries the failure, so the test can show it
+        report["error"] = f"{type(e).__name__}: {e}"
+        report["traceback"] = traceback.format_exc()
+    Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

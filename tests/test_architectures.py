@@ -1,0 +1,214 @@
+"""Every supported architecture's EAGLE-3 capture, checked two ways on CPU.
+
+1. The id mapping against SGLang's own set_eagle3_layers_to_capture code, for every possible set of layer
+   ids, on stand-ins that carry only the attributes those methods touch (in-process, fast).
+2. The engine on a seeded random checkpoint against HF transformers in fp32, one process per
+   architecture (SGLang allows one ModelRunner per process), through tests/arch_parity.py: SGLang's
+   default ids, then ids starting at 0, at 1 and above 1, each compared with HF hidden_states[k+1].
+"""
+import json
+import subprocess
+import sys
+from itertools import combinations
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from offline_extract.sglang_adapter import (
+    _CAPTURE_RULES,
+    model_capture_rule,
+    prepare_process,
+    resolve_capture,
+    route_capture,
+)
+from offline_extract.tiny_model import build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Architecture -> (its class in SGLang, the HF-loadable model with the same weights, MLA attention).
+ENGINE_ARCHS = {
+    "llama": ("LlamaForCausalLM", "llama", False),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "deepseek_v3", True),
+    "kimi_k2": ("DeepseekV3ForCausalLM", "kimi_k2", True),
+    "kimi_k25": ("KimiK25ForConditionalGeneration", "kimi_k2", True),
+}
+DEEPSEEK_FAMILY = {"DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"}
+# Starting at 0 (which deepseek_v2 must not see as a leading 1), at 1 (which it would shift) and above 1, up
+# to the last capturable id; and id 0 alone, which deepseek_v2 cannot express.
+LAYER_SETS = [[0, 3, 6], [1, 2], [2, 5], [0]]
+FP32_MAX_ABS = 1e-5
+# SGLang's CPU run of MLA takes the absorbed form, q·(W_UK c) computed as (q W_UK)·c over a 512-wide latent:
+# the same attention in another association, whose fp32 rounding grows with the states' scale (about 10
+# after a few random layers, hence up to 3.5e-5 absolute). Judged relative to that scale instead; measured
+# worst 2.4e-6, while an off-by-one lands at least 2.5 away.
+MLA_MAX_REL = 1e-5
+MIN_NEIGHBOUR_GAP = 1e-2
+
+
+def _stand_in_class(cls):
+    return type(cls.__name__, (), {"set_eagle3_layers_to_capture": cls.set_eagle3_layers_to_capture,
+                                   "__module__": cls.__module__})
+
+
+def _stand_in(cls, num_layers, decoder_cls=None):
+    """What `cls`.set_eagle3_layers_to_capture touches on a loaded model, without building any weights."""
+    decoder = _stand_in_class(decoder_cls)() if decoder_cls else SimpleNamespace()
+    decoder.layers = [SimpleNamespace() for _ in range(num_layers)]
+    decoder.layers_to_capture = []
+    model = _stand_in_class(cls)()
+    model.pp_group = SimpleNamespace(is_last_rank=True)
+    model.config = SimpleNamespace(num_hidden_layers=num_layers)
+    model.model = decoder
+    model.capture_aux_hidden_states = False
+    return model
+
+
+def _stand_ins(num_layers):
+    prepare_process("cpu")
+    from sglang.srt.models.deepseek_v2 import DeepseekV3ForCausalLM
+    from sglang.srt.models.kimi_k25 import KimiK25ForConditionalGeneration
+    from sglang.srt.models.llama import LlamaForCausalLM
+    from sglang.srt.models.mistral import MistralForCausalLM
+    from sglang.srt.models.qwen2 import Qwen2ForCausalLM
+    from sglang.srt.models.qwen3 import Qwen3ForCausalLM
+    from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeModel
+
+    kimi = _stand_in_class(KimiK25ForConditionalGeneration)()
+    kimi.language_model = _stand_in(DeepseekV3ForCausalLM, num_layers)
+    return {
+        "LlamaForCausalLM": _stand_in(LlamaForCausalLM, num_layers),
+        "MistralForCausalLM": _stand_in(MistralForCausalLM, num_layers),
+        "Qwen2ForCausalLM": _stand_in(Qwen2ForCausalLM, num_layers),
+        "Qwen3ForCausalLM": _stand_in(Qwen3ForCausalLM, num_layers),
+        "Qwen3MoeForCausalLM": _stand_in(Qwen3MoeForCausalLM, num_layers, Qwen3MoeModel),
+        "DeepseekV3ForCausalLM": _stand_in(DeepseekV3ForCausalLM, num_layers),
+        "KimiK25ForConditionalGeneration": kimi,
+    }
+
+
+def test_every_rule_is_checked_here():
+    assert set(_stand_ins(4)) == set(_CAPTURE_RULES)
+
+
+@pytest.mark.parametrize("num_layers", [8, 11])
+def test_every_id_set_reaches_the_next_layers_input_through_sglangs_own_method(num_layers):
+    for name, model in _stand_ins(num_layers).items():
+        rule = model_capture_rule(model)
+        # SGLang's default, as its model files write it: the inputs of layers [2, N//2, N-3].
+        assert resolve_capture(model, rule, None) == [2, num_layers // 2, num_layers - 3], name
+        # The same stand-in throughout, so flags left over from an earlier set would show.
+        for r in range(1, num_layers):
+            for ids in combinations(range(num_layers - 1), r):
+                points = [k + 1 for k in ids]
+                if name in DEEPSEEK_FAMILY and points == [1]:
+                    with pytest.raises(ValueError, match="layer id 0 alone"):
+                        resolve_capture(model, rule, points)
+                    continue
+                assert resolve_capture(model, rule, points) == points, (name, ids)
+        lm = rule.causal_lm(model)
+        route_capture(lm, rule, [])
+        assert rule.captured_points(model) == [] and not lm.capture_aux_hidden_states, name
+        assert not any(getattr(layer, "_is_layer_to_capture", False) for layer in lm.model.layers), name
+
+
+def test_a_model_file_without_eagle3_capture_is_refused_with_the_reason():
+    prepare_process("cpu")
+    from sglang.srt.models.mixtral import MixtralForCausalLM
+
+    with pytest.raises(NotImplementedError, match=r"MixtralForCausalLM \(/m/mixtral\).*sglang\.srt\.models\.mixtral "
+                                                  r"defines no set_eagle3_layers_to_capture"):
+        model_capture_rule(object.__new__(MixtralForCausalLM), "/m/mixtral")  # never built: only its type counts
+    from sglang.srt.models.qwen2_moe import Qwen2MoeForCausalLM
+
+    # It can capture, but its convention is not one verified here.
+    with pytest.raises(NotImplementedError, match="Qwen2MoeForCausalLM .* not supported"):
+        model_capture_rule(_stand_in_class(Qwen2MoeForCausalLM)())
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("archs")
+    return {a: build_model(a, root / a, tokenizer_dir=tiny_model_dir) for a in ENGINE_ARCHS}
+
+
+def test_kimi_k25_checkpoint_holds_exactly_the_kimi_k2_weights(models):
+    wrapped = load_file(models["kimi_k25"] / "model.safetensors")
+    plain = load_file(models["kimi_k2"] / "model.safetensors")
+    assert set(wrapped) == {f"language_model.{k}" for k in plain}
+    assert all(torch.equal(wrapped[f"language_model.{k}"], v) for k, v in plain.items())
+    assert json.loads((models["kimi_k25"] / "config.json").read_text())["text_config"] == json.loads(
+        (models["kimi_k2"] / "config.json").read_text()
+    )
+
+
+@pytest.fixture(scope="module", params=list(ENGINE_ARCHS))
+def report(request, models, tmp_path_factory):
+    arch = request.param
+    out = tmp_path_factory.mktemp(f"report-{arch}") / "report.json"
+    cmd = [sys.executable, str(ROOT / "tests" / "arch_parity.py"), str(models[arch]), "--out", str(out),
+           "--hf-reference", str(models[ENGINE_ARCHS[arch][1]]),
+           "--layer-sets", ";".join(",".join(map(str, s)) for s in LAYER_SETS)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
+    rep = json.loads(out.read_text())
+    assert "error" not in rep, rep.get("traceback")
+    return arch, rep
+
+
+def test_runs_the_expected_sglang_class(report):
+    arch, rep = report
+    assert rep["architecture"] == ENGINE_ARCHS[arch][0]
+    assert rep["attention_backend"] == "torch_native"
+
+
+def test_default_layer_ids_are_sglangs_eagle3_default(report):
+    _, rep = report
+    n, default = rep["num_layers"], rep["checks"][0]
+    assert default["requested"] is None
+    # Every supported model file defaults to capture points [2, N//2, N-3]: outputs of [1, N//2-1, N-4].
+    assert default["layer_ids"] == [1, n // 2 - 1, n - 4]
+    assert default["capture_points"] == [2, n // 2, n - 3]
+    assert len(set(default["layer_ids"])) == 3
+
+
+def test_capture_points_are_the_layer_ids_plus_one(report):
+    arch, rep = report
+    requested = [c for c in rep["checks"] if c["requested"] is not None]
+    assert [c["requested"] for c in requested] == LAYER_SETS
+    for c in requested:
+        if ENGINE_ARCHS[arch][0] in DEEPSEEK_FAMILY and c["requested"] == [0]:
+            assert "layer id 0 alone cannot be captured" in c["error"]
+            continue
+        assert c["layer_ids"] == sorted(c["requested"])
+        assert c["capture_points"] == [k + 1 for k in c["layer_ids"]]
+
+
+def test_every_state_matches_hf_in_fp32(report):
+    arch, rep = report
+    mla = ENGINE_ARCHS[arch][2]
+    compared = [c for c in rep["checks"] if "rows" in c]
+    assert len(compared) >= 4
+    for c in compared:
+        rows = {r["layer"]: r for r in c["rows"]}
+        assert list(rows) == [f"aux {k}" for k in c["layer_ids"]] + ["last"]
+        for name, r in rows.items():
+            where = f"{arch} ids {c['layer_ids']} {name} vs HF hidden_states[{r['hf_index']}]"
+            if mla:
+                assert r["max_rel"] <= MLA_MAX_REL, where
+            else:
+                assert r["max_abs"] <= FP32_MAX_ABS, where
+            # HF's neighbouring states are far off, so a state taken one layer early or late cannot pass.
+            # (A "last" taken before the final norm fails the tolerance itself: the norm rescales it.)
+            assert r["neighbour_gap"] > MIN_NEIGHBOUR_GAP, where
+        assert rows["last"]["hf_index"] == rep["num_layers"]
+
+
+def test_bare_prefill_turns_capture_off_and_back_on(report):
+    _, rep = report
+    assert rep["bare_prefill_returned"] is False
+    assert rep["recapture_max_abs"] == 0.0
