@@ -15,18 +15,27 @@ Input: JSONL, one record per line, any mix of
     {"text": ...}                                     (plain text, every token in the loss)
     {"input_ids": [...], "loss_mask": [...]}          (pre-tokenized; loss_mask optional)
 with an optional "id". Chats are rendered with the model's own chat template; the loss mask covers
-assistant tokens only. Bad lines go to OUT/rejects.jsonl with file, line and reason; the run goes on.
+assistant tokens only. Bad lines go to OUT/rejects.jsonl with file, line and reason; the run goes on
+(--strict: it stops at the first).
 
 \b
 Output: OUT/shard_NNN.safetensors holding input_ids, loss_mask, aux_hidden_states [T, k*H],
-hidden_states [T, H] (after the final norm), offsets and sample_index; OUT/index.json lists them.
+hidden_states [T, H] (after the final norm), offsets and sample_index; OUT/index.json lists them,
+OUT/manifest.json records the run's identity and every shard's sha256.
 Layer id k is the output of decoder layer k, i.e. HF output_hidden_states[k+1].
+
+\b
+Re-running the same command into the same --out resumes: samples in complete shards are kept, the rest
+are extracted (on any number of GPUs). A run that stopped (crash, full disk) loses at most the shards
+it was writing.
 """
 import _bin_path  # noqa: F401  (must come first: see its docstring)
 import click
 
 from offline_extract import extraction, planning
-from offline_extract.extraction import ExtractOptions
+from offline_extract.distributed import LeaderFailed
+from offline_extract.extraction import ExtractOptions, StoppedError
+from offline_extract.nonfinite import POLICIES
 from offline_extract.parity import ParityError
 
 
@@ -69,12 +78,19 @@ from offline_extract.parity import ParityError
 @click.option("--dry-run", is_flag=True,
               help="Tokenize the corpus, print samples, tokens, bytes per output tensor and free space at --out, "
                    "and stop; exits non-zero if the output would not fit (unless --force).")
-@click.option("--force", is_flag=True, help="Go ahead even if a check says no (see --dry-run).")
+@click.option("--strict", is_flag=True,
+              help="Stop at the first bad record (named by file and line) instead of listing it in rejects.jsonl.")
+@click.option("--nonfinite", type=click.Choice(POLICIES), default="fail", show_default=True,
+              help="A sample whose hidden states hold NaN or Inf: stop the run, drop it (listed in rejects.jsonl "
+                   "as dropped), or keep it with a warning.")
+@click.option("--force", is_flag=True,
+              help="Go ahead even if a check says no: --dry-run's free space, or resuming into an --out whose "
+                   "manifest records another model, tokenizer, layers, length policy or corpus.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow model code from the model directory.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (e.g. for logs).")
 def main(data, out, model, device, dtype, tp, layers, max_length, overlong, tokens_per_batch, seqs_per_batch,
          shard_size_mb, attention_backend, load_format, mem_fraction_static, port_base, verify,
-         trim_after_last_loss_token, dry_run, force, trust_remote_code, no_progress):
+         trim_after_last_loss_token, dry_run, strict, nonfinite, force, trust_remote_code, no_progress):
     try:
         layer_ids = tuple(int(x) for x in layers.split(",")) if layers else None
     except ValueError:
@@ -85,7 +101,7 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
         seqs_per_batch=seqs_per_batch, shard_bytes=int(shard_size_mb * (1 << 20)), attention_backend=attention_backend,
         load_format=load_format, mem_fraction_static=mem_fraction_static, port_base=port_base, verify=verify,
         trim_after_last_loss=trim_after_last_loss_token, trust_remote_code=trust_remote_code,
-        progress=not no_progress,
+        progress=not no_progress, strict=strict, nonfinite=nonfinite, force=force,
     )
     if dry_run:
         plan = extraction.dry_run(opts)
@@ -95,9 +111,11 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
         return
     try:
         summary = extraction.run(opts)
-    except (OSError, ValueError, NotImplementedError, ParityError) as e:
-        # Bad input or a failed check: the message names it; a traceback would only bury it.
+    except (OSError, ValueError, NotImplementedError, ParityError, StoppedError, LeaderFailed) as e:
+        # Bad input, a failed check or a full disk: the message names it; a traceback would only bury it.
         raise click.ClickException(str(e)) from e
+    except KeyboardInterrupt:
+        raise click.ClickException(f"interrupted; re-running the same command resumes into {out}") from None
     if summary is not None:
         click.echo(summary.report(out), err=True)
 

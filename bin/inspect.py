@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""Summarize offline_extract shards: counts, run facts, per-layer statistics, or one sample's tokens."""
+"""Summarize offline_extract shards: counts, run facts, per-layer statistics, or one sample's tokens;
+or verify an output directory."""
 import _bin_path  # noqa: F401  (must come first: see its docstring)
 import json
+from pathlib import Path
 
 import click
 from rich.console import Console
 
-from offline_extract import inspection
+from offline_extract import inspection, integrity
 from offline_extract.shards import ShardError
 
 
@@ -14,8 +16,20 @@ from offline_extract.shards import ShardError
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--sample", "sample_id", help="Show this sample's text, loss-masked tokens highlighted.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of tables.")
-def main(path: str, sample_id: str | None, as_json: bool) -> None:
-    """PATH is a shard file or an output directory of shards."""
+@click.option("--verify", is_flag=True,
+              help="Re-hash every shard against manifest.json and check shapes, dtypes, offsets and index.json; "
+                   "list every problem and exit non-zero if there is any.")
+def main(path: str, sample_id: str | None, as_json: bool, verify: bool) -> None:
+    """PATH is a shard file or an output directory of shards (a directory for --verify)."""
+    if verify:
+        if not Path(path).is_dir():
+            raise click.BadParameter("--verify checks an output directory", param_hint="PATH")
+        report = integrity.verify(path)
+        for problem in report.problems:
+            click.echo(problem)
+        verdict = f"{len(report.problems)} problems" if report.problems else "no problems"
+        click.echo(f"verified {report.shards} shards holding {report.samples} samples in {path}: {verdict}")
+        raise SystemExit(1 if report.problems else 0)
     try:
         if sample_id is not None:
             result = inspection.sample_view(path, sample_id)

@@ -12,9 +12,15 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable, TypeVar
 
 
 DEFAULT_PORT_BASE = 29600
+T = TypeVar("T")
+
+
+class LeaderFailed(RuntimeError):
+    """The leading rank failed a step every rank depends on; its own error says why."""
 
 
 def free_port() -> int:
@@ -120,3 +126,23 @@ class Coordinator:
 
     def barrier(self) -> None:
         self.all_gather(None)
+
+    def from_leader(self, decide: Callable[[], T]) -> T:
+        """Runs `decide` on the leading rank only and returns its JSON-serializable result on every rank.
+
+        If it raises, the leader re-raises and every other rank raises LeaderFailed with its message, so
+        no rank goes on, or waits forever, after the leader gave up.
+        """
+        outcome = error = None
+        if self.layout.leads:
+            try:
+                outcome = {"result": decide()}
+            except Exception as e:
+                error = e
+                outcome = {"error": f"{type(e).__name__}: {e}"}
+        outcome = self.all_gather(outcome)[0]
+        if error is not None:
+            raise error
+        if "error" in outcome:
+            raise LeaderFailed(f"rank 0 stopped the run: {outcome['error']}")
+        return outcome["result"]

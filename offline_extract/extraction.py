@@ -1,6 +1,7 @@
 """The extraction job: records -> token samples -> ragged batches -> engine -> shard writer.
 
-Each process runs this; `distributed.Layout` decides which records it owns and whether it writes.
+Each process runs this; `distributed.Layout` decides which records it owns and whether it writes, and
+`resume` which of them earlier attempts into the same directory already wrote.
 """
 from __future__ import annotations
 
@@ -8,27 +9,39 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import sys
 import time
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
-from itertools import chain, count, islice
+from itertools import chain, islice
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
-from . import __version__, parity, planning
+from . import __version__, manifest, parity, planning, resume
 from .batching import Batch, batch_by_tokens
 from .corpus import Record, Reject, read_corpus
 from .distributed import Coordinator, Layout, layout_from_env
+from .journal import Journal, read_journal
+from .nonfinite import NonFiniteError, NonFiniteGuard, batch_flag
 from .offload import STORED_DTYPE, HostOffload, pinned_buffers
 from .progress import RunProgress
 from .sglang_adapter import LAYER_CONVENTION, Engine, EngineConfig
-from .shards import SampleInfo, ShardWriter, shard_paths, write_index
+from .shards import SampleInfo, ShardWriter, _atomic_write, write_index
 from .tiny_model import ensure_tiny_model
 from .tokenization import Sample, SampleTokenizer
 
 REJECTS_FILE = "rejects.jsonl"
+
+
+class BadRecordError(ValueError):
+    """Under --strict, the first record that cannot be extracted."""
+
+
+class StoppedError(RuntimeError):
+    """The run stopped part-way (disk full, I/O error, non-finite states); what it wrote is complete."""
 
 
 @dataclass(frozen=True)
@@ -53,14 +66,23 @@ class ExtractOptions:
     trim_after_last_loss: bool = False
     trust_remote_code: bool = False
     progress: bool = True
+    strict: bool = False
+    nonfinite: str = "fail"
+    force: bool = False  # resume into an output directory written by a different run
 
 
 @dataclass
 class Summary:
+    """Counts of one attempt. Every record read is exactly one of: extracted now, resumed (already in
+    a complete shard of an earlier attempt), skipped, rejected or dropped."""
+
     records: int = 0
     extracted: int = 0
+    resumed: int = 0
     skipped: int = 0
     rejected: int = 0
+    dropped: int = 0
+    nonfinite_kept: int = 0
     tokens: int = 0
     bytes_written: int = 0
     shards: list[str] = field(default_factory=list)
@@ -72,8 +94,11 @@ class Summary:
         return Summary(
             records=self.records + other.records,
             extracted=self.extracted + other.extracted,
+            resumed=self.resumed + other.resumed,
             skipped=self.skipped + other.skipped,
             rejected=self.rejected + other.rejected,
+            dropped=self.dropped + other.dropped,
+            nonfinite_kept=self.nonfinite_kept + other.nonfinite_kept,
             tokens=self.tokens + other.tokens,
             bytes_written=self.bytes_written + other.bytes_written,
             shards=sorted(self.shards + other.shards),
@@ -83,14 +108,21 @@ class Summary:
         )
 
     def report(self, out: str | os.PathLike) -> str:
+        # Resumed samples count as extracted, so that the four counts add up to the records read.
+        extracted = f"extracted {self.extracted + self.resumed}"
+        if self.resumed:
+            extracted += f" ({self.resumed} by earlier attempts)"
         lines = [
-            f"records {self.records}: extracted {self.extracted}, skipped {self.skipped}, rejected {self.rejected}",
+            f"records {self.records}: {extracted}, skipped {self.skipped}, rejected {self.rejected}, "
+            f"dropped {self.dropped}",
             f"tokens {self.tokens:,}: {self.tokens / max(self.extract_seconds, 1e-9):,.0f} tok/s over "
             f"{self.extract_seconds:.1f} s of extraction ({self.seconds:.1f} s with start-up)",
-            f"{len(self.shards)} shards, {self.bytes_written / 1e9:.3f} GB -> {out}",
+            f"{len(self.shards)} new shards, {self.bytes_written / 1e9:.3f} GB -> {out}",
         ]
-        if self.skipped or self.rejected:
-            lines.append(f"skipped and rejected records are listed in {Path(out) / REJECTS_FILE}")
+        if self.nonfinite_kept:
+            lines.append(f"{self.nonfinite_kept} extracted samples hold NaN or Inf (--nonfinite keep)")
+        if self.skipped or self.rejected or self.dropped:
+            lines.append(f"skipped, rejected and dropped records are listed in {Path(out) / REJECTS_FILE}")
         for row in self.parity:
             lines.append(
                 f"parity {row['layer']:>8} vs HF hidden_states[{row['hf_index']}]: max_abs {row['max_abs']:.3g} "
@@ -142,12 +174,19 @@ def run_metadata(opts: ExtractOptions, model_dir: Path, engine: Engine, tokenize
     }
 
 
-def _owned(layout: Layout, opts: ExtractOptions, tokenizer: SampleTokenizer, rejects, summary: Summary) -> Iterator[Sample]:
-    """This replica's samples; its bad records go to `rejects` and are counted, never dropped."""
+def _owned(
+    layout: Layout, opts: ExtractOptions, tokenizer: SampleTokenizer, done: np.ndarray, rejects: Journal | None,
+    summary: Summary,
+) -> Iterator[Sample]:
+    """This replica's samples still to extract; bad records go to `rejects` and are counted, never lost
+    (under --strict the first one stops the run instead). `done[i]` marks record i as already written."""
     for item in read_corpus(opts.data):
         if not layout.owns(item.index):
             continue
         summary.records += 1
+        if item.index < len(done) and done[item.index]:
+            summary.resumed += 1
+            continue
         if isinstance(item, Record):
             item = tokenizer(item)
         if isinstance(item, Sample):
@@ -155,10 +194,13 @@ def _owned(layout: Layout, opts: ExtractOptions, tokenizer: SampleTokenizer, rej
             continue
         if item.kind == "skipped":
             summary.skipped += 1
+        elif opts.strict:
+            where = f"{item.source}:{item.line}" + (f" (id {item.id!r})" if item.id else "")
+            raise BadRecordError(f"{where}: {item.reason} (--strict stops at the first bad record)")
         else:
             summary.rejected += 1
         if rejects is not None:
-            rejects.write(json.dumps(item.to_json()) + "\n")
+            rejects.append(item.to_json())
 
 
 def _info(s: Sample) -> SampleInfo:
@@ -166,33 +208,47 @@ def _info(s: Sample) -> SampleInfo:
 
 
 def extract_batches(
-    engine: Engine, batches: Iterable[Batch], writer: ShardWriter | None, on_batch=lambda b: None, staging=None
+    engine: Engine,
+    batches: Iterable[Batch],
+    writer: ShardWriter | None,
+    on_batch=lambda b: None,
+    staging=None,
+    nonfinite: NonFiniteGuard | None = None,
 ) -> None:
     """The hot loop: forward each batch and hand its states to the writer without waiting for the host.
 
     `staging` (from `staging_buffers`) may be passed in to reuse pinned memory across calls. Ranks that
-    do not write (tp_rank > 0) still take part in every forward: TP needs all of them.
+    do not write (tp_rank > 0) still take part in every forward: TP needs all of them. Batches with NaN
+    or Inf go through `nonfinite` (default: fail on the first such sample).
     """
     if writer is None:
         for batch in batches:
             engine.forward([s.input_ids for s in batch.samples])
             on_batch(batch)
         return
+    guard = nonfinite or NonFiniteGuard("fail", engine.layer_ids)
 
-    def consume(batch: Batch, aux: torch.Tensor, last: torch.Tensor) -> None:
+    # HostOffload passes what is submitted as its batch through untouched: here, the batch and its flag.
+    def consume(flagged: tuple[Batch, torch.Tensor], aux: torch.Tensor, last: torch.Tensor) -> None:
+        batch, flag = flagged
+        samples = batch.samples
+        if flag:  # already on the host: its copy was enqueued before the states'
+            samples, aux, last = guard.screen(samples, aux, last)
+            if not samples:
+                return
         writer.add_batch(
-            [_info(s) for s in batch.samples],
-            np.concatenate([s.input_ids for s in batch.samples]),
-            np.concatenate([s.loss_mask for s in batch.samples]),
+            [_info(s) for s in samples],
+            np.concatenate([s.input_ids for s in samples]),
+            np.concatenate([s.loss_mask for s in samples]),
             aux,
             last,
-            lengths=[s.num_tokens for s in batch.samples],
+            lengths=[s.num_tokens for s in samples],
         )
 
     with HostOffload(consume, engine.device, staging or staging_buffers(engine)) as offload:
         for batch in batches:
             captured = engine.forward([s.input_ids for s in batch.samples])
-            offload.submit(batch, captured.aux, captured.last)
+            offload.submit((batch, batch_flag(captured.aux, captured.last)), captured.aux, captured.last)
             on_batch(batch)
 
 
@@ -226,13 +282,6 @@ def _verify(engine: Engine, layout: Layout, opts: ExtractOptions, model_dir: Pat
     return [r.to_json() for r in rows]
 
 
-def _check_out_dir(out: Path) -> None:
-    if shard_paths(out):
-        raise FileExistsError(
-            f"{out} already holds shards; choose a new --out (resuming into a directory is not supported yet)"
-        )
-
-
 def _sample_tokenizer(opts: ExtractOptions, model_dir: Path) -> SampleTokenizer:
     from transformers import AutoTokenizer
 
@@ -256,19 +305,44 @@ def dry_run(opts: ExtractOptions) -> planning.Plan:
 
 
 def run(opts: ExtractOptions) -> Summary | None:
-    """Run this process's part of the job; the leading process gets the whole run's summary."""
+    """Run this process's part of the job; the leading process gets the whole run's summary.
+
+    Into a directory that already holds shards this resumes: see `resume`.
+    """
     start = time.perf_counter()
     layout = layout_from_env(opts.tp)
+    out = Path(opts.out)
+    coord = Coordinator(layout, namespace=f"run-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
+    locks = []
+
+    def take_over() -> dict:
+        lock, existing = resume.take_over(out)
+        locks.append(lock)
+        return asdict(existing)
+
+    try:
+        # Nobody touches the directory before the leader holds it and has cleared a crashed run's leftovers.
+        existing = resume.Existing(**coord.from_leader(take_over))
+        return _run(opts, layout, coord, existing, start)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def _note(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _run(opts: ExtractOptions, layout: Layout, coord: Coordinator, existing: resume.Existing, start: float) -> Summary | None:
     device = _resolve_device(opts.device)
     model_dir = Path(opts.model) if opts.model else ensure_tiny_model()
     # SGLang turns a float32 checkpoint into bf16 under "auto"; on CPU the embedded model exists to prove
     # parity in fp32, so it keeps its own dtype there (SGLang's CUDA kernels take half precision only).
     dtype = "float32" if opts.dtype == "auto" and not opts.model and device == "cpu" else opts.dtype
     out = Path(opts.out)
-    coord = Coordinator(layout, namespace=f"run-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
-    _check_out_dir(out)
-    coord.barrier()  # nobody writes before every rank has seen the directory empty
-    out.mkdir(parents=True, exist_ok=True)
+    if layout.leads:
+        for note in existing.notes:
+            _note(note)
 
     tokenizer = _sample_tokenizer(opts, model_dir)
     tokens_per_batch = opts.tokens_per_batch or (16384 if device == "cuda" else 4096)
@@ -291,43 +365,69 @@ def run(opts: ExtractOptions) -> Summary | None:
             trust_remote_code=opts.trust_remote_code,
         )
     )
+    meta = run_metadata(opts, model_dir, engine, tokenizer)
+    # Checked once the model is loaded: the default layer ids and the compute dtype come from SGLang.
+    notes = coord.from_leader(lambda: resume.check_identity(out, manifest.run_identity(meta, opts.data), opts.force))
+    done = resume.done_mask(out, existing.shards)
+    if layout.leads:
+        for note in notes:
+            _note(note)
+        if existing.shards:
+            _note(f"resuming in {out}: {int(done.sum())} samples in {len(existing.shards)} complete shards are kept")
 
     summary = Summary()
-    rejects_part = out / f".rejects.dp{layout.dp_rank}.jsonl"
-    rejects = open(rejects_part, "w") if layout.writes else None
-    samples = _owned(layout, opts, tokenizer, rejects, summary)
-    head = list(islice(samples, opts.verify))
-    summary.parity = _verify(engine, layout, opts, model_dir, head) if head else []
-    meta = run_metadata(opts, model_dir, engine, tokenizer)
-    meta["parity"] = summary.parity
-    writer = (
-        ShardWriter(out, meta, shard_bytes=opts.shard_bytes, shard_numbers=count(layout.dp_rank, layout.dp_size))
-        if layout.writes
-        else None
-    )
-    show = layout.leads and opts.progress
-    label = f"dp {layout.dp_rank}/{layout.dp_size}" if layout.dp_size > 1 else "extract"
-    shown = 0
-    with RunProgress(_count_owned(layout, opts.data) if show else None, label, enabled=show) as bar:
+    with _resumable(out), ExitStack() as journals:
+        rejects = journals.enter_context(Journal(out / f".rejects.dp{layout.dp_rank}.jsonl")) if layout.writes else None
+        samples = _owned(layout, opts, tokenizer, done, rejects, summary)
+        head = list(islice(samples, opts.verify))
+        summary.parity = _verify(engine, layout, opts, model_dir, head) if head else []
+        meta["parity"] = summary.parity
+        writer = None
+        if layout.writes:
+            shard_log = journals.enter_context(Journal(manifest.journal_path(out, layout.dp_rank), durable=True))
+            writer = ShardWriter(
+                out,
+                meta,
+                shard_bytes=opts.shard_bytes,
+                shard_numbers=resume.shard_numbers(existing.first_number, layout),
+                on_written=lambda shard: shard_log.append(asdict(shard)),
+            )
 
-        def advance(batch: Batch) -> None:
-            nonlocal shown
-            summary.extracted += len(batch.samples)
-            summary.tokens += batch.num_tokens
-            # Records read so far, bad ones included, so the bar reaches its total.
-            bar.advance(summary.records - shown, batch.num_tokens, writer.bytes_written if writer else 0)
-            shown = summary.records
+        def found_nonfinite(sample: Sample, reason: str) -> None:
+            if opts.nonfinite == "drop":
+                summary.dropped += 1
+                rejects.append(Reject(sample.source, sample.line, sample.index, sample.id, reason, "dropped").to_json())
+            else:
+                summary.nonfinite_kept += 1
+                _note(f"warning: sample {sample.id!r} ({sample.source}:{sample.line}) kept with {reason}")
 
-        extract_start = time.perf_counter()
-        try:
-            extract_batches(engine, batch_by_tokens(chain(head, samples), tokens_per_batch, opts.seqs_per_batch), writer, advance)
-        finally:
+        show = layout.leads and opts.progress
+        label = f"dp {layout.dp_rank}/{layout.dp_size}" if layout.dp_size > 1 else "extract"
+        shown = 0
+        with RunProgress(_count_owned(layout, opts.data) if show else None, label, enabled=show) as bar:
+
+            def advance(batch: Batch) -> None:
+                nonlocal shown
+                summary.tokens += batch.num_tokens
+                # Records read so far, bad and resumed ones included, so the bar reaches its total.
+                bar.advance(summary.records - shown, batch.num_tokens, writer.bytes_written if writer else 0)
+                shown = summary.records
+
+            extract_start = time.perf_counter()
+            batches = batch_by_tokens(chain(head, samples), tokens_per_batch, opts.seqs_per_batch)
+            guard = NonFiniteGuard(opts.nonfinite, engine.layer_ids, found_nonfinite)
+            try:
+                extract_batches(engine, batches, writer, advance, nonfinite=guard)
+            except BaseException:
+                if writer is not None:
+                    writer.abort()
+                raise
             if writer is not None:
                 summary.shards = [p.name for p in writer.close()]
+                # Counted as written, not as batched: dropped samples are batched but never written.
+                summary.extracted = writer.samples_written
                 summary.bytes_written = writer.bytes_written
-        summary.extract_seconds = time.perf_counter() - extract_start
-    if rejects is not None:
-        rejects.close()
+            summary.extract_seconds = time.perf_counter() - extract_start
     summary.seconds = time.perf_counter() - start
 
     # Every replica has finished writing: the leader can describe the whole directory.
@@ -338,19 +438,31 @@ def run(opts: ExtractOptions) -> Summary | None:
             total = total.merge(Summary(**p))
     if not layout.leads:
         return None
-    _merge_rejects(out, layout.dp_size)
-    write_index(out)
+    with _resumable(out):
+        _merge_rejects(out)
+        write_index(out)
+        # Last, so that a manifest saying "complete" means the index and rejects.jsonl are final too.
+        counts = {key: getattr(total, key) for key in ("records", "skipped", "rejected", "dropped")}
+        manifest.consolidate(out, status="complete", result={**counts, "extracted": total.extracted + total.resumed})
     return total
 
 
-def _merge_rejects(out: Path, dp_size: int) -> None:
-    rows = []
-    for r in range(dp_size):
-        part = out / f".rejects.dp{r}.jsonl"
-        if part.exists():
-            rows += [json.loads(line) for line in part.read_text().splitlines() if line]
-            part.unlink()
-    rows.sort(key=lambda row: row["index"])
-    tmp = out / f".{REJECTS_FILE}.tmp"
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    os.replace(tmp, out / REJECTS_FILE)
+@contextmanager
+def _resumable(out: Path) -> Iterator[None]:
+    """Turns a failure that a re-run recovers from into a StoppedError that says so."""
+    try:
+        yield
+    except (OSError, NonFiniteError) as e:
+        raise StoppedError(
+            f"{e}\nThe complete shards in {out} are kept: once the cause is fixed, re-running the same command "
+            f"resumes from them."
+        ) from e
+
+
+def _merge_rejects(out: Path) -> None:
+    """One rejects.jsonl in record order from the replicas' parts; the parts go."""
+    parts = sorted(out.glob(resume.REJECTS_PARTS))
+    rows = sorted((row for part in parts for row in read_journal(part)), key=lambda row: row["index"])
+    _atomic_write(out / REJECTS_FILE, lambda tmp: tmp.write_text("".join(json.dumps(row) + "\n" for row in rows)))
+    for part in parts:
+        part.unlink()

@@ -14,6 +14,7 @@ run dict given to the writer (stored verbatim), and one entry per sample (see `S
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -22,19 +23,22 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 from safetensors import safe_open
+
+from .journal import naming_errors
 
 FORMAT_VERSION = 1
 METADATA_KEY = "offline_extract"
 INDEX_NAME = "index.json"
 SHARD_GLOB = "shard_*.safetensors"
 SAMPLE_TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
-# Shards from different runs must never be indexed together; these run keys identify a run's output.
-RUN_KEYS_THAT_MUST_AGREE = ("model", "layer_ids")
+# Shards from different runs must never be indexed together; these run keys identify a run's output
+# (by content: the same model resumed from another mount point is still the same model).
+RUN_KEYS_THAT_MUST_AGREE = ("config_sha256", "weights", "layer_ids")
 
 
 class ShardError(ValueError):
@@ -55,7 +59,7 @@ def shard_name(number: int) -> str:
     return f"shard_{number:03d}.safetensors"
 
 
-def _shard_number(path: Path) -> int:
+def shard_number(path: Path) -> int:
     return int(path.name[len("shard_") : -len(".safetensors")])
 
 
@@ -67,24 +71,26 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(final: Path, write) -> None:
-    """Calls write(tmp_path), makes the bytes durable, then renames into place.
+def _atomic_write(final: Path, write):
+    """Calls write(tmp_path), makes the bytes durable, then renames into place; returns what write returned.
 
     Readers (and a crashed run's resume) therefore see either no file or a complete one under `final`.
     """
     tmp = final.with_name(f".{final.name}.tmp")
     try:
-        write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
+        with naming_errors(tmp):
+            result = write(tmp)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(final.parent)
+    return result
 
 
 # safetensors dtype codes of the tensors a shard holds.
@@ -93,8 +99,9 @@ _DTYPE_CODES = {torch.int64: "I64", torch.int32: "I32", torch.bfloat16: "BF16", 
 _FILE_ORDER = ("offsets", "sample_index", "input_ids", "aux_hidden_states", "hidden_states", "loss_mask")
 
 
-def _serialize(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write a safetensors file straight from the tensors' memory, without an intermediate bytes copy.
+def _serialize(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    """Write a safetensors file straight from the tensors' memory, without an intermediate bytes copy,
+    and return the file's sha256, hashed from memory on the way so the file is never read back.
 
     The layout is safetensors' own (u64 header length, JSON header padded to 8 bytes, raw data), so the
     reference reader opens it; the tests read every shard back through it.
@@ -110,13 +117,20 @@ def _serialize(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str,
     blob += b" " * (-len(blob) % 8)
     # A file we create gets the mode the process umask allows (safetensors' own writer leaves 0600,
     # which other users' training jobs could not read).
+    digest = hashlib.sha256()
     with open(path, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
+
+        def put(data) -> None:
+            digest.update(data)
+            f.write(data)
+
+        put(len(blob).to_bytes(8, "little"))
+        put(blob)
         for name in _FILE_ORDER:
             t = tensors[name].contiguous()
             if t.numel():
-                f.write(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+                put(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+    return digest.hexdigest()
 
 
 def _as_tensor(x: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -165,6 +179,17 @@ class _ShardBuffer:
         return out
 
 
+@dataclass(frozen=True)
+class WrittenShard:
+    """A shard that is complete under its final name, with the checksum of its bytes."""
+
+    name: str
+    sha256: str
+    bytes: int
+    num_samples: int
+    num_tokens: int
+
+
 class ShardWriter:
     """Assembles batches of extracted samples into shards of about `shard_bytes` and writes them.
 
@@ -174,7 +199,8 @@ class ShardWriter:
     Complete shards are written by `writers` threads in parallel, each file sequentially; at most
     `writers + 1` shard buffers exist, so host memory is bounded whatever the corpus size, and a caller
     that outpaces the disk blocks in `add_batch`. A failed write (disk full, I/O error) is raised from the
-    next `add_batch` or from `close`, and leaves no file under a shard's final name.
+    next `add_batch` or from `close`, and leaves no file under a shard's final name. `on_written` is
+    called from a writer thread once a shard is complete under its final name.
     """
 
     def __init__(
@@ -185,6 +211,7 @@ class ShardWriter:
         shard_bytes: int = 1 << 30,
         shard_numbers: Iterator[int] | None = None,
         writers: int = 4,
+        on_written: Callable[[WrittenShard], None] | None = None,
     ):
         if shard_bytes <= 0:
             raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
@@ -196,6 +223,7 @@ class ShardWriter:
         self.run = run
         self.shard_bytes = shard_bytes
         self._numbers = shard_numbers if shard_numbers is not None else itertools.count()
+        self._on_written = on_written
         self._pool = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="shard-writer")
         self._free: queue.Queue[_ShardBuffer] = queue.Queue()
         self._buffers_left = writers + 1
@@ -292,11 +320,14 @@ class ShardWriter:
         try:
             tensors = buf.contents()
             document = {"format_version": FORMAT_VERSION, "run": self.run, "samples": [asdict(s) for s in buf.samples]}
-            _atomic_write(path, lambda tmp: _serialize(tmp, tensors, {METADATA_KEY: json.dumps(document)}))
+            sha256 = _atomic_write(path, lambda tmp: _serialize(tmp, tensors, {METADATA_KEY: json.dumps(document)}))
+            size = path.stat().st_size
             with self._lock:
-                self.bytes_written += path.stat().st_size
+                self.bytes_written += size
                 self.samples_written += len(buf.samples)
                 self.tokens_written += buf.tokens
+            if self._on_written is not None:
+                self._on_written(WrittenShard(path.name, sha256, size, len(buf.samples), buf.tokens))
             return path
         finally:
             buf.clear()
@@ -319,7 +350,19 @@ class ShardWriter:
                 self._raise_failed_writes()
             finally:
                 self._pool.shutdown(wait=True)
-        return sorted(self._paths, key=_shard_number)
+        return sorted(self._paths, key=shard_number)
+
+    def abort(self) -> None:
+        """Stops after a failure elsewhere: drops the shard still being filled and waits for the complete
+        ones already handed to writer threads.
+
+        Each of those ends complete or leaves nothing, like any write; their own errors (the same full
+        disk, usually) are dropped, since the failure that made the caller abort is the one to report.
+        """
+        if not self._closed:
+            self._closed = True
+            self._current = None
+            self._pool.shutdown(wait=True)
 
 
 @dataclass
@@ -407,7 +450,7 @@ def open_shard(path: str | os.PathLike) -> Shard:
 
 def shard_paths(out_dir: str | os.PathLike) -> list[Path]:
     """The directory's shards in shard-number order (numeric, so shard_1000 sorts after shard_999)."""
-    return sorted(Path(out_dir).glob(SHARD_GLOB), key=_shard_number)
+    return sorted(Path(out_dir).glob(SHARD_GLOB), key=shard_number)
 
 
 def _check_run_agrees(first: ShardHeader, other: ShardHeader) -> None:

@@ -7,29 +7,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from extract_runs import ROOT, assert_same_samples, extract_command
 from transformers import AutoTokenizer
 
 from offline_extract.corpus import Record, read_corpus
 from offline_extract.shards import iter_samples, open_shard, shard_paths
 from offline_extract.tokenization import SampleTokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "examples" / "corpus.jsonl"
 
 
 def _extract(out, *args, torchrun: int | None = None, env=None):
-    cmd = [sys.executable, str(ROOT / "bin" / "extract.py"), "--out", str(out), "--no-progress", *args]
-    if torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun),
-               "--master-port", str(_port()), *cmd[1:]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, **(env or {})}, timeout=600)
-    return proc
-
-
-def _port():
-    from offline_extract.distributed import free_port
-
-    return free_port()
+    return subprocess.run(extract_command(out, *args, torchrun=torchrun), capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, **(env or {})}, timeout=600)
 
 
 def _ok(proc):
@@ -67,7 +57,7 @@ def test_default_run_writes_every_sample_with_its_tokens(single, cache_env):
         assert t["aux_hidden_states"].shape == (sample.num_tokens, 3 * 64)
         assert t["hidden_states"].shape == (sample.num_tokens, 64)
         assert torch.isfinite(t["aux_hidden_states"].float()).all()
-    assert "records 24: extracted 24, skipped 0, rejected 0" in proc.stderr
+    assert "records 24: extracted 24, skipped 0, rejected 0, dropped 0" in proc.stderr
 
 
 def test_shards_carry_provenance_and_parity(single):
@@ -102,14 +92,7 @@ def test_bad_lines_are_recorded_and_good_ones_kept(tmp_path, cache_env):
     assert all(r["source"] == str(corpus) and r["reason"] for r in rejects)
     assert "invalid JSON" in rejects[0]["reason"] and "bot" in rejects[1]["reason"]
     assert len(list(iter_samples(out))) == 6
-    assert "records 9: extracted 6, skipped 0, rejected 3" in proc.stderr
-
-
-def test_existing_output_is_not_overwritten(single, cache_env):
-    out, _ = single
-    proc = _extract(out, "--data", str(CORPUS), env=cache_env)
-    assert proc.returncode != 0
-    assert "already holds shards" in proc.stderr
+    assert "records 9: extracted 6, skipped 0, rejected 3, dropped 0" in proc.stderr
 
 
 @pytest.mark.slow
@@ -119,17 +102,7 @@ def test_torchrun_dp2_union_equals_single_process(single, tmp_path, cache_env):
     _ok(_extract(out2, "--data", str(CORPUS), "--tokens-per-batch", "512", "--max-length", "512", torchrun=2, env=cache_env))
     names = {p.name for p in shard_paths(out2)}
     assert {"shard_000.safetensors", "shard_001.safetensors"} <= names, "both replicas must write"
-    one = {info.id: (info, t) for info, t in iter_samples(out1)}
-    two = {info.id: (info, t) for info, t in iter_samples(out2)}
-    assert one.keys() == two.keys()
-    for sid, (info, t) in one.items():
-        info2, t2 = two[sid]
-        assert info == info2
-        for name in ("input_ids", "loss_mask"):
-            assert torch.equal(t[name], t2[name]), (sid, name)
-        for name in ("aux_hidden_states", "hidden_states"):
-            # Same weights, same math; only the batch neighbours differ. Allow one bf16 rounding step.
-            assert torch.allclose(t[name].float(), t2[name].float(), rtol=2**-7, atol=1e-6), (sid, name)
+    assert_same_samples(out1, out2)
 
 
 def test_help_explains_formats_and_layers():

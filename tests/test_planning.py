@@ -2,7 +2,6 @@ import shutil
 from collections import namedtuple
 from pathlib import Path
 
-import pytest
 from transformers import AutoTokenizer
 
 from offline_extract import planning

@@ -1,0 +1,66 @@
+"""Append-only JSON-lines files that several threads write and that a crash may cut short.
+
+A kill can leave the last line half written; readers drop such a line instead of failing, so a file is
+always good up to its last complete record. Errors name the file: a bare "[Errno 28] No space left on
+device" from a buffered write would not say which of the run's files hit it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+
+class Journal:
+    def __init__(self, path: str | os.PathLike, durable: bool = False):
+        """`durable` fsyncs every line, for records whose loss would cost more than the fsync."""
+        self.path = Path(path)
+        self.durable = durable
+        self._lock = threading.Lock()
+        with naming_errors(self.path):
+            self._file = open(self.path, "a", encoding="utf-8")
+
+    def append(self, record: dict) -> None:
+        line = json.dumps(record) + "\n"
+        with self._lock, naming_errors(self.path):
+            self._file.write(line)
+            self._file.flush()
+            if self.durable:
+                os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        with self._lock, naming_errors(self.path):
+            self._file.close()
+
+    def __enter__(self) -> "Journal":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_journal(path: str | os.PathLike) -> list[dict]:
+    """The complete records of a journal, in order; a torn last line is left out."""
+    records = []
+    with open(path, "rb") as f:
+        for raw in f:
+            try:
+                records.append(json.loads(raw))
+            except ValueError:
+                if raw.endswith(b"\n"):
+                    raise ValueError(f"{path}: corrupt line {len(records) + 1}: {raw[:80]!r}") from None
+    return records
+
+
+@contextmanager
+def naming_errors(path: str | os.PathLike) -> Iterator[None]:
+    """Re-raises an OSError that does not name its file as one that names `path`."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e

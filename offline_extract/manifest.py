@@ -1,0 +1,149 @@
+"""OUT/manifest.json: what an output directory holds (its run identity) and which shards are complete.
+
+The identity is written when a run takes a directory over; a later run may resume there only with the
+same identity (`differences`), since shards of two identities would not be one data set. Each replica
+logs the shards it completes, with the sha256 its writer threads computed, to its own journal
+(`.manifest.dp{r}.jsonl`, fsynced per shard); the leader folds the journals into manifest.json at the
+start of a run (a crashed attempt's) and at its end. Every manifest.json update is an atomic replace.
+
+A shard file on disk is authoritative, since it only appears under its name once complete: one that
+no journal mentions (a crash between its rename and its journal line) has its checksum recomputed
+from the file, and an entry whose file is gone is dropped, so its samples are extracted again.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+from .journal import read_journal
+from .shards import _atomic_write, read_header, shard_number, shard_paths
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 1
+JOURNAL_GLOB = ".manifest.dp*.jsonl"
+# The run facts that decide every sample's bytes. Topology (DP, TP, batch budget, attention backend)
+# is left out on purpose: a run may finish on different hardware than it started on.
+IDENTITY_KEYS = (
+    "config_sha256",
+    "weights",
+    "tokenizer_sha256",
+    "chat_template_sha256",
+    "layer_ids",
+    "compute_dtype",
+    "max_length",
+    "overlong",
+    "trim_after_last_loss_token",
+)
+# A corpus file is identified by its name, size, and the sha256 of this many blocks spread evenly over
+# it (the whole file when that covers it): a few milliseconds at start-up for a terabyte corpus, where
+# a full hash would take an hour on every resume. Appending, truncating or replacing a file changes its
+# size or its first or last block; the edit it can miss is one that keeps the size and touches no
+# sampled block. Path and mtime are recorded but not compared: they change when a corpus is merely
+# copied or remounted, and the sample indices depend only on content and order.
+SAMPLED_BLOCKS = 16
+BLOCK_BYTES = 1 << 20
+CORPUS_KEYS = ("name", "bytes", "sampled_sha256")
+
+
+def file_fingerprint(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    st = path.stat()
+    size = st.st_size
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= SAMPLED_BLOCKS * BLOCK_BYTES:
+            digest.update(f.read())
+        else:
+            for i in range(SAMPLED_BLOCKS):
+                f.seek(i * (size - BLOCK_BYTES) // (SAMPLED_BLOCKS - 1))
+                digest.update(f.read(BLOCK_BYTES))
+    return {
+        "name": path.name,
+        "bytes": size,
+        "sampled_sha256": digest.hexdigest(),
+        "path": str(path.resolve()),
+        "mtime_ns": st.st_mtime_ns,
+    }
+
+
+def run_identity(run: dict, data: Sequence[str | os.PathLike]) -> dict:
+    """The identity of a run from its shard metadata (`extraction.run_metadata`) and corpus files."""
+    return {**{key: run.get(key) for key in IDENTITY_KEYS}, "corpus": [file_fingerprint(p) for p in data]}
+
+
+def differences(old: dict, new: dict) -> list[str]:
+    """What differs between two identities, one line per difference; empty when a resume is safe."""
+    diffs = [
+        f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in IDENTITY_KEYS if old.get(key) != new.get(key)
+    ]
+    before, after = old.get("corpus", []), new.get("corpus", [])
+    if len(before) != len(after):
+        diffs.append(f"corpus: {len(before)} files -> {len(after)} files")
+    for i, (a, b) in enumerate(zip(before, after)):
+        changed = [key for key in CORPUS_KEYS if a.get(key) != b.get(key)]
+        if changed:
+            detail = ", ".join(f"{key} {a.get(key)!r} -> {b.get(key)!r}" for key in changed)
+            diffs.append(f"corpus file {i + 1} ({b['path']}): {detail}")
+    return diffs
+
+
+def load(out: str | os.PathLike) -> dict | None:
+    path = Path(out) / MANIFEST_NAME
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+def save(out: str | os.PathLike, manifest: dict) -> None:
+    manifest = {"format_version": FORMAT_VERSION, **manifest}
+    _atomic_write(Path(out) / MANIFEST_NAME, lambda tmp: tmp.write_text(json.dumps(manifest, indent=1)))
+
+
+def journal_path(out: str | os.PathLike, dp_rank: int) -> Path:
+    return Path(out) / f".manifest.dp{dp_rank}.jsonl"
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(64 * BLOCK_BYTES):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def consolidate(out: str | os.PathLike, **updates) -> tuple[dict, list[str]]:
+    """Folds every journal into manifest.json, reconciles it with the shard files on disk, applies
+    `updates` to its top level, and saves it. Returns the manifest and notes on what was repaired."""
+    out = Path(out)
+    manifest = load(out) or {}
+    recorded = dict(manifest.get("shards", {}))
+    journals = sorted(out.glob(JOURNAL_GLOB))
+    for journal in journals:
+        for entry in read_journal(journal):
+            recorded[entry.pop("name")] = entry
+    notes = []
+    on_disk = {p.name: p for p in shard_paths(out)}
+    gone = sorted(set(recorded) - set(on_disk))
+    if gone:
+        notes.append(f"{len(gone)} shards in the manifest no longer exist, their samples will be redone: {gone}")
+    unrecorded = sorted(set(on_disk) - set(recorded), key=lambda name: shard_number(on_disk[name]))
+    for name in unrecorded:
+        header = read_header(on_disk[name])
+        recorded[name] = {
+            "sha256": sha256_file(on_disk[name]),
+            "bytes": on_disk[name].stat().st_size,
+            "num_samples": len(header.samples),
+            "num_tokens": header.num_tokens,
+        }
+    if unrecorded:
+        notes.append(f"checksummed {len(unrecorded)} complete shards the manifest did not list yet: {unrecorded}")
+    manifest.pop("format_version", None)
+    manifest.update(updates)
+    manifest["shards"] = {name: recorded[name] for name in sorted(on_disk, key=lambda n: shard_number(on_disk[n]))}
+    save(out, manifest)
+    for journal in journals:
+        journal.unlink()
+    return manifest, notes

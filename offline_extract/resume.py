@@ -1,0 +1,149 @@
+"""Taking over an output directory: one run at a time, a crashed attempt's leftovers cleared, and what
+is already done found, so that re-running the same command finishes the job.
+
+Work is resumed by sample index (the record's position in the corpus): a sample in any complete shard
+is done, whatever DP size or batch budget wrote it, so a run may finish on a different number of GPUs.
+Everything else is redone, rejects included: a record's rejection follows from the corpus and the
+identity alone, and a sample dropped for non-finite states is simply extracted and judged again. So
+the earlier attempt's partial lists are discarded and the new attempt lists each record exactly once.
+"""
+from __future__ import annotations
+
+import fcntl
+import itertools
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from . import manifest
+from .distributed import Layout
+from .shards import ShardError, read_header, shard_number, shard_paths
+
+LOCK_NAME = ".lock"
+REJECTS_PARTS = ".rejects.dp*.jsonl"
+# Files only a live run owns: half-written shards, index or manifest, and per-replica reject lists.
+LEFTOVER_GLOBS = (".*.tmp", REJECTS_PARTS)
+
+
+class TakeoverError(ValueError):
+    """This run may not write into the output directory as it is."""
+
+
+class OutputLock:
+    """An exclusive flock on OUT/.lock, held by the run's leader from take-over to the end.
+
+    The kernel drops it when the holder dies, however it dies, so a crash never leaves a stale lock.
+    Other ranks of the leader's own run do not lock: they only write once the leader, reached through
+    their run's own store, has taken the directory, and a second run's ranks hear from its own leader,
+    who found the lock taken. The file holds the holder's pid, host and torchrun run id for the error
+    a second run reports.
+    """
+
+    def __init__(self, out: Path):
+        self.path = out / LOCK_NAME
+        self._file = open(self.path, "a+")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "unknown holder"
+            self._file.close()
+            raise TakeoverError(
+                f"{out} is in use by another extraction ({holder}); two runs writing one directory would "
+                f"interleave their shards. Wait for it to end, or choose another --out"
+            ) from None
+        except OSError as e:
+            self._file.close()
+            raise TakeoverError(f"cannot lock {self.path} ({e}); this filesystem may not support flock") from e
+        self._file.truncate(0)
+        self._file.write(
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+                    "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                }
+            )
+        )
+        self._file.flush()
+
+    def release(self) -> None:
+        self._file.close()  # closing the only descriptor drops the flock
+
+
+@dataclass(frozen=True)
+class Existing:
+    """What the leader found in the directory: complete shards and the first free shard number."""
+
+    shards: list[str]
+    first_number: int
+    notes: list[str]
+
+
+def take_over(out: Path) -> tuple[OutputLock, Existing]:
+    """The leader's side: lock the directory, clear leftovers, bring the manifest up to date."""
+    out.mkdir(parents=True, exist_ok=True)
+    lock = OutputLock(out)
+    try:
+        leftovers = sorted({p for pattern in LEFTOVER_GLOBS for p in out.glob(pattern)})
+        for p in leftovers:
+            p.unlink()
+        notes = []
+        if leftovers:
+            notes.append(f"removed {len(leftovers)} leftovers of an interrupted run: {[p.name for p in leftovers]}")
+        paths = shard_paths(out)
+        if paths or manifest.load(out) is not None:
+            notes += manifest.consolidate(out)[1]
+        first = shard_number(paths[-1]) + 1 if paths else 0
+        return lock, Existing([p.name for p in paths], first, notes)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def check_identity(out: Path, identity: dict, force: bool) -> list[str]:
+    """The leader's side, once the model is loaded: refuse to mix runs, then record this run's identity.
+
+    Returns notes on what --force let through.
+    """
+    current = manifest.load(out) or {}
+    has_shards = bool(shard_paths(out))
+    if "identity" in current:
+        diffs = manifest.differences(current["identity"], identity)
+    else:
+        diffs = ["no manifest.json records the run that wrote the shards here"] if has_shards else []
+    if diffs and not force:
+        raise TakeoverError(
+            f"{out} holds the output of a different run, so this one cannot resume there:\n  "
+            + "\n  ".join(diffs)
+            + "\nChoose another --out, or pass --force to resume anyway (each shard keeps its own run metadata)"
+        )
+    manifest.consolidate(out, identity=identity, status="running", result=None)
+    return [f"--force: resuming despite {d}" for d in diffs]
+
+
+def done_mask(out: Path, shards: Sequence[str]) -> np.ndarray:
+    """mask[i] is True when record i is in one of `shards`; records past the end are not done."""
+    indices = []
+    for name in shards:
+        try:
+            indices += [info.index for info in read_header(out / name).samples]
+        except ShardError as e:
+            raise TakeoverError(f"{e}\nMove or delete it and re-run: its samples will be extracted again") from e
+    mask = np.zeros(max(indices, default=-1) + 1, dtype=bool)
+    mask[indices] = True
+    return mask
+
+
+def shard_numbers(first: int, layout: Layout) -> Iterator[int]:
+    """This replica's new shard numbers: above every existing one, interleaved by dp_rank so replicas
+    never collide, whatever DP size wrote the existing ones."""
+    return itertools.count(first + layout.dp_rank, layout.dp_size)
+

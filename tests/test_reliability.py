@@ -1,0 +1,536 @@
+"""Crash safety, resume, bad input, full disks, non-finite states and verification.
+
+The slow tests drive bin/extract.py in subprocesses on the embedded tiny model and kill, starve or
+block them; the others exercise the pieces in-process.
+"""
+import hashlib
+import json
+import os
+import random
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import time
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from extract_runs import ROOT, assert_same_samples, extract_command
+
+from offline_extract import integrity, manifest, resume
+from offline_extract.batching import batch_by_tokens
+from offline_extract.distributed import Layout
+from offline_extract.extraction import extract_batches
+from offline_extract.journal import Journal, read_journal
+from offline_extract.nonfinite import NonFiniteError, NonFiniteGuard
+from offline_extract.sglang_adapter import Captured
+from offline_extract.shards import (
+    SampleInfo,
+    ShardWriter,
+    iter_samples,
+    read_header,
+    shard_number,
+    shard_paths,
+    write_index,
+)
+from offline_extract.tiny_model import TINY_VERSION
+from offline_extract.tokenization import Sample
+
+# Small shards and batches: a few hundred short records make about 80 shards and 120 batches.
+SMALL = ("--shard-size-mb", "0.15", "--tokens-per-batch", "256")
+BAD_LINES = {17, 77, 137, 197, 257}
+WORDS = "the quick brown fox jumps over a lazy dog while hidden states of every layer are saved".split()
+RESULT = re.compile(
+    r"records (\d+): extracted (\d+)(?: \((\d+) by earlier attempts\))?, skipped (\d+), rejected (\d+), dropped (\d+)"
+)
+
+
+def sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def counts(stderr: str) -> dict:
+    records, extracted, earlier, skipped, rejected, dropped = RESULT.search(stderr).groups()
+    found = dict(records=records, extracted=extracted, earlier=earlier or 0, skipped=skipped, rejected=rejected,
+                 dropped=dropped)
+    return {key: int(value) for key, value in found.items()}
+
+
+@pytest.fixture(scope="module")
+def env(tiny_model_dir, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    (cache / f"tiny-llama-v{TINY_VERSION}").symlink_to(tiny_model_dir)
+    return {**os.environ, "OFFLINE_EXTRACT_CACHE": str(cache)}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """300 short plain-text records, five of them broken JSON."""
+    rng = random.Random(5)
+    lines = []
+    for line in range(1, 301):
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 60)))
+        lines.append("{broken" if line in BAD_LINES else json.dumps({"id": f"r{line}", "text": words}))
+    path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run(out, *args, env, torchrun=None, **popen):
+    return subprocess.run(extract_command(out, *args, torchrun=torchrun), capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=600, **popen)
+
+
+def ok(proc):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def run_killed(out, *args, env, until, torchrun=None) -> None:
+    """Starts an extraction and SIGKILLs all its processes (torchrun's workers too) once `until()` holds."""
+    proc = subprocess.Popen(extract_command(out, *args, torchrun=torchrun), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=ROOT, env=env)
+    deadline = time.monotonic() + 300
+    while not until():
+        assert proc.poll() is None, "the run ended before its kill point"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    victims = [proc.pid, *(p.pid for p in psutil.Process(proc.pid).children(recursive=True))]
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def lock_taken(out) -> bool:
+    lock = out / resume.LOCK_NAME
+    return lock.exists() and lock.stat().st_size > 0
+
+
+def hidden_files(out) -> list[str]:
+    return sorted(p.name for p in out.iterdir() if p.name.startswith("."))
+
+
+def assert_complete(out, base) -> None:
+    """`out` holds exactly the samples and rejects of the uninterrupted run `base`, and verifies clean."""
+    assert_same_samples(base, out)
+    assert (out / "rejects.jsonl").read_text() == (base / "rejects.jsonl").read_text()
+    assert hidden_files(out) == [resume.LOCK_NAME], "no leftovers"
+    assert integrity.verify(out).problems == []
+
+
+@pytest.fixture(scope="module")
+def baseline(corpus, env, tmp_path_factory):
+    out = tmp_path_factory.mktemp("baseline") / "out"
+    proc = ok(run(out, "--data", corpus, *SMALL, env=env))
+    assert counts(proc.stderr) == dict(records=300, extracted=295, earlier=0, skipped=0, rejected=5, dropped=0)
+    return out
+
+
+@pytest.mark.slow
+def test_killed_at_random_points_and_resumed_equals_an_uninterrupted_run(baseline, corpus, env, tmp_path):
+    out = tmp_path / "out"
+    total = len(shard_paths(baseline))
+    rng = random.Random(2024)
+    targets = [int(rng.uniform(lo, hi) * total) for lo, hi in ((0.1, 0.3), (0.35, 0.55), (0.6, 0.8))]
+    # First while the model loads, before any shard; then after more and more shards.
+    run_killed(out, "--data", corpus, *SMALL, env=env, until=lambda: lock_taken(out))
+    kept = {}
+    for target in targets:
+        run_killed(out, "--data", corpus, *SMALL, env=env, until=lambda: len(shard_paths(out)) >= target)
+        kept.update({p.name: sha256(p) for p in shard_paths(out)})
+    assert len(kept) >= targets[-1]
+
+    proc = ok(run(out, "--data", corpus, *SMALL, env=env))
+    assert ".rejects.dp0.jsonl" in re.search(r"removed \d+ leftovers of an interrupted run: .*", proc.stderr)[0]
+    result = counts(proc.stderr)
+    assert result["records"] == 300 and result["rejected"] == 5 and result["earlier"] > 0
+    assert result["extracted"] + result["skipped"] + result["rejected"] + result["dropped"] == result["records"]
+    assert {name: sha256(out / name) for name in kept} == kept, "a resume never rewrites a complete shard"
+    assert_complete(out, baseline)
+
+
+@pytest.mark.slow
+def test_resume_with_another_dp_size_gives_the_same_samples(baseline, corpus, env, tmp_path):
+    out = tmp_path / "out"
+    total = len(shard_paths(baseline))
+    run_killed(out, "--data", corpus, *SMALL, env=env, torchrun=1, until=lambda: len(shard_paths(out)) >= total // 3)
+    before = {shard_number(p) for p in shard_paths(out)}
+
+    proc = ok(run(out, "--data", corpus, *SMALL, env=env, torchrun=2))
+    new = {shard_number(p) for p in shard_paths(out)} - before
+    assert min(new) > max(before)
+    assert {n % 2 for n in new} == {0, 1}, "both replicas wrote, numbered apart"
+    assert counts(proc.stderr)["earlier"] > 0
+    assert_complete(out, baseline)
+
+
+@pytest.fixture(scope="module")
+def stripping_model(tiny_model_dir, tmp_path_factory):
+    """The tiny model with a tokenizer that strips whitespace and adds no BOS, so that a blank text
+    tokenizes to nothing (the embedded one always adds a BOS)."""
+    model = tmp_path_factory.mktemp("stripping")
+    for f in tiny_model_dir.iterdir():
+        if f.name != "tokenizer.json":
+            (model / f.name).symlink_to(f)
+    tokenizer = json.loads((tiny_model_dir / "tokenizer.json").read_text())
+    tokenizer["normalizer"] = {"type": "Strip", "strip_left": True, "strip_right": True}
+    tokenizer["post_processor"] = tokenizer["post_processor"]["processors"][0]
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return model
+
+
+@pytest.mark.slow
+def test_every_kind_of_bad_record_is_rejected_and_strict_stops_at_the_first(stripping_model, env, tmp_path):
+    long_text = " ".join(WORDS * 6)
+    chat = [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi."}]
+    lines = [
+        json.dumps({"id": "good-text", "text": "The quick brown fox."}),
+        json.dumps({"id": "long", "text": long_text}),
+        b'{"text": "unterminated',
+        json.dumps({"id": "good-sharegpt", "conversations": [{"from": "human", "value": "Hi"},
+                                                             {"from": "gpt", "value": "Hello."}]}),
+        json.dumps({"id": "no-format", "prompt": "Hi"}),
+        json.dumps({"id": "bad-role", "messages": [{"role": "robot", "content": "beep"}, *chat[1:]]}),
+        json.dumps({"id": "empty", "conversations": []}),
+        json.dumps({"id": "no-assistant", "messages": chat[:1]}),
+        b'{"id": "latin-1", "text": "caf\xe9"}',
+        json.dumps({"id": "blank", "text": "   "}),
+        json.dumps({"id": "good-tokens", "input_ids": [5, 6, 7, 8], "loss_mask": [0, 1, 1, 1]}),
+        json.dumps({"id": "good-openai", "messages": chat}),
+    ]
+    corpus = tmp_path / "mixed.jsonl"
+    corpus.write_bytes(b"\n".join(x if isinstance(x, bytes) else x.encode() for x in lines) + b"\n")
+    args = ("--data", corpus, "--model", stripping_model, "--dtype", "float32", "--max-length", "40",
+            "--overlong", "skip")
+
+    proc = ok(run(tmp_path / "out", *args, env=env))
+    assert counts(proc.stderr) == dict(records=12, extracted=4, earlier=0, skipped=1, rejected=7, dropped=0)
+    rejects = [json.loads(line) for line in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
+    expected = {
+        2: ("long", "skipped", "> --max-length 40"),
+        3: (None, "rejected", "invalid JSON"),
+        5: ("no-format", "rejected", "none of conversations/messages/text/input_ids"),
+        6: ("bad-role", "rejected", "unknown role 'robot'"),
+        7: ("empty", "rejected", "empty conversation"),
+        8: ("no-assistant", "rejected", "no assistant turn"),
+        9: (None, "rejected", "not valid UTF-8"),
+        10: ("blank", "rejected", "tokenizes to zero tokens"),
+    }
+    assert [r["line"] for r in rejects] == list(expected)
+    for r in rejects:
+        sid, kind, reason = expected[r["line"]]
+        assert (r["source"], r["id"], r["kind"]) == (str(corpus), sid, kind)
+        assert reason in r["reason"], r
+    assert {info.id for info, _ in iter_samples(tmp_path / "out")} == {
+        "good-text", "good-sharegpt", "good-tokens", "good-openai"
+    }
+
+    strict = run(tmp_path / "strict", *args, "--strict", env=env)
+    assert strict.returncode != 0
+    # The skipped overlong record on line 2 is a policy, not an error: the invalid JSON is the first bad one.
+    assert f"Error: {corpus}:3: invalid JSON" in strict.stderr
+    assert "Traceback" not in strict.stderr
+
+
+def limit_file_size(nbytes: int):
+    def apply() -> None:
+        # Ignored, SIGXFSZ no longer kills the writer; write() fails with EFBIG, as on a full disk.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+
+    return apply
+
+
+def assert_stopped_cleanly(proc, out) -> None:
+    assert proc.returncode != 0
+    assert re.search(r"Error: \[Errno 27\] File too large: '.*/\.shard_\d+\.safetensors\.tmp'", proc.stderr), proc.stderr
+    assert "re-running the same command resumes" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not list(out.glob(".*.tmp")), "no partial file is left"
+    journaled = {e["name"]: e["sha256"] for e in read_journal(manifest.journal_path(out, 0))}
+    assert {p.name: sha256(p) for p in shard_paths(out)} == journaled, "every shard is complete and recorded"
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_cleanly_and_a_resume_completes(baseline, corpus, env, tmp_path):
+    out = tmp_path / "out"
+    sizes = [p.stat().st_size for p in shard_paths(baseline)]
+    first = run(out, "--data", corpus, *SMALL, env=env, preexec_fn=limit_file_size(min(sizes) - 1))
+    assert_stopped_cleanly(first, out)
+    assert shard_paths(out) == []
+
+    # Nothing was written, so this attempt cuts the baseline's shards. The last one bigger than all before
+    # it is the first that does not fit.
+    k = max(i for i in range(1, len(sizes)) if sizes[i] > max(sizes[:i]))
+    assert k >= 3
+    second = run(out, "--data", corpus, *SMALL, env=env, preexec_fn=limit_file_size(max(sizes[:k])))
+    assert_stopped_cleanly(second, out)
+    assert k <= len(shard_paths(out)) < len(sizes)
+
+    ok(run(out, "--data", corpus, *SMALL, env=env))
+    assert_complete(out, baseline)
+
+
+@pytest.mark.slow
+def test_a_second_run_into_the_same_out_is_refused(corpus, env, tmp_path):
+    out = tmp_path / "out"
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen(extract_command(out, "--data", corpus, *SMALL), stdout=log, stderr=log, cwd=ROOT,
+                                 env=env)
+    try:
+        while not lock_taken(out):
+            assert first.poll() is None
+            time.sleep(0.01)
+        os.kill(first.pid, signal.SIGSTOP)  # holds the lock for as long as the second run takes
+        second = run(out, "--data", corpus, *SMALL, env=env, torchrun=2)
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    assert second.returncode != 0
+    assert f'is in use by another extraction ({{"pid": {first.pid}' in second.stderr
+    assert "rank 0 stopped the run: TakeoverError" in second.stderr, "rank 1 is told, and stops too"
+    assert first.wait(timeout=300) == 0, (tmp_path / "first.log").read_text()[-3000:]
+    assert integrity.verify(out).problems == []
+
+
+@pytest.mark.slow
+def test_resume_refuses_another_run_unless_forced(baseline, corpus, env, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(baseline, out)
+    names = [p.name for p in shard_paths(out)]
+    other_layers = run(out, "--data", corpus, *SMALL, "--layers", "1,2,4", env=env)
+    assert other_layers.returncode != 0 and "Traceback" not in other_layers.stderr
+    assert "holds the output of a different run" in other_layers.stderr
+    assert "layer_ids: [1, 3, 4] -> [1, 2, 4]" in other_layers.stderr
+
+    # The same file name elsewhere, with two records appended.
+    grown = tmp_path / "moved" / corpus.name
+    grown.parent.mkdir()
+    extra = [json.dumps({"id": f"new{i}", "text": "a late addition"}) for i in range(2)]
+    grown.write_text(corpus.read_text() + "\n".join(extra) + "\n")
+    refused = run(out, "--data", grown, *SMALL, env=env)
+    assert refused.returncode != 0
+    assert re.search(r"corpus file 1 \(.*\): bytes \d+ -> \d+, sampled_sha256", refused.stderr), refused.stderr
+    assert [p.name for p in shard_paths(out)] == names, "a refused run writes nothing"
+
+    forced = ok(run(out, "--data", grown, *SMALL, "--force", env=env))
+    assert counts(forced.stderr) == dict(records=302, extracted=297, earlier=295, skipped=0, rejected=5, dropped=0)
+    assert manifest.load(out)["identity"]["corpus"][0]["bytes"] == grown.stat().st_size
+    assert integrity.verify(out).problems == []
+
+
+# In-process tests of the pieces.
+
+RUN = {"model": "m", "config_sha256": "c", "weights": "w", "layer_ids": [1, 3], "hidden_size": 4}
+
+
+def write_shards(out, groups, numbers=None, on_written=None) -> list:
+    """Shard numbers[k] (default k) holds group k of (sample index, length); every value is exact in bf16."""
+    paths = []
+    for k, group in enumerate(groups):
+        writer = ShardWriter(out, RUN, shard_numbers=iter([numbers[k] if numbers else k]), on_written=on_written)
+        infos = [SampleInfo(i, f"s{i}", "c.jsonl", i + 1, n, False) for i, n in group]
+        total = sum(n for _, n in group)
+        rows = torch.arange(total, dtype=torch.float32)[:, None]
+        writer.add_batch(infos, np.arange(total), np.ones(total), rows.repeat(1, 8), rows.repeat(1, 4),
+                         lengths=[n for _, n in group])
+        paths += writer.close()
+    return paths
+
+
+def journal_entry(path) -> dict:
+    header = read_header(path)
+    return {"name": path.name, "sha256": sha256(path), "bytes": path.stat().st_size,
+            "num_samples": len(header.samples), "num_tokens": header.num_tokens}
+
+
+def test_writer_threads_checksum_each_shard_as_they_write_it(tmp_path):
+    written = []
+    paths = write_shards(tmp_path, [[(0, 3)], [(1, 2)], [(2, 5)]], on_written=written.append)
+    assert sorted(w.name for w in written) == [p.name for p in paths]
+    for w in written:
+        path = tmp_path / w.name
+        assert (w.sha256, w.bytes) == (sha256(path), path.stat().st_size)
+        assert (w.num_samples, w.num_tokens) == (1, read_header(path).num_tokens)
+
+
+def test_take_over_clears_leftovers_and_numbers_new_shards_above_existing(tmp_path):
+    write_shards(tmp_path, [[(0, 2), (2, 2)], [(5, 3)]], numbers=[3, 10])
+    leftovers = [".shard_011.safetensors.tmp", ".rejects.dp1.jsonl", ".index.json.tmp"]
+    for name in leftovers:
+        (tmp_path / name).write_text("partial")
+    lock, existing = resume.take_over(tmp_path)
+    lock.release()
+    assert existing.shards == ["shard_003.safetensors", "shard_010.safetensors"]
+    assert existing.first_number == 11
+    assert sorted(leftovers) == sorted(re.findall(r"'([^']+)'", existing.notes[0]))
+    assert hidden_files(tmp_path) == [resume.LOCK_NAME]
+
+    mask = resume.done_mask(tmp_path, existing.shards)
+    assert np.flatnonzero(mask).tolist() == [0, 2, 5]
+    replica = Layout(rank=2, world_size=4)  # dp 2 of 4
+    assert [n for n, _ in zip(resume.shard_numbers(existing.first_number, replica), range(3))] == [13, 17, 21]
+
+
+def test_a_damaged_shard_stops_a_resume_with_what_to_do(tmp_path):
+    (path,) = write_shards(tmp_path, [[(0, 2)]])
+    os.truncate(path, 100)
+    with pytest.raises(resume.TakeoverError, match="Move or delete it and re-run"):
+        resume.done_mask(tmp_path, [path.name])
+
+
+def test_the_lock_admits_one_holder_at_a_time(tmp_path):
+    lock = resume.OutputLock(tmp_path)
+    with pytest.raises(resume.TakeoverError, match=rf'in use by another extraction \({{"pid": {os.getpid()}'):
+        resume.OutputLock(tmp_path)
+    lock.release()
+    resume.OutputLock(tmp_path).release()
+
+
+def test_consolidate_trusts_the_shards_on_disk(tmp_path):
+    paths = write_shards(tmp_path, [[(0, 2)], [(1, 2)], [(2, 2)], [(3, 2)]])
+    manifest.save(tmp_path, {"identity": {}, "shards": {"shard_009.safetensors": {"sha256": "x"}}})
+    with Journal(manifest.journal_path(tmp_path, 0)) as journal:
+        journal.append(journal_entry(paths[0]))
+    with open(manifest.journal_path(tmp_path, 1), "w") as torn:  # killed in the middle of a line
+        torn.write(json.dumps(journal_entry(paths[1])) + '\n{"name": "shard_00')
+    paths[3].unlink()
+
+    recorded, notes = manifest.consolidate(tmp_path)
+    assert list(recorded["shards"]) == [p.name for p in paths[:3]]
+    assert recorded["shards"] == {p.name: {k: v for k, v in journal_entry(p).items() if k != "name"} for p in paths[:3]}
+    assert "shard_009.safetensors" in notes[0] and paths[2].name in notes[1]
+    assert manifest.load(tmp_path) == {"format_version": 1, **recorded}
+    assert hidden_files(tmp_path) == []
+
+
+def test_a_corrupt_journal_line_that_is_not_the_last_is_an_error(tmp_path):
+    path = tmp_path / "j.jsonl"
+    path.write_text('{"a": 1}\n{"a": \n{"a": 3}\n')
+    with pytest.raises(ValueError, match="corrupt line 2"):
+        read_journal(path)
+
+
+def test_corpus_fingerprints_sample_big_files_and_ignore_where_they_live(tmp_path, monkeypatch):
+    monkeypatch.setattr(manifest, "BLOCK_BYTES", 16)  # 16 blocks of 16 bytes: a 1000-byte file is sampled
+    data = bytes(random.Random(0).randrange(256) for _ in range(1000))
+    a = tmp_path / "a" / "corpus.jsonl"
+    b = tmp_path / "b" / "corpus.jsonl"
+    for path in (a, b):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    identity = manifest.run_identity(RUN, [a])
+    assert manifest.differences(identity, manifest.run_identity(RUN, [b])) == []
+
+    b.write_bytes(b"X" + data[1:])
+    assert "sampled_sha256" in manifest.differences(identity, manifest.run_identity(RUN, [b]))[0]
+    b.write_bytes(data + b"{}\n")
+    assert "bytes 1000 -> 1003" in manifest.differences(identity, manifest.run_identity(RUN, [b]))[0]
+    (tmp_path / "c.jsonl").write_bytes(data)
+    diffs = manifest.differences(identity, manifest.run_identity({**RUN, "layer_ids": [2]}, [tmp_path / "c.jsonl"]))
+    assert diffs[0] == "layer_ids: [1, 3] -> [2]" and "name 'corpus.jsonl' -> 'c.jsonl'" in diffs[1]
+
+
+class PoisonedEngine:
+    """Stands in for the engine: each token's states are its id; token 99 makes its row of layer 3 NaN,
+    token 98 its last state's first value Inf."""
+
+    device = "cpu"
+    layer_ids = (1, 3)
+    hidden_size = 4
+    max_sequence_tokens = 64
+
+    def forward(self, seqs):
+        ids = torch.from_numpy(np.concatenate(seqs)).float()[:, None]
+        aux, last = ids.repeat(1, 8), ids.repeat(1, 4)
+        aux[ids[:, 0] == 99, 4:] = float("nan")
+        last[ids[:, 0] == 98, 0] = float("inf")
+        return Captured(aux, last)
+
+
+def samples(*token_lists):
+    return [
+        Sample(i, f"s{i}", "c.jsonl", i + 1, np.array(ids, dtype=np.int32), np.ones(len(ids), np.uint8), len(ids), False)
+        for i, ids in enumerate(token_lists)
+    ]
+
+
+POISONED = samples([1, 2], [3, 99, 99, 4], [5], [98, 6], [7, 8, 9])
+NAN_REASON = "8 non-finite values (NaN/Inf) in its hidden states: 8 in layer 3"
+INF_REASON = "1 non-finite values (NaN/Inf) in its hidden states: 1 in the final (post-norm) state"
+
+
+def extract(tmp_path, guard, items=POISONED):
+    writer = ShardWriter(tmp_path, RUN)
+    try:
+        extract_batches(PoisonedEngine(), batch_by_tokens(items, 8, 8), writer, nonfinite=guard)
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
+    return {info.id: t for info, t in iter_samples(tmp_path)}
+
+
+def test_nonfinite_drop_leaves_out_only_the_poisoned_samples(tmp_path):
+    found = []
+    got = extract(tmp_path, NonFiniteGuard("drop", PoisonedEngine.layer_ids, lambda s, why: found.append((s.id, why))))
+    assert found == [("s1", NAN_REASON), ("s3", INF_REASON)]
+    assert set(got) == {"s0", "s2", "s4"}
+    for sid, tokens in (("s0", [1, 2]), ("s2", [5]), ("s4", [7, 8, 9])):
+        assert got[sid]["aux_hidden_states"][:, 0].tolist() == tokens  # the kept rows, not their neighbours'
+
+
+def test_nonfinite_fail_names_the_sample_and_the_layer(tmp_path):
+    with pytest.raises(NonFiniteError, match=re.escape(f"sample 's1' (c.jsonl:2) has {NAN_REASON}")):
+        extract(tmp_path, NonFiniteGuard("fail", PoisonedEngine.layer_ids))
+
+
+def test_nonfinite_keep_writes_the_states_as_they_are(tmp_path):
+    found = []
+    got = extract(tmp_path, NonFiniteGuard("keep", PoisonedEngine.layer_ids, lambda s, why: found.append(s.id)))
+    assert found == ["s1", "s3"] and len(got) == 5
+    assert torch.isnan(got["s1"]["aux_hidden_states"][1:3, 4:].float()).all()
+    assert torch.isinf(got["s3"]["hidden_states"][0, 0].float())
+
+
+def test_clean_batches_are_never_examined_sample_by_sample(tmp_path):
+    class Watched(NonFiniteGuard):
+        def screen(self, *args):
+            raise AssertionError("a clean batch was screened")
+
+    clean = [POISONED[i] for i in (0, 2, 4)]
+    assert len(extract(tmp_path, Watched("fail", PoisonedEngine.layer_ids), clean)) == 3
+
+
+def test_verify_reports_a_flipped_byte_a_truncated_shard_and_a_stale_index(tmp_path):
+    with Journal(manifest.journal_path(tmp_path, 0)) as journal:
+        paths = write_shards(tmp_path, [[(i, 3)] for i in range(4)], on_written=lambda w: journal.append(vars(w)))
+    manifest.consolidate(tmp_path, identity={"layer_ids": [1, 3]}, status="complete")
+    write_index(tmp_path)
+    assert integrity.verify(tmp_path).problems == []
+
+    data = bytearray(paths[0].read_bytes())
+    data[-5] ^= 0x01
+    paths[0].write_bytes(data)
+    os.truncate(paths[1], paths[1].stat().st_size - 7)
+    index = json.loads((tmp_path / "index.json").read_text())
+    index["shards"][2]["num_tokens"] += 1
+    index["samples"]["row"][3] = 1
+    (tmp_path / "index.json").write_text(json.dumps(index))
+
+    proc = subprocess.run(["python", str(ROOT / "bin" / "inspect.py"), str(tmp_path), "--verify"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1
+    problems = proc.stdout.splitlines()
+    expected = [
+        rf"{paths[0].name}: sha256 \w+ differs from manifest.json's",
+        rf"{paths[1].name}: \d+ bytes, but manifest.json says",
+        rf"{paths[1].name} is not a readable safetensors file",
+        rf"index.json: {paths[2].name} num_tokens is 4, the shard has 3",
+        r"index.json: sample 's3' \(index 3\) is not at row 1 of shard 3",
+        r"verified 4 shards holding 3 samples in .*: 7 problems",
+    ]
+    for pattern in expected:
+        assert any(re.search(pattern, line) for line in problems), (pattern, problems)
