@@ -60,7 +60,7 @@ from offline_extract.parity import ParityError
 @click.option("--tokens-per-batch", default=None, type=int,
               help="Token budget of one forward. Default: 16384 on GPU, 4096 on CPU (at least --max-length).")
 @click.option("--seqs-per-batch", default=256, show_default=True, help="Most sequences in one forward.")
-@click.option("--shard-size-mb", default=1024.0, show_default=True, type=click.FloatRange(0, min_open=True),
+@click.option("--shard-size-mb", default=512.0, show_default=True, type=click.FloatRange(0, min_open=True),
               help="Target hidden-state MiB per shard (a shard closes once it reaches this).")
 @click.option("--attention-backend", default=None,
               help="SGLang attention backend. Default: fa3 on Hopper when installed, else triton; torch_native on CPU.")

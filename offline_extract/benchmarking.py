@@ -258,16 +258,23 @@ def run_bench(opts: BenchOptions) -> list[dict]:
         torch.cuda.reset_peak_memory_stats()
         run_meta = {"model": str(model_dir), "layer_ids": list(engine.layer_ids), "benchmark": True}
 
-        def extract(batches: list[Batch], name: str) -> None:
-            writer = ShardWriter(root / name, run_meta, writers=opts.writers)
-            extract_batches(clock, batches, writer, staging=staging)
-            writer.close()
+        widths = (len(engine.layer_ids) * engine.hidden_size, engine.hidden_size)
 
-        extract(warm, "warm")
+        def writer(name: str) -> ShardWriter:
+            # Created before the clock starts, as a run creates it before its first batch.
+            return ShardWriter(root / name, run_meta, writers=opts.writers, widths=widths)
+
+        def extract(batches: list[Batch], w: ShardWriter) -> None:
+            extract_batches(clock, batches, w, staging=staging)
+            w.close()
+
+        extract(warm, writer("warm"))
         if opts.profile:
-            _profile(lambda: extract(timed[:4], "profile"), Path(opts.profile))
+            w = writer("profile")
+            _profile(lambda: extract(timed[:4], w), Path(opts.profile))
         clock.seconds = 0.0
-        extract_s = _timed(coord, lambda: extract(timed, "shards"))
+        w = writer("shards")
+        extract_s = _timed(coord, lambda: extract(timed, w))
         total_tokens = sum(coord.all_gather(tokens))
         row_bytes = (len(engine.layer_ids) + 1) * engine.hidden_size * STORED_DTYPE.itemsize + 4 + 1
         results.append({

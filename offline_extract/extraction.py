@@ -57,7 +57,7 @@ class ExtractOptions:
     overlong: str = "truncate"
     tokens_per_batch: int | None = None
     seqs_per_batch: int = 256
-    shard_bytes: int = 1 << 30
+    shard_bytes: int = 512 << 20
     attention_backend: str | None = None
     load_format: str = "auto"
     mem_fraction_static: float = 0.85
@@ -391,6 +391,9 @@ def _run(opts: ExtractOptions, layout: Layout, coord: Coordinator, existing: res
                 shard_bytes=opts.shard_bytes,
                 shard_numbers=resume.shard_numbers(existing.first_number, layout),
                 on_written=lambda shard: shard_log.append(asdict(shard)),
+                # On a GPU the first shards would otherwise fill fresh pages on the hot path; on CPU
+                # (tiny models, tests) that memory would mostly sit unused.
+                widths=(len(engine.layer_ids) * engine.hidden_size, engine.hidden_size) if device == "cuda" else None,
             )
 
         def found_nonfinite(sample: Sample, reason: str) -> None:

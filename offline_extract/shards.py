@@ -208,10 +208,11 @@ class ShardWriter:
         out_dir: str | os.PathLike,
         run: dict,
         *,
-        shard_bytes: int = 1 << 30,
+        shard_bytes: int = 512 << 20,
         shard_numbers: Iterator[int] | None = None,
         writers: int = 4,
         on_written: Callable[[WrittenShard], None] | None = None,
+        widths: tuple[int, int] | None = None,
     ):
         if shard_bytes <= 0:
             raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
@@ -230,12 +231,29 @@ class ShardWriter:
         self._pending: list[Future] = []
         self._paths: list[Path] = []
         self._closed = False
-        self._widths: tuple[int, int] | None = None  # (k*H, H), fixed by the first batch
+        self._widths: tuple[int, int] | None = None  # (k*H, H), given or fixed by the first batch
         self._current: _ShardBuffer | None = None
         self._lock = threading.Lock()
         self.bytes_written = 0
         self.samples_written = 0
         self.tokens_written = 0
+        if widths is not None:
+            self._preallocate(widths)
+
+    def _preallocate(self, widths: tuple[int, int]) -> None:
+        """All shard buffers now, their pages touched: a first-touch copy runs several times slower than
+        one into resident memory, and would otherwise land on the hot path during the first shards."""
+        self._widths = widths
+        while self._buffers_left:
+            self._buffers_left -= 1
+            buf = self._new_buffer()
+            for t in buf.tensors.values():
+                t.zero_()
+            self._free.put(buf)
+
+    def _new_buffer(self) -> _ShardBuffer:
+        row_bytes = (self._widths[0] + self._widths[1]) * 2
+        return _ShardBuffer(self._widths, max(1, -(-self.shard_bytes // row_bytes)))
 
     def add_batch(
         self,
@@ -299,8 +317,7 @@ class ShardWriter:
         if self._current is None:
             if self._buffers_left:
                 self._buffers_left -= 1
-                row_bytes = (self._widths[0] + self._widths[1]) * 2
-                self._current = _ShardBuffer(self._widths, max(1, -(-self.shard_bytes // row_bytes)))
+                self._current = self._new_buffer()
             else:
                 # Back-pressure: wait for a writer to hand a buffer back.
                 self._current = self._free.get()

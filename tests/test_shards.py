@@ -259,3 +259,12 @@ def test_unknown_sample_in_a_shard(tmp_path):
     _, (path,) = write(tmp_path, [([0], [2], 0)])
     with pytest.raises(KeyError, match="nope"):
         open_shard(path).sample("nope")
+
+
+def test_preallocated_buffers_write_the_same_shards(tmp_path):
+    _, plain = write(tmp_path / "plain", BATCHES, shard_bytes=12 * ROW_BYTES, writers=2)
+    writer, pre = write(tmp_path / "pre", BATCHES, shard_bytes=12 * ROW_BYTES, writers=2, widths=(K * H, H))
+    assert writer._buffers_left == 0, "every buffer is allocated up front"
+    assert [p.name for p in plain] == [p.name for p in pre]
+    for a, b in zip(plain, pre):
+        assert a.read_bytes() == b.read_bytes()
