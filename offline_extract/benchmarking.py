@@ -9,6 +9,7 @@ Under torchrun every data-parallel replica runs its share and the figures are ag
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import math
@@ -63,32 +64,31 @@ class BenchOptions:
 def synthetic_corpus(tokenizer: SampleTokenizer, opts: BenchOptions, dp_rank: int = 0, dp_size: int = 1) -> list[Sample]:
     """Chat-formatted samples with a realistic length distribution, so loss masks are real.
 
-    Lengths are lognormal (sigma 0.8) around `mean_length` and capped by `max_length`, or all exactly
-    `mean_length` for "fixed". Text is drawn from the tiny model's vocabulary of words.
+    Each sample's length is drawn first: lognormal (sigma 0.8) with mean `mean_length`, capped by
+    `max_length`, or exactly `mean_length` for "fixed". A chat of random words from the tiny model's
+    vocabulary, long enough to overshoot, is then tokenized and cut to that length.
     """
     rng = np.random.default_rng(opts.seed)
     words = TRAINING_TEXT.split()
-    fixed = opts.lengths == "fixed"
-    # Fixed lengths: overshoot, then truncation cuts every sample to exactly the target.
-    tokenize = SampleTokenizer(tokenizer.tokenizer, max_length=opts.mean_length if fixed else opts.max_length)
     samples, total, i = [], 0, 0
     sigma = 0.8
     while total < opts.num_tokens:
-        if fixed:
-            target = int(opts.mean_length * 1.5)
+        if opts.lengths == "fixed":
+            target = opts.mean_length
         else:
-            target = int(max(16, rng.lognormal(math.log(opts.mean_length) - sigma**2 / 2, sigma)))
+            target = int(min(opts.max_length, max(16, rng.lognormal(math.log(opts.mean_length) - sigma**2 / 2, sigma))))
         turns = int(rng.integers(1, 4))
         messages = []
         for _ in range(turns):
-            # Roughly 1.6 tokens a word with the tiny tokenizer; a fifth of each turn is the user's.
-            n = max(2, int(target / turns / 1.6))
+            # At least one token a word, so `n` words overshoot; a fifth of each turn is the user's.
+            n = max(2, target // turns + 8)
             messages.append(("user", " ".join(rng.choice(words, max(1, n // 5)))))
             messages.append(("assistant", " ".join(rng.choice(words, n - n // 5))))
         record = Record(source="synthetic", line=i + 1, index=i, id=f"synthetic-{i}", format="openai", messages=tuple(messages))
-        sample = tokenize(record)
-        if fixed and sample.num_tokens != opts.mean_length:
-            raise AssertionError(f"synthetic sample of {sample.num_tokens} tokens in a fixed-{opts.mean_length} run")
+        sample = tokenizer(record)
+        sample = dataclasses.replace(
+            sample, input_ids=sample.input_ids[:target], loss_mask=sample.loss_mask[:target], truncated=True
+        )
         i += 1
         total += sample.num_tokens
         if sample.index % dp_size == dp_rank:
