@@ -10,6 +10,7 @@ Under torchrun every data-parallel replica runs its share and the figures are ag
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import json
 import math
@@ -335,7 +336,7 @@ def _hf_baseline(config, engine: Engine, warm, timed, coord: Coordinator) -> flo
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
     _hf_pass(model, warm, engine.layer_ids, "cuda")
-    seconds = _timed(coord, lambda: _hf_pass(model, timed, engine.layer_ids, "cuda"))
+    seconds = _timed(coord, functools.partial(_hf_pass, model, timed, engine.layer_ids, "cuda"))
     del model
     torch.cuda.empty_cache()
     return seconds

@@ -29,7 +29,7 @@ import torch
 
 from offline_extract.progress import RunProgress
 from offline_extract.reader import HiddenStateDataset
-from offline_extract.shards import _atomic_write
+from offline_extract.shards import atomic_write
 
 FORMATS = ("specforge",)
 MANIFEST_NAME = "export_manifest.json"
@@ -82,7 +82,7 @@ def _prepare_dest(dest: Path, manifest: dict) -> None:
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ExportError(f"{dest} exists and is not an empty directory")
     dest.mkdir(parents=True, exist_ok=True)
-    _atomic_write(manifest_path, lambda tmp: tmp.write_text(json.dumps(manifest)))
+    atomic_write(manifest_path, lambda tmp: tmp.write_text(json.dumps(manifest)))
 
 
 def export_specforge(

@@ -29,7 +29,7 @@ from .nonfinite import NonFiniteError, NonFiniteGuard, batch_flag
 from .offload import STORED_DTYPE, HostOffload, pinned_buffers
 from .progress import RunProgress
 from .sglang_adapter import LAYER_CONVENTION, Engine, EngineConfig
-from .shards import SampleInfo, ShardWriter, _atomic_write, write_index
+from .shards import SampleInfo, ShardWriter, atomic_write, write_index
 from .tiny_model import ensure_tiny_model
 from .tokenization import Sample, SampleTokenizer
 
@@ -466,6 +466,6 @@ def _merge_rejects(out: Path) -> None:
     """One rejects.jsonl in record order from the replicas' parts; the parts go."""
     parts = sorted(out.glob(resume.REJECTS_PARTS))
     rows = sorted((row for part in parts for row in read_journal(part)), key=lambda row: row["index"])
-    _atomic_write(out / REJECTS_FILE, lambda tmp: tmp.write_text("".join(json.dumps(row) + "\n" for row in rows)))
+    atomic_write(out / REJECTS_FILE, lambda tmp: tmp.write_text("".join(json.dumps(row) + "\n" for row in rows)))
     for part in parts:
         part.unlink()

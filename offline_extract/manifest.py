@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .journal import read_journal
-from .shards import _atomic_write, read_header, shard_number, shard_paths
+from .shards import atomic_write, read_header, shard_number, shard_paths
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
@@ -99,7 +99,7 @@ def load(out: str | os.PathLike) -> dict | None:
 
 def save(out: str | os.PathLike, manifest: dict) -> None:
     manifest = {"format_version": FORMAT_VERSION, **manifest}
-    _atomic_write(Path(out) / MANIFEST_NAME, lambda tmp: tmp.write_text(json.dumps(manifest, indent=1)))
+    atomic_write(Path(out) / MANIFEST_NAME, lambda tmp: tmp.write_text(json.dumps(manifest, indent=1)))
 
 
 def journal_path(out: str | os.PathLike, dp_rank: int) -> Path:

@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from offline_extract.shards import FORMAT_VERSION, INDEX_NAME, SAMPLE_TENSORS, ShardError, _scan, shard_paths
+from offline_extract.shards import FORMAT_VERSION, INDEX_NAME, SAMPLE_TENSORS, ShardError, scan, shard_paths
 
 
 @dataclass
@@ -88,7 +88,7 @@ def load_catalog(out_dir: str | os.PathLike) -> Catalog:
             return catalog
         # A run still writing, or resumed after the index was written: the headers are the truth.
         warnings.warn(f"{index_path} does not match the shards in {out_dir}; scanning shard headers instead")
-    headers, order = _scan(out_dir)
+    headers, order = scan(out_dir)
     return Catalog(
         out_dir=out_dir,
         run=headers[0].run,

@@ -71,7 +71,7 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(final: Path, write):
+def atomic_write(final: Path, write):
     """Calls write(tmp_path), makes the bytes durable, then renames into place; returns what write returned.
 
     Readers (and a crashed run's resume) therefore see either no file or a complete one under `final`.
@@ -337,7 +337,7 @@ class ShardWriter:
         try:
             tensors = buf.contents()
             document = {"format_version": FORMAT_VERSION, "run": self.run, "samples": [asdict(s) for s in buf.samples]}
-            sha256 = _atomic_write(path, lambda tmp: _serialize(tmp, tensors, {METADATA_KEY: json.dumps(document)}))
+            sha256 = atomic_write(path, lambda tmp: _serialize(tmp, tensors, {METADATA_KEY: json.dumps(document)}))
             size = path.stat().st_size
             with self._lock:
                 self.bytes_written += size
@@ -479,7 +479,7 @@ def _check_run_agrees(first: ShardHeader, other: ShardHeader) -> None:
             )
 
 
-def _scan(out_dir: str | os.PathLike) -> tuple[list[ShardHeader], list[tuple[int, int, int]]]:
+def scan(out_dir: str | os.PathLike) -> tuple[list[ShardHeader], list[tuple[int, int, int]]]:
     """Headers of all shards plus (sample index, shard position, row) sorted by sample index."""
     paths = shard_paths(out_dir)
     if not paths:
@@ -501,7 +501,7 @@ def _scan(out_dir: str | os.PathLike) -> tuple[list[ShardHeader], list[tuple[int
 def write_index(out_dir: str | os.PathLike) -> Path:
     """Writes out_dir/index.json describing every shard and where each sample lives, from headers only."""
     out_dir = Path(out_dir)
-    headers, order = _scan(out_dir)
+    headers, order = scan(out_dir)
     index = {
         "format_version": FORMAT_VERSION,
         "run": headers[0].run,
@@ -524,13 +524,13 @@ def write_index(out_dir: str | os.PathLike) -> Path:
         },
     }
     path = out_dir / INDEX_NAME
-    _atomic_write(path, lambda tmp: tmp.write_text(json.dumps(index)))
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(index)))
     return path
 
 
 def iter_samples(out_dir: str | os.PathLike) -> Iterator[tuple[SampleInfo, dict[str, torch.Tensor]]]:
     """Every sample in the directory with its tensors, in sample-index order."""
-    headers, order = _scan(out_dir)
+    headers, order = scan(out_dir)
     shards = [open_shard(h.path) for h in headers]
     for _, s, row in order:
         yield shards[s].samples[row], shards[s].sample(row)
