@@ -126,7 +126,7 @@ class Summary:
         for row in self.parity:
             lines.append(
                 f"parity {row['layer']:>8} vs HF hidden_states[{row['hf_index']}]: max_abs {row['max_abs']:.3g} "
-                f"cosine {row['cosine']:.6f} {'ok' if row['ok'] else 'FAIL'}"
+                f"cosine worst {row['cosine']:.6f} median {row['median_cosine']:.6f} {'ok' if row['ok'] else 'FAIL'}"
             )
         return "\n".join(lines)
 
@@ -274,11 +274,11 @@ def _verify(engine: Engine, layout: Layout, opts: ExtractOptions, model_dir: Pat
     if not layout.writes:
         return []
     hf = parity.load_hf_model(str(model_dir), engine.dtype, str(engine.device))
-    rows = parity.compare(states, hf, engine.layer_ids, engine.dtype)
+    rows = parity.compare(states, hf, engine.layer_ids, engine.dtype, moe=engine.is_moe)
     del hf
     if str(engine.device).startswith("cuda"):
         torch.cuda.empty_cache()  # once, so HF's weights do not shrink the extraction's activation room
-    parity.check(rows, engine.dtype, len(head))
+    parity.check(rows, engine.dtype, len(head), moe=engine.is_moe)
     return [r.to_json() for r in rows]
 
 

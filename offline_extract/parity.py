@@ -18,6 +18,13 @@ TOLERANCES = {
     "bfloat16": {"max_abs": None, "max_rel": 0.05, "min_cosine": 0.999},
     "float16": {"max_abs": None, "max_rel": 0.02, "min_cosine": 0.999},
 }
+# A mixture-of-experts model in half precision: a token whose router scores nearly tie can pick other
+# experts in one stack than in the other, and the difference spreads to the tokens after it. Those
+# tokens are right in both stacks, only different (docs/moe-bf16-investigation.md: with HF's expert choice
+# forced, every token matches like a dense model). The gate there looks at the typical token: a layer
+# off by one, or a routing or scaling convention gone wrong, moves the median token to a cosine of 0.98
+# or below, while flips leave it above 0.999.
+MOE_HALF_MIN_MEDIAN_COSINE = 0.995
 
 
 @dataclass(frozen=True)
@@ -27,6 +34,7 @@ class LayerParity:
     max_abs: float
     max_rel: float  # max_abs / max |HF state|
     cosine: float  # the worst per-token cosine similarity
+    median_cosine: float  # the median token's
     # Mean cosine against the adjacent HF state (hidden_states[i-1]): how far an off-by-one would land,
     # which shows that the match above is discriminating.
     neighbour_cosine: float
@@ -55,17 +63,27 @@ def load_hf_model(model_path: str, dtype: str, device: str):
     return model.to(device).eval()
 
 
+def criterion(dtype: str, moe: bool) -> str:
+    if moe and dtype != "float32":
+        return f"median-token cosine >= {MOE_HALF_MIN_MEDIAN_COSINE} (mixture of experts in {dtype})"
+    tol = TOLERANCES[dtype]
+    parts = [f"every token's cosine >= {tol['min_cosine']}"]
+    parts += [f"max_abs <= {tol['max_abs']}"] if tol["max_abs"] is not None else []
+    parts += [f"max_abs <= {tol['max_rel']} x the states' scale"] if tol["max_rel"] is not None else []
+    return ", ".join(parts)
+
+
 def compare(
     engine_states: Sequence[tuple[Sequence[int], torch.Tensor, torch.Tensor]],
     hf_model,
     layer_ids: Sequence[int],
     dtype: str,
+    moe: bool = False,
 ) -> list[LayerParity]:
     """engine_states: (input_ids, aux [T, k*H], last [T, H]) per sample, in the engine's compute dtype."""
-    tol = TOLERANCES[dtype]
     device = next(hf_model.parameters()).device
     names = [f"aux {k}" for k in layer_ids] + ["last"]
-    worst = {n: [0.0, 0.0, 1.0, []] for n in names}  # max_abs, max_rel, min cosine, neighbour cosines
+    worst = {n: [0.0, 0.0, [], []] for n in names}  # max_abs, max_rel, per-token cosines, neighbour cosines
     hf_index = {f"aux {k}": k + 1 for k in layer_ids}
     for input_ids, aux, last in engine_states:
         hs = hf_hidden_states(hf_model, input_ids, device)
@@ -75,31 +93,42 @@ def compare(
             ref = hs[hf_index[name]].float().to(mine.device)
             diff = (mine - ref).abs().max().item()
             scale = ref.abs().max().item() or 1.0
-            cos = torch.nn.functional.cosine_similarity(mine, ref, dim=-1).min().item()
             neighbour = hs[hf_index[name] - 1].float().to(mine.device)
             w = worst[name]
-            w[0], w[1], w[2] = max(w[0], diff), max(w[1], diff / scale), min(w[2], cos)
+            w[0], w[1] = max(w[0], diff), max(w[1], diff / scale)
+            w[2].append(torch.nn.functional.cosine_similarity(mine, ref, dim=-1))
             w[3].append(torch.nn.functional.cosine_similarity(mine, neighbour, dim=-1).mean().item())
     rows = []
     for name in names:
-        max_abs, max_rel, cos, neighbour = worst[name]
-        ok = cos >= tol["min_cosine"]
-        ok &= tol["max_abs"] is None or max_abs <= tol["max_abs"]
-        ok &= tol["max_rel"] is None or max_rel <= tol["max_rel"]
-        rows.append(LayerParity(name, hf_index[name], max_abs, max_rel, cos, sum(neighbour) / len(neighbour), bool(ok)))
+        max_abs, max_rel, cosines, neighbour = worst[name]
+        cosines = torch.cat(cosines)
+        row = LayerParity(
+            name, hf_index[name], max_abs, max_rel, cosines.min().item(), cosines.median().item(),
+            sum(neighbour) / len(neighbour), False,
+        )
+        rows.append(LayerParity(**{**asdict(row), "ok": _passes(row, dtype, moe)}))
     return rows
 
 
-def check(rows: Sequence[LayerParity], dtype: str, num_samples: int) -> None:
+def _passes(row: LayerParity, dtype: str, moe: bool) -> bool:
+    if moe and dtype != "float32":
+        return row.median_cosine >= MOE_HALF_MIN_MEDIAN_COSINE
+    tol = TOLERANCES[dtype]
+    ok = row.cosine >= tol["min_cosine"]
+    ok &= tol["max_abs"] is None or row.max_abs <= tol["max_abs"]
+    ok &= tol["max_rel"] is None or row.max_rel <= tol["max_rel"]
+    return bool(ok)
+
+
+def check(rows: Sequence[LayerParity], dtype: str, num_samples: int, moe: bool = False) -> None:
     bad = [r for r in rows if not r.ok]
     if bad:
-        tol = TOLERANCES[dtype]
         lines = "\n".join(
             f"  {r.layer:>8} (HF hidden_states[{r.hf_index}]): max_abs={r.max_abs:.3g} "
-            f"max_rel={r.max_rel:.3g} cosine={r.cosine:.6f}"
+            f"max_rel={r.max_rel:.3g} cosine worst={r.cosine:.6f} median={r.median_cosine:.6f}"
             for r in bad
         )
         raise ParityError(
-            f"parity gate failed on {num_samples} samples in {dtype} (tolerance {tol}):\n{lines}\n"
+            f"parity gate failed on {num_samples} samples in {dtype} (required: {criterion(dtype, moe)}):\n{lines}\n"
             f"The extracted states do not match HF transformers; refusing to write training data."
         )

@@ -297,6 +297,10 @@ class Engine:
         # The decoder's own config: a multimodal wrapper's (Kimi-K2.5) nests it as text_config.
         self.num_layers = mc.hf_text_config.num_hidden_layers
         self.hidden_size = mc.hf_text_config.hidden_size
+        # Routed experts under any of the names the supported configs use.
+        self.is_moe = any(
+            getattr(mc.hf_text_config, key, None) for key in ("num_experts", "n_routed_experts", "num_local_experts")
+        )
         self.dtype = str(mc.dtype).removeprefix("torch.")
         self.layer_ids = self._configure_capture(model, cfg.layer_ids)
         self._logits_processor = self._capture_lm.logits_processor

@@ -1,0 +1,67 @@
+"""The parity gate's criteria, on rows with known numbers (the comparisons themselves are in test_engine
+and, per architecture, test_architectures)."""
+import pytest
+
+from offline_extract.parity import MOE_HALF_MIN_MEDIAN_COSINE, LayerParity, ParityError, _passes, check, criterion
+
+
+def _row(cosine, median, max_abs=0.05, max_rel=0.01):
+    return LayerParity("aux 3", 4, max_abs, max_rel, cosine, median, 0.97, False)
+
+
+def test_dense_bf16_needs_every_token():
+    assert _passes(_row(0.9995, 0.99999), "bfloat16", moe=False)
+    assert not _passes(_row(0.93, 0.99999), "bfloat16", moe=False), "one diverged token fails a dense model"
+    assert not _passes(_row(0.9995, 0.99999, max_rel=0.2), "bfloat16", moe=False)
+
+
+def test_moe_half_precision_judges_the_typical_token():
+    # Tokens whose near-tied router picked other experts: far off, while the median token is exact.
+    assert _passes(_row(0.62, 0.9991), "bfloat16", moe=True)
+    # A layer off by one moves every token, the median too.
+    assert not _passes(_row(0.62, 0.978), "bfloat16", moe=True)
+    assert not _passes(_row(0.99, MOE_HALF_MIN_MEDIAN_COSINE - 1e-4), "bfloat16", moe=True)
+
+
+def test_moe_in_fp32_keeps_the_strict_gate():
+    # fp32 rounding never flips a routing choice on the test models: the dense rule applies.
+    assert not _passes(_row(0.62, 0.9999999, max_abs=1e-6), "float32", moe=True)
+    assert _passes(_row(0.9999999, 0.9999999, max_abs=1e-6), "float32", moe=True)
+
+
+def test_failure_names_the_criterion_and_the_layer():
+    bad = LayerParity("aux 3", 4, 3.0, 0.5, 0.62, 0.97, 0.97, False)
+    with pytest.raises(ParityError, match=r"(?s)median-token cosine >= 0.995.*aux 3 \(HF hidden_states\[4\]\)"):
+        check([bad], "bfloat16", 8, moe=True)
+    assert "every token's cosine >= 0.999" in criterion("bfloat16", moe=False)
+
+
+@pytest.mark.slow
+def test_verify_passes_a_bf16_moe_model_and_records_why(tiny_model_dir, tmp_path):
+    """Qwen3-MoE in bf16 on CPU reproduces the routing flips seen on the GPU; the gate lets them through
+    on the typical token and records every token's worst case next to it."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from offline_extract.shards import open_shard, shard_paths
+    from offline_extract.tiny_model import build_model
+
+    root = Path(__file__).resolve().parents[1]
+    model = build_model("qwen3_moe", tmp_path / "m", dtype=torch.bfloat16, tokenizer_dir=tiny_model_dir)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(root / "bin" / "extract.py"), "--model", str(model), "--data",
+         str(root / "examples" / "corpus.jsonl"), "--out", str(out), "--dtype", "bfloat16", "--verify", "8",
+         "--no-progress"],
+        capture_output=True, text=True, cwd=root, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = open_shard(shard_paths(out)[0]).run["parity"]
+    assert [r["layer"] for r in rows] == ["aux 1", "aux 3", "aux 4", "last"]
+    for r in rows:
+        assert r["ok"] and r["median_cosine"] >= MOE_HALF_MIN_MEDIAN_COSINE, json.dumps(r)
+        assert r["neighbour_cosine"] < r["median_cosine"] - 0.01, "the match discriminates an off-by-one"
