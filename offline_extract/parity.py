@@ -6,8 +6,9 @@ mismatch stops the run before any GPU time is spent on extraction.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -35,9 +36,10 @@ class LayerParity:
     max_rel: float  # max_abs / max |HF state|
     cosine: float  # the worst per-token cosine similarity
     median_cosine: float  # the median token's
-    # Mean cosine against the adjacent HF state (hidden_states[i-1]): how far an off-by-one would land,
-    # which shows that the match above is discriminating.
+    # How far an off-by-one would land, which shows that the match above discriminates: the mean cosine
+    # against HF hidden_states[i-1], and the smallest max-abs distance to hidden_states[i-1] or [i+1].
     neighbour_cosine: float
+    neighbour_gap: float
     ok: bool
 
     def to_json(self) -> dict:
@@ -82,31 +84,45 @@ def compare(
 ) -> list[LayerParity]:
     """engine_states: (input_ids, aux [T, k*H], last [T, H]) per sample, in the engine's compute dtype."""
     device = next(hf_model.parameters()).device
+    pairs = ((aux, last, hf_hidden_states(hf_model, ids, device)) for ids, aux, last in engine_states)
+    return compare_states(pairs, layer_ids, dtype, moe)
+
+
+def compare_states(
+    pairs: Iterable[tuple[torch.Tensor, torch.Tensor, Sequence[torch.Tensor]]],
+    layer_ids: Sequence[int],
+    dtype: str,
+    moe: bool = False,
+) -> list[LayerParity]:
+    """(aux, last, HF hidden_states) per sample, folded one sample at a time so that long verifications
+    never hold more than one sample's HF states."""
     names = [f"aux {k}" for k in layer_ids] + ["last"]
-    worst = {n: [0.0, 0.0, [], []] for n in names}  # max_abs, max_rel, per-token cosines, neighbour cosines
+    acc = {n: {"max_abs": 0.0, "max_rel": 0.0, "cos": [], "ncos": [], "gap": float("inf")} for n in names}
     hf_index = {f"aux {k}": k + 1 for k in layer_ids}
-    for input_ids, aux, last in engine_states:
-        hs = hf_hidden_states(hf_model, input_ids, device)
+    for aux, last, hs in pairs:
         hf_index["last"] = len(hs) - 1
         ours = list(aux.float().chunk(len(layer_ids), dim=-1)) + [last.float()]
         for name, mine in zip(names, ours):
-            ref = hs[hf_index[name]].float().to(mine.device)
+            i, a = hf_index[name], acc[name]
+            ref = hs[i].float().to(mine.device)
             diff = (mine - ref).abs().max().item()
-            scale = ref.abs().max().item() or 1.0
-            neighbour = hs[hf_index[name] - 1].float().to(mine.device)
-            w = worst[name]
-            w[0], w[1] = max(w[0], diff), max(w[1], diff / scale)
-            w[2].append(torch.nn.functional.cosine_similarity(mine, ref, dim=-1))
-            w[3].append(torch.nn.functional.cosine_similarity(mine, neighbour, dim=-1).mean().item())
+            a["max_abs"] = max(a["max_abs"], diff)
+            a["max_rel"] = max(a["max_rel"], diff / (ref.abs().max().item() or 1.0))
+            a["cos"].append(torch.nn.functional.cosine_similarity(mine, ref, dim=-1))
+            below = hs[i - 1].float().to(mine.device)
+            a["ncos"].append(torch.nn.functional.cosine_similarity(mine, below, dim=-1).mean().item())
+            for j in (i - 1, i + 1):
+                if j < len(hs):
+                    a["gap"] = min(a["gap"], (mine - hs[j].float().to(mine.device)).abs().max().item())
     rows = []
     for name in names:
-        max_abs, max_rel, cosines, neighbour = worst[name]
-        cosines = torch.cat(cosines)
+        a = acc[name]
+        cos = torch.cat(a["cos"])
         row = LayerParity(
-            name, hf_index[name], max_abs, max_rel, cosines.min().item(), cosines.median().item(),
-            sum(neighbour) / len(neighbour), False,
+            name, hf_index[name], a["max_abs"], a["max_rel"], cos.min().item(), cos.median().item(),
+            sum(a["ncos"]) / len(a["ncos"]), a["gap"], False,
         )
-        rows.append(LayerParity(**{**asdict(row), "ok": _passes(row, dtype, moe)}))
+        rows.append(dataclasses.replace(row, ok=_passes(row, dtype, moe)))
     return rows
 
 

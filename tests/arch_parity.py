@@ -15,7 +15,6 @@ import traceback
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -42,28 +41,14 @@ def _route_mla_prefill_to_absorbed_path() -> None:
     AttentionBackendRegistry.register("torch_native", _dispatch_mla_subtype)
 
 
-def _compare(captured, layer_ids, seqs, hf_states):
-    """Each captured state against HF, worst over tokens, with its distance to the neighbouring HF states:
-    an off-by-one would show up as an error that large."""
-    names = [f"aux {k}" for k in layer_ids] + ["last"]
-    worst, start = {}, 0
-    for seq, hs in zip(seqs, hf_states):
-        n = len(seq)
-        mine = list(captured.aux[start : start + n].float().cpu().chunk(len(layer_ids), dim=-1))
-        mine.append(captured.last[start : start + n].float().cpu())
-        start += n
-        for name, state, index in zip(names, mine, [k + 1 for k in layer_ids] + [len(hs) - 1]):
-            ref = hs[index]
-            diff = (state - ref).abs().max().item()
-            w = worst.setdefault(name, {"layer": name, "hf_index": index, "max_abs": 0.0, "max_rel": 0.0,
-                                        "cosine": 1.0, "neighbour_gap": float("inf")})
-            w["max_abs"] = max(w["max_abs"], diff)
-            w["max_rel"] = max(w["max_rel"], diff / (ref.abs().max().item() or 1.0))
-            w["cosine"] = min(w["cosine"], torch.nn.functional.cosine_similarity(state, ref, dim=-1).min().item())
-            for j in (index - 1, index + 1):
-                if 0 <= j < len(hs):
-                    w["neighbour_gap"] = min(w["neighbour_gap"], (state - hs[j]).abs().max().item())
-    return list(worst.values())
+def _compare(engine, captured, seqs, hf_states):
+    """Each captured state against HF through the product's own parity gate (rows as it records them)."""
+    bounds = np.cumsum([0, *map(len, seqs)])
+    pairs = (
+        (captured.aux[a:b].cpu(), captured.last[a:b].cpu(), hs) for a, b, hs in zip(bounds, bounds[1:], hf_states)
+    )
+    rows = parity.compare_states(pairs, engine.layer_ids, engine.dtype, moe=engine.is_moe)
+    return [r.to_json() for r in rows]
 
 
 def main() -> None:
@@ -109,7 +94,7 @@ def main() -> None:
 
         # First SGLang's default ids (requested None), as the engine chose them at start.
         checks = [{"requested": None, "layer_ids": list(engine.layer_ids), "capture_points": engine.capture_points,
-                   "rows": _compare(captured, engine.layer_ids, seqs, hf_states)}]
+                   "rows": _compare(engine, captured, seqs, hf_states)}]
         for spec in [s for s in args.layer_sets.split(";") if s]:
             check = {"requested": [int(x) for x in spec.split(",")]}
             checks.append(check)
@@ -119,7 +104,7 @@ def main() -> None:
                 check["error"] = str(e)
                 continue
             check["layer_ids"], check["capture_points"] = list(engine.layer_ids), list(engine.capture_points)
-            check["rows"] = _compare(engine.forward(seqs), engine.layer_ids, seqs, hf_states)
+            check["rows"] = _compare(engine, engine.forward(seqs), seqs, hf_states)
         report["checks"] = checks
     except Exception as e:  # the report carries the failure, so the test can show it
         report["error"] = f"{type(e).__name__}: {e}"

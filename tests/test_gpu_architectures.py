@@ -73,7 +73,8 @@ def report(request, models, tmp_path_factory):
                 if r["layer"] not in seen:
                     seen.add(r["layer"])
                     rows.append({"architecture": arch, "backend": backend, "layer": r["layer"],
-                                 "hf_index": r["hf_index"], "max_abs": r["max_abs"], "cosine": r["cosine"]})
+                                 "hf_index": r["hf_index"], "max_abs": r["max_abs"], "cosine": r["cosine"],
+                                 "median_cosine": r["median_cosine"], "ok": r["ok"]})
         Path(results).mkdir(parents=True, exist_ok=True)
         (Path(results) / f"{arch}-{backend}.json").write_text(json.dumps(rows, indent=2) + "\n")
     return arch, backend, rep
@@ -101,10 +102,12 @@ def test_every_state_matches_hf_in_bf16(report):
         rows = {r["layer"]: r for r in check["rows"]}
         assert list(rows) == [f"aux {k}" for k in check["layer_ids"]] + ["last"]
         for name, r in rows.items():
-            where = f"{arch}/{backend} {name} vs HF hidden_states[{r['hf_index']}]"
-            assert r["cosine"] >= MIN_COSINE, where
-            # bf16 error is far below the distance to HF's neighbouring states, so off-by-one cannot pass.
-            assert r["neighbour_gap"] > 2 * r["max_abs"], where
+            where = f"{arch}/{backend} {name} vs HF hidden_states[{r['hf_index']}]: {r}"
+            # The product's own gate: every token for dense models, the median token for MoE ones in bf16
+            # (routing flips on near-tied routers; docs/moe-bf16-investigation.md).
+            assert r["ok"] and r["median_cosine"] >= MIN_COSINE, where
+            # The typical token is far closer to its HF state than to the neighbouring one.
+            assert r["neighbour_cosine"] < r["median_cosine"] - 0.01, where
 
 
 def test_bare_prefill_turns_capture_off_and_back_on(report):

@@ -6,7 +6,7 @@ from offline_extract.parity import MOE_HALF_MIN_MEDIAN_COSINE, LayerParity, Pari
 
 
 def _row(cosine, median, max_abs=0.05, max_rel=0.01):
-    return LayerParity("aux 3", 4, max_abs, max_rel, cosine, median, 0.97, False)
+    return LayerParity("aux 3", 4, max_abs, max_rel, cosine, median, 0.97, 2.5, False)
 
 
 def test_dense_bf16_needs_every_token():
@@ -30,7 +30,7 @@ def test_moe_in_fp32_keeps_the_strict_gate():
 
 
 def test_failure_names_the_criterion_and_the_layer():
-    bad = LayerParity("aux 3", 4, 3.0, 0.5, 0.62, 0.97, 0.97, False)
+    bad = LayerParity("aux 3", 4, 3.0, 0.5, 0.62, 0.97, 0.97, 2.5, False)
     with pytest.raises(ParityError, match=r"(?s)median-token cosine >= 0.995.*aux 3 \(HF hidden_states\[4\]\)"):
         check([bad], "bfloat16", 8, moe=True)
     assert "every token's cosine >= 0.999" in criterion("bfloat16", moe=False)
