@@ -407,7 +407,7 @@ def _run(opts: ExtractOptions, layout: Layout, coord: Coordinator, existing: res
         show = layout.leads and opts.progress
         label = f"dp {layout.dp_rank}/{layout.dp_size}" if layout.dp_size > 1 else "extract"
         shown = 0
-        with RunProgress(_count_owned(layout, opts.data) if show else None, label, enabled=show) as bar:
+        with RunProgress(lambda: _count_owned(layout, opts.data), label, enabled=show) as bar:
 
             def advance(batch: Batch) -> None:
                 nonlocal shown
@@ -430,6 +430,7 @@ def _run(opts: ExtractOptions, layout: Layout, coord: Coordinator, existing: res
                 # Counted as written, not as batched: dropped samples are batched but never written.
                 summary.extracted = writer.samples_written
                 summary.bytes_written = writer.bytes_written
+                bar.advance(0, 0, writer.bytes_written)  # the last shards land after the last batch
             summary.extract_seconds = time.perf_counter() - extract_start
     summary.seconds = time.perf_counter() - start
 

@@ -1,7 +1,9 @@
 """Progress display for long runs: samples, tokens/s, bytes written and ETA, drawn with rich."""
 from __future__ import annotations
 
+import threading
 import time
+from typing import Callable
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -16,9 +18,13 @@ def human_bytes(n: float) -> str:
 
 
 class RunProgress:
-    """One bar per process; only the process that shows it draws (others pass enabled=False)."""
+    """One bar per process; only the process that shows it draws (others pass enabled=False).
 
-    def __init__(self, total_samples: int | None, label: str, enabled: bool = True):
+    The total comes from `count_total`, run on a background thread: counting a terabyte corpus's lines
+    takes minutes, and extraction need not wait for it (the bar shows no ETA until then).
+    """
+
+    def __init__(self, count_total: Callable[[], int] | None, label: str, enabled: bool = True):
         self.enabled = enabled
         self.start = time.perf_counter()
         self.tokens = 0
@@ -33,7 +39,9 @@ class RunProgress:
             console=Console(stderr=True),
             disable=not enabled,
         )
-        self._task = self._progress.add_task(label, total=total_samples, rate="0", written="0 B")
+        self._task = self._progress.add_task(label, total=None, rate="0", written="0 B")
+        if enabled and count_total is not None:
+            threading.Thread(target=lambda: self._progress.update(self._task, total=count_total()), daemon=True).start()
 
     def __enter__(self) -> "RunProgress":
         self._progress.__enter__()
@@ -48,7 +56,3 @@ class RunProgress:
         self._progress.update(
             self._task, advance=samples, rate=f"{rate:,.0f}", written=human_bytes(bytes_written)
         )
-
-    def log(self, message: str) -> None:
-        if self.enabled:
-            self._progress.console.print(message)
