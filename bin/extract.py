@@ -58,7 +58,8 @@ from offline_extract.parity import ParityError
 @click.option("--overlong", type=click.Choice(["truncate", "skip"]), default="truncate", show_default=True,
               help="What to do with a sample longer than --max-length (recorded per sample either way).")
 @click.option("--tokens-per-batch", default=None, type=int,
-              help="Token budget of one forward. Default: 16384 on GPU, 4096 on CPU (at least --max-length).")
+              help="Token budget of one forward. Default: 16384 on GPU, 4096 on CPU. A longer sample is "
+                   "prefilled alone, in chunks of this size.")
 @click.option("--seqs-per-batch", default=256, show_default=True, help="Most sequences in one forward.")
 @click.option("--shard-size-mb", default=512.0, show_default=True, type=click.FloatRange(0, min_open=True),
               help="Target hidden-state MiB per shard (a shard closes once it reaches this).")

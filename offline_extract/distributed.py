@@ -69,9 +69,6 @@ class Layout:
             return free_port() if self.world_size == 1 else DEFAULT_PORT_BASE + self.dp_rank
         return base + self.dp_rank
 
-    def describe(self) -> str:
-        return f"rank {self.rank}/{self.world_size} = dp {self.dp_rank}/{self.dp_size} x tp {self.tp_rank}/{self.tp_size}"
-
 
 def layout_from_env(tp_size: int = 1, env: dict | None = None) -> Layout:
     env = os.environ if env is None else env

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from offline_extract.journal import load_json
 from offline_extract.progress import RunProgress
 from offline_extract.reader import HiddenStateDataset
 from offline_extract.shards import atomic_write
@@ -71,7 +72,7 @@ def _prepare_dest(dest: Path, manifest: dict) -> None:
     """Creates dest with its manifest, or accepts it as an earlier run of this same export."""
     manifest_path = dest / MANIFEST_NAME
     if manifest_path.is_file():
-        earlier = json.loads(manifest_path.read_text())
+        earlier = load_json(manifest_path)
         # The source may have been moved or copied since; the run and the ids identify the data.
         if _without_source(earlier) == _without_source(manifest):
             return
@@ -108,7 +109,7 @@ def export_specforge(
         },
     )
     summary = ExportSummary(dest, 0, 0, 0)
-    with RunProgress(len(dataset), "export", enabled=progress) as bar:
+    with RunProgress(lambda: len(dataset), "export", enabled=progress) as bar:
         for i in range(len(dataset)):
             path = specforge_path(dest, i, rows_per_folder)
             if path.exists():

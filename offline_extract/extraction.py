@@ -138,13 +138,17 @@ def _resolve_device(device: str | None) -> str:
 
 
 def _weights_fingerprint(model_dir: Path) -> str:
-    """Names, sizes and safetensors headers of the weight files: cheap even for a 1 TB checkpoint, and
-    it changes whenever the set of tensors, their shapes or their files change."""
+    """Names and sizes of the weight files, plus each safetensors file's header: cheap even for a 1 TB
+    checkpoint, and it changes whenever the set of tensors, their shapes or their files change."""
+    files = sorted(f for pattern in ("*.safetensors", "*.bin", "*.pt", "*.pth") for f in model_dir.glob(pattern))
+    if not files:
+        raise FileNotFoundError(f"no weight files (*.safetensors, *.bin, *.pt) in {model_dir}")
     h = hashlib.sha256()
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            h.update(f.name.encode() + f.stat().st_size.to_bytes(8, "little") + fh.read(n))
+    for f in files:
+        h.update(f.name.encode() + f.stat().st_size.to_bytes(8, "little"))
+        if f.suffix == ".safetensors":
+            with open(f, "rb") as fh:
+                h.update(fh.read(int.from_bytes(fh.read(8), "little")))
     return h.hexdigest()
 
 
@@ -228,7 +232,8 @@ def extract_batches(
         return
     guard = nonfinite or NonFiniteGuard("fail", engine.layer_ids)
 
-    # HostOffload passes what is submitted as its batch through untouched: here, the batch and its flag.
+    # The non-finite flag travels with its batch, so the consumer reads it only once the copy event says
+    # the states (and the flag, enqueued before them) are on the host.
     def consume(flagged: tuple[Batch, torch.Tensor], aux: torch.Tensor, last: torch.Tensor) -> None:
         batch, flag = flagged
         samples = batch.samples
@@ -258,27 +263,41 @@ def staging_buffers(engine: Engine) -> list:
 
 
 def _count_owned(layout: Layout, paths: Sequence[str]) -> int:
+    """This replica's share of the records, for the progress bar's ETA: non-empty line starts counted with
+    numpy over large chunks (a per-line Python loop would contend for the GIL with the hot loop for
+    minutes on a large corpus). A line of only spaces counts, which only skews the ETA."""
     n = 0
     for path in paths:
         with open(path, "rb") as f:
-            n += sum(1 for line in f if line.strip())
+            after_newline = True
+            while chunk := f.read(16 << 20):
+                newline = np.frombuffer(chunk, dtype=np.uint8) == ord("\n")
+                n += int(after_newline and not newline[0]) + int((newline[:-1] & ~newline[1:]).sum())
+                after_newline = bool(newline[-1])
     return len(range(layout.dp_rank, n, layout.dp_size))
 
 
-def _verify(engine: Engine, layout: Layout, opts: ExtractOptions, model_dir: Path, head: list[Sample]) -> list[dict]:
-    """Parity gate on the first samples, before extraction spends any time."""
+def _verify(engine: Engine, layout: Layout, coord: Coordinator, model_dir: Path, head: list[Sample]) -> list[dict]:
+    """Parity gate on each replica's first samples, before extraction spends any time. Every rank takes
+    part, and every rank stops if any replica fails: a TP peer left running would wait in NCCL forever."""
     states = []
     for s in head:
         c = engine.forward([s.input_ids])
         states.append((s.input_ids.tolist(), c.aux.cpu(), c.last.cpu()))
-    if not layout.writes:
-        return []
-    hf = parity.load_hf_model(str(model_dir), engine.dtype, str(engine.device))
-    rows = parity.compare(states, hf, engine.layer_ids, engine.dtype, moe=engine.is_moe)
-    del hf
-    if str(engine.device).startswith("cuda"):
-        torch.cuda.empty_cache()  # once, so HF's weights do not shrink the extraction's activation room
-    parity.check(rows, engine.dtype, len(head), moe=engine.is_moe)
+    rows, failure = [], None
+    if layout.writes and head:
+        hf = parity.load_hf_model(str(model_dir), engine.dtype, str(engine.device))
+        rows = parity.compare(states, hf, engine.layer_ids, engine.dtype, moe=engine.is_moe)
+        del hf
+        if torch.device(engine.device).type == "cuda":
+            torch.cuda.empty_cache()  # once, so HF's weights do not shrink the extraction's activation room
+        try:
+            parity.check(rows, engine.dtype, len(head), moe=engine.is_moe)
+        except parity.ParityError as e:
+            failure = f"dp replica {layout.dp_rank}: {e}"
+    failures = [f for f in coord.all_gather(failure) if f]
+    if failures:
+        raise parity.ParityError(failures[0])
     return [r.to_json() for r in rows]
 
 
@@ -338,14 +357,15 @@ def _run(opts: ExtractOptions, layout: Layout, coord: Coordinator, existing: res
     model_dir = Path(opts.model) if opts.model else ensure_tiny_model()
     # SGLang turns a float32 checkpoint into bf16 under "auto"; on CPU the embedded model exists to prove
     # parity in fp32, so it keeps its own dtype there (SGLang's CUDA kernels take half precision only).
-    dtype = "float32" if opts.dtype == "auto" and not opts.model and device == "cpu" else opts.dtype
+    dtype = "float32" if opts.dtype == "auto" and not opts.model and torch.device(device).type == "cpu" else opts.dtype
     out = Path(opts.out)
     if layout.leads:
         for note in existing.notes:
             _note(note)
 
     tokenizer = _sample_tokenizer(opts, model_dir)
-    tokens_per_batch = opts.tokens_per_batch or (16384 if device == "cuda" else 4096)
+    on_gpu = torch.device(device).type == "cuda"
+    tokens_per_batch = opts.tokens_per_batch or (16384 if on_gpu else 4096)
     engine = Engine(
         EngineConfig(
             model_path=str(model_dir),
@@ -380,7 +400,7 @@ def _run(opts: ExtractOptions, layout: Layout, coord: Coordinator, existing: res
         rejects = journals.enter_context(Journal(out / f".rejects.dp{layout.dp_rank}.jsonl")) if layout.writes else None
         samples = _owned(layout, opts, tokenizer, done, rejects, summary)
         head = list(islice(samples, opts.verify))
-        summary.parity = _verify(engine, layout, opts, model_dir, head) if head else []
+        summary.parity = _verify(engine, layout, coord, model_dir, head) if opts.verify else []
         meta["parity"] = summary.parity
         writer = None
         if layout.writes:
@@ -393,7 +413,7 @@ def _run(opts: ExtractOptions, layout: Layout, coord: Coordinator, existing: res
                 on_written=lambda shard: shard_log.append(asdict(shard)),
                 # On a GPU the first shards would otherwise fill fresh pages on the hot path; on CPU
                 # (tiny models, tests) that memory would mostly sit unused.
-                widths=(len(engine.layer_ids) * engine.hidden_size, engine.hidden_size) if device == "cuda" else None,
+                widths=(len(engine.layer_ids) * engine.hidden_size, engine.hidden_size) if on_gpu else None,
             )
 
         def found_nonfinite(sample: Sample, reason: str) -> None:

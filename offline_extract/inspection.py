@@ -6,7 +6,6 @@ output size.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -19,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from offline_extract.journal import load_json
 from offline_extract.shards import INDEX_NAME, Shard, ShardError, open_shard, read_header, shard_paths
 
 # Upper bound on the float32 copy of one chunk of rows; the float64 reduction temporaries double it.
@@ -36,7 +36,7 @@ def resolve_shards(path: str | os.PathLike) -> list[Path]:
         raise ShardError(f"{path} is neither a shard file nor an output directory")
     index_path = path / INDEX_NAME
     if index_path.is_file():
-        paths = [path / s["file"] for s in json.loads(index_path.read_text())["shards"]]
+        paths = [path / s["file"] for s in load_json(index_path)["shards"]]
         missing = [p.name for p in paths if not p.is_file()]
         if missing:
             raise ShardError(f"{index_path} lists shards that do not exist: {missing}")
@@ -157,15 +157,18 @@ def _find_sample(path: str | os.PathLike, sample_id: str) -> tuple[Shard, int]:
     paths = resolve_shards(path)
     index_path = Path(path) / INDEX_NAME
     if index_path.is_file():
-        located = json.loads(index_path.read_text())["samples"]
+        index = load_json(index_path)
+        located = index["samples"]
         if sample_id in located["id"]:
             k = located["id"].index(sample_id)
-            return open_shard(paths[located["shard"][k]]), located["row"][k]
-    else:
-        for p in paths:
-            ids = [s.id for s in read_header(p).samples]
-            if sample_id in ids:
-                return open_shard(p), ids.index(sample_id)
+            # By file name: an index from before a resume may list the shards in another order.
+            shard = Path(path) / index["shards"][located["shard"][k]]["file"]
+            if shard.is_file():
+                return open_shard(shard), located["row"][k]
+    for p in paths:
+        ids = [s.id for s in read_header(p).samples]
+        if sample_id in ids:
+            return open_shard(p), ids.index(sample_id)
     raise ShardError(f"no sample with id {sample_id!r} in {path}")
 
 

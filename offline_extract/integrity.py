@@ -5,7 +5,6 @@ delete the shards named, and re-running the extraction redoes exactly their samp
 """
 from __future__ import annotations
 
-import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from . import manifest
+from .journal import load_json
 from .shards import INDEX_NAME, ShardError, ShardHeader, read_header, shard_paths
 
 DTYPES = {
@@ -126,7 +126,7 @@ def _check_index(out: Path, names: list[str], headers: dict[str, ShardHeader]) -
     path = out / INDEX_NAME
     if not path.exists():
         return [f"no {INDEX_NAME}"]
-    index = json.loads(path.read_text())
+    index = load_json(path)
     listed = [s["file"] for s in index["shards"]]
     problems = [f"{INDEX_NAME} lists {f}, which does not exist" for f in listed if f not in names]
     problems += [f"{INDEX_NAME} does not list {f}" for f in names if f not in listed]

@@ -1,4 +1,5 @@
-"""Append-only JSON-lines files that several threads write and that a crash may cut short.
+"""The output directory's JSON files: append-only JSON-lines files that several threads write and that a
+crash may cut short, and whole JSON documents read back with errors that name the file.
 
 A kill can leave the last line half written; readers drop such a line instead of failing, so a file is
 always good up to its last complete record. Errors name the file: a bare "[Errno 28] No space left on
@@ -64,3 +65,13 @@ def naming_errors(path: str | os.PathLike) -> Iterator[None]:
         if e.filename is not None:
             raise
         raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+
+
+def load_json(path: str | os.PathLike):
+    """A JSON document; a missing, unreadable or damaged file is an error that names it."""
+    with naming_errors(Path(path)):
+        text = Path(path).read_text(encoding="utf-8")
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); delete or restore it") from e

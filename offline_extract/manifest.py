@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from .journal import read_journal
+from .journal import load_json, read_journal
 from .shards import atomic_write, read_header, shard_number, shard_paths
 
 MANIFEST_NAME = "manifest.json"
@@ -94,7 +94,7 @@ def load(out: str | os.PathLike) -> dict | None:
     path = Path(out) / MANIFEST_NAME
     if not path.exists():
         return None
-    return json.loads(path.read_text())
+    return load_json(path)
 
 
 def save(out: str | os.PathLike, manifest: dict) -> None:

@@ -13,9 +13,9 @@ from typing import Callable
 
 import torch
 
-from .batching import Batch
 
-Consumer = Callable[[Batch, torch.Tensor, torch.Tensor], None]
+# Called with whatever the caller submitted as its batch, then the host copies of aux and last.
+Consumer = Callable[[object, torch.Tensor, torch.Tensor], None]
 
 STORED_DTYPE = torch.bfloat16
 
@@ -43,10 +43,10 @@ class HostOffload:
         self._thread = threading.Thread(target=self._drain, name="host-offload", daemon=True)
         self._thread.start()
 
-    def submit(self, batch: Batch, aux: torch.Tensor, last: torch.Tensor) -> None:
+    def submit(self, batch: object, aux: torch.Tensor, last: torch.Tensor) -> None:
         """Start moving one batch's states to the host; returns before the copy is done."""
-        buffers = self._free.get()
         self._raise_error()
+        buffers = self._free.get()
         if not self._cuda:
             self._ready.put((batch, None, (aux.to(STORED_DTYPE), last.to(STORED_DTYPE)), buffers))
             return

@@ -21,7 +21,6 @@ result queue would write or copy the entire shard tensor, not the sample.
 """
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import torch
 from safetensors import safe_open
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from offline_extract.journal import load_json
 from offline_extract.shards import FORMAT_VERSION, INDEX_NAME, SAMPLE_TENSORS, ShardError, scan, shard_paths
 
 
@@ -83,7 +83,7 @@ def load_catalog(out_dir: str | os.PathLike) -> Catalog:
         raise ShardError(f"{out_dir} is not a directory of offline_extract shards")
     index_path = out_dir / INDEX_NAME
     if index_path.is_file():
-        catalog = _catalog_from_index(out_dir, json.loads(index_path.read_text()))
+        catalog = _catalog_from_index(out_dir, load_json(index_path))
         if catalog is not None:
             return catalog
         # A run still writing, or resumed after the index was written: the headers are the truth.

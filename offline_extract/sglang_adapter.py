@@ -248,7 +248,7 @@ class Engine:
         from sglang.srt.server_args import ServerArgs
 
         self.cfg = cfg
-        if cfg.device == "cuda":
+        if torch.device(cfg.device).type == "cuda":
             torch.cuda.set_device(cfg.gpu_id)
         backend = cfg.attention_backend or default_attention_backend(cfg.device)
         sa = ServerArgs(
@@ -266,8 +266,8 @@ class Engine:
             disable_overlap_schedule=True,
             chunked_prefill_size=-1,
             skip_tokenizer_init=True,
-            # The KV pool only ever holds one forward's tokens, so everything else stays activation room.
-            # Room for one forward's tokens, or one chunked sequence with its whole prefix.
+            # The KV pool holds one forward's tokens, or one chunked sequence with its whole prefix, and no
+            # more: everything else stays activation room.
             max_total_tokens=max(cfg.max_tokens_per_batch, cfg.context_length or 0) + 64,
             max_running_requests=cfg.max_seqs_per_batch,
             context_length=cfg.context_length,
@@ -293,7 +293,6 @@ class Engine:
         )
         model = self.runner.model
         self.architecture = type(model).__name__
-        self.hf_config = mc.hf_config
         # The decoder's own config: a multimodal wrapper's (Kimi-K2.5) nests it as text_config.
         self.num_layers = mc.hf_text_config.num_hidden_layers
         self.hidden_size = mc.hf_text_config.hidden_size
@@ -325,11 +324,15 @@ class Engine:
             )
         self._capture_rule, self._capture_lm = rule, rule.causal_lm(model)
         self.capture_points = resolved
+        self._capturing: bool | None = None  # SGLang's capture state now: unknown until the first switch
         return ids
 
     def _set_capture(self, on: bool) -> None:
+        if on == self._capturing:
+            return  # re-routing walks every layer on Qwen-MoE: once per switch, not once per batch
         route_capture(self._capture_lm, self._capture_rule, self.capture_points if on else [])
         self._capture_lm.logits_processor = self._capture if on else self._logits_processor
+        self._capturing = on
 
     def forward(self, seqs: Sequence[np.ndarray], capture: bool = True) -> Captured | None:
         """Prefill `seqs` as one EXTEND batch. With capture, return their states (still on the device).
@@ -434,7 +437,8 @@ def _new_req(i: int, ids: np.ndarray):
     r = Req(
         rid=str(i),
         origin_input_text="",
-        origin_input_ids=array("q", ids),
+        # From bytes: element by element, array() walks a 16k-token batch in Python for a millisecond.
+        origin_input_ids=array("q", np.asarray(ids, dtype=np.int64).tobytes()),
         sampling_params=SamplingParams(temperature=0, max_new_tokens=1),
     )
     r.full_untruncated_fill_ids = r.origin_input_ids

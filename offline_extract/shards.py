@@ -406,14 +406,20 @@ def read_header(path: str | os.PathLike) -> ShardHeader:
         raise ShardError(f"{path} is not a readable safetensors file: {e}") from e
     if METADATA_KEY not in metadata:
         raise ShardError(f"{path} is not an offline_extract shard (no {METADATA_KEY!r} metadata)")
-    document = json.loads(metadata[METADATA_KEY])
-    if document.get("format_version") != FORMAT_VERSION:
+    try:
+        document = json.loads(metadata[METADATA_KEY])
         version = document.get("format_version")
-        raise ShardError(f"{path} has format_version {version}, expected {FORMAT_VERSION}")
+        if version != FORMAT_VERSION:
+            raise ShardError(f"{path} has format_version {version}, expected {FORMAT_VERSION}")
+        run, samples = document["run"], [SampleInfo(**s) for s in document["samples"]]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        if isinstance(e, ShardError):
+            raise
+        raise ShardError(f"{path} has damaged {METADATA_KEY!r} metadata: {e!r}") from e
     missing = [n for n in (*SAMPLE_TENSORS, "offsets", "sample_index") if n not in shapes]
     if missing:
         raise ShardError(f"{path} lacks tensors {missing}")
-    return ShardHeader(path, document["run"], [SampleInfo(**s) for s in document["samples"]], shapes)
+    return ShardHeader(path, run, samples, shapes)
 
 
 @dataclass

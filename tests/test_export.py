@@ -116,3 +116,10 @@ def test_script(out_dir, tmp_path):
     bad = run_script("--format", "specforge", tmp_path / "nowhere", "--to", tmp_path / "sf2", "--no-progress")
     assert bad.returncode == 1
     assert "Error:" in bad.stderr and "nowhere" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+def test_export_with_the_progress_bar(out_dir, tmp_path, capsys):
+    summary = export_specforge(out_dir, tmp_path / "sf", progress=True)
+    assert summary.samples_written == len(LENGTHS)
+    assert "export" in capsys.readouterr().err

@@ -57,7 +57,7 @@ def test_default_backend_is_fa3_only_where_installed():
     try:
         importlib.import_module("sgl_kernel.flash_ops")
         has_fa3 = torch.cuda.get_device_capability()[0] == 9
-    except ImportError:
+    except (ImportError, OSError):
         has_fa3 = False
     assert default_attention_backend("cuda") == ("fa3" if has_fa3 else "triton")
 

@@ -268,3 +268,14 @@ def test_preallocated_buffers_write_the_same_shards(tmp_path):
     assert [p.name for p in plain] == [p.name for p in pre]
     for a, b in zip(plain, pre):
         assert a.read_bytes() == b.read_bytes()
+
+
+def test_damaged_metadata_is_a_shard_error_naming_the_file(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "shard_000.safetensors"
+    tensors = {name: torch.zeros(1) for name in ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states",
+                                                 "offsets", "sample_index")}
+    save_file(tensors, str(path), metadata={"offline_extract": "{not json"})
+    with pytest.raises(shards.ShardError, match=r"shard_000\.safetensors has damaged"):
+        shards.read_header(path)
