@@ -32,6 +32,7 @@ def _command() -> str:
 @click.option("--shape", default="llama3_8b", show_default=True, help="Generated model shape (see tiny_model.ARCHITECTURES).")
 @click.option("--load-format", default="dummy", show_default=True, help="'dummy': random weights, no files needed.")
 @click.option("--dtype", default="bfloat16", show_default=True)
+@click.option("--tp", default=1, show_default=True, help="Tensor-parallel size; under torchrun the rest is data-parallel.")
 @click.option("--attention-backend", default=None, help="Default: fa3 on Hopper when installed, else triton.")
 @click.option("--out", "outs", multiple=True, default=["/dev/shm/offline_extract_bench"], show_default=True,
               help="Where extraction writes shards; repeat to measure several targets in one run.")
@@ -45,15 +46,17 @@ def _command() -> str:
 @click.option("--disk-probe-gb", default=4.0, show_default=True, help="Bytes written to measure each --out's write rate.")
 @click.option("--writers", default=4, show_default=True, help="Shard writer threads.")
 @click.option("--results-dir", default="benchmarks/results", show_default=True)
-@click.option("--profile", default=None, help="Write a torch-profiler trace and tables of 4 extraction batches here.")
-def main(model, shape, load_format, dtype, attention_backend, outs, lengths, mean_length, max_length, num_tokens,
-         tokens_per_batch, warmup_batches, baseline_hf, disk_probe_gb, writers, results_dir, profile):
+@click.option("--profile", default=None, help="Write torch-profiler tables of 4 extraction batches here.")
+@click.option("--single-gpu-result", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="A one-GPU result JSON from the same session: adds `scaling` (aggregate / one GPU).")
+def main(model, shape, load_format, dtype, tp, attention_backend, outs, lengths, mean_length, max_length, num_tokens,
+         tokens_per_batch, warmup_batches, baseline_hf, disk_probe_gb, writers, results_dir, profile, single_gpu_result):
     run_bench(BenchOptions(
-        model=model, shape=shape, load_format=load_format, dtype=dtype, attention_backend=attention_backend,
+        model=model, shape=shape, load_format=load_format, dtype=dtype, tp=tp, attention_backend=attention_backend,
         outs=tuple(outs), lengths=lengths, mean_length=mean_length, max_length=max_length, num_tokens=num_tokens,
         tokens_per_batch=tokens_per_batch, warmup_batches=warmup_batches, baseline_hf=baseline_hf,
         disk_probe_bytes=int(disk_probe_gb * (1 << 30)), writers=writers, results_dir=results_dir,
-        profile=profile, command=_command(),
+        profile=profile, single_gpu_result=single_gpu_result, command=_command(),
     ))
 
 

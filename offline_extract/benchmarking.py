@@ -45,6 +45,7 @@ class BenchOptions:
     shape: str = "llama3_8b"
     load_format: str = "dummy"
     dtype: str = "bfloat16"
+    tp: int = 1
     attention_backend: str | None = None
     outs: tuple[str, ...] = ("/dev/shm/offline_extract_bench",)
     lengths: str = "lognormal"  # "lognormal" or "fixed"
@@ -59,6 +60,7 @@ class BenchOptions:
     seed: int = 0
     results_dir: str = "benchmarks/results"
     profile: str | None = None
+    single_gpu_result: str | None = None  # a one-GPU result JSON of the same session, for `scaling`
     command: str = ""
 
 
@@ -224,7 +226,9 @@ class _DiscardWriter:
 
 
 def run_bench(opts: BenchOptions) -> list[dict]:
-    layout = layout_from_env(1)
+    if opts.baseline_hf and opts.tp > 1:
+        raise ValueError("--baseline-hf runs HF on one GPU; it cannot be combined with --tp > 1")
+    layout = layout_from_env(opts.tp)
     torch.cuda.set_device(layout.local_rank)
     coord = Coordinator(layout, namespace=f"bench-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
     model_dir = Path(opts.model) if opts.model else _generated_config(opts.shape, layout, coord)
@@ -234,9 +238,11 @@ def run_bench(opts: BenchOptions) -> list[dict]:
     samples = synthetic_corpus(tokenizer, opts, layout.dp_rank, layout.dp_size)
     batches = list(batch_by_tokens(samples, opts.tokens_per_batch, 256))
     warm, timed = batches[: opts.warmup_batches], batches[opts.warmup_batches :]
-    tokens = sum(b.num_tokens for b in timed)
+    # Each replica's tokens count once, however many TP ranks computed them.
+    tokens = sum(b.num_tokens for b in timed) if layout.writes else 0
     engine = Engine(EngineConfig(
-        model_path=str(model_dir), device="cuda", dtype=opts.dtype, gpu_id=layout.local_rank,
+        model_path=str(model_dir), device="cuda", dtype=opts.dtype, tp_size=opts.tp, tp_rank=layout.tp_rank,
+        gpu_id=layout.local_rank,
         nccl_port=layout.nccl_port(None), attention_backend=opts.attention_backend,
         max_tokens_per_batch=opts.tokens_per_batch, max_seqs_per_batch=256, context_length=opts.max_length,
         load_format=opts.load_format,
@@ -248,26 +254,28 @@ def run_bench(opts: BenchOptions) -> list[dict]:
     _bare(engine, warm)
     bare_s = _timed(coord, lambda: _bare(clock, timed))
     bare_forward_s, clock.seconds = clock.seconds, 0.0
-    copy_only_s = _timed(coord, lambda: extract_batches(clock, timed, _DiscardWriter(), staging=staging))
+    discard = _DiscardWriter() if layout.writes else None
+    copy_only_s = _timed(coord, lambda: extract_batches(clock, timed, discard, staging=staging))
     clock.seconds = 0.0
 
     results = []
     for out in opts.outs:
         root = Path(out) / f"rank{layout.rank}"
         shutil.rmtree(root, ignore_errors=True)
-        disk_rate = disk_write_rate(root / "probe", opts.disk_probe_bytes, opts.writers)
+        disk_rate = disk_write_rate(root / "probe", opts.disk_probe_bytes, opts.writers) if layout.writes else 0.0
         torch.cuda.reset_peak_memory_stats()
         run_meta = {"model": str(model_dir), "layer_ids": list(engine.layer_ids), "benchmark": True}
 
         widths = (len(engine.layer_ids) * engine.hidden_size, engine.hidden_size)
 
-        def writer(name: str) -> ShardWriter:
+        def writer(name: str) -> ShardWriter | None:
             # Created before the clock starts, as a run creates it before its first batch.
-            return ShardWriter(root / name, run_meta, writers=opts.writers, widths=widths)
+            return ShardWriter(root / name, run_meta, writers=opts.writers, widths=widths) if layout.writes else None
 
-        def extract(batches: list[Batch], w: ShardWriter) -> None:
+        def extract(batches: list[Batch], w: ShardWriter | None) -> None:
             extract_batches(clock, batches, w, staging=staging)
-            w.close()
+            if w is not None:
+                w.close()
 
         extract(warm, writer("warm"))
         if opts.profile:
@@ -282,6 +290,8 @@ def run_bench(opts: BenchOptions) -> list[dict]:
             "command": opts.command,
             "device": torch.cuda.get_device_name(),
             "world_size": layout.world_size,
+            "tp_size": layout.tp_size,
+            "dp_size": layout.dp_size,
             "sglang_version": importlib.metadata.version("sglang"),
             "torch_version": torch.__version__,
             "model": opts.model or f"{opts.shape} (generated config, load_format={opts.load_format})",
@@ -289,7 +299,7 @@ def run_bench(opts: BenchOptions) -> list[dict]:
             "attention_backend": engine.attention_backend,
             "layer_ids": list(engine.layer_ids),
             "lengths": opts.lengths if opts.lengths == "fixed" else f"lognormal mean {opts.mean_length} cap {opts.max_length}",
-            "num_samples": sum(coord.all_gather(sum(len(b.samples) for b in timed))),
+            "num_samples": sum(coord.all_gather(sum(len(b.samples) for b in timed) if layout.writes else 0)),
             "num_tokens": total_tokens,
             "tokens_per_batch": opts.tokens_per_batch,
             "bare_prefill_tok_s": total_tokens / bare_s,
@@ -319,6 +329,13 @@ def run_bench(opts: BenchOptions) -> list[dict]:
         for r in results:
             r["hf_tok_s"] = r["num_tokens"] / hf_s
             r["extract_over_hf"] = hf_s * r["extract_tok_s"] / r["num_tokens"]
+    if opts.single_gpu_result:
+        single = json.loads(Path(opts.single_gpu_result).read_text())
+        for r in results:
+            # Aggregate tokens/s over one GPU's, both measured in this session on the same corpus settings.
+            r["scaling"] = r["extract_tok_s"] / single["extract_tok_s"]
+            r["bare_scaling"] = r["bare_prefill_tok_s"] / single["bare_prefill_tok_s"]
+            r["single_gpu_result"] = opts.single_gpu_result
     if layout.leads:
         _save(results, opts)
     return results
@@ -371,6 +388,6 @@ def _save(results: list[dict], opts: BenchOptions) -> None:
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for r in results:
-        name = f"bench_{opts.shape if not opts.model else Path(opts.model).name}_{opts.lengths}_{r['out_kind']}_w{r['world_size']}_{stamp}.json"
+        name = f"bench_{opts.shape if not opts.model else Path(opts.model).name}_{opts.lengths}_{r['out_kind']}_w{r['world_size']}_tp{r['tp_size']}_{stamp}.json"
         (out / name).write_text(json.dumps(r, indent=2) + "\n")
         print(json.dumps(r, indent=2), file=sys.stderr)
