@@ -73,7 +73,9 @@ from offline_extract.parity import ParityError
               help="Each data-parallel replica's SGLang rendezvous uses port-base + dp_rank. "
                    "Default: a free port alone, 29600 under torchrun.")
 @click.option("--verify", default=0, show_default=True,
-              help="Before extracting, compare the first N samples against HF transformers and stop on mismatch.")
+              help="Before extracting, compare each replica's first N samples against HF transformers and stop "
+                   "on mismatch. HF loads the whole model on the GPU of each replica's tp_rank 0, so for a model "
+                   "that needs TP, verify a smaller sibling of the same architecture.")
 @click.option("--trim-after-last-loss-token", is_flag=True,
               help="Drop each sample's tokens after its last loss token (they carry no training signal).")
 @click.option("--dry-run", is_flag=True,
