@@ -161,11 +161,9 @@ def _find_sample(path: str | os.PathLike, sample_id: str) -> tuple[Shard, int]:
         located = index["samples"]
         if sample_id in located["id"]:
             k = located["id"].index(sample_id)
-            # By file name: an index from before a resume may list the shards in another order.
-            shard = Path(path) / index["shards"][located["shard"][k]]["file"]
-            if shard.is_file():
-                return open_shard(shard), located["row"][k]
-    for p in paths:
+            return open_shard(Path(path) / index["shards"][located["shard"][k]]["file"]), located["row"][k]
+    # Not in the index, or no index: a run still writing has shards its index does not list yet.
+    for p in shard_paths(path) if Path(path).is_dir() else paths:
         ids = [s.id for s in read_header(p).samples]
         if sample_id in ids:
             return open_shard(p), ids.index(sample_id)

@@ -179,3 +179,20 @@ def test_a_file_that_is_not_a_shard_is_rejected(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(ShardError, match="notes.txt is not a readable safetensors file"):
         inspection.summarize(tmp_path / "notes.txt")
+
+
+def test_sample_found_in_a_shard_the_index_does_not_list_yet(tmp_path):
+    # A run still writing: index.json was written before shard_002 appeared.
+    out = write_known(tmp_path)
+    write_index(out)
+    writer = ShardWriter(out, RUN, shard_numbers=iter([2]))
+    layer2, layer5, last = (t[:2] for t in known_tensors())
+    writer.add_batch([SampleInfo(3, "s3", "data.jsonl", 4, 2, False)], np.array([7, 8]), np.array([1, 1]),
+                     torch.cat([layer2, layer5], 1), last, lengths=[2])
+    writer.close()
+    assert inspection.sample_view(out, "s2")["shard"].endswith("shard_001.safetensors")  # through the index
+    view = inspection.sample_view(out, "s3")
+    assert view["shard"].endswith("shard_002.safetensors")
+    assert [i for span in view["spans"] for i in span["ids"]] == [7, 8]
+    with pytest.raises(ShardError, match="no sample with id 'nope'"):
+        inspection.sample_view(out, "nope")
