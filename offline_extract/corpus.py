@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -200,8 +200,11 @@ def _record(obj: dict, raw: bytes, source: str, line: int, index: int, id_: str)
     return Record(**common, input_ids=ids, loss_mask=mask)
 
 
-def read_corpus(paths: Sequence[str | Path]) -> Iterator[Record | Reject]:
+def read_corpus(paths: Sequence[str | Path], owns: Callable[[int], bool] | None = None) -> Iterator[Record | Reject]:
     """Yield a Record or Reject for every non-blank line of `paths`, in order, streaming.
+
+    With `owns`, only lines whose record index it accepts are validated and yielded: a data-parallel
+    replica still reads every id, for the duplicate check, but validates only its own share.
 
     Missing files raise FileNotFoundError here, before anything is read, so a typo in the last path
     is caught before any work is done on the first. Ids must be unique across all files, derived ids
@@ -215,10 +218,10 @@ def read_corpus(paths: Sequence[str | Path]) -> Iterator[Record | Reject]:
             raise FileNotFoundError(f"corpus file not found: {source}")
         if path.is_dir():
             raise IsADirectoryError(f"corpus path is a directory, not a JSONL file: {source}")
-    return _read(sources)
+    return _read(sources, owns)
 
 
-def _read(sources: list[str]) -> Iterator[Record | Reject]:
+def _read(sources: list[str], owns: Callable[[int], bool] | None) -> Iterator[Record | Reject]:
     # id -> (position in sources, line) of its first occurrence, compact enough for millions of ids.
     seen: dict[str, tuple[int, int]] = {}
     index = 0
@@ -237,9 +240,13 @@ def _read(sources: list[str]) -> Iterator[Record | Reject]:
                     # Registered before the format checks so the duplicates reported do not depend
                     # on which other lines happen to be malformed.
                     first = seen.setdefault(id_, (file_no, line))
+                    if owns is not None and not owns(index):
+                        continue
                     if first != (file_no, line):
                         raise _BadRecord(f"duplicate id {id_!r} (first at {sources[first[0]]}:{first[1]})")
                     yield _record(obj, raw, source, line, index, id_)
                 except _BadRecord as e:
-                    yield Reject(source, line, index, id_, str(e))
-                index += 1
+                    if owns is None or owns(index):
+                        yield Reject(source, line, index, id_, str(e))
+                finally:
+                    index += 1

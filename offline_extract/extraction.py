@@ -184,9 +184,7 @@ def _owned(
 ) -> Iterator[Sample]:
     """This replica's samples still to extract; bad records go to `rejects` and are counted, never lost
     (under --strict the first one stops the run instead). `done[i]` marks record i as already written."""
-    for item in read_corpus(opts.data):
-        if not layout.owns(item.index):
-            continue
+    for item in read_corpus(opts.data, owns=layout.owns):
         summary.records += 1
         if item.index < len(done) and done[item.index]:
             summary.resumed += 1

@@ -234,3 +234,21 @@ def test_reading_streams(tmp_path):
         w.write(b'{"text": "second"}\n')
     assert got.get(timeout=10).text == "second"
     assert got.get(timeout=10) is None
+
+
+def test_a_replica_reads_only_its_share_but_checks_ids_across_all(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text("\n".join([
+        '{"id": "a", "text": "x"}',
+        "{not json",
+        '{"id": "d", "text": "y"}',
+        '{"id": "a", "text": "duplicate of line 1"}',
+    ]) + "\n")
+    everything = list(read_corpus([path]))
+    shares = [list(read_corpus([path], owns=lambda i, r=r: i % 2 == r)) for r in range(2)]
+    assert sorted(x.index for share in shares for x in share) == [x.index for x in everything] == [0, 1, 2, 3]
+    assert [type(x) for x in shares[0]] == [Record, Record]
+    # Replica 1 never validates line 1, yet still knows its id: line 4 is a duplicate of it.
+    assert [type(x) for x in shares[1]] == [Reject, Reject]
+    assert "invalid JSON" in shares[1][0].reason
+    assert "duplicate id 'a' (first at" in shares[1][1].reason and shares[1][1].line == 4
