@@ -191,6 +191,31 @@ def _tiny_deepseek_v3_config(vocab_size: int) -> dict:
     }
 
 
+def _deepseek_v3_175b_config(_vocab_size: int) -> dict:
+    # DeepSeek-V3's own layer shapes (61 layers, 3 dense, MLA, hidden 7168) with 64 routed experts instead
+    # of 256: about 175B parameters, 350 GB in bf16. Too big for two H200s, it needs TP=4 (TP=4 x DP=2 on
+    # a node) or TP=8, which is what the multi-GPU runs are for. Meant for SGLang's dummy loader only.
+    return {
+        **_tiny_deepseek_v3_config(129280),
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "first_k_dense_replace": 3,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "q_lora_rank": 1536,
+        "n_routed_experts": 64,
+        "num_experts_per_tok": 8,
+        "n_group": 8,
+        "topk_group": 4,
+        "routed_scaling_factor": 2.5,
+        "max_position_embeddings": 163840,
+        "rope_scaling": {**_tiny_deepseek_v3_config(0)["rope_scaling"], "factor": 40.0},
+        "torch_dtype": "bfloat16",
+    }
+
+
 def _tiny_kimi_k2_config(vocab_size: int) -> dict:
     # Kimi-K2 runs on the same DeepSeek-V3 classes; what takes a different path is its routing: a single
     # expert group (n_group = topk_group = 1) and one dense first layer.
@@ -229,6 +254,7 @@ ARCHITECTURES = {
     "deepseek_v3": _tiny_deepseek_v3_config,
     "kimi_k2": _tiny_kimi_k2_config,
     "llama3_8b": _llama3_8b_config,
+    "deepseek_v3_175b": _deepseek_v3_175b_config,
 }
 
 
