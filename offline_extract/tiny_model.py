@@ -191,9 +191,9 @@ def _tiny_deepseek_v3_config(vocab_size: int) -> dict:
     }
 
 
-def _deepseek_v3_175b_config(_vocab_size: int) -> dict:
+def _deepseek_v3_180b_config(_vocab_size: int) -> dict:
     # DeepSeek-V3's own layer shapes (61 layers, 3 dense, MLA, hidden 7168) with 64 routed experts instead
-    # of 256: about 175B parameters, 350 GB in bf16. Too big for two H200s, it needs TP=4 (TP=4 x DP=2 on
+    # of 256: about 180B parameters, 361 GB in bf16. Too big for two H200s, it needs TP=4 (TP=4 x DP=2 on
     # a node) or TP=8, which is what the multi-GPU runs are for. Meant for SGLang's dummy loader only.
     return {
         **_tiny_deepseek_v3_config(129280),
@@ -254,7 +254,7 @@ ARCHITECTURES = {
     "deepseek_v3": _tiny_deepseek_v3_config,
     "kimi_k2": _tiny_kimi_k2_config,
     "llama3_8b": _llama3_8b_config,
-    "deepseek_v3_175b": _deepseek_v3_175b_config,
+    "deepseek_v3_180b": _deepseek_v3_180b_config,
 }
 
 
