@@ -8,7 +8,7 @@ import torch
 
 from offline_extract.export import MANIFEST_NAME, ExportError, export_specforge, specforge_path
 from offline_extract.read_benchmark import write_synthetic
-from offline_extract.shards import ShardError, open_shard, shard_paths
+from offline_extract.shards import ShardError, iter_samples
 
 SCRIPT = Path(__file__).resolve().parent.parent / "bin" / "export.py"
 K, H = 3, 16
@@ -26,12 +26,7 @@ def out_dir(tmp_path):
 
 def shard_samples(out_dir):
     """Sample id -> tensors read with the shard API."""
-    found = {}
-    for path in shard_paths(out_dir):
-        shard = open_shard(path)
-        for pos, info in enumerate(shard.samples):
-            found[info.id] = shard.sample(pos)
-    return found
+    return {info.id: tensors for info, tensors in iter_samples(out_dir)}
 
 
 def test_export_matches_the_shards(out_dir, tmp_path):

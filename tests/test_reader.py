@@ -13,6 +13,7 @@ from offline_extract.shards import (
     SampleInfo,
     ShardError,
     ShardWriter,
+    iter_samples,
     open_shard,
     shard_paths,
     write_index,
@@ -54,12 +55,7 @@ def out_dir(tmp_path):
 
 def truth(out_dir):
     """Sample id -> tensors as the shard API reads them, in sample-index order."""
-    found = {}
-    for path in shard_paths(out_dir):
-        shard = open_shard(path)
-        for pos, info in enumerate(shard.samples):
-            found[info.index] = (info.id, shard.sample(pos))
-    return dict(found[i] for i in sorted(found))
+    return {info.id: tensors for info, tensors in iter_samples(out_dir)}
 
 
 def assert_item_matches(item, want):
