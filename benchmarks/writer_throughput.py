@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 import torch
 
-from offline_extract.shards import SampleInfo, ShardWriter
+from offline_extract.store.shards import SampleInfo, ShardWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 K, H = 3, 4096  # the 8B shape: 3 aux layers + the last state

@@ -33,10 +33,10 @@ import _bin_path  # noqa: F401  (must come first: see its docstring)
 import click
 
 from offline_extract import extraction, planning
-from offline_extract.distributed import LeaderFailed
+from offline_extract.engine.distributed import LeaderFailed
+from offline_extract.engine.nonfinite import POLICIES
+from offline_extract.engine.parity import ParityError
 from offline_extract.extraction import ExtractOptions, StoppedError
-from offline_extract.nonfinite import POLICIES
-from offline_extract.parity import ParityError
 
 
 @click.command(help=__doc__)

@@ -8,8 +8,8 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from offline_extract import inspection, integrity
-from offline_extract.shards import ShardError
+from offline_extract.store import inspection, integrity
+from offline_extract.store.shards import ShardError
 
 
 @click.command()

@@ -25,15 +25,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .batching import Batch, batch_by_tokens
-from .corpus import Record
-from .distributed import Coordinator, Layout, layout_from_env
-from .extraction import extract_batches, staging_buffers
-from .offload import STORED_DTYPE
-from .sglang_adapter import Engine, EngineConfig
-from .shards import ShardWriter
-from .tiny_model import TRAINING_TEXT, build_model
-from .tokenization import Sample, SampleTokenizer
+from offline_extract.data.batching import Batch, batch_by_tokens
+from offline_extract.data.corpus import Record
+from offline_extract.data.tokenization import Sample, SampleTokenizer
+from offline_extract.engine.distributed import Coordinator, Layout, layout_from_env
+from offline_extract.engine.offload import STORED_DTYPE
+from offline_extract.engine.sglang_adapter import Engine, EngineConfig
+from offline_extract.extraction import extract_batches, staging_buffers
+from offline_extract.store.shards import ShardWriter
+from offline_extract.tiny_model import TRAINING_TEXT, build_model
 
 # Dense bf16 tensor-core peaks, for MFU.
 PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}

@@ -20,18 +20,20 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from . import __version__, manifest, parity, planning, resume
-from .batching import Batch, batch_by_tokens
-from .corpus import Record, Reject, read_corpus
-from .distributed import Coordinator, Layout, layout_from_env
-from .journal import Journal, read_journal
-from .nonfinite import NonFiniteError, NonFiniteGuard, batch_flag
-from .offload import STORED_DTYPE, HostOffload, pinned_buffers
-from .progress import RunProgress
-from .sglang_adapter import LAYER_CONVENTION, Engine, EngineConfig
-from .shards import SampleInfo, ShardWriter, atomic_write, write_index
-from .tiny_model import ensure_tiny_model
-from .tokenization import Sample, SampleTokenizer
+from offline_extract import __version__, planning
+from offline_extract.data.batching import Batch, batch_by_tokens
+from offline_extract.data.corpus import Record, Reject, read_corpus
+from offline_extract.data.tokenization import Sample, SampleTokenizer
+from offline_extract.engine import parity
+from offline_extract.engine.distributed import Coordinator, Layout, layout_from_env
+from offline_extract.engine.nonfinite import NonFiniteError, NonFiniteGuard, batch_flag
+from offline_extract.engine.offload import STORED_DTYPE, HostOffload, pinned_buffers
+from offline_extract.engine.sglang_adapter import LAYER_CONVENTION, Engine, EngineConfig
+from offline_extract.progress import RunProgress
+from offline_extract.store import manifest, resume
+from offline_extract.store.journal import Journal, read_journal
+from offline_extract.store.shards import SampleInfo, ShardWriter, atomic_write, write_index
+from offline_extract.tiny_model import ensure_tiny_model
 
 REJECTS_FILE = "rejects.jsonl"
 

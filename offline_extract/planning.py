@@ -9,9 +9,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .corpus import Record, read_corpus
-from .progress import human_bytes
-from .tokenization import Sample, SampleTokenizer
+from offline_extract.data.corpus import Record, read_corpus
+from offline_extract.data.tokenization import Sample, SampleTokenizer
+from offline_extract.progress import human_bytes
 
 # Bytes per token besides the hidden states: int32 input_ids and uint8 loss_mask.
 _TOKEN_BYTES = {"input_ids": 4, "loss_mask": 1}

@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from offline_extract import __version__
-from offline_extract.export import DEFAULT_ROWS_PER_FOLDER, export_specforge, specforge_path
-from offline_extract.reader import HiddenStateDataset
-from offline_extract.shards import SampleInfo, ShardWriter, shard_paths, write_index
+from offline_extract.store.shards import SampleInfo, ShardWriter, shard_paths, write_index
+from offline_extract.training.datasets import HiddenStateDataset
+from offline_extract.training.export import DEFAULT_ROWS_PER_FOLDER, export_specforge, specforge_path
 
 # DataLoader workers run with one intra-op thread; with more, each sample's copy pays a thread handoff
 # that can cost more than the copy itself (100x on a 2-vCPU VM).

@@ -18,9 +18,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from offline_extract import parity  # noqa: E402
-from offline_extract.distributed import free_port  # noqa: E402
-from offline_extract.sglang_adapter import Engine, EngineConfig, prepare_process  # noqa: E402
+from offline_extract.engine import parity  # noqa: E402
+from offline_extract.engine.distributed import free_port  # noqa: E402
+from offline_extract.engine.sglang_adapter import Engine, EngineConfig, prepare_process  # noqa: E402
 
 LENGTHS = (5, 37, 64)  # several requests in one batch, so packing by request is exercised too
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import torch
 
-from offline_extract.distributed import free_port
-from offline_extract.shards import iter_samples
+from offline_extract.engine.distributed import free_port
+from offline_extract.store.shards import iter_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from offline_extract.sglang_adapter import (
+from offline_extract.engine.sglang_adapter import (
     _CAPTURE_RULES,
     model_capture_rule,
     prepare_process,

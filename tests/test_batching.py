@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from offline_extract.batching import batch_by_tokens
-from offline_extract.tokenization import Sample
+from offline_extract.data.batching import batch_by_tokens
+from offline_extract.data.tokenization import Sample
 
 
 def _samples(lengths):

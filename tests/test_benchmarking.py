@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from offline_extract.benchmarking import BenchOptions, model_flops_per_token, out_kind, synthetic_corpus
-from offline_extract.tokenization import SampleTokenizer
+from offline_extract.data.tokenization import SampleTokenizer
 
 
 @pytest.fixture(scope="module")

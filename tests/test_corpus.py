@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from offline_extract.corpus import Record, Reject, read_corpus
+from offline_extract.data.corpus import Record, Reject, read_corpus
 
 
 def write_lines(path, lines):

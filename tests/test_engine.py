@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from offline_extract import parity
-from offline_extract.distributed import free_port
-from offline_extract.sglang_adapter import Engine, EngineConfig, capture_rule, validate_layer_ids
+from offline_extract.engine import parity
+from offline_extract.engine.distributed import free_port
+from offline_extract.engine.sglang_adapter import Engine, EngineConfig, capture_rule, validate_layer_ids
 
 
 @pytest.fixture(scope="module")

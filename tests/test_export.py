@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from offline_extract.export import MANIFEST_NAME, ExportError, export_specforge, specforge_path
 from offline_extract.read_benchmark import write_synthetic
-from offline_extract.shards import ShardError, iter_samples
+from offline_extract.store.shards import ShardError, iter_samples
+from offline_extract.training.export import MANIFEST_NAME, ExportError, export_specforge, specforge_path
 
 SCRIPT = Path(__file__).resolve().parent.parent / "bin" / "export.py"
 K, H = 3, 16

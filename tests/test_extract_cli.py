@@ -10,9 +10,9 @@ import torch
 from extract_runs import ROOT, assert_same_samples, extract_command
 from transformers import AutoTokenizer
 
-from offline_extract.corpus import Record, read_corpus
-from offline_extract.shards import iter_samples, open_shard, shard_paths
-from offline_extract.tokenization import SampleTokenizer
+from offline_extract.data.corpus import Record, read_corpus
+from offline_extract.data.tokenization import SampleTokenizer
+from offline_extract.store.shards import iter_samples, open_shard, shard_paths
 
 CORPUS = ROOT / "examples" / "corpus.jsonl"
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from offline_extract.shards import iter_samples, open_shard, shard_paths
+from offline_extract.store.shards import iter_samples, open_shard, shard_paths
 from offline_extract.tiny_model import build_model
 
 pytestmark = pytest.mark.gpu
@@ -52,7 +52,7 @@ def _check(rows, layer_ids):
 
 
 def test_default_backend_is_fa3_only_where_installed():
-    from offline_extract.sglang_adapter import default_attention_backend
+    from offline_extract.engine.sglang_adapter import default_attention_backend
 
     try:
         importlib.import_module("sgl_kernel.flash_ops")

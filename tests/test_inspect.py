@@ -10,8 +10,8 @@ import pytest
 import torch
 from rich.console import Console
 
-from offline_extract import inspection
-from offline_extract.shards import SampleInfo, ShardError, ShardWriter, write_index
+from offline_extract.store import inspection
+from offline_extract.store.shards import SampleInfo, ShardError, ShardWriter, write_index
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bin" / "inspect.py"
 H = 4

@@ -2,7 +2,7 @@
 and, per architecture, test_architectures)."""
 import pytest
 
-from offline_extract.parity import MOE_HALF_MIN_MEDIAN_COSINE, LayerParity, ParityError, _passes, check, criterion
+from offline_extract.engine.parity import MOE_HALF_MIN_MEDIAN_COSINE, LayerParity, ParityError, _passes, check, criterion
 
 
 def _row(cosine, median, max_abs=0.05, max_rel=0.01):
@@ -47,7 +47,7 @@ def test_verify_passes_a_bf16_moe_model_and_records_why(tiny_model_dir, tmp_path
 
     import torch
 
-    from offline_extract.shards import open_shard, shard_paths
+    from offline_extract.store.shards import open_shard, shard_paths
     from offline_extract.tiny_model import build_model
 
     root = Path(__file__).resolve().parents[1]

@@ -5,7 +5,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from offline_extract import planning
-from offline_extract.tokenization import SampleTokenizer
+from offline_extract.data.tokenization import SampleTokenizer
 
 CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus.jsonl"
 

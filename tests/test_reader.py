@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from offline_extract import reader
-from offline_extract.reader import HiddenStateDataset, HiddenStateIterableDataset
-from offline_extract.shards import (
+from offline_extract.training import datasets
+from offline_extract.training.datasets import HiddenStateDataset, HiddenStateIterableDataset
+from offline_extract.store.shards import (
     SAMPLE_TENSORS,
     SampleInfo,
     ShardError,
@@ -121,13 +121,13 @@ class CountingHandle:
 
 def test_reads_only_the_sample_rows_and_opens_each_shard_once(out_dir, monkeypatch):
     log, opened = [], []
-    real = reader.safe_open
+    real = datasets.safe_open
 
     def counting_open(path, framework):
         opened.append(path)
         return CountingHandle(real(path, framework=framework), log)
 
-    monkeypatch.setattr(reader, "safe_open", counting_open)
+    monkeypatch.setattr(datasets, "safe_open", counting_open)
     ds = HiddenStateDataset(out_dir)
     assert opened == []  # index.json alone builds the catalog
 
@@ -180,7 +180,7 @@ def test_bad_directories(tmp_path):
 
 def ids_of(ds, worker=None, monkeypatch=None):
     if worker is not None:
-        monkeypatch.setattr(reader, "get_worker_info", lambda: SimpleNamespace(id=worker[0], num_workers=worker[1]))
+        monkeypatch.setattr(datasets, "get_worker_info", lambda: SimpleNamespace(id=worker[0], num_workers=worker[1]))
     return [item["id"] for item in ds]
 
 

@@ -20,14 +20,14 @@ import pytest
 import torch
 from extract_runs import ROOT, assert_same_samples, extract_command
 
-from offline_extract import integrity, manifest, resume
-from offline_extract.batching import batch_by_tokens
-from offline_extract.distributed import Layout
+from offline_extract.data.batching import batch_by_tokens
+from offline_extract.engine.distributed import Layout
+from offline_extract.engine.nonfinite import NonFiniteError, NonFiniteGuard
+from offline_extract.engine.sglang_adapter import Captured
 from offline_extract.extraction import extract_batches
-from offline_extract.journal import Journal, read_journal
-from offline_extract.nonfinite import NonFiniteError, NonFiniteGuard
-from offline_extract.sglang_adapter import Captured
-from offline_extract.shards import (
+from offline_extract.store import integrity, manifest, resume
+from offline_extract.store.journal import Journal, read_journal
+from offline_extract.store.shards import (
     SampleInfo,
     ShardWriter,
     iter_samples,
@@ -36,8 +36,8 @@ from offline_extract.shards import (
     shard_paths,
     write_index,
 )
+from offline_extract.data.tokenization import Sample
 from offline_extract.tiny_model import TINY_VERSION
-from offline_extract.tokenization import Sample
 
 # Small shards and batches: a few hundred short records make about 80 shards and 120 batches.
 SMALL = ("--shard-size-mb", "0.15", "--tokens-per-batch", "256")

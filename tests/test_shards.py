@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from offline_extract import shards
-from offline_extract.shards import (
+from offline_extract.store import shards
+from offline_extract.store.shards import (
     SampleInfo,
     ShardError,
     ShardWriter,

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from offline_extract.corpus import Record, Reject, read_corpus
-from offline_extract.tokenization import Sample, SampleTokenizer
+from offline_extract.data.corpus import Record, Reject, read_corpus
+from offline_extract.data.tokenization import Sample, SampleTokenizer
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "corpus.jsonl"
 
@@ -263,8 +263,8 @@ def test_example_corpus_is_valid(tok):
 def test_trim_after_last_loss_token(tiny_model_dir):
     from transformers import AutoTokenizer
 
-    from offline_extract.corpus import Record
-    from offline_extract.tokenization import SampleTokenizer
+    from offline_extract.data.corpus import Record
+    from offline_extract.data.tokenization import SampleTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     msgs = (("user", "Hello"), ("assistant", "Hi there."), ("user", "Bye now, thanks a lot"))

@@ -18,8 +18,8 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from .journal import load_json, read_journal
-from .shards import atomic_write, read_header, shard_number, shard_paths
+from offline_extract.store.journal import load_json, read_journal
+from offline_extract.store.shards import atomic_write, read_header, shard_number, shard_paths
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import jinja2
 import numpy as np
 
-from .corpus import Record, Reject
+from offline_extract.data.corpus import Record, Reject
 
 OVERLONG_POLICIES = ("truncate", "skip")
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from . import manifest
-from .journal import load_json
-from .shards import INDEX_NAME, ShardError, ShardHeader, read_header, shard_paths
+from offline_extract.store import manifest
+from offline_extract.store.journal import load_json
+from offline_extract.store.shards import INDEX_NAME, ShardError, ShardHeader, read_header, shard_paths
 
 DTYPES = {
     "input_ids": "I32",

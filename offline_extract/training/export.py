@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from offline_extract.journal import load_json
 from offline_extract.progress import RunProgress
-from offline_extract.reader import HiddenStateDataset
-from offline_extract.shards import atomic_write
+from offline_extract.store.journal import load_json
+from offline_extract.store.shards import atomic_write
+from offline_extract.training.datasets import HiddenStateDataset
 
 FORMATS = ("specforge",)
 MANIFEST_NAME = "export_manifest.json"

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .tokenization import Sample
+from offline_extract.data.tokenization import Sample
 
 POLICIES = ("fail", "drop", "keep")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
-from .tokenization import Sample
+from offline_extract.data.tokenization import Sample
 
 
 @dataclass(frozen=True)

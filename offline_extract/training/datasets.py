@@ -32,8 +32,8 @@ import torch
 from safetensors import safe_open
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from offline_extract.journal import load_json
-from offline_extract.shards import FORMAT_VERSION, INDEX_NAME, SAMPLE_TENSORS, ShardError, scan, shard_paths
+from offline_extract.store.journal import load_json
+from offline_extract.store.shards import FORMAT_VERSION, INDEX_NAME, SAMPLE_TENSORS, ShardError, scan, shard_paths
 
 
 @dataclass

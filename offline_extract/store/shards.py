@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from .journal import naming_errors
+from offline_extract.store.journal import naming_errors
 
 FORMAT_VERSION = 1
 METADATA_KEY = "offline_extract"

@@ -18,8 +18,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from offline_extract.journal import load_json
-from offline_extract.shards import INDEX_NAME, Shard, ShardError, open_shard, read_header, shard_paths
+from offline_extract.store.journal import load_json
+from offline_extract.store.shards import INDEX_NAME, Shard, ShardError, open_shard, read_header, shard_paths
 
 # Upper bound on the float32 copy of one chunk of rows; the float64 reduction temporaries double it.
 CHUNK_BYTES = 256 << 20

@@ -21,9 +21,9 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from . import manifest
-from .distributed import Layout
-from .shards import ShardError, read_header, shard_number, shard_paths
+from offline_extract.engine.distributed import Layout
+from offline_extract.store import manifest
+from offline_extract.store.shards import ShardError, read_header, shard_number, shard_paths
 
 LOCK_NAME = ".lock"
 REJECTS_PARTS = ".rejects.dp*.jsonl"

@@ -1,0 +1,1 @@
+"""The output directory: shards, index, journals, manifest, resume, integrity checks and inspection."""

@@ -1,0 +1,1 @@
+"""The consumer side: PyTorch datasets over an output directory and export to other formats."""
