@@ -1,0 +1,95 @@
+"""How hidden states are encoded for storage: fp8 with per-token scales, and zstd frames.
+
+fp8 (`--store fp8`): float8 e4m3 values with one float32 scale per token per stored layer, scale =
+absmax / 448 (e4m3's largest finite value), so every token's largest element lands on the format's
+edge and the 3 mantissa bits are spent on that token's own range. The functions are plain torch ops,
+so the extraction runs them on the GPU before the copy to host and the reader runs them on the CPU.
+
+zstd (`--compress zstd`): each sample's rows of a tensor become one zstd frame, its bytes grouped by
+significance first (byte planes: the bf16 high bytes, sign and exponent, sit together and compress;
+the low mantissa bytes barely do). A frame per sample keeps random access: a reader decompresses
+exactly the sample it reads, and memory stays one sample's worth.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import zstandard
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max
+# Rows quantized at a time: bounds the float32 temporary (here 4096 x 4 x 8192 x 4 bytes = 512 MiB at
+# most) during a 16k-token batch on the GPU, whose memory is the forward's activation room.
+_QUANTIZE_ROWS = 4096
+ZSTD_LEVEL = 1
+
+
+def fp8_quantize(states: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, layers*H] states -> (e4m3 values [T, layers*H], float32 scales [T, layers]), on states' device.
+
+    An all-zero token gets scale 1 (every scale stays positive); NaN or Inf make that token's scale
+    non-finite, so the damage stays visible in the scales (`inspect --verify` reports it).
+    """
+    rows, width = states.shape
+    if width % layers:
+        raise ValueError(f"states of width {width} do not split into {layers} layers")
+    values = torch.empty(rows, width, dtype=FP8_DTYPE, device=states.device)
+    scales = torch.empty(rows, layers, dtype=torch.float32, device=states.device)
+    for start in range(0, rows, _QUANTIZE_ROWS):
+        stop = min(start + _QUANTIZE_ROWS, rows)
+        x = states[start:stop].reshape(stop - start, layers, -1).float()
+        absmax = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1)
+        scale = torch.where(absmax == 0, 1.0, absmax / FP8_MAX)
+        # e4m3fn has no infinity and torch's cast does not saturate: a quotient rounded a hair past 448
+        # would become NaN without the clamp.
+        x.div_(scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
+        values[start:stop] = x.reshape(stop - start, width).to(FP8_DTYPE)
+        scales[start:stop] = scale
+    return values, scales
+
+
+def fp8_dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The inverse of fp8_quantize (up to e4m3 rounding): [T, layers*H] in `dtype`."""
+    rows, width = values.shape
+    layers = scales.shape[-1]
+    x = values.reshape(rows, layers, width // layers).float() * scales.reshape(rows, layers, 1)
+    return x.reshape(rows, width).to(dtype)
+
+
+def compress_frame(tensor: torch.Tensor, compressor: zstandard.ZstdCompressor) -> bytes:
+    """One zstd frame of a CPU tensor's bytes, byte plane by byte plane."""
+    by_element = tensor.contiguous().view(torch.uint8).numpy().reshape(-1, tensor.element_size())
+    planes = np.empty(by_element.shape[::-1], dtype=np.uint8)
+    # One strided copy per plane: about twice as fast as a transposed copy of the whole array.
+    for b in range(by_element.shape[1]):
+        planes[b] = by_element[:, b]
+    return compressor.compress(planes)
+
+
+def decompress_frame(
+    frame, dtype: torch.dtype, shape: tuple[int, ...], decompressor: zstandard.ZstdDecompressor
+) -> torch.Tensor:
+    """The tensor compress_frame was given, from its frame (bytes or a uint8 tensor)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    count = 1
+    for n in shape:
+        count *= n
+    if isinstance(frame, torch.Tensor):
+        frame = frame.numpy()
+    raw = decompressor.decompress(frame, max_output_size=count * itemsize)
+    if len(raw) != count * itemsize:
+        raise ValueError(f"a zstd frame holds {len(raw)} bytes, expected {count * itemsize} for {dtype} {list(shape)}")
+    planes = np.frombuffer(raw, dtype=np.uint8).reshape(itemsize, count)
+    by_element = np.empty((count, itemsize), dtype=np.uint8)
+    for b in range(itemsize):
+        by_element[:, b] = planes[b]
+    return torch.from_numpy(by_element.reshape(-1)).view(dtype).reshape(shape)
+
+
+def compressor() -> zstandard.ZstdCompressor:
+    # Frames carry their content size, so a reader can check it before trusting the bytes.
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
+
+
+def decompressor() -> zstandard.ZstdDecompressor:
+    return zstandard.ZstdDecompressor()

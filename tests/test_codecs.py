@@ -1,0 +1,101 @@
+import pytest
+import torch
+
+from offline_extract.store import codecs
+from offline_extract.store.codecs import (
+    FP8_MAX, compress_frame, compressor, decompress_frame, decompressor, fp8_dequantize, fp8_quantize,
+)
+
+
+def _states(rows: int, layers: int, hidden: int, seed: int = 0) -> torch.Tensor:
+    """Gaussian states with a few large outlier channels per layer, like a transformer's residual stream."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, layers, hidden, generator=g)
+    x[:, :, :3] *= 80
+    x *= torch.rand(rows, layers, 1, generator=g) * 10 + 0.1  # tokens of very different norms
+    return x.reshape(rows, layers * hidden).bfloat16()
+
+
+def test_fp8_scale_is_each_tokens_absmax_per_layer_over_448():
+    x = _states(50, 3, 64)
+    values, scales = fp8_quantize(x, layers=3)
+    assert values.dtype == torch.float8_e4m3fn and values.shape == x.shape
+    assert scales.dtype == torch.float32 and scales.shape == (50, 3)
+    absmax = x.float().reshape(50, 3, 64).abs().amax(-1)
+    torch.testing.assert_close(scales, absmax / 448, rtol=1e-6, atol=0)
+    # Each token's largest element lands on e4m3's edge.
+    assert torch.equal(values.float().reshape(50, 3, 64).abs().amax(-1), torch.full((50, 3), FP8_MAX))
+
+
+def test_fp8_decoded_states_keep_every_tokens_direction():
+    x = _states(400, 4, 256)
+    decoded = fp8_dequantize(*fp8_quantize(x, layers=4))
+    assert decoded.dtype == torch.bfloat16 and decoded.shape == x.shape
+    per_layer = lambda t: t.float().reshape(400, 4, 256)  # noqa: E731
+    cosine = torch.nn.functional.cosine_similarity(per_layer(decoded), per_layer(x), dim=-1)
+    assert cosine.min() >= 0.999
+    # e4m3 keeps 3 mantissa bits: every element within half a step (1/16 relative) plus bf16 rounding,
+    # or below the smallest subnormal step of its token's scale.
+    err = (per_layer(decoded) - per_layer(x)).abs()
+    _, scales = fp8_quantize(x, layers=4)
+    floor = scales.reshape(400, 4, 1) * 2.0**-9
+    assert (err <= per_layer(x).abs() * (1 / 16 + 1 / 128) + floor).all()
+
+
+def test_fp8_zero_token_gets_a_positive_scale_and_nan_shows_in_its_scale():
+    x = _states(4, 2, 8)
+    x[1] = 0
+    x[2, 3] = float("nan")  # layer 0 of token 2
+    values, scales = fp8_quantize(x, layers=2)
+    assert scales[1].tolist() == [1.0, 1.0]
+    assert torch.equal(fp8_dequantize(values, scales)[1], torch.zeros(16, dtype=torch.bfloat16))
+    assert scales[2, 0].isnan() and scales[2, 1].isfinite()
+    assert torch.isfinite(scales[[0, 3]]).all()
+
+
+def test_fp8_quantizes_in_row_chunks_exactly_as_in_one(monkeypatch):
+    x = _states(37, 3, 16)
+    whole = fp8_quantize(x, layers=3)
+    monkeypatch.setattr(codecs, "_QUANTIZE_ROWS", 5)
+    chunked = fp8_quantize(x, layers=3)
+    assert torch.equal(whole[0].view(torch.uint8), chunked[0].view(torch.uint8))
+    assert torch.equal(whole[1], chunked[1])
+
+
+def test_fp8_refuses_a_width_that_does_not_split_into_layers():
+    with pytest.raises(ValueError, match="width 10 do not split into 3 layers"):
+        fp8_quantize(torch.zeros(2, 10), layers=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int32, torch.uint8])
+@pytest.mark.parametrize("rows", [0, 1, 77])
+def test_zstd_frame_round_trips_bit_exactly(dtype, rows):
+    x = (torch.randn(rows, 24) * 50).to(dtype)
+    frame = compress_frame(x, compressor())
+    back = decompress_frame(frame, dtype, (rows, 24), decompressor())
+    assert back.dtype == dtype and back.shape == (rows, 24)
+    assert torch.equal(back.view(torch.uint8), x.view(torch.uint8))
+
+
+def test_zstd_byte_planes_compress_bf16_states_better_than_their_bytes_as_they_lie():
+    # Large enough for whole zstd blocks (128 KiB) of one plane: each block gets its own entropy table.
+    x = _states(2048, 2, 256)
+    planes = len(compress_frame(x, compressor()))
+    as_they_lie = len(compressor().compress(x.view(torch.uint8).numpy()))
+    assert planes < 0.95 * as_they_lie
+
+
+def test_zstd_frame_of_the_wrong_size_is_refused():
+    frame = compress_frame(torch.zeros(10, 4, dtype=torch.bfloat16), compressor())
+    with pytest.raises(Exception, match="frame|size"):
+        decompress_frame(frame, torch.bfloat16, (11, 4), decompressor())
+
+
+@pytest.mark.gpu
+def test_fp8_on_the_gpu_matches_the_cpu():
+    x = _states(3000, 4, 1024)
+    cpu = fp8_quantize(x, layers=4)
+    gpu = fp8_quantize(x.cuda(), layers=4)
+    assert torch.equal(gpu[1].cpu(), cpu[1])
+    # Division may round differently on the two devices only where a quotient sits on a rounding tie.
+    assert (gpu[0].cpu().view(torch.uint8) != cpu[0].view(torch.uint8)).float().mean() < 1e-4
