@@ -5,8 +5,10 @@
     python bin/bench.py                                   # 8B-shaped dummy model, lognormal lengths, /dev/shm
     python bin/bench.py --out /dev/shm/x --out /tmp/x --baseline-hf
     python bin/bench.py --lengths fixed --mean-length 2048
+    python bin/bench.py --lengths fixed --mean-length 131072 --num-tokens 393216 --warmup-batches 1
     torchrun --nproc-per-node 8 bin/bench.py              # DP=8: aggregate tokens/s
 
+Samples longer than --tokens-per-batch are prefilled alone in chunks of --chunk-tokens, in both modes.
 Every --out is measured in the same run (tmpfs and a disk path are both fine); the disk's own parallel
 write rate is probed there first. Results (JSON, with this command) go to --results-dir.
 """
@@ -41,22 +43,30 @@ def _command() -> str:
 @click.option("--max-length", default=8192, show_default=True, help="Cap of the lognormal lengths.")
 @click.option("--num-tokens", default=1_000_000, show_default=True, help="Synthetic corpus size in tokens.")
 @click.option("--tokens-per-batch", default=16384, show_default=True)
+@click.option("--chunk-tokens", default=None, type=int,
+              help="Tokens a forward for samples longer than --tokens-per-batch (chunked prefill). Default: --tokens-per-batch.")
+@click.option("--chunk-sweep", default="", help="Comma-separated chunk sizes: also time bare chunked prefill of the "
+              "first timed batch at each (`bare_tok_s_by_chunk`), to choose --chunk-tokens.")
 @click.option("--warmup-batches", default=2, show_default=True)
 @click.option("--baseline-hf", is_flag=True, help="Also time HF transformers with output_hidden_states + .cpu().")
 @click.option("--disk-probe-gb", default=4.0, show_default=True, help="Bytes written to measure each --out's write rate.")
 @click.option("--writers", default=4, show_default=True, help="Shard writer threads.")
 @click.option("--results-dir", default="benchmarks/results", show_default=True)
-@click.option("--profile", default=None, help="Write torch-profiler tables of 4 extraction batches here.")
+@click.option("--profile", default=None, help="Write torch-profiler tables and traces of bare prefill and of "
+              "extraction of the first --profile-batches timed batches to this directory.")
+@click.option("--profile-batches", default=4, show_default=True)
 @click.option("--single-gpu-result", default=None, type=click.Path(exists=True, dir_okay=False),
               help="A one-GPU result JSON from the same session: adds `scaling` (aggregate / one GPU).")
 def main(model, shape, load_format, dtype, tp, attention_backend, outs, lengths, mean_length, max_length, num_tokens,
-         tokens_per_batch, warmup_batches, baseline_hf, disk_probe_gb, writers, results_dir, profile, single_gpu_result):
+         tokens_per_batch, chunk_tokens, chunk_sweep, warmup_batches, baseline_hf, disk_probe_gb, writers, results_dir,
+         profile, profile_batches, single_gpu_result):
     run_bench(BenchOptions(
         model=model, shape=shape, load_format=load_format, dtype=dtype, tp=tp, attention_backend=attention_backend,
         outs=tuple(outs), lengths=lengths, mean_length=mean_length, max_length=max_length, num_tokens=num_tokens,
-        tokens_per_batch=tokens_per_batch, warmup_batches=warmup_batches, baseline_hf=baseline_hf,
+        tokens_per_batch=tokens_per_batch, chunk_tokens=chunk_tokens,
+        chunk_sweep=tuple(int(c) for c in chunk_sweep.split(",") if c), warmup_batches=warmup_batches, baseline_hf=baseline_hf,
         disk_probe_bytes=int(disk_probe_gb * (1 << 30)), writers=writers, results_dir=results_dir,
-        profile=profile, single_gpu_result=single_gpu_result, command=_command(),
+        profile=profile, profile_batches=profile_batches, single_gpu_result=single_gpu_result, command=_command(),
     ))
 
 

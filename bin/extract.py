@@ -59,7 +59,10 @@ from offline_extract.extraction import ExtractOptions, StoppedError
               help="What to do with a sample longer than --max-length (recorded per sample either way).")
 @click.option("--tokens-per-batch", default=None, type=int,
               help="Token budget of one forward. Default: 16384 on GPU, 4096 on CPU. A longer sample is "
-                   "prefilled alone, in chunks of this size.")
+                   "prefilled alone, in chunks of --chunk-tokens.")
+@click.option("--chunk-tokens", default=None, type=int,
+              help="Tokens a forward when a sample longer than --tokens-per-batch is prefilled in chunks. "
+                   "Default: --tokens-per-batch.")
 @click.option("--seqs-per-batch", default=256, show_default=True, help="Most sequences in one forward.")
 @click.option("--shard-size-mb", default=512.0, show_default=True, type=click.FloatRange(0, min_open=True),
               help="Target hidden-state MiB per shard (a shard closes once it reaches this).")
@@ -91,7 +94,7 @@ from offline_extract.extraction import ExtractOptions, StoppedError
                    "manifest records another model, tokenizer, layers, length policy or corpus.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow model code from the model directory.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (e.g. for logs).")
-def main(data, out, model, device, dtype, tp, layers, max_length, overlong, tokens_per_batch, seqs_per_batch,
+def main(data, out, model, device, dtype, tp, layers, max_length, overlong, tokens_per_batch, chunk_tokens, seqs_per_batch,
          shard_size_mb, attention_backend, load_format, mem_fraction_static, port_base, verify,
          trim_after_last_loss_token, dry_run, strict, nonfinite, force, trust_remote_code, no_progress):
     try:
@@ -100,7 +103,7 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
         raise click.BadParameter(f"expected comma-separated integers, got {layers!r}", param_hint="--layers")
     opts = ExtractOptions(
         data=tuple(data), out=out, model=model, device=device, dtype=dtype, tp=tp, layers=layer_ids,
-        max_length=max_length, overlong=overlong, tokens_per_batch=tokens_per_batch,
+        max_length=max_length, overlong=overlong, tokens_per_batch=tokens_per_batch, chunk_tokens=chunk_tokens,
         seqs_per_batch=seqs_per_batch, shard_bytes=int(shard_size_mb * (1 << 20)), attention_backend=attention_backend,
         load_format=load_format, mem_fraction_static=mem_fraction_static, port_base=port_base, verify=verify,
         trim_after_last_loss=trim_after_last_loss_token, trust_remote_code=trust_remote_code,

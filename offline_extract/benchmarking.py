@@ -50,9 +50,11 @@ class BenchOptions:
     outs: tuple[str, ...] = ("/dev/shm/offline_extract_bench",)
     lengths: str = "lognormal"  # "lognormal" or "fixed"
     mean_length: int = 1700
-    max_length: int = 8192
+    max_length: int = 8192  # the lognormal lengths' cap
     num_tokens: int = 1_000_000
     tokens_per_batch: int = 16384
+    chunk_tokens: int | None = None  # the engine's chunk for longer samples; None: tokens_per_batch
+    chunk_sweep: tuple[int, ...] = ()  # also time bare chunked prefill of the first timed batch at these
     warmup_batches: int = 2
     baseline_hf: bool = False
     disk_probe_bytes: int = 4 << 30
@@ -60,8 +62,14 @@ class BenchOptions:
     seed: int = 0
     results_dir: str = "benchmarks/results"
     profile: str | None = None
+    profile_batches: int = 4
     single_gpu_result: str | None = None  # a one-GPU result JSON of the same session, for `scaling`
     command: str = ""
+
+    @property
+    def longest(self) -> int:
+        """The longest sample the corpus can hold, which sizes the engine's KV pool."""
+        return self.mean_length if self.lengths == "fixed" else self.max_length
 
 
 def synthetic_corpus(tokenizer: SampleTokenizer, opts: BenchOptions, dp_rank: int = 0, dp_size: int = 1) -> list[Sample]:
@@ -99,17 +107,35 @@ def synthetic_corpus(tokenizer: SampleTokenizer, opts: BenchOptions, dp_rank: in
     return samples
 
 
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def attention_flops(config, start: int, stop: int) -> float:
+    """Causal attention FLOPs of tokens start..stop-1 of one sequence, each attending to itself and every
+    token before it (for a chunk, its prefix included): token i scores i+1 keys and mixes i+1 values,
+    2 FLOPs a multiply-add, in each query head of each layer:
+
+        4 * layers * heads * head_dim * sum_{i=start}^{stop-1} (i + 1)
+      = 4 * layers * heads * head_dim * (stop - start) * (start + stop + 1) / 2
+
+    Summed over the chunks of a sequence of L tokens this is the unchunked 4*layers*heads*head_dim*L(L+1)/2:
+    chunking moves attention work between forwards, it does not add any. Kernels that compute whole
+    masked tiles do a little more; that is not counted (MFU counts the model's FLOPs).
+    """
+    return 4 * config.num_hidden_layers * config.num_attention_heads * _head_dim(config) * (stop - start) * (start + stop + 1) / 2
+
+
 def model_flops_per_token(config, samples: list[Sample]) -> float:
     """Forward FLOPs per token: 2 x matmul weights (no LM head: extraction computes no logits) plus
-    causal attention (QK^T and AV over each token's prefix)."""
+    causal attention (`attention_flops`), averaged over the samples' tokens."""
     h, layers = config.hidden_size, config.num_hidden_layers
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or h // heads
+    heads, head_dim = config.num_attention_heads, _head_dim(config)
     kv = getattr(config, "num_key_value_heads", heads)
     inter = config.intermediate_size
     per_layer = h * heads * head_dim + 2 * h * kv * head_dim + heads * head_dim * h + 3 * h * inter
     tokens = sum(s.num_tokens for s in samples)
-    attention = sum(4 * layers * heads * head_dim * s.num_tokens * (s.num_tokens + 1) / 2 for s in samples)
+    attention = sum(attention_flops(config, 0, s.num_tokens) for s in samples)
     return 2 * layers * per_layer + attention / tokens
 
 
@@ -162,13 +188,19 @@ def disk_write_rate(directory: Path, total_bytes: int, streams: int) -> float:
     return streams * (per_stream // len(chunk)) * len(chunk) / (time.perf_counter() - start)
 
 
-def _timed(coord: Coordinator, fn) -> float:
+def _timed(coord: Coordinator, fn, clock: "_ForwardClock | None" = None) -> float:
+    """Wall seconds of fn() on the slowest rank; `clock` (if given) is restarted at the same instant."""
     coord.barrier()
     torch.cuda.synchronize()
+    if clock is not None:
+        clock.restart()
     start = time.perf_counter()
     fn()
     torch.cuda.synchronize()
-    return max(coord.all_gather(time.perf_counter() - start))
+    seconds = time.perf_counter() - start
+    if clock is not None:
+        clock.wall_s = seconds
+    return max(coord.all_gather(seconds))
 
 
 def _bare(engine: Engine, batches: list[Batch]) -> None:
@@ -195,19 +227,61 @@ def _hf_pass(model, batches: list[Batch], layer_ids, device) -> None:
 
 
 class _ForwardClock:
-    """The engine, with the main thread's time inside forward() summed: the rest of a mode's wall time
-    is what the host adds around the forwards (batch hand-off, waits for free staging buffers)."""
+    """The engine, timed from both sides of every forward (each chunk of a long sample's `chunks` is one).
+
+    On the host: the main thread's seconds inside forwards; the rest of a mode's wall time is what the host
+    adds around them (batch hand-off, waits for free staging buffers). On the GPU, from CUDA events on the
+    compute stream: how long after the start the first forward began (start-up), how long the GPU sat idle
+    between forwards because the host had not enqueued the next one, and what ran after the last forward
+    ended (the tail: copies, shard assembly and writes still in flight).
+    """
 
     def __init__(self, engine: Engine):
         self._engine = engine
-        self.seconds = 0.0
+        self.restart()
 
-    def forward(self, *args, **kwargs):
+    def restart(self) -> None:
+        self.seconds = 0.0
+        self.wall_s = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._origin = self._event()
+
+    @staticmethod
+    def _event() -> torch.cuda.Event:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def _timed(self, step):
+        before = self._event()
         start = time.perf_counter()
         try:
-            return self._engine.forward(*args, **kwargs)
+            return step()
         finally:
             self.seconds += time.perf_counter() - start
+            self._events.append((before, self._event()))
+
+    def forward(self, *args, **kwargs):
+        return self._timed(lambda: self._engine.forward(*args, **kwargs))
+
+    def chunks(self, *args, **kwargs):
+        parts = self._engine.chunks(*args, **kwargs)
+        done = object()
+        # The last step only finds the generator exhausted (and frees the KV pool): a host-only step.
+        while (part := self._timed(lambda: next(parts, done))) is not done:
+            yield part
+
+    def phases(self) -> dict:
+        """GPU-side split of the last timed mode (call after it synchronized)."""
+        if not self._events:
+            return {}
+        first, last = self._events[0][0], self._events[-1][1]
+        idle = sum(max(0.0, end.elapsed_time(begin)) for (_, end), (begin, _) in zip(self._events, self._events[1:]))
+        return {
+            "first_forward_s": self._origin.elapsed_time(first) / 1e3,
+            "gpu_idle_between_forwards_s": idle / 1e3,
+            "after_last_forward_s": self.wall_s - self._origin.elapsed_time(last) / 1e3,
+        }
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -231,32 +305,37 @@ def run_bench(opts: BenchOptions) -> list[dict]:
     layout = layout_from_env(opts.tp)
     torch.cuda.set_device(layout.local_rank)
     coord = Coordinator(layout, namespace=f"bench-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
-    model_dir = Path(opts.model) if opts.model else _generated_config(opts.shape, layout, coord)
+    model_dir = Path(opts.model) if opts.model else _generated_config(opts.shape, opts.longest, layout, coord)
     from transformers import AutoConfig, AutoTokenizer
 
-    tokenizer = SampleTokenizer(AutoTokenizer.from_pretrained(model_dir), max_length=opts.max_length)
+    tokenizer = SampleTokenizer(AutoTokenizer.from_pretrained(model_dir), max_length=opts.longest)
     samples = synthetic_corpus(tokenizer, opts, layout.dp_rank, layout.dp_size)
     batches = list(batch_by_tokens(samples, opts.tokens_per_batch, 256))
     warm, timed = batches[: opts.warmup_batches], batches[opts.warmup_batches :]
+    if not timed:
+        raise ValueError(
+            f"--num-tokens {opts.num_tokens} makes {len(batches)} batches, all taken by --warmup-batches "
+            f"{opts.warmup_batches}: nothing left to time"
+        )
     # Each replica's tokens count once, however many TP ranks computed them.
     tokens = sum(b.num_tokens for b in timed) if layout.writes else 0
     engine = Engine(EngineConfig(
         model_path=str(model_dir), device="cuda", dtype=opts.dtype, tp_size=opts.tp, tp_rank=layout.tp_rank,
         gpu_id=layout.local_rank,
         nccl_port=layout.nccl_port(None), attention_backend=opts.attention_backend,
-        max_tokens_per_batch=opts.tokens_per_batch, max_seqs_per_batch=256, context_length=opts.max_length,
-        load_format=opts.load_format,
+        max_tokens_per_batch=opts.tokens_per_batch, max_seqs_per_batch=256, chunk_tokens=opts.chunk_tokens,
+        context_length=opts.longest, load_format=opts.load_format,
     ))
     config = AutoConfig.from_pretrained(model_dir)
 
     staging = staging_buffers(engine)
     clock = _ForwardClock(engine)
     _bare(engine, warm)
-    bare_s = _timed(coord, lambda: _bare(clock, timed))
-    bare_forward_s, clock.seconds = clock.seconds, 0.0
+    bare_s = _timed(coord, lambda: _bare(clock, timed), clock)
+    bare_forward_s, bare_phases = clock.seconds, clock.phases()
+    bare_by_chunk = _chunk_sweep(engine, coord, timed[0], opts.chunk_sweep) if opts.chunk_sweep else None
     discard = _DiscardWriter() if layout.writes else None
-    copy_only_s = _timed(coord, lambda: extract_batches(clock, timed, discard, staging=staging))
-    clock.seconds = 0.0
+    copy_only_s = _timed(coord, lambda: extract_batches(clock, timed, discard, staging=staging), clock)
 
     results = []
     for out in opts.outs:
@@ -279,11 +358,12 @@ def run_bench(opts: BenchOptions) -> list[dict]:
 
         extract(warm, writer("warm"))
         if opts.profile:
+            profiled = timed[: opts.profile_batches]
+            _profile(lambda: _bare(engine, profiled), Path(opts.profile), "bare")
             w = writer("profile")
-            _profile(lambda: extract(timed[:4], w), Path(opts.profile))
-        clock.seconds = 0.0
+            _profile(lambda: extract(profiled, w), Path(opts.profile), "extract")
         w = writer("shards")
-        extract_s = _timed(coord, lambda: extract(timed, w))
+        extract_s = _timed(coord, lambda: extract(timed, w), clock)
         total_tokens = sum(coord.all_gather(tokens))
         row_bytes = (len(engine.layer_ids) + 1) * engine.hidden_size * STORED_DTYPE.itemsize + 4 + 1
         results.append({
@@ -302,6 +382,8 @@ def run_bench(opts: BenchOptions) -> list[dict]:
             "num_samples": sum(coord.all_gather(sum(len(b.samples) for b in timed) if layout.writes else 0)),
             "num_tokens": total_tokens,
             "tokens_per_batch": opts.tokens_per_batch,
+            "chunk_tokens": engine.chunk_tokens,
+            "longest_sample": max(s.num_tokens for s in samples),
             "bare_prefill_tok_s": total_tokens / bare_s,
             "extract_tok_s": total_tokens / extract_s,
             "extract_over_bare": bare_s / extract_s,
@@ -311,14 +393,20 @@ def run_bench(opts: BenchOptions) -> list[dict]:
             "bare_wall_s": bare_s,
             "extract_forward_s": clock.seconds,
             "extract_wall_s": extract_s,
+            # Start-up and tail, from CUDA events (see _ForwardClock): this rank's, not the slowest's.
+            **{f"bare_{k}": v for k, v in bare_phases.items()},
+            **{f"extract_{k}": v for k, v in clock.phases().items()},
             "writers": opts.writers,
             "out": out,
             "out_kind": out_kind(out),
             "disk_write_bytes_s": sum(coord.all_gather(disk_rate)),
             "bytes_per_token": row_bytes,
             "extract_bytes_s": total_tokens * row_bytes / extract_s,
+            # Counting causal attention (attention_flops) as well as the matmuls.
+            "flops_per_token": model_flops_per_token(config, samples),
             "mfu_bare": _mfu(config, samples, total_tokens / bare_s / layout.world_size),
             "mfu_extract": _mfu(config, samples, total_tokens / extract_s / layout.world_size),
+            **({"bare_tok_s_by_chunk": bare_by_chunk} if bare_by_chunk else {}),
             "host_peak_rss_bytes": max(coord.all_gather(_host_peak_rss())),
             "gpu_peak_bytes": max(coord.all_gather(torch.cuda.max_memory_allocated())),
         })
@@ -359,26 +447,49 @@ def _hf_baseline(config, engine: Engine, warm, timed, coord: Coordinator) -> flo
     return seconds
 
 
-def _profile(fn, out_dir: Path) -> None:
-    """Torch-profiler tables of where the time of `fn` (a few extraction batches) goes."""
+def _chunk_sweep(engine: Engine, coord: Coordinator, batch: Batch, sizes: tuple[int, ...]) -> dict[str, float]:
+    """Bare chunked prefill tokens/s of `batch`'s samples at each chunk size, to choose --chunk-tokens."""
+    long = [s for s in batch.samples if s.num_tokens > engine.cfg.max_tokens_per_batch]
+    if not long:
+        raise ValueError(
+            f"--chunk-sweep needs samples longer than --tokens-per-batch {engine.cfg.max_tokens_per_batch}; "
+            f"the first timed batch has none"
+        )
+    tokens = sum(s.num_tokens for s in long)
+    rates = {}
+    for size in sizes:
+        seconds = _timed(coord, lambda: [engine.forward_chunked(s.input_ids, size, capture=False) for s in long])
+        rates[str(size)] = tokens / seconds
+    return rates
+
+
+def _profile(fn, out_dir: Path, name: str) -> None:
+    """Torch-profiler tables of where the time of `fn` goes, GPU kernels first, and its trace."""
     from torch.profiler import ProfilerActivity, profile
 
     out_dir.mkdir(parents=True, exist_ok=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    (out_dir / "extract_profile.txt").write_text(
-        prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
-        + "\n\n"
-        + prof.key_averages().table(sort_by="cpu_time_total", row_limit=40)
+    averages = prof.key_averages()
+    (out_dir / f"{name}_profile.txt").write_text(
+        f"{name}: by GPU time of each kernel itself\n"
+        + averages.table(sort_by="self_cuda_time_total", row_limit=50)
+        + f"\n\n{name}: by CPU time, children included\n"
+        + averages.table(sort_by="cpu_time_total", row_limit=50)
     )
+    prof.export_chrome_trace(str(out_dir / f"{name}_trace.json"))
 
 
-def _generated_config(shape: str, layout: Layout, coord: Coordinator) -> Path:
-    """A config and tokenizer for `shape` with no weights: SGLang's dummy loader draws them."""
-    path = Path(f"/tmp/offline_extract_bench_{shape}")
+def _generated_config(shape: str, longest: int, layout: Layout, coord: Coordinator) -> Path:
+    """A config and tokenizer for `shape` with no weights (SGLang's dummy loader draws them), whose
+    positions reach `longest` tokens."""
+    path = Path(f"/tmp/offline_extract_bench_{shape}_{longest}")
     if layout.local_rank == 0 and not (path / "config.json").exists():
         build_model(shape, path, dtype=torch.bfloat16, weights=False)
+        # SGLang refuses a context longer than the config's positions.
+        if json.loads((path / "config.json").read_text()).get("max_position_embeddings", 0) < longest:
+            build_model(shape, path, dtype=torch.bfloat16, weights=False, overrides={"max_position_embeddings": longest})
     coord.barrier()
     return path
 

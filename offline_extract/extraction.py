@@ -58,6 +58,7 @@ class ExtractOptions:
     max_length: int = 4096
     overlong: str = "truncate"
     tokens_per_batch: int | None = None
+    chunk_tokens: int | None = None  # for samples longer than tokens_per_batch; None: tokens_per_batch
     seqs_per_batch: int = 256
     shard_bytes: int = 512 << 20
     attention_backend: str | None = None
@@ -378,6 +379,7 @@ def _run(opts: ExtractOptions, layout: Layout, coord: Coordinator, existing: res
             attention_backend=opts.attention_backend,
             max_tokens_per_batch=tokens_per_batch,
             max_seqs_per_batch=opts.seqs_per_batch,
+            chunk_tokens=opts.chunk_tokens,
             context_length=max(opts.max_length, 8),
             layer_ids=opts.layers,
             load_format=opts.load_format,

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from offline_extract.benchmarking import BenchOptions, model_flops_per_token, out_kind, synthetic_corpus
+from offline_extract.benchmarking import BenchOptions, attention_flops, model_flops_per_token, out_kind, synthetic_corpus
 from offline_extract.data.tokenization import SampleTokenizer
+from offline_extract.engine.sglang_adapter import chunk_bounds
 
 
 @pytest.fixture(scope="module")
@@ -19,6 +20,12 @@ def test_fixed_lengths_are_exact_and_chat_masked(tokenizer):
     assert {s.num_tokens for s in samples} == {512}
     assert sum(s.num_tokens for s in samples) >= 5000
     assert all(0 < s.loss_mask.sum() < s.num_tokens for s in samples), "assistant tokens only"
+
+
+def test_fixed_lengths_beyond_the_lognormal_cap_are_kept_whole(tiny_model_dir):
+    opts = BenchOptions(lengths="fixed", mean_length=20000, max_length=8192, num_tokens=20000)
+    tokenizer = SampleTokenizer(AutoTokenizer.from_pretrained(tiny_model_dir), max_length=opts.longest)
+    assert [s.num_tokens for s in synthetic_corpus(tokenizer, opts)] == [20000]
 
 
 def test_lognormal_lengths_have_the_asked_mean_and_cap(tokenizer):
@@ -44,6 +51,24 @@ def test_flops_per_token_counts_weights_and_causal_attention():
     assert model_flops_per_token(cfg, [one]) == pytest.approx(2 * matmul_params + 4 * 32 * 4096, rel=1e-9)
     long = SimpleNamespace(num_tokens=2048)
     assert model_flops_per_token(cfg, [long]) - 2 * matmul_params == pytest.approx(4 * 32 * 4096 * 2049 / 2)
+
+
+def test_chunked_attention_flops_add_up_to_one_pass():
+    cfg = SimpleNamespace(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, head_dim=128)
+    one_pass = attention_flops(cfg, 0, 131072)
+    assert one_pass == pytest.approx(4 * 32 * 32 * 128 * 131072 * 131073 / 2, rel=1e-12)
+    for chunk in (16384, 5000, 131072):
+        assert sum(attention_flops(cfg, a, b) for a, b in chunk_bounds(131072, chunk)) == pytest.approx(one_pass, rel=1e-12)
+    # A later chunk costs more than the first: it attends to its prefix as well.
+    assert attention_flops(cfg, 16384, 32768) == pytest.approx(3 * attention_flops(cfg, 0, 16384), rel=1e-3)
+
+
+def test_chunk_bounds_cover_the_sequence_once():
+    assert chunk_bounds(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert chunk_bounds(8, 4) == [(0, 4), (4, 8)]
+    assert chunk_bounds(3, 4) == [(0, 3)]
+    with pytest.raises(ValueError, match="positive"):
+        chunk_bounds(10, 0)
 
 
 def test_out_kind_tells_tmpfs_from_disk(tmp_path):

@@ -124,6 +124,18 @@ def test_chunked_prefill_equals_one_pass_and_hf(engine, hf_model):
     assert all(r.ok for r in rows), rows
 
 
+def test_chunks_stream_each_chunks_rows_and_may_exceed_the_batch_budget(engine):
+    ids = _seqs([3100], seed=6)[0]
+    whole = engine.forward_chunked(ids, 1024)
+    chunk = engine.cfg.max_tokens_per_batch + 952  # one forward larger than any ragged batch
+    parts = list(engine.chunks(ids, chunk))
+    assert [p.aux.shape[0] for p in parts] == [chunk, len(ids) - chunk]
+    assert (torch.cat([p.aux for p in parts]) - whole.aux).abs().max().item() <= 1e-5
+    assert (torch.cat([p.last for p in parts]) - whole.last).abs().max().item() <= 1e-5
+    # The pools are free again once the generator is done: an ordinary batch runs.
+    assert engine.forward(_seqs([40], seed=7)).aux.shape[0] == 40
+
+
 def test_a_sequence_over_the_batch_budget_is_chunked_by_forward(engine, hf_model):
     ids = _seqs([engine.cfg.max_tokens_per_batch + 500], seed=5)[0]
     c = engine.forward([ids])

@@ -13,7 +13,7 @@ import sys
 import types
 from array import array
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -83,6 +83,11 @@ class EngineConfig:
     attention_backend: str | None = None  # None: fa3 on Hopper when installed, else triton
     max_tokens_per_batch: int = 16384
     max_seqs_per_batch: int = 256
+    # Tokens a forward for a sequence longer than max_tokens_per_batch, prefilled alone in chunks. None:
+    # max_tokens_per_batch. It may exceed a ragged batch's budget: the KV pool is sized for the whole
+    # sequence anyway, and each chunk pays a forward's fixed costs (host-side batch set-up, launches, the
+    # kernels' last partial wave) again. Only activation memory grows with it.
+    chunk_tokens: int | None = None
     context_length: int | None = None
     layer_ids: tuple[int, ...] | None = None  # None: SGLang's EAGLE-3 default for the model
     load_format: str = "auto"
@@ -216,6 +221,13 @@ def route_capture(lm, rule: CaptureRule, points: list[int]) -> None:
             layer._is_layer_to_capture = i in points
 
 
+def chunk_bounds(num_tokens: int, chunk: int) -> list[tuple[int, int]]:
+    """[start, stop) of each chunk of a sequence prefilled `chunk` tokens at a time; the last may be short."""
+    if chunk < 1:
+        raise ValueError(f"chunk size must be positive, got {chunk}")
+    return [(start, min(start + chunk, num_tokens)) for start in range(0, num_tokens, chunk)]
+
+
 def validate_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
     ids = tuple(int(i) for i in ids)
     if not ids:
@@ -337,12 +349,12 @@ class Engine:
     def forward(self, seqs: Sequence[np.ndarray], capture: bool = True) -> Captured | None:
         """Prefill `seqs` as one EXTEND batch. With capture, return their states (still on the device).
 
-        A single sequence longer than one forward's token budget is prefilled in chunks (`forward_chunked`).
+        A single sequence longer than one forward's token budget is prefilled in chunks (`chunks`).
         capture=False runs SGLang's unmodified prefill (last-token logits only), the benchmark's ceiling.
         """
         total = sum(len(s) for s in seqs)
         if len(seqs) == 1 and total > self.cfg.max_tokens_per_batch:
-            return self.forward_chunked(seqs[0], self.cfg.max_tokens_per_batch, capture)
+            return self.forward_chunked(seqs[0], self.chunk_tokens, capture)
         if total > self.cfg.max_tokens_per_batch or len(seqs) > self.cfg.max_seqs_per_batch:
             raise ValueError(
                 f"batch of {len(seqs)} sequences / {total} tokens exceeds the engine's "
@@ -356,28 +368,39 @@ class Engine:
         finally:
             self._clear_pools()
 
+    @property
+    def chunk_tokens(self) -> int:
+        return self.cfg.chunk_tokens or self.cfg.max_tokens_per_batch
+
     def forward_chunked(self, ids: np.ndarray, chunk: int, capture: bool = True) -> Captured | None:
+        """All of `chunks(ids, chunk)` in one piece: states equal to an unchunked prefill's."""
+        parts = list(self.chunks(ids, chunk, capture))
+        if not capture:
+            return None
+        return Captured(aux=torch.cat([p.aux for p in parts]), last=torch.cat([p.last for p in parts]))
+
+    def chunks(self, ids: np.ndarray, chunk: int, capture: bool = True) -> Iterator[Captured | None]:
         """Prefill one long sequence `chunk` tokens at a time, each chunk attending to the KV cache of
-        the ones before (SGLang's extend with a prefix), so its states equal an unchunked prefill's."""
+        the ones before (SGLang's extend with a prefix), and yield each chunk's states as soon as its
+        forward is enqueued: the caller can move them off the device while later chunks compute.
+
+        The sequence holds the KV pool until the generator is exhausted or closed.
+        """
         if len(ids) > self.max_sequence_tokens:
             raise ValueError(
                 f"a sequence of {len(ids)} tokens does not fit the KV pool of {self.max_sequence_tokens} tokens "
                 f"(raise context_length)"
             )
         req = _new_req(0, ids)
-        parts = []
         try:
-            for start in range(0, len(ids), chunk):
+            for start, stop in chunk_bounds(len(ids), chunk):
                 if start:
                     pool = self.runner.req_to_token_pool.req_to_token
                     req.prefix_indices = pool[req.req_pool_idx, :start].to(req.prefix_indices.dtype)
-                req.set_extend_range(start, min(start + chunk, len(ids)))
-                parts.append(self._extend([req], capture))
+                req.set_extend_range(start, stop)
+                yield self._extend([req], capture)
         finally:
             self._clear_pools()
-        if not capture:
-            return None
-        return Captured(aux=torch.cat([p.aux for p in parts]), last=torch.cat([p.last for p in parts]))
 
     @property
     def max_sequence_tokens(self) -> int:
