@@ -1,8 +1,8 @@
 """The embedded default model: a tiny random Llama with a locally trained tokenizer and chat template.
 
 Everything here is generated from fixed seeds, so two machines build the same files; nothing is
-downloaded. `build_model` writes the other architectures the parity suites check (Qwen3, Qwen3-MoE,
-DeepSeek-V3 and Kimi-K2 shapes, and the GPU suite's 8B-shaped Llama) with the same tokenizer.
+downloaded. `build_model` writes, with the same tokenizer, every other architecture the parity suites
+check (ARCHITECTURES below, the GPU suite's 8B-shaped Llama among them).
 """
 from __future__ import annotations
 
@@ -119,6 +119,31 @@ def _tiny_qwen3_config(vocab_size: int) -> dict:
         "head_dim": 64,
         "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0,
+    }
+
+
+def _tiny_qwen2_config(vocab_size: int) -> dict:
+    # Qwen2/Qwen2.5: biased q/k/v projections, no q/k norms, head dim from hidden / heads; the sliding
+    # window that the config format carries is off, as in every released Qwen2.5 checkpoint.
+    config = {
+        **_tiny_qwen3_config(vocab_size),
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "use_sliding_window": False,
+        "sliding_window": None,
+    }
+    del config["head_dim"]
+    return config
+
+
+def _tiny_mistral_config(vocab_size: int) -> dict:
+    # Mistral 7B v0.3 / Mistral-Small shape: a Llama decoder under its own class, no sliding window.
+    return {
+        **_tiny_qwen3_config(vocab_size),
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "rms_norm_eps": 1e-5,
+        "sliding_window": None,
     }
 
 
@@ -251,6 +276,8 @@ ARCHITECTURES = {
     "llama": tiny_llama_config,
     "qwen3": _tiny_qwen3_config,
     "qwen3_moe": _tiny_qwen3_moe_config,
+    "qwen2": _tiny_qwen2_config,
+    "mistral": _tiny_mistral_config,
     "deepseek_v3": _tiny_deepseek_v3_config,
     "kimi_k2": _tiny_kimi_k2_config,
     "llama3_8b": _llama3_8b_config,

@@ -32,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ENGINE_ARCHS = {
     "llama": ("LlamaForCausalLM", "llama", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+    "mistral": ("MistralForCausalLM", "mistral", False),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
     "deepseek_v3": ("DeepseekV3ForCausalLM", "deepseek_v3", True),
     "kimi_k2": ("DeepseekV3ForCausalLM", "kimi_k2", True),

@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 GPU_MODELS = {
     "llama": {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64},
     "qwen3": {},
+    "qwen2": {},
+    "mistral": {},
     "qwen3_moe": {},
     "deepseek_v3": {},
     "kimi_k2": {},
@@ -32,6 +34,8 @@ GPU_MODELS = {
 GPU_ARCHS = {
     "llama": ("llama", "llama"),
     "qwen3": ("qwen3", "qwen3"),
+    "qwen2": ("qwen2", "qwen2"),
+    "mistral": ("mistral", "mistral"),
     "qwen3_moe": ("qwen3_moe", "qwen3_moe"),
     "deepseek_v3": ("deepseek_v3", "deepseek_v3"),
     "kimi_k25": ("kimi_k25", "kimi_k2"),
