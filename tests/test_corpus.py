@@ -97,6 +97,11 @@ def test_index_continues_across_files_and_derived_ids_use_the_file_name(tmp_path
 
 BAD_LINES = [
     (b'{"text": "a" "b"}', "invalid JSON: Expecting ',' delimiter at column 14", None),
+    # A line cut short: the error lies at its end, not on a "line 2" made of the newline.
+    (b'{"text": "a"', "invalid JSON: Expecting ',' delimiter at the end of the line (column 13)", None),
+    (b'{"text": "abc', "invalid JSON: Unterminated string starting at column 10", None),
+    (b'[', "invalid JSON: Expecting value at the end of the line (column 2)", None),
+    (b'{"text": "a\tb"}', "invalid JSON: Invalid control character at column 12", None),
     (b"[1, 2]", "expected a JSON object, got array", None),
     (b'{"text": "caf\xe9"}', "not valid UTF-8: invalid continuation byte at byte 14", None),
     (b'{"id": "z"}', "record has none of conversations/messages/text/input_ids", "z"),

@@ -164,10 +164,15 @@ def _parse(raw: bytes, first_line: bool):
         text = raw.decode("utf-8-sig" if first_line else "utf-8")
     except UnicodeDecodeError as e:
         raise _BadRecord(f"not valid UTF-8: {e.reason} at byte {e.start + 1}") from None
+    # Without its line ending: json would place an error at the end of a cut-short line on a "line 2"
+    # (column 1) made of the newline.
+    text = text.rstrip("\r\n")
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise _BadRecord(f"invalid JSON: {e.msg} at column {e.colno}") from None
+        where = f"column {e.pos + 1}" if e.pos < len(text) else f"the end of the line (column {e.pos + 1})"
+        # Some of json's messages end in "at" already ("Unterminated string starting at").
+        raise _BadRecord(f"invalid JSON: {e.msg.removesuffix(' at')} at {where}") from None
     except (ValueError, RecursionError) as e:  # integers past Python's digit limit, absurd nesting
         raise _BadRecord(f"invalid JSON: {e}") from None
     if not isinstance(obj, dict):
