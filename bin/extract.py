@@ -20,8 +20,9 @@ assistant tokens only. Bad lines go to OUT/rejects.jsonl with file, line and rea
 
 \b
 Output: OUT/shard_NNN.safetensors holding input_ids, loss_mask, aux_hidden_states [T, k*H],
-hidden_states [T, H] (after the final norm), offsets and sample_index; OUT/index.json lists them,
-OUT/manifest.json records the run's identity and every shard's sha256.
+hidden_states [T, H] (the final state, after the final norm unless --final-state pre-norm), offsets
+and sample_index; OUT/index.json lists them, OUT/manifest.json records the run's identity and every
+shard's sha256.
 Layer id k is the output of decoder layer k, i.e. HF output_hidden_states[k+1].
 
 \b
@@ -36,6 +37,7 @@ from offline_extract import extraction, planning
 from offline_extract.engine.distributed import LeaderFailed
 from offline_extract.engine.nonfinite import POLICIES
 from offline_extract.engine.parity import ParityError
+from offline_extract.engine.sglang_adapter import FINAL_STATES
 from offline_extract.extraction import ExtractOptions, StoppedError
 
 
@@ -89,6 +91,10 @@ from offline_extract.extraction import ExtractOptions, StoppedError
 @click.option("--nonfinite", type=click.Choice(POLICIES), default="fail", show_default=True,
               help="A sample whose hidden states hold NaN or Inf: stop the run, drop it (listed in rejects.jsonl "
                    "as dropped), or keep it with a warning.")
+@click.option("--final-state", type=click.Choice(list(FINAL_STATES)), default="post-norm", show_default=True,
+              help="Which final state to store as hidden_states: after the model's final norm (SGLang's EAGLE-3 and "
+                   "SpecForge train on it) or before it (vLLM and speculators store this one and apply the "
+                   "verifier's norm while training). A drafter trained on the other one is silently wrong.")
 @click.option("--force", is_flag=True,
               help="Go ahead even if a check says no: --dry-run's free space, or resuming into an --out whose "
                    "manifest records another model, tokenizer, layers, length policy or corpus.")
@@ -96,7 +102,7 @@ from offline_extract.extraction import ExtractOptions, StoppedError
 @click.option("--no-progress", is_flag=True, help="No progress bar (e.g. for logs).")
 def main(data, out, model, device, dtype, tp, layers, max_length, overlong, tokens_per_batch, chunk_tokens, seqs_per_batch,
          shard_size_mb, attention_backend, load_format, mem_fraction_static, port_base, verify,
-         trim_after_last_loss_token, dry_run, strict, nonfinite, force, trust_remote_code, no_progress):
+         trim_after_last_loss_token, dry_run, strict, nonfinite, final_state, force, trust_remote_code, no_progress):
     try:
         layer_ids = tuple(int(x) for x in layers.split(",")) if layers else None
     except ValueError:
@@ -107,7 +113,7 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
         seqs_per_batch=seqs_per_batch, shard_bytes=int(shard_size_mb * (1 << 20)), attention_backend=attention_backend,
         load_format=load_format, mem_fraction_static=mem_fraction_static, port_base=port_base, verify=verify,
         trim_after_last_loss=trim_after_last_loss_token, trust_remote_code=trust_remote_code,
-        progress=not no_progress, strict=strict, nonfinite=nonfinite, force=force,
+        progress=not no_progress, strict=strict, nonfinite=nonfinite, final_state=final_state, force=force,
     )
     if dry_run:
         plan = extraction.dry_run(opts)

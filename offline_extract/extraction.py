@@ -28,7 +28,7 @@ from offline_extract.engine import parity
 from offline_extract.engine.distributed import Coordinator, Layout, layout_from_env
 from offline_extract.engine.nonfinite import NonFiniteError, NonFiniteGuard, batch_flag
 from offline_extract.engine.offload import STORED_DTYPE, HostOffload, pinned_buffers
-from offline_extract.engine.sglang_adapter import LAYER_CONVENTION, Engine, EngineConfig
+from offline_extract.engine.sglang_adapter import FINAL_STATES, LAYER_CONVENTION, Engine, EngineConfig
 from offline_extract.progress import RunProgress
 from offline_extract.store import manifest, resume
 from offline_extract.store.journal import Journal, read_journal
@@ -71,6 +71,7 @@ class ExtractOptions:
     progress: bool = True
     strict: bool = False
     nonfinite: str = "fail"
+    final_state: str = "post-norm"  # a key of sglang_adapter.FINAL_STATES
     force: bool = False  # resume into an output directory written by a different run
 
 
@@ -164,7 +165,8 @@ def run_metadata(opts: ExtractOptions, model_dir: Path, engine: Engine, tokenize
         "tokenizer_path": str(model_dir),
         **tokenizer.fingerprint(),
         "layer_ids": list(engine.layer_ids),
-        "layer_convention": LAYER_CONVENTION,
+        "layer_convention": f"{LAYER_CONVENTION}; last = {FINAL_STATES[engine.final_state]}",
+        "final_state": engine.final_state,
         "sglang_capture_points": list(engine.capture_points),
         "num_layers": engine.num_layers,
         "hidden_size": engine.hidden_size,
@@ -288,7 +290,7 @@ def _verify(engine: Engine, layout: Layout, coord: Coordinator, model_dir: Path,
     rows, failure = [], None
     if layout.writes and head:
         hf = parity.load_hf_model(str(model_dir), engine.dtype, str(engine.device))
-        rows = parity.compare(states, hf, engine.layer_ids, engine.dtype, moe=engine.is_moe)
+        rows = parity.compare(states, hf, engine.layer_ids, engine.dtype, moe=engine.is_moe, final_state=engine.final_state)
         del hf
         if torch.device(engine.device).type == "cuda":
             torch.cuda.empty_cache()  # once, so HF's weights do not shrink the extraction's activation room
@@ -382,6 +384,7 @@ def _run(opts: ExtractOptions, layout: Layout, coord: Coordinator, existing: res
             chunk_tokens=opts.chunk_tokens,
             context_length=max(opts.max_length, 8),
             layer_ids=opts.layers,
+            final_state=opts.final_state,
             load_format=opts.load_format,
             mem_fraction_static=opts.mem_fraction_static,
             trust_remote_code=opts.trust_remote_code,

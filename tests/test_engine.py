@@ -142,3 +142,42 @@ def test_a_sequence_over_the_batch_budget_is_chunked_by_forward(engine, hf_model
     assert c.aux.shape[0] == len(ids)
     rows = parity.compare([(ids.tolist(), c.aux, c.last)], hf_model, engine.layer_ids, "float32")
     assert all(r.ok for r in rows), rows
+
+
+@pytest.fixture
+def pre_norm(engine):
+    engine.final_state = "pre-norm"
+    yield engine
+    engine.final_state = engine.cfg.final_state
+
+
+def test_pre_norm_final_state_is_hfs_final_norm_input(pre_norm, hf_model):
+    seqs = _seqs([19, 64], seed=6)
+    captured = pre_norm.forward(seqs)
+    start = 0
+    for ids in seqs:
+        rows = slice(start, start + len(ids))
+        start += len(ids)
+        post = parity.hf_hidden_states(hf_model, ids.tolist(), "cpu")
+        pre = parity.hf_hidden_states(hf_model, ids.tolist(), "cpu", final_state="pre-norm")
+        assert (captured.last[rows] - pre[-1]).abs().max().item() <= 1e-5
+        # Neither the normed state nor the layer below passes for it.
+        assert (captured.last[rows] - post[-1]).abs().max().item() > 1e-2
+        assert (captured.last[rows] - pre[-2]).abs().max().item() > 1e-2
+    # The chunked path takes the same state from each chunk.
+    ids = _seqs([150], seed=7)[0]
+    assert (pre_norm.forward_chunked(ids, 41).last - pre_norm.forward([ids]).last).abs().max().item() <= 1e-5
+
+
+def test_parity_gate_judges_the_pre_norm_state_against_the_pre_norm_reference(pre_norm, hf_model):
+    ids = _seqs([45], seed=8)[0]
+    c = pre_norm.forward([ids])
+    states = [(ids.tolist(), c.aux, c.last)]
+    rows = parity.compare(states, hf_model, pre_norm.layer_ids, "float32", final_state="pre-norm")
+    assert all(r.ok for r in rows) and rows[-1].layer == "last (pre-norm)"
+    assert not parity.compare(states, hf_model, pre_norm.layer_ids, "float32")[-1].ok
+
+
+def test_unknown_final_state_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="final_state must be one of post-norm, pre-norm, got 'mid-norm'"):
+        Engine(EngineConfig(model_path=str(tiny_model_dir), device="cpu", final_state="mid-norm"))

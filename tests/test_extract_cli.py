@@ -68,6 +68,7 @@ def test_shards_carry_provenance_and_parity(single):
     assert run["layer_ids"] == [1, 3, 4]
     assert run["sglang_capture_points"] == [2, 4, 5]
     assert "HF output_hidden_states[k+1]" in run["layer_convention"]
+    assert run["final_state"] == "post-norm" and "after the model's final norm" in run["layer_convention"]
     assert run["dtype"] == "bfloat16" and run["compute_dtype"] == "float32"
     assert run["sglang_version"] == "0.5.17"
     for key in ("config_sha256", "weights", "tokenizer_sha256", "chat_template_sha256"):
@@ -131,3 +132,17 @@ def test_trim_after_last_loss_token_is_applied_and_recorded(tmp_path, cache_env)
     (info, t), = list(iter_samples(out))
     assert t["loss_mask"][-1] == 1 and info.source_len > t["input_ids"].shape[0]
     assert open_shard(shard_paths(out)[0]).run["trim_after_last_loss_token"] is True
+
+
+def test_pre_norm_final_state_passes_the_gate_and_is_recorded(single, tmp_path, cache_env):
+    out = tmp_path / "pre"
+    _ok(_extract(out, "--data", str(CORPUS), "--verify", "2", "--final-state", "pre-norm", "--tokens-per-batch", "512",
+                 "--max-length", "512", env=cache_env))
+    run = open_shard(shard_paths(out)[0]).run
+    assert run["final_state"] == "pre-norm" and "before the model's final norm" in run["layer_convention"]
+    assert {r["layer"]: r["ok"] for r in run["parity"]}["last (pre-norm)"] is True
+    post = {info.id: t for info, t in iter_samples(single[0])}
+    for info, t in iter_samples(out):
+        assert torch.equal(t["aux_hidden_states"], post[info.id]["aux_hidden_states"])
+        # Same model, same batches: only the final state differs, by the norm.
+        assert not torch.allclose(t["hidden_states"].float(), post[info.id]["hidden_states"].float(), atol=1e-2)

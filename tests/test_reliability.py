@@ -459,7 +459,7 @@ def samples(*token_lists):
 
 POISONED = samples([1, 2], [3, 99, 99, 4], [5], [98, 6], [7, 8, 9])
 NAN_REASON = "8 non-finite values (NaN/Inf) in its hidden states: 8 in layer 3"
-INF_REASON = "1 non-finite values (NaN/Inf) in its hidden states: 1 in the final (post-norm) state"
+INF_REASON = "1 non-finite values (NaN/Inf) in its hidden states: 1 in the final state"
 
 
 def extract(tmp_path, guard, items=POISONED):

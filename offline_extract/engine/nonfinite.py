@@ -55,7 +55,7 @@ class NonFiniteGuard:
         if policy not in POLICIES:
             raise ValueError(f"nonfinite policy must be one of {POLICIES}, got {policy!r}")
         self.policy = policy
-        self.names = [f"layer {k}" for k in layer_ids] + ["the final (post-norm) state"]
+        self.names = [f"layer {k}" for k in layer_ids] + ["the final state"]
         self.on_found = on_found
 
     def _counts(self, aux: torch.Tensor, last: torch.Tensor) -> dict[str, int]:

@@ -1,7 +1,7 @@
 """The parity gate: the engine's states against HF transformers on the same weights.
 
 For every sample checked, aux layer id k must equal HF `hidden_states[k+1]` and the last state HF
-`hidden_states[-1]` (after the final norm). A drafter trained on misaligned states is worthless, so a
+`hidden_states[-1]` (after the final norm) or, for a pre-norm final state, the input of HF's final norm. A drafter trained on misaligned states is worthless, so a
 mismatch stops the run before any GPU time is spent on extraction.
 """
 from __future__ import annotations
@@ -50,11 +50,19 @@ class ParityError(RuntimeError):
     pass
 
 
-def hf_hidden_states(model, input_ids: Sequence[int], device) -> tuple[torch.Tensor, ...]:
+def hf_hidden_states(model, input_ids: Sequence[int], device, final_state: str = "post-norm") -> tuple[torch.Tensor, ...]:
+    """HF's hidden_states for one sequence; for a pre-norm final state the last one is replaced by the
+    final norm's input (HF lists only the normed state), so that index -1 is the reference either way."""
     ids = torch.as_tensor(list(input_ids), dtype=torch.long, device=device)[None]
-    with torch.no_grad():
-        out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
-    return tuple(h[0] for h in out.hidden_states)
+    seen = []
+    hook = model.get_decoder().norm.register_forward_hook(lambda norm, args, out: seen.append(args[0]))
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+    finally:
+        hook.remove()
+    states = tuple(h[0] for h in out.hidden_states)
+    return states[:-1] + (seen[-1][0],) if final_state == "pre-norm" else states
 
 
 def load_hf_model(model_path: str, dtype: str, device: str):
@@ -81,11 +89,12 @@ def compare(
     layer_ids: Sequence[int],
     dtype: str,
     moe: bool = False,
+    final_state: str = "post-norm",
 ) -> list[LayerParity]:
     """engine_states: (input_ids, aux [T, k*H], last [T, H]) per sample, in the engine's compute dtype."""
     device = next(hf_model.parameters()).device
-    pairs = ((aux, last, hf_hidden_states(hf_model, ids, device)) for ids, aux, last in engine_states)
-    return compare_states(pairs, layer_ids, dtype, moe)
+    pairs = ((aux, last, hf_hidden_states(hf_model, ids, device, final_state)) for ids, aux, last in engine_states)
+    return compare_states(pairs, layer_ids, dtype, moe, final_state)
 
 
 def compare_states(
@@ -93,14 +102,16 @@ def compare_states(
     layer_ids: Sequence[int],
     dtype: str,
     moe: bool = False,
+    final_state: str = "post-norm",
 ) -> list[LayerParity]:
-    """(aux, last, HF hidden_states) per sample, folded one sample at a time so that long verifications
-    never hold more than one sample's HF states."""
-    names = [f"aux {k}" for k in layer_ids] + ["last"]
+    """(aux, last, HF hidden_states as hf_hidden_states returns them) per sample, folded one sample at a
+    time so that long verifications never hold more than one sample's HF states."""
+    last_name = "last" if final_state == "post-norm" else f"last ({final_state})"
+    names = [f"aux {k}" for k in layer_ids] + [last_name]
     acc = {n: {"max_abs": 0.0, "max_rel": 0.0, "cos": [], "ncos": [], "gap": float("inf")} for n in names}
     hf_index = {f"aux {k}": k + 1 for k in layer_ids}
     for aux, last, hs in pairs:
-        hf_index["last"] = len(hs) - 1
+        hf_index[last_name] = len(hs) - 1
         ours = list(aux.float().chunk(len(layer_ids), dim=-1)) + [last.float()]
         for name, mine in zip(names, ours):
             i, a = hf_index[name], acc[name]

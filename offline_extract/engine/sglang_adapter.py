@@ -1,7 +1,8 @@
 """The SGLang adapter: the only module that touches SGLang internals (pinned to sglang==0.5.17).
 
 It loads a model with SGLang's own loader into an in-process `ModelRunner`, builds EXTEND (prefill-only)
-batches from token lists, and returns per token the EAGLE-3 auxiliary states and the final post-norm state.
+batches from token lists, and returns per token the EAGLE-3 auxiliary states and the final state (after
+the model's final norm, or before it: see FINAL_STATES).
 Full-vocab logits are never computed: the model's logits processor is replaced by one that only keeps the
 hidden states it is handed.
 """
@@ -20,10 +21,14 @@ import torch
 
 SGLANG_VERSION = "0.5.17"
 
-LAYER_CONVENTION = (
-    "id k = output of decoder layer k (0-based) = HF output_hidden_states[k+1]; "
-    "last = final hidden state after the model's final norm"
-)
+LAYER_CONVENTION = "id k = output of decoder layer k (0-based) = HF output_hidden_states[k+1]"
+# Which final state `Captured.last` holds. Trainers disagree, and a drafter fed the other one is silently
+# wrong (GPT-OSS drafters broke exactly so, sglang#32334).
+FINAL_STATES = {
+    "post-norm": "the last decoder layer's output after the model's final norm (SGLang's EAGLE-3 and SpecForge)",
+    "pre-norm": "the last decoder layer's output before the model's final norm (vLLM and speculators, which "
+    "apply the verifier's norm at training time)",
+}
 
 
 def prepare_process(device: str) -> None:
@@ -90,6 +95,7 @@ class EngineConfig:
     chunk_tokens: int | None = None
     context_length: int | None = None
     layer_ids: tuple[int, ...] | None = None  # None: SGLang's EAGLE-3 default for the model
+    final_state: str = "post-norm"  # a key of FINAL_STATES
     load_format: str = "auto"
     mem_fraction_static: float = 0.85
     trust_remote_code: bool = False
@@ -100,7 +106,7 @@ class Captured:
     """One batch's states on the engine's device, tokens packed request by request."""
 
     aux: torch.Tensor  # [T, k*H]
-    last: torch.Tensor  # [T, H]
+    last: torch.Tensor  # [T, H], the final state EngineConfig.final_state names
 
 
 def default_attention_backend(device: str) -> str:
@@ -259,7 +265,10 @@ class Engine:
         from sglang.srt.model_executor.model_runner import ModelRunner
         from sglang.srt.server_args import ServerArgs
 
+        if cfg.final_state not in FINAL_STATES:
+            raise ValueError(f"final_state must be one of {', '.join(FINAL_STATES)}, got {cfg.final_state!r}")
         self.cfg = cfg
+        self.final_state = cfg.final_state
         if torch.device(cfg.device).type == "cuda":
             torch.cuda.set_device(cfg.gpu_id)
         backend = cfg.attention_backend or default_attention_backend(cfg.device)
@@ -335,9 +344,18 @@ class Engine:
                 f"{resolved}, expected {points}"
             )
         self._capture_rule, self._capture_lm = rule, rule.causal_lm(model)
+        self._pre_norm: torch.Tensor | None = None
+        self._capture_lm.model.norm.register_forward_hook(self._keep_pre_norm)
         self.capture_points = resolved
         self._capturing: bool | None = None  # SGLang's capture state now: unknown until the first switch
         return ids
+
+    def _keep_pre_norm(self, norm, args, output) -> None:
+        """The pre-norm state is the final norm's input. Called as norm(x, residual) the norm returns
+        (normed, x + residual), and its fused CUDA kernel overwrites x in place, so the state is taken from
+        the output; called as norm(x) (the last layer already added its residual), x is the state."""
+        if self._capturing and self.final_state == "pre-norm":
+            self._pre_norm = output[1] if isinstance(output, tuple) else args[0]
 
     def _set_capture(self, on: bool) -> None:
         if on == self._capturing:
@@ -439,6 +457,8 @@ class Engine:
         if not capture:
             return None
         aux, last = self._capture.take()
+        if self.final_state == "pre-norm":
+            last, self._pre_norm = self._pre_norm, None
         total = sum(r.extend_range.end - r.extend_range.start for r in reqs)
         if aux.shape[0] != total or aux.shape[1] != len(self.layer_ids) * self.hidden_size:
             raise RuntimeError(

@@ -32,6 +32,7 @@ IDENTITY_KEYS = (
     "tokenizer_sha256",
     "chat_template_sha256",
     "layer_ids",
+    "final_state",
     "compute_dtype",
     "max_length",
     "overlong",
