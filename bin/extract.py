@@ -47,7 +47,9 @@ from offline_extract.extraction import ExtractOptions, StoppedError
 @click.option("--out", default="out", show_default=True, type=click.Path(file_okay=False),
               help="Output directory for shards, index.json and rejects.jsonl.")
 @click.option("--model", default=None,
-              help="HF model directory. Default: the embedded tiny random Llama, built locally, run on CPU.")
+              help="HF model directory, or a hub id (org/name) taken from the local hub cache, else downloaded "
+                   "unless HF_HUB_OFFLINE is set; the commit it resolved to is recorded. Default: the embedded tiny "
+                   "random Llama, built locally, run on CPU.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
               help="Default: cuda when a GPU is visible, else cpu.")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
@@ -104,7 +106,7 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
          shard_size_mb, attention_backend, load_format, mem_fraction_static, port_base, verify,
          trim_after_last_loss_token, dry_run, strict, nonfinite, final_state, force, trust_remote_code, no_progress):
     try:
-        layer_ids = tuple(int(x) for x in layers.split(",")) if layers else None
+        layer_ids = None if layers is None else tuple(int(x) for x in layers.split(",")) if layers.strip() else ()
     except ValueError:
         raise click.BadParameter(f"expected comma-separated integers, got {layers!r}", param_hint="--layers")
     opts = ExtractOptions(
@@ -115,20 +117,21 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
         trim_after_last_loss=trim_after_last_loss_token, trust_remote_code=trust_remote_code,
         progress=not no_progress, strict=strict, nonfinite=nonfinite, final_state=final_state, force=force,
     )
-    if dry_run:
-        plan = extraction.dry_run(opts)
-        click.echo(planning.render(plan, out))
-        if not plan.fits and not force:
-            raise click.ClickException(f"the output would not fit in {out}; free space first or pass --force")
-        return
     try:
-        summary = extraction.run(opts)
+        if dry_run:
+            plan = extraction.dry_run(opts)
+        else:
+            summary = extraction.run(opts)
     except (OSError, ValueError, NotImplementedError, ParityError, StoppedError, LeaderFailed) as e:
         # Bad input, a failed check or a full disk: the message names it; a traceback would only bury it.
         raise click.ClickException(str(e)) from e
     except KeyboardInterrupt:
         raise click.ClickException(f"interrupted; re-running the same command resumes into {out}") from None
-    if summary is not None:
+    if dry_run:
+        click.echo(planning.render(plan, out))
+        if not plan.fits and not force:
+            raise click.ClickException(f"the output would not fit in {out}; free space first or pass --force")
+    elif summary is not None:
         click.echo(summary.report(out), err=True)
 
 

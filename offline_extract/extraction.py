@@ -20,9 +20,9 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from offline_extract import __version__, planning
+from offline_extract import __version__, planning, preflight
 from offline_extract.data.batching import Batch, batch_by_tokens
-from offline_extract.data.corpus import Record, Reject, read_corpus
+from offline_extract.data.corpus import BadRecordError, Record, Reject, read_corpus
 from offline_extract.data.tokenization import Sample, SampleTokenizer
 from offline_extract.engine import parity
 from offline_extract.engine.distributed import Coordinator, Layout, layout_from_env
@@ -33,13 +33,8 @@ from offline_extract.progress import RunProgress
 from offline_extract.store import manifest, resume
 from offline_extract.store.journal import Journal, read_journal
 from offline_extract.store.shards import SampleInfo, ShardWriter, atomic_write, write_index
-from offline_extract.tiny_model import ensure_tiny_model
 
 REJECTS_FILE = "rejects.jsonl"
-
-
-class BadRecordError(ValueError):
-    """Under --strict, the first record that cannot be extracted."""
 
 
 class StoppedError(RuntimeError):
@@ -135,12 +130,6 @@ class Summary:
         return "\n".join(lines)
 
 
-def _resolve_device(device: str | None) -> str:
-    if device is not None:
-        return device
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def _weights_fingerprint(model_dir: Path) -> str:
     """Names and sizes of the weight files, plus each safetensors file's header: cheap even for a 1 TB
     checkpoint, and it changes whenever the set of tensors, their shapes or their files change."""
@@ -156,9 +145,11 @@ def _weights_fingerprint(model_dir: Path) -> str:
     return h.hexdigest()
 
 
-def run_metadata(opts: ExtractOptions, model_dir: Path, engine: Engine, tokenizer: SampleTokenizer) -> dict:
+def run_metadata(opts: ExtractOptions, model: preflight.Model, engine: Engine, tokenizer: SampleTokenizer) -> dict:
+    model_dir = model.path
     return {
         "model": str(model_dir),
+        **model.provenance,
         "architecture": engine.architecture,
         "config_sha256": hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest(),
         "weights": "dummy (random)" if opts.load_format == "dummy" else _weights_fingerprint(model_dir),
@@ -202,8 +193,7 @@ def _owned(
         if item.kind == "skipped":
             summary.skipped += 1
         elif opts.strict:
-            where = f"{item.source}:{item.line}" + (f" (id {item.id!r})" if item.id else "")
-            raise BadRecordError(f"{where}: {item.reason} (--strict stops at the first bad record)")
+            raise BadRecordError(item)
         else:
             summary.rejected += 1
         if rejects is not None:
@@ -316,14 +306,13 @@ def _sample_tokenizer(opts: ExtractOptions, model_dir: Path) -> SampleTokenizer:
 
 
 def dry_run(opts: ExtractOptions) -> planning.Plan:
-    """Tokenize the whole corpus as the run would and size its output, without loading the model."""
-    from transformers import AutoConfig
-
-    model_dir = Path(opts.model) if opts.model else ensure_tiny_model()
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=opts.trust_remote_code).get_text_config()
+    """The real run's checks, then the whole corpus tokenized as the run would and its output sized,
+    without loading the model."""
+    model = preflight.check(opts).model
     # Every supported model's SGLang EAGLE-3 default captures three layers.
-    num_aux = len(opts.layers) if opts.layers else 3
-    return planning.plan(opts.data, _sample_tokenizer(opts, model_dir), opts.out, config.hidden_size, num_aux)
+    num_aux = len(opts.layers) if opts.layers is not None else 3
+    return planning.plan(opts.data, _sample_tokenizer(opts, model.path), opts.out, model.hidden_size, num_aux,
+                         strict=opts.strict)
 
 
 def run(opts: ExtractOptions) -> Summary | None:
@@ -332,6 +321,7 @@ def run(opts: ExtractOptions) -> Summary | None:
     Into a directory that already holds shards this resumes: see `resume`.
     """
     start = time.perf_counter()
+    checked = preflight.check(opts)
     layout = layout_from_env(opts.tp)
     out = Path(opts.out)
     coord = Coordinator(layout, namespace=f"run-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
@@ -345,7 +335,7 @@ def run(opts: ExtractOptions) -> Summary | None:
     try:
         # Nobody touches the directory before the leader holds it and has cleared a crashed run's leftovers.
         existing = resume.Existing(**coord.from_leader(take_over))
-        return _run(opts, layout, coord, existing, start)
+        return _run(opts, checked, layout, coord, existing, start)
     finally:
         for lock in locks:
             lock.release()
@@ -355,9 +345,11 @@ def _note(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _run(opts: ExtractOptions, layout: Layout, coord: Coordinator, existing: resume.Existing, start: float) -> Summary | None:
-    device = _resolve_device(opts.device)
-    model_dir = Path(opts.model) if opts.model else ensure_tiny_model()
+def _run(
+    opts: ExtractOptions, checked: preflight.Checked, layout: Layout, coord: Coordinator, existing: resume.Existing,
+    start: float,
+) -> Summary | None:
+    device, model_dir = checked.device, checked.model.path
     # SGLang turns a float32 checkpoint into bf16 under "auto"; on CPU the embedded model exists to prove
     # parity in fp32, so it keeps its own dtype there (SGLang's CUDA kernels take half precision only).
     dtype = "float32" if opts.dtype == "auto" and not opts.model and torch.device(device).type == "cpu" else opts.dtype
@@ -368,7 +360,7 @@ def _run(opts: ExtractOptions, layout: Layout, coord: Coordinator, existing: res
 
     tokenizer = _sample_tokenizer(opts, model_dir)
     on_gpu = torch.device(device).type == "cuda"
-    tokens_per_batch = opts.tokens_per_batch or (16384 if on_gpu else 4096)
+    tokens_per_batch = checked.tokens_per_batch
     engine = Engine(
         EngineConfig(
             model_path=str(model_dir),
@@ -390,7 +382,7 @@ def _run(opts: ExtractOptions, layout: Layout, coord: Coordinator, existing: res
             trust_remote_code=opts.trust_remote_code,
         )
     )
-    meta = run_metadata(opts, model_dir, engine, tokenizer)
+    meta = run_metadata(opts, checked.model, engine, tokenizer)
     # Checked once the model is loaded: the default layer ids and the compute dtype come from SGLang.
     notes = coord.from_leader(lambda: resume.check_identity(out, manifest.run_identity(meta, opts.data), opts.force))
     done = resume.done_mask(out, existing.shards)

@@ -9,7 +9,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from offline_extract.data.corpus import Record, read_corpus
+from offline_extract.data.corpus import BadRecordError, Record, read_corpus
 from offline_extract.data.tokenization import Sample, SampleTokenizer
 from offline_extract.progress import human_bytes
 
@@ -39,7 +39,10 @@ class Plan:
         return self.total_bytes <= self.free_bytes
 
 
-def plan(data, tokenizer: SampleTokenizer, out: str | Path, hidden_size: int, num_aux_layers: int) -> Plan:
+def plan(
+    data, tokenizer: SampleTokenizer, out: str | Path, hidden_size: int, num_aux_layers: int, strict: bool = False
+) -> Plan:
+    """Under `strict`, the first bad record raises BadRecordError, as it stops the real run."""
     records = samples = skipped = rejected = tokens = loss_tokens = 0
     for item in read_corpus(data):
         records += 1
@@ -51,6 +54,8 @@ def plan(data, tokenizer: SampleTokenizer, out: str | Path, hidden_size: int, nu
             loss_tokens += int(item.loss_mask.sum())
         elif item.kind == "skipped":
             skipped += 1
+        elif strict:
+            raise BadRecordError(item)
         else:
             rejected += 1
     sizes = {

@@ -61,6 +61,15 @@ class Reject:
         }
 
 
+class BadRecordError(ValueError):
+    """Under --strict, the first record that cannot be extracted, in the words of its Reject."""
+
+    def __init__(self, reject: Reject):
+        self.reject = reject
+        where = f"{reject.source}:{reject.line}" + (f" (id {reject.id!r})" if reject.id else "")
+        super().__init__(f"{where}: {reject.reason} (--strict stops at the first bad record)")
+
+
 class _BadRecord(Exception):
     pass
 

@@ -234,6 +234,28 @@ def chunk_bounds(num_tokens: int, chunk: int) -> list[tuple[int, int]]:
     return [(start, min(start + chunk, num_tokens)) for start in range(0, num_tokens, chunk)]
 
 
+# The config keys SGLang 0.5.17 reads a model's context length from (hf_transformers/common.py,
+# get_context_length), most trusted first; a config with none of them gets 2048.
+_CONTEXT_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
+
+
+def context_length(text_config) -> tuple[int, str]:
+    """The longest context SGLang accepts for a model (a longer context_length stops its ModelConfig),
+    derived from the decoder's HF config as SGLang does, and the config key it came from.
+
+    RoPE scaling stretches the limit by its factor, except where the config already states the stretched
+    length (a rope_scaling that names original_max_position_embeddings, or Llama-3's rope type).
+    """
+    scaling = getattr(text_config, "rope_scaling", None) or {}
+    stated = "original_max_position_embeddings" in scaling or scaling.get("rope_type") == "llama3"
+    factor = 1 if stated else scaling.get("factor", 1)
+    for key in _CONTEXT_KEYS:
+        value = getattr(text_config, key, None)
+        if value is not None:
+            return int(factor * value), key
+    return 2048, "SGLang's default for a config without a context length"
+
+
 def validate_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
     ids = tuple(int(i) for i in ids)
     if not ids:

@@ -38,6 +38,10 @@ IDENTITY_KEYS = (
     "overlong",
     "trim_after_last_loss_token",
 )
+# Recorded with the identity but not compared: where the model came from. A hub id's commit tells a
+# reader which snapshot was used; whether two runs match is decided by the config and weights hashes,
+# so the same snapshot named by path and by hub id is one run.
+PROVENANCE_KEYS = ("model", "model_repo_id", "model_revision")
 # A corpus file is identified by its name, size, and the sha256 of this many blocks spread evenly over
 # it (the whole file when that covers it): a few milliseconds at start-up for a terabyte corpus, where
 # a full hash would take an hour on every resume. Appending, truncating or replacing a file changes its
@@ -72,7 +76,8 @@ def file_fingerprint(path: str | os.PathLike) -> dict:
 
 def run_identity(run: dict, data: Sequence[str | os.PathLike]) -> dict:
     """The identity of a run from its shard metadata (`extraction.run_metadata`) and corpus files."""
-    return {**{key: run.get(key) for key in IDENTITY_KEYS}, "corpus": [file_fingerprint(p) for p in data]}
+    facts = {key: run.get(key) for key in IDENTITY_KEYS + PROVENANCE_KEYS}
+    return {**facts, "corpus": [file_fingerprint(p) for p in data]}
 
 
 def differences(old: dict, new: dict) -> list[str]:

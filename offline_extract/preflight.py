@@ -1,0 +1,131 @@
+"""What a run can know is wrong before the engine starts, answered in seconds and before the output
+directory is touched: the options, the model (a directory or a hub id; its architecture, depth and
+context length, read from its config alone) and the device. A real run and --dry-run make exactly
+these checks, so a dry run that passes means the real one starts.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from offline_extract import hub
+from offline_extract.engine.sglang_adapter import capture_rule, context_length, validate_layer_ids
+from offline_extract.tiny_model import ensure_tiny_model
+
+# One forward's token budget when --tokens-per-batch is not given.
+DEFAULT_TOKENS_PER_BATCH = {"cuda": 16384, "cpu": 4096}
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model as its config describes it; `repo_id` and `revision` are set when it was named by hub id."""
+
+    path: Path
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    context_length: int
+    context_key: str
+    repo_id: str | None = None
+    revision: str | None = None
+
+    @property
+    def provenance(self) -> dict:
+        """Where the weights came from, for the run metadata."""
+        return {"model_repo_id": self.repo_id, "model_revision": self.revision}
+
+
+@dataclass(frozen=True)
+class Checked:
+    model: Model
+    device: str
+    tokens_per_batch: int
+
+
+def check(opts) -> Checked:
+    """Every check that needs neither SGLang nor the output directory; raises with what to change.
+
+    `opts` is an `extraction.ExtractOptions`.
+    """
+    for name, value, least in (
+        ("--tp", opts.tp, 1),
+        ("--max-length", opts.max_length, 1),
+        ("--seqs-per-batch", opts.seqs_per_batch, 1),
+        ("--tokens-per-batch", opts.tokens_per_batch, 1),
+        ("--chunk-tokens", opts.chunk_tokens, 1),
+        ("--verify", opts.verify, 0),
+    ):
+        if value is not None and value < least:
+            raise ValueError(f"{name} must be at least {least}, got {value}")
+    device = resolve_device(opts.device)
+    model = resolve_model(opts.model, opts.trust_remote_code)
+    if opts.layers is not None:
+        validate_layer_ids(opts.layers, model.num_layers)
+    if opts.max_length > model.context_length:
+        raise ValueError(
+            f"--max-length {opts.max_length} is longer than the model's context of {model.context_length} tokens "
+            f"({model.context_key} in {model.path / 'config.json'}); lower --max-length to at most "
+            f"{model.context_length}"
+        )
+    tokens_per_batch = opts.tokens_per_batch or DEFAULT_TOKENS_PER_BATCH[torch.device(device).type]
+    return Checked(model, device, tokens_per_batch)
+
+
+def resolve_device(device: str | None) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}, but torch sees no CUDA GPU here; use --device cpu, or leave it out")
+    return device
+
+
+def resolve_model(name: str | None, trust_remote_code: bool = False) -> Model:
+    """The embedded tiny model (None), a local directory, or a hub id through the local cache."""
+    if name is None:
+        return read_model(ensure_tiny_model(), trust_remote_code)
+    path = Path(name).expanduser()
+    if path.exists() or not hub.looks_like_repo_id(name):
+        if not path.is_dir():
+            raise FileNotFoundError(f"no model directory at {name}")
+        return read_model(path, trust_remote_code)
+
+    def has_weights(snapshot: Path) -> bool:
+        return (snapshot / "config.json").exists() and any(snapshot.glob("*.safetensors"))
+
+    try:
+        snap = hub.snapshot(name, "model", has_weights, allow_patterns=hub.MODEL_FILES)
+    except hub.HubError as e:
+        raise hub.HubError(f"no model directory at {name}, and {e}") from None
+    model = read_model(snap.path, trust_remote_code)
+    return Model(**{**model.__dict__, "repo_id": snap.repo_id, "revision": snap.revision})
+
+
+def read_model(path: Path, trust_remote_code: bool = False) -> Model:
+    """The facts the checks need, from config.json: its architecture is judged before transformers
+    parses the rest, since a refused architecture needs no further reading."""
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"{path} holds no config.json, so it is not a Hugging Face model directory")
+    raw = json.loads(config_file.read_text())
+    architectures = raw.get("architectures") or []
+    if not architectures:
+        raise ValueError(f"{config_file} names no architectures, so the model cannot be identified")
+    capture_rule(architectures[0], str(path))
+    text = _text_config(path, raw, trust_remote_code)
+    limit, key = context_length(text)
+    return Model(path, architectures[0], text.num_hidden_layers, text.hidden_size, limit, key)
+
+
+def _text_config(path: Path, raw: dict, trust_remote_code: bool):
+    """The decoder's HF config (a multimodal wrapper nests it as text_config)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).get_text_config()
+    except ValueError:
+        # A wrapper that only SGLang knows (Kimi-K2.5): its decoder's config is a type transformers has.
+        text = dict(raw.get("text_config") or raw)
+        return AutoConfig.for_model(text.pop("model_type"), **text)

@@ -1,0 +1,155 @@
+"""Checks made before the engine starts: bad options, models and devices are refused in the process's
+first seconds, before SGLang is imported or the output directory is touched, and --dry-run refuses
+exactly what the real run refuses, in the same words."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from extract_runs import ROOT
+from huggingface_hub import constants
+
+from offline_extract import extraction, hub, preflight
+from offline_extract.data.corpus import BadRecordError, Reject, read_corpus
+from offline_extract.extraction import ExtractOptions
+from offline_extract.tiny_model import TINY_VERSION
+
+CORPUS = str(ROOT / "examples" / "corpus.jsonl")
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+# Each is refused with a message holding the needle (the tiny model has 8 decoder layers, context 4096).
+REFUSED = {
+    "layer past the end": ({"layers": (99,)}, "layer id 99 is out of range: ids are 0..6"),
+    "the last layer": ({"layers": (7,)}, "layer id 7 is out of range"),
+    "a negative layer": ({"layers": (-1,)}, "layer id -1 is out of range"),
+    "duplicate layers": ({"layers": (1, 1, 2)}, "--layers has duplicate ids: [1, 1, 2]"),
+    "no layers": ({"layers": ()}, "--layers needs at least one layer id"),
+    "no sequences a batch": ({"seqs_per_batch": 0}, "--seqs-per-batch must be at least 1, got 0"),
+    "no tokens a batch": ({"tokens_per_batch": 0}, "--tokens-per-batch must be at least 1, got 0"),
+    "negative verify": ({"verify": -3}, "--verify must be at least 0, got -3"),
+    "longer than the context": ({"max_length": 5000}, "--max-length 5000 is longer than the model's context of 4096"),
+    "a missing directory": ({"model": "/models/nope"}, "no model directory at /models/nope"),
+}
+if not torch.cuda.is_available():
+    REFUSED["cuda without a GPU"] = ({"device": "cuda"}, "--device cuda, but torch sees no CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def tiny_model_cache(tiny_model_dir, tmp_path_factory, monkeypatch):
+    cache = tmp_path_factory.getbasetemp() / "preflight-cache"
+    if not cache.exists():
+        cache.mkdir()
+        (cache / f"tiny-llama-v{TINY_VERSION}").symlink_to(tiny_model_dir)
+    monkeypatch.setenv("OFFLINE_EXTRACT_CACHE", str(cache))
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_the_real_run_and_the_dry_run_refuse_alike_before_touching_the_output(case, tmp_path, monkeypatch):
+    changes, needle = REFUSED[case]
+    opts = ExtractOptions(data=(CORPUS,), out=str(tmp_path / "out"), **changes)
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
+    with pytest.raises(Exception) as real:
+        extraction.run(opts)
+    with pytest.raises(Exception) as dry:
+        extraction.dry_run(opts)
+    assert needle in str(real.value)
+    assert (type(dry.value), str(dry.value)) == (type(real.value), str(real.value))
+    assert not (tmp_path / "out").exists()  # no .lock, no running manifest
+
+
+def test_refusals_come_before_sglang_is_imported(tmp_path):
+    # A fresh interpreter, since this one may have imported SGLang for other tests.
+    script = f"""
+import sys
+from offline_extract import extraction
+for changes in {[changes for changes, _ in REFUSED.values()]!r}:
+    try:
+        extraction.run(extraction.ExtractOptions(data=({CORPUS!r},), out={str(tmp_path / "out")!r}, **changes))
+    except Exception as e:
+        print(type(e).__name__, e)
+    else:
+        raise SystemExit(f"{{changes}} was not refused")
+assert not any(m == "sglang" or m.startswith("sglang.") for m in sys.modules), "SGLang was imported"
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("\n") == len(REFUSED)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_architecture_without_a_capture_rule_is_refused_from_its_config_alone(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(NotImplementedError, match="GPT2LMHeadModel .* is not supported.*LlamaForCausalLM"):
+        preflight.check(ExtractOptions(data=(CORPUS,), model=str(tmp_path)))
+
+
+def test_context_length_follows_rope_scaling_as_sglang_reads_it(tiny_model_dir, tmp_path):
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}))
+    assert preflight.resolve_model(str(model)).context_length == 4 * config["max_position_embeddings"]
+    assert preflight.resolve_model(str(tiny_model_dir)).context_length == config["max_position_embeddings"]
+
+
+def test_strict_dry_run_stops_at_the_first_bad_record_like_the_real_run(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "fine"}\n{"text": ""}\n{broken\n')
+    first_bad = next(r for r in read_corpus([corpus]) if isinstance(r, Reject))
+    with pytest.raises(BadRecordError) as e:
+        extraction.dry_run(ExtractOptions(data=(str(corpus),), out=str(tmp_path / "out"), strict=True))
+    assert str(e.value) == str(BadRecordError(first_bad))
+    assert str(e.value).startswith(f"{corpus}:2 (id 'c.jsonl:2'): text is empty")
+    plan = extraction.dry_run(ExtractOptions(data=(str(corpus),), out=str(tmp_path / "out")))
+    assert (plan.samples, plan.rejected) == (1, 2)
+
+
+def hub_cache(root, repo_id: str, files_from) -> None:
+    """The layout huggingface_hub's cache gives a downloaded model: refs/main naming a snapshot folder."""
+    repo = root / "hub" / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(REVISION)
+    shutil.copytree(files_from, repo / "snapshots" / REVISION)
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return tmp_path / "hf"
+
+
+def test_a_hub_id_resolves_through_the_local_cache_to_its_commit(offline_hub, tiny_model_dir):
+    hub_cache(offline_hub, "tiny/llama", tiny_model_dir)
+    model = preflight.resolve_model("tiny/llama")
+    assert model.path == offline_hub / "hub" / "models--tiny--llama" / "snapshots" / REVISION
+    assert model.provenance == {"model_repo_id": "tiny/llama", "model_revision": REVISION}
+    assert model.num_layers == 8
+
+
+def test_an_uncached_hub_id_offline_fails_in_one_line(offline_hub):
+    with pytest.raises(hub.HubError) as e:
+        preflight.resolve_model("nobody/nothing")
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith("no model directory at nobody/nothing, and model nobody/nothing is not in the local")
+    assert message.endswith("HF_HUB_OFFLINE is set")
+
+
+def test_a_cached_config_without_weights_is_no_model(offline_hub, tiny_model_dir, tmp_path):
+    # What an earlier AutoConfig.from_pretrained leaves in the cache.
+    (tmp_path / "config-only").mkdir()
+    shutil.copy(tiny_model_dir / "config.json", tmp_path / "config-only")
+    hub_cache(offline_hub, "tiny/llama", tmp_path / "config-only")
+    with pytest.raises(hub.HubError, match="incomplete snapshot of model tiny/llama, and HF_HUB_OFFLINE is set"):
+        preflight.resolve_model("tiny/llama")
+
+
+@pytest.mark.parametrize("name, is_id", [
+    ("Qwen/Qwen3-8B", True), ("gpt2", True), ("/models/nope", False), ("./m", False), ("~/m", False),
+    ("a/b/c", False), ("../m", False),
+])
+def test_paths_are_never_taken_for_hub_ids(name, is_id):
+    assert hub.looks_like_repo_id(name) is is_id
