@@ -55,18 +55,19 @@ def _command() -> str:
 @click.option("--profile", default=None, help="Write torch-profiler tables and traces of bare prefill and of "
               "extraction of the first --profile-batches timed batches to this directory.")
 @click.option("--profile-batches", default=4, show_default=True)
-@click.option("--single-gpu-result", default=None, type=click.Path(exists=True, dir_okay=False),
-              help="A one-GPU result JSON from the same session: adds `scaling` (aggregate / one GPU).")
+@click.option("--single-gpu-result", "single_gpu_results", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="A one-GPU result JSON from the same session: adds `scaling` (aggregate / one GPU) to the "
+                   "results of the same out kind (tmpfs, disk); repeat for each kind.")
 def main(model, shape, load_format, dtype, tp, attention_backend, outs, lengths, mean_length, max_length, num_tokens,
          tokens_per_batch, chunk_tokens, chunk_sweep, warmup_batches, baseline_hf, disk_probe_gb, writers, results_dir,
-         profile, profile_batches, single_gpu_result):
+         profile, profile_batches, single_gpu_results):
     run_bench(BenchOptions(
         model=model, shape=shape, load_format=load_format, dtype=dtype, tp=tp, attention_backend=attention_backend,
         outs=tuple(outs), lengths=lengths, mean_length=mean_length, max_length=max_length, num_tokens=num_tokens,
         tokens_per_batch=tokens_per_batch, chunk_tokens=chunk_tokens,
         chunk_sweep=tuple(int(c) for c in chunk_sweep.split(",") if c), warmup_batches=warmup_batches, baseline_hf=baseline_hf,
         disk_probe_bytes=int(disk_probe_gb * (1 << 30)), writers=writers, results_dir=results_dir,
-        profile=profile, profile_batches=profile_batches, single_gpu_result=single_gpu_result, command=_command(),
+        profile=profile, profile_batches=profile_batches, single_gpu_results=tuple(single_gpu_results), command=_command(),
     ))
 
 

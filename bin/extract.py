@@ -31,14 +31,18 @@ are extracted (on any number of GPUs). A run that stopped (crash, full disk) los
 it was writing.
 """
 import _bin_path  # noqa: F401  (must come first: see its docstring)
+import os
+import signal
+import sys
+
 import click
 
 from offline_extract import extraction, planning
-from offline_extract.engine.distributed import LeaderFailed
+from offline_extract.engine.distributed import LeaderFailed, PeerLost
 from offline_extract.engine.nonfinite import POLICIES
 from offline_extract.engine.parity import ParityError
 from offline_extract.engine.sglang_adapter import FINAL_STATES
-from offline_extract.extraction import ExtractOptions, StoppedError
+from offline_extract.extraction import ExtractOptions, StoppedError, Terminated, raise_terminated
 
 
 @click.command(help=__doc__)
@@ -117,16 +121,24 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
         trim_after_last_loss=trim_after_last_loss_token, trust_remote_code=trust_remote_code,
         progress=not no_progress, strict=strict, nonfinite=nonfinite, final_state=final_state, force=force,
     )
+    # Torchrun stops every rank with SIGTERM once one fails, and schedulers preempt with it: stop as on an
+    # error (the unfinished shard dropped, the lock released) instead of dying mid-write.
+    signal.signal(signal.SIGTERM, raise_terminated)
     try:
         if dry_run:
             plan = extraction.dry_run(opts)
         else:
             summary = extraction.run(opts)
-    except (OSError, ValueError, NotImplementedError, ParityError, StoppedError, LeaderFailed) as e:
+    except (OSError, ValueError, NotImplementedError, ParityError, StoppedError, LeaderFailed, PeerLost) as e:
         # Bad input, a failed check or a full disk: the message names it; a traceback would only bury it.
         raise click.ClickException(str(e)) from e
     except KeyboardInterrupt:
         raise click.ClickException(f"interrupted; re-running the same command resumes into {out}") from None
+    except Terminated:
+        rank = f"rank {os.environ['RANK']}" if "RANK" in os.environ else "extraction"
+        click.echo(f"{rank}: stopped by SIGTERM (under torchrun: another rank failed, and torchrun's report names "
+                   f"it); complete shards are kept and re-running the same command resumes into {out}", err=True)
+        sys.exit(128 + signal.SIGTERM)
     if dry_run:
         click.echo(planning.render(plan, out))
         if not plan.fits and not force:

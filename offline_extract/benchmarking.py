@@ -63,7 +63,7 @@ class BenchOptions:
     results_dir: str = "benchmarks/results"
     profile: str | None = None
     profile_batches: int = 4
-    single_gpu_result: str | None = None  # a one-GPU result JSON of the same session, for `scaling`
+    single_gpu_results: tuple[str, ...] = ()  # one-GPU result JSONs of the same session, for `scaling`
     command: str = ""
 
     @property
@@ -417,13 +417,20 @@ def run_bench(opts: BenchOptions) -> list[dict]:
         for r in results:
             r["hf_tok_s"] = r["num_tokens"] / hf_s
             r["extract_over_hf"] = hf_s * r["extract_tok_s"] / r["num_tokens"]
-    if opts.single_gpu_result:
-        single = json.loads(Path(opts.single_gpu_result).read_text())
+    if opts.single_gpu_results:
+        singles = {}
+        for path in opts.single_gpu_results:
+            single = json.loads(Path(path).read_text())
+            singles[single["out_kind"]] = (path, single)
         for r in results:
-            # Aggregate tokens/s over one GPU's, both measured in this session on the same corpus settings.
+            if r["out_kind"] not in singles:
+                raise ValueError(f"no --single-gpu-result for {r['out_kind']} (given: {', '.join(singles)})")
+            path, single = singles[r["out_kind"]]
+            # Aggregate tokens/s over one GPU's writing to the same kind of target, both measured in this
+            # session on the same corpus settings.
             r["scaling"] = r["extract_tok_s"] / single["extract_tok_s"]
             r["bare_scaling"] = r["bare_prefill_tok_s"] / single["bare_prefill_tok_s"]
-            r["single_gpu_result"] = opts.single_gpu_result
+            r["single_gpu_result"] = path
     if layout.leads:
         _save(results, opts)
     return results

@@ -41,6 +41,18 @@ class StoppedError(RuntimeError):
     """The run stopped part-way (disk full, I/O error, non-finite states); what it wrote is complete."""
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived: torchrun stopping the survivors of a failed rank, or a scheduler preempting the job.
+
+    A BaseException like KeyboardInterrupt, so that no `except Exception` on the way swallows it, while
+    the writer still drops its unfinished shard and the lock is released on the way out.
+    """
+
+
+def raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
 @dataclass(frozen=True)
 class ExtractOptions:
     data: tuple[str, ...]

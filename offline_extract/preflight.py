@@ -61,6 +61,7 @@ def check(opts) -> Checked:
         if value is not None and value < least:
             raise ValueError(f"{name} must be at least {least}, got {value}")
     device = resolve_device(opts.device)
+    check_dtype(device, opts.dtype)
     model = resolve_model(opts.model, opts.trust_remote_code)
     if opts.layers is not None:
         validate_layer_ids(opts.layers, model.num_layers)
@@ -72,6 +73,15 @@ def check(opts) -> Checked:
         )
     tokens_per_batch = opts.tokens_per_batch or DEFAULT_TOKENS_PER_BATCH[torch.device(device).type]
     return Checked(model, device, tokens_per_batch)
+
+
+def check_dtype(device: str, dtype: str) -> None:
+    if torch.device(device).type == "cuda" and dtype == "float32":
+        raise ValueError(
+            "--dtype float32 does not run on CUDA: SGLang 0.5.17's CUDA kernels (sgl_kernel's RMSNorm among "
+            "them) take float16 and bfloat16 only. Use --dtype bfloat16 (the parity gate then checks every "
+            "token's cosine against HF), or --device cpu to extract and verify in float32."
+        )
 
 
 def resolve_device(device: str | None) -> str:

@@ -1,7 +1,13 @@
-"""How the end-to-end tests start bin/extract.py (alone or under torchrun) and compare what runs wrote."""
+"""How the end-to-end tests start bin/extract.py (alone, under torchrun, or as several torchrun "nodes" on
+localhost) and compare what runs wrote."""
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import torch
 
 from offline_extract.engine.distributed import free_port
@@ -16,6 +22,49 @@ def extract_command(out, *args, torchrun: int | None = None) -> list[str]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun),
                "--master-port", str(free_port()), *cmd[1:]]
     return cmd
+
+
+def node_commands(out, *args, nodes: int = 2, nproc_per_node: int = 1) -> list[list[str]]:
+    """One torchrun command per "node", all on localhost: the static rendezvous of a real multi-node job
+    (node 0 serves the store at --master-addr:--master-port, the others join it)."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node",
+              str(nproc_per_node), "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    extract = [str(ROOT / "bin" / "extract.py"), "--out", str(out), "--no-progress", *map(str, args)]
+    return [[*launch, "--node-rank", str(node), *extract] for node in range(nodes)]
+
+
+def start_nodes(out, *args, env, node_env=None, nproc_per_node: int = 1) -> list[subprocess.Popen]:
+    """Starts every node's torchrun; `node_env[i]` adds to node i's environment (e.g. its GPU)."""
+    commands = node_commands(out, *args, nproc_per_node=nproc_per_node)
+    node_env = node_env or [{}] * len(commands)
+    return [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                             env={**env, **extra}) for cmd, extra in zip(commands, node_env)]
+
+
+def worker_of_rank(launcher: subprocess.Popen, rank: int) -> psutil.Process:
+    """The worker process torchrun started for global `rank`."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for child in psutil.Process(launcher.pid).children(recursive=True):
+            try:
+                if child.environ().get("RANK") == str(rank):
+                    return child
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        time.sleep(0.1)
+    raise AssertionError(f"torchrun started no worker of rank {rank}")
+
+
+def kill_rank_when(launcher: subprocess.Popen, rank: int, until) -> float:
+    """SIGKILLs the worker of `rank` once `until()` holds; returns the time of the kill (monotonic)."""
+    victim = worker_of_rank(launcher, rank)
+    deadline = time.monotonic() + 600
+    while not until():
+        assert launcher.poll() is None, "the run ended before its kill point"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    os.kill(victim.pid, signal.SIGKILL)
+    return time.monotonic()
 
 
 def assert_same_samples(out_a, out_b) -> None:

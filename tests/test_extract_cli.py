@@ -146,3 +146,12 @@ def test_pre_norm_final_state_passes_the_gate_and_is_recorded(single, tmp_path, 
         assert torch.equal(t["aux_hidden_states"], post[info.id]["aux_hidden_states"])
         # Same model, same batches: only the final state differs, by the norm.
         assert not torch.allclose(t["hidden_states"].float(), post[info.id]["hidden_states"].float(), atol=1e-2)
+
+
+def test_float32_on_cuda_is_refused_with_what_to_use_instead():
+    from offline_extract.preflight import check_dtype
+
+    with pytest.raises(ValueError, match=r"--dtype float32 does not run on CUDA.*--dtype bfloat16.*--device cpu"):
+        check_dtype("cuda", "float32")
+    check_dtype("cuda:1", "bfloat16")
+    check_dtype("cpu", "float32")

@@ -18,7 +18,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from extract_runs import ROOT, assert_same_samples, extract_command
+from extract_runs import ROOT, assert_same_samples, extract_command, kill_rank_when, start_nodes
 
 from offline_extract.data.batching import batch_by_tokens
 from offline_extract.engine.distributed import Layout
@@ -164,6 +164,74 @@ def test_resume_with_another_dp_size_gives_the_same_samples(baseline, corpus, en
     assert min(new) > max(before)
     assert {n % 2 for n in new} == {0, 1}, "both replicas wrote, numbered apart"
     assert counts(proc.stderr)["earlier"] > 0
+    assert_complete(out, baseline)
+
+
+@pytest.mark.slow
+def test_two_nodes_on_localhost_give_the_same_samples_as_one_process(baseline, corpus, env, tmp_path):
+    out = tmp_path / "out"
+    nodes = start_nodes(out, "--data", corpus, *SMALL, env=env)
+    for node in nodes:
+        _, stderr = node.communicate(timeout=600)
+        assert node.returncode == 0, stderr[-6000:]
+    assert_complete(out, baseline)
+
+
+@pytest.mark.slow
+def test_tp_wider_than_a_node_is_refused_before_anything_starts(corpus, env, tmp_path):
+    out = tmp_path / "out"
+    nodes = start_nodes(out, "--data", corpus, "--tp", "2", env=env)
+    for node in nodes:
+        _, stderr = node.communicate(timeout=120)
+        assert node.returncode != 0
+        assert "--tp 2 must divide the processes per node (1): a TP group has to stay inside one node" in stderr
+    assert not out.exists(), "refused before the output directory was touched"
+
+
+def assert_only_complete_shards(out) -> None:
+    """What a stopped run leaves: complete shards only (a resume's journals may remain, no half file)."""
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")], "no unfinished file"
+    for path in shard_paths(out):
+        read_header(path)  # every shard on disk is whole
+
+
+@pytest.mark.slow
+def test_a_killed_dp_rank_stops_the_other_and_a_rerun_completes(baseline, corpus, env, tmp_path):
+    out = tmp_path / "out"
+    total = len(shard_paths(baseline))
+    launcher = subprocess.Popen(extract_command(out, "--data", corpus, *SMALL, torchrun=2), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    killed = kill_rank_when(launcher, 1, until=lambda: len(shard_paths(out)) >= total // 4)
+    _, stderr = launcher.communicate(timeout=120)
+    # Torchrun stops the survivor at once (SIGTERM): bounded by its 30 s grace period, not by the run.
+    assert time.monotonic() - killed < 45
+    assert launcher.returncode != 0
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", stderr) and "SIGKILL" in stderr, stderr[-3000:]
+    assert "rank 0: stopped by SIGTERM" in stderr, stderr[-3000:]
+    assert_only_complete_shards(out)
+
+    ok(run(out, "--data", corpus, *SMALL, env=env, torchrun=2))
+    assert_complete(out, baseline)
+
+
+@pytest.mark.slow
+def test_a_node_whose_rank_dies_does_not_leave_the_other_node_waiting(baseline, corpus, env, tmp_path):
+    """Torchrun stops the ranks of the failed worker's node only; the other node's ranks find out from
+    the missing heartbeat at their next meeting point, name the lost rank and stop."""
+    out = tmp_path / "out"
+    total = len(shard_paths(baseline))
+    nodes = start_nodes(out, "--data", corpus, *SMALL, env=env)
+    killed = kill_rank_when(nodes[1], 1, until=lambda: len(shard_paths(out)) >= total // 4)
+    _, survivor = nodes[0].communicate(timeout=600)
+    nodes[1].communicate(timeout=120)
+    assert nodes[0].returncode != 0 and nodes[1].returncode != 0
+    assert "rank 1 stopped answering" in survivor, survivor[-3000:]
+    assert time.monotonic() - killed < 300
+    assert_only_complete_shards(out)
+
+    for node in start_nodes(out, "--data", corpus, *SMALL, env=env):
+        _, stderr = node.communicate(timeout=600)
+        assert node.returncode == 0, stderr[-6000:]
     assert_complete(out, baseline)
 
 

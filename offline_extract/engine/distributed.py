@@ -10,17 +10,27 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, TypeVar
 
 
 DEFAULT_PORT_BASE = 29600
+# Every rank bumps a counter this often; a rank waited for whose counter stands still for PEER_TIMEOUT
+# is gone. Counters, not timestamps, so that nodes need no synchronised clocks.
+HEARTBEAT = timedelta(seconds=2)
+PEER_TIMEOUT = timedelta(seconds=30)
 T = TypeVar("T")
 
 
 class LeaderFailed(RuntimeError):
     """The leading rank failed a step every rank depends on; its own error says why."""
+
+
+class PeerLost(RuntimeError):
+    """A rank this one waits for stopped answering: killed, out of memory, or its node went down."""
 
 
 def free_port() -> int:
@@ -93,22 +103,67 @@ def layout_from_env(tp_size: int = 1, env: dict | None = None) -> Layout:
 class Coordinator:
     """Barriers and small exchanges between all ranks, over torchrun's agent TCPStore.
 
-    With one process there is nobody to wait for, and every call returns at once.
+    With one process there is nobody to wait for, and every call returns at once. A wait has no deadline
+    (a replica may legitimately take hours longer than another), but it ends with PeerLost naming the
+    rank once a rank it waits for stops beating: torchrun stops the ranks of a failed worker's own node,
+    not those of other nodes, which would otherwise wait forever.
     """
 
-    def __init__(self, layout: Layout, namespace: str, timeout: timedelta = timedelta(days=30)):
+    def __init__(self, layout: Layout, namespace: str, peer_timeout: timedelta = PEER_TIMEOUT):
         self.layout = layout
         self.store = None
+        self._peer_timeout = peer_timeout.total_seconds()
         if layout.world_size > 1:
-            import torch.distributed as dist
-
-            # Torchrun's agent already serves a store on MASTER_ADDR:MASTER_PORT; a prefix keeps our keys
-            # apart from torch's own.
-            base = dist.TCPStore(
-                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
-            )
-            self.store = dist.PrefixStore(f"offline_extract/{namespace}/", base)
+            self.store = self._connect(namespace)
+            # Its own connection: the waits of the main thread hold theirs for seconds at a time.
+            threading.Thread(target=self._beat, args=(self._connect(namespace),), daemon=True,
+                             name="offline_extract-heartbeat").start()
         self._rounds = 0
+
+    @staticmethod
+    def _connect(namespace: str):
+        import torch.distributed as dist
+
+        # Torchrun's agent already serves a store on MASTER_ADDR:MASTER_PORT; a prefix keeps our keys
+        # apart from torch's own.
+        base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=timedelta(minutes=5))
+        return dist.PrefixStore(f"offline_extract/{namespace}/", base)
+
+    def _beat(self, store) -> None:
+        try:
+            while True:
+                store.add(f"alive/{self.layout.rank}", 1)
+                time.sleep(HEARTBEAT.total_seconds())
+        except Exception:
+            return  # the store is gone with torchrun's agent: the main thread's next wait says so
+
+    def _wait(self, keys: list[str]) -> None:
+        """store.wait(keys), in slices, checking between them that the ranks still missing are alive."""
+        from torch.distributed import DistStoreError
+
+        last_beat: dict[int, tuple[int, float]] = {}
+        while True:
+            try:
+                self.store.wait(keys, 2 * HEARTBEAT)
+                return
+            except DistStoreError:
+                pass
+            now = time.monotonic()
+            for key in keys:
+                if self.store.check([key]):
+                    continue
+                rank = int(key.rsplit("/", 1)[1])
+                beats = self.store.add(f"alive/{rank}", 0)
+                seen = last_beat.get(rank)
+                if seen is None or seen[0] != beats:
+                    last_beat[rank] = (beats, now)
+                elif now - seen[1] > self._peer_timeout:
+                    raise PeerLost(
+                        f"rank {rank} stopped answering (no heartbeat for {self._peer_timeout:.0f} s): it was "
+                        f"killed or its node went down; its own log says why. This rank stops; complete shards "
+                        f"are kept and re-running the same command resumes."
+                    )
 
     def all_gather(self, value) -> list:
         """Every rank's JSON-serializable `value`, in rank order; also a barrier."""
@@ -118,7 +173,7 @@ class Coordinator:
         key = f"{self._rounds}/"
         self.store.set(key + str(self.layout.rank), json.dumps(value))
         keys = [key + str(r) for r in range(self.layout.world_size)]
-        self.store.wait(keys)
+        self._wait(keys)
         return [json.loads(self.store.get(k)) for k in keys]
 
     def barrier(self) -> None:

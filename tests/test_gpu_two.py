@@ -1,0 +1,197 @@
+"""Two GPUs through bin/extract.py in bf16: TP=2 against HF, TP=2 and DP=2 against one GPU, resumes that
+switch between them, a killed rank, and two one-GPU "nodes" (run with `-m gpu` on a two-GPU machine).
+
+States computed with TP=2 sum their all-reduced partial products in another order than one GPU does, so
+across topologies the tests compare each token's cosine (as the parity gate does in bf16), and tokens,
+masks and sample metadata exactly.
+"""
+import json
+import os
+import random
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import torch
+from extract_runs import ROOT, extract_command, kill_rank_when, start_nodes
+
+from offline_extract.store import integrity
+from offline_extract.store.shards import iter_samples, open_shard, read_header, shard_paths
+from offline_extract.tiny_model import build_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.two_gpus,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"),
+]
+
+CORPUS = ROOT / "examples" / "corpus.jsonl"
+MIN_COSINE = 0.999
+WORDS = "the quick brown fox jumps over a lazy dog while hidden states of every layer are saved".split()
+# Small shards and forwards, so that a run is still writing when a test kills part of it.
+SMALL = ("--shard-size-mb", "0.1", "--tokens-per-batch", "128")
+
+
+def _run(cmd, env=None, timeout=900):
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def extract(out, *args, torchrun=None):
+    return _run(extract_command(out, *args, torchrun=torchrun))
+
+
+def per_token_cosine(a: torch.Tensor, b: torch.Tensor, width: int) -> torch.Tensor:
+    """Cosine of each (token, layer) pair of two [T, k*width] tensors."""
+    a, b = a.float().reshape(a.shape[0], -1, width), b.float().reshape(b.shape[0], -1, width)
+    return torch.nn.functional.cosine_similarity(a, b, dim=-1)
+
+
+def compare_runs(out_a, out_b) -> dict:
+    """Same samples with the same tokens and metadata; returns the worst and median token cosine of each tensor."""
+    a = {info.index: (info, t) for info, t in iter_samples(out_a)}
+    b = {info.index: (info, t) for info, t in iter_samples(out_b)}
+    assert a.keys() == b.keys()
+    width = open_shard(shard_paths(out_a)[0]).run["hidden_size"]
+    cosines = {"aux_hidden_states": [], "hidden_states": []}
+    for index, (info, t) in a.items():
+        info_b, t_b = b[index]
+        assert info == info_b
+        for name in ("input_ids", "loss_mask"):
+            assert torch.equal(t[name], t_b[name]), (index, name)
+        for name, found in cosines.items():
+            found.append(per_token_cosine(t[name], t_b[name], width).flatten())
+    return {name: {"worst": float(torch.cat(c).min()), "median": float(torch.cat(c).median())}
+            for name, c in cosines.items()}
+
+
+def assert_close_runs(out_a, out_b) -> dict:
+    found = compare_runs(out_a, out_b)
+    for name, c in found.items():
+        assert c["worst"] >= MIN_COSINE, (name, found)
+    return found
+
+
+def assert_verified(out, tp):
+    run = open_shard(shard_paths(out)[0]).run
+    assert run["tp_size"] == tp and run["compute_dtype"] == "bfloat16"
+    rows = run["parity"]
+    assert [r["layer"] for r in rows] == [f"aux {k}" for k in run["layer_ids"]] + ["last"]
+    for r in rows:
+        assert r["ok"] and r["cosine"] >= MIN_COSINE, r
+        assert r["neighbour_cosine"] < r["cosine"] - 0.01, r
+    return rows
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_model("llama", tmp_path_factory.mktemp("tiny") / "m", dtype=torch.bfloat16, device="cuda")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A long pre-tokenized sample first (so that --verify covers a chunked prefill), then 1,500 short chats."""
+    rng = random.Random(7)
+    lines = [json.dumps({"id": "long", "input_ids": np.random.default_rng(0).integers(10, 380, 1500).tolist()})]
+    for i in range(1500):
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 80)))
+        lines.append(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": "say it"},
+                                                             {"role": "assistant", "content": words}]}))
+    path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def one_gpu(tiny, corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one_gpu") / "out"
+    extract(out, "--model", tiny, "--data", corpus, *SMALL)
+    return out
+
+
+def test_tp2_tiny_llama_matches_hf_including_a_chunked_sample(tiny, corpus, tmp_path):
+    out = tmp_path / "out"
+    # The 1,500-token sample is longer than a 512-token forward: prefilled in 3 chunks on prefix KV, under TP.
+    extract(out, "--model", tiny, "--data", corpus, "--tp", "2", "--verify", "8", "--tokens-per-batch", "512",
+            torchrun=2)
+    assert_verified(out, tp=2)
+    assert len(list(iter_samples(out))) == 1501
+
+
+def test_tp2_and_dp2_give_the_samples_of_one_gpu(tiny, corpus, one_gpu, tmp_path):
+    tp2, dp2 = tmp_path / "tp2", tmp_path / "dp2"
+    extract(tp2, "--model", tiny, "--data", corpus, *SMALL, "--tp", "2", torchrun=2)
+    extract(dp2, "--model", tiny, "--data", corpus, *SMALL, torchrun=2)
+    found = {"tp2": assert_close_runs(one_gpu, tp2), "dp2": assert_close_runs(one_gpu, dp2)}
+    print(json.dumps(found))
+    assert integrity.verify(tp2).problems == [] and integrity.verify(dp2).problems == []
+
+
+def _killed_then_resumed(tiny, corpus, out, first: list[str], then: list[str]) -> None:
+    launcher = subprocess.Popen(extract_command(out, "--model", tiny, "--data", corpus, *SMALL, *first, torchrun=2),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    kill_rank_when(launcher, 0, until=lambda: len(shard_paths(out)) >= 20)
+    launcher.wait(timeout=120)
+    proc = extract(out, "--model", tiny, "--data", corpus, *SMALL, *then, torchrun=2)
+    assert "by earlier attempts" in proc.stderr
+
+
+@pytest.mark.parametrize("first, then", [([], ["--tp", "2"]), (["--tp", "2"], [])], ids=["dp2-to-tp2", "tp2-to-dp2"])
+def test_a_run_killed_under_one_topology_resumes_under_the_other(tiny, corpus, one_gpu, tmp_path, first, then):
+    out = tmp_path / "out"
+    _killed_then_resumed(tiny, corpus, out, first, then)
+    assert_close_runs(one_gpu, out)
+    assert integrity.verify(out).problems == []
+
+
+def test_a_killed_dp_rank_stops_the_other_within_seconds_and_a_rerun_completes(tiny, corpus, one_gpu, tmp_path):
+    out = tmp_path / "out"
+    launcher = subprocess.Popen(extract_command(out, "--model", tiny, "--data", corpus, *SMALL, torchrun=2),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    killed = kill_rank_when(launcher, 1, until=lambda: len(shard_paths(out)) >= 20)
+    _, stderr = launcher.communicate(timeout=120)
+    stopped_after = time.monotonic() - killed
+    assert launcher.returncode != 0 and stopped_after < 45, stopped_after
+    assert "rank 0: stopped by SIGTERM" in stderr and "SIGKILL" in stderr, stderr[-3000:]
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+    for path in shard_paths(out):
+        read_header(path)
+    extract(out, "--model", tiny, "--data", corpus, *SMALL, torchrun=2)
+    assert_close_runs(one_gpu, out)
+
+
+def test_two_one_gpu_nodes_give_the_samples_of_one_gpu(tiny, corpus, one_gpu, tmp_path):
+    out = tmp_path / "out"
+    nodes = start_nodes(out, "--model", tiny, "--data", corpus, *SMALL, env=dict(os.environ),
+                        node_env=[{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}])
+    for node in nodes:
+        _, stderr = node.communicate(timeout=600)
+        assert node.returncode == 0, stderr[-6000:]
+    assert_close_runs(one_gpu, out)
+    assert integrity.verify(out).problems == []
+
+
+def test_float32_on_cuda_is_refused_before_the_model_loads(tiny, tmp_path):
+    start = time.monotonic()
+    proc = subprocess.run(extract_command(tmp_path / "out", "--model", tiny, "--data", CORPUS, "--dtype", "float32"),
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode != 0 and "--dtype float32 does not run on CUDA" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - start < 60
+
+
+def test_tp2_llama3_8b_shaped_matches_hf_including_a_chunked_sample(tmp_path):
+    model = build_model("llama3_8b", tmp_path / "m", dtype=torch.bfloat16, device="cuda",
+                        overrides={"max_position_embeddings": 16384})
+    data = tmp_path / "corpus.jsonl"
+    long_ids = np.random.default_rng(1).integers(10, 380, 12000).tolist()
+    data.write_text(json.dumps({"id": "long-12k", "input_ids": long_ids}) + "\n" + CORPUS.read_text())
+    out = tmp_path / "out"
+    extract(out, "--model", model, "--data", data, "--tp", "2", "--verify", "4", "--max-length", "16384",
+            "--tokens-per-batch", "4096", torchrun=2)
+    rows = assert_verified(out, tp=2)
+    assert [r["hf_index"] for r in rows[:-1]] == [2, 16, 29]  # SGLang's default ids [1, 15, 28], plus one
+    samples = {info.id: t for info, t in iter_samples(out)}
+    assert samples["long-12k"]["aux_hidden_states"].shape == (12000, 3 * 4096)
