@@ -35,6 +35,13 @@ class Sample:
         return len(self.input_ids)
 
 
+def longest_loss_run(mask: np.ndarray) -> int:
+    """The most consecutive loss tokens in a mask."""
+    edges = np.diff(np.concatenate(([0], (mask != 0).astype(np.int8), [0])))
+    starts, stops = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    return int((stops - starts).max()) if len(starts) else 0
+
+
 class _Unusable(Exception):
     pass
 
@@ -59,7 +66,14 @@ class SampleTokenizer:
       with truncated=True lets the consumer count or drop such samples explicitly.
     """
 
-    def __init__(self, tokenizer, max_length: int, overlong: str = "truncate", trim_after_last_loss: bool = False):
+    def __init__(
+        self,
+        tokenizer,
+        max_length: int,
+        overlong: str = "truncate",
+        trim_after_last_loss: bool = False,
+        min_loss_run: int = 0,
+    ):
         if overlong not in OVERLONG_POLICIES:
             raise ValueError(f"overlong must be one of {OVERLONG_POLICIES}, got {overlong!r}")
         if max_length < 1:
@@ -70,6 +84,7 @@ class SampleTokenizer:
         self.max_length = max_length
         self.overlong = overlong
         self.trim_after_last_loss = trim_after_last_loss
+        self.min_loss_run = min_loss_run
         self.vocab_size = len(tokenizer)
         self._fingerprint: dict | None = None
 
@@ -109,6 +124,11 @@ class SampleTokenizer:
                 return Reject(record.source, record.line, record.index, record.id,
                               "no loss tokens left to keep (--trim-after-last-loss-token)", kind="skipped")
             ids, mask = ids[:keep], mask[:keep]
+        run = longest_loss_run(mask)
+        if run < self.min_loss_run:
+            return Reject(record.source, record.line, record.index, record.id,
+                          f"its longest run of consecutive loss tokens is {run}, fewer than --min-loss-run "
+                          f"{self.min_loss_run}", kind="skipped")
         return Sample(record.index, record.id, record.source, record.line, ids, mask, source_len, truncated)
 
     def _tokens(self, record: Record) -> tuple[np.ndarray, np.ndarray]:
