@@ -3,12 +3,21 @@
 
 \b
     python bin/export.py --format specforge OUT_DIR --to DEST
+    python bin/export.py --format speculators OUT_DIR --to DEST
 
 \b
 specforge: DEST/rows_{start}-{end}/data_{i}.ckpt, one torch.save dict per sample with input_ids [T]
-and loss_mask [T] (int64), hidden_state [1, T, H] and aux_hidden_state [1, T, k*H] (bf16), i counting
-samples in sample-index order; give DEST to SpecForge's offline EAGLE-3 training as its hidden-states
-path.
+and loss_mask [T] (int64) and, for an eagle3 run, hidden_state [1, T, H] and aux_hidden_state
+[1, T, k*H] (bf16); for a dflash run hidden_states [1, T, k*H]; for dspark also
+target_last_hidden_states [1, T, H]. i counts samples in sample-index order; give DEST to SpecForge's
+offline training as its hidden-states path. Needs the post-norm final state (the default).
+
+\b
+speculators: DEST is its training data directory: a datasets table (input_ids, loss_mask, seq_len),
+DEST/hidden_states/hs_{i}.safetensors (hidden_states [T, k+1, H], the final state last, and
+token_ids [T]) and DEST/token_freq.pt. Needs a run extracted with --final-state pre-norm: speculators
+applies the verifier's norm to that state itself.
+
 DEST/export_manifest.json maps i to sample ids. Rerunning the same export into DEST resumes it.
 """
 import _bin_path  # noqa: F401  (must come first: see its docstring)
@@ -24,11 +33,12 @@ from offline_extract.training.export import DEFAULT_ROWS_PER_FOLDER, FORMATS, Ex
               help="Destination directory: new, empty, or an interrupted export of the same data.")
 @click.option("--format", "format_", type=click.Choice(FORMATS), default="specforge", show_default=True)
 @click.option("--rows-per-folder", default=DEFAULT_ROWS_PER_FOLDER, show_default=True,
-              help="Samples per rows_{start}-{end} folder.")
+              help="Samples per rows_{start}-{end} folder (specforge).")
 @click.option("--no-progress", is_flag=True, help="No progress bar (e.g. for logs).")
 def main(out_dir, dest, format_, rows_per_folder, no_progress):
     try:
-        summary = export(format_, out_dir, dest, rows_per_folder=rows_per_folder, progress=not no_progress)
+        options = {"rows_per_folder": rows_per_folder} if format_ == "specforge" else {}
+        summary = export(format_, out_dir, dest, progress=not no_progress, **options)
     except (ShardError, ExportError) as e:
         raise click.ClickException(str(e)) from e
     skipped = f", {summary.samples_skipped} already there" if summary.samples_skipped else ""

@@ -75,13 +75,16 @@ def write_synthetic(
     num_aux: int = 3,
     shard_bytes: int = 1 << 30,
     seed: int = 0,
+    run: dict | None = None,
 ) -> list[Path]:
-    """Writes samples of the given lengths (ids "sample-{i}", random bf16 states) plus index.json."""
+    """Writes samples of the given lengths (ids "sample-{i}", random bf16 states) plus index.json; `run`
+    adds to (or overrides) the run metadata."""
     run = {
         "model": "synthetic",
         "layer_ids": list(range(num_aux)),
         "hidden_size": hidden_size,
         "dtype": "bfloat16",
+        **(run or {}),
     }
     gen = torch.Generator().manual_seed(seed)
     writer = ShardWriter(out_dir, run, shard_bytes=shard_bytes)

@@ -8,7 +8,9 @@ import torch
 
 from offline_extract.read_benchmark import write_synthetic
 from offline_extract.store.shards import ShardError, iter_samples
-from offline_extract.training.export import MANIFEST_NAME, ExportError, export_specforge, specforge_path
+from offline_extract.training.export import (
+    MANIFEST_NAME, ExportError, export_specforge, export_speculators, specforge_path, speculators_path,
+)
 
 SCRIPT = Path(__file__).resolve().parent.parent / "bin" / "export.py"
 K, H = 3, 16
@@ -118,3 +120,78 @@ def test_export_with_the_progress_bar(out_dir, tmp_path, capsys):
     summary = export_specforge(out_dir, tmp_path / "sf", progress=True)
     assert summary.samples_written == len(LENGTHS)
     assert "export" in capsys.readouterr().err
+
+
+@pytest.fixture
+def pre_norm_dir(tmp_path):
+    out = tmp_path / "pre"
+    write_synthetic(out, LENGTHS, hidden_size=H, num_aux=K, shard_bytes=10 * (K + 1) * H * 2, run={"final_state": "pre-norm"})
+    return out
+
+
+def test_speculators_export_is_what_its_trainer_reads(pre_norm_dir, tmp_path):
+    import datasets
+    from safetensors.torch import load_file
+
+    dest = tmp_path / "spec"
+    summary = export_speculators(pre_norm_dir, dest, progress=False)
+    assert (summary.samples_written, summary.samples_skipped) == (len(LENGTHS), 0)
+    table = datasets.load_from_disk(str(dest))
+    assert len(table) == len(LENGTHS) and table.format["type"] == "torch"
+    want = shard_samples(pre_norm_dir)
+    ids = json.loads((dest / MANIFEST_NAME).read_text())["ids"]
+    freq = torch.load(dest / "token_freq.pt", weights_only=True)
+    expected_freq: dict[int, int] = {}
+    for i, sample_id in enumerate(ids):
+        shard, row = want[sample_id], table[i]
+        assert row["input_ids"].dtype == row["loss_mask"].dtype == torch.int64
+        assert torch.equal(row["input_ids"], shard["input_ids"].long())
+        assert torch.equal(row["loss_mask"], shard["loss_mask"].long()) and int(row["seq_len"]) == LENGTHS[i]
+        hs = load_file(speculators_path(dest, i))
+        assert torch.equal(hs["token_ids"], row["input_ids"])
+        assert hs["hidden_states"].shape == (LENGTHS[i], K + 1, H) and hs["hidden_states"].dtype == torch.bfloat16
+        # What speculators' loader does with it: all but the last layer flattened, the last as the verifier's.
+        assert torch.equal(hs["hidden_states"][:, :-1].flatten(1), shard["aux_hidden_states"])
+        assert torch.equal(hs["hidden_states"][:, -1], shard["hidden_states"])
+        for t in shard["input_ids"][shard["loss_mask"].bool()].tolist():
+            expected_freq[t] = expected_freq.get(t, 0) + 1
+    assert freq == expected_freq
+    assert not (dest / ".datasets-cache").exists()
+
+    speculators_path(dest, 3).unlink()
+    again = export_speculators(pre_norm_dir, dest, progress=False)
+    assert (again.samples_written, again.samples_skipped) == (1, len(LENGTHS) - 1)
+    assert len(datasets.load_from_disk(str(dest))) == len(LENGTHS)
+
+
+def test_each_trainer_refuses_the_other_final_state(out_dir, pre_norm_dir, tmp_path):
+    with pytest.raises(ExportError, match="holds the post-norm final state, but speculators trains on the pre-norm"):
+        export_speculators(out_dir, tmp_path / "a", progress=False)
+    with pytest.raises(ExportError, match="--final-state post-norm"):
+        export_specforge(pre_norm_dir, tmp_path / "b", progress=False)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("recipe, keys", [
+    ("dflash", {"input_ids", "loss_mask", "hidden_states"}),
+    ("dspark", {"input_ids", "loss_mask", "hidden_states", "target_last_hidden_states"}),
+])
+def test_specforge_export_uses_each_recipes_keys(tmp_path, recipe, keys):
+    out = tmp_path / recipe
+    write_synthetic(out, LENGTHS[:3], hidden_size=H, num_aux=5, run={"recipe": recipe})
+    export_specforge(out, tmp_path / "sf", progress=False)
+    want = shard_samples(out)
+    for i in range(3):
+        data = torch.load(specforge_path(tmp_path / "sf", i), weights_only=True)
+        assert set(data) == keys
+        assert torch.equal(data["hidden_states"][0], want[f"sample-{i}"]["aux_hidden_states"])
+        if recipe == "dspark":
+            assert torch.equal(data["target_last_hidden_states"][0], want[f"sample-{i}"]["hidden_states"])
+    with pytest.raises(ExportError, match=f"--recipe {recipe}; speculators trains EAGLE-3"):
+        export_speculators(out, tmp_path / "spec", progress=False)
+
+
+def test_script_exports_to_speculators(pre_norm_dir, tmp_path):
+    done = run_script("--format", "speculators", pre_norm_dir, "--to", tmp_path / "spec", "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert len(list((tmp_path / "spec" / "hidden_states").glob("hs_*.safetensors"))) == len(LENGTHS)

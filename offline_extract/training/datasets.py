@@ -123,12 +123,12 @@ class _ShardHandles:
             self._open[shard] = entry
         return entry
 
-    def read(self, shard: int, row: int) -> dict[str, torch.Tensor]:
+    def read(self, shard: int, row: int, names=SAMPLE_TENSORS) -> dict[str, torch.Tensor]:
         handle, offsets = self._handle(shard)
         if row + 1 >= len(offsets):
             raise ShardError(f"{self._files[shard]} has {len(offsets) - 1} samples; row {row} was asked for")
         start, stop = offsets[row], offsets[row + 1]
-        item = {name: handle.get_slice(name)[start:stop].clone() for name in SAMPLE_TENSORS}
+        item = {name: handle.get_slice(name)[start:stop].clone() for name in names}
         item["input_ids"] = item["input_ids"].long()
         return item
 
@@ -160,6 +160,11 @@ class HiddenStateDataset(Dataset):
         item = self._handles.read(int(self.catalog.shard[i]), int(self.catalog.row[i]))
         item["id"] = self.catalog.ids[i]
         return item
+
+    def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Item i's input_ids and loss_mask alone, without reading its states."""
+        item = self._handles.read(int(self.catalog.shard[i]), int(self.catalog.row[i]), ("input_ids", "loss_mask"))
+        return item["input_ids"], item["loss_mask"]
 
     def index_of(self, sample_id: str) -> int:
         if self._position_of_id is None:

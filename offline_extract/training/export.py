@@ -3,38 +3,62 @@
 SpecForge (`--format specforge`): one torch.save file per sample,
 
     DEST/rows_{start}-{start + rows_per_folder}/data_{i}.ckpt
-        input_ids         int64    [T]
-        loss_mask         int64    [T]         (SpecForge builds its masks as int64)
-        hidden_state      bfloat16 [1, T, H]   (final post-norm state: SpecForge's training target)
-        aux_hidden_state  bfloat16 [1, T, k*H] (EAGLE-3 layers, ascending layer order)
+
+with the keys its offline reader takes for the run's recipe (SpecForge's data_preparation.md):
+
+    eagle3  input_ids int64 [T], loss_mask int64 [T] (SpecForge builds its masks as int64),
+            hidden_state bf16 [1, T, H] (the final post-norm state), aux_hidden_state bf16 [1, T, k*H]
+    dflash  input_ids, loss_mask, hidden_states bf16 [1, T, k*H] (the target layers side by side)
+    dspark  the dflash keys plus target_last_hidden_states bf16 [1, T, H] (the final post-norm state)
 
 where i counts samples from 0 in sample-index order, and folder rows_{start}-{end} holds i in
 [start, end). That is the layout SpecForge's scripts/prepare_hidden_states.py writes and its offline
 training reads; its loader walks DEST recursively for *.ckpt, so rows_per_folder only bounds directory
 sizes (SpecForge's default has been 2000 since its --file-group-size option; 5000 before).
 
-DEST also gets export_manifest.json (ignored by SpecForge, which reads only *.ckpt): the source
-directory, the run, and data_i's sample id at position i. An interrupted export resumes when rerun
-with the same source and rows_per_folder: every file is renamed into place complete, so existing
-ones are skipped.
+speculators (`--format speculators`), its offline training data directory:
+
+    DEST/                          a `datasets` dataset (save_to_disk; torch format) with one row per
+                                   sample: input_ids int64, loss_mask int64, seq_len
+    DEST/hidden_states/hs_{i}.safetensors
+        hidden_states  bf16 [T, k+1, H]  (the k layers in ascending order, then the final state)
+        token_ids      int64 [T]
+    DEST/token_freq.pt             {token id: count} over loss tokens, for its draft-vocabulary mapping
+
+speculators takes the last of the stacked states as the verifier's pre-norm state and applies the
+verifier's norm itself, so only a run extracted with --final-state pre-norm exports to it; SpecForge
+trains on the normed state, so only post-norm runs export there. Either mismatch is refused rather
+than silently producing a drafter trained on the wrong state.
+
+DEST also gets export_manifest.json (ignored by both trainers): the format, the source directory, the
+run, and sample i's id at position i. An interrupted export resumes when rerun with the same source
+and options: every per-sample file is renamed into place complete, so existing ones are skipped.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
+from safetensors.torch import save_file
 
 from offline_extract.progress import RunProgress
 from offline_extract.store.journal import load_json
 from offline_extract.store.shards import atomic_write
 from offline_extract.training.datasets import HiddenStateDataset
 
-FORMATS = ("specforge",)
+FORMATS = ("specforge", "speculators")
 MANIFEST_NAME = "export_manifest.json"
 DEFAULT_ROWS_PER_FOLDER = 2000
+# The final state each trainer trains on (see the module docstring).
+TRAINER_FINAL_STATE = {"specforge": "post-norm", "speculators": "pre-norm"}
+SPECULATORS_STATES_DIR = "hidden_states"
+SPECULATORS_TOKEN_FREQ = "token_freq.pt"
 
 
 class ExportError(ValueError):
@@ -54,14 +78,43 @@ def specforge_path(dest: str | os.PathLike, i: int, rows_per_folder: int = DEFAU
     return Path(dest) / f"rows_{start}-{start + rows_per_folder}" / f"data_{i}.ckpt"
 
 
-def specforge_record(item: dict) -> dict[str, torch.Tensor]:
-    """A reader item as SpecForge's per-sample dict; each tensor owns a storage of exactly its size."""
-    return {
-        "input_ids": item["input_ids"].to(torch.int64),
-        "loss_mask": item["loss_mask"].to(torch.int64),
-        "hidden_state": item["hidden_states"].unsqueeze(0),
-        "aux_hidden_state": item["aux_hidden_states"].unsqueeze(0),
-    }
+def specforge_record(item: dict, recipe: str = "eagle3") -> dict[str, torch.Tensor]:
+    """A reader item as SpecForge's per-sample dict for `recipe`; each tensor owns a storage of exactly
+    its size."""
+    record = {"input_ids": item["input_ids"].to(torch.int64), "loss_mask": item["loss_mask"].to(torch.int64)}
+    if recipe == "eagle3":
+        return {**record, "hidden_state": item["hidden_states"][None], "aux_hidden_state": item["aux_hidden_states"][None]}
+    record["hidden_states"] = item["aux_hidden_states"][None]
+    if recipe == "dspark":
+        record["target_last_hidden_states"] = item["hidden_states"][None]
+    return record
+
+
+def speculators_path(dest: str | os.PathLike, i: int) -> Path:
+    return Path(dest) / SPECULATORS_STATES_DIR / f"hs_{i}.safetensors"
+
+
+def speculators_record(item: dict) -> dict[str, torch.Tensor]:
+    """A reader item as speculators' per-sample states: layers stacked, the final state last."""
+    last = item["hidden_states"]
+    rows, hidden = last.shape
+    layers = item["aux_hidden_states"].reshape(rows, -1, hidden)
+    return {"hidden_states": torch.cat([layers, last[:, None]], dim=1), "token_ids": item["input_ids"].to(torch.int64)}
+
+
+def _check_final_state(format: str, run: dict, out_dir) -> None:
+    want, have = TRAINER_FINAL_STATE[format], run.get("final_state", "post-norm")
+    recipe = run.get("recipe", "eagle3")
+    if format == "speculators" and recipe != "eagle3":
+        raise ExportError(f"{out_dir} was extracted with --recipe {recipe}; speculators trains EAGLE-3 drafters "
+                          f"(export it with --format specforge)")
+    if have is None and format == "speculators":
+        raise ExportError(f"{out_dir} holds no final state, which speculators needs")
+    if have is not None and have != want:
+        raise ExportError(
+            f"{out_dir} holds the {have} final state, but {format} trains on the {want} one: a drafter trained on "
+            f"this export would be silently wrong. Re-extract with --final-state {want}."
+        )
 
 
 def _without_source(manifest: dict) -> dict:
@@ -77,13 +130,45 @@ def _prepare_dest(dest: Path, manifest: dict) -> None:
         if _without_source(earlier) == _without_source(manifest):
             return
         raise ExportError(
-            f"{dest} holds an export of different data or with a different rows_per_folder "
+            f"{dest} holds an export of different data, to another format or with other options "
             f"(see {manifest_path}); choose an empty destination"
         )
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ExportError(f"{dest} exists and is not an empty directory")
     dest.mkdir(parents=True, exist_ok=True)
     atomic_write(manifest_path, lambda tmp: tmp.write_text(json.dumps(manifest)))
+
+
+def _write_samples(
+    dataset: HiddenStateDataset, path_of: Callable[[int], Path], save: Callable[[dict, Path], None], progress: bool,
+    summary: "ExportSummary",
+) -> None:
+    """One file per sample, skipping those an earlier attempt wrote. Not fsynced per file (that would
+    dominate an export of millions of small files); the rename still means a reader or a resumed export
+    never sees a partial file."""
+    with RunProgress(lambda: len(dataset), "export", enabled=progress) as bar:
+        for i in range(len(dataset)):
+            path = path_of(i)
+            if path.exists():
+                summary.samples_skipped += 1
+                bar.advance(1, 0, summary.bytes_written)
+                continue
+            item = dataset[i]
+            path.parent.mkdir(exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp")
+            try:
+                save(item, tmp)
+                os.replace(tmp, path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            summary.samples_written += 1
+            summary.bytes_written += path.stat().st_size
+            bar.advance(1, len(item["input_ids"]), summary.bytes_written)
+
+
+def _manifest(format: str, out_dir, dataset: HiddenStateDataset, **options) -> dict:
+    return {"format": format, "source": str(Path(out_dir).resolve()), "run": dataset.run, **options, "ids": dataset.ids}
 
 
 def export_specforge(
@@ -97,44 +182,65 @@ def export_specforge(
     if rows_per_folder <= 0:
         raise ValueError(f"rows_per_folder must be positive, got {rows_per_folder}")
     dataset = HiddenStateDataset(out_dir)
+    _check_final_state("specforge", dataset.run, out_dir)
+    recipe = dataset.run.get("recipe", "eagle3")
     dest = Path(dest)
-    _prepare_dest(
-        dest,
-        {
-            "format": "specforge",
-            "source": str(Path(out_dir).resolve()),
-            "run": dataset.run,
-            "rows_per_folder": rows_per_folder,
-            "ids": dataset.ids,
-        },
-    )
+    _prepare_dest(dest, _manifest("specforge", out_dir, dataset, rows_per_folder=rows_per_folder))
     summary = ExportSummary(dest, 0, 0, 0)
-    with RunProgress(lambda: len(dataset), "export", enabled=progress) as bar:
+    _write_samples(
+        dataset, lambda i: specforge_path(dest, i, rows_per_folder),
+        lambda item, tmp: torch.save(specforge_record(item, recipe), tmp), progress, summary,
+    )
+    return summary
+
+
+def export_speculators(out_dir: str | os.PathLike, dest: str | os.PathLike, *, progress: bool = True) -> ExportSummary:
+    """Writes every sample of out_dir to dest as speculators' offline training data (see the module
+    docstring): the per-sample states first, then the token table and frequencies."""
+    import datasets
+
+    dataset = HiddenStateDataset(out_dir)
+    _check_final_state("speculators", dataset.run, out_dir)
+    dest = Path(dest)
+    _prepare_dest(dest, _manifest("speculators", out_dir, dataset))
+    summary = ExportSummary(dest, 0, 0, 0)
+    _write_samples(
+        dataset, lambda i: speculators_path(dest, i),
+        lambda item, tmp: save_file(speculators_record(item), tmp), progress, summary,
+    )
+    freq: Counter[int] = Counter()
+
+    def rows():
         for i in range(len(dataset)):
-            path = specforge_path(dest, i, rows_per_folder)
-            if path.exists():
-                summary.samples_skipped += 1
-                bar.advance(1, 0, summary.bytes_written)
-                continue
-            item = dataset[i]
-            path.parent.mkdir(exist_ok=True)
-            # Not fsynced per file (that would dominate an export of millions of small files); the
-            # rename still means a reader or a resumed export never sees a partial file.
-            tmp = path.with_name(f".{path.name}.tmp")
-            try:
-                torch.save(specforge_record(item), tmp)
-                os.replace(tmp, path)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
-            summary.samples_written += 1
-            summary.bytes_written += path.stat().st_size
-            bar.advance(1, len(item["input_ids"]), summary.bytes_written)
+            ids, mask = dataset.tokens(i)
+            freq.update(ids[mask.bool()].tolist())
+            yield {"input_ids": ids.numpy(), "loss_mask": mask.to(torch.int64).numpy(), "seq_len": len(ids)}
+
+    features = datasets.Features({
+        "input_ids": datasets.Sequence(datasets.Value("int64")),
+        "loss_mask": datasets.Sequence(datasets.Value("int64")),
+        "seq_len": datasets.Value("int64"),
+    })
+    # datasets builds the table in a cache first; ours lives and dies inside DEST.
+    cache = dest / ".datasets-cache"
+    bars = datasets.is_progress_bar_enabled()
+    if not progress:
+        datasets.disable_progress_bars()
+    try:
+        table = datasets.Dataset.from_generator(rows, features=features, cache_dir=str(cache))
+        table.set_format(type="torch")
+        table.save_to_disk(str(dest))
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+        if bars:
+            datasets.enable_progress_bars()
+    atomic_write(dest / SPECULATORS_TOKEN_FREQ, lambda tmp: torch.save(dict(freq), tmp))
     return summary
 
 
 def export(format: str, out_dir: str | os.PathLike, dest: str | os.PathLike, **options) -> ExportSummary:
     if format == "specforge":
         return export_specforge(out_dir, dest, **options)
+    if format == "speculators":
+        return export_speculators(out_dir, dest, **options)
     raise ValueError(f"unknown export format {format!r}; known: {', '.join(FORMATS)}")
-
