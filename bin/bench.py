@@ -61,14 +61,18 @@ def _command() -> str:
 def main(model, shape, load_format, dtype, tp, attention_backend, outs, lengths, mean_length, max_length, num_tokens,
          tokens_per_batch, chunk_tokens, chunk_sweep, warmup_batches, baseline_hf, disk_probe_gb, writers, results_dir,
          profile, profile_batches, single_gpu_results):
-    run_bench(BenchOptions(
+    options = BenchOptions(
         model=model, shape=shape, load_format=load_format, dtype=dtype, tp=tp, attention_backend=attention_backend,
         outs=tuple(outs), lengths=lengths, mean_length=mean_length, max_length=max_length, num_tokens=num_tokens,
         tokens_per_batch=tokens_per_batch, chunk_tokens=chunk_tokens,
         chunk_sweep=tuple(int(c) for c in chunk_sweep.split(",") if c), warmup_batches=warmup_batches, baseline_hf=baseline_hf,
         disk_probe_bytes=int(disk_probe_gb * (1 << 30)), writers=writers, results_dir=results_dir,
         profile=profile, profile_batches=profile_batches, single_gpu_results=tuple(single_gpu_results), command=_command(),
-    ))
+    )
+    try:
+        run_bench(options)
+    except ValueError as e:  # an option or the machine cannot give a measurement; the message says which
+        raise click.ClickException(str(e)) from e
 
 
 if __name__ == "__main__":

@@ -300,6 +300,8 @@ class _DiscardWriter:
 
 
 def run_bench(opts: BenchOptions) -> list[dict]:
+    if not torch.cuda.is_available():
+        raise ValueError("bin/bench.py times extraction on a GPU, but torch sees no CUDA GPU here")
     if opts.baseline_hf and opts.tp > 1:
         raise ValueError("--baseline-hf runs HF on one GPU; it cannot be combined with --tp > 1")
     layout = layout_from_env(opts.tp)

@@ -1,8 +1,12 @@
 """The CPU-checkable parts of bin/bench.py: its synthetic corpus, FLOP count and output classification."""
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
+from extract_runs import ROOT
 from transformers import AutoTokenizer
 
 from offline_extract.benchmarking import BenchOptions, attention_flops, model_flops_per_token, out_kind, synthetic_corpus
@@ -75,3 +79,11 @@ def test_out_kind_tells_tmpfs_from_disk(tmp_path):
     assert out_kind("/dev/shm/some/dir") == "tmpfs"
     assert out_kind("/proc/self") == "disk"  # not tmpfs: anything that is not RAM-backed counts as disk
     assert out_kind("/") == "disk"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what bin/bench.py says on a machine without a GPU")
+def test_bench_without_a_gpu_says_so_in_one_line():
+    proc = subprocess.run([sys.executable, str(ROOT / "bin" / "bench.py")], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "Error: bin/bench.py times extraction on a GPU, but torch sees no CUDA GPU here"
