@@ -163,6 +163,28 @@ def _tiny_qwen3_moe_config(vocab_size: int) -> dict:
     }
 
 
+def _tiny_glm4_moe_config(vocab_size: int) -> dict:
+    # GLM-4.5: biased q/k/v, q/k norms, RoPE on half of each head, a dense first layer, then sigmoid routing
+    # with the correction bias, a shared expert and the routed scaling factor, in one expert group.
+    return {
+        **_tiny_qwen3_config(vocab_size),
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        "partial_rotary_factor": 0.5,
+        "attention_bias": True,
+        "use_qk_norm": True,
+        "first_k_dense_replace": 1,
+        "moe_intermediate_size": 128,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+    }
+
+
 def _tiny_deepseek_v3_config(vocab_size: int) -> dict:
     # MLA with both LoRA ranks, interleaved RoPE under YaRN (whose mscale changes the softmax scale), grouped
     # sigmoid routing with the correction bias, shared experts, and dense first layers: every DeepSeek-V3
@@ -278,6 +300,7 @@ ARCHITECTURES = {
     "qwen3_moe": _tiny_qwen3_moe_config,
     "qwen2": _tiny_qwen2_config,
     "mistral": _tiny_mistral_config,
+    "glm4_moe": _tiny_glm4_moe_config,
     "deepseek_v3": _tiny_deepseek_v3_config,
     "kimi_k2": _tiny_kimi_k2_config,
     "llama3_8b": _llama3_8b_config,

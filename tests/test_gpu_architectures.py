@@ -26,6 +26,7 @@ GPU_MODELS = {
     "qwen2": {},
     "mistral": {},
     "qwen3_moe": {},
+    "glm4_moe": {},
     "deepseek_v3": {},
     "kimi_k2": {},
     "kimi_k25": {},
@@ -37,6 +38,7 @@ GPU_ARCHS = {
     "qwen2": ("qwen2", "qwen2"),
     "mistral": ("mistral", "mistral"),
     "qwen3_moe": ("qwen3_moe", "qwen3_moe"),
+    "glm4_moe": ("glm4_moe", "glm4_moe"),
     "deepseek_v3": ("deepseek_v3", "deepseek_v3"),
     "kimi_k25": ("kimi_k25", "kimi_k2"),
 }

@@ -175,6 +175,7 @@ _CAPTURE_RULES = {
     "LlamaForCausalLM": CaptureRule("llama.py:885", _PLUS_ONE, _ids_adding_one),
     "MistralForCausalLM": CaptureRule("llama.py:885 (inherited)", _PLUS_ONE, _ids_adding_one),
     "Qwen2ForCausalLM": CaptureRule("qwen2.py:747", _PLUS_ONE, _ids_adding_one),
+    "Glm4MoeForCausalLM": CaptureRule("glm4_moe.py:1446", _PLUS_ONE, _ids_adding_one),
     "Qwen3ForCausalLM": CaptureRule("qwen3.py:688", _PLUS_ONE, _ids_adding_one),
     "Qwen3MoeForCausalLM": CaptureRule(
         "qwen3_moe.py:1073, flags set in qwen2_moe.py:891", _PLUS_ONE, _ids_adding_one, in_layer_flags=True
