@@ -29,9 +29,9 @@ from offline_extract.data.batching import Batch, batch_by_tokens
 from offline_extract.data.corpus import Record
 from offline_extract.data.tokenization import Sample, SampleTokenizer
 from offline_extract.engine.distributed import Coordinator, Layout, layout_from_env
-from offline_extract.engine.offload import STORED_DTYPE
 from offline_extract.engine.sglang_adapter import Engine, EngineConfig
 from offline_extract.extraction import extract_batches, staging_buffers
+from offline_extract.store.schema import bytes_per_token, state_widths
 from offline_extract.store.shards import ShardWriter
 from offline_extract.tiny_model import TRAINING_TEXT, build_model
 
@@ -347,7 +347,7 @@ def run_bench(opts: BenchOptions) -> list[dict]:
         torch.cuda.reset_peak_memory_stats()
         run_meta = {"model": str(model_dir), "layer_ids": list(engine.layer_ids), "benchmark": True}
 
-        widths = (len(engine.layer_ids) * engine.hidden_size, engine.hidden_size)
+        widths = state_widths(len(engine.layer_ids), engine.hidden_size)
 
         def writer(name: str) -> ShardWriter | None:
             # Created before the clock starts, as a run creates it before its first batch.
@@ -367,7 +367,7 @@ def run_bench(opts: BenchOptions) -> list[dict]:
         w = writer("shards")
         extract_s = _timed(coord, lambda: extract(timed, w), clock)
         total_tokens = sum(coord.all_gather(tokens))
-        row_bytes = (len(engine.layer_ids) + 1) * engine.hidden_size * STORED_DTYPE.itemsize + 4 + 1
+        row_bytes = sum(bytes_per_token(widths).values())
         results.append({
             "command": opts.command,
             "device": torch.cuda.get_device_name(),

@@ -27,11 +27,12 @@ from offline_extract.data.tokenization import Sample, SampleTokenizer
 from offline_extract.engine import parity
 from offline_extract.engine.distributed import Coordinator, Layout, layout_from_env
 from offline_extract.engine.nonfinite import NonFiniteError, NonFiniteGuard, batch_flag
-from offline_extract.engine.offload import STORED_DTYPE, HostOffload, pinned_buffers
+from offline_extract.engine.offload import HostOffload, pinned_buffers
 from offline_extract.engine.sglang_adapter import FINAL_STATES, LAYER_CONVENTION, Engine, EngineConfig
 from offline_extract.progress import RunProgress
 from offline_extract.store import manifest, resume
 from offline_extract.store.journal import Journal, read_journal
+from offline_extract.store.schema import STATE_DTYPE, state_widths
 from offline_extract.store.shards import SampleInfo, ShardWriter, atomic_write, write_index
 
 REJECTS_FILE = "rejects.jsonl"
@@ -173,7 +174,7 @@ def run_metadata(opts: ExtractOptions, model: preflight.Model, engine: Engine, t
         "sglang_capture_points": list(engine.capture_points),
         "num_layers": engine.num_layers,
         "hidden_size": engine.hidden_size,
-        "dtype": str(STORED_DTYPE).removeprefix("torch."),
+        "dtype": str(STATE_DTYPE).removeprefix("torch."),
         "compute_dtype": engine.dtype,
         "attention_backend": engine.attention_backend,
         "tp_size": opts.tp,
@@ -263,7 +264,7 @@ def extract_batches(
 
 
 def staging_buffers(engine: Engine) -> list:
-    widths = (len(engine.layer_ids) * engine.hidden_size, engine.hidden_size)
+    widths = state_widths(len(engine.layer_ids), engine.hidden_size)
     return pinned_buffers(engine.device, engine.max_sequence_tokens, widths)
 
 
@@ -422,7 +423,7 @@ def _run(
                 on_written=lambda shard: shard_log.append(asdict(shard)),
                 # On a GPU the first shards would otherwise fill fresh pages on the hot path; on CPU
                 # (tiny models, tests) that memory would mostly sit unused.
-                widths=(len(engine.layer_ids) * engine.hidden_size, engine.hidden_size) if on_gpu else None,
+                widths=state_widths(len(engine.layer_ids), engine.hidden_size) if on_gpu else None,
             )
 
         def found_nonfinite(sample: Sample, reason: str) -> None:

@@ -12,11 +12,10 @@ from pathlib import Path
 from offline_extract.data.corpus import BadRecordError, Record, read_corpus
 from offline_extract.data.tokenization import Sample, SampleTokenizer
 from offline_extract.progress import human_bytes
+from offline_extract.store.schema import SAMPLE_ROW_BYTES, STATE_TENSORS, TENSORS, bytes_per_token, state_widths
 
-# Bytes per token besides the hidden states: int32 input_ids and uint8 loss_mask.
-_TOKEN_BYTES = {"input_ids": 4, "loss_mask": 1}
-# Per sample: an int64 offset and an int64 sample index, plus its metadata entry (about 150 bytes of JSON).
-_SAMPLE_BYTES = 16 + 150
+# Per sample: its rows of offsets and sample_index, plus its metadata entry (about 150 bytes of JSON).
+_SAMPLE_BYTES = SAMPLE_ROW_BYTES + 150
 
 
 @dataclass(frozen=True)
@@ -58,12 +57,10 @@ def plan(
             raise BadRecordError(item)
         else:
             rejected += 1
-    sizes = {
-        "aux_hidden_states": tokens * num_aux_layers * hidden_size * 2,
-        "hidden_states": tokens * hidden_size * 2,
-        **{name: tokens * n for name, n in _TOKEN_BYTES.items()},
-        "offsets, sample_index, metadata": samples * _SAMPLE_BYTES,
-    }
+    per_token = bytes_per_token(state_widths(num_aux_layers, hidden_size))
+    # The hidden states first: they are nearly all of it.
+    sizes = {name: tokens * per_token[name] for name in sorted(per_token, key=lambda n: n not in STATE_TENSORS)}
+    sizes[", ".join(t.name for t in TENSORS if not t.per_token) + ", metadata"] = samples * _SAMPLE_BYTES
     existing = Path(out)
     while not existing.exists():
         existing = existing.parent

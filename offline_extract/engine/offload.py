@@ -13,11 +13,10 @@ from typing import Callable
 
 import torch
 
+from offline_extract.store.schema import STATE_DTYPE
 
 # Called with whatever the caller submitted as its batch, then the host copies of aux and last.
 Consumer = Callable[[object, torch.Tensor, torch.Tensor], None]
-
-STORED_DTYPE = torch.bfloat16
 
 
 def pinned_buffers(device: torch.device | str, max_tokens: int, widths: tuple[int, ...], depth: int = 3) -> list:
@@ -25,7 +24,7 @@ def pinned_buffers(device: torch.device | str, max_tokens: int, widths: tuple[in
     takes about 0.1 s. On CPU there is nothing to stage, only the depth to bound."""
     if torch.device(device).type != "cuda":
         return [None] * depth
-    return [tuple(torch.empty(max_tokens, w, dtype=STORED_DTYPE, pin_memory=True) for w in widths) for _ in range(depth)]
+    return [tuple(torch.empty(max_tokens, w, dtype=STATE_DTYPE, pin_memory=True) for w in widths) for _ in range(depth)]
 
 
 class HostOffload:
@@ -48,7 +47,7 @@ class HostOffload:
         self._raise_error()
         buffers = self._free.get()
         if not self._cuda:
-            self._ready.put((batch, None, (aux.to(STORED_DTYPE), last.to(STORED_DTYPE)), buffers))
+            self._ready.put((batch, None, (aux.to(STATE_DTYPE), last.to(STATE_DTYPE)), buffers))
             return
         t = aux.shape[0]
         self._stream.wait_stream(torch.cuda.current_stream(self._device))

@@ -19,7 +19,8 @@ from rich.table import Table
 from rich.text import Text
 
 from offline_extract.store.journal import load_json
-from offline_extract.store.shards import INDEX_NAME, Shard, ShardError, open_shard, read_header, shard_paths
+from offline_extract.store.schema import INDEX_NAME, ShardError
+from offline_extract.store.shards import Shard, open_shard, read_header, shard_paths
 
 # Upper bound on the float32 copy of one chunk of rows; the float64 reduction temporaries double it.
 CHUNK_BYTES = 256 << 20

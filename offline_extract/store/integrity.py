@@ -14,16 +14,8 @@ from safetensors import safe_open
 
 from offline_extract.store import manifest
 from offline_extract.store.journal import load_json
-from offline_extract.store.shards import INDEX_NAME, ShardError, ShardHeader, read_header, shard_paths
-
-DTYPES = {
-    "input_ids": "I32",
-    "loss_mask": "U8",
-    "aux_hidden_states": "BF16",
-    "hidden_states": "BF16",
-    "offsets": "I64",
-    "sample_index": "I64",
-}
+from offline_extract.store.schema import INDEX_NAME, TENSORS, ShardError
+from offline_extract.store.shards import ShardHeader, read_header, shard_paths
 
 
 @dataclass
@@ -93,24 +85,15 @@ def _check_shard(path: Path, recorded: dict | None) -> tuple[ShardHeader | None,
         return None, [str(e)]
     name, shapes, run = path.name, header.shapes, header.run
     problems = [
-        f"{name}: {tensor} is {dtypes.get(tensor)}, expected {dtype}"
-        for tensor, dtype in DTYPES.items()
-        if dtypes.get(tensor) != dtype
+        f"{name}: {t.name} is {dtypes.get(t.name)}, expected {t.safetensors_dtype}"
+        for t in TENSORS
+        if dtypes.get(t.name) != t.safetensors_dtype
     ]
-    tokens, n = header.num_tokens, len(header.samples)
-    hidden = run.get("hidden_size")
-    width = len(run.get("layer_ids", [])) * hidden if hidden else None
-    expected = {
-        "input_ids": (tokens,),
-        "loss_mask": (tokens,),
-        "aux_hidden_states": (tokens, width),
-        "hidden_states": (tokens, hidden),
-        "offsets": (n + 1,),
-        "sample_index": (n,),
-    }
-    for tensor, shape in expected.items():
-        if len(shapes[tensor]) != len(shape) or any(w is not None and w != s for w, s in zip(shape, shapes[tensor])):
-            problems.append(f"{name}: {tensor} has shape {list(shapes[tensor])}, expected {list(shape)}")
+    tokens, n, k = header.num_tokens, len(header.samples), len(run.get("layer_ids", []))
+    for t in TENSORS:
+        shape, found = t.shape(tokens, n, k, run.get("hidden_size") or None), shapes[t.name]
+        if len(found) != len(shape) or any(w is not None and w != s for w, s in zip(shape, found)):
+            problems.append(f"{name}: {t.name} has shape {list(found)}, expected {list(shape)}")
     if offsets[:1] != [0] or offsets[-1:] != [tokens] or any(a > b for a, b in zip(offsets, offsets[1:])):
         problems.append(f"{name}: offsets do not rise from 0 to its {tokens} tokens")
     if sample_index != [s.index for s in header.samples]:

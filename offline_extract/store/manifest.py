@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Sequence
 
 from offline_extract.store.journal import load_json, read_journal
+from offline_extract.store.schema import FORMAT_VERSION
 from offline_extract.store.shards import atomic_write, read_header, shard_number, shard_paths
 
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = 1
 JOURNAL_GLOB = ".manifest.dp*.jsonl"
 # The run facts that decide every sample's bytes. Topology (DP, TP, batch budget, attention backend)
 # is left out on purpose: a run may finish on different hardware than it started on.

@@ -1,17 +1,5 @@
-"""Shards of extracted hidden states: writing, reading, and the per-directory index.
-
-A shard is one safetensors file holding many samples concatenated along the token axis:
-
-    input_ids          int32    [T]
-    loss_mask          uint8    [T]
-    aux_hidden_states  bfloat16 [T, k*H]   (EAGLE-3 layers, ascending layer order)
-    hidden_states      bfloat16 [T, H]     (final post-norm state)
-    offsets            int64    [n+1]      (sample i is rows offsets[i]:offsets[i+1])
-    sample_index       int64    [n]        (record index of each sample in the corpus)
-
-The safetensors metadata key ``"offline_extract"`` holds a JSON document with the format version, the
-run dict given to the writer (stored verbatim), and one entry per sample (see `SampleInfo`).
-"""
+"""Shards of extracted hidden states (laid out as `schema` says): writing, reading, and the per-directory
+index."""
 from __future__ import annotations
 
 import hashlib
@@ -30,29 +18,25 @@ import torch
 from safetensors import safe_open
 
 from offline_extract.store.journal import naming_errors
+from offline_extract.store.schema import (
+    FILE_ORDER,
+    FORMAT_VERSION,
+    INDEX_NAME,
+    METADATA_KEY,
+    SAFETENSORS_DTYPES,
+    SAMPLE_TENSORS,
+    SHARD_GLOB,
+    SPECS,
+    STATE_TENSORS,
+    TENSORS,
+    SampleInfo,
+    ShardError,
+    state_bytes_per_token,
+)
 
-FORMAT_VERSION = 1
-METADATA_KEY = "offline_extract"
-INDEX_NAME = "index.json"
-SHARD_GLOB = "shard_*.safetensors"
-SAMPLE_TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states")
 # Shards from different runs must never be indexed together; these run keys identify a run's output
 # (by content: the same model resumed from another mount point is still the same model).
 RUN_KEYS_THAT_MUST_AGREE = ("config_sha256", "weights", "layer_ids")
-
-
-class ShardError(ValueError):
-    """A shard or shard directory is malformed, inconsistent, or does not contain what was asked for."""
-
-
-@dataclass(frozen=True)
-class SampleInfo:
-    index: int
-    id: str
-    source: str
-    line: int
-    source_len: int
-    truncated: bool
 
 
 def shard_name(number: int) -> str:
@@ -93,12 +77,6 @@ def atomic_write(final: Path, write):
     return result
 
 
-# safetensors dtype codes of the tensors a shard holds.
-_DTYPE_CODES = {torch.int64: "I64", torch.int32: "I32", torch.bfloat16: "BF16", torch.uint8: "U8"}
-# File order: 8-byte types first so every tensor starts aligned to its element size for zero-copy mmap.
-_FILE_ORDER = ("offsets", "sample_index", "input_ids", "aux_hidden_states", "hidden_states", "loss_mask")
-
-
 def _serialize(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
     """Write a safetensors file straight from the tensors' memory, without an intermediate bytes copy,
     and return the file's sha256, hashed from memory on the way so the file is never read back.
@@ -108,10 +86,10 @@ def _serialize(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str,
     """
     header: dict = {"__metadata__": metadata}
     offset = 0
-    for name in _FILE_ORDER:
+    for name in FILE_ORDER:
         t = tensors[name]
         size = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPE_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
@@ -126,7 +104,7 @@ def _serialize(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str,
 
         put(len(blob).to_bytes(8, "little"))
         put(blob)
-        for name in _FILE_ORDER:
+        for name in FILE_ORDER:
             t = tensors[name].contiguous()
             if t.numel():
                 put(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
@@ -142,11 +120,10 @@ class _ShardBuffer:
 
     def __init__(self, widths: tuple[int, int], tokens: int):
         self.widths = widths
+        width = dict(zip(STATE_TENSORS, widths))
         self.tensors = {
-            "input_ids": torch.empty(tokens, dtype=torch.int32),
-            "loss_mask": torch.empty(tokens, dtype=torch.uint8),
-            "aux_hidden_states": torch.empty(tokens, widths[0], dtype=torch.bfloat16),
-            "hidden_states": torch.empty(tokens, widths[1], dtype=torch.bfloat16),
+            name: torch.empty((tokens, width[name]) if name in width else (tokens,), dtype=SPECS[name].dtype)
+            for name in SAMPLE_TENSORS
         }
         self.clear()
 
@@ -174,8 +151,8 @@ class _ShardBuffer:
 
     def contents(self) -> dict[str, torch.Tensor]:
         out = {name: t[: self.tokens] for name, t in self.tensors.items()}
-        out["offsets"] = torch.tensor(np.cumsum([0, *self.lengths]), dtype=torch.int64)
-        out["sample_index"] = torch.tensor([s.index for s in self.samples], dtype=torch.int64)
+        out["offsets"] = torch.tensor(np.cumsum([0, *self.lengths]), dtype=SPECS["offsets"].dtype)
+        out["sample_index"] = torch.tensor([s.index for s in self.samples], dtype=SPECS["sample_index"].dtype)
         return out
 
 
@@ -193,7 +170,7 @@ class WrittenShard:
 class ShardWriter:
     """Assembles batches of extracted samples into shards of about `shard_bytes` and writes them.
 
-    A shard is closed as soon as its hidden-state bytes (aux + last, bf16) reach `shard_bytes`, so it
+    A shard is closed as soon as its hidden-state bytes (aux + last, as stored) reach `shard_bytes`, so it
     exceeds that size by less than one sample; samples are never split across shards. `add_batch` copies
     its input into a shard buffer and returns, so callers may reuse their (pinned) staging memory at once.
     Complete shards are written by `writers` threads in parallel, each file sequentially; at most
@@ -252,7 +229,7 @@ class ShardWriter:
             self._free.put(buf)
 
     def _new_buffer(self) -> _ShardBuffer:
-        row_bytes = (self._widths[0] + self._widths[1]) * 2
+        row_bytes = state_bytes_per_token(self._widths)
         return _ShardBuffer(self._widths, max(1, -(-self.shard_bytes // row_bytes)))
 
     def add_batch(
@@ -285,7 +262,7 @@ class ShardWriter:
             "hidden_states": _as_tensor(last),
         }
         for name, t in tensors.items():
-            want_dims = 1 if name in ("input_ids", "loss_mask") else 2
+            want_dims = 1 if SPECS[name].cols is None else 2
             if t.dim() != want_dims or t.shape[0] != total:
                 raise ShardError(
                     f"{name} has shape {tuple(t.shape)}; expected {want_dims} dims with "
@@ -298,7 +275,7 @@ class ShardWriter:
             self._widths = widths
         elif widths != self._widths:
             raise ShardError(f"(aux width, hidden size) changed from {self._widths} to {widths}")
-        row_bytes = (widths[0] + widths[1]) * 2
+        row_bytes = state_bytes_per_token(widths)
 
         first_sample = first_row = row = 0
         for i, n in enumerate(lengths):
@@ -416,7 +393,7 @@ def read_header(path: str | os.PathLike) -> ShardHeader:
         if isinstance(e, ShardError):
             raise
         raise ShardError(f"{path} has damaged {METADATA_KEY!r} metadata: {e!r}") from e
-    missing = [n for n in (*SAMPLE_TENSORS, "offsets", "sample_index") if n not in shapes]
+    missing = [t.name for t in TENSORS if t.name not in shapes]
     if missing:
         raise ShardError(f"{path} lacks tensors {missing}")
     return ShardHeader(path, run, samples, shapes)

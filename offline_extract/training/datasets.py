@@ -33,7 +33,8 @@ from safetensors import safe_open
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from offline_extract.store.journal import load_json
-from offline_extract.store.shards import FORMAT_VERSION, INDEX_NAME, SAMPLE_TENSORS, ShardError, scan, shard_paths
+from offline_extract.store.schema import FORMAT_VERSION, INDEX_NAME, SAMPLE_TENSORS, ShardError
+from offline_extract.store.shards import scan, shard_paths
 
 
 @dataclass
