@@ -3,10 +3,12 @@ ModelRunner per process). Run by test_architectures.py and test_gpu_architecture
 writes a JSON report.
 
     python tests/arch_parity.py MODEL_DIR --out report.json [--hf-reference DIR] [--device cuda --dtype bfloat16
-        --attention-backend triton] [--layer-sets "0,3,6;1,2;2,5;0"]
+        --attention-backend triton] [--layer-sets "0,3,6;1,2;2,5;0"] [--forced-routing]
 
 The engine starts with SGLang's default layer ids; each --layer-sets entry then re-points the running
 engine's capture and is compared against HF again, so every id mapping is checked on the same weights.
+--forced-routing (MoE models) also compares the default ids against HF routed to the experts the engine
+chose (`parity.ForcedRouting`), and reports per MoE layer how often HF's own choice differs.
 """
 import argparse
 import json
@@ -41,14 +43,38 @@ def _route_mla_prefill_to_absorbed_path() -> None:
     AttentionBackendRegistry.register("torch_native", _dispatch_mla_subtype)
 
 
-def _compare(engine, captured, seqs, hf_states):
-    """Each captured state against HF through the product's own parity gate (rows as it records them)."""
+def _compare(engine, captured, seqs, hf_states, moe=None):
+    """Each captured state against HF through the product's own parity gate (rows as it records them); moe
+    overrides which of the gate's rules applies."""
     bounds = np.cumsum([0, *map(len, seqs)])
     pairs = (
         (captured.aux[a:b].cpu(), captured.last[a:b].cpu(), hs) for a, b, hs in zip(bounds, bounds[1:], hf_states)
     )
-    rows = parity.compare_states(pairs, engine.layer_ids, engine.dtype, moe=engine.is_moe)
+    rows = parity.compare_states(pairs, engine.layer_ids, engine.dtype, moe=engine.is_moe if moe is None else moe)
     return [r.to_json() for r in rows]
+
+
+def _forced_routing(engine, hf, captured, seqs, chosen) -> dict:
+    """The engine's states against HF sent to the engine's experts, sequence by sequence."""
+    bounds = np.cumsum([0, *map(len, seqs)])
+    if any(len(ids) != 1 or len(ids[0]) != bounds[-1] for ids in chosen.values()):
+        raise RuntimeError(f"expected one routing of {bounds[-1]} tokens per MoE layer, got "
+                           f"{ {layer: [tuple(t.shape) for t in ids] for layer, ids in chosen.items()} }")
+    forcing = parity.ForcedRouting(hf)
+    device = next(hf.parameters()).device
+    try:
+        forced_states = []
+        for a, b, s in zip(bounds, bounds[1:], seqs):
+            forcing.set({layer: ids[0][a:b] for layer, ids in chosen.items()})
+            forced_states.append([h.float().cpu() for h in parity.hf_hidden_states(hf, s.tolist(), device)])
+    finally:
+        forcing.remove()
+    return {
+        "moe_layers": sorted(chosen),
+        "routing": [forcing.layers[layer].to_json() for layer in sorted(forcing.layers)],
+        # With the experts aligned, judged as a dense model is: every token.
+        "rows": _compare(engine, captured, seqs, forced_states, moe=False),
+    }
 
 
 def main() -> None:
@@ -60,6 +86,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--layer-sets", default="", help="';'-separated comma lists of layer ids to re-point capture to")
+    ap.add_argument("--forced-routing", action="store_true", help="also compare against HF routed like the engine")
     args = ap.parse_args()
 
     report = {"model": args.model, "device": args.device, "dtype": args.dtype}
@@ -79,12 +106,18 @@ def main() -> None:
         )
         rng = np.random.default_rng(0)
         seqs = [rng.integers(6, 380, n).astype(np.int32) for n in LENGTHS]  # inside the tiny tokenizer's vocab
+        if args.forced_routing:
+            with engine.recording_routing() as chosen:
+                captured = engine.forward(seqs)
+        else:
+            captured = engine.forward(seqs)
         hf = parity.load_hf_model(args.hf_reference or args.model, args.dtype, args.device)
         device = next(hf.parameters()).device
         hf_states = [[h.float().cpu() for h in parity.hf_hidden_states(hf, s.tolist(), device)] for s in seqs]
+        if args.forced_routing:
+            report["forced_routing"] = _forced_routing(engine, hf, captured, seqs, chosen)
         del hf
 
-        captured = engine.forward(seqs)
         # Bare prefill must turn capture fully off, and capture must come back unchanged after it.
         report["bare_prefill_returned"] = engine.forward(seqs, capture=False) is not None
         again = engine.forward(seqs)

@@ -7,8 +7,9 @@ mismatch stops the run before any GPU time is spent on extraction.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import asdict, dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -159,3 +160,96 @@ def check(rows: Sequence[LayerParity], dtype: str, num_samples: int, moe: bool =
             f"parity gate failed on {num_samples} samples in {dtype} (required: {criterion(dtype, moe)}):\n{lines}\n"
             f"The extracted states do not match HF transformers; refusing to write training data."
         )
+
+
+# HF transformers' sparse MoE blocks, by class, and how each turns router logits into expert scores. Both
+# then take the chosen experts' scores, renormalize them when the config's norm_topk_prob is set, and scale
+# them by routed_scaling_factor where the block has one (DeepSeek).
+_HF_EXPERT_SCORES = {
+    "Qwen3MoeSparseMoeBlock": lambda logits: torch.softmax(logits.float(), dim=-1),
+    "DeepseekV3MoE": lambda logits: logits.sigmoid(),
+}
+
+
+@dataclass
+class LayerRouting:
+    layer: int  # decoder layer index
+    tokens: int = 0
+    # Tokens whose experts, as HF's own router picks them, differ from the forced ones.
+    disagreements: int = 0
+    # Where HF's own choice is the forced one, how far the weights computed here are from HF's own: zero up to
+    # rounding shows that forcing computes what HF's router computes.
+    weight_max_abs_diff: float = 0.0
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "disagreement_rate": self.disagreements / max(self.tokens, 1)}
+
+
+class ForcedRouting:
+    """HF's MoE blocks made to send every token to given experts: the engine's choice, so that two stacks
+    whose bf16 router scores nearly tie for some token are compared on the same experts.
+
+    The choice is the only thing replaced. The weights of the forced experts come from HF's own router
+    logits through HF's own scoring (softmax, or sigmoid; renormalization; routed_scaling_factor), and each
+    block still records what HF would have chosen, so a routing that differs by more than near-ties
+    (a wrong correction bias or grouping) shows as a high disagreement rate. Hooks stay until `remove`.
+    """
+
+    def __init__(self, hf_model):
+        self._normalize = bool(getattr(hf_model.config, "norm_topk_prob", False))
+        self._forced: Mapping[int, torch.Tensor] = {}
+        self.layers: dict[int, LayerRouting] = {}
+        self._handles = []
+        for name, block in hf_model.named_modules():
+            score = _HF_EXPERT_SCORES.get(type(block).__name__)
+            if score is None:
+                continue
+            layer = int(re.search(r"layers\.(\d+)\.", name).group(1))
+            self.layers[layer] = LayerRouting(layer)
+            logits: dict = {}
+            self._handles += [
+                block.gate.register_forward_hook(
+                    lambda m, args, out, logits=logits: logits.update(last=out[0] if isinstance(out, tuple) else out)
+                ),
+                block.experts.register_forward_pre_hook(
+                    lambda m, args, block=block, layer=layer, logits=logits, score=score: self._force(
+                        block, layer, score(logits.pop("last")), args
+                    )
+                ),
+            ]
+        if not self.layers:
+            raise ValueError(
+                f"{type(hf_model).__name__} has no MoE block whose routing can be forced (known: {', '.join(_HF_EXPERT_SCORES)})"
+            )
+
+    def set(self, experts: Mapping[int, torch.Tensor]) -> None:
+        """The experts of the next forward's tokens: {decoder layer: [T, experts per token]}."""
+        missing = sorted(set(self.layers) - set(experts))
+        if missing:
+            raise ValueError(f"no forced experts for MoE layers {missing}")
+        self._forced = experts
+
+    def _force(self, block, layer: int, scores: torch.Tensor, args: tuple) -> tuple:
+        hidden, own_ids, own_weights = args
+        forced = self._forced[layer].to(own_ids.device)
+        if forced.shape != own_ids.shape:
+            raise ValueError(f"layer {layer}: forced experts {tuple(forced.shape)}, HF routes {tuple(own_ids.shape)}")
+        weights = scores.gather(1, forced)
+        if self._normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = (weights * getattr(block, "routed_scaling_factor", 1.0)).to(own_weights.dtype)
+
+        stats = self.layers[layer]
+        own_order, forced_order = own_ids.sort(dim=-1), forced.sort(dim=-1)
+        same = (own_order.values == forced_order.values).all(dim=-1)
+        stats.tokens += len(same)
+        stats.disagreements += int((~same).sum())
+        if same.any():
+            ours = weights.gather(1, forced_order.indices)[same].float()
+            theirs = own_weights.gather(1, own_order.indices)[same].float()
+            stats.weight_max_abs_diff = max(stats.weight_max_abs_diff, (ours - theirs).abs().max().item())
+        return hidden, forced, weights
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()

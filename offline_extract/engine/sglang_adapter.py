@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 import types
 from array import array
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -341,9 +343,12 @@ class Engine:
         self.num_layers = mc.hf_text_config.num_hidden_layers
         self.hidden_size = mc.hf_text_config.hidden_size
         # Routed experts under any of the names the supported configs use.
-        self.is_moe = any(
-            getattr(mc.hf_text_config, key, None) for key in ("num_experts", "n_routed_experts", "num_local_experts")
+        self._routed_experts = next(
+            (getattr(mc.hf_text_config, key) for key in ("num_experts", "n_routed_experts", "num_local_experts")
+             if getattr(mc.hf_text_config, key, None)), 0,
         )
+        self._experts_per_token = getattr(mc.hf_text_config, "num_experts_per_tok", 0)
+        self.is_moe = self._routed_experts > 0
         self.dtype = str(mc.dtype).removeprefix("torch.")
         self.layer_ids = self._configure_capture(model, cfg.layer_ids)
         self._logits_processor = self._capture_lm.logits_processor
@@ -386,6 +391,46 @@ class Engine:
         route_capture(self._capture_lm, self._capture_rule, self.capture_points if on else [])
         self._capture_lm.logits_processor = self._capture if on else self._logits_processor
         self._capturing = on
+
+    @contextmanager
+    def recording_routing(self):
+        """Record the routed experts SGLang picks for every token, per MoE layer, while the block runs.
+
+        Yields {decoder layer index: [ids of each forward, [T, experts per token] int64 on the CPU, each row
+        sorted]}. The engine computes exactly as without recording: the hook only reads SGLang's top-k output.
+        """
+        from sglang.srt.layers.moe.topk import TopK
+
+        chosen: dict[int, list[torch.Tensor]] = {}
+        k, routed = self._experts_per_token, self._routed_experts
+
+        def record(layer: int, output) -> None:
+            ids = getattr(output, "topk_ids", None)
+            if ids is None:
+                raise RuntimeError(
+                    f"SGLang's MoE runner routes inside its kernel here ({type(output).__name__}), so the experts "
+                    f"chosen at layer {layer} cannot be read"
+                )
+            # A shared expert fused into the routed kernel shows up as an extra column with an id past the
+            # routed experts; sorting puts it last.
+            ids = ids.sort(dim=-1).values
+            if ids.shape[1] < k or bool((ids[:, :k] >= routed).any()):
+                raise RuntimeError(f"SGLang's top-k at layer {layer} returned ids {tuple(ids.shape)} outside "
+                                   f"{routed} routed experts x {k} per token")
+            chosen.setdefault(layer, []).append(ids[:, :k].long().cpu())
+
+        handles = []
+        for name, module in self.runner.model.named_modules():
+            if isinstance(module, TopK):
+                layer = int(re.search(r"layers\.(\d+)\.", name).group(1))
+                handles.append(module.register_forward_hook(lambda m, args, out, layer=layer: record(layer, out)))
+        if not handles:
+            raise RuntimeError(f"{self.architecture} has no SGLang TopK module: it is not a mixture of experts")
+        try:
+            yield chosen
+        finally:
+            for h in handles:
+                h.remove()
 
     def forward(self, seqs: Sequence[np.ndarray], capture: bool = True) -> Captured | None:
         """Prefill `seqs` as one EXTEND batch. With capture, return their states (still on the device).
