@@ -185,6 +185,37 @@ def _tiny_glm4_moe_config(vocab_size: int) -> dict:
     }
 
 
+def _tiny_gpt_oss_config(vocab_size: int) -> dict:
+    # GPT-OSS: attention sinks, sliding-window layers (a 16-token window, so the test's longer requests
+    # cross it) alternating with full ones, YaRN RoPE, biased attention and experts with the clamped SwiGLU,
+    # written as the released config.json writes them.
+    return {
+        **_tiny_qwen3_config(vocab_size),
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "intermediate_size": 128,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "experts_per_token": 2,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"] * 4,
+        "attention_bias": True,
+        "swiglu_limit": 7.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072,
+        "initial_context_length": 4096,
+        "rope_theta": 150000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+    }
+
+
 def _tiny_deepseek_v3_config(vocab_size: int) -> dict:
     # MLA with both LoRA ranks, interleaved RoPE under YaRN (whose mscale changes the softmax scale), grouped
     # sigmoid routing with the correction bias, shared experts, and dense first layers: every DeepSeek-V3
@@ -301,6 +332,7 @@ ARCHITECTURES = {
     "qwen2": _tiny_qwen2_config,
     "mistral": _tiny_mistral_config,
     "glm4_moe": _tiny_glm4_moe_config,
+    "gpt_oss": _tiny_gpt_oss_config,
     "deepseek_v3": _tiny_deepseek_v3_config,
     "kimi_k2": _tiny_kimi_k2_config,
     "llama3_8b": _llama3_8b_config,
@@ -398,6 +430,8 @@ def _random_tensor(name: str, shape, gen: torch.Generator, dtype, device) -> tor
     """
     if name.endswith("norm.weight") or "layernorm" in name:
         return (1.0 + 0.1 * torch.randn(shape, generator=gen, device=device)).to(dtype)
+    if name.endswith(".sinks"):  # attention-sink logits (GPT-OSS): O(1), so they take a real share of each softmax
+        return torch.randn(shape, generator=gen, device=device).to(dtype)
     if name.endswith(".bias") or len(shape) == 1:
         return (0.02 * torch.randn(shape, generator=gen, device=device)).to(dtype)
     std = 1.0 if "embed" in name else 1.0 / math.sqrt(shape[-1])

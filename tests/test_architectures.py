@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from offline_extract.engine import parity
 from offline_extract.engine.sglang_adapter import (
     _CAPTURE_RULES,
     model_capture_rule,
@@ -78,6 +79,7 @@ def _stand_ins(num_layers):
     prepare_process("cpu")
     from sglang.srt.models.deepseek_v2 import DeepseekV3ForCausalLM
     from sglang.srt.models.glm4_moe import Glm4MoeForCausalLM
+    from sglang.srt.models.gpt_oss import GptOssForCausalLM
     from sglang.srt.models.kimi_k25 import KimiK25ForConditionalGeneration
     from sglang.srt.models.llama import LlamaForCausalLM
     from sglang.srt.models.mistral import MistralForCausalLM
@@ -94,6 +96,7 @@ def _stand_ins(num_layers):
         "Qwen3ForCausalLM": _stand_in(Qwen3ForCausalLM, num_layers),
         "Qwen3MoeForCausalLM": _stand_in(Qwen3MoeForCausalLM, num_layers, Qwen3MoeModel),
         "Glm4MoeForCausalLM": _stand_in(Glm4MoeForCausalLM, num_layers),
+        "GptOssForCausalLM": _stand_in(GptOssForCausalLM, num_layers),
         "DeepseekV3ForCausalLM": _stand_in(DeepseekV3ForCausalLM, num_layers),
         "KimiK25ForConditionalGeneration": kimi,
     }
@@ -136,6 +139,20 @@ def test_a_model_file_without_eagle3_capture_is_refused_with_the_reason():
     # It can capture, but its convention is not one verified here.
     with pytest.raises(NotImplementedError, match="Qwen2MoeForCausalLM .* not supported"):
         model_capture_rule(_stand_in_class(Qwen2MoeForCausalLM)())
+
+
+def test_gpt_oss_reference_is_hfs_eager_attention_with_the_sinks_in_play(tiny_model_dir, tmp_path):
+    # SGLang runs GPT-OSS on GPU attention backends only (docs/architectures.md), so its parity is in the GPU
+    # suite; this is the HF side of it, which transformers implements in eager attention alone.
+    model = parity.load_hf_model(str(build_model("gpt_oss", tmp_path / "m", tokenizer_dir=tiny_model_dir)), "float32", "cpu")
+    assert model.config._attn_implementation == "eager"
+    ids = list(range(6, 70))
+    with_sinks = parity.hf_hidden_states(model, ids, "cpu")
+    for layer in model.model.layers:
+        layer.self_attn.sinks.data.fill_(float("-inf"))
+    without = parity.hf_hidden_states(model, ids, "cpu")
+    # The test model's sinks move every layer's output well beyond any bf16 tolerance.
+    assert min((a - b).abs().max().item() for a, b in zip(with_sinks[1:], without[1:])) > 0.1
 
 
 @pytest.fixture(scope="module")

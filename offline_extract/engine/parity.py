@@ -67,10 +67,15 @@ def hf_hidden_states(model, input_ids: Sequence[int], device, final_state: str =
 
 
 def load_hf_model(model_path: str, dtype: str, device: str):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     torch_dtype = getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype, attn_implementation="sdpa")
+    # SDPA where transformers has it; GPT-OSS's attention sinks exist only in its eager attention.
+    sdpa = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model_path))]._supports_sdpa
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=torch_dtype, attn_implementation="sdpa" if sdpa else "eager"
+    )
     return model.to(device).eval()
 
 

@@ -178,6 +178,8 @@ _CAPTURE_RULES = {
     "MistralForCausalLM": CaptureRule("llama.py:885 (inherited)", _PLUS_ONE, _ids_adding_one),
     "Qwen2ForCausalLM": CaptureRule("qwen2.py:747", _PLUS_ONE, _ids_adding_one),
     "Glm4MoeForCausalLM": CaptureRule("glm4_moe.py:1446", _PLUS_ONE, _ids_adding_one),
+    # Ids whose largest equals the layer count pass verbatim there; the ids passed here stay below N - 1.
+    "GptOssForCausalLM": CaptureRule("gpt_oss.py:1328", _PLUS_ONE + " unless the largest id is N", _ids_adding_one),
     "Qwen3ForCausalLM": CaptureRule("qwen3.py:688", _PLUS_ONE, _ids_adding_one),
     "Qwen3MoeForCausalLM": CaptureRule(
         "qwen3_moe.py:1073, flags set in qwen2_moe.py:891", _PLUS_ONE, _ids_adding_one, in_layer_flags=True
