@@ -17,7 +17,8 @@ from pathlib import Path
 import click
 import torch
 
-from offline_extract.store.shards import SampleInfo, ShardWriter
+from offline_extract.store.schema import SampleInfo
+from offline_extract.store.writer import ShardWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 K, H = 3, 4096  # the 8B shape: 3 aux layers + the last state

@@ -23,7 +23,7 @@ DEST/export_manifest.json maps i to sample ids. Rerunning the same export into D
 import _bin_path  # noqa: F401  (must come first: see its docstring)
 import click
 
-from offline_extract.store.shards import ShardError
+from offline_extract.store.schema import ShardError
 from offline_extract.training.export import DEFAULT_ROWS_PER_FOLDER, FORMATS, ExportError, export
 
 

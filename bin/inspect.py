@@ -9,7 +9,7 @@ import click
 from rich.console import Console
 
 from offline_extract.store import inspection, integrity
-from offline_extract.store.shards import ShardError
+from offline_extract.store.schema import ShardError
 
 
 @click.command()

@@ -32,7 +32,7 @@ from offline_extract.engine.distributed import Coordinator, Layout, layout_from_
 from offline_extract.engine.sglang_adapter import Engine, EngineConfig
 from offline_extract.extraction import extract_batches, staging_buffers
 from offline_extract.store.schema import bytes_per_token, state_widths
-from offline_extract.store.shards import ShardWriter
+from offline_extract.store.writer import ShardWriter
 from offline_extract.tiny_model import TRAINING_TEXT, build_model
 
 # Dense bf16 tensor-core peaks, for MFU.

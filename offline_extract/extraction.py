@@ -31,9 +31,11 @@ from offline_extract.engine.offload import HostOffload, pinned_buffers
 from offline_extract.engine.sglang_adapter import FINAL_STATES, LAYER_CONVENTION, Engine, EngineConfig
 from offline_extract.progress import RunProgress
 from offline_extract.store import manifest, resume
+from offline_extract.store.atomic import atomic_write
+from offline_extract.store.index import write_index
 from offline_extract.store.journal import Journal, read_journal
-from offline_extract.store.schema import STATE_DTYPE, state_widths
-from offline_extract.store.shards import SampleInfo, ShardWriter, atomic_write, write_index
+from offline_extract.store.schema import STATE_DTYPE, SampleInfo, state_widths
+from offline_extract.store.writer import ShardWriter
 
 REJECTS_FILE = "rejects.jsonl"
 

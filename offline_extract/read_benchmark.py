@@ -35,7 +35,9 @@ import numpy as np
 import torch
 
 from offline_extract import __version__
-from offline_extract.store.shards import SampleInfo, ShardWriter, shard_paths, write_index
+from offline_extract.store.index import shard_paths, write_index
+from offline_extract.store.schema import SampleInfo
+from offline_extract.store.writer import ShardWriter
 from offline_extract.training.datasets import HiddenStateDataset
 from offline_extract.training.export import DEFAULT_ROWS_PER_FOLDER, export_specforge, specforge_path
 

@@ -11,7 +11,7 @@ import psutil
 import torch
 
 from offline_extract.engine.distributed import free_port
-from offline_extract.store.shards import iter_samples
+from offline_extract.store.index import iter_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 

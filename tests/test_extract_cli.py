@@ -12,7 +12,8 @@ from transformers import AutoTokenizer
 
 from offline_extract.data.corpus import Record, read_corpus
 from offline_extract.data.tokenization import SampleTokenizer
-from offline_extract.store.shards import iter_samples, open_shard, shard_paths
+from offline_extract.store.index import iter_samples, shard_paths
+from offline_extract.store.shard import open_shard
 
 CORPUS = ROOT / "examples" / "corpus.jsonl"
 

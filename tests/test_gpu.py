@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from offline_extract.store.shards import iter_samples, open_shard, shard_paths
+from offline_extract.store.index import iter_samples, shard_paths
+from offline_extract.store.shard import open_shard
 from offline_extract.tiny_model import build_model
 
 pytestmark = pytest.mark.gpu

@@ -17,7 +17,8 @@ import torch
 from extract_runs import ROOT, extract_command, kill_rank_when, start_nodes
 
 from offline_extract.store import integrity
-from offline_extract.store.shards import iter_samples, open_shard, read_header, shard_paths
+from offline_extract.store.index import iter_samples, shard_paths
+from offline_extract.store.shard import open_shard, read_header
 from offline_extract.tiny_model import build_model
 
 pytestmark = [

@@ -11,7 +11,9 @@ import torch
 from rich.console import Console
 
 from offline_extract.store import inspection
-from offline_extract.store.shards import SampleInfo, ShardError, ShardWriter, write_index
+from offline_extract.store.index import write_index
+from offline_extract.store.schema import SampleInfo, ShardError
+from offline_extract.store.writer import ShardWriter
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bin" / "inspect.py"
 H = 4

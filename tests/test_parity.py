@@ -47,7 +47,8 @@ def test_verify_passes_a_bf16_moe_model_and_records_why(tiny_model_dir, tmp_path
 
     import torch
 
-    from offline_extract.store.shards import open_shard, shard_paths
+    from offline_extract.store.index import shard_paths
+    from offline_extract.store.shard import open_shard
     from offline_extract.tiny_model import build_model
 
     root = Path(__file__).resolve().parents[1]

@@ -6,18 +6,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from offline_extract.store.index import iter_samples, shard_paths, write_index
+from offline_extract.store.schema import SAMPLE_TENSORS, SampleInfo, ShardError
+from offline_extract.store.shard import open_shard
+from offline_extract.store.writer import ShardWriter
 from offline_extract.training import datasets
 from offline_extract.training.datasets import HiddenStateDataset, HiddenStateIterableDataset
-from offline_extract.store.shards import (
-    SAMPLE_TENSORS,
-    SampleInfo,
-    ShardError,
-    ShardWriter,
-    iter_samples,
-    open_shard,
-    shard_paths,
-    write_index,
-)
 
 K, H = 3, 8
 ROW_BYTES = (K + 1) * H * 2

@@ -21,22 +21,17 @@ import torch
 from extract_runs import ROOT, assert_same_samples, extract_command, kill_rank_when, start_nodes
 
 from offline_extract.data.batching import batch_by_tokens
+from offline_extract.data.tokenization import Sample
 from offline_extract.engine.distributed import Layout
 from offline_extract.engine.nonfinite import NonFiniteError, NonFiniteGuard
 from offline_extract.engine.sglang_adapter import Captured
 from offline_extract.extraction import extract_batches
 from offline_extract.store import integrity, manifest, resume
+from offline_extract.store.index import iter_samples, shard_paths, write_index
 from offline_extract.store.journal import Journal, read_journal
-from offline_extract.store.shards import (
-    SampleInfo,
-    ShardWriter,
-    iter_samples,
-    read_header,
-    shard_number,
-    shard_paths,
-    write_index,
-)
-from offline_extract.data.tokenization import Sample
+from offline_extract.store.schema import SampleInfo, shard_number
+from offline_extract.store.shard import read_header
+from offline_extract.store.writer import ShardWriter
 from offline_extract.tiny_model import TINY_VERSION
 
 # Small shards and batches: a few hundred short records make about 80 shards and 120 batches.

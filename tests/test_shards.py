@@ -7,17 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from offline_extract.store import shards
-from offline_extract.store.shards import (
-    SampleInfo,
-    ShardError,
-    ShardWriter,
-    iter_samples,
-    open_shard,
-    shard_name,
-    shard_paths,
-    write_index,
-)
+from offline_extract.store.index import iter_samples, shard_paths, write_index
+from offline_extract.store.schema import SampleInfo, ShardError, shard_name
+from offline_extract.store.shard import open_shard, read_header
+from offline_extract.store import writer as writer_module
+from offline_extract.store.writer import ShardWriter
 
 K, H = 3, 8
 ROW_BYTES = (K + 1) * H * 2
@@ -208,7 +202,7 @@ def test_crash_while_serializing_leaves_no_partial_shard(tmp_path, monkeypatch):
             f.write(b"\x00" * 100)
         raise OSError("disk full")
 
-    monkeypatch.setattr(shards, "_serialize", crash_midway)
+    monkeypatch.setattr(writer_module, "_serialize", crash_midway)
     writer = ShardWriter(tmp_path, RUN, shard_bytes=ROW_BYTES)
     writer.add_batch(*make_batch([0], [4]), lengths=[4])  # the write runs on a writer thread
     with pytest.raises(OSError, match="disk full"):
@@ -277,5 +271,5 @@ def test_damaged_metadata_is_a_shard_error_naming_the_file(tmp_path):
     tensors = {name: torch.zeros(1) for name in ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states",
                                                  "offsets", "sample_index")}
     save_file(tensors, str(path), metadata={"offline_extract": "{not json"})
-    with pytest.raises(shards.ShardError, match=r"shard_000\.safetensors has damaged"):
-        shards.read_header(path)
+    with pytest.raises(ShardError, match=r"shard_000\.safetensors has damaged"):
+        read_header(path)

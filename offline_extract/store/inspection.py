@@ -18,9 +18,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from offline_extract.store.journal import load_json
-from offline_extract.store.schema import INDEX_NAME, ShardError
-from offline_extract.store.shards import Shard, open_shard, read_header, shard_paths
+from offline_extract.store.index import read_index, shard_paths
+from offline_extract.store.schema import INDEX_NAME, SHARD_GLOB, ShardError
+from offline_extract.store.shard import Shard, open_shard, read_header
 
 # Upper bound on the float32 copy of one chunk of rows; the float64 reduction temporaries double it.
 CHUNK_BYTES = 256 << 20
@@ -35,16 +35,16 @@ def resolve_shards(path: str | os.PathLike) -> list[Path]:
         return [path]
     if not path.is_dir():
         raise ShardError(f"{path} is neither a shard file nor an output directory")
-    index_path = path / INDEX_NAME
-    if index_path.is_file():
-        paths = [path / s["file"] for s in load_json(index_path)["shards"]]
+    index = read_index(path)
+    if index is not None:
+        paths = [path / s["file"] for s in index["shards"]]
         missing = [p.name for p in paths if not p.is_file()]
         if missing:
-            raise ShardError(f"{index_path} lists shards that do not exist: {missing}")
+            raise ShardError(f"{path / INDEX_NAME} lists shards that do not exist: {missing}")
     else:
         paths = shard_paths(path)
     if not paths:
-        raise ShardError(f"{path} contains no shard_*.safetensors files")
+        raise ShardError(f"{path} contains no {SHARD_GLOB} files")
     return paths
 
 
@@ -156,9 +156,8 @@ def summarize(path: str | os.PathLike) -> dict:
 
 def _find_sample(path: str | os.PathLike, sample_id: str) -> tuple[Shard, int]:
     paths = resolve_shards(path)
-    index_path = Path(path) / INDEX_NAME
-    if index_path.is_file():
-        index = load_json(index_path)
+    index = read_index(path)
+    if index is not None:
         located = index["samples"]
         if sample_id in located["id"]:
             k = located["id"].index(sample_id)

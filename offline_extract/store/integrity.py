@@ -13,9 +13,9 @@ from pathlib import Path
 from safetensors import safe_open
 
 from offline_extract.store import manifest
-from offline_extract.store.journal import load_json
+from offline_extract.store.index import read_index, shard_paths
 from offline_extract.store.schema import INDEX_NAME, TENSORS, ShardError
-from offline_extract.store.shards import ShardHeader, read_header, shard_paths
+from offline_extract.store.shard import ShardHeader, read_header
 
 
 @dataclass
@@ -106,10 +106,12 @@ def _check_shard(path: Path, recorded: dict | None) -> tuple[ShardHeader | None,
 
 
 def _check_index(out: Path, names: list[str], headers: dict[str, ShardHeader]) -> list[str]:
-    path = out / INDEX_NAME
-    if not path.exists():
+    try:
+        index = read_index(out)
+    except ShardError as e:
+        return [str(e)]
+    if index is None:
         return [f"no {INDEX_NAME}"]
-    index = load_json(path)
     listed = [s["file"] for s in index["shards"]]
     problems = [f"{INDEX_NAME} lists {f}, which does not exist" for f in listed if f not in names]
     problems += [f"{INDEX_NAME} does not list {f}" for f in names if f not in listed]

@@ -18,9 +18,11 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+from offline_extract.store.atomic import atomic_write
+from offline_extract.store.index import shard_paths
 from offline_extract.store.journal import load_json, read_journal
-from offline_extract.store.schema import FORMAT_VERSION
-from offline_extract.store.shards import atomic_write, read_header, shard_number, shard_paths
+from offline_extract.store.schema import FORMAT_VERSION, shard_number
+from offline_extract.store.shard import read_header
 
 MANIFEST_NAME = "manifest.json"
 JOURNAL_GLOB = ".manifest.dp*.jsonl"

@@ -23,7 +23,9 @@ import numpy as np
 
 from offline_extract.engine.distributed import Layout
 from offline_extract.store import manifest
-from offline_extract.store.shards import ShardError, read_header, shard_number, shard_paths
+from offline_extract.store.index import shard_paths
+from offline_extract.store.schema import ShardError, shard_number
+from offline_extract.store.shard import read_header
 
 LOCK_NAME = ".lock"
 REJECTS_PARTS = ".rejects.dp*.jsonl"

@@ -12,6 +12,7 @@ sample (see `SampleInfo`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -20,6 +21,14 @@ FORMAT_VERSION = 1
 METADATA_KEY = "offline_extract"
 INDEX_NAME = "index.json"
 SHARD_GLOB = "shard_*.safetensors"
+
+
+def shard_name(number: int) -> str:
+    return f"shard_{number:03d}.safetensors"
+
+
+def shard_number(path: Path) -> int:
+    return int(path.name[len("shard_") : -len(".safetensors")])
 
 
 @dataclass(frozen=True)

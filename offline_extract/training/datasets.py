@@ -32,9 +32,8 @@ import torch
 from safetensors import safe_open
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from offline_extract.store.journal import load_json
-from offline_extract.store.schema import FORMAT_VERSION, INDEX_NAME, SAMPLE_TENSORS, ShardError
-from offline_extract.store.shards import scan, shard_paths
+from offline_extract.store.index import read_index, scan, shard_paths
+from offline_extract.store.schema import INDEX_NAME, SAMPLE_TENSORS, ShardError
 
 
 @dataclass
@@ -56,10 +55,6 @@ class Catalog:
 
 def _catalog_from_index(out_dir: Path, index: dict) -> Catalog | None:
     """The catalog index.json describes, or None when the shards on disk no longer match it."""
-    if index.get("format_version") != FORMAT_VERSION:
-        raise ShardError(
-            f"{out_dir / INDEX_NAME} has format_version {index.get('format_version')}, expected {FORMAT_VERSION}"
-        )
     listed = index["shards"]
     on_disk = {p.name: p for p in shard_paths(out_dir)}
     if sorted(on_disk) != sorted(s["file"] for s in listed) or any(
@@ -82,13 +77,13 @@ def load_catalog(out_dir: str | os.PathLike) -> Catalog:
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         raise ShardError(f"{out_dir} is not a directory of offline_extract shards")
-    index_path = out_dir / INDEX_NAME
-    if index_path.is_file():
-        catalog = _catalog_from_index(out_dir, load_json(index_path))
+    index = read_index(out_dir)
+    if index is not None:
+        catalog = _catalog_from_index(out_dir, index)
         if catalog is not None:
             return catalog
         # A run still writing, or resumed after the index was written: the headers are the truth.
-        warnings.warn(f"{index_path} does not match the shards in {out_dir}; scanning shard headers instead")
+        warnings.warn(f"{out_dir / INDEX_NAME} does not match the shards in {out_dir}; scanning shard headers instead")
     headers, order = scan(out_dir)
     return Catalog(
         out_dir=out_dir,

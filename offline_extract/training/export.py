@@ -48,8 +48,8 @@ import torch
 from safetensors.torch import save_file
 
 from offline_extract.progress import RunProgress
+from offline_extract.store.atomic import atomic_write
 from offline_extract.store.journal import load_json
-from offline_extract.store.shards import atomic_write
 from offline_extract.training.datasets import HiddenStateDataset
 
 FORMATS = ("specforge", "speculators")
@@ -155,13 +155,7 @@ def _write_samples(
                 continue
             item = dataset[i]
             path.parent.mkdir(exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp")
-            try:
-                save(item, tmp)
-                os.replace(tmp, path)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
+            atomic_write(path, lambda tmp: save(item, tmp), durable=False)
             summary.samples_written += 1
             summary.bytes_written += path.stat().st_size
             bar.advance(1, len(item["input_ids"]), summary.bytes_written)

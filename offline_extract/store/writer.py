@@ -1,5 +1,4 @@
-"""Shards of extracted hidden states (laid out as `schema` says): writing, reading, and the per-directory
-index."""
+"""Writing shards: samples buffered into shards of about a target size, serialized by writer threads."""
 from __future__ import annotations
 
 import hashlib
@@ -15,66 +14,22 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
-from offline_extract.store.journal import naming_errors
+from offline_extract.store.atomic import atomic_write
 from offline_extract.store.schema import (
     FILE_ORDER,
     FORMAT_VERSION,
-    INDEX_NAME,
     METADATA_KEY,
     SAFETENSORS_DTYPES,
     SAMPLE_TENSORS,
-    SHARD_GLOB,
     SPECS,
     STATE_TENSORS,
-    TENSORS,
     SampleInfo,
     ShardError,
+    shard_name,
+    shard_number,
     state_bytes_per_token,
 )
-
-# Shards from different runs must never be indexed together; these run keys identify a run's output
-# (by content: the same model resumed from another mount point is still the same model).
-RUN_KEYS_THAT_MUST_AGREE = ("config_sha256", "weights", "layer_ids")
-
-
-def shard_name(number: int) -> str:
-    return f"shard_{number:03d}.safetensors"
-
-
-def shard_number(path: Path) -> int:
-    return int(path.name[len("shard_") : -len(".safetensors")])
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(final: Path, write):
-    """Calls write(tmp_path), makes the bytes durable, then renames into place; returns what write returned.
-
-    Readers (and a crashed run's resume) therefore see either no file or a complete one under `final`.
-    """
-    tmp = final.with_name(f".{final.name}.tmp")
-    try:
-        with naming_errors(tmp):
-            result = write(tmp)
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(final.parent)
-    return result
 
 
 def _serialize(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
@@ -357,163 +312,3 @@ class ShardWriter:
             self._closed = True
             self._current = None
             self._pool.shutdown(wait=True)
-
-
-@dataclass
-class ShardHeader:
-    """What a shard's header alone tells: enough to index a directory without reading tensor data."""
-
-    path: Path
-    run: dict
-    samples: list[SampleInfo]
-    shapes: dict[str, tuple[int, ...]]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.shapes["input_ids"][0]
-
-
-def read_header(path: str | os.PathLike) -> ShardHeader:
-    path = Path(path)
-    try:
-        with safe_open(path, framework="pt") as f:
-            metadata = f.metadata() or {}
-            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-    except Exception as e:  # safetensors raises its own error types for non-safetensors files
-        raise ShardError(f"{path} is not a readable safetensors file: {e}") from e
-    if METADATA_KEY not in metadata:
-        raise ShardError(f"{path} is not an offline_extract shard (no {METADATA_KEY!r} metadata)")
-    try:
-        document = json.loads(metadata[METADATA_KEY])
-        version = document.get("format_version")
-        if version != FORMAT_VERSION:
-            raise ShardError(f"{path} has format_version {version}, expected {FORMAT_VERSION}")
-        run, samples = document["run"], [SampleInfo(**s) for s in document["samples"]]
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        if isinstance(e, ShardError):
-            raise
-        raise ShardError(f"{path} has damaged {METADATA_KEY!r} metadata: {e!r}") from e
-    missing = [t.name for t in TENSORS if t.name not in shapes]
-    if missing:
-        raise ShardError(f"{path} lacks tensors {missing}")
-    return ShardHeader(path, run, samples, shapes)
-
-
-@dataclass
-class Shard:
-    """A shard opened for reading; tensor data is read from disk only when asked for."""
-
-    path: Path
-    run: dict
-    samples: list[SampleInfo]
-    shapes: dict[str, tuple[int, ...]]
-    offsets: list[int]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.offsets[-1]
-
-    def position(self, i_or_id: int | str) -> int:
-        """The row of a sample in this shard, given its position (int) or its id (str)."""
-        if isinstance(i_or_id, str):
-            for pos, s in enumerate(self.samples):
-                if s.id == i_or_id:
-                    return pos
-            raise KeyError(f"no sample with id {i_or_id!r} in {self.path}")
-        if not 0 <= i_or_id < len(self.samples):
-            raise IndexError(f"sample position {i_or_id} out of range: {self.path} holds {len(self.samples)}")
-        return i_or_id
-
-    def sample(self, i_or_id: int | str) -> dict[str, torch.Tensor]:
-        """One sample's rows of input_ids, loss_mask, aux_hidden_states and hidden_states."""
-        pos = self.position(i_or_id)
-        return self.rows(self.offsets[pos], self.offsets[pos + 1])
-
-    def rows(self, start: int, stop: int, names: Sequence[str] = SAMPLE_TENSORS) -> dict[str, torch.Tensor]:
-        """Token rows start:stop of the per-token tensors, reading only those rows from disk."""
-        with safe_open(self.path, framework="pt") as f:
-            return {name: f.get_slice(name)[start:stop] for name in names}
-
-    def tensor(self, name: str) -> torch.Tensor:
-        with safe_open(self.path, framework="pt") as f:
-            return f.get_tensor(name)
-
-
-def open_shard(path: str | os.PathLike) -> Shard:
-    header = read_header(path)
-    with safe_open(header.path, framework="pt") as f:
-        offsets = f.get_tensor("offsets").tolist()
-    if len(offsets) != len(header.samples) + 1 or offsets[-1] != header.num_tokens:
-        raise ShardError(f"{header.path}: offsets do not match its {len(header.samples)} samples")
-    return Shard(header.path, header.run, header.samples, header.shapes, offsets)
-
-
-def shard_paths(out_dir: str | os.PathLike) -> list[Path]:
-    """The directory's shards in shard-number order (numeric, so shard_1000 sorts after shard_999)."""
-    return sorted(Path(out_dir).glob(SHARD_GLOB), key=shard_number)
-
-
-def _check_run_agrees(first: ShardHeader, other: ShardHeader) -> None:
-    for key in RUN_KEYS_THAT_MUST_AGREE:
-        if first.run.get(key) != other.run.get(key):
-            raise ShardError(
-                f"{other.path.name} and {first.path.name} come from different runs: "
-                f"run[{key!r}] is {other.run.get(key)!r} vs {first.run.get(key)!r}"
-            )
-
-
-def scan(out_dir: str | os.PathLike) -> tuple[list[ShardHeader], list[tuple[int, int, int]]]:
-    """Headers of all shards plus (sample index, shard position, row) sorted by sample index."""
-    paths = shard_paths(out_dir)
-    if not paths:
-        raise ShardError(f"no {SHARD_GLOB} files in {out_dir}")
-    headers = [read_header(p) for p in paths]
-    where: dict[int, tuple[int, int]] = {}
-    for s_pos, h in enumerate(headers):
-        _check_run_agrees(headers[0], h)
-        for row, info in enumerate(h.samples):
-            if info.index in where:
-                other = headers[where[info.index][0]].path.name
-                raise ShardError(
-                    f"sample index {info.index} (id {info.id!r}) is in both {other} and {h.path.name}"
-                )
-            where[info.index] = (s_pos, row)
-    return headers, sorted((index, s_pos, row) for index, (s_pos, row) in where.items())
-
-
-def write_index(out_dir: str | os.PathLike) -> Path:
-    """Writes out_dir/index.json describing every shard and where each sample lives, from headers only."""
-    out_dir = Path(out_dir)
-    headers, order = scan(out_dir)
-    index = {
-        "format_version": FORMAT_VERSION,
-        "run": headers[0].run,
-        "num_samples": len(order),
-        "num_tokens": sum(h.num_tokens for h in headers),
-        "shards": [
-            {
-                "file": h.path.name,
-                "num_samples": len(h.samples),
-                "num_tokens": h.num_tokens,
-                "bytes": h.path.stat().st_size,
-            }
-            for h in headers
-        ],
-        "samples": {
-            "id": [headers[s].samples[row].id for _, s, row in order],
-            "shard": [s for _, s, _ in order],
-            "row": [row for _, _, row in order],
-            "index": [index for index, _, _ in order],
-        },
-    }
-    path = out_dir / INDEX_NAME
-    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(index)))
-    return path
-
-
-def iter_samples(out_dir: str | os.PathLike) -> Iterator[tuple[SampleInfo, dict[str, torch.Tensor]]]:
-    """Every sample in the directory with its tensors, in sample-index order."""
-    headers, order = scan(out_dir)
-    shards = [open_shard(h.path) for h in headers]
-    for _, s, row in order:
-        yield shards[s].samples[row], shards[s].sample(row)

@@ -1,0 +1,38 @@
+"""Files that appear complete or not at all, for every file the output directory holds."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from offline_extract.store.journal import naming_errors
+
+
+def _fsync(path: Path) -> None:
+    """fsync a file, or a directory (which makes a rename in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(final: Path, write, *, durable: bool = True):
+    """Calls write(tmp_path), makes the bytes durable, then renames into place; returns what write returned.
+
+    Readers (and a crashed run's resume) therefore see either no file or a complete one under `final`.
+    `durable=False` skips the fsyncs, for many small files that can be rewritten after a power loss: the
+    rename alone still keeps a partial file from ever appearing under `final`.
+    """
+    tmp = final.with_name(f".{final.name}.tmp")
+    try:
+        with naming_errors(tmp):
+            result = write(tmp)
+            if durable:
+                _fsync(tmp)
+            os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        _fsync(final.parent)
+    return result

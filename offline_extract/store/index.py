@@ -1,0 +1,101 @@
+"""A directory of shards as one collection: listing, scanning headers, index.json (written and read
+here only), and iterating every sample."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from offline_extract.store.atomic import atomic_write
+from offline_extract.store.journal import load_json
+from offline_extract.store.schema import FORMAT_VERSION, INDEX_NAME, SHARD_GLOB, SampleInfo, ShardError, shard_number
+from offline_extract.store.shard import ShardHeader, open_shard, read_header
+
+# Shards from different runs must never be indexed together; these run keys identify a run's output
+# (by content: the same model resumed from another mount point is still the same model).
+RUN_KEYS_THAT_MUST_AGREE = ("config_sha256", "weights", "layer_ids")
+
+
+def shard_paths(out_dir: str | os.PathLike) -> list[Path]:
+    """The directory's shards in shard-number order (numeric, so shard_1000 sorts after shard_999)."""
+    return sorted(Path(out_dir).glob(SHARD_GLOB), key=shard_number)
+
+
+def _check_run_agrees(first: ShardHeader, other: ShardHeader) -> None:
+    for key in RUN_KEYS_THAT_MUST_AGREE:
+        if first.run.get(key) != other.run.get(key):
+            raise ShardError(
+                f"{other.path.name} and {first.path.name} come from different runs: "
+                f"run[{key!r}] is {other.run.get(key)!r} vs {first.run.get(key)!r}"
+            )
+
+
+def scan(out_dir: str | os.PathLike) -> tuple[list[ShardHeader], list[tuple[int, int, int]]]:
+    """Headers of all shards plus (sample index, shard position, row) sorted by sample index."""
+    paths = shard_paths(out_dir)
+    if not paths:
+        raise ShardError(f"no {SHARD_GLOB} files in {out_dir}")
+    headers = [read_header(p) for p in paths]
+    where: dict[int, tuple[int, int]] = {}
+    for s_pos, h in enumerate(headers):
+        _check_run_agrees(headers[0], h)
+        for row, info in enumerate(h.samples):
+            if info.index in where:
+                other = headers[where[info.index][0]].path.name
+                raise ShardError(
+                    f"sample index {info.index} (id {info.id!r}) is in both {other} and {h.path.name}"
+                )
+            where[info.index] = (s_pos, row)
+    return headers, sorted((index, s_pos, row) for index, (s_pos, row) in where.items())
+
+
+def write_index(out_dir: str | os.PathLike) -> Path:
+    """Writes out_dir/index.json describing every shard and where each sample lives, from headers only."""
+    out_dir = Path(out_dir)
+    headers, order = scan(out_dir)
+    index = {
+        "format_version": FORMAT_VERSION,
+        "run": headers[0].run,
+        "num_samples": len(order),
+        "num_tokens": sum(h.num_tokens for h in headers),
+        "shards": [
+            {
+                "file": h.path.name,
+                "num_samples": len(h.samples),
+                "num_tokens": h.num_tokens,
+                "bytes": h.path.stat().st_size,
+            }
+            for h in headers
+        ],
+        "samples": {
+            "id": [headers[s].samples[row].id for _, s, row in order],
+            "shard": [s for _, s, _ in order],
+            "row": [row for _, _, row in order],
+            "index": [index for index, _, _ in order],
+        },
+    }
+    path = out_dir / INDEX_NAME
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(index)))
+    return path
+
+
+def iter_samples(out_dir: str | os.PathLike) -> Iterator[tuple[SampleInfo, dict[str, torch.Tensor]]]:
+    """Every sample in the directory with its tensors, in sample-index order."""
+    headers, order = scan(out_dir)
+    shards = [open_shard(h.path) for h in headers]
+    for _, s, row in order:
+        yield shards[s].samples[row], shards[s].sample(row)
+
+
+def read_index(out_dir: str | os.PathLike) -> dict | None:
+    """out_dir/index.json, or None when there is none; an index of another format version is an error."""
+    path = Path(out_dir) / INDEX_NAME
+    if not path.is_file():
+        return None
+    index = load_json(path)
+    if index.get("format_version") != FORMAT_VERSION:
+        raise ShardError(f"{path} has format_version {index.get('format_version')}, expected {FORMAT_VERSION}")
+    return index
