@@ -1,0 +1,201 @@
+"""`bin/bench.py --baseline NAME`: the peers' rows next to our extraction, on the same GPU, model and batches.
+
+The peers that run in their own processes (sglang-engine, specforge) go first, each with the whole GPU,
+before our engine starts; they leave their states for the first `cross_check_samples` samples on disk.
+After our run, our engine prefills exactly those token ids and every layer a peer stored is compared
+with ours (`accounting.LayerTally`). The HF loop runs inside the bench process (`benchmarking._hf_pass`);
+its cross-check loads the same weights, so it needs a model directory with weights (`--model`).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import shlex
+import subprocess
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import sglang_engine, specforge
+from .accounting import LayerTally, PeerRow, split_layers
+from .corpus import save_batches
+
+BASELINES = ("hf", sglang_engine.NAME, specforge.NAME)
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class PeerOptions:
+    workdir: str = "/dev/shm/offline_extract_peers"  # peers' inputs, outputs and logs
+    cross_check_samples: int = 32
+    peer_site: str = "/tmp/peer-site"  # SGLang 0.5.14 + SpecForge 0.2.0 (make_peer_bundle.sh)
+    specforge_dir: str = str(REPO / ".peer-bundle" / "specforge")  # its script and draft config, fetched
+    specforge_batch_size: int = 32  # its default
+    # SpecForge's own default is flashinfer; fa3 is what our rows use on Hopper, so the engines compare.
+    specforge_attention_backend: str = "fa3"
+
+
+@dataclass
+class Pending:
+    """A peer that has run; its row is finished once our engine can cross-check its states."""
+
+    row: PeerRow
+    states: list[tuple[str, np.ndarray, dict[str, torch.Tensor]]]  # (sample, ids, layer key -> [T, H])
+
+
+def check_names(names) -> tuple[str, ...]:
+    unknown = sorted(set(names) - set(BASELINES))
+    if unknown:
+        raise ValueError(f"unknown baseline(s) {unknown}; choose from {list(BASELINES)}")
+    return tuple(dict.fromkeys(names))
+
+
+def run_subprocess_peers(names, popts: PeerOptions, *, model_dir: Path, tokenizer, batches: list[list[np.ndarray]],
+                         warmup: int, max_length: int, dtype: str, num_layers: int, load_format: str) -> list[Pending]:
+    """Run sglang-engine and specforge (those of `names`) on our batches, before our engine takes the GPU."""
+    work = Path(popts.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    runs = {
+        sglang_engine.NAME: lambda: _sglang_engine(popts, work, model_dir, batches, warmup, max_length, dtype),
+        specforge.NAME: lambda: _specforge(popts, work, model_dir, tokenizer, batches, warmup, max_length,
+                                           specforge.capture_layers(num_layers)),
+    }
+    pending = []
+    for name in (n for n in names if n in runs):
+        _needs_weights(name, load_format)
+        try:
+            pending.append(runs[name]())
+        except Exception:  # one peer that breaks must not cost the others' rows (nor ours) on a GPU lease
+            pending.append(Pending(PeerRow(name, "", "", None, None, None, None, error=traceback.format_exc()), []))
+    return pending
+
+
+def _needs_weights(name: str, load_format: str) -> None:
+    if load_format == "dummy":
+        raise ValueError(f"--baseline {name} loads the model from its files: pass --model DIR with weights "
+                         f"and --load-format auto (the dummy loader draws other random weights in each process)")
+
+
+def _sglang_engine(popts, work, model_dir, batches, warmup, max_length, dtype) -> Pending:
+    batches_file, result, dump = work / "batches.npz", work / "sglang_engine.json", work / "sglang_engine_states.safetensors"
+    save_batches(batches_file, batches, warmup)
+    argv = [sys.executable, "-m", "benchmarks.peers.sglang_engine", "--model", str(model_dir), "--batches", str(batches_file),
+            "--result", str(result), "--dump", str(dump), "--dump-samples", str(popts.cross_check_samples),
+            "--dtype", dtype, "--max-length", str(max_length)]
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True)
+    cmd = shlex.join(["python", *argv[1:]])
+    if proc.returncode != 0:
+        return Pending(PeerRow(sglang_engine.NAME, _version("sglang"), cmd, None, None, None, None,
+                               error=proc.stderr[-4000:]), [])
+    r = json.loads(result.read_text())
+    from safetensors.torch import load_file
+
+    dumped = load_file(str(dump))
+    states = [(f"sglang-engine #{i}", dumped[f"{i}.input_ids"].numpy(), {"final": dumped[f"{i}.final"]})
+              for i in range(len(dumped) // 2)]
+    row = PeerRow(
+        name=sglang_engine.NAME, version=r["version"], command=cmd, tok_s=r["tok_s"], bytes_per_token=r["bytes_per_token"],
+        host_peak_rss_bytes=r["host_peak_rss_bytes"], cosine_vs_ours=None,
+        notes={"stores": r["stores"], "num_tokens": r["num_tokens"], "wall_s": r["wall_s"],
+               "bytes_per_token": "nothing is written: its returned state stored as bf16, plus an int32 id"},
+    )
+    return Pending(row, states)
+
+
+def _specforge(popts, work, model_dir, tokenizer, batches, warmup, max_length, layer_ids) -> Pending:
+    sf = Path(popts.specforge_dir)
+    script, draft = sf / "scripts" / "prepare_hidden_states.py", sf / specforge.DRAFT_CONFIG
+    for path in (script, draft, Path(popts.peer_site)):
+        if not path.exists():
+            raise FileNotFoundError(f"{path} is missing: build and stage the peer bundle (benchmarks/peers/make_peer_bundle.sh)")
+    source = (sf / "SOURCE").read_text().strip() if (sf / "SOURCE").exists() else "unknown"
+    timed = [s for b in batches[warmup:] for s in b]  # its own first batch is its warm-up
+    prepared = specforge.prepare(work / "specforge_in", timed, tokenizer, max_length)
+    out = work / "specforge_out"
+    subprocess.run(["rm", "-rf", str(out), str(work / "specforge_cache")], check=True)
+    argv = specforge.command(script, model_dir, prepared.data, out, work / "specforge_cache", max_length=max_length,
+                             batch_size=popts.specforge_batch_size, attention_backend=popts.specforge_attention_backend,
+                             draft_config=draft)
+    ran = specforge.run(argv, Path(popts.peer_site), work / "specforge.log")
+    cmd = shlex.join(argv)
+    notes = {"source": source, "log": str(ran.log), "wall_s": ran.wall_s}
+    if ran.returncode != 0:
+        tail = ran.log.read_text()[-4000:]
+        return Pending(PeerRow(specforge.NAME, specforge.VERSION, cmd, None, None, ran.host_peak_rss_bytes, None,
+                               notes=notes, error=f"exit {ran.returncode}: {tail}"), [])
+    output = specforge.read_output(out, prepared, popts.specforge_batch_size)
+    notes.update(
+        files=output.files, real_tokens=output.real_tokens, stored_tokens=output.stored_tokens,
+        padding_share=1 - output.real_tokens / output.stored_tokens, unmatched_files=len(output.unmatched),
+        end_to_end_tok_s=output.real_tokens / ran.wall_s,
+        tok_s="real (unpadded) tokens a second from the end of its first batch to its last file",
+        stores={"layers": [*map(str, layer_ids), "final"], "norm": "post-norm (Llama)", "padded_rows": True},
+    )
+    states = []
+    for path, own in output.matched[: popts.cross_check_samples]:
+        layers, ids = specforge.load_states(path, len(own), layer_ids)
+        states.append((str(path), ids, layers))
+    row = PeerRow(
+        name=specforge.NAME, version=specforge.VERSION, command=cmd, tok_s=output.steady_tok_s,
+        bytes_per_token=output.bytes / output.real_tokens, host_peak_rss_bytes=ran.host_peak_rss_bytes,
+        cosine_vs_ours=None, notes=notes,
+    )
+    return Pending(row, states)
+
+
+def cross_check(pending: Pending, ours) -> PeerRow:
+    """Fill the row's cosine_vs_ours: `ours(ids)` returns our states for those token ids, keyed by layer."""
+    tally = LayerTally()
+    try:
+        for sample, ids, theirs in pending.states:
+            tally.add(sample, ours(ids), theirs)
+    except Exception:
+        pending.row.error = (pending.row.error or "") + "cross-check: " + traceback.format_exc()
+    pending.row.cosine_vs_ours = tally.summary() or None
+    return pending.row
+
+
+def our_states(engine):
+    """Our layers for one sequence, prefilled alone by our engine, on the host."""
+
+    def states(ids: np.ndarray) -> dict[str, torch.Tensor]:
+        captured = engine.forward([ids.astype(np.int64)], capture=True)
+        return split_layers(captured.aux.cpu(), captured.last.cpu(), engine.layer_ids)
+
+    return states
+
+
+def states_of(model, layer_ids, seqs: list[np.ndarray]) -> list[tuple[str, np.ndarray, dict[str, torch.Tensor]]]:
+    """HF transformers' states for each sequence alone: hidden_states[k+1] for layer id k, and the last
+    entry (after the final norm) as "final"."""
+    out = []
+    for i, ids in enumerate(seqs):
+        with torch.no_grad():
+            hs = model(input_ids=torch.from_numpy(ids.astype(np.int64))[None].to(model.device),
+                       output_hidden_states=True, use_cache=False).hidden_states
+        out.append((f"hf #{i}", ids, {**{str(k): hs[k + 1][0].cpu() for k in layer_ids}, "final": hs[-1][0].cpu()}))
+    return out
+
+
+def hf_row(tok_s: float, command: str, states: list[tuple[str, np.ndarray, dict]] | None) -> Pending:
+    return Pending(
+        PeerRow(
+            name="hf", version=_version("transformers"), command=command, tok_s=tok_s, bytes_per_token=None,
+            host_peak_rss_bytes=None, cosine_vs_ours=None,
+            notes={"bytes_per_token": "writes nothing: copies the layers to host memory and drops them",
+                   "host_peak_rss_bytes": "runs inside the bench process, so its memory is not told apart from ours",
+                   "stores": {"layers": "output_hidden_states[k+1] and [-1]", "norm": "post-norm"}},
+        ),
+        states or [],
+    )
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"

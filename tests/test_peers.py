@@ -1,0 +1,213 @@
+"""The CPU-checkable parts of the peer comparison (benchmarks/peers/): corpus hand-off, accounting, reading
+SpecForge's output layout, and SGLang's own return_hidden_states path against our engine."""
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from benchmarks.peers import baselines, specforge
+from benchmarks.peers.accounting import LayerTally, PeerRow, TreePeakRss, split_layers
+from benchmarks.peers.corpus import chat_records, load_batches, save_batches
+from benchmarks.peers.sglang_engine import returned_states
+from offline_extract.benchmarking import BenchOptions, synthetic_corpus
+from offline_extract.data.tokenization import SampleTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def seqs(hf_tokenizer):
+    samples = synthetic_corpus(SampleTokenizer(hf_tokenizer, max_length=2048),
+                               BenchOptions(mean_length=300, max_length=2048, num_tokens=30_000))
+    return [s.input_ids for s in samples]
+
+
+def test_batches_round_trip_with_their_warmup(tmp_path, seqs):
+    batches = [seqs[:3], seqs[3:4], seqs[4:9]]
+    save_batches(tmp_path / "b.npz", batches, warmup=1)
+    back, warmup = load_batches(tmp_path / "b.npz")
+    assert warmup == 1
+    assert [len(b) for b in back] == [3, 1, 5]
+    assert all(np.array_equal(x, y) for b, c in zip(batches, back) for x, y in zip(b, c))
+
+
+def test_chat_records_render_back_to_the_samples_tokens(seqs, hf_tokenizer):
+    """What SpecForge will tokenize: the tokenizer's template over the records, no special tokens added."""
+    records = chat_records(seqs, hf_tokenizer)
+    assert len(records) == len(seqs)
+    extra = []
+    for ids, rec in zip(seqs, records):
+        assert rec["conversations"][0]["role"] == "user"
+        text = hf_tokenizer.apply_chat_template(rec["conversations"], tokenize=False, add_generation_prompt=False)
+        back = np.asarray(hf_tokenizer(text, add_special_tokens=False)["input_ids"])
+        same = int(np.argmin(np.append(back[: len(ids)] == ids[: len(back)], False)))
+        # Identical up to the cut; the template then closes the message the sample was cut in.
+        assert same >= len(ids) - 2, (same, len(ids))
+        extra.append(len(back) - len(ids))
+    assert max(abs(e) for e in extra) <= 2
+    assert np.mean(extra) < 1.5
+
+
+def test_chat_records_refuse_text_of_another_shape(hf_tokenizer):
+    ids = np.asarray(hf_tokenizer("<|bos|>plain text, no chat", add_special_tokens=False)["input_ids"])
+    with pytest.raises(ValueError, match="not a chat"):
+        chat_records([ids], hf_tokenizer)
+
+
+def test_layer_tally_tells_same_states_from_scaled_and_other_layers():
+    g = torch.Generator().manual_seed(0)
+    ours = {"1": torch.randn(50, 64, generator=g), "final": torch.randn(50, 64, generator=g)}
+    tally = LayerTally()
+    tally.add("same", ours, {k: v.to(torch.bfloat16) for k, v in ours.items()})
+    tally.add("pre-norm-like", ours, {"1": ours["1"], "final": 3 * ours["final"]})
+    s = tally.summary()
+    assert s["1"]["cosine_min"] > 0.999 and s["1"]["samples"] == 2 and s["1"]["tokens"] == 100
+    assert s["final"]["cosine_min"] > 0.999
+    assert s["final"]["norm_ratio_mean"] == pytest.approx(2.0, rel=1e-2)  # (1 + 3) / 2: the scale shows
+    other = LayerTally()
+    other.add("off-by-one", ours, {"1": ours["final"]})
+    assert abs(other.summary()["1"]["cosine_mean"]) < 0.2
+    assert "final" not in other.summary(), "a layer the peer does not store is not reported"
+    with pytest.raises(ValueError, match="layer 1"):
+        other.add("short", ours, {"1": ours["1"][:10]})
+
+
+def test_split_layers_keeps_the_ascending_order():
+    aux = torch.cat([torch.full((4, 8), float(k)) for k in (1, 15, 28)], dim=-1)
+    layers = split_layers(aux, torch.zeros(4, 8), [1, 15, 28])
+    assert list(layers) == ["1", "15", "28", "final"]
+    assert [layers[k][0, 0].item() for k in ("1", "15", "28")] == [1.0, 15.0, 28.0]
+    with pytest.raises(ValueError, match="multiple"):
+        split_layers(torch.zeros(4, 10), None, [1, 15, 28])
+
+
+def test_tree_peak_rss_counts_child_processes():
+    hog = "import time; b = bytearray(300 << 20); b[::4096] = b'x' * len(b[::4096]); time.sleep(3)"
+    proc = subprocess.Popen([sys.executable, "-c", hog])
+    with TreePeakRss(proc.pid, interval=0.05) as rss:
+        proc.wait()
+    assert rss.peak > 300 << 20
+
+
+def _fake_specforge_output(out: Path, prepared, order, batch_size, hidden=8):
+    """What prepare_hidden_states.py writes: per sample a dict, rows padded to the batch's longest."""
+    expected = list(prepared.expected.values())
+    t0 = time.time() - 100
+    for b in range(0, len(order), batch_size):
+        group = [expected[i] for i in order[b : b + batch_size]]
+        pad = max(map(len, group))
+        for j, ids in enumerate(group):
+            idx = b + j
+            padded = np.zeros(pad, dtype=np.int64)
+            padded[: len(ids)] = ids
+            states = torch.arange(pad, dtype=torch.float32)[:, None].expand(pad, hidden)
+            rec = {"input_ids": torch.from_numpy(padded), "loss_mask": torch.zeros(pad, dtype=torch.long),
+                   "aux_hidden_state": states.repeat(1, 3)[None].bfloat16(), "hidden_state": states[None].bfloat16()}
+            path = out / f"rows_0-2000/data_{idx}.ckpt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(rec, path)
+            stamp = t0 + 10 * (b // batch_size + 1)
+            os.utime(path, (stamp, stamp))
+
+
+def test_specforge_output_is_accounted_without_its_padding(tmp_path, seqs, hf_tokenizer):
+    prepared = specforge.prepare(tmp_path / "in", seqs[:12], hf_tokenizer, max_length=2048)
+    assert len(prepared.data.read_text().splitlines()) == 12
+    order = list(reversed(range(12)))  # it shuffles: files are not in corpus order
+    _fake_specforge_output(tmp_path / "out", prepared, order, batch_size=4)
+    out = specforge.read_output(tmp_path / "out", prepared, batch_size=4)
+    own = [len(x) for x in prepared.expected.values()]
+    assert out.files == 12 and not out.unmatched
+    assert out.real_tokens == sum(own)
+    assert out.stored_tokens > out.real_tokens, "padding is stored"
+    later = sum(own[i] for i in order[4:])
+    assert out.steady_tok_s == pytest.approx(later / 20, rel=1e-6)  # batches 2 and 3 finish 10 s apart each
+    path, ids = out.matched[0]
+    layers, stored_ids = specforge.load_states(path, len(ids), [1, 15, 28])
+    assert list(layers) == ["1", "15", "28", "final"]
+    assert layers["final"].shape == (len(ids), 8) and np.array_equal(stored_ids, ids)
+
+
+def test_specforge_counts_unknown_files_by_their_unpadded_length(tmp_path, seqs, hf_tokenizer):
+    prepared = specforge.prepare(tmp_path / "in", seqs[:2], hf_tokenizer, max_length=2048)
+    path = tmp_path / "out" / "rows_0-2000" / "data_0.ckpt"
+    path.parent.mkdir(parents=True)
+    torch.save({"input_ids": torch.tensor([0, 7, 9, 11, 0, 0])}, path)
+    out = specforge.read_output(tmp_path / "out", prepared, batch_size=4)
+    assert out.unmatched == [str(path)] and out.real_tokens == 4 and out.steady_tok_s is None
+
+
+def test_specforge_command_is_its_documented_launch(tmp_path):
+    argv = specforge.command(Path("s.py"), Path("m"), Path("d.jsonl"), Path("o"), Path("c"), max_length=8192,
+                             batch_size=32, attention_backend="fa3", draft_config=Path("cfg.json"))
+    assert argv[:5] == ["torchrun", "--standalone", "--nproc_per_node", "1", "s.py"]
+    flags = dict(zip(argv[5::2], argv[6::2]))
+    assert flags["--chat-template"] == specforge.CHAT_TEMPLATE and flags["--batch-size"] == "32"
+    assert flags["--strategy"] == "eagle3" and flags["--draft-model-config"] == "cfg.json"
+    assert specforge.capture_layers(32) == [1, 15, 28]
+
+
+def test_returned_states_take_the_one_prompt_block():
+    out = {"meta_info": {"hidden_states": [[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]]}}
+    assert returned_states(out, 3, "s").tolist() == [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]
+    with pytest.raises(RuntimeError, match="one block of 4"):
+        returned_states(out, 4, "s")
+    with pytest.raises(RuntimeError, match="no hidden states"):
+        returned_states({"meta_info": {}}, 3, "s")
+
+
+def test_cross_check_fills_the_row_and_unknown_baselines_are_refused():
+    g = torch.Generator().manual_seed(1)
+    state = torch.randn(5, 16, generator=g)
+    pending = baselines.Pending(PeerRow("p", "1", "cmd", 1.0, 2.0, 3, None), [("s0", np.arange(5), {"final": state})])
+    row = baselines.cross_check(pending, lambda ids: {"final": state.clone(), "1": state})
+    assert set(row.cosine_vs_ours) == {"final"} and row.cosine_vs_ours["final"]["cosine_min"] > 0.9999
+    assert row.to_json()["cosine_vs_ours"]["final"]["tokens"] == 5
+    with pytest.raises(ValueError, match="unknown baseline"):
+        baselines.check_names(["hf", "vllm"])
+
+
+@pytest.mark.slow
+def test_sglang_return_hidden_states_is_our_post_norm_final_state(tmp_path, tiny_model_dir, seqs):
+    """sglang.Engine(enable_return_hidden_states=True) on CPU in fp32: per prompt token, the state after the
+    final norm, equal to our engine's `last`."""
+    from offline_extract.engine.distributed import free_port
+    from offline_extract.engine.sglang_adapter import Engine, EngineConfig
+
+    batches = [seqs[:2], seqs[2:5]]
+    save_batches(tmp_path / "b.npz", batches, warmup=1)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.peers.sglang_engine", "--model", str(tiny_model_dir), "--batches",
+         str(tmp_path / "b.npz"), "--result", str(tmp_path / "r.json"), "--dump", str(tmp_path / "s.safetensors"),
+         "--dtype", "float32", "--device", "cpu", "--attention-backend", "torch_native", "--mem-fraction-static",
+         "0.5", "--max-length", "2048"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    dumped = load_file(str(tmp_path / "s.safetensors"))
+    assert len(dumped) == 2 * 3, "the three timed samples"
+    engine = Engine(EngineConfig(model_path=str(tiny_model_dir), device="cpu", dtype="float32",
+                                 max_tokens_per_batch=4096, max_seqs_per_batch=4, context_length=4096,
+                                 nccl_port=free_port()))
+    tally = LayerTally()
+    for i in range(3):
+        ids = dumped[f"{i}.input_ids"].numpy()
+        assert np.array_equal(ids, batches[1][i])
+        ours = engine.forward([ids.astype(np.int64)], capture=True)
+        tally.add(str(i), {"final": ours.last.float()}, {"final": dumped[f"{i}.final"].float()})
+    final = tally.summary()["final"]
+    # Stored as bf16 by the peer module, as a user would keep them.
+    assert final["cosine_min"] > 0.9999 and final["norm_ratio_mean"] == pytest.approx(1.0, abs=1e-2)
