@@ -3,7 +3,8 @@
 
 \b
     python bin/bench.py                                   # 8B-shaped dummy model, lognormal lengths, /dev/shm
-    python bin/bench.py --out /dev/shm/x --out /tmp/x --baseline-hf
+    python bin/bench.py --out /dev/shm/x --out /tmp/x --baseline hf
+    python bin/bench.py --model DIR --load-format auto --baseline sglang-engine --baseline specforge --baseline hf
     python bin/bench.py --lengths fixed --mean-length 2048
     python bin/bench.py --lengths fixed --mean-length 131072 --num-tokens 393216 --warmup-batches 1
     torchrun --nproc-per-node 8 bin/bench.py              # DP=8: aggregate tokens/s
@@ -11,6 +12,13 @@
 Samples longer than --tokens-per-batch are prefilled alone in chunks of --chunk-tokens, in both modes.
 Every --out is measured in the same run (tmpfs and a disk path are both fine); the disk's own parallel
 write rate is probed there first. Results (JSON, with this command) go to --results-dir.
+
+--baseline adds what users would run instead, on the same GPU, model and batches (benchmarks/peers/):
+`hf` (an HF transformers loop with output_hidden_states), `sglang-engine` (sglang.Engine with
+return_hidden_states) and `specforge` (SpecForge 0.2.0's prepare_hidden_states.py on SGLang 0.5.14, from the
+peer bundle). The two SGLang-based peers load the model from its files, so they need --model DIR with
+weights and --load-format auto. Each peer's row, with its per-layer cosine against our states for the
+first --cross-check-samples samples, goes to the result's `peers` list.
 """
 import _bin_path  # noqa: F401  (must come first: see its docstring)
 import os
@@ -18,6 +26,7 @@ import sys
 
 import click
 
+from benchmarks.peers.baselines import BASELINES, PeerOptions
 from offline_extract.benchmarking import BenchOptions, run_bench
 
 
@@ -48,7 +57,17 @@ def _command() -> str:
 @click.option("--chunk-sweep", default="", help="Comma-separated chunk sizes: also time bare chunked prefill of the "
               "first timed batch at each (`bare_tok_s_by_chunk`), to choose --chunk-tokens.")
 @click.option("--warmup-batches", default=2, show_default=True)
-@click.option("--baseline-hf", is_flag=True, help="Also time HF transformers with output_hidden_states + .cpu().")
+@click.option("--baseline", "baselines", multiple=True, type=click.Choice(BASELINES),
+              help="Also run this peer (repeatable); see above.")
+@click.option("--baseline-hf", is_flag=True, help="The same as --baseline hf (kept for earlier results' commands).")
+@click.option("--cross-check-samples", default=PeerOptions.cross_check_samples, show_default=True,
+              help="Samples whose states each peer's are compared with ours.")
+@click.option("--peer-workdir", default=PeerOptions.workdir, show_default=True,
+              help="Peers' inputs, outputs and logs (SpecForge writes its states here).")
+@click.option("--peer-site", default=PeerOptions.peer_site, show_default=True,
+              help="SGLang 0.5.14 + SpecForge 0.2.0, installed by the peer bundle (benchmarks/peers/make_peer_bundle.sh).")
+@click.option("--specforge-attention-backend", default=PeerOptions.specforge_attention_backend, show_default=True,
+              help="SpecForge's --sglang-attention-backend (its own default is flashinfer).")
 @click.option("--disk-probe-gb", default=4.0, show_default=True, help="Bytes written to measure each --out's write rate.")
 @click.option("--writers", default=4, show_default=True, help="Shard writer threads.")
 @click.option("--results-dir", default="benchmarks/results", show_default=True)
@@ -59,13 +78,17 @@ def _command() -> str:
               help="A one-GPU result JSON from the same session: adds `scaling` (aggregate / one GPU) to the "
                    "results of the same out kind (tmpfs, disk); repeat for each kind.")
 def main(model, shape, load_format, dtype, tp, attention_backend, outs, lengths, mean_length, max_length, num_tokens,
-         tokens_per_batch, chunk_tokens, chunk_sweep, warmup_batches, baseline_hf, disk_probe_gb, writers, results_dir,
-         profile, profile_batches, single_gpu_results):
+         tokens_per_batch, chunk_tokens, chunk_sweep, warmup_batches, baselines, baseline_hf, cross_check_samples,
+         peer_workdir, peer_site, specforge_attention_backend, disk_probe_gb, writers, results_dir, profile,
+         profile_batches, single_gpu_results):
+    peer_options = PeerOptions(workdir=peer_workdir, cross_check_samples=cross_check_samples, peer_site=peer_site,
+                               specforge_attention_backend=specforge_attention_backend)
     options = BenchOptions(
         model=model, shape=shape, load_format=load_format, dtype=dtype, tp=tp, attention_backend=attention_backend,
         outs=tuple(outs), lengths=lengths, mean_length=mean_length, max_length=max_length, num_tokens=num_tokens,
         tokens_per_batch=tokens_per_batch, chunk_tokens=chunk_tokens,
-        chunk_sweep=tuple(int(c) for c in chunk_sweep.split(",") if c), warmup_batches=warmup_batches, baseline_hf=baseline_hf,
+        chunk_sweep=tuple(int(c) for c in chunk_sweep.split(",") if c), warmup_batches=warmup_batches,
+        baselines=tuple(dict.fromkeys((*baselines, *(["hf"] if baseline_hf else [])))), peer_options=peer_options,
         disk_probe_bytes=int(disk_probe_gb * (1 << 30)), writers=writers, results_dir=results_dir,
         profile=profile, profile_batches=profile_batches, single_gpu_results=tuple(single_gpu_results), command=_command(),
     )

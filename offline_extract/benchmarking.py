@@ -4,7 +4,10 @@ Modes, in this order, each after untimed warm-up batches:
 1. bare prefill: SGLang's forward with no capture and no copy-out (the ceiling);
 2. extraction: capture, copy to host and write shards to each `--out` (tmpfs or disk), timed until the
    last shard is on disk;
-3. optionally HF transformers with output_hidden_states, copying the same layers to host.
+3. optionally HF transformers with output_hidden_states, copying the same layers to host;
+4. optionally the peers users would run instead (`--baseline`, benchmarks/peers/): SGLang's own
+   return_hidden_states and SpecForge's generator run first, each with the whole GPU, and every peer's
+   states are cross-checked against ours at the end.
 Under torchrun every data-parallel replica runs its share and the figures are aggregated.
 """
 from __future__ import annotations
@@ -56,7 +59,8 @@ class BenchOptions:
     chunk_tokens: int | None = None  # the engine's chunk for longer samples; None: tokens_per_batch
     chunk_sweep: tuple[int, ...] = ()  # also time bare chunked prefill of the first timed batch at these
     warmup_batches: int = 2
-    baseline_hf: bool = False
+    baselines: tuple[str, ...] = ()  # of benchmarks.peers.baselines.BASELINES
+    peer_options: object | None = None  # benchmarks.peers.baselines.PeerOptions; None: its defaults
     disk_probe_bytes: int = 4 << 30
     writers: int = 4
     seed: int = 0
@@ -302,9 +306,15 @@ class _DiscardWriter:
 def run_bench(opts: BenchOptions) -> list[dict]:
     if not torch.cuda.is_available():
         raise ValueError("bin/bench.py times extraction on a GPU, but torch sees no CUDA GPU here")
-    if opts.baseline_hf and opts.tp > 1:
-        raise ValueError("--baseline-hf runs HF on one GPU; it cannot be combined with --tp > 1")
     layout = layout_from_env(opts.tp)
+    if opts.baselines and layout.world_size > 1:
+        raise ValueError(f"--baseline runs each peer on one GPU; it cannot be combined with --tp or torchrun "
+                         f"(world size {layout.world_size})")
+    if opts.baselines:
+        # Not part of the installed package: the peers' drivers live beside this checkout's benchmarks.
+        from benchmarks.peers import baselines as peers
+
+        peers.check_names(opts.baselines)
     torch.cuda.set_device(layout.local_rank)
     coord = Coordinator(layout, namespace=f"bench-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
     model_dir = Path(opts.model) if opts.model else _generated_config(opts.shape, opts.longest, layout, coord)
@@ -321,6 +331,15 @@ def run_bench(opts: BenchOptions) -> list[dict]:
         )
     # Each replica's tokens count once, however many TP ranks computed them.
     tokens = sum(b.num_tokens for b in timed) if layout.writes else 0
+    config = AutoConfig.from_pretrained(model_dir)
+    pending = []
+    if opts.baselines:
+        popts = opts.peer_options or peers.PeerOptions()
+        pending = peers.run_subprocess_peers(
+            opts.baselines, popts, model_dir=model_dir, tokenizer=tokenizer.tokenizer,
+            batches=[[s.input_ids for s in b.samples] for b in batches], warmup=opts.warmup_batches,
+            max_length=opts.longest, dtype=opts.dtype, num_layers=config.num_hidden_layers, load_format=opts.load_format,
+        )
     engine = Engine(EngineConfig(
         model_path=str(model_dir), device="cuda", dtype=opts.dtype, tp_size=opts.tp, tp_rank=layout.tp_rank,
         gpu_id=layout.local_rank,
@@ -328,7 +347,6 @@ def run_bench(opts: BenchOptions) -> list[dict]:
         max_tokens_per_batch=opts.tokens_per_batch, max_seqs_per_batch=256, chunk_tokens=opts.chunk_tokens,
         context_length=opts.longest, load_format=opts.load_format,
     ))
-    config = AutoConfig.from_pretrained(model_dir)
 
     staging = staging_buffers(engine)
     clock = _ForwardClock(engine)
@@ -414,11 +432,21 @@ def run_bench(opts: BenchOptions) -> list[dict]:
         })
         shutil.rmtree(root, ignore_errors=True)
 
-    if opts.baseline_hf:
-        hf_s = _hf_baseline(config, engine, warm, timed, coord)
+    if "hf" in opts.baselines:
+        check = [s.input_ids for b in timed for s in b.samples][: popts.cross_check_samples]
+        # Only the same weights make HF's states comparable with ours; the dummy loader draws its own.
+        weights = model_dir if opts.load_format != "dummy" else None
+        hf_s, hf_states = _hf_baseline(config, engine, warm, timed, coord, weights,
+                                       lambda model: peers.states_of(model, engine.layer_ids, check) if weights else None)
         for r in results:
             r["hf_tok_s"] = r["num_tokens"] / hf_s
             r["extract_over_hf"] = hf_s * r["extract_tok_s"] / r["num_tokens"]
+        pending.append(peers.hf_row(results[0]["hf_tok_s"], opts.command, hf_states))
+    if pending:
+        ours = peers.our_states(engine)
+        rows = [peers.cross_check(p, ours).to_json() for p in pending]
+        for r in results:
+            r["peers"] = rows
     if opts.single_gpu_results:
         singles = {}
         for path in opts.single_gpu_results:
@@ -443,17 +471,22 @@ def _mfu(config, samples: list[Sample], tok_s_per_gpu: float) -> float | None:
     return None if peak is None else model_flops_per_token(config, samples) * tok_s_per_gpu / peak
 
 
-def _hf_baseline(config, engine: Engine, warm, timed, coord: Coordinator) -> float:
+def _hf_baseline(config, engine: Engine, warm, timed, coord: Coordinator, weights: Path | None, after):
+    """Seconds of the HF loop over `timed`, and what `after(model)` returns before the model is freed."""
     from transformers import AutoModelForCausalLM
 
-    # Random weights of the same shape: speed does not depend on the values.
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    if weights is None:
+        # Random weights of the same shape: speed does not depend on the values.
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
     _hf_pass(model, warm, engine.layer_ids, "cuda")
     seconds = _timed(coord, functools.partial(_hf_pass, model, timed, engine.layer_ids, "cuda"))
+    kept = after(model)
     del model
     torch.cuda.empty_cache()
-    return seconds
+    return seconds, kept
 
 
 def _chunk_sweep(engine: Engine, coord: Coordinator, batch: Batch, sizes: tuple[int, ...]) -> dict[str, float]:
