@@ -306,10 +306,12 @@ class _DiscardWriter:
 def run_bench(opts: BenchOptions) -> list[dict]:
     if not torch.cuda.is_available():
         raise ValueError("bin/bench.py times extraction on a GPU, but torch sees no CUDA GPU here")
+    if "hf" in opts.baselines and opts.tp > 1:
+        raise ValueError("--baseline hf runs HF on one GPU; it cannot be combined with --tp > 1")
     layout = layout_from_env(opts.tp)
-    if opts.baselines and layout.world_size > 1:
-        raise ValueError(f"--baseline runs each peer on one GPU; it cannot be combined with --tp or torchrun "
-                         f"(world size {layout.world_size})")
+    if set(opts.baselines) - {"hf"} and layout.world_size > 1:
+        raise ValueError(f"--baseline sglang-engine and specforge run on one GPU; they cannot be combined with "
+                         f"--tp or torchrun (world size {layout.world_size})")
     if opts.baselines:
         # Not part of the installed package: the peers' drivers live beside this checkout's benchmarks.
         from benchmarks.peers import baselines as peers

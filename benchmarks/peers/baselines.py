@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 import traceback
@@ -116,7 +117,10 @@ def _specforge(popts, work, model_dir, tokenizer, batches, warmup, max_length, l
     timed = [s for b in batches[warmup:] for s in b]  # its own first batch is its warm-up
     prepared = specforge.prepare(work / "specforge_in", timed, tokenizer, max_length)
     out = work / "specforge_out"
-    subprocess.run(["rm", "-rf", str(out), str(work / "specforge_cache")], check=True)
+    # Its resume skips samples whose files exist, and its dataset caches are keyed by file path, not content
+    # (one of them beside the script): a previous run's would stand in for this corpus.
+    for stale in (out, work / "specforge_cache", sf / "cache"):
+        shutil.rmtree(stale, ignore_errors=True)
     argv = specforge.command(script, model_dir, prepared.data, out, work / "specforge_cache", max_length=max_length,
                              batch_size=popts.specforge_batch_size, attention_backend=popts.specforge_attention_backend,
                              draft_config=draft)
