@@ -103,7 +103,9 @@ from offline_extract.extraction import ExtractOptions, StoppedError, Terminated,
                    "verifier's norm while training). A drafter trained on the other one is silently wrong.")
 @click.option("--force", is_flag=True,
               help="Go ahead even if a check says no: --dry-run's free space, or resuming into an --out whose "
-                   "manifest records another model, tokenizer, layers, length policy or corpus.")
+                   "manifest records another corpus (right when records were only appended). An --out holding "
+                   "shards of another model, tokenizer, layers, compute dtype or length policy is refused even so, "
+                   "before anything is written: mixed, its shards would not be one data set.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow model code from the model directory.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (e.g. for logs).")
 def main(data, out, model, device, dtype, tp, layers, max_length, overlong, tokens_per_batch, chunk_tokens, seqs_per_batch,

@@ -363,10 +363,15 @@ def test_resume_refuses_another_run_unless_forced(baseline, corpus, env, tmp_pat
     out = tmp_path / "out"
     shutil.copytree(baseline, out)
     names = [p.name for p in shard_paths(out)]
-    other_layers = run(out, "--data", corpus, *SMALL, "--layers", "1,2,4", env=env)
+    # Other layers cannot join these shards, --force or not; nothing is written (issue 17's broken directory).
+    before = {p.name: sha256(p) for p in out.iterdir() if p.is_file()}
+    other_layers = run(out, "--data", corpus, *SMALL, "--layers", "1,2,4", "--force", env=env)
     assert other_layers.returncode != 0 and "Traceback" not in other_layers.stderr
-    assert "holds the output of a different run" in other_layers.stderr
+    assert "holds shards of a different run" in other_layers.stderr and "--force cannot mix them" in other_layers.stderr
     assert "layer_ids: [1, 3, 4] -> [1, 2, 4]" in other_layers.stderr
+    assert {p.name: sha256(p) for p in out.iterdir() if p.is_file() and p.name != resume.LOCK_NAME} == {
+        name: digest for name, digest in before.items() if name != resume.LOCK_NAME
+    }
 
     # The same file name elsewhere, with two records appended.
     grown = tmp_path / "moved" / corpus.name
@@ -485,15 +490,64 @@ def test_corpus_fingerprints_sample_big_files_and_ignore_where_they_live(tmp_pat
         path.parent.mkdir()
         path.write_bytes(data)
     identity = manifest.run_identity(RUN, [a])
-    assert manifest.differences(identity, manifest.run_identity(RUN, [b])) == []
+    assert manifest.corpus_differences(identity, manifest.run_identity(RUN, [b])) == []
 
     b.write_bytes(b"X" + data[1:])
-    assert "sampled_sha256" in manifest.differences(identity, manifest.run_identity(RUN, [b]))[0]
+    assert "sampled_sha256" in manifest.corpus_differences(identity, manifest.run_identity(RUN, [b]))[0]
     b.write_bytes(data + b"{}\n")
-    assert "bytes 1000 -> 1003" in manifest.differences(identity, manifest.run_identity(RUN, [b]))[0]
+    assert "bytes 1000 -> 1003" in manifest.corpus_differences(identity, manifest.run_identity(RUN, [b]))[0]
     (tmp_path / "c.jsonl").write_bytes(data)
-    diffs = manifest.differences(identity, manifest.run_identity({**RUN, "layer_ids": [2]}, [tmp_path / "c.jsonl"]))
-    assert diffs[0] == "layer_ids: [1, 3] -> [2]" and "name 'corpus.jsonl' -> 'c.jsonl'" in diffs[1]
+    other = manifest.run_identity({**RUN, "layer_ids": [2]}, [tmp_path / "c.jsonl"])
+    assert manifest.run_differences(identity, other) == ["layer_ids: [1, 3] -> [2]"]
+    (diff,) = manifest.corpus_differences(identity, other)
+    assert "name 'corpus.jsonl' -> 'c.jsonl'" in diff
+
+
+def test_force_never_mixes_shards_of_another_model_tokenizer_layers_or_length_policy(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "a"}\n')
+    out = tmp_path / "out"
+    write_shards(out, [[(0, 2)]])
+    with pytest.raises(resume.TakeoverError, match="no manifest.json records the corpus"):
+        resume.check_identity(out, manifest.run_identity(RUN, [corpus]), force=False)
+    resume.check_identity(out, manifest.run_identity(RUN, [corpus]), force=True)
+    before = manifest.load(out)
+    for change in ({"layer_ids": [1, 2]}, {"max_length": 7}):
+        with pytest.raises(resume.TakeoverError, match="--force cannot mix") as refused:
+            resume.check_identity(out, manifest.run_identity({**RUN, **change}, [corpus]), force=True)
+        assert f"{next(iter(change))}: " in str(refused.value)
+        assert manifest.load(out) == before, "a refused run writes nothing"
+
+    # Shards without a manifest are judged by their own run metadata.
+    (out / manifest.MANIFEST_NAME).unlink()
+    with pytest.raises(resume.TakeoverError, match="layer_ids: \\[1, 3\\] -> \\[1, 2\\]"):
+        resume.check_identity(out, manifest.run_identity({**RUN, "layer_ids": [1, 2]}, [corpus]), force=True)
+
+    # A grown corpus is what --force is for: the shards stay one data set.
+    corpus.write_text('{"text": "a"}\n{"text": "b"}\n')
+    with pytest.raises(resume.TakeoverError, match="pass --force"):
+        resume.check_identity(out, manifest.run_identity(RUN, [corpus]), force=False)
+    notes = resume.check_identity(out, manifest.run_identity(RUN, [corpus]), force=True)
+    assert len(notes) == 1 and notes[0].startswith("--force: resuming despite")
+    assert manifest.load(out)["identity"] == manifest.run_identity(RUN, [corpus])
+
+
+def test_a_directory_holding_no_complete_shard_is_taken_over(tmp_path):
+    """A --strict run that stopped at a bad line wrote no shard; the fixed corpus simply starts again."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{broken\n')
+    out = tmp_path / "out"
+    lock, _ = resume.take_over(out)
+    resume.check_identity(out, manifest.run_identity(RUN, [corpus]), force=False)
+    lock.release()
+
+    corpus.write_text('{"text": "fixed"}\n')
+    fixed = manifest.run_identity({**RUN, "layer_ids": [2]}, [corpus])
+    lock, _ = resume.take_over(out)
+    (note,) = resume.check_identity(out, fixed, force=False)
+    lock.release()
+    assert "holds no complete shard" in note
+    assert manifest.load(out)["identity"] == fixed
 
 
 class PoisonedEngine:

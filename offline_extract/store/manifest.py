@@ -1,8 +1,8 @@
 """OUT/manifest.json: what an output directory holds (its run identity) and which shards are complete.
 
 The identity is written when a run takes a directory over; a later run may resume there only with the
-same identity (`differences`), since shards of two identities would not be one data set. Each replica
-logs the shards it completes, with the sha256 its writer threads computed, to its own journal
+same identity (`run_differences`, `corpus_differences`), since shards of two identities would not be one
+data set. Each replica logs the shards it completes, with the sha256 its writer threads computed, to its own journal
 (`.manifest.dp{r}.jsonl`, fsynced per shard); the leader folds the journals into manifest.json at the
 start of a run (a crashed attempt's) and at its end. Every manifest.json update is an atomic replace.
 
@@ -82,14 +82,15 @@ def run_identity(run: dict, data: Sequence[str | os.PathLike]) -> dict:
     return {**facts, "corpus": [file_fingerprint(p) for p in data]}
 
 
-def differences(old: dict, new: dict) -> list[str]:
-    """What differs between two identities, one line per difference; empty when a resume is safe."""
-    diffs = [
-        f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in IDENTITY_KEYS if old.get(key) != new.get(key)
-    ]
+def run_differences(old: dict, new: dict) -> list[str]:
+    """How two identities' shards differ, one line per run fact; shards that differ are never one data set."""
+    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in IDENTITY_KEYS if old.get(key) != new.get(key)]
+
+
+def corpus_differences(old: dict, new: dict) -> list[str]:
+    """How two identities' corpus files differ, one line per file."""
     before, after = old.get("corpus", []), new.get("corpus", [])
-    if len(before) != len(after):
-        diffs.append(f"corpus: {len(before)} files -> {len(after)} files")
+    diffs = [f"corpus: {len(before)} files -> {len(after)} files"] if len(before) != len(after) else []
     for i, (a, b) in enumerate(zip(before, after)):
         changed = [key for key in CORPUS_KEYS if a.get(key) != b.get(key)]
         if changed:

@@ -113,22 +113,42 @@ def take_over(out: Path) -> tuple[OutputLock, Existing]:
 def check_identity(out: Path, identity: dict, force: bool) -> list[str]:
     """The leader's side, once the model is loaded: refuse to mix runs, then record this run's identity.
 
-    Returns notes on what --force let through.
+    Shards of another model, tokenizer, layers, compute dtype or length policy are refused whatever
+    --force says: a directory mixing them would not be one data set. --force only
+    lets a changed corpus through (e.g. records appended), where the shards stay one data set. A
+    directory holding no complete shard has nothing to protect and is taken over. Returns notes on what
+    was let through.
     """
     current = manifest.load(out) or {}
-    has_shards = bool(shard_paths(out))
-    if "identity" in current:
-        diffs = manifest.differences(current["identity"], identity)
+    paths = shard_paths(out)
+    if not paths:
+        taken = current.get("identity") not in (None, identity)
+        notes = [f"taking over {out} from a different run: it holds no complete shard"] if taken else []
     else:
-        diffs = ["no manifest.json records the run that wrote the shards here"] if has_shards else []
-    if diffs and not force:
-        raise TakeoverError(
-            f"{out} holds the output of a different run, so this one cannot resume there:\n  "
-            + "\n  ".join(diffs)
-            + "\nChoose another --out, or pass --force to resume anyway (each shard keeps its own run metadata)"
-        )
+        # Without a manifest, the shards' own metadata tell which run wrote them, but not from which corpus.
+        recorded = current.get("identity") or read_header(paths[0]).run
+        mixed = manifest.run_differences(recorded, identity)
+        if mixed:
+            raise TakeoverError(
+                f"{out} holds shards of a different run, so this one cannot resume there:\n  "
+                + "\n  ".join(mixed)
+                + "\n--force cannot mix them: the directory would not be one data set. Choose another --out, or "
+                "move its shards away to start over there"
+            )
+        if "identity" in current:
+            diffs = manifest.corpus_differences(current["identity"], identity)
+        else:
+            diffs = ["no manifest.json records the corpus of the shards here"]
+        if diffs and not force:
+            raise TakeoverError(
+                f"{out} holds the output of another corpus, so this run cannot resume there:\n  "
+                + "\n  ".join(diffs)
+                + "\nChoose another --out, or pass --force to resume anyway (right when records were only appended: "
+                "samples are matched to records by position)"
+            )
+        notes = [f"--force: resuming despite {d}" for d in diffs]
     manifest.consolidate(out, identity=identity, status="running", result=None)
-    return [f"--force: resuming despite {d}" for d in diffs]
+    return notes
 
 
 def done_mask(out: Path, shards: Sequence[str]) -> np.ndarray:
