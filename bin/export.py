@@ -23,6 +23,7 @@ DEST/export_manifest.json maps i to sample ids. Rerunning the same export into D
 import _bin_path  # noqa: F401  (must come first: see its docstring)
 import click
 
+from offline_extract.progress import plural
 from offline_extract.store.schema import ShardError
 from offline_extract.training.export import DEFAULT_ROWS_PER_FOLDER, FORMATS, ExportError, export
 
@@ -43,7 +44,8 @@ def main(out_dir, dest, format_, rows_per_folder, no_progress):
         raise click.ClickException(str(e)) from e
     skipped = f", {summary.samples_skipped} already there" if summary.samples_skipped else ""
     click.echo(
-        f"wrote {summary.samples_written} samples ({summary.bytes_written / 1e9:.2f} GB) to {summary.dest}{skipped}",
+        f"wrote {plural(summary.samples_written, 'sample')} ({summary.bytes_written / 1e9:.2f} GB) to {summary.dest}"
+        f"{skipped}",
         err=True,
     )
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from offline_extract.progress import plural
 from offline_extract.store import inspection, integrity
 from offline_extract.store.schema import ShardError
 
@@ -27,8 +28,9 @@ def main(path: str, sample_id: str | None, as_json: bool, verify: bool) -> None:
         report = integrity.verify(path)
         for problem in report.problems:
             click.echo(problem)
-        verdict = f"{len(report.problems)} problems" if report.problems else "no problems"
-        click.echo(f"verified {report.shards} shards holding {report.samples} samples in {path}: {verdict}")
+        verdict = plural(len(report.problems), "problem") if report.problems else "no problems"
+        click.echo(f"verified {plural(report.shards, 'shard')} holding {plural(report.samples, 'sample')} in {path}: "
+                   f"{verdict}")
         raise SystemExit(1 if report.problems else 0)
     try:
         if sample_id is not None:

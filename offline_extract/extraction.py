@@ -29,7 +29,7 @@ from offline_extract.engine.distributed import Coordinator, Layout, layout_from_
 from offline_extract.engine.nonfinite import NonFiniteError, NonFiniteGuard, batch_flag
 from offline_extract.engine.offload import HostOffload, pinned_buffers
 from offline_extract.engine.sglang_adapter import FINAL_STATES, LAYER_CONVENTION, Engine, EngineConfig
-from offline_extract.progress import RunProgress
+from offline_extract.progress import RunProgress, plural
 from offline_extract.store import manifest, resume
 from offline_extract.store.atomic import atomic_write
 from offline_extract.store.index import write_index
@@ -131,7 +131,7 @@ class Summary:
             f"dropped {self.dropped}",
             f"tokens {self.tokens:,}: {self.tokens / max(self.extract_seconds, 1e-9):,.0f} tok/s over "
             f"{self.extract_seconds:.1f} s of extraction ({self.seconds:.1f} s with start-up)",
-            f"{len(self.shards)} new shards, {self.bytes_written / 1e9:.3f} GB -> {out}",
+            f"{plural(len(self.shards), 'new shard')}, {self.bytes_written / 1e9:.3f} GB -> {out}",
         ]
         if self.nonfinite_kept:
             lines.append(f"{self.nonfinite_kept} extracted samples hold NaN or Inf (--nonfinite keep)")
@@ -405,7 +405,8 @@ def _run(
         for note in notes:
             _note(note)
         if existing.shards:
-            _note(f"resuming in {out}: {int(done.sum())} samples in {len(existing.shards)} complete shards are kept")
+            kept = f"{plural(int(done.sum()), 'sample')} in {plural(len(existing.shards), 'complete shard')}"
+            _note(f"resuming in {out}: {kept} are kept")
 
     summary = Summary()
     with _resumable(out), ExitStack() as journals:

@@ -9,6 +9,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
+def plural(n: int, noun: str) -> str:
+    """'1 shard', '3 shards': counts in messages are often 1."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":

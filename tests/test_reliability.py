@@ -3,6 +3,7 @@
 The slow tests drive bin/extract.py in subprocesses on the embedded tiny model and kill, starve or
 block them; the others exercise the pieces in-process.
 """
+import fcntl
 import hashlib
 import json
 import os
@@ -112,7 +113,7 @@ def assert_complete(out, base) -> None:
     """`out` holds exactly the samples and rejects of the uninterrupted run `base`, and verifies clean."""
     assert_same_samples(base, out)
     assert (out / "rejects.jsonl").read_text() == (base / "rejects.jsonl").read_text()
-    assert hidden_files(out) == [resume.LOCK_NAME], "no leftovers"
+    assert hidden_files(out) == [], "no leftovers, no lock"
     assert integrity.verify(out).problems == []
 
 
@@ -139,7 +140,7 @@ def test_killed_at_random_points_and_resumed_equals_an_uninterrupted_run(baselin
     assert len(kept) >= targets[-1]
 
     proc = ok(run(out, "--data", corpus, *SMALL, env=env))
-    assert ".rejects.dp0.jsonl" in re.search(r"removed \d+ leftovers of an interrupted run: .*", proc.stderr)[0]
+    assert ".rejects.dp0.jsonl" in re.search(r"removed \d+ files? left by an interrupted run: .*", proc.stderr)[0]
     result = counts(proc.stderr)
     assert result["records"] == 300 and result["rejected"] == 5 and result["earlier"] > 0
     assert result["extracted"] + result["skipped"] + result["rejected"] + result["dropped"] == result["records"]
@@ -433,8 +434,8 @@ def test_take_over_clears_leftovers_and_numbers_new_shards_above_existing(tmp_pa
     lock.release()
     assert existing.shards == ["shard_003.safetensors", "shard_010.safetensors"]
     assert existing.first_number == 11
-    assert sorted(leftovers) == sorted(re.findall(r"'([^']+)'", existing.notes[0]))
-    assert hidden_files(tmp_path) == [resume.LOCK_NAME]
+    assert existing.notes[0] == f"removed 3 files left by an interrupted run: {', '.join(sorted(leftovers))}"
+    assert hidden_files(tmp_path) == []
 
     mask = resume.done_mask(tmp_path, existing.shards)
     assert np.flatnonzero(mask).tolist() == [0, 2, 5]
@@ -454,7 +455,26 @@ def test_the_lock_admits_one_holder_at_a_time(tmp_path):
     with pytest.raises(resume.TakeoverError, match=rf'in use by another extraction \({{"pid": {os.getpid()}'):
         resume.OutputLock(tmp_path)
     lock.release()
+    assert not (tmp_path / resume.LOCK_NAME).exists(), "a finished run leaves no lock file behind"
     resume.OutputLock(tmp_path).release()
+
+
+def test_a_lock_file_removed_between_open_and_flock_is_not_trusted(tmp_path, monkeypatch):
+    """The holder releases (and removes) the file after we opened it: our flock on that orphan would
+    exclude no one, so the lock is taken again on the file now at the path."""
+    real_flock, locked = fcntl.flock, []
+
+    def flock(f, operation):
+        if not locked:
+            (tmp_path / resume.LOCK_NAME).unlink()
+        locked.append(f)
+        return real_flock(f, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    lock = resume.OutputLock(tmp_path)
+    assert len(locked) == 2
+    assert os.fstat(locked[-1].fileno()).st_ino == (tmp_path / resume.LOCK_NAME).stat().st_ino
+    lock.release()
 
 
 def test_consolidate_trusts_the_shards_on_disk(tmp_path):

@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+from offline_extract.progress import plural
 from offline_extract.store.atomic import atomic_write
 from offline_extract.store.index import shard_paths
 from offline_extract.store.journal import load_json, read_journal
@@ -137,7 +138,7 @@ def consolidate(out: str | os.PathLike, **updates) -> tuple[dict, list[str]]:
     on_disk = {p.name: p for p in shard_paths(out)}
     gone = sorted(set(recorded) - set(on_disk))
     if gone:
-        notes.append(f"{len(gone)} shards in the manifest no longer exist, their samples will be redone: {gone}")
+        notes.append(f"listed in the manifest but gone, their samples will be redone: {', '.join(gone)}")
     unrecorded = sorted(set(on_disk) - set(recorded), key=lambda name: shard_number(on_disk[name]))
     for name in unrecorded:
         header = read_header(on_disk[name])
@@ -148,7 +149,8 @@ def consolidate(out: str | os.PathLike, **updates) -> tuple[dict, list[str]]:
             "num_tokens": header.num_tokens,
         }
     if unrecorded:
-        notes.append(f"checksummed {len(unrecorded)} complete shards the manifest did not list yet: {unrecorded}")
+        listed = ", ".join(unrecorded)
+        notes.append(f"checksummed {plural(len(unrecorded), 'complete shard')} the manifest did not list yet: {listed}")
     manifest.pop("format_version", None)
     manifest.update(updates)
     manifest["shards"] = {name: recorded[name] for name in sorted(on_disk, key=lambda n: shard_number(on_disk[n]))}

@@ -22,6 +22,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from offline_extract.engine.distributed import Layout
+from offline_extract.progress import plural
 from offline_extract.store import manifest
 from offline_extract.store.index import shard_paths
 from offline_extract.store.schema import ShardError, shard_number
@@ -44,25 +45,31 @@ class OutputLock:
     Other ranks of the leader's own run do not lock: they only write once the leader, reached through
     their run's own store, has taken the directory, and a second run's ranks hear from its own leader,
     who found the lock taken. The file holds the holder's pid, host and torchrun run id for the error
-    a second run reports.
+    a second run reports; a run that ends removes it.
     """
 
     def __init__(self, out: Path):
         self.path = out / LOCK_NAME
-        self._file = open(self.path, "a+")
-        try:
-            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._file.seek(0)
-            holder = self._file.read().strip() or "unknown holder"
+        while True:
+            self._file = open(self.path, "a+")
+            try:
+                fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._file.seek(0)
+                holder = self._file.read().strip() or "unknown holder"
+                self._file.close()
+                raise TakeoverError(
+                    f"{out} is in use by another extraction ({holder}); two runs writing one directory would "
+                    f"interleave their shards. Wait for it to end, or choose another --out"
+                ) from None
+            except OSError as e:
+                self._file.close()
+                raise TakeoverError(f"cannot lock {self.path} ({e}); this filesystem may not support flock") from e
+            # A holder that ended between our open and our flock removed the file we opened: a lock on that
+            # orphan would exclude no one, so lock the file now at the path instead.
+            if self._holds_the_file_at_path():
+                break
             self._file.close()
-            raise TakeoverError(
-                f"{out} is in use by another extraction ({holder}); two runs writing one directory would "
-                f"interleave their shards. Wait for it to end, or choose another --out"
-            ) from None
-        except OSError as e:
-            self._file.close()
-            raise TakeoverError(f"cannot lock {self.path} ({e}); this filesystem may not support flock") from e
         self._file.truncate(0)
         self._file.write(
             json.dumps(
@@ -76,7 +83,17 @@ class OutputLock:
         )
         self._file.flush()
 
+    def _holds_the_file_at_path(self) -> bool:
+        try:
+            at_path = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(self._file.fileno())
+        return (at_path.st_dev, at_path.st_ino) == (held.st_dev, held.st_ino)
+
     def release(self) -> None:
+        # Removed while still locked, so no one can lock this file after us and think they hold the directory.
+        self.path.unlink(missing_ok=True)
         self._file.close()  # closing the only descriptor drops the flock
 
 
@@ -99,7 +116,8 @@ def take_over(out: Path) -> tuple[OutputLock, Existing]:
             p.unlink()
         notes = []
         if leftovers:
-            notes.append(f"removed {len(leftovers)} leftovers of an interrupted run: {[p.name for p in leftovers]}")
+            names = ", ".join(p.name for p in leftovers)
+            notes.append(f"removed {plural(len(leftovers), 'file')} left by an interrupted run: {names}")
         paths = shard_paths(out)
         if paths or manifest.load(out) is not None:
             notes += manifest.consolidate(out)[1]
