@@ -34,6 +34,7 @@ import _bin_path  # noqa: F401  (must come first: see its docstring)
 import os
 import signal
 import sys
+from pathlib import Path
 
 import click
 
@@ -42,7 +43,7 @@ from offline_extract.engine.distributed import LeaderFailed, PeerLost
 from offline_extract.engine.nonfinite import POLICIES
 from offline_extract.engine.parity import ParityError
 from offline_extract.engine.sglang_adapter import FINAL_STATES
-from offline_extract.extraction import ExtractOptions, StoppedError, Terminated, raise_terminated
+from offline_extract.extraction import REJECTS_FILE, ExtractOptions, StoppedError, Terminated, raise_terminated
 
 
 @click.command(help=__doc__)
@@ -143,10 +144,17 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
         sys.exit(128 + signal.SIGTERM)
     if dry_run:
         click.echo(planning.render(plan, out))
+        verdict = extraction.no_sample_verdict(data, plan.records, {"rejected": plan.rejected, "skipped": plan.skipped})
+        if verdict:
+            raise click.ClickException(verdict)
         if not plan.fits and not force:
             raise click.ClickException(f"the output would not fit in {out}; free space first or pass --force")
     elif summary is not None:
         click.echo(summary.report(out), err=True)
+        verdict = summary.no_sample_verdict(data)
+        if verdict:
+            # The manifest says complete (with these counts): re-running would only repeat this verdict.
+            raise click.ClickException(f"{verdict}, see {Path(out) / REJECTS_FILE}" if summary.records else verdict)
 
 
 if __name__ == "__main__":

@@ -121,6 +121,10 @@ class Summary:
             parity=self.parity or other.parity,
         )
 
+    def no_sample_verdict(self, data: Sequence[str]) -> str | None:
+        left_out = {"rejected": self.rejected, "skipped": self.skipped, "dropped": self.dropped}
+        return no_sample_verdict(data, self.records, left_out)
+
     def report(self, out: str | os.PathLike) -> str:
         # Resumed samples count as extracted, so that the four counts add up to the records read.
         extracted = f"extracted {self.extracted + self.resumed}"
@@ -143,6 +147,23 @@ class Summary:
                 f"cosine worst {row['cosine']:.6f} median {row['median_cosine']:.6f} {'ok' if row['ok'] else 'FAIL'}"
             )
         return "\n".join(lines)
+
+
+def no_sample_verdict(data: Sequence[str], records: int, left_out: dict[str, int]) -> str | None:
+    """Why a corpus gave no sample at all, in the same words for a run and a dry run; None if it gave one.
+
+    `left_out` counts the records that gave no sample, by kind (rejected, skipped, dropped); it says
+    nothing of where the records came from, so every corpus source gets the same verdict.
+    """
+    if records == 0:
+        return f"{', '.join(map(str, data))} {'has' if len(data) == 1 else 'have'} no records"
+    if sum(left_out.values()) < records:
+        return None
+    kinds = {kind: n for kind, n in left_out.items() if n}
+    which = f"all {records} records" if records > 1 else "its only record"
+    if len(kinds) == 1:
+        return f"{which} {next(iter(kinds))}"
+    return f"{which} left out ({', '.join(f'{n} {kind}' for kind, n in kinds.items())})"
 
 
 def _weights_fingerprint(model_dir: Path) -> str:

@@ -12,8 +12,11 @@ from transformers import AutoTokenizer
 
 from offline_extract.data.corpus import Record, read_corpus
 from offline_extract.data.tokenization import SampleTokenizer
+from offline_extract.store import integrity, manifest
 from offline_extract.store.index import iter_samples, shard_paths
+from offline_extract.store.schema import ShardError
 from offline_extract.store.shard import open_shard
+from offline_extract.training.datasets import HiddenStateDataset
 
 CORPUS = ROOT / "examples" / "corpus.jsonl"
 
@@ -120,6 +123,42 @@ def test_dry_run_sizes_the_output_and_writes_nothing(tmp_path, cache_env):
     assert "records 24: 24 samples, 0 skipped, 0 rejected" in proc.stdout
     assert "aux_hidden_states" in proc.stdout and "fits" in proc.stdout
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "lines, verdict, result",
+    [
+        (["", "   ", ""], "{corpus} has no records", dict(records=0, skipped=0, rejected=0)),
+        (
+            ['[{"text": "a JSON array, not JSON lines"}]', "{broken", "\x1f\x8b\x08 gzip bytes"],
+            "all 3 records rejected",
+            dict(records=3, skipped=0, rejected=3),
+        ),
+    ],
+    ids=["blank", "all-rejected"],
+)
+def test_a_corpus_without_a_usable_record_says_so_and_completes_the_manifest(tmp_path, cache_env, lines, verdict,
+                                                                           result):
+    corpus = tmp_path / "blank.jsonl"
+    corpus.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    verdict = verdict.format(corpus=corpus)
+    dry = _extract(out, "--data", str(corpus), "--dry-run", env=cache_env)
+    assert dry.returncode == 1 and f"Error: {verdict}" in dry.stderr, dry.stderr[-3000:]
+    assert not out.exists()
+
+    proc = _extract(out, "--data", str(corpus), env=cache_env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    see = f", see {out / 'rejects.jsonl'}" if result["rejected"] else ""
+    assert f"Error: {verdict}{see}" in proc.stderr
+    assert f"records {result['records']}: extracted 0" in proc.stderr, "the summary is printed"
+    recorded = manifest.load(out)
+    assert recorded["status"] == "complete"
+    assert recorded["result"] == {**result, "dropped": 0, "extracted": 0}
+    assert len((out / "rejects.jsonl").read_text().splitlines()) == result["rejected"]
+    assert integrity.verify(out).problems == []
+    with pytest.raises(ShardError, match="holds no samples"):
+        HiddenStateDataset(out)
 
 
 def test_trim_after_last_loss_token_is_applied_and_recorded(tmp_path, cache_env):

@@ -53,12 +53,15 @@ def scan(out_dir: str | os.PathLike) -> tuple[list[ShardHeader], list[tuple[int,
 
 
 def write_index(out_dir: str | os.PathLike) -> Path:
-    """Writes out_dir/index.json describing every shard and where each sample lives, from headers only."""
+    """Writes out_dir/index.json describing every shard and where each sample lives, from headers only.
+
+    A directory without shards (a run whose every record was rejected) gets an index of no samples.
+    """
     out_dir = Path(out_dir)
-    headers, order = scan(out_dir)
+    headers, order = scan(out_dir) if shard_paths(out_dir) else ([], [])
     index = {
         "format_version": FORMAT_VERSION,
-        "run": headers[0].run,
+        "run": headers[0].run if headers else None,
         "num_samples": len(order),
         "num_tokens": sum(h.num_tokens for h in headers),
         "shards": [

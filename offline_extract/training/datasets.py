@@ -80,6 +80,8 @@ def load_catalog(out_dir: str | os.PathLike) -> Catalog:
     index = read_index(out_dir)
     if index is not None:
         catalog = _catalog_from_index(out_dir, index)
+        if catalog is not None and not len(catalog):
+            raise ShardError(f"{out_dir} holds no samples: its extraction extracted none")
         if catalog is not None:
             return catalog
         # A run still writing, or resumed after the index was written: the headers are the truth.
