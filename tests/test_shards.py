@@ -183,9 +183,9 @@ def test_write_index_rejects_shards_of_different_runs(tmp_path):
         write_index(tmp_path)
 
 
-def test_write_index_needs_shards(tmp_path):
-    with pytest.raises(ShardError, match="no shard_"):
-        write_index(tmp_path)
+def test_the_index_of_a_directory_without_shards_lists_no_samples(tmp_path):
+    index = json.loads(write_index(tmp_path).read_text())
+    assert (index["run"], index["num_samples"], index["shards"], index["samples"]["id"]) == (None, 0, [], [])
 
 
 def test_writes_leave_only_final_files(tmp_path):
