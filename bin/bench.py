@@ -40,7 +40,7 @@ def _command() -> str:
 
 @click.command(help=__doc__)
 @click.option("--model", default=None, help="HF model directory. Default: a generated config of --shape.")
-@click.option("--shape", default="llama3_8b", show_default=True, help="Generated model shape (see tiny_model.ARCHITECTURES).")
+@click.option("--shape", default="llama3_8b", show_default=True, help="Generated model shape (see offline_extract.testing.models.ARCHITECTURES).")
 @click.option("--load-format", default="dummy", show_default=True, help="'dummy': random weights, no files needed.")
 @click.option("--dtype", default="bfloat16", show_default=True)
 @click.option("--tp", default=1, show_default=True, help="Tensor-parallel size; under torchrun the rest is data-parallel.")

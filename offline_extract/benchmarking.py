@@ -31,12 +31,13 @@ import torch
 from offline_extract.data.batching import Batch, batch_by_tokens
 from offline_extract.data.corpus import Record
 from offline_extract.data.tokenization import Sample, SampleTokenizer
+from offline_extract.default_model import TRAINING_TEXT
 from offline_extract.engine.distributed import Coordinator, Layout, layout_from_env
 from offline_extract.engine.sglang_adapter import Engine, EngineConfig
 from offline_extract.extraction import extract_batches, staging_buffers
 from offline_extract.store.schema import bytes_per_token, state_widths
 from offline_extract.store.writer import ShardWriter
-from offline_extract.tiny_model import TRAINING_TEXT, build_model
+from offline_extract.testing.models import build_model
 
 # Dense bf16 tensor-core peaks, for MFU.
 PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from offline_extract import hub
+from offline_extract.default_model import ensure_tiny_model
 from offline_extract.engine.sglang_adapter import capture_rule, context_length, validate_layer_ids
-from offline_extract.tiny_model import ensure_tiny_model
 
 # One forward's token budget when --tokens-per-batch is not given.
 DEFAULT_TOKENS_PER_BATCH = {"cuda": 16384, "cpu": 4096}

@@ -1,6 +1,6 @@
 import pytest
 
-from offline_extract.tiny_model import ensure_tiny_model
+from offline_extract.default_model import ensure_tiny_model
 
 
 @pytest.fixture(scope="session")

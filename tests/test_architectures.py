@@ -25,7 +25,7 @@ from offline_extract.engine.sglang_adapter import (
     resolve_capture,
     route_capture,
 )
-from offline_extract.tiny_model import build_model
+from offline_extract.testing.models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

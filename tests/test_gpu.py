@@ -17,7 +17,7 @@ import torch
 
 from offline_extract.store.index import iter_samples, shard_paths
 from offline_extract.store.shard import open_shard
-from offline_extract.tiny_model import build_model
+from offline_extract.testing.models import build_model
 
 pytestmark = pytest.mark.gpu
 

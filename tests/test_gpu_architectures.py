@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from offline_extract.tiny_model import build_model
+from offline_extract.testing.models import build_model
 
 pytestmark = pytest.mark.gpu
 

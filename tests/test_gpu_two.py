@@ -19,7 +19,7 @@ from extract_runs import ROOT, extract_command, kill_rank_when, start_nodes
 from offline_extract.store import integrity
 from offline_extract.store.index import iter_samples, shard_paths
 from offline_extract.store.shard import open_shard, read_header
-from offline_extract.tiny_model import build_model
+from offline_extract.testing.models import build_model
 
 pytestmark = [
     pytest.mark.gpu,

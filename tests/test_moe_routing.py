@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from offline_extract.tiny_model import build_model
+from offline_extract.testing.models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 # Architecture -> its MoE decoder layers: Qwen3-MoE routes in every layer; DeepSeek-V3's first two are dense,

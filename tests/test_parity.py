@@ -49,7 +49,7 @@ def test_verify_passes_a_bf16_moe_model_and_records_why(tiny_model_dir, tmp_path
 
     from offline_extract.store.index import shard_paths
     from offline_extract.store.shard import open_shard
-    from offline_extract.tiny_model import build_model
+    from offline_extract.testing.models import build_model
 
     root = Path(__file__).resolve().parents[1]
     model = build_model("qwen3_moe", tmp_path / "m", dtype=torch.bfloat16, tokenizer_dir=tiny_model_dir)

@@ -13,8 +13,8 @@ from huggingface_hub import constants
 
 from offline_extract import extraction, hub, preflight
 from offline_extract.data.corpus import BadRecordError, Reject, read_corpus
+from offline_extract.default_model import TINY_VERSION
 from offline_extract.extraction import ExtractOptions
-from offline_extract.tiny_model import TINY_VERSION
 
 CORPUS = str(ROOT / "examples" / "corpus.jsonl")
 REVISION = "0123456789abcdef0123456789abcdef01234567"

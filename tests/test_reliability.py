@@ -23,6 +23,7 @@ from extract_runs import ROOT, assert_same_samples, extract_command, kill_rank_w
 
 from offline_extract.data.batching import batch_by_tokens
 from offline_extract.data.tokenization import Sample
+from offline_extract.default_model import TINY_VERSION
 from offline_extract.engine.distributed import Layout
 from offline_extract.engine.nonfinite import NonFiniteError, NonFiniteGuard
 from offline_extract.engine.sglang_adapter import Captured
@@ -33,7 +34,6 @@ from offline_extract.store.journal import Journal, read_journal
 from offline_extract.store.schema import SampleInfo, shard_number
 from offline_extract.store.shard import read_header
 from offline_extract.store.writer import ShardWriter
-from offline_extract.tiny_model import TINY_VERSION
 
 # Small shards and batches: a few hundred short records make about 80 shards and 120 batches.
 SMALL = ("--shard-size-mb", "0.15", "--tokens-per-batch", "256")
