@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from offline_extract.tiny_model import build_model
+from offline_extract.testing.models import build_model
 
 # Room past the 8,192-token cap: SGLang's engine refuses a prompt as long as the context, and a capped
 # sample plus the one token it generates needs 8,193.
