@@ -35,11 +35,14 @@ from offline_extract.training.export import DEFAULT_ROWS_PER_FOLDER, FORMATS, Ex
 @click.option("--format", "format_", type=click.Choice(FORMATS), default="specforge", show_default=True)
 @click.option("--rows-per-folder", default=DEFAULT_ROWS_PER_FOLDER, show_default=True,
               help="Samples per rows_{start}-{end} folder (specforge).")
+@click.option("--allow-partial", is_flag=True,
+              help="Export an extraction that has not finished (or has lost shards) as it is, with a warning; "
+                   "without this it is refused, saying how many samples are missing.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (e.g. for logs).")
-def main(out_dir, dest, format_, rows_per_folder, no_progress):
+def main(out_dir, dest, format_, rows_per_folder, allow_partial, no_progress):
     try:
         options = {"rows_per_folder": rows_per_folder} if format_ == "specforge" else {}
-        summary = export(format_, out_dir, dest, progress=not no_progress, **options)
+        summary = export(format_, out_dir, dest, progress=not no_progress, allow_partial=allow_partial, **options)
     except (ShardError, ExportError) as e:
         raise click.ClickException(str(e)) from e
     skipped = f", {summary.samples_skipped} already there" if summary.samples_skipped else ""

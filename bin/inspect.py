@@ -20,7 +20,10 @@ from offline_extract.store.schema import ShardError
 @click.option("--verify", is_flag=True,
               help="Re-hash every shard against manifest.json and check shapes, dtypes, offsets and index.json; "
                    "list every problem and exit non-zero if there is any.")
-def main(path: str, sample_id: str | None, as_json: bool, verify: bool) -> None:
+@click.option("--allow-partial", is_flag=True,
+              help="Summarize an extraction that has not finished (or has lost shards) as it is; without this "
+                   "it is refused, saying how many samples are missing. --sample works on it either way.")
+def main(path: str, sample_id: str | None, as_json: bool, verify: bool, allow_partial: bool) -> None:
     """PATH is a shard file or an output directory of shards (a directory for --verify)."""
     if verify:
         if not Path(path).is_dir():
@@ -36,7 +39,7 @@ def main(path: str, sample_id: str | None, as_json: bool, verify: bool) -> None:
         if sample_id is not None:
             result = inspection.sample_view(path, sample_id)
         else:
-            result = inspection.summarize(path)
+            result = inspection.summarize(path, allow_partial)
     except ShardError as e:
         raise click.ClickException(str(e)) from e
     if as_json:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from offline_extract.read_benchmark import write_synthetic
+from offline_extract.store import manifest
 from offline_extract.store.index import iter_samples
 from offline_extract.store.schema import ShardError
 from offline_extract.training.export import (
@@ -102,6 +103,17 @@ def test_bad_out_dir_leaves_no_destination(tmp_path):
 
 def run_script(*args):
     return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True)
+
+
+def test_an_unfinished_extraction_is_exported_only_when_asked(out_dir, tmp_path):
+    manifest.consolidate(out_dir, identity={}, status="running")
+    refused = run_script("--format", "specforge", out_dir, "--to", tmp_path / "sf", "--no-progress")
+    assert refused.returncode == 1 and "unfinished extraction" in refused.stderr and "--allow-partial" in refused.stderr
+    assert not (tmp_path / "sf").exists()
+    partial = run_script("--format", "specforge", out_dir, "--to", tmp_path / "sf", "--no-progress", "--allow-partial")
+    assert partial.returncode == 0, partial.stderr
+    assert "unfinished extraction" in partial.stderr
+    assert len(list((tmp_path / "sf").rglob("*.ckpt"))) == len(LENGTHS)
 
 
 def test_script(out_dir, tmp_path):

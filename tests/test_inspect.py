@@ -10,7 +10,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from offline_extract.store import inspection
+from offline_extract.store import inspection, manifest
 from offline_extract.store.index import write_index
 from offline_extract.store.schema import SampleInfo, ShardError
 from offline_extract.store.writer import ShardWriter
@@ -112,6 +112,17 @@ def test_script_json_on_a_directory(tmp_path):
     result = run_script(tmp_path / "out", "--json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     check_summary(json.loads(result.stdout))
+
+
+def test_an_unfinished_extraction_is_summarized_only_when_asked(tmp_path):
+    out = write_known(tmp_path / "out")
+    manifest.consolidate(out, identity={}, status="running")
+    refused = run_script(out, "--json", cwd=tmp_path)
+    assert refused.returncode == 1 and "unfinished extraction" in refused.stderr and "--allow-partial" in refused.stderr
+    assert inspection.sample_view(out, "s0")["id"] == "s0", "one sample is shown either way"
+    partial = run_script(out, "--json", "--allow-partial", cwd=tmp_path)
+    assert partial.returncode == 0, partial.stderr
+    check_summary(json.loads(partial.stdout))
 
 
 def test_script_shows_a_sample_as_ids_without_tokenizer(tmp_path):

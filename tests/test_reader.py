@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from offline_extract.store import manifest
 from offline_extract.store.index import iter_samples, shard_paths, write_index
 from offline_extract.store.schema import SAMPLE_TENSORS, SampleInfo, ShardError
 from offline_extract.store.shard import open_shard
@@ -170,6 +171,24 @@ def test_bad_directories(tmp_path):
         HiddenStateDataset(tmp_path / "missing")
     with pytest.raises(ShardError, match="no shard_"):
         HiddenStateDataset(tmp_path)
+
+
+@pytest.mark.parametrize("dataset", [HiddenStateDataset, HiddenStateIterableDataset])
+def test_an_unfinished_extraction_is_refused_unless_a_partial_read_is_asked_for(out_dir, dataset):
+    manifest.consolidate(out_dir, identity={}, status="running")
+    with pytest.raises(ShardError, match=rf"unfinished extraction \(manifest.json status 'running'\): it holds {N} "
+                                         r"samples so far; how many are missing is unknown.*allow_partial=True"):
+        dataset(out_dir)
+    with pytest.warns(UserWarning, match="unfinished extraction"):
+        assert len(dataset(out_dir, allow_partial=True)) == N
+
+    manifest.consolidate(out_dir, status="complete")
+    assert len(dataset(out_dir)) == N
+    gone = shard_paths(out_dir)[1]
+    lost = len(open_shard(gone).samples)
+    gone.unlink()
+    with pytest.raises(ShardError, match=rf"is missing {gone.name}, listed in manifest.json: {lost} samples? of "):
+        dataset(out_dir)
 
 
 def ids_of(ds, worker=None, monkeypatch=None):

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from offline_extract.store import manifest
 from offline_extract.store.index import read_index, shard_paths
 from offline_extract.store.schema import INDEX_NAME, SHARD_GLOB, ShardError
 from offline_extract.store.shard import Shard, open_shard, read_header
@@ -106,8 +107,15 @@ def _layer_names(run: dict, num_aux: int) -> list[tuple[str, int | None]]:
     return [(f"layer {lid}", lid) for lid in layer_ids]
 
 
-def summarize(path: str | os.PathLike) -> dict:
-    """Counts, run facts, and per captured layer mean/std/absmax/NaN/Inf for a shard or directory."""
+def summarize(path: str | os.PathLike, allow_partial: bool = False) -> dict:
+    """Counts, run facts, and per captured layer mean/std/absmax/NaN/Inf for a shard or directory.
+
+    A directory whose extraction has not finished (or has lost shards) is refused unless allow_partial:
+    its counts would read as the whole run's. One sample (`sample_view`) is shown either way.
+    """
+    reason = manifest.unfinished(path) if Path(path).is_dir() else None
+    if reason and not allow_partial:
+        raise ShardError(f"{reason}, or summarize what is there with --allow-partial")
     paths = resolve_shards(path)
     shards = [open_shard(p) for p in paths]
     run = shards[0].run

@@ -107,6 +107,33 @@ def load(out: str | os.PathLike) -> dict | None:
     return load_json(path)
 
 
+def unfinished(out: str | os.PathLike) -> str | None:
+    """Why `out` does not hold a finished extraction's every sample, or None when it does: its manifest
+    says complete and every shard it lists is there. A directory without manifest.json (shards written
+    through the library) claims nothing, so nothing is held against it."""
+    out = Path(out)
+    recorded = load(out)
+    if recorded is None:
+        return None
+    if recorded.get("status") != "complete":
+        # Counted from the shards: an interrupted run's journals may list more than manifest.json does.
+        held = sum(len(read_header(p).samples) for p in shard_paths(out))
+        return (
+            f"{out} is an unfinished extraction ({MANIFEST_NAME} status {recorded.get('status')!r}): it holds "
+            f"{plural(held, 'sample')} so far; how many are missing is unknown until the run completes. Re-run "
+            f"the extraction to finish it"
+        )
+    listed = recorded.get("shards", {})
+    gone = [name for name in listed if not (out / name).is_file()]
+    if not gone:
+        return None
+    lost = sum(listed[name]["num_samples"] for name in gone)
+    return (
+        f"{out} is missing {', '.join(gone)}, listed in {MANIFEST_NAME}: {plural(lost, 'sample')} of the extraction "
+        f"are not there. Re-run the extraction to redo them"
+    )
+
+
 def save(out: str | os.PathLike, manifest: dict) -> None:
     manifest = {"format_version": FORMAT_VERSION, **manifest}
     atomic_write(Path(out) / MANIFEST_NAME, lambda tmp: tmp.write_text(json.dumps(manifest, indent=1)))

@@ -32,6 +32,7 @@ import torch
 from safetensors import safe_open
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from offline_extract.store import manifest
 from offline_extract.store.index import read_index, scan, shard_paths
 from offline_extract.store.schema import INDEX_NAME, SAMPLE_TENSORS, ShardError
 
@@ -72,11 +73,20 @@ def _catalog_from_index(out_dir: Path, index: dict) -> Catalog | None:
     )
 
 
-def load_catalog(out_dir: str | os.PathLike) -> Catalog:
-    """Reads out_dir/index.json when it matches the shards present, else scans every shard's header."""
+def load_catalog(out_dir: str | os.PathLike, allow_partial: bool = False) -> Catalog:
+    """Reads out_dir/index.json when it matches the shards present, else scans every shard's header.
+
+    An extraction that has not finished (or lost shards since) is refused: training on it as if it were
+    whole would silently miss samples. allow_partial=True reads what is there, with a warning.
+    """
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         raise ShardError(f"{out_dir} is not a directory of offline_extract shards")
+    reason = manifest.unfinished(out_dir)
+    if reason and not allow_partial:
+        raise ShardError(f"{reason}, or allow a partial read (allow_partial=True, --allow-partial)")
+    if reason:
+        warnings.warn(reason)
     index = read_index(out_dir)
     if index is not None:
         catalog = _catalog_from_index(out_dir, index)
@@ -134,8 +144,8 @@ class _ShardHandles:
 class HiddenStateDataset(Dataset):
     """Map-style: item i is the i-th sample in sample-index order (see the module docstring)."""
 
-    def __init__(self, out_dir: str | os.PathLike):
-        self.catalog = load_catalog(out_dir)
+    def __init__(self, out_dir: str | os.PathLike, *, allow_partial: bool = False):
+        self.catalog = load_catalog(out_dir, allow_partial)
         self._handles = _ShardHandles(self.catalog.shard_files)
         self._position_of_id: dict[str, int] | None = None
 
@@ -200,10 +210,11 @@ class HiddenStateIterableDataset(IterableDataset):
         rank: int = 0,
         world_size: int = 1,
         drop_last: bool = False,
+        allow_partial: bool = False,
     ):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank} world_size={world_size}")
-        self.catalog = load_catalog(out_dir)
+        self.catalog = load_catalog(out_dir, allow_partial)
         self.shuffle = shuffle
         self.seed = seed
         self.rank = rank

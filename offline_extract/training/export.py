@@ -171,11 +171,14 @@ def export_specforge(
     *,
     rows_per_folder: int = DEFAULT_ROWS_PER_FOLDER,
     progress: bool = True,
+    allow_partial: bool = False,
 ) -> ExportSummary:
-    """Writes every sample of out_dir to dest in SpecForge's offline layout (see the module docstring)."""
+    """Writes every sample of out_dir to dest in SpecForge's offline layout (see the module docstring).
+
+    An unfinished extraction is refused unless allow_partial (see `HiddenStateDataset`)."""
     if rows_per_folder <= 0:
         raise ValueError(f"rows_per_folder must be positive, got {rows_per_folder}")
-    dataset = HiddenStateDataset(out_dir)
+    dataset = HiddenStateDataset(out_dir, allow_partial=allow_partial)
     _check_final_state("specforge", dataset.run, out_dir)
     recipe = dataset.run.get("recipe", "eagle3")
     dest = Path(dest)
@@ -188,12 +191,15 @@ def export_specforge(
     return summary
 
 
-def export_speculators(out_dir: str | os.PathLike, dest: str | os.PathLike, *, progress: bool = True) -> ExportSummary:
+def export_speculators(
+    out_dir: str | os.PathLike, dest: str | os.PathLike, *, progress: bool = True, allow_partial: bool = False
+) -> ExportSummary:
     """Writes every sample of out_dir to dest as speculators' offline training data (see the module
-    docstring): the per-sample states first, then the token table and frequencies."""
+    docstring): the per-sample states first, then the token table and frequencies. An unfinished
+    extraction is refused unless allow_partial (see `HiddenStateDataset`)."""
     import datasets
 
-    dataset = HiddenStateDataset(out_dir)
+    dataset = HiddenStateDataset(out_dir, allow_partial=allow_partial)
     _check_final_state("speculators", dataset.run, out_dir)
     dest = Path(dest)
     _prepare_dest(dest, _manifest("speculators", out_dir, dataset))
