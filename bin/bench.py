@@ -27,7 +27,7 @@ import sys
 import click
 
 from benchmarks.peers.baselines import BASELINES, PeerOptions
-from offline_extract.benchmarking import BenchOptions, run_bench
+from benchmarks.extraction_vs_prefill import BenchOptions, run_bench
 
 
 def _command() -> str:

@@ -9,7 +9,7 @@ import torch
 from extract_runs import ROOT
 from transformers import AutoTokenizer
 
-from offline_extract.benchmarking import BenchOptions, attention_flops, model_flops_per_token, out_kind, synthetic_corpus
+from benchmarks.extraction_vs_prefill import BenchOptions, attention_flops, model_flops_per_token, out_kind, synthetic_corpus
 from offline_extract.data.tokenization import SampleTokenizer
 from offline_extract.engine.sglang_adapter import chunk_bounds
 

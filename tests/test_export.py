@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from offline_extract.read_benchmark import write_synthetic
 from offline_extract.store import manifest
 from offline_extract.store.index import iter_samples
 from offline_extract.store.schema import ShardError
+from offline_extract.testing.shards import write_synthetic
 from offline_extract.training.export import (
     MANIFEST_NAME, ExportError, export_specforge, export_speculators, specforge_path, speculators_path,
 )

@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from benchmarks.extraction_vs_prefill import BenchOptions, synthetic_corpus
 from benchmarks.peers import baselines, specforge
 from benchmarks.peers.accounting import LayerTally, PeerRow, TreePeakRss, split_layers
 from benchmarks.peers.corpus import chat_records, load_batches, save_batches
 from benchmarks.peers.sglang_engine import returned_states
-from offline_extract.benchmarking import BenchOptions, synthetic_corpus
 from offline_extract.data.tokenization import SampleTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

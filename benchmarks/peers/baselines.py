@@ -3,7 +3,7 @@
 The peers that run in their own processes (sglang-engine, specforge) go first, each with the whole GPU,
 before our engine starts; they leave their states for the first `cross_check_samples` samples on disk.
 After our run, our engine prefills exactly those token ids and every layer a peer stored is compared
-with ours (`accounting.LayerTally`). The HF loop runs inside the bench process (`benchmarking._hf_pass`);
+with ours (`accounting.LayerTally`). The HF loop runs inside the bench process (`extraction_vs_prefill._hf_pass`);
 its cross-check loads the same weights, so it needs a model directory with weights (`--model`).
 """
 from __future__ import annotations

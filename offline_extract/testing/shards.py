@@ -1,0 +1,63 @@
+"""Synthetic output directories: shards of random states written through the real ShardWriter, for tests
+and benchmarks that need an output directory without running a model."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from offline_extract.store.index import write_index
+from offline_extract.store.schema import SampleInfo
+from offline_extract.store.writer import ShardWriter
+
+# Rows generated per add_batch call: bounds the float32 temporaries of random generation.
+_GENERATE_ROWS = 8192
+
+
+def write_synthetic(
+    out_dir: str | os.PathLike,
+    lengths: list[int],
+    *,
+    hidden_size: int,
+    num_aux: int = 3,
+    shard_bytes: int = 1 << 30,
+    seed: int = 0,
+    run: dict | None = None,
+) -> list[Path]:
+    """Writes samples of the given lengths (ids "sample-{i}", random bf16 states) plus index.json; `run`
+    adds to (or overrides) the run metadata."""
+    run = {
+        "model": "synthetic",
+        "layer_ids": list(range(num_aux)),
+        "hidden_size": hidden_size,
+        "dtype": "bfloat16",
+        **(run or {}),
+    }
+    gen = torch.Generator().manual_seed(seed)
+    writer = ShardWriter(out_dir, run, shard_bytes=shard_bytes)
+
+    def add(indices: list[int]) -> None:
+        batch = [lengths[i] for i in indices]
+        total = sum(batch)
+        samples = [SampleInfo(i, f"sample-{i}", "synthetic", i + 1, n, False) for i, n in zip(indices, batch)]
+        writer.add_batch(
+            samples,
+            torch.randint(0, 128_000, (total,), generator=gen, dtype=torch.int32),
+            torch.rand(total, generator=gen) < 0.7,
+            torch.randn(total, num_aux * hidden_size, generator=gen).to(torch.bfloat16),
+            torch.randn(total, hidden_size, generator=gen).to(torch.bfloat16),
+            lengths=batch,
+        )
+
+    pending: list[int] = []
+    for i, n in enumerate(lengths):
+        if pending and sum(lengths[j] for j in pending) + n > _GENERATE_ROWS:
+            add(pending)
+            pending = []
+        pending.append(i)
+    if pending:
+        add(pending)
+    paths = writer.close()
+    write_index(out_dir)
+    return paths
