@@ -13,6 +13,7 @@ import resource
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -671,3 +672,47 @@ def test_verify_reports_a_flipped_byte_a_truncated_shard_and_a_stale_index(tmp_p
     ]
     for pattern in expected:
         assert any(re.search(pattern, line) for line in problems), (pattern, problems)
+
+
+def verify_script(out) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "bin" / "inspect.py"), str(out), "--verify"],
+                          capture_output=True, text=True)
+
+
+def test_verify_tells_an_interrupted_run_from_a_damaged_one(tmp_path):
+    """Killed mid-run: manifest.json says running and lists nothing yet, the journal lists three shards, and
+    a fourth was renamed into place just before the kill, too late for its journal line. All four are good."""
+    manifest.save(tmp_path, {"identity": {"layer_ids": [1, 3]}, "status": "running", "shards": {}})
+    with Journal(manifest.journal_path(tmp_path, 0)) as journal:
+        paths = write_shards(tmp_path, [[(i, 3)] for i in range(3)], on_written=lambda w: journal.append(vars(w)))
+    paths += write_shards(tmp_path, [[(3, 3)]], numbers=[3])
+
+    report = integrity.verify(tmp_path)
+    assert report.problems == [] and report.damaged == []
+    assert any("has not finished" in note for note in report.unfinished)
+    for path in paths:
+        assert any(note.startswith(f"{path.name}: complete, not yet recorded") for note in report.unfinished), path
+    proc = verify_script(tmp_path)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "verified 4 shards holding 4 samples" in proc.stdout and "delete nothing" in proc.stdout
+
+    data = bytearray(paths[1].read_bytes())
+    data[-5] ^= 0x01
+    paths[1].write_bytes(data)
+    report = integrity.verify(tmp_path)
+    assert report.damaged == [paths[1].name]
+    assert [p for p in report.problems if not p.startswith(paths[1].name)] == []
+    assert not any(note.startswith(paths[1].name) for note in report.unfinished), "damaged is never 'complete'"
+    proc = verify_script(tmp_path)
+    assert proc.returncode == 1
+    assert f"delete {paths[1].name} and re-run the extraction, which redoes exactly its samples" in proc.stdout
+
+
+def test_verify_counts_one_shard_as_one(tmp_path):
+    with Journal(manifest.journal_path(tmp_path, 0)) as journal:
+        write_shards(tmp_path, [[(0, 3), (1, 2)]], on_written=lambda w: journal.append(vars(w)))
+    manifest.consolidate(tmp_path, identity={"layer_ids": [1, 3]}, status="complete")
+    write_index(tmp_path)
+    proc = verify_script(tmp_path)
+    assert proc.returncode == 0
+    assert f"verified 1 shard holding 2 samples in {tmp_path}: no problems" in proc.stdout

@@ -1,13 +1,16 @@
 """`inspect --verify`: an output directory checked against its manifest, its index and itself.
 
 Every problem is reported, not only the first, so that a damaged directory is mended in one pass:
-delete the shards named, and re-running the extraction redoes exactly their samples.
+delete the shards named as damaged, and re-running the extraction redoes exactly their samples.
+An interrupted run is not damage: its complete shards that manifest.json does not list yet (their
+checksums sit in the run's journals, or were never logged when the kill came right after a rename)
+and its index.json (written when a run completes) are reported apart, as what a re-run finishes.
 """
 from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from safetensors import safe_open
@@ -21,56 +24,94 @@ from offline_extract.store.shard import ShardHeader, read_header
 @dataclass
 class Verification:
     shards: int
-    samples: int
-    problems: list[str]
+    samples: int = 0
+    problems: list[str] = field(default_factory=list)  # damage or inconsistency, each line naming what
+    damaged: list[str] = field(default_factory=list)  # the shard files among them: delete these and re-run
+    unfinished: list[str] = field(default_factory=list)  # an interrupted run's state: a re-run finishes it
+
+    def damage(self, name: str, problems: list[str]) -> None:
+        self.problems += problems
+        if problems and name not in self.damaged:
+            self.damaged.append(name)
 
 
 def verify(out: str | os.PathLike, threads: int = 8) -> Verification:
     out = Path(out)
     paths = shard_paths(out)
-    problems = []
+    report = Verification(len(paths))
     recorded = manifest.load(out)
+    unrecorded: dict[str, str] = {}
     if recorded is None:
-        problems.append(f"no {manifest.MANIFEST_NAME}: shard checksums cannot be checked")
+        report.problems.append(f"no {manifest.MANIFEST_NAME}: shard checksums cannot be checked")
     else:
-        problems += _check_checksums(out, paths, recorded, threads)
+        _check_checksums(out, paths, recorded, threads, report, unrecorded)
 
     headers: dict[str, ShardHeader] = {}
     for path in paths:
         header, found = _check_shard(path, recorded)
-        problems += found
+        report.damage(path.name, found)
         if header is not None:
             headers[path.name] = header
     seen: dict[int, str] = {}
     for name, header in headers.items():
         for info in header.samples:
             if info.index in seen:
-                problems.append(f"sample index {info.index} (id {info.id!r}) is in both {seen[info.index]} and {name}")
+                report.problems.append(
+                    f"sample index {info.index} (id {info.id!r}) is in both {seen[info.index]} and {name}"
+                )
             seen.setdefault(info.index, name)
-    problems += _check_index(out, [p.name for p in paths], headers)
-    return Verification(len(paths), len(seen), problems)
+    report.samples = len(seen)
+    report.unfinished += [
+        f"{name}: complete, not yet recorded in {manifest.MANIFEST_NAME} because the run stopped ({how})"
+        for name, how in unrecorded.items()
+        if name not in report.damaged
+    ]
+    stale = _check_index(out, [p.name for p in paths], headers)
+    if report.unfinished and stale:
+        report.unfinished.append(f"{INDEX_NAME} does not describe the shards yet: a run writes it when it completes")
+    else:
+        report.problems += stale
+    return report
 
 
-def _check_checksums(out: Path, paths: list[Path], recorded: dict, threads: int) -> list[str]:
-    problems = []
-    if recorded.get("status") != "complete":
-        problems.append(f"{manifest.MANIFEST_NAME} says the run is {recorded.get('status')!r}, not complete")
+def _check_checksums(
+    out: Path, paths: list[Path], recorded: dict, threads: int, report: Verification, unrecorded: dict[str, str]
+) -> None:
+    """Checks each shard against the checksum manifest.json or a journal records; fills `unrecorded` with
+    an interrupted run's shards that manifest.json does not list yet, and how each was checked."""
+    status = recorded.get("status")
+    if status != "complete":
+        report.unfinished.append(f"the run has not finished ({manifest.MANIFEST_NAME} status {status!r})")
     listed = recorded.get("shards", {})
+    logged = manifest.journal_entries(out)
     on_disk = {p.name for p in paths}
-    problems += [f"{name}: listed in {manifest.MANIFEST_NAME} but missing" for name in listed if name not in on_disk]
-    problems += [f"{p.name}: not listed in {manifest.MANIFEST_NAME}" for p in paths if p.name not in listed]
-    checked = [p for p in paths if p.name in listed]
+    report.problems += [
+        f"{name}: listed in {manifest.MANIFEST_NAME} but missing (re-running the extraction redoes its samples)"
+        for name in listed
+        if name not in on_disk
+    ]
+    for path in paths:
+        if path.name in listed:
+            continue
+        if status == "complete":
+            report.problems.append(f"{path.name}: not listed in {manifest.MANIFEST_NAME}")
+        else:
+            journaled = path.name in logged
+            unrecorded[path.name] = (
+                "checked against the run's journal" if journaled else "written just before the stop; a re-run checksums it"
+            )
+    entries = {p: listed.get(p.name) or logged.get(p.name) for p in paths}
+    checked = [p for p, entry in entries.items() if entry is not None]
     # hashlib releases the GIL, so threads hash several shards at disk speed.
     with ThreadPoolExecutor(threads) as pool:
-        digests = pool.map(manifest.sha256_file, checked)
-        for path, digest in zip(checked, digests):
-            entry = listed[path.name]
-            size = path.stat().st_size
+        for path, digest in zip(checked, pool.map(manifest.sha256_file, checked)):
+            entry, size, found = entries[path], path.stat().st_size, []
+            where = manifest.MANIFEST_NAME if path.name in listed else "the run's journal"
             if size != entry["bytes"]:
-                problems.append(f"{path.name}: {size} bytes, but {manifest.MANIFEST_NAME} says {entry['bytes']}")
+                found.append(f"{path.name}: {size} bytes, but {where} says {entry['bytes']}")
             if digest != entry["sha256"]:
-                problems.append(f"{path.name}: sha256 {digest} differs from {manifest.MANIFEST_NAME}'s {entry['sha256']}")
-    return problems
+                found.append(f"{path.name}: sha256 {digest} differs from {where}'s {entry['sha256']}")
+            report.damage(path.name, found)
 
 
 def _check_shard(path: Path, recorded: dict | None) -> tuple[ShardHeader | None, list[str]]:

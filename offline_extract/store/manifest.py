@@ -151,16 +151,22 @@ def sha256_file(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
+def journal_entries(out: str | os.PathLike) -> dict[str, dict]:
+    """The replicas' journals by shard name: shards completed since manifest.json was last written."""
+    entries = {}
+    for journal in sorted(Path(out).glob(JOURNAL_GLOB)):
+        for entry in read_journal(journal):
+            entries[entry.pop("name")] = entry
+    return entries
+
+
 def consolidate(out: str | os.PathLike, **updates) -> tuple[dict, list[str]]:
     """Folds every journal into manifest.json, reconciles it with the shard files on disk, applies
     `updates` to its top level, and saves it. Returns the manifest and notes on what was repaired."""
     out = Path(out)
     manifest = load(out) or {}
-    recorded = dict(manifest.get("shards", {}))
     journals = sorted(out.glob(JOURNAL_GLOB))
-    for journal in journals:
-        for entry in read_journal(journal):
-            recorded[entry.pop("name")] = entry
+    recorded = {**manifest.get("shards", {}), **journal_entries(out)}
     notes = []
     on_disk = {p.name: p for p in shard_paths(out)}
     gone = sorted(set(recorded) - set(on_disk))
