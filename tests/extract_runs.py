@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -33,12 +34,30 @@ def node_commands(out, *args, nodes: int = 2, nproc_per_node: int = 1) -> list[l
     return [[*launch, "--node-rank", str(node), *extract] for node in range(nodes)]
 
 
-def start_nodes(out, *args, env, node_env=None, nproc_per_node: int = 1) -> list[subprocess.Popen]:
+@dataclass
+class Node:
+    """One node's torchrun, its output going to a file: a pipe nobody drains would stall the node once full,
+    and its peers would then wait on it."""
+
+    proc: subprocess.Popen
+    log: Path
+
+    def wait(self, timeout: float) -> str:
+        self.proc.wait(timeout=timeout)
+        return self.log.read_text()
+
+
+def start_nodes(out, *args, env, logs: Path, node_env=None, nproc_per_node: int = 1) -> list[Node]:
     """Starts every node's torchrun; `node_env[i]` adds to node i's environment (e.g. its GPU)."""
     commands = node_commands(out, *args, nproc_per_node=nproc_per_node)
     node_env = node_env or [{}] * len(commands)
-    return [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                             env={**env, **extra}) for cmd, extra in zip(commands, node_env)]
+    nodes = []
+    for i, (cmd, extra) in enumerate(zip(commands, node_env)):
+        log = Path(logs) / f"node{i}.log"
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env={**env, **extra})
+        nodes.append(Node(proc, log))
+    return nodes
 
 
 def worker_of_rank(launcher: subprocess.Popen, rank: int) -> psutil.Process:

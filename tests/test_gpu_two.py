@@ -165,11 +165,11 @@ def test_a_killed_dp_rank_stops_the_other_within_seconds_and_a_rerun_completes(t
 
 def test_two_one_gpu_nodes_give_the_samples_of_one_gpu(tiny, corpus, one_gpu, tmp_path):
     out = tmp_path / "out"
-    nodes = start_nodes(out, "--model", tiny, "--data", corpus, *SMALL, env=dict(os.environ),
+    nodes = start_nodes(out, "--model", tiny, "--data", corpus, *SMALL, env=dict(os.environ), logs=tmp_path,
                         node_env=[{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}])
     for node in nodes:
-        _, stderr = node.communicate(timeout=600)
-        assert node.returncode == 0, stderr[-6000:]
+        output = node.wait(timeout=600)
+        assert node.proc.returncode == 0, output[-6000:]
     assert_close_runs(one_gpu, out)
     assert integrity.verify(out).problems == []
 

@@ -167,21 +167,19 @@ def test_resume_with_another_dp_size_gives_the_same_samples(baseline, corpus, en
 @pytest.mark.slow
 def test_two_nodes_on_localhost_give_the_same_samples_as_one_process(baseline, corpus, env, tmp_path):
     out = tmp_path / "out"
-    nodes = start_nodes(out, "--data", corpus, *SMALL, env=env)
-    for node in nodes:
-        _, stderr = node.communicate(timeout=600)
-        assert node.returncode == 0, stderr[-6000:]
+    for node in start_nodes(out, "--data", corpus, *SMALL, env=env, logs=tmp_path):
+        output = node.wait(timeout=600)
+        assert node.proc.returncode == 0, output[-6000:]
     assert_complete(out, baseline)
 
 
 @pytest.mark.slow
 def test_tp_wider_than_a_node_is_refused_before_anything_starts(corpus, env, tmp_path):
     out = tmp_path / "out"
-    nodes = start_nodes(out, "--data", corpus, "--tp", "2", env=env)
-    for node in nodes:
-        _, stderr = node.communicate(timeout=120)
-        assert node.returncode != 0
-        assert "--tp 2 must divide the processes per node (1): a TP group has to stay inside one node" in stderr
+    for node in start_nodes(out, "--data", corpus, "--tp", "2", env=env, logs=tmp_path):
+        output = node.wait(timeout=120)
+        assert node.proc.returncode != 0
+        assert "--tp 2 must divide the processes per node (1): a TP group has to stay inside one node" in output
     assert not out.exists(), "refused before the output directory was touched"
 
 
@@ -217,18 +215,19 @@ def test_a_node_whose_rank_dies_does_not_leave_the_other_node_waiting(baseline, 
     the missing heartbeat at their next meeting point, name the lost rank and stop."""
     out = tmp_path / "out"
     total = len(shard_paths(baseline))
-    nodes = start_nodes(out, "--data", corpus, *SMALL, env=env)
-    killed = kill_rank_when(nodes[1], 1, until=lambda: len(shard_paths(out)) >= total // 4)
-    _, survivor = nodes[0].communicate(timeout=600)
-    nodes[1].communicate(timeout=120)
-    assert nodes[0].returncode != 0 and nodes[1].returncode != 0
+    nodes = start_nodes(out, "--data", corpus, *SMALL, env=env, logs=tmp_path)
+    killed = kill_rank_when(nodes[1].proc, 1, until=lambda: len(shard_paths(out)) >= total // 4)
+    survivor = nodes[0].wait(timeout=600)
+    nodes[1].wait(timeout=120)
+    assert nodes[0].proc.returncode != 0 and nodes[1].proc.returncode != 0
     assert "rank 1 stopped answering" in survivor, survivor[-3000:]
     assert time.monotonic() - killed < 300
     assert_only_complete_shards(out)
 
-    for node in start_nodes(out, "--data", corpus, *SMALL, env=env):
-        _, stderr = node.communicate(timeout=600)
-        assert node.returncode == 0, stderr[-6000:]
+    (tmp_path / "rerun").mkdir()
+    for node in start_nodes(out, "--data", corpus, *SMALL, env=env, logs=tmp_path / "rerun"):
+        output = node.wait(timeout=600)
+        assert node.proc.returncode == 0, output[-6000:]
     assert_complete(out, baseline)
 
 
