@@ -179,35 +179,29 @@ def test_cross_check_fills_the_row_and_unknown_baselines_are_refused():
 
 
 @pytest.mark.slow
-def test_sglang_return_hidden_states_is_our_post_norm_final_state(tmp_path, tiny_model_dir, seqs):
-    """sglang.Engine(enable_return_hidden_states=True) on CPU in fp32: per prompt token, the state after the
-    final norm, equal to our engine's `last`."""
+def test_sglang_return_hidden_states_is_our_post_norm_final_state(tmp_path, tiny_model_dir, hf_tokenizer, seqs):
+    """The bench's sglang-engine peer, run on CPU in fp32: sglang.Engine(enable_return_hidden_states=True)
+    returns, per prompt token, the state after the final norm, equal to our engine's `last`."""
     from offline_extract.engine.distributed import free_port
     from offline_extract.engine.sglang_adapter import Engine, EngineConfig
 
-    batches = [seqs[:2], seqs[2:5]]
-    save_batches(tmp_path / "b.npz", batches, warmup=1)
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.peers.sglang_engine", "--model", str(tiny_model_dir), "--batches",
-         str(tmp_path / "b.npz"), "--result", str(tmp_path / "r.json"), "--dump", str(tmp_path / "s.safetensors"),
-         "--dtype", "float32", "--device", "cpu", "--attention-backend", "torch_native", "--mem-fraction-static",
-         "0.5", "--max-length", "2048"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    popts = baselines.PeerOptions(workdir=str(tmp_path), cross_check_samples=3, device="cpu",
+                                  sglang_attention_backend="torch_native", sglang_mem_fraction_static=0.5)
+    batches = [seqs[:2], seqs[2:5], seqs[5:6]]
+    [pending] = baselines.run_subprocess_peers(
+        ["sglang-engine"], popts, model_dir=tiny_model_dir, tokenizer=hf_tokenizer, batches=batches, warmup=1,
+        max_length=2048, dtype="float32", num_layers=2, load_format="auto",
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    from safetensors.torch import load_file
-
-    dumped = load_file(str(tmp_path / "s.safetensors"))
-    assert len(dumped) == 2 * 3, "the three timed samples"
+    assert pending.row.error is None, pending.row.error
+    assert [len(ids) for _, ids, _ in pending.states] == [len(s) for s in seqs[2:5]], "the first timed samples"
+    assert pending.row.notes["num_tokens"] == sum(len(s) for s in seqs[2:6]) and pending.row.tok_s > 0
+    assert pending.row.host_peak_rss_bytes > 100 << 20, "the engine's processes are counted"
     engine = Engine(EngineConfig(model_path=str(tiny_model_dir), device="cpu", dtype="float32",
                                  max_tokens_per_batch=4096, max_seqs_per_batch=4, context_length=4096,
                                  nccl_port=free_port()))
-    tally = LayerTally()
-    for i in range(3):
-        ids = dumped[f"{i}.input_ids"].numpy()
-        assert np.array_equal(ids, batches[1][i])
-        ours = engine.forward([ids.astype(np.int64)], capture=True)
-        tally.add(str(i), {"final": ours.last.float()}, {"final": dumped[f"{i}.final"].float()})
-    final = tally.summary()["final"]
+    row = baselines.cross_check(pending, baselines.our_states(engine))
+    assert row.error is None, row.error
+    final = row.cosine_vs_ours["final"]
+    assert set(row.cosine_vs_ours) == {"final"} and final["samples"] == 3
     # Stored as bf16 by the peer module, as a user would keep them.
     assert final["cosine_min"] > 0.9999 and final["norm_ratio_mean"] == pytest.approx(1.0, abs=1e-2)

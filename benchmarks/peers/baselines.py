@@ -14,6 +14,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,10 @@ class PeerOptions:
     specforge_batch_size: int = 32  # its default
     # SpecForge's own default is flashinfer; fa3 is what our rows use on Hopper, so the engines compare.
     specforge_attention_backend: str = "fa3"
+    # sglang-engine on another device than the GPU, with its options there (the CPU tests' torch_native).
+    device: str = "cuda"
+    sglang_attention_backend: str | None = None  # None: SGLang's own choice
+    sglang_mem_fraction_static: float | None = None  # None: SGLang's own
 
 
 @dataclass
@@ -68,10 +73,15 @@ def run_subprocess_peers(names, popts: PeerOptions, *, model_dir: Path, tokenize
     pending = []
     for name in (n for n in names if n in runs):
         _needs_weights(name, load_format)
+        start = time.perf_counter()
         try:
             pending.append(runs[name]())
         except Exception:  # one peer that breaks must not cost the others' rows (nor ours) on a GPU lease
             pending.append(Pending(PeerRow(name, "", "", None, None, None, None, error=traceback.format_exc()), []))
+        row = pending[-1].row
+        # A GPU lease is short: say where its time goes while the run is still going.
+        print(f"peer {name}: {time.perf_counter() - start:.0f} s, tok/s {row.tok_s}, "
+              f"{'error: ' + row.error.splitlines()[-1] if row.error else 'ok'}", file=sys.stderr, flush=True)
     return pending
 
 
@@ -86,7 +96,11 @@ def _sglang_engine(popts, work, model_dir, batches, warmup, max_length, dtype) -
     save_batches(batches_file, batches, warmup)
     argv = [sys.executable, "-m", "benchmarks.peers.sglang_engine", "--model", str(model_dir), "--batches", str(batches_file),
             "--result", str(result), "--dump", str(dump), "--dump-samples", str(popts.cross_check_samples),
-            "--dtype", dtype, "--max-length", str(max_length)]
+            "--dtype", dtype, "--max-length", str(max_length), "--device", popts.device]
+    for flag, value in (("--attention-backend", popts.sglang_attention_backend),
+                        ("--mem-fraction-static", popts.sglang_mem_fraction_static)):
+        if value is not None:
+            argv += [flag, str(value)]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True)
     cmd = shlex.join(["python", *argv[1:]])
     if proc.returncode != 0:

@@ -39,7 +39,9 @@ CHAT_TEMPLATE = "lfm"
 # A Llama-3-8B EAGLE-3 draft config from SpecForge's repository; the script needs one for the draft
 # vocabulary size even though the target layers it captures come from the target's depth.
 DRAFT_CONFIG = "configs/llama3-8B-eagle3.json"
-PROBE_LEN = 64  # leading tokens that identify a sample in its output
+# Leading tokens that identify a sample in its output: no more than the shortest synthetic sample has, since
+# the padding that follows a sample would change a longer key.
+PROBE_LEN = 16
 
 
 def capture_layers(num_layers: int) -> list[int]:
