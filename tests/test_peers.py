@@ -205,3 +205,75 @@ def test_sglang_return_hidden_states_is_our_post_norm_final_state(tmp_path, tiny
     assert set(row.cosine_vs_ours) == {"final"} and final["samples"] == 3
     # Stored as bf16 by the peer module, as a user would keep them.
     assert final["cosine_min"] > 0.9999 and final["norm_ratio_mean"] == pytest.approx(1.0, abs=1e-2)
+
+
+# Stands in for SpecForge's script in the test below: reads the arguments and the corpus the bench hands it,
+# tokenizes as it does, pads each batch with id 0 and writes its layout, with states drawn from fixed random
+# tables of each token and position, so a read off by one token or sample shows in the cross-check.
+_TABLES = "g = torch.Generator().manual_seed(0); tok_t = torch.randn(512, 16, generator=g); pos_t = torch.randn(4096, 16, generator=g)"
+_STUB = """
+import argparse, json, os
+import torch
+from transformers import AutoTokenizer
+""" + _TABLES + """
+p = argparse.ArgumentParser()
+for flag in ("--strategy", "--target-model-path", "--draft-model-config", "--data-path", "--output-path", "--cache-dir",
+             "--chat-template", "--max-length", "--tp-size", "--batch-size", "--sglang-attention-backend"):
+    p.add_argument(flag)
+a = p.parse_args()
+assert os.environ["RANK"] == "0", "run under torchrun"
+assert os.path.isfile(a.draft_model_config) and a.strategy == "eagle3"
+tok = AutoTokenizer.from_pretrained(a.target_model_path)
+rows = [json.loads(line)["conversations"] for line in open(a.data_path)]
+ids = [tok(tok.apply_chat_template(c, tokenize=False), add_special_tokens=False)["input_ids"][: int(a.max_length)]
+       for c in rows][::-1]
+bs = int(a.batch_size)
+for b in range(0, len(ids) - len(ids) % bs, bs):
+    pad = max(len(x) for x in ids[b : b + bs])
+    for i, x in enumerate(ids[b : b + bs], start=b):
+        t = torch.zeros(pad, dtype=torch.long)
+        t[: len(x)] = torch.tensor(x)
+        h = tok_t[t] + pos_t[:pad]
+        os.makedirs(f"{a.output_path}/rows_0-2000", exist_ok=True)
+        torch.save({"input_ids": t, "loss_mask": torch.zeros_like(t), "aux_hidden_state": h.repeat(1, 3)[None],
+                    "hidden_state": h[None]}, f"{a.output_path}/rows_0-2000/data_{i}.ckpt")
+"""
+
+
+def _stub_states(ids):
+    scope = {"torch": torch}
+    exec(_TABLES, scope)  # the stub's own tables, from the same seed
+    h = scope["tok_t"][torch.from_numpy(ids.astype(np.int64))] + scope["pos_t"][: len(ids)]
+    return {"1": h, "15": h, "28": h, "final": h}
+
+
+@pytest.mark.slow
+def test_specforge_peer_glue_with_a_stand_in_script(tmp_path, tiny_model_dir, hf_tokenizer, seqs):
+    """The bench's specforge peer end to end on CPU, SpecForge's script replaced by _STUB: the command runs
+    under torchrun with the peer site on the path, its padded, shuffled output is read back, and every
+    stored layer lines up token for token with the ids it belongs to."""
+    sf = tmp_path / "specforge"
+    (sf / "scripts").mkdir(parents=True)
+    (sf / "scripts" / "prepare_hidden_states.py").write_text(_STUB)
+    (sf / "configs").mkdir()
+    (sf / specforge.DRAFT_CONFIG).write_text("{}")
+    site = tmp_path / "site"
+    site.mkdir()
+    popts = baselines.PeerOptions(workdir=str(tmp_path / "work"), peer_site=str(site), specforge_dir=str(sf),
+                                  specforge_batch_size=4, cross_check_samples=6)
+    batches = [seqs[:3], seqs[3:8], seqs[8:15]]  # 12 timed samples: 3 batches of 4
+    [pending] = baselines.run_subprocess_peers(
+        ["specforge"], popts, model_dir=tiny_model_dir, tokenizer=hf_tokenizer, batches=batches, warmup=1,
+        max_length=2048, dtype="bfloat16", num_layers=32, load_format="auto",
+    )
+    row = pending.row
+    assert row.error is None, row.error
+    assert row.notes["files"] == 12 and row.notes["unmatched_files"] == 0
+    own = sum(len(s) for s in seqs[3:15])
+    assert abs(row.notes["real_tokens"] - own) <= 2 * 12, "the samples' tokens, give or take a closing token"
+    assert row.notes["stored_tokens"] > row.notes["real_tokens"], "padding stored"
+    assert row.bytes_per_token > 4 * 16 * 4, "four fp32 layers of width 16 a real token, and the padding"
+    assert row.host_peak_rss_bytes > 50 << 20
+    row = baselines.cross_check(pending, _stub_states)
+    assert set(row.cosine_vs_ours) == {"1", "15", "28", "final"}
+    assert all(v["cosine_min"] > 0.99999 and v["samples"] == 6 for v in row.cosine_vs_ours.values())
