@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.peers import baselines as peers
 from offline_extract.data.batching import Batch, batch_by_tokens
 from offline_extract.data.corpus import Record
 from offline_extract.data.tokenization import Sample, SampleTokenizer
@@ -60,8 +61,8 @@ class BenchOptions:
     chunk_tokens: int | None = None  # the engine's chunk for longer samples; None: tokens_per_batch
     chunk_sweep: tuple[int, ...] = ()  # also time bare chunked prefill of the first timed batch at these
     warmup_batches: int = 2
-    baselines: tuple[str, ...] = ()  # of benchmarks.peers.baselines.BASELINES
-    peer_options: object | None = None  # benchmarks.peers.baselines.PeerOptions; None: its defaults
+    baselines: tuple[str, ...] = ()  # of peers.BASELINES
+    peer_options: peers.PeerOptions | None = None  # None: its defaults
     disk_probe_bytes: int = 4 << 30
     writers: int = 4
     seed: int = 0
@@ -314,9 +315,6 @@ def run_bench(opts: BenchOptions) -> list[dict]:
         raise ValueError(f"--baseline sglang-engine and specforge run on one GPU; they cannot be combined with "
                          f"--tp or torchrun (world size {layout.world_size})")
     if opts.baselines:
-        # Not part of the installed package: the peers' drivers live beside this checkout's benchmarks.
-        from benchmarks.peers import baselines as peers
-
         peers.check_names(opts.baselines)
     torch.cuda.set_device(layout.local_rank)
     coord = Coordinator(layout, namespace=f"bench-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
