@@ -93,7 +93,9 @@ if [[ ! -f \$site/.ready ]]; then
   printf 'export PYTHONPATH=%s:%s\${PYTHONPATH:+:\$PYTHONPATH}\n' "\$site" "\$base" >"\$site/env.sh"
   touch "\$site/.ready"
 fi
-PYTHONPATH=\$site:\$base python3 -c "import sglang, specforge, sgl_kernel, sglang.srt.model_executor.model_runner; print('sglang', sglang.__version__, '+ specforge', specforge.__version__ if hasattr(specforge, '__version__') else '0.2.0', 'ready in \$site')"
+PYTHONPATH=\$site:\$base python3 -c "
+import importlib.metadata as m, sglang, sgl_kernel, specforge.offline_capture.sglang_backend.capture
+print('sglang', sglang.__version__, '+ specforge', m.version('specforge'), '+ sglang-kernel', m.version('sglang-kernel'), 'ready in \$site')"
 STAGE
   chmod +x "$out/$i/stage.sh"
 done
