@@ -108,10 +108,17 @@ from offline_extract.extraction import REJECTS_FILE, ExtractOptions, StoppedErro
                    "shards of another model, tokenizer, layers, compute dtype or length policy is refused even so, "
                    "before anything is written: mixed, its shards would not be one data set.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow model code from the model directory.")
-@click.option("--no-progress", is_flag=True, help="No progress bar (e.g. for logs).")
+@click.option("--no-progress", is_flag=True, help="No progress bar (e.g. for logs): a line every --progress-every seconds instead.")
+@click.option("--progress-every", default=60.0, show_default=True, type=click.FloatRange(min=0),
+              help="With --no-progress, seconds between progress lines (samples, tokens, tok/s, GB written, ETA); "
+                   "0: none.")
+@click.option("--verbose", is_flag=True,
+              help="Also show what SGLang, torch and HF print while loading (warnings, log lines, loading bars); "
+                   "without it they are shown only if loading fails.")
 def main(data, out, model, device, dtype, tp, layers, max_length, overlong, tokens_per_batch, chunk_tokens, seqs_per_batch,
          shard_size_mb, attention_backend, load_format, mem_fraction_static, port_base, verify,
-         trim_after_last_loss_token, dry_run, strict, nonfinite, final_state, force, trust_remote_code, no_progress):
+         trim_after_last_loss_token, dry_run, strict, nonfinite, final_state, force, trust_remote_code, no_progress,
+         progress_every, verbose):
     try:
         layer_ids = None if layers is None else tuple(int(x) for x in layers.split(",")) if layers.strip() else ()
     except ValueError:
@@ -122,7 +129,8 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
         seqs_per_batch=seqs_per_batch, shard_bytes=int(shard_size_mb * (1 << 20)), attention_backend=attention_backend,
         load_format=load_format, mem_fraction_static=mem_fraction_static, port_base=port_base, verify=verify,
         trim_after_last_loss=trim_after_last_loss_token, trust_remote_code=trust_remote_code,
-        progress=not no_progress, strict=strict, nonfinite=nonfinite, final_state=final_state, force=force,
+        progress=not no_progress, progress_every=progress_every, verbose=verbose, strict=strict, nonfinite=nonfinite,
+        final_state=final_state, force=force,
     )
     # Torchrun stops every rank with SIGTERM once one fails, and schedulers preempt with it: stop as on an
     # error (the unfinished shard dropped, the lock released) instead of dying mid-write.

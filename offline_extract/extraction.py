@@ -29,7 +29,7 @@ from offline_extract.engine.distributed import Coordinator, Layout, layout_from_
 from offline_extract.engine.nonfinite import NonFiniteError, NonFiniteGuard, batch_flag
 from offline_extract.engine.offload import HostOffload, pinned_buffers
 from offline_extract.engine.sglang_adapter import FINAL_STATES, LAYER_CONVENTION, Engine, EngineConfig
-from offline_extract.progress import RunProgress, plural
+from offline_extract.progress import RunProgress, foreign_output_hidden, plural
 from offline_extract.store import manifest, resume
 from offline_extract.store.atomic import atomic_write
 from offline_extract.store.index import write_index
@@ -79,6 +79,8 @@ class ExtractOptions:
     trim_after_last_loss: bool = False
     trust_remote_code: bool = False
     progress: bool = True
+    progress_every: float = 60.0  # without the bar (progress=False): a progress line this often, in seconds; 0: none
+    verbose: bool = False  # show what SGLang, torch and HF print while loading
     strict: bool = False
     nonfinite: str = "fail"
     final_state: str = "post-norm"  # a key of sglang_adapter.FINAL_STATES
@@ -133,19 +135,17 @@ class Summary:
         lines = [
             f"records {self.records}: {extracted}, skipped {self.skipped}, rejected {self.rejected}, "
             f"dropped {self.dropped}",
-            f"tokens {self.tokens:,}: {self.tokens / max(self.extract_seconds, 1e-9):,.0f} tok/s over "
-            f"{self.extract_seconds:.1f} s of extraction ({self.seconds:.1f} s with start-up)",
-            f"{plural(len(self.shards), 'new shard')}, {self.bytes_written / 1e9:.3f} GB -> {out}",
         ]
+        if self.tokens or self.shards:
+            lines += [
+                f"tokens {self.tokens:,}: {self.tokens / max(self.extract_seconds, 1e-9):,.0f} tok/s over "
+                f"{self.extract_seconds:.1f} s of extraction ({self.seconds:.1f} s with start-up)",
+                f"{plural(len(self.shards), 'new shard')}, {self.bytes_written / 1e9:.3f} GB -> {out}",
+            ]
         if self.nonfinite_kept:
             lines.append(f"{self.nonfinite_kept} extracted samples hold NaN or Inf (--nonfinite keep)")
         if self.skipped or self.rejected or self.dropped:
             lines.append(f"skipped, rejected and dropped records are listed in {Path(out) / REJECTS_FILE}")
-        for row in self.parity:
-            lines.append(
-                f"parity {row['layer']:>8} vs HF hidden_states[{row['hf_index']}]: max_abs {row['max_abs']:.3g} "
-                f"cosine worst {row['cosine']:.6f} median {row['median_cosine']:.6f} {'ok' if row['ok'] else 'FAIL'}"
-            )
         return "\n".join(lines)
 
 
@@ -166,6 +166,14 @@ def no_sample_verdict(data: Sequence[str], records: int, left_out: dict[str, int
     return f"{which} left out ({', '.join(f'{n} {kind}' for kind, n in kinds.items())})"
 
 
+def parity_lines(rows: list[dict]) -> list[str]:
+    return [
+        f"parity {row['layer']:>8} vs HF hidden_states[{row['hf_index']}]: max_abs {row['max_abs']:.3g} "
+        f"cosine worst {row['cosine']:.6f} median {row['median_cosine']:.6f} {'ok' if row['ok'] else 'FAIL'}"
+        for row in rows
+    ]
+
+
 def _weights_fingerprint(model_dir: Path) -> str:
     """Names and sizes of the weight files, plus each safetensors file's header: cheap even for a 1 TB
     checkpoint, and it changes whenever the set of tensors, their shapes or their files change."""
@@ -181,16 +189,38 @@ def _weights_fingerprint(model_dir: Path) -> str:
     return h.hexdigest()
 
 
-def run_metadata(opts: ExtractOptions, model: preflight.Model, engine: Engine, tokenizer: SampleTokenizer) -> dict:
-    model_dir = model.path
+def _known_before_loading(opts: ExtractOptions, checked: preflight.Checked, tokenizer: SampleTokenizer) -> dict:
+    """The run metadata that needs no engine: enough to tell a finished directory of this run apart."""
+    model_dir = checked.model.path
+    dtype = _compute_dtype(opts, checked.device)
     return {
         "model": str(model_dir),
-        **model.provenance,
-        "architecture": engine.architecture,
+        **checked.model.provenance,
         "config_sha256": hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest(),
         "weights": "dummy (random)" if opts.load_format == "dummy" else _weights_fingerprint(model_dir),
         "tokenizer_path": str(model_dir),
         **tokenizer.fingerprint(),
+        # SGLang decides these two when they are left to it.
+        **({"layer_ids": sorted(opts.layers)} if opts.layers is not None else {}),
+        **({"compute_dtype": dtype} if dtype != "auto" else {}),
+        "final_state": opts.final_state,
+        "tp_size": opts.tp,
+        "max_length": opts.max_length,
+        "overlong": opts.overlong,
+        "trim_after_last_loss_token": opts.trim_after_last_loss,
+    }
+
+
+def _compute_dtype(opts: ExtractOptions, device: str) -> str:
+    # SGLang turns a float32 checkpoint into bf16 under "auto"; on CPU the embedded model exists to prove
+    # parity in fp32, so it keeps its own dtype there (SGLang's CUDA kernels take half precision only).
+    return "float32" if opts.dtype == "auto" and not opts.model and torch.device(device).type == "cpu" else opts.dtype
+
+
+def run_metadata(known: dict, engine: Engine) -> dict:
+    return {
+        **known,
+        "architecture": engine.architecture,
         "layer_ids": list(engine.layer_ids),
         "layer_convention": f"{LAYER_CONVENTION}; last = {FINAL_STATES[engine.final_state]}",
         "final_state": engine.final_state,
@@ -200,10 +230,6 @@ def run_metadata(opts: ExtractOptions, model: preflight.Model, engine: Engine, t
         "dtype": str(STATE_DTYPE).removeprefix("torch."),
         "compute_dtype": engine.dtype,
         "attention_backend": engine.attention_backend,
-        "tp_size": opts.tp,
-        "max_length": opts.max_length,
-        "overlong": opts.overlong,
-        "trim_after_last_loss_token": opts.trim_after_last_loss,
         "sglang_version": importlib.metadata.version("sglang"),
         "torch_version": torch.__version__,
         "offline_extract_version": __version__,
@@ -306,7 +332,9 @@ def _count_owned(layout: Layout, paths: Sequence[str]) -> int:
     return len(range(layout.dp_rank, n, layout.dp_size))
 
 
-def _verify(engine: Engine, layout: Layout, coord: Coordinator, model_dir: Path, head: list[Sample]) -> list[dict]:
+def _verify(
+    engine: Engine, layout: Layout, coord: Coordinator, model_dir: Path, head: list[Sample], verbose: bool
+) -> list[dict]:
     """Parity gate on each replica's first samples, before extraction spends any time. Every rank takes
     part, and every rank stops if any replica fails: a TP peer left running would wait in NCCL forever."""
     states = []
@@ -315,7 +343,8 @@ def _verify(engine: Engine, layout: Layout, coord: Coordinator, model_dir: Path,
         states.append((s.input_ids.tolist(), c.aux.cpu(), c.last.cpu()))
     rows, failure = [], None
     if layout.writes and head:
-        hf = parity.load_hf_model(str(model_dir), engine.dtype, str(engine.device))
+        with foreign_output_hidden(not verbose):
+            hf = parity.load_hf_model(str(model_dir), engine.dtype, str(engine.device))
         rows = parity.compare(states, hf, engine.layer_ids, engine.dtype, moe=engine.is_moe, final_state=engine.final_state)
         del hf
         if torch.device(engine.device).type == "cuda":
@@ -360,6 +389,17 @@ def run(opts: ExtractOptions) -> Summary | None:
     checked = preflight.check(opts)
     layout = layout_from_env(opts.tp)
     out = Path(opts.out)
+    with foreign_output_hidden(not opts.verbose):
+        tokenizer = _sample_tokenizer(opts, checked.model.path)
+    known = _known_before_loading(opts, checked, tokenizer)
+    finished = resume.finished(out, known, opts.data)
+    if finished is not None:
+        # Read-only: every rank finds the same, and no rank loads the model to find nothing to do.
+        if layout.leads:
+            _note(f"already complete: {out} holds this run's finished output, nothing to extract")
+        counts = finished["result"]
+        return Summary(records=counts["records"], resumed=counts["extracted"], skipped=counts["skipped"],
+                       rejected=counts["rejected"], dropped=counts["dropped"]) if layout.leads else None
     coord = Coordinator(layout, namespace=f"run-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
     locks = []
 
@@ -371,7 +411,7 @@ def run(opts: ExtractOptions) -> Summary | None:
     try:
         # Nobody touches the directory before the leader holds it and has cleared a crashed run's leftovers.
         existing = resume.Existing(**coord.from_leader(take_over))
-        return _run(opts, checked, layout, coord, existing, start)
+        return _run(opts, checked, tokenizer, known, layout, coord, existing, start)
     finally:
         for lock in locks:
             lock.release()
@@ -382,23 +422,20 @@ def _note(message: str) -> None:
 
 
 def _run(
-    opts: ExtractOptions, checked: preflight.Checked, layout: Layout, coord: Coordinator, existing: resume.Existing,
-    start: float,
+    opts: ExtractOptions, checked: preflight.Checked, tokenizer: SampleTokenizer, known: dict, layout: Layout,
+    coord: Coordinator, existing: resume.Existing, start: float,
 ) -> Summary | None:
     device, model_dir = checked.device, checked.model.path
-    # SGLang turns a float32 checkpoint into bf16 under "auto"; on CPU the embedded model exists to prove
-    # parity in fp32, so it keeps its own dtype there (SGLang's CUDA kernels take half precision only).
-    dtype = "float32" if opts.dtype == "auto" and not opts.model and torch.device(device).type == "cpu" else opts.dtype
+    dtype = _compute_dtype(opts, device)
     out = Path(opts.out)
     if layout.leads:
         for note in existing.notes:
             _note(note)
 
-    tokenizer = _sample_tokenizer(opts, model_dir)
     on_gpu = torch.device(device).type == "cuda"
     tokens_per_batch = checked.tokens_per_batch
-    engine = Engine(
-        EngineConfig(
+    with foreign_output_hidden(not opts.verbose):
+        engine = Engine(EngineConfig(
             model_path=str(model_dir),
             device=device,
             dtype=dtype,
@@ -416,9 +453,8 @@ def _run(
             load_format=opts.load_format,
             mem_fraction_static=opts.mem_fraction_static,
             trust_remote_code=opts.trust_remote_code,
-        )
-    )
-    meta = run_metadata(opts, checked.model, engine, tokenizer)
+        ))
+    meta = run_metadata(known, engine)
     # Checked once the model is loaded: the default layer ids and the compute dtype come from SGLang.
     notes = coord.from_leader(lambda: resume.check_identity(out, manifest.run_identity(meta, opts.data), opts.force))
     done = resume.done_mask(out, existing.shards)
@@ -434,7 +470,10 @@ def _run(
         rejects = journals.enter_context(Journal(out / f".rejects.dp{layout.dp_rank}.jsonl")) if layout.writes else None
         samples = _owned(layout, opts, tokenizer, done, rejects, summary)
         head = list(islice(samples, opts.verify))
-        summary.parity = _verify(engine, layout, coord, model_dir, head) if opts.verify else []
+        summary.parity = _verify(engine, layout, coord, model_dir, head, opts.verbose) if opts.verify else []
+        if layout.leads:
+            for line in parity_lines(summary.parity):
+                _note(line)
         meta["parity"] = summary.parity
         writer = None
         if layout.writes:
@@ -458,10 +497,11 @@ def _run(
                 summary.nonfinite_kept += 1
                 _note(f"warning: sample {sample.id!r} ({sample.source}:{sample.line}) kept with {reason}")
 
-        show = layout.leads and opts.progress
+        show = layout.leads and (opts.progress or opts.progress_every > 0)
         label = f"dp {layout.dp_rank}/{layout.dp_size}" if layout.dp_size > 1 else "extract"
         shown = 0
-        with RunProgress(lambda: _count_owned(layout, opts.data), label, enabled=show) as bar:
+        heartbeat = None if opts.progress else opts.progress_every
+        with RunProgress(lambda: _count_owned(layout, opts.data), label, enabled=show, heartbeat=heartbeat) as bar:
 
             def advance(batch: Batch) -> None:
                 nonlocal shown

@@ -1,9 +1,14 @@
-"""Progress display for long runs: samples, tokens/s, bytes written and ETA, drawn with rich."""
+"""What a run shows while it works: a bar or heartbeat lines (samples, tokens/s, bytes written, ETA),
+and nothing of what the libraries it loads print unless asked."""
 from __future__ import annotations
 
+import os
+import sys
+import tempfile
 import threading
 import time
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -25,14 +30,23 @@ def human_bytes(n: float) -> str:
 class RunProgress:
     """One bar per process; only the process that shows it draws (others pass enabled=False).
 
-    The total comes from `count_total`, run on a background thread: counting a terabyte corpus's lines
-    takes minutes, and extraction need not wait for it (the bar shows no ETA until then).
+    With `heartbeat` (seconds) it prints a line that often instead of drawing a bar: a bar's redraws
+    turn a log file or a cluster's captured output into noise. The total comes from `count_total`, run
+    on a background thread: counting a terabyte corpus's lines takes minutes, and extraction need not
+    wait for it (no ETA until then).
     """
 
-    def __init__(self, count_total: Callable[[], int] | None, label: str, enabled: bool = True):
+    def __init__(
+        self, count_total: Callable[[], int] | None, label: str, enabled: bool = True, heartbeat: float | None = None
+    ):
         self.enabled = enabled
+        self.label = label
         self.start = time.perf_counter()
         self.tokens = 0
+        self.done = 0
+        self.total: int | None = None
+        self.heartbeat = heartbeat if enabled else None
+        self._last_beat = self.start
         self._progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
@@ -42,11 +56,15 @@ class RunProgress:
             TextColumn("ETA"),
             TimeRemainingColumn(),
             console=Console(stderr=True),
-            disable=not enabled,
+            disable=not enabled or heartbeat is not None,
         )
         self._task = self._progress.add_task(label, total=None, rate="0", written="0 B")
         if enabled and count_total is not None:
-            threading.Thread(target=lambda: self._progress.update(self._task, total=count_total()), daemon=True).start()
+            threading.Thread(target=lambda: self._set_total(count_total()), daemon=True).start()
+
+    def _set_total(self, total: int) -> None:
+        self.total = total
+        self._progress.update(self._task, total=total)
 
     def __enter__(self) -> "RunProgress":
         self._progress.__enter__()
@@ -57,7 +75,66 @@ class RunProgress:
 
     def advance(self, samples: int, tokens: int, bytes_written: int) -> None:
         self.tokens += tokens
-        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.done += samples
+        now = time.perf_counter()
+        rate = self.tokens / max(now - self.start, 1e-9)
         self._progress.update(
             self._task, advance=samples, rate=f"{rate:,.0f}", written=human_bytes(bytes_written)
         )
+        if self.heartbeat and now - self._last_beat >= self.heartbeat:
+            self._last_beat = now
+            print(self.beat(now, rate, bytes_written), file=sys.stderr, flush=True)
+
+    def beat(self, now: float, rate: float, bytes_written: int) -> str:
+        elapsed = now - self.start
+        if self.total is None or not self.done:
+            eta = "ETA unknown"
+        else:
+            eta = f"ETA {_clock(max(self.total - self.done, 0) * elapsed / self.done)}"
+        of = f"/{self.total:,}" if self.total is not None else ""
+        return (
+            f"{self.label}: {self.done:,}{of} samples, {self.tokens:,} tokens, {rate:,.0f} tok/s, "
+            f"{bytes_written / 1e9:.2f} GB written, {_clock(elapsed)} elapsed, {eta}"
+        )
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
+
+
+@contextmanager
+def foreign_output_hidden(hide: bool = True) -> Iterator[None]:
+    """What SGLang, torch and HF print while a model loads (warnings, log lines, loading bars), sent to
+    a temporary file instead of the terminal. It is redirected at the file-descriptor level, since part
+    of it comes from C++ and from threads. If the block raises, it is printed after all: it may say why.
+    """
+    if not hide:
+        yield
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    streams = sys.stdout, sys.stderr
+
+    def restore() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.stdout, sys.stderr = streams
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+
+    with tempfile.TemporaryFile() as sink:
+        for fd in saved:
+            os.dup2(sink.fileno(), fd)
+        # Python-level writes too, where sys.stdout or sys.stderr is not a file descriptor's (notebooks).
+        sys.stdout = sys.stderr = open(sink.fileno(), "w", closefd=False)
+        try:
+            yield
+        except BaseException:
+            restore()
+            sink.seek(0)
+            os.write(2, sink.read())
+            raise
+        restore()

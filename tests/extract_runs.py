@@ -1,7 +1,8 @@
 """How the end-to-end tests start bin/extract.py (alone, under torchrun, or as several torchrun "nodes" on
-localhost) and compare what runs wrote."""
+localhost) and compare what runs wrote, and the hub cache they find models in."""
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -105,3 +106,14 @@ def assert_same_samples(out_a, out_b) -> None:
             assert torch.equal(t[name], t_b[name]), (index, name)
         for name in ("aux_hidden_states", "hidden_states"):
             assert torch.allclose(t[name].float(), t_b[name].float(), rtol=2**-7, atol=1e-6), (index, name)
+
+
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+def hub_cache(hf_home, repo_id: str, files_from) -> None:
+    """The layout huggingface_hub's cache gives a downloaded model: refs/main naming a snapshot folder."""
+    repo = Path(hf_home) / "hub" / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(REVISION)
+    shutil.copytree(files_from, repo / "snapshots" / REVISION)

@@ -1,13 +1,14 @@
 """bin/extract.py end to end on CPU with the embedded tiny model: one process, and torchrun DP=2."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from extract_runs import ROOT, assert_same_samples, extract_command
+from extract_runs import REVISION, ROOT, assert_same_samples, extract_command, hub_cache
 from transformers import AutoTokenizer
 
 from offline_extract.data.corpus import Record, read_corpus
@@ -19,6 +20,10 @@ from offline_extract.store.shard import open_shard
 from offline_extract.training.datasets import HiddenStateDataset
 
 CORPUS = ROOT / "examples" / "corpus.jsonl"
+SINGLE_ARGS = ("--data", str(CORPUS), "--verify", "3", "--shard-size-mb", "0.05", "--tokens-per-batch", "512",
+               "--max-length", "512")
+# Every line a plain run prints is one of ours.
+OUR_LINES = re.compile(r"^(parity |extract: \d+/24 samples, |records \d+: |tokens [\d,]+: |\d+ new shards, )")
 
 
 def _extract(out, *args, torchrun: int | None = None, env=None):
@@ -41,8 +46,7 @@ def cache_env(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, cache_env):
     out = tmp_path_factory.mktemp("single") / "out"
-    proc = _ok(_extract(out, "--data", str(CORPUS), "--verify", "3", "--shard-size-mb", "0.05",
-                        "--tokens-per-batch", "512", "--max-length", "512", env=cache_env))
+    proc = _ok(_extract(out, *SINGLE_ARGS, "--progress-every", "0.001", env=cache_env))
     return out, proc
 
 
@@ -83,6 +87,40 @@ def test_shards_carry_provenance_and_parity(single):
     index = json.loads((out / "index.json").read_text())
     assert index["num_samples"] == 24
     assert sorted(s["file"] for s in index["shards"]) == sorted(p.name for p in paths)
+
+
+def test_a_plain_run_prints_only_its_own_lines_and_parity_before_extraction(single):
+    _, proc = single
+    lines = proc.stderr.splitlines()
+    assert [line for line in lines if not OUR_LINES.match(line)] == []
+    kinds = [line.split(" ")[0] for line in lines]
+    # The gate's verdict as soon as it is known, then a heartbeat a batch (--progress-every 0.001).
+    assert kinds[:4] == ["parity"] * 4 and kinds[4] == "extract:" and kinds.count("parity") == 4
+    assert kinds.index("records") > max(i for i, kind in enumerate(kinds) if kind == "extract:")
+
+
+def test_a_finished_run_run_again_says_so_without_loading_the_model(single, cache_env):
+    out, _ = single
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    # --verbose would show SGLang's start-up, had it started.
+    proc = _ok(_extract(out, *SINGLE_ARGS, "--verbose", env=cache_env))
+    assert proc.stderr.splitlines() == [
+        f"already complete: {out} holds this run's finished output, nothing to extract",
+        "records 24: extracted 24 (24 by earlier attempts), skipped 0, rejected 0, dropped 0",
+    ]
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_verbose_shows_the_libraries_loading_a_hub_model_whose_commit_is_recorded(tiny_model_dir, tmp_path, cache_env):
+    hub_cache(tmp_path / "hf", "tiny/llama", tiny_model_dir)
+    out = tmp_path / "out"
+    env = {**cache_env, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    proc = _ok(_extract(out, "--data", str(CORPUS), "--model", "tiny/llama", "--dtype", "float32", "--verbose",
+                        env=env))
+    assert [line for line in proc.stderr.splitlines() if not OUR_LINES.match(line)], "nothing but our own lines"
+    provenance = {"model_repo_id": "tiny/llama", "model_revision": REVISION}
+    assert provenance.items() <= json.loads((out / "manifest.json").read_text())["identity"].items()
+    assert provenance.items() <= open_shard(shard_paths(out)[0]).run.items()
 
 
 def test_bad_lines_are_recorded_and_good_ones_kept(tmp_path, cache_env):

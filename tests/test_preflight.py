@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from extract_runs import ROOT
+from extract_runs import REVISION, ROOT, hub_cache
 from huggingface_hub import constants
 
 from offline_extract import extraction, hub, preflight
@@ -17,7 +17,6 @@ from offline_extract.default_model import TINY_VERSION
 from offline_extract.extraction import ExtractOptions
 
 CORPUS = str(ROOT / "examples" / "corpus.jsonl")
-REVISION = "0123456789abcdef0123456789abcdef01234567"
 
 # Each is refused with a message holding the needle (the tiny model has 8 decoder layers, context 4096).
 REFUSED = {
@@ -104,14 +103,6 @@ def test_strict_dry_run_stops_at_the_first_bad_record_like_the_real_run(tmp_path
     assert str(e.value).startswith(f"{corpus}:2 (id 'c.jsonl:2'): text is empty")
     plan = extraction.dry_run(ExtractOptions(data=(str(corpus),), out=str(tmp_path / "out")))
     assert (plan.samples, plan.rejected) == (1, 2)
-
-
-def hub_cache(root, repo_id: str, files_from) -> None:
-    """The layout huggingface_hub's cache gives a downloaded model: refs/main naming a snapshot folder."""
-    repo = root / "hub" / f"models--{repo_id.replace('/', '--')}"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(REVISION)
-    shutil.copytree(files_from, repo / "snapshots" / REVISION)
 
 
 @pytest.fixture

@@ -715,3 +715,27 @@ def test_verify_counts_one_shard_as_one(tmp_path):
     proc = verify_script(tmp_path)
     assert proc.returncode == 0
     assert f"verified 1 shard holding 2 samples in {tmp_path}: no problems" in proc.stdout
+
+
+def test_finished_is_only_a_complete_run_of_the_same_identity_with_its_shards(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "a"}\n')
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "shard_000.safetensors").write_bytes(b"x" * 10)
+    recorded = {**RUN, "layer_ids": [1, 3, 4], "compute_dtype": "bfloat16"}
+    manifest.save(out, {"identity": manifest.run_identity(recorded, [corpus]), "status": "complete",
+                        "shards": {"shard_000.safetensors": {"bytes": 10}}})
+    known = {key: value for key, value in RUN.items() if key not in ("layer_ids", "compute_dtype")}
+    assert resume.finished(out, known, [corpus])["status"] == "complete"  # SGLang's defaults taken as recorded
+    assert resume.finished(out, {**known, "layer_ids": [1, 3, 4]}, [corpus]) is not None
+    assert resume.finished(out, {**known, "layer_ids": [2]}, [corpus]) is None
+    assert resume.finished(out, {**known, "max_length": 7}, [corpus]) is None
+    corpus.write_text('{"text": "b"}\n')
+    assert resume.finished(out, known, [corpus]) is None
+    corpus.write_text('{"text": "a"}\n')
+    (out / "shard_000.safetensors").write_bytes(b"x" * 9)
+    assert resume.finished(out, known, [corpus]) is None
+    (out / "shard_000.safetensors").write_bytes(b"x" * 10)
+    manifest.save(out, {**manifest.load(out), "status": "running"})
+    assert resume.finished(out, known, [corpus]) is None

@@ -128,6 +128,26 @@ def take_over(out: Path) -> tuple[OutputLock, Existing]:
         raise
 
 
+def finished(out: Path, known: dict, data: Sequence[str]) -> dict | None:
+    """The manifest of `out` if it holds a complete run that this one would only repeat, else None.
+
+    `known` is the run metadata this run has before its model loads; what only SGLang decides (default
+    layer ids, an "auto" compute dtype) is taken as recorded. The corpus `data` must be the recorded
+    one, and every recorded shard still on disk at its size.
+    """
+    current = manifest.load(out) if out.is_dir() else None
+    if current is None or current.get("status") != "complete" or "identity" not in current:
+        return None
+    recorded = current["identity"]
+    expected = manifest.run_identity({**recorded, **known}, data)
+    if manifest.run_differences(recorded, expected) or manifest.corpus_differences(recorded, expected):
+        return None
+    for name, entry in current["shards"].items():
+        if not (out / name).is_file() or (out / name).stat().st_size != entry["bytes"]:
+            return None
+    return current
+
+
 def check_identity(out: Path, identity: dict, force: bool) -> list[str]:
     """The leader's side, once the model is loaded: refuse to mix runs, then record this run's identity.
 

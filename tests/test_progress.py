@@ -1,0 +1,74 @@
+"""What a run prints while it works: heartbeat lines without the bar, and the libraries' own output hidden."""
+import os
+import re
+import sys
+import time
+
+import pytest
+
+from offline_extract.progress import RunProgress, foreign_output_hidden
+
+BEAT = re.compile(
+    r"^extract: (\d+)/24 samples, ([\d,]+) tokens, [\d,]+ tok/s, (\d+\.\d\d) GB written, \d+:\d\d:\d\d elapsed, "
+    r"ETA \d+:\d\d:\d\d$"
+)
+
+
+def test_without_the_bar_a_line_comes_every_interval(capfd):
+    with RunProgress(lambda: 24, "extract", heartbeat=0.05) as progress:
+        deadline = time.monotonic() + 10
+        while progress.total is None and time.monotonic() < deadline:  # the count runs on a thread
+            time.sleep(0.01)
+        for _ in range(3):
+            time.sleep(0.06)
+            progress.advance(8, 1000, 2_000_000_000)
+        progress.advance(0, 0, 2_000_000_000)  # too soon after the last line: no line
+    lines = capfd.readouterr().err.splitlines()
+    assert [BEAT.match(line).groups() for line in lines] == [
+        ("8", "1,000", "2.00"), ("16", "2,000", "2.00"), ("24", "3,000", "2.00")
+    ]
+
+
+def test_a_line_before_the_total_is_counted_says_the_eta_is_unknown(capfd):
+    with RunProgress(None, "extract", heartbeat=0.01) as progress:
+        time.sleep(0.02)
+        progress.advance(1, 10, 0)
+    line = capfd.readouterr().err.strip()
+    assert line.startswith("extract: 1 samples, 10 tokens,") and line.endswith("ETA unknown")
+
+
+def test_a_process_that_does_not_show_progress_prints_nothing(capfd):
+    with RunProgress(lambda: 24, "extract", enabled=False, heartbeat=0.01) as progress:
+        time.sleep(0.02)
+        progress.advance(1, 10, 0)
+    assert capfd.readouterr().err == ""
+
+
+def _chatter() -> None:
+    os.write(2, b"from C: loading shards 100%\n")
+    os.write(1, b"to stdout\n")
+    print("a Python log line")
+    print("UserWarning: a library warning", file=sys.stderr)
+
+
+def test_library_output_is_hidden_while_loading(capfd):
+    with foreign_output_hidden():
+        _chatter()
+    print("ours")
+    assert capfd.readouterr() == ("ours\n", "")
+
+
+def test_library_output_is_shown_when_loading_fails(capfd):
+    with pytest.raises(RuntimeError, match="load failed"):
+        with foreign_output_hidden():
+            _chatter()
+            raise RuntimeError("load failed")
+    out, err = capfd.readouterr()
+    assert "from C: loading shards 100%" in err and "a library warning" in err and "to stdout" in err
+
+
+def test_verbose_shows_library_output_as_it_comes(capfd):
+    with foreign_output_hidden(hide=False):
+        _chatter()
+    out, err = capfd.readouterr()
+    assert "from C: loading shards 100%" in err and "to stdout" in out
