@@ -18,7 +18,10 @@ import torch
 from safetensors.torch import load_file
 
 from offline_extract.engine import parity
+from offline_extract.engine.distributed import free_port
 from offline_extract.engine.sglang_adapter import (
+    Engine,
+    EngineConfig,
     _CAPTURE_RULES,
     model_capture_rule,
     prepare_process,
@@ -82,6 +85,8 @@ def _stand_ins(num_layers):
     from sglang.srt.models.gpt_oss import GptOssForCausalLM
     from sglang.srt.models.kimi_k25 import KimiK25ForConditionalGeneration
     from sglang.srt.models.llama import LlamaForCausalLM
+    from sglang.srt.models.llama4 import Llama4ForCausalLM
+    from sglang.srt.models.mllama4 import Llama4ForConditionalGeneration
     from sglang.srt.models.mistral import MistralForCausalLM
     from sglang.srt.models.qwen2 import Qwen2ForCausalLM
     from sglang.srt.models.qwen3 import Qwen3ForCausalLM
@@ -89,6 +94,8 @@ def _stand_ins(num_layers):
 
     kimi = _stand_in_class(KimiK25ForConditionalGeneration)()
     kimi.language_model = _stand_in(DeepseekV3ForCausalLM, num_layers)
+    llama4 = _stand_in_class(Llama4ForConditionalGeneration)()
+    llama4.language_model = _stand_in(Llama4ForCausalLM, num_layers)
     return {
         "LlamaForCausalLM": _stand_in(LlamaForCausalLM, num_layers),
         "MistralForCausalLM": _stand_in(MistralForCausalLM, num_layers),
@@ -99,6 +106,7 @@ def _stand_ins(num_layers):
         "GptOssForCausalLM": _stand_in(GptOssForCausalLM, num_layers),
         "DeepseekV3ForCausalLM": _stand_in(DeepseekV3ForCausalLM, num_layers),
         "KimiK25ForConditionalGeneration": kimi,
+        "Llama4ForConditionalGeneration": llama4,
     }
 
 
@@ -161,14 +169,23 @@ def models(tiny_model_dir, tmp_path_factory):
     return {a: build_model(a, root / a, tokenizer_dir=tiny_model_dir) for a in ENGINE_ARCHS}
 
 
-def test_kimi_k25_checkpoint_holds_exactly_the_kimi_k2_weights(models):
-    wrapped = load_file(models["kimi_k25"] / "model.safetensors")
-    plain = load_file(models["kimi_k2"] / "model.safetensors")
+@pytest.mark.parametrize("wrapper, text", [("kimi_k25", "kimi_k2"), ("llama4", "llama4_text")])
+def test_a_wrapped_checkpoint_holds_exactly_its_text_models_weights(wrapper, text, tiny_model_dir, tmp_path):
+    wrapped_dir, text_dir = (build_model(a, tmp_path / a, tokenizer_dir=tiny_model_dir) for a in (wrapper, text))
+    wrapped = load_file(wrapped_dir / "model.safetensors")
+    plain = load_file(text_dir / "model.safetensors")
     assert set(wrapped) == {f"language_model.{k}" for k in plain}
     assert all(torch.equal(wrapped[f"language_model.{k}"], v) for k, v in plain.items())
-    assert json.loads((models["kimi_k25"] / "config.json").read_text())["text_config"] == json.loads(
-        (models["kimi_k2"] / "config.json").read_text()
+    assert json.loads((wrapped_dir / "config.json").read_text())["text_config"] == json.loads(
+        (text_dir / "config.json").read_text()
     )
+
+
+def test_llama4_is_refused_where_sglang_cannot_run_its_chunked_attention(tiny_model_dir, tmp_path):
+    # Refused from the config, before any weight is loaded: only fa3 has Llama 4's chunked attention.
+    model = build_model("llama4", tmp_path / "m", tokenizer_dir=tiny_model_dir, weights=False)
+    with pytest.raises(NotImplementedError, match=r"attention_chunk_size=16.*only in the fa3 .* on torch_native"):
+        Engine(EngineConfig(model_path=str(model), device="cpu", dtype="float32", nccl_port=free_port()))
 
 
 @pytest.fixture(scope="module", params=list(ENGINE_ARCHS))

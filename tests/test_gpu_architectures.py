@@ -1,5 +1,6 @@
 """Every supported architecture in bf16 on CUDA against HF transformers, on SGLang's triton and flashinfer
-attention backends, neither of which needs a FlashAttention-3 build (MLA included). MoE models are also
+attention backends, neither of which needs a FlashAttention-3 build (MLA included), except where SGLang
+supports only some backends for an architecture (ARCH_BACKENDS; Llama 4 needs fa3). MoE models are also
 compared against HF routed to the experts the engine chose (tests/arch_parity.py --forced-routing).
 
 One process per (architecture, backend), through tests/arch_parity.py. With OFFLINE_EXTRACT_RESULTS set,
@@ -30,6 +31,7 @@ GPU_MODELS = {
     "qwen3_moe": {},
     "glm4_moe": {},
     "gpt_oss": {},
+    "llama4": {},
     "deepseek_v3": {},
     "kimi_k2": {},
     "kimi_k25": {},
@@ -43,13 +45,16 @@ GPU_ARCHS = {
     "qwen3_moe": ("qwen3_moe", "qwen3_moe"),
     "glm4_moe": ("glm4_moe", "glm4_moe"),
     "gpt_oss": ("gpt_oss", "gpt_oss"),
+    # HF loads the wrapped checkpoint as its Llama4ForCausalLM, as the product's --verify does.
+    "llama4": ("llama4", "llama4"),
     "deepseek_v3": ("deepseek_v3", "deepseek_v3"),
     "kimi_k25": ("kimi_k25", "kimi_k2"),
 }
 MOE_ARCHS = {"qwen3_moe", "deepseek_v3", "kimi_k25"}
 BACKENDS = ["triton", "flashinfer"]
 # SGLang 0.5.17 runs GPT-OSS's attention sinks on triton, trtllm_mha and fa3/fa4 only (server_args.py:5349).
-ARCH_BACKENDS = {"gpt_oss": ["triton"]}
+# Llama 4's chunked attention exists in fa3 only (sglang_adapter refuses the others), so it needs FA3 installed.
+ARCH_BACKENDS = {"gpt_oss": ["triton"], "llama4": ["fa3"]}
 LAYER_SETS = "0,3,6;2,5"
 MIN_COSINE = 0.999
 

@@ -56,7 +56,11 @@ def hf_hidden_states(model, input_ids: Sequence[int], device, final_state: str =
     final norm's input (HF lists only the normed state), so that index -1 is the reference either way."""
     ids = torch.as_tensor(list(input_ids), dtype=torch.long, device=device)[None]
     seen = []
-    hook = model.get_decoder().norm.register_forward_hook(lambda norm, args, out: seen.append(args[0]))
+    # get_decoder() finds the decoder by base_model_prefix, which on Llama4ForCausalLM names the multimodal
+    # checkpoint's prefix ("language_model") instead of its `model` attribute, and returns the model itself.
+    decoder = model.get_decoder()
+    norm = decoder.norm if hasattr(decoder, "norm") else decoder.model.norm
+    hook = norm.register_forward_hook(lambda norm, args, out: seen.append(args[0]))
     try:
         with torch.no_grad():
             out = model(input_ids=ids, output_hidden_states=True, use_cache=False)

@@ -185,6 +185,10 @@ _CAPTURE_RULES = {
         "qwen3_moe.py:1073, flags set in qwen2_moe.py:891", _PLUS_ONE, _ids_adding_one, in_layer_flags=True
     ),
     "DeepseekV3ForCausalLM": CaptureRule("deepseek_v2.py:3134 (inherited)", _DEEPSEEK, _ids_for_deepseek),
+    "Llama4ForConditionalGeneration": CaptureRule(
+        "mllama4.py:983, delegating to llama.py:885 (inherited by llama4.py's Llama4ForCausalLM)", _PLUS_ONE,
+        _ids_adding_one, language_model="language_model",
+    ),
     "KimiK25ForConditionalGeneration": CaptureRule(
         "kimi_k25.py:920, delegating to deepseek_v2.py:3134", _DEEPSEEK, _ids_for_deepseek,
         language_model="language_model",
@@ -261,6 +265,22 @@ def context_length(text_config) -> tuple[int, str]:
     return 2048, "SGLang's default for a config without a context length"
 
 
+# Llama 4's RoPE layers attend within fixed chunks of attention_chunk_size tokens. Of SGLang 0.5.17's CUDA
+# backends only fa3 implements that (flashattention_backend.py's local attention); the others run such layers
+# with full causal attention, silently wrong for every token past the first chunk.
+_CHUNKED_ATTENTION_BACKENDS = ("fa3",)
+
+
+def _refuse_unsupported_attention(model_config, backend: str, model_path: str) -> None:
+    chunk = model_config.attention_chunk_size
+    if chunk is not None and backend not in _CHUNKED_ATTENTION_BACKENDS:
+        raise NotImplementedError(
+            f"{model_path} uses chunked attention (attention_chunk_size={chunk}), which SGLang {SGLANG_VERSION} "
+            f"implements only in the {' and '.join(_CHUNKED_ATTENTION_BACKENDS)} attention backend; on {backend} "
+            f"tokens past the first {chunk} would attend to the wrong keys. Use --attention-backend fa3 on Hopper."
+        )
+
+
 def validate_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
     ids = tuple(int(i) for i in ids)
     if not ids:
@@ -329,6 +349,7 @@ class Engine:
         initialize_fp4_gemm_config(sa)
         initialize_bf16_gemm_config(sa)
         mc = ModelConfig.from_server_args(sa)
+        _refuse_unsupported_attention(mc, backend, cfg.model_path)
         ps = ParallelState(
             tp_rank=cfg.tp_rank, tp_size=cfg.tp_size, pp_rank=0, pp_size=1, dp_rank=None, dp_size=1,
             attn_tp_rank=cfg.tp_rank, attn_tp_size=cfg.tp_size, attn_cp_rank=0, attn_cp_size=1,

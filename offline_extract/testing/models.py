@@ -127,6 +127,39 @@ def _tiny_gpt_oss_config(vocab_size: int) -> dict:
     }
 
 
+def _tiny_llama4_text_config(vocab_size: int) -> dict:
+    # Llama 4's decoder: dense layers alternating with top-1 sigmoid-routed experts plus a shared expert
+    # (Maverick's interleave), QK L2 norm on RoPE layers, every 4th layer without RoPE and with attention
+    # temperature tuning, RoPE layers attending in chunks, Llama-3 RoPE scaling. Chunk size and temperature
+    # floor are 16 tokens, so the test's longer requests cross both.
+    return {
+        **_tiny_qwen3_config(vocab_size),
+        "architectures": ["Llama4ForCausalLM"],
+        "model_type": "llama4_text",
+        "intermediate_size": 128,
+        "intermediate_size_mlp": 512,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 2,
+        "use_qk_norm": True,
+        "no_rope_layer_interval": 4,
+        "attention_chunk_size": 16,
+        "attn_temperature_tuning": True,
+        "floor_scale": 16,
+        "attn_scale": 0.1,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 131072,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 16.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
+
+
 def _tiny_deepseek_v3_config(vocab_size: int) -> dict:
     # MLA with both LoRA ranks, interleaved RoPE under YaRN (whose mscale changes the softmax scale), grouped
     # sigmoid routing with the correction bias, shared experts, and dense first layers: every DeepSeek-V3
@@ -244,6 +277,7 @@ ARCHITECTURES = {
     "mistral": _tiny_mistral_config,
     "glm4_moe": _tiny_glm4_moe_config,
     "gpt_oss": _tiny_gpt_oss_config,
+    "llama4_text": _tiny_llama4_text_config,
     "deepseek_v3": _tiny_deepseek_v3_config,
     "kimi_k2": _tiny_kimi_k2_config,
     "llama3_8b": _llama3_8b_config,
@@ -276,18 +310,53 @@ def _kimi_k25_config(text_config: dict) -> dict:
     }
 
 
-def _wrap_as_kimi_k25(model_dir: Path) -> None:
-    """Turn a written DeepSeek-V3 checkpoint into the Kimi-K2.5 layout: the same weights under
-    `language_model.`, and no vision weights, which SGLang's loader does not require."""
-    text_config = json.loads((model_dir / "config.json").read_text())
-    (model_dir / "config.json").write_text(json.dumps(_kimi_k25_config(text_config), indent=2))
-    path = model_dir / "model.safetensors"
-    if path.exists():  # absent when only the config was written
-        save_file({f"language_model.{k}": v for k, v in load_file(path).items()}, str(path), metadata={"format": "pt"})
+def _llama4_config(text_config: dict) -> dict:
+    # Llama4ForConditionalGeneration as Llama 4 Scout and Maverick ship it: the text model plus a vision encoder
+    # and projector, here at toy size and without weights, so SGLang's mllama4.py runs it text-only.
+    vocab = text_config["vocab_size"]
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": 28,
+        "patch_size": 14,
+        "vision_output_dim": 64,
+        "projector_input_dim": 64,
+        "projector_output_dim": text_config["hidden_size"],
+    }
+    return {
+        "architectures": ["Llama4ForConditionalGeneration"],
+        "model_type": "llama4",
+        "text_config": text_config,
+        "vision_config": vision,
+        "boi_token_index": vocab - 3,
+        "eoi_token_index": vocab - 2,
+        "image_token_index": vocab - 1,
+        **{k: text_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype")},
+    }
 
 
-# Architectures HF transformers cannot build itself, as (the HF-buildable one holding the weights, wrapper).
-_WRAPPED = {"kimi_k25": ("kimi_k2", _wrap_as_kimi_k25)}
+def _under_language_model(wrapper_config):
+    def wrap(model_dir: Path) -> None:
+        """Turn a written text-model checkpoint into its multimodal wrapper's layout: the same weights under
+        `language_model.`, and no vision weights, which SGLang's loaders do not require."""
+        text_config = json.loads((model_dir / "config.json").read_text())
+        (model_dir / "config.json").write_text(json.dumps(wrapper_config(text_config), indent=2))
+        path = model_dir / "model.safetensors"
+        if path.exists():  # absent when only the config was written
+            tensors = {f"language_model.{k}": v for k, v in load_file(path).items()}
+            save_file(tensors, str(path), metadata={"format": "pt"})
+
+    return wrap
+
+
+# Multimodal wrappers, as (the text model holding the weights, wrapper): "kimi_k25" is one HF transformers
+# cannot build at all.
+_WRAPPED = {
+    "kimi_k25": ("kimi_k2", _under_language_model(_kimi_k25_config)),
+    "llama4": ("llama4_text", _under_language_model(_llama4_config)),
+}
 
 
 def build_model(
@@ -304,8 +373,9 @@ def build_model(
     """Write a seeded random model of `arch` with the embedded tokenizer (from `tokenizer_dir` if given,
     else the cached embedded model).
 
-    `arch` is a key of ARCHITECTURES, or "kimi_k25": exactly the weights of "kimi_k2" under the same seed,
-    wrapped as Kimi-K2.5, so that "kimi_k2" built alongside is its HF reference. `device` is where the
+    `arch` is a key of ARCHITECTURES, or of _WRAPPED: "kimi_k25" holds exactly the weights of "kimi_k2" under
+    the same seed, wrapped as Kimi-K2.5, so that "kimi_k2" built alongside is its HF reference, and "llama4"
+    those of "llama4_text". `device` is where the
     weights are drawn (a GPU makes the 8B-shaped model quick); `overrides` replace top-level config fields
     (of the text config, for a wrapped architecture). weights=False writes the config alone, for SGLang's
     dummy loader.
