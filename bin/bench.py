@@ -28,6 +28,7 @@ import click
 
 from benchmarks.peers.baselines import BASELINES, PeerOptions
 from benchmarks.extraction_vs_prefill import BenchOptions, run_bench
+from offline_extract.cli import command
 
 
 def _command() -> str:
@@ -38,7 +39,7 @@ def _command() -> str:
     return f"python {argv}"
 
 
-@click.command(help=__doc__)
+@command(help=__doc__)
 @click.option("--model", default=None, help="HF model directory. Default: a generated config of --shape.")
 @click.option("--shape", default="llama3_8b", show_default=True, help="Generated model shape (see offline_extract.testing.models.ARCHITECTURES).")
 @click.option("--load-format", default="dummy", show_default=True, help="'dummy': random weights, no files needed.")

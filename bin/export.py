@@ -23,12 +23,13 @@ DEST/export_manifest.json maps i to sample ids. Rerunning the same export into D
 import _bin_path  # noqa: F401  (must come first: see its docstring)
 import click
 
+from offline_extract.cli import command
 from offline_extract.progress import plural
 from offline_extract.store.schema import ShardError
 from offline_extract.training.export import DEFAULT_ROWS_PER_FOLDER, FORMATS, ExportError, export
 
 
-@click.command(help=__doc__)
+@command(help=__doc__)
 @click.argument("out_dir", type=click.Path(path_type=str))
 @click.option("--to", "dest", required=True, type=click.Path(file_okay=False, path_type=str),
               help="Destination directory: new, empty, or an interrupted export of the same data.")

@@ -39,6 +39,7 @@ from pathlib import Path
 import click
 
 from offline_extract import extraction, planning
+from offline_extract.cli import Interrupted, command
 from offline_extract.engine.distributed import LeaderFailed, PeerLost
 from offline_extract.engine.nonfinite import POLICIES
 from offline_extract.engine.parity import ParityError
@@ -46,7 +47,7 @@ from offline_extract.engine.sglang_adapter import FINAL_STATES
 from offline_extract.extraction import REJECTS_FILE, ExtractOptions, StoppedError, Terminated, raise_terminated
 
 
-@click.command(help=__doc__)
+@command(help=__doc__)
 @click.option("--data", "data", multiple=True, required=True, type=click.Path(exists=True, dir_okay=False),
               help="JSONL corpus; repeat for several files (records are numbered across them in order).")
 @click.option("--out", default="out", show_default=True, type=click.Path(file_okay=False),
@@ -144,7 +145,7 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
         # Bad input, a failed check or a full disk: the message names it; a traceback would only bury it.
         raise click.ClickException(str(e)) from e
     except KeyboardInterrupt:
-        raise click.ClickException(f"interrupted; re-running the same command resumes into {out}") from None
+        raise Interrupted(f"interrupted; re-running the same command resumes into {out}") from None
     except Terminated:
         rank = f"rank {os.environ['RANK']}" if "RANK" in os.environ else "extraction"
         click.echo(f"{rank}: stopped by SIGTERM (under torchrun: another rank failed, and torchrun's report names "

@@ -8,12 +8,13 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from offline_extract.cli import command
 from offline_extract.progress import plural
 from offline_extract.store import inspection, integrity
 from offline_extract.store.schema import ShardError
 
 
-@click.command()
+@command()
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--sample", "sample_id", help="Show this sample's text, loss-masked tokens highlighted.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of tables.")

@@ -1,0 +1,31 @@
+"""What every bin/ script shares: -h as well as --help, --version, and exit status 130 on Ctrl-C."""
+from __future__ import annotations
+
+import click
+
+from offline_extract import __version__
+
+
+class Interrupted(click.ClickException):
+    """Ctrl-C, reported with the shell's status for it (128 + SIGINT), so that a wrapping script or
+    scheduler sees an interruption rather than a failure."""
+
+    exit_code = 130
+
+
+class _Command(click.Command):
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise Interrupted("interrupted") from None
+
+
+def command(**kwargs):
+    """`click.command` for a bin/ script."""
+
+    def decorate(f):
+        f = click.version_option(__version__, "--version", message="%(prog)s, offline_extract %(version)s")(f)
+        return click.command(cls=_Command, context_settings={"help_option_names": ["-h", "--help"]}, **kwargs)(f)
+
+    return decorate

@@ -1,0 +1,53 @@
+"""What every bin/ script shares: -h, --version, and exit status 130 on Ctrl-C."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import click
+import pytest
+from click.testing import CliRunner
+from extract_runs import ROOT, extract_command
+
+from offline_extract import __version__
+from offline_extract.cli import command
+from offline_extract.default_model import TINY_VERSION
+from offline_extract.store import resume
+
+
+@pytest.mark.parametrize("script", ["extract", "export", "inspect", "bench"])
+def test_every_script_answers_h_and_version(script):
+    path = str(ROOT / "bin" / f"{script}.py")
+    version = subprocess.run([sys.executable, path, "--version"], capture_output=True, text=True, cwd=ROOT)
+    assert version.returncode == 0 and f"offline_extract {__version__}" in version.stdout, version.stderr[-2000:]
+    short = subprocess.run([sys.executable, path, "-h"], capture_output=True, text=True, cwd=ROOT)
+    assert short.returncode == 0 and short.stdout.startswith(f"Usage: {script}.py") and "--version" in short.stdout
+
+
+def test_ctrl_c_exits_130():
+    @command()
+    def stopped():
+        raise KeyboardInterrupt
+
+    result = CliRunner().invoke(stopped, [])
+    assert result.exit_code == 130 and "interrupted" in result.output
+
+
+def test_ctrl_c_stops_an_extraction_with_130_and_says_how_to_resume(tmp_path, tiny_model_dir):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / f"tiny-llama-v{TINY_VERSION}").symlink_to(tiny_model_dir)
+    out = tmp_path / "out"
+    proc = subprocess.Popen(extract_command(out, "--data", ROOT / "examples" / "corpus.jsonl"), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OFFLINE_EXTRACT_CACHE": str(cache)})
+    deadline = time.monotonic() + 300
+    while not (out / resume.LOCK_NAME).exists():  # the run holds its directory: it is past the option checks
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert f"interrupted; re-running the same command resumes into {out}" in stderr
