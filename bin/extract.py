@@ -66,7 +66,9 @@ from offline_extract.extraction import REJECTS_FILE, ExtractOptions, StoppedErro
                    "Default: SGLang's EAGLE-3 default for the model, e.g. [1, N/2-1, N-4] for Llama.")
 @click.option("--max-length", default=4096, show_default=True, help="Longest sample in tokens.")
 @click.option("--overlong", type=click.Choice(["truncate", "skip"]), default="truncate", show_default=True,
-              help="What to do with a sample longer than --max-length (recorded per sample either way).")
+              help="What to do with a sample longer than --max-length (recorded per sample either way). A "
+                   "truncated sample whose loss tokens all lay past the cut is skipped, listed in rejects.jsonl "
+                   "and counted as skipped: it has nothing left to train on.")
 @click.option("--tokens-per-batch", default=None, type=int,
               help="Token budget of one forward. Default: 16384 on GPU, 4096 on CPU. A longer sample is "
                    "prefilled alone, in chunks of --chunk-tokens.")

@@ -205,15 +205,20 @@ def test_truncate_and_skip(tok):
         SampleTokenizer(tok, max_length=5, overlong="drop")
 
 
-def test_chat_truncated_before_any_reply_keeps_a_zero_mask(tok):
+def test_chat_truncated_before_any_reply_is_skipped_not_kept_with_a_zero_mask(tok):
     rec = chat(("user", "Please explain recursion in detail."), ("assistant", "Recursion is a function calling itself."))
-    sample = SampleTokenizer(tok, max_length=6)(rec)
-    assert isinstance(sample, Sample)
-    assert sample.truncated and sample.num_tokens == 6 and sample.source_len > 6
-    assert sample.loss_mask.tolist() == [0] * 6
+    whole = SampleTokenizer(tok, max_length=4096)(rec)
+    skipped = SampleTokenizer(tok, max_length=6)(rec)
+    assert skipped == Reject(rec.source, rec.line, rec.index, rec.id,
+                             f"{whole.source_len} tokens truncated to --max-length 6 leave no loss tokens",
+                             kind="skipped")
 
-    partial = SampleTokenizer(tok, max_length=sample.source_len - 1)(rec)
+    partial = SampleTokenizer(tok, max_length=whole.source_len - 1)(rec)
     assert partial.loss_mask[-1] == 1 and partial.input_ids[-1] != tok.convert_tokens_to_ids("<|end|>")
+
+    # A record that never had a loss token is the user's to judge, truncated or not.
+    given = Record("s", 1, 0, "z", "tokens", input_ids=tuple(range(10, 20)), loss_mask=(0,) * 10)
+    assert isinstance(SampleTokenizer(tok, max_length=6)(given), Sample)
 
 
 def test_fingerprint(load_tokenizer):
