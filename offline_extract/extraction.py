@@ -23,6 +23,7 @@ import torch
 from offline_extract import __version__, planning, preflight
 from offline_extract.data.batching import Batch, batch_by_tokens
 from offline_extract.data.corpus import BadRecordError, Record, Reject, read_corpus
+from offline_extract.data.sources import Source
 from offline_extract.data.tokenization import Sample, SampleTokenizer
 from offline_extract.engine import parity
 from offline_extract.engine.distributed import Coordinator, Layout, layout_from_env
@@ -317,19 +318,10 @@ def staging_buffers(engine: Engine) -> list:
     return pinned_buffers(engine.device, engine.max_sequence_tokens, widths)
 
 
-def _count_owned(layout: Layout, paths: Sequence[str]) -> int:
-    """This replica's share of the records, for the progress bar's ETA: non-empty line starts counted with
-    numpy over large chunks (a per-line Python loop would contend for the GIL with the hot loop for
-    minutes on a large corpus). A line of only spaces counts, which only skews the ETA."""
-    n = 0
-    for path in paths:
-        with open(path, "rb") as f:
-            after_newline = True
-            while chunk := f.read(16 << 20):
-                newline = np.frombuffer(chunk, dtype=np.uint8) == ord("\n")
-                n += int(after_newline and not newline[0]) + int((newline[:-1] & ~newline[1:]).sum())
-                after_newline = bool(newline[-1])
-    return len(range(layout.dp_rank, n, layout.dp_size))
+def _count_owned(layout: Layout, sources: Sequence[Source]) -> int | None:
+    """This replica's share of the records, for the progress ETA; None when a source cannot say."""
+    counts = [source.count() for source in sources]
+    return None if None in counts else len(range(layout.dp_rank, sum(counts), layout.dp_size))
 
 
 def _verify(
@@ -392,7 +384,7 @@ def run(opts: ExtractOptions) -> Summary | None:
     with foreign_output_hidden(not opts.verbose):
         tokenizer = _sample_tokenizer(opts, checked.model.path)
     known = _known_before_loading(opts, checked, tokenizer)
-    finished = resume.finished(out, known, opts.data)
+    finished = resume.finished(out, known, checked.corpus_paths)
     if finished is not None:
         # Read-only: every rank finds the same, and no rank loads the model to find nothing to do.
         if layout.leads:
@@ -456,7 +448,7 @@ def _run(
         ))
     meta = run_metadata(known, engine)
     # Checked once the model is loaded: the default layer ids and the compute dtype come from SGLang.
-    notes = coord.from_leader(lambda: resume.check_identity(out, manifest.run_identity(meta, opts.data), opts.force))
+    notes = coord.from_leader(lambda: resume.check_identity(out, manifest.run_identity(meta, checked.corpus_paths), opts.force))
     done = resume.done_mask(out, existing.shards)
     if layout.leads:
         for note in notes:
@@ -501,7 +493,7 @@ def _run(
         label = f"dp {layout.dp_rank}/{layout.dp_size}" if layout.dp_size > 1 else "extract"
         shown = 0
         heartbeat = None if opts.progress else opts.progress_every
-        with RunProgress(lambda: _count_owned(layout, opts.data), label, enabled=show, heartbeat=heartbeat) as bar:
+        with RunProgress(lambda: _count_owned(layout, checked.sources), label, enabled=show, heartbeat=heartbeat) as bar:
 
             def advance(batch: Batch) -> None:
                 nonlocal shown

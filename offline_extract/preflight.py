@@ -1,7 +1,8 @@
 """What a run can know is wrong before the engine starts, answered in seconds and before the output
-directory is touched: the options, the model (a directory or a hub id; its architecture, depth and
-context length, read from its config alone) and the device. A real run and --dry-run make exactly
-these checks, so a dry run that passes means the real one starts.
+directory is touched: the options, the corpus sources (a missing file, an uncached hub data set), the
+model (a directory or a hub id; its architecture, depth and context length, read from its config
+alone) and the device. A real run and --dry-run make exactly these checks, so a dry run that passes
+means the real one starts.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 from offline_extract import hub
+from offline_extract.data.sources import Source, open_sources
 from offline_extract.default_model import ensure_tiny_model
 from offline_extract.engine.sglang_adapter import capture_rule, context_length, validate_layer_ids
 
@@ -43,6 +45,12 @@ class Checked:
     model: Model
     device: str
     tokens_per_batch: int
+    sources: list[Source]
+
+    @property
+    def corpus_paths(self) -> list[Path]:
+        """What the corpus is on disk (a hub data set's snapshot folder), for its fingerprint."""
+        return [source.path for source in self.sources]
 
 
 def check(opts) -> Checked:
@@ -60,6 +68,7 @@ def check(opts) -> Checked:
     ):
         if value is not None and value < least:
             raise ValueError(f"{name} must be at least {least}, got {value}")
+    sources = open_sources(opts.data)
     device = resolve_device(opts.device)
     check_dtype(device, opts.dtype)
     model = resolve_model(opts.model, opts.trust_remote_code)
@@ -72,7 +81,7 @@ def check(opts) -> Checked:
             f"{model.context_length}"
         )
     tokens_per_batch = opts.tokens_per_batch or DEFAULT_TOKENS_PER_BATCH[torch.device(device).type]
-    return Checked(model, device, tokens_per_batch)
+    return Checked(model, device, tokens_per_batch, sources)
 
 
 def check_dtype(device: str, dtype: str) -> None:

@@ -69,6 +69,15 @@ def test_each_format(tmp_path):
     assert (toks_nomask.input_ids, toks_nomask.loss_mask) == ((5, 6), None)
 
 
+def test_openai_content_parts_are_joined_text(tmp_path):
+    parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+    path = write_lines(tmp_path / "c.jsonl", [
+        {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": [parts[0]]}]},
+    ])
+    (record,) = read_corpus([path])
+    assert record.messages == (("user", "first\nsecond"), ("assistant", "first"))
+
+
 def test_blank_lines_have_no_index_but_count_as_lines(tmp_path):
     path = write_lines(tmp_path / "c.jsonl", ["", GOOD_TEXT, "   ", "\t", GOOD_TEXT, ""])
     recs = list(read_corpus([str(path)]))
@@ -123,7 +132,7 @@ BAD_LINES = [
     (b'{"conversations": [{"value": "hi"}]}', "conversations[0] has no 'from'", "bad.jsonl:2"),
     (
         b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": null}]}',
-        "messages[1].content is not a string (got null)",
+        "messages[1].content is not a string or a list of content parts (got null)",
         "bad.jsonl:2",
     ),
     (
@@ -132,8 +141,18 @@ BAD_LINES = [
         "bad.jsonl:2",
     ),
     (
-        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]}',
-        "messages[0].content is not a string (got array)",
+        b'{"messages": [{"role": "user", "content": []}, {"role": "assistant", "content": "a"}]}',
+        "messages[0].content is an empty list of content parts",
+        "bad.jsonl:2",
+    ),
+    (
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}',
+        "messages[0].content[0].text is not a string (got integer)",
+        "bad.jsonl:2",
+    ),
+    (
+        b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
+        "messages[0].content[0] is a part of type 'image_url'; only text parts can be extracted",
         "bad.jsonl:2",
     ),
     (b'{"text": 5}', "text is not a string (got integer)", "bad.jsonl:2"),

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from extract_runs import REVISION, ROOT, assert_same_samples, extract_command, hub_cache
@@ -233,3 +235,25 @@ def test_float32_on_cuda_is_refused_with_what_to_use_instead():
         check_dtype("cuda", "float32")
     check_dtype("cuda:1", "bfloat16")
     check_dtype("cpu", "float32")
+
+
+def test_a_parquet_file_and_a_cached_hub_data_set_in_one_run(tmp_path, cache_env):
+    records = [json.loads(line) for line in CORPUS.read_text().splitlines()[:6]]
+    keys = sorted({key for record in records for key in record})
+    pq.write_table(pa.Table.from_pylist([{key: r.get(key) for key in keys} for r in records[:3]]),
+                   tmp_path / "c.parquet")
+    hf = tmp_path / "hf"
+    snapshot = hf / "hub" / "datasets--org--chats" / "snapshots" / REVISION
+    snapshot.mkdir(parents=True)
+    (snapshot / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[3:]) + '{"text": ""}\n')
+    (hf / "hub" / "datasets--org--chats" / "refs").mkdir()
+    (hf / "hub" / "datasets--org--chats" / "refs" / "main").write_text(REVISION)
+    out = tmp_path / "out"
+    env = {**cache_env, "HF_HOME": str(hf), "HF_HUB_OFFLINE": "1"}
+    proc = _ok(_extract(out, "--data", str(tmp_path / "c.parquet"), "--data", "org/chats", env=env))
+    assert "records 7: extracted 6, skipped 0, rejected 1, dropped 0" in proc.stderr
+    assert sorted(info.index for info, _ in iter_samples(out)) == list(range(6))
+    (reject,) = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert (reject["source"], reject["line"], reject["index"], reject["reason"]) == ("org/chats", 4, 6, "text is empty")
+    corpus = json.loads((out / "manifest.json").read_text())["identity"]["corpus"]
+    assert [c["name"] for c in corpus] == ["c.parquet", REVISION]

@@ -1,7 +1,8 @@
-"""Streaming reader for JSONL corpora in the ShareGPT, OpenAI, plain-text and pre-tokenized formats.
+"""Streaming reader for corpora in the ShareGPT, OpenAI, plain-text and pre-tokenized formats, from any
+of the sources in `sources` (JSONL, gzip JSONL, parquet, saved or hub data sets).
 
-Every non-blank line becomes either a `Record` or a `Reject`; nothing is dropped silently, and a bad
-line never stops the lines after it from being read.
+Every record (a non-blank line, or a row) becomes either a `Record` or a `Reject`; nothing is dropped
+silently, and a bad record never stops the ones after it from being read.
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from offline_extract.data.sources import open_sources
 
 FORMAT_KEYS = {"conversations": "sharegpt", "messages": "openai", "text": "text", "input_ids": "tokens"}
 
@@ -107,13 +110,31 @@ def _messages(obj: dict, key: str, role_key: str, content_key: str, roles: dict[
         role = turn[role_key]
         if not isinstance(role, str) or role not in roles:
             raise _BadRecord(f"unknown role {role!r} in {where}")
-        content = turn[content_key]
-        if not isinstance(content, str):
-            raise _BadRecord(f"{where}.{content_key} is not a string (got {_json_type(content)})")
-        out.append((roles[role], content))
+        out.append((roles[role], _content(turn[content_key], f"{where}.{content_key}")))
     if not any(role == "assistant" for role, _ in out):
         raise _BadRecord("no assistant turn")
     return tuple(out)
+
+
+def _content(content, where: str) -> str:
+    """A turn's text: a string, or OpenAI's list of content parts, whose text parts are joined with a
+    newline (as OpenAI-compatible servers do for a chat template that takes a string). A part that is
+    not text (an image, audio) cannot be extracted by a text model and rejects the record."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _BadRecord(f"{where} is not a string or a list of content parts (got {_json_type(content)})")
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else _json_type(part)
+            raise _BadRecord(f"{where}[{i}] is a part of type {kind!r}; only text parts can be extracted")
+        if not isinstance(part.get("text"), str):
+            raise _BadRecord(f"{where}[{i}].text is not a string (got {_json_type(part.get('text'))})")
+        texts.append(part["text"])
+    if not texts:
+        raise _BadRecord(f"{where} is an empty list of content parts")
+    return "\n".join(texts)
 
 
 def _int_list(obj: dict, key: str) -> tuple[int, ...]:
@@ -215,52 +236,41 @@ def _record(obj: dict, raw: bytes, source: str, line: int, index: int, id_: str)
 
 
 def read_corpus(paths: Sequence[str | Path], owns: Callable[[int], bool] | None = None) -> Iterator[Record | Reject]:
-    """Yield a Record or Reject for every non-blank line of `paths`, in order, streaming.
+    """Yield a Record or Reject for every record of `paths` (see `sources`), in order, streaming.
 
     With `owns`, only lines whose record index it accepts are validated and yielded: a data-parallel
     replica still reads every id, for the duplicate check, but validates only its own share.
 
-    Missing files raise FileNotFoundError here, before anything is read, so a typo in the last path
-    is caught before any work is done on the first. Ids must be unique across all files, derived ids
-    included: the same file given twice, or two files with the same name and no ids, is reported
-    line by line as duplicates rather than producing ambiguous ids.
+    Missing sources raise here, before anything is read, so a typo in the last path is caught before
+    any work is done on the first. Ids must be unique across all sources, derived ids included: the same
+    file given twice, or two files with the same name and no ids, is reported record by record as
+    duplicates rather than producing ambiguous ids.
     """
-    sources = [str(p) for p in paths]
-    for source in sources:
-        path = Path(source)
-        if not path.exists():
-            raise FileNotFoundError(f"corpus file not found: {source}")
-        if path.is_dir():
-            raise IsADirectoryError(f"corpus path is a directory, not a JSONL file: {source}")
-    return _read(sources, owns)
+    return _read(open_sources(paths), owns)
 
 
-def _read(sources: list[str], owns: Callable[[int], bool] | None) -> Iterator[Record | Reject]:
+def _read(sources: list, owns: Callable[[int], bool] | None) -> Iterator[Record | Reject]:
     # id -> (position in sources, line) of its first occurrence, compact enough for millions of ids.
     seen: dict[str, tuple[int, int]] = {}
     index = 0
     for file_no, source in enumerate(sources):
-        name = Path(source).name
-        with open(source, "rb") as f:
-            for line, raw in enumerate(f, start=1):
-                if not raw.strip():
+        for line, raw in source.rows():
+            id_ = None
+            try:
+                obj = _parse(raw, first_line=line == 1) if isinstance(raw, bytes) else raw
+                id_ = _explicit_id(obj)
+                if id_ is None:
+                    id_ = f"{source.label}:{line}"
+                # Registered before the format checks so the duplicates reported do not depend
+                # on which other lines happen to be malformed.
+                first = seen.setdefault(id_, (file_no, line))
+                if owns is not None and not owns(index):
                     continue
-                id_ = None
-                try:
-                    obj = _parse(raw, first_line=line == 1)
-                    id_ = _explicit_id(obj)
-                    if id_ is None:
-                        id_ = f"{name}:{line}"
-                    # Registered before the format checks so the duplicates reported do not depend
-                    # on which other lines happen to be malformed.
-                    first = seen.setdefault(id_, (file_no, line))
-                    if owns is not None and not owns(index):
-                        continue
-                    if first != (file_no, line):
-                        raise _BadRecord(f"duplicate id {id_!r} (first at {sources[first[0]]}:{first[1]})")
-                    yield _record(obj, raw, source, line, index, id_)
-                except _BadRecord as e:
-                    if owns is None or owns(index):
-                        yield Reject(source, line, index, id_, str(e))
-                finally:
-                    index += 1
+                if first != (file_no, line):
+                    raise _BadRecord(f"duplicate id {id_!r} (first at {sources[first[0]].name}:{first[1]})")
+                yield _record(obj, raw if isinstance(raw, bytes) else b"", source.name, line, index, id_)
+            except _BadRecord as e:
+                if owns is None or owns(index):
+                    yield Reject(source.name, line, index, id_, str(e))
+            finally:
+                index += 1

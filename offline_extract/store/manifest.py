@@ -57,9 +57,30 @@ CORPUS_KEYS = ("name", "bytes", "sampled_sha256")
 
 
 def file_fingerprint(path: str | os.PathLike) -> dict:
+    """A corpus file's, or a corpus folder's (a saved or downloaded data set: every file in it, by
+    relative name), identity as CORPUS_KEYS says, plus where it was."""
     path = Path(path)
     st = path.stat()
-    size = st.st_size
+    if path.is_dir():
+        files = sorted(f for f in path.rglob("*") if f.is_file())
+        size = sum(f.stat().st_size for f in files)
+        digest = hashlib.sha256()
+        for f in files:
+            digest.update(f"{f.relative_to(path)}\0{_sampled_sha256(f)}\0".encode())
+        sampled = digest.hexdigest()
+    else:
+        size, sampled = st.st_size, _sampled_sha256(path)
+    return {
+        "name": path.name,
+        "bytes": size,
+        "sampled_sha256": sampled,
+        "path": str(path.resolve()),
+        "mtime_ns": st.st_mtime_ns,
+    }
+
+
+def _sampled_sha256(path: Path) -> str:
+    size = path.stat().st_size
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         if size <= SAMPLED_BLOCKS * BLOCK_BYTES:
@@ -68,13 +89,7 @@ def file_fingerprint(path: str | os.PathLike) -> dict:
             for i in range(SAMPLED_BLOCKS):
                 f.seek(i * (size - BLOCK_BYTES) // (SAMPLED_BLOCKS - 1))
                 digest.update(f.read(BLOCK_BYTES))
-    return {
-        "name": path.name,
-        "bytes": size,
-        "sampled_sha256": digest.hexdigest(),
-        "path": str(path.resolve()),
-        "mtime_ns": st.st_mtime_ns,
-    }
+    return digest.hexdigest()
 
 
 def run_identity(run: dict, data: Sequence[str | os.PathLike]) -> dict:

@@ -1,0 +1,152 @@
+"""Where a corpus's records come from: JSONL (plain or gzip), parquet, a `datasets.save_to_disk` folder,
+or a data set on the hub named "org/name" (or "org/name:split").
+
+Each source yields its records in a fixed order with a 1-based position: the line for JSONL (blank lines
+keep their number), the row for the tabular kinds. Records are numbered across sources in the order given,
+and a reject names its source and that position, whatever the kind.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from offline_extract import hub
+
+_GZIP_MAGIC = b"\x1f\x8b"
+_PARQUET_MAGIC = b"PAR1"
+# What datasets.save_to_disk writes beside the arrow files: a Dataset, or a DatasetDict of several.
+_SAVED_DATASET = ("state.json", "dataset_dict.json")
+# File names that say "a local file", never a hub id, when nothing is found at them.
+_FILE_SUFFIXES = (".jsonl", ".json", ".gz", ".parquet", ".arrow")
+_ROWS_PER_BATCH = 1024
+
+
+@dataclass(frozen=True)
+class Source:
+    """One --data entry. `path` is what lies on disk (a hub data set's cached snapshot), `name` the entry
+    as given, which rejects and derived ids use; `kind` is one of jsonl, jsonl.gz, parquet, saved, hub."""
+
+    name: str
+    path: Path
+    kind: str
+    split: str | None = None
+    revision: str | None = None  # the commit a hub id resolved to
+
+    @property
+    def label(self) -> str:
+        """The start of a derived id ("label:line")."""
+        return self.name if self.kind == "hub" else self.path.name
+
+    def rows(self) -> Iterator[tuple[int, bytes | dict]]:
+        """(position, raw JSONL line) for JSONL, (position, row) for the tabular kinds."""
+        if self.kind in ("jsonl", "jsonl.gz"):
+            with (gzip.open if self.kind == "jsonl.gz" else open)(self.path, "rb") as f:
+                yield from ((line, raw) for line, raw in enumerate(f, start=1) if raw.strip())
+            return
+        yield from enumerate((_present(row) for batch in self._batches() for row in batch), start=1)
+
+    def _batches(self) -> Iterator[list[dict]]:
+        if self.kind == "parquet":
+            import pyarrow.parquet as pq
+
+            for batch in pq.ParquetFile(self.path).iter_batches(batch_size=_ROWS_PER_BATCH):
+                yield batch.to_pylist()
+        elif self.kind == "saved":
+            for table in self._saved().with_format("arrow").iter(batch_size=_ROWS_PER_BATCH):
+                yield table.to_pylist()
+        else:
+            import datasets
+
+            # Streaming reads the snapshot's files in place: no arrow copy of the corpus in the datasets cache.
+            rows = datasets.load_dataset(str(self.path), split=self.split or "train", streaming=True)
+            batch = []
+            for row in rows:
+                batch.append(row)
+                if len(batch) == _ROWS_PER_BATCH:
+                    yield batch
+                    batch = []
+            yield batch
+
+    def _saved(self):
+        import datasets
+
+        saved = datasets.load_from_disk(str(self.path))
+        # A DatasetDict of one split (open_source refuses more): that split.
+        return next(iter(saved.values())) if isinstance(saved, datasets.DatasetDict) else saved
+
+    def count(self) -> int | None:
+        """How many records the source holds (for an ETA); None where only reading it all would tell."""
+        if self.kind == "jsonl":
+            # A pipe is read once: counting would take the records from the reader.
+            return _count_lines(self.path) if self.path.is_file() else None
+        if self.kind == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(self.path).metadata.num_rows
+        if self.kind == "saved":
+            return len(self._saved())
+        return None
+
+
+def _present(row: dict) -> dict:
+    # A table has every column in every row; a null stands for a field the record does not have.
+    return {key: value for key, value in row.items() if value is not None}
+
+
+def _count_lines(path: Path) -> int:
+    """Non-empty line starts, counted with numpy over large chunks (a per-line Python loop would contend
+    for the GIL with the hot loop for minutes on a large corpus). A line of only spaces counts, which
+    only skews the ETA."""
+    n = 0
+    with open(path, "rb") as f:
+        after_newline = True
+        while chunk := f.read(16 << 20):
+            newline = np.frombuffer(chunk, dtype=np.uint8) == ord("\n")
+            n += int(after_newline and not newline[0]) + int((newline[:-1] & ~newline[1:]).sum())
+            after_newline = bool(newline[-1])
+    return n
+
+
+def open_sources(names: Sequence[str | Path]) -> list[Source]:
+    """Every --data entry resolved, before any is read: a typo in the last is caught before work on the first."""
+    return [open_source(str(name)) for name in names]
+
+
+def open_source(name: str) -> Source:
+    path = Path(name)
+    if path.is_dir():
+        if not any((path / marker).exists() for marker in _SAVED_DATASET):
+            raise IsADirectoryError(
+                f"corpus path is a directory that datasets.save_to_disk did not write (no state.json or "
+                f"dataset_dict.json): {name}"
+            )
+        if (path / "dataset_dict.json").exists():
+            splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+            if len(splits) != 1:
+                raise ValueError(f"{name} holds the splits {', '.join(splits)}: give one, e.g. --data {path / splits[0]}")
+        return Source(name, path, "saved")
+    if path.exists():
+        if not path.is_file():
+            return Source(name, path, "jsonl")  # a pipe (e.g. <(zcat ...)) is read once, as it streams
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic[:2] == _GZIP_MAGIC:
+            return Source(name, path, "jsonl.gz")
+        return Source(name, path, "parquet" if magic == _PARQUET_MAGIC else "jsonl")
+    repo_id, _, split = name.partition(":")
+    if "/" not in repo_id or name.endswith(_FILE_SUFFIXES) or not hub.looks_like_repo_id(repo_id):
+        raise FileNotFoundError(f"corpus file not found: {name}")
+
+    def has_data(snapshot: Path) -> bool:
+        return any(f.is_file() and not f.name.startswith(".") and f.suffix != ".md" for f in snapshot.rglob("*"))
+
+    try:
+        snap = hub.snapshot(repo_id, "dataset", has_data)
+    except hub.HubError as e:
+        raise hub.HubError(f"no corpus file or folder at {name}, and {e}") from None
+    return Source(name, snap.path, "hub", split=split or None, revision=snap.revision)

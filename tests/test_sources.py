@@ -1,0 +1,129 @@
+"""Corpora in the forms people keep them: JSONL, gzip JSONL, parquet, a datasets.save_to_disk folder and a
+hub data set (from the local cache, offline), read into the same records and rejects."""
+import gzip
+import json
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from extract_runs import REVISION
+from huggingface_hub import constants
+
+from offline_extract import hub
+from offline_extract.data.corpus import Record, read_corpus
+from offline_extract.data.sources import open_source
+from offline_extract.store import manifest
+
+ROWS = [
+    {"id": "a", "text": "hello"},
+    {"id": "b", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+    {"id": "c", "text": ""},
+    {"text": "no id"},
+    {"id": "e", "messages": [{"role": "user", "content": "no answer"}]},
+]
+
+
+def _table(rows):
+    # A table has every column in every row: the fields a record lacks are nulls.
+    keys = sorted({key for row in rows for key in row})
+    return [{key: row.get(key) for key in keys} for row in rows]
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return tmp_path / "hf" / "hub"
+
+
+@pytest.fixture
+def forms(tmp_path, offline_hub):
+    """The same five records in every supported form, by name as --data takes it."""
+    import datasets
+
+    text = "".join(json.dumps(row) + "\n" for row in ROWS)
+    (tmp_path / "c.jsonl").write_text(text)
+    with gzip.open(tmp_path / "c.jsonl.gz", "wt") as f:
+        f.write(text)
+    pq.write_table(pa.Table.from_pylist(_table(ROWS)), tmp_path / "c.parquet")
+    datasets.Dataset.from_list(_table(ROWS)).save_to_disk(str(tmp_path / "saved"))
+    repo = offline_hub / "datasets--org--chats"
+    (repo / "snapshots" / REVISION / "data").mkdir(parents=True)
+    (repo / "snapshots" / REVISION / "data" / "train.jsonl").write_text(text)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(REVISION)
+    return {name: str(tmp_path / name) for name in ("c.jsonl", "c.jsonl.gz", "c.parquet", "saved")} | {
+        "hub": "org/chats"
+    }
+
+
+def _outcome(item):
+    """What a record came to, its numbering, and its id unless the id was derived from the source's name."""
+    own_id = item.id if item.id and ":" not in item.id else None
+    if isinstance(item, Record):
+        return ("record", item.line, item.index, own_id, item.messages or item.text)
+    return ("reject", item.line, item.index, own_id, item.reason)
+
+
+def test_every_form_gives_the_same_records_numbering_and_rejects(forms):
+    expected = [_outcome(item) for item in read_corpus([forms["c.jsonl"]])]
+    assert [kind for kind, *_ in expected] == ["record", "record", "reject", "record", "reject"]
+    assert expected[2][4] == "text is empty" and expected[4][4] == "no assistant turn"
+    for name, data in forms.items():
+        items = list(read_corpus([data]))
+        assert [_outcome(item) for item in items] == expected, name
+        assert {item.source for item in items} == {data}, name
+    assert next(r for r in read_corpus([forms["c.parquet"]]) if r.index == 3).id == "c.parquet:4"
+    assert next(r for r in read_corpus([forms["hub"]]) if r.index == 3).id == "org/chats:4"
+
+
+def test_records_are_numbered_across_sources_of_different_kinds(forms):
+    items = list(read_corpus([forms["c.parquet"], forms["c.jsonl.gz"]]))
+    assert [item.index for item in items] == list(range(10))
+    assert [item.line for item in items] == [1, 2, 3, 4, 5] * 2
+    # The same explicit ids in both sources are duplicates, whatever the kinds.
+    assert items[5].reason == f"duplicate id 'a' (first at {forms['c.parquet']}:1)"
+
+
+def test_sources_say_how_many_records_they_hold_where_they_can(forms):
+    counts = {name: open_source(data).count() for name, data in forms.items()}
+    assert counts == {"c.jsonl": 5, "c.jsonl.gz": None, "c.parquet": 5, "saved": 5, "hub": None}
+
+
+def test_a_saved_dataset_dict_needs_its_split_named(tmp_path):
+    import datasets
+
+    splits = {name: datasets.Dataset.from_list(_table(ROWS)) for name in ("train", "test")}
+    datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(ValueError, match=f"holds the splits train, test: give one, e.g. --data {tmp_path}/dd/train"):
+        open_source(str(tmp_path / "dd"))
+    assert len(list(read_corpus([tmp_path / "dd" / "train"]))) == len(ROWS)
+
+
+def test_what_is_not_a_corpus_is_named(tmp_path, offline_hub):
+    with pytest.raises(FileNotFoundError, match="corpus file not found: missing.jsonl"):
+        open_source("missing.jsonl")
+    with pytest.raises(IsADirectoryError, match="did not write"):
+        open_source(str(tmp_path))
+    with pytest.raises(hub.HubError) as e:
+        open_source("nobody/nothing:train")
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith("no corpus file or folder at nobody/nothing:train, and dataset nobody/nothing is not")
+    assert message.endswith("HF_HUB_OFFLINE is set")
+
+
+def test_a_folder_corpus_has_a_fingerprint_that_follows_its_files(forms, tmp_path):
+    saved = forms["saved"]
+    before = manifest.file_fingerprint(saved)
+    copy = tmp_path / "elsewhere" / "saved"
+    shutil.copytree(saved, copy)
+    assert {k: manifest.file_fingerprint(copy)[k] for k in manifest.CORPUS_KEYS} == {
+        k: before[k] for k in manifest.CORPUS_KEYS
+    }
+    arrow = next(copy.glob("*.arrow"))
+    data = bytearray(arrow.read_bytes())
+    data[-20] ^= 1
+    arrow.write_bytes(data)
+    assert manifest.file_fingerprint(copy)["sampled_sha256"] != before["sampled_sha256"]
