@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The peer comparison of issue 14 on one GPU, in one call: generate the Llama-3-8B-shaped model with its
+# The peer comparison of issue 14 on one GPU: generate the Llama-3-8B-shaped model with its
 # weights (bf16, on the GPU, into /dev/shm), then one bench run of ours, SGLang's own return_hidden_states,
 # SpecForge 0.2.0 and the HF loop on the same lognormal corpus (mean 1,700 tokens, 240k tokens: about 210k
 # timed), each peer's states cross-checked against ours. The result JSON (with `peers`) and the logs go to $OUT.
