@@ -42,7 +42,7 @@ import click
 
 from offline_extract import extraction, planning
 from offline_extract.cli import Interrupted, command
-from offline_extract.engine.distributed import LeaderFailed, PeerLost
+from offline_extract.engine.distributed import LeaderFailed, PeerLost, ReportedByLeader
 from offline_extract.engine.nonfinite import POLICIES
 from offline_extract.engine.parity import ParityError
 from offline_extract.engine.sglang_adapter import FINAL_STATES
@@ -101,7 +101,9 @@ from offline_extract.extraction import REJECTS_FILE, ExtractOptions, StoppedErro
               help="Tokenize the corpus, print samples, tokens, bytes per output tensor and free space at --out, "
                    "and stop; exits non-zero if the output would not fit (unless --force).")
 @click.option("--strict", is_flag=True,
-              help="Stop at the first bad record (named by file and line) instead of listing it in rejects.jsonl.")
+              help="Stop at the first bad record in corpus order (named by source and line) instead of listing it in "
+                   "rejects.jsonl. Every record is read and tokenized first (each replica its share), so the run stops "
+                   "before the model loads and writes nothing.")
 @click.option("--nonfinite", type=click.Choice(POLICIES), default="fail", show_default=True,
               help="A sample whose hidden states hold NaN or Inf: stop the run, drop it (listed in rejects.jsonl "
                    "as dropped), or keep it with a warning.")
@@ -150,6 +152,8 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
     except (OSError, ValueError, NotImplementedError, ParityError, StoppedError, LeaderFailed, PeerLost) as e:
         # Bad input, a failed check or a full disk: the message names it; a traceback would only bury it.
         raise click.ClickException(str(e)) from e
+    except ReportedByLeader:
+        sys.exit(1)  # rank 0 printed why, once for the whole run
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted; re-running the same command resumes into {out}") from None
     except Terminated:

@@ -26,7 +26,7 @@ from offline_extract.data.corpus import BadRecordError, Record, Reject, read_cor
 from offline_extract.data.sources import Source
 from offline_extract.data.tokenization import Sample, SampleTokenizer
 from offline_extract.engine import parity
-from offline_extract.engine.distributed import Coordinator, Layout, layout_from_env
+from offline_extract.engine.distributed import Coordinator, Layout, ReportedByLeader, layout_from_env
 from offline_extract.engine.nonfinite import NonFiniteError, NonFiniteGuard, batch_flag
 from offline_extract.engine.offload import HostOffload, pinned_buffers
 from offline_extract.engine.sglang_adapter import FINAL_STATES, LAYER_CONVENTION, Engine, EngineConfig
@@ -393,6 +393,8 @@ def run(opts: ExtractOptions) -> Summary | None:
         return Summary(records=counts["records"], resumed=counts["extracted"], skipped=counts["skipped"],
                        rejected=counts["rejected"], dropped=counts["dropped"]) if layout.leads else None
     coord = Coordinator(layout, namespace=f"run-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
+    if opts.strict:
+        _stop_at_the_first_bad_record(opts, layout, coord, tokenizer)
     locks = []
 
     def take_over() -> dict:
@@ -407,6 +409,30 @@ def run(opts: ExtractOptions) -> Summary | None:
     finally:
         for lock in locks:
             lock.release()
+
+
+def _stop_at_the_first_bad_record(
+    opts: ExtractOptions, layout: Layout, coord: Coordinator, tokenizer: SampleTokenizer
+) -> None:
+    """--strict: each replica reads and tokenizes its share before the model loads, and the run stops at
+    the first bad record in corpus order, whichever replica holds it, reported once."""
+    first = None
+    for item in read_corpus(opts.data, owns=layout.owns):
+        if isinstance(item, Record):
+            item = tokenizer(item)
+        if isinstance(item, Reject) and item.kind != "skipped":
+            first = item.to_json()
+            break
+    found = [reject for reject in coord.all_gather(first) if reject]
+    if not found:
+        return
+    error = BadRecordError(Reject(**min(found, key=lambda reject: reject["index"])))
+    if layout.world_size == 1:
+        raise error
+    if layout.leads:
+        _note(f"Error: {error}")
+    coord.barrier()  # nobody exits before it is said: torchrun stops the others at the first exit
+    raise ReportedByLeader(str(error))
 
 
 def _note(message: str) -> None:

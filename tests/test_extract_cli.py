@@ -257,3 +257,19 @@ def test_a_parquet_file_and_a_cached_hub_data_set_in_one_run(tmp_path, cache_env
     assert (reject["source"], reject["line"], reject["index"], reject["reason"]) == ("org/chats", 4, 6, "text is empty")
     corpus = json.loads((out / "manifest.json").read_text())["identity"]["corpus"]
     assert [c["name"] for c in corpus] == ["c.parquet", REVISION]
+
+
+@pytest.mark.slow
+def test_strict_under_torchrun_reports_the_first_bad_record_in_corpus_order_once(tmp_path, cache_env):
+    lines = CORPUS.read_text().splitlines()[:10]
+    lines[3] = "{broken"  # record 3: replica 1's
+    lines[6] = '{"text": ""}'  # record 6: replica 0's, which the leader would otherwise report
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    proc = _extract(out, "--data", str(corpus), "--strict", torchrun=2, env=cache_env)
+    assert proc.returncode != 0
+    assert proc.stderr.count("(--strict stops at the first bad record)") == 1
+    assert f"Error: {corpus}:4: invalid JSON" in proc.stderr
+    assert f'File "{ROOT}' not in proc.stderr, "a traceback through our code"  # torchrun prints its own
+    assert not out.exists()

@@ -29,6 +29,10 @@ class LeaderFailed(RuntimeError):
     """The leading rank failed a step every rank depends on; its own error says why."""
 
 
+class ReportedByLeader(RuntimeError):
+    """Every rank stops for the same reason, which the leading rank has printed; the others only exit."""
+
+
 class PeerLost(RuntimeError):
     """A rank this one waits for stopped answering: killed, out of memory, or its node went down."""
 
