@@ -15,6 +15,7 @@ import torch
 from offline_extract import hub
 from offline_extract.data.sources import Source, open_sources
 from offline_extract.default_model import ensure_tiny_model
+from offline_extract.engine.parity import wrapped_text_config
 from offline_extract.engine.sglang_adapter import capture_rule, context_length, validate_layer_ids
 
 # One forward's token budget when --tokens-per-batch is not given.
@@ -145,6 +146,4 @@ def _text_config(path: Path, raw: dict, trust_remote_code: bool):
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).get_text_config()
     except ValueError:
-        # A wrapper that only SGLang knows (Kimi-K2.5): its decoder's config is a type transformers has.
-        text = dict(raw.get("text_config") or raw)
-        return AutoConfig.for_model(text.pop("model_type"), **text)
+        return wrapped_text_config(raw)

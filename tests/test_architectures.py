@@ -43,7 +43,8 @@ ENGINE_ARCHS = {
     "glm4_moe": ("Glm4MoeForCausalLM", "glm4_moe", True),
     "deepseek_v3": ("DeepseekV3ForCausalLM", "deepseek_v3", True),
     "kimi_k2": ("DeepseekV3ForCausalLM", "kimi_k2", True),
-    "kimi_k25": ("KimiK25ForConditionalGeneration", "kimi_k2", True),
+    # HF loads Kimi-K2.5 as the DeepSeek-V3 of its text_config, as the product's gate does.
+    "kimi_k25": ("KimiK25ForConditionalGeneration", "kimi_k25", True),
 }
 DEEPSEEK_FAMILY = {"DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"}
 # Starting at 0 (which deepseek_v2 must not see as a leading 1), at 1 (which it would shift) and above 1, up

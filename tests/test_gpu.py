@@ -63,6 +63,19 @@ def test_default_backend_is_fa3_only_where_installed():
     assert default_attention_backend("cuda") == ("fa3" if has_fa3 else "triton")
 
 
+def test_kimi_k25_passes_the_gate_against_hf_deepseek_v3_built_from_its_text_config(tmp_path):
+    # transformers has no Kimi-K2.5 class: the gate loads the checkpoint's text_config as HF DeepSeek-V3 on the
+    # weights under language_model., the model SGLang runs for text.
+    model = build_model("kimi_k25", tmp_path / "m", dtype=torch.bfloat16, device="cuda")
+    out = tmp_path / "out"
+    _extract(out, "--model", str(model), "--data", str(CORPUS), "--verify", "4", "--attention-backend", "triton")
+    run, rows = _parity(out, "kimi_k25 (tiny, generated)", "gpu_parity_kimi_k25_tiny")
+    assert run["layer_ids"] == [1, 3, 4]
+    assert [r["hf_index"] for r in rows] == [2, 4, 5, 8]
+    # A MoE model in bf16 is judged by its median token (the product's rule); every layer passes it.
+    assert all(r["ok"] and r["neighbour_cosine"] < r["median_cosine"] - 0.01 for r in rows), rows
+
+
 def test_small_llama_bf16_matches_hf(tmp_path):
     model = build_model("llama", tmp_path / "m", dtype=torch.bfloat16, device="cuda")
     out = tmp_path / "out"

@@ -33,7 +33,6 @@ GPU_MODELS = {
     "gpt_oss": {},
     "llama4": {},
     "deepseek_v3": {},
-    "kimi_k2": {},
     "kimi_k25": {},
 }
 # Architecture -> (the model run by SGLang, the HF-loadable model with the same weights).
@@ -48,7 +47,7 @@ GPU_ARCHS = {
     # HF loads the wrapped checkpoint as its Llama4ForCausalLM, as the product's --verify does.
     "llama4": ("llama4", "llama4"),
     "deepseek_v3": ("deepseek_v3", "deepseek_v3"),
-    "kimi_k25": ("kimi_k25", "kimi_k2"),
+    "kimi_k25": ("kimi_k25", "kimi_k25"),
 }
 MOE_ARCHS = {"qwen3_moe", "deepseek_v3", "kimi_k25"}
 BACKENDS = ["triton", "flashinfer"]

@@ -7,8 +7,10 @@ mismatch stops the run before any GPU time is spent on extraction.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 import torch
@@ -70,15 +72,42 @@ def hf_hidden_states(model, input_ids: Sequence[int], device, final_state: str =
     return states[:-1] + (seen[-1][0],) if final_state == "pre-norm" else states
 
 
+def wrapped_text_config(raw: dict):
+    """The decoder's HF config inside the config.json of a multimodal wrapper that transformers has no class
+    for (Kimi-K2.5): its `text_config`, whose model type transformers knows."""
+    from transformers import AutoConfig
+
+    text = dict(raw.get("text_config") or raw)
+    return AutoConfig.for_model(text.pop("model_type"), **text)
+
+
+# Where such a wrapper's checkpoint keeps its decoder's weights (SGLang's loader reads them from there too).
+WRAPPED_DECODER_PREFIX = "language_model."
+
+
 def load_hf_model(model_path: str, dtype: str, device: str):
+    """HF transformers' model of the checkpoint, the gate's reference. A wrapper transformers has no class
+    for is loaded as its decoder: the HF class of its text_config, on the weights under
+    WRAPPED_DECODER_PREFIX (any vision weights are left unread), which is the model SGLang runs for text."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    torch_dtype = getattr(torch, dtype)
+    raw = json.loads((Path(model_path) / "config.json").read_text())
+    try:
+        config, key_mapping = AutoConfig.from_pretrained(model_path), None
+    except ValueError:  # a model type transformers does not know
+        config = None
+    # Where SGLang has registered its own config class for the wrapper, transformers parses it but has no
+    # model for it.
+    if config is None or type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        if "text_config" not in raw:
+            raise ValueError(f"HF transformers has no causal LM for {model_path} (model type {raw.get('model_type')})")
+        config, key_mapping = wrapped_text_config(raw), {f"^{re.escape(WRAPPED_DECODER_PREFIX)}": ""}
     # SDPA where transformers has it; GPT-OSS's attention sinks exist only in its eager attention.
-    sdpa = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model_path))]._supports_sdpa
+    sdpa = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._supports_sdpa
     model = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=torch_dtype, attn_implementation="sdpa" if sdpa else "eager"
+        model_path, config=config, key_mapping=key_mapping, dtype=getattr(torch, dtype),
+        attn_implementation="sdpa" if sdpa else "eager",
     )
     return model.to(device).eval()
 
