@@ -92,6 +92,7 @@ def _stand_ins(num_layers):
     from sglang.srt.models.qwen2 import Qwen2ForCausalLM
     from sglang.srt.models.qwen3 import Qwen3ForCausalLM
     from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeModel
+    from sglang.srt.models.qwen3_next import Qwen3NextForCausalLM, Qwen3NextModel
 
     kimi = _stand_in_class(KimiK25ForConditionalGeneration)()
     kimi.language_model = _stand_in(DeepseekV3ForCausalLM, num_layers)
@@ -103,6 +104,7 @@ def _stand_ins(num_layers):
         "Qwen2ForCausalLM": _stand_in(Qwen2ForCausalLM, num_layers),
         "Qwen3ForCausalLM": _stand_in(Qwen3ForCausalLM, num_layers),
         "Qwen3MoeForCausalLM": _stand_in(Qwen3MoeForCausalLM, num_layers, Qwen3MoeModel),
+        "Qwen3NextForCausalLM": _stand_in(Qwen3NextForCausalLM, num_layers, Qwen3NextModel),
         "Glm4MoeForCausalLM": _stand_in(Glm4MoeForCausalLM, num_layers),
         "GptOssForCausalLM": _stand_in(GptOssForCausalLM, num_layers),
         "DeepseekV3ForCausalLM": _stand_in(DeepseekV3ForCausalLM, num_layers),
@@ -162,6 +164,13 @@ def test_gpt_oss_reference_is_hfs_eager_attention_with_the_sinks_in_play(tiny_mo
     without = parity.hf_hidden_states(model, ids, "cpu")
     # The test model's sinks move every layer's output well beyond any bf16 tolerance.
     assert min((a - b).abs().max().item() for a, b in zip(with_sinks[1:], without[1:])) > 0.1
+
+
+def test_qwen3_next_is_refused_on_cpu_with_the_reason(tiny_model_dir, tmp_path):
+    # Refused from the config, before any weight is loaded; its parity runs in the GPU suite.
+    model = build_model("qwen3_next", tmp_path / "m", tokenizer_dir=tiny_model_dir, weights=False)
+    with pytest.raises(NotImplementedError, match=r"Qwen3NextForCausalLM .* CPU path: .*sgl_kernel\.mamba"):
+        Engine(EngineConfig(model_path=str(model), device="cpu", dtype="float32", nccl_port=free_port()))
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ GPU_MODELS = {
     "glm4_moe": {},
     "gpt_oss": {},
     "llama4": {},
+    "qwen3_next": {},
     "deepseek_v3": {},
     "kimi_k25": {},
 }
@@ -46,6 +47,7 @@ GPU_ARCHS = {
     "gpt_oss": ("gpt_oss", "gpt_oss"),
     # HF loads the wrapped checkpoint as its Llama4ForCausalLM, as the product's --verify does.
     "llama4": ("llama4", "llama4"),
+    "qwen3_next": ("qwen3_next", "qwen3_next"),
     "deepseek_v3": ("deepseek_v3", "deepseek_v3"),
     "kimi_k25": ("kimi_k25", "kimi_k25"),
 }

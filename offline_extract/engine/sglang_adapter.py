@@ -184,6 +184,9 @@ _CAPTURE_RULES = {
     "Qwen3MoeForCausalLM": CaptureRule(
         "qwen3_moe.py:1073, flags set in qwen2_moe.py:891", _PLUS_ONE, _ids_adding_one, in_layer_flags=True
     ),
+    "Qwen3NextForCausalLM": CaptureRule(
+        "qwen3_next.py:1263, flags set in qwen3_next.py:926", _PLUS_ONE, _ids_adding_one, in_layer_flags=True
+    ),
     "DeepseekV3ForCausalLM": CaptureRule("deepseek_v2.py:3134 (inherited)", _DEEPSEEK, _ids_for_deepseek),
     "Llama4ForConditionalGeneration": CaptureRule(
         "mllama4.py:983, delegating to llama.py:885 (inherited by llama4.py's Llama4ForCausalLM)", _PLUS_ONE,
@@ -281,6 +284,24 @@ def _refuse_unsupported_attention(model_config, backend: str, model_path: str) -
         )
 
 
+# Architectures SGLang loads on CPU but cannot run there, checked before the weights load: its own error would
+# come after loading and name a module of the shimmed sgl_kernel.
+_CPU_UNSUPPORTED = {
+    "Qwen3NextForCausalLM": (
+        "its hybrid linear-attention backend imports causal_conv1d_update_cpu from sgl_kernel.mamba "
+        "(layers/attention/linear/kda_backend.py:31), a CPU operator the CUDA sgl-kernel wheel does not have"
+    ),
+}
+
+
+def _refuse_on_cpu(architecture: str, device: str, model_path: str) -> None:
+    reason = _CPU_UNSUPPORTED.get(architecture)
+    if reason and device == "cpu":
+        raise NotImplementedError(
+            f"{architecture} ({model_path}) cannot run on SGLang {SGLANG_VERSION}'s CPU path: {reason}. Run it on a GPU."
+        )
+
+
 def validate_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
     ids = tuple(int(i) for i in ids)
     if not ids:
@@ -350,6 +371,7 @@ class Engine:
         initialize_bf16_gemm_config(sa)
         mc = ModelConfig.from_server_args(sa)
         _refuse_unsupported_attention(mc, backend, cfg.model_path)
+        _refuse_on_cpu(mc.hf_config.architectures[0], cfg.device, cfg.model_path)
         ps = ParallelState(
             tp_rank=cfg.tp_rank, tp_size=cfg.tp_size, pp_rank=0, pp_size=1, dp_rank=None, dp_size=1,
             attn_tp_rank=cfg.tp_rank, attn_tp_size=cfg.tp_size, attn_cp_rank=0, attn_cp_size=1,

@@ -160,6 +160,25 @@ def _tiny_llama4_text_config(vocab_size: int) -> dict:
     }
 
 
+def _tiny_qwen3_next_config(vocab_size: int) -> dict:
+    # Qwen3-Next: Gated DeltaNet linear attention in three of every four layers, gated full attention with
+    # partial RoPE in the fourth, every layer sparse with a gated shared expert.
+    return {
+        **_tiny_qwen3_moe_config(vocab_size),
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2,
+        "full_attention_interval": 4,
+        "partial_rotary_factor": 0.25,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "linear_num_key_heads": 4,
+        "linear_num_value_heads": 8,
+        "shared_expert_intermediate_size": 128,
+    }
+
+
 def _tiny_deepseek_v3_config(vocab_size: int) -> dict:
     # MLA with both LoRA ranks, interleaved RoPE under YaRN (whose mscale changes the softmax scale), grouped
     # sigmoid routing with the correction bias, shared experts, and dense first layers: every DeepSeek-V3
@@ -278,6 +297,7 @@ ARCHITECTURES = {
     "glm4_moe": _tiny_glm4_moe_config,
     "gpt_oss": _tiny_gpt_oss_config,
     "llama4_text": _tiny_llama4_text_config,
+    "qwen3_next": _tiny_qwen3_next_config,
     "deepseek_v3": _tiny_deepseek_v3_config,
     "kimi_k2": _tiny_kimi_k2_config,
     "llama3_8b": _llama3_8b_config,
