@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -16,7 +17,7 @@ from offline_extract import hub
 from offline_extract.data.sources import Source, open_sources
 from offline_extract.default_model import ensure_tiny_model
 from offline_extract.engine.parity import wrapped_text_config
-from offline_extract.engine.sglang_adapter import capture_rule, context_length, validate_layer_ids
+from offline_extract.engine.sglang_adapter import CONTEXT_KEYS, capture_rule, context_length, validate_layer_ids
 
 # One forward's token budget when --tokens-per-batch is not given.
 DEFAULT_TOKENS_PER_BATCH = {"cuda": 16384, "cpu": 4096}
@@ -140,7 +141,18 @@ def read_model(path: Path, trust_remote_code: bool = False) -> Model:
 
 
 def _text_config(path: Path, raw: dict, trust_remote_code: bool):
-    """The decoder's HF config (a multimodal wrapper nests it as text_config)."""
+    """The decoder's HF config (a multimodal wrapper nests it as text_config).
+
+    When config.json states every field the checks read, as released checkpoints do, those are the values
+    transformers would present, and reading them as written keeps a refusal within the first seconds
+    (importing transformers' config classes alone costs several). Otherwise transformers supplies its
+    defaults for the missing ones.
+    """
+    written = raw.get("text_config") or raw
+    if {"num_hidden_layers", "hidden_size"} <= written.keys() and any(key in written for key in CONTEXT_KEYS) and (
+        "rope_parameters" not in written  # transformers 5 turns this newer spelling into rope_scaling
+    ):
+        return SimpleNamespace(**written)
     from transformers import AutoConfig
 
     try:

@@ -14,6 +14,7 @@ from huggingface_hub import constants
 from offline_extract import extraction, hub, preflight
 from offline_extract.data.corpus import BadRecordError, Reject, read_corpus
 from offline_extract.default_model import TINY_VERSION
+from offline_extract.testing.models import ARCHITECTURES, build_model
 from offline_extract.extraction import ExtractOptions
 
 CORPUS = str(ROOT / "examples" / "corpus.jsonl")
@@ -58,7 +59,7 @@ def test_the_real_run_and_the_dry_run_refuse_alike_before_touching_the_output(ca
     assert not (tmp_path / "out").exists()  # no .lock, no running manifest
 
 
-def test_refusals_come_before_sglang_is_imported(tmp_path):
+def test_refusals_come_before_sglang_or_transformers_is_imported(tmp_path):
     # A fresh interpreter, since this one may have imported SGLang for other tests.
     script = f"""
 import sys
@@ -70,7 +71,8 @@ for changes in {[changes for changes, _ in REFUSED.values()]!r}:
         print(type(e).__name__, e)
     else:
         raise SystemExit(f"{{changes}} was not refused")
-assert not any(m == "sglang" or m.startswith("sglang.") for m in sys.modules), "SGLang was imported"
+for heavy in ("sglang", "transformers"):
+    assert not any(m == heavy or m.startswith(heavy + ".") for m in sys.modules), heavy + " was imported"
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -82,6 +84,31 @@ def test_an_architecture_without_a_capture_rule_is_refused_from_its_config_alone
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     with pytest.raises(NotImplementedError, match="GPT2LMHeadModel .* is not supported.*LlamaForCausalLM"):
         preflight.check(ExtractOptions(data=(CORPUS,), model=str(tmp_path)))
+
+
+@pytest.mark.parametrize("arch", [*ARCHITECTURES, "kimi_k25", "llama4"])
+def test_a_config_read_as_written_agrees_with_transformers(arch, tiny_model_dir, tmp_path, monkeypatch):
+    model_dir = build_model(arch, tmp_path / arch, weights=False, tokenizer_dir=tiny_model_dir)
+
+    def outcome():
+        try:
+            return preflight.resolve_model(str(model_dir))
+        except NotImplementedError as e:  # an architecture refused by name, either way
+            return str(e)
+
+    as_written = outcome()
+    # Without the fields the checks read, transformers supplies the model: the same facts must come out.
+    monkeypatch.setattr(preflight, "CONTEXT_KEYS", ())
+    assert outcome() == as_written
+
+
+def test_fields_left_to_transformers_defaults_take_them(tiny_model_dir, tmp_path):
+    model_dir = build_model("qwen3", tmp_path / "qwen3", weights=False, tokenizer_dir=tiny_model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    del config["max_position_embeddings"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    # Qwen3Config's default, which SGLang sees too (its own fallback for a config without one is 2048).
+    assert preflight.resolve_model(str(model_dir)).context_length == 32768
 
 
 def test_context_length_follows_rope_scaling_as_sglang_reads_it(tiny_model_dir, tmp_path):

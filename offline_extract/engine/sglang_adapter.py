@@ -248,7 +248,7 @@ def chunk_bounds(num_tokens: int, chunk: int) -> list[tuple[int, int]]:
 
 # The config keys SGLang 0.5.17 reads a model's context length from (hf_transformers/common.py,
 # get_context_length), most trusted first; a config with none of them gets 2048.
-_CONTEXT_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
+CONTEXT_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
 
 
 def context_length(text_config) -> tuple[int, str]:
@@ -261,7 +261,7 @@ def context_length(text_config) -> tuple[int, str]:
     scaling = getattr(text_config, "rope_scaling", None) or {}
     stated = "original_max_position_embeddings" in scaling or scaling.get("rope_type") == "llama3"
     factor = 1 if stated else scaling.get("factor", 1)
-    for key in _CONTEXT_KEYS:
+    for key in CONTEXT_KEYS:
         value = getattr(text_config, key, None)
         if value is not None:
             return int(factor * value), key
