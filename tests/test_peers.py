@@ -277,3 +277,16 @@ def test_specforge_peer_glue_with_a_stand_in_script(tmp_path, tiny_model_dir, hf
     row = baselines.cross_check(pending, _stub_states)
     assert set(row.cosine_vs_ours) == {"1", "15", "28", "final"}
     assert all(v["cosine_min"] > 0.99999 and v["samples"] == 6 for v in row.cosine_vs_ours.values())
+
+
+def test_table_rows_come_from_the_result():
+    from benchmarks.peers.table import rows
+
+    stats = {"cosine_mean": 0.99991, "cosine_min": 0.9990, "norm_ratio_mean": 1.0, "samples": 32, "tokens": 9}
+    result = {"extract_tok_s": 30000.0, "out_kind": "tmpfs", "bytes_per_token": 32773, "host_peak_rss_bytes": 9.5e9,
+              "peers": [PeerRow("specforge", "0.2.0", "c", 10000.0, 110000.0, 2e10, {"1": stats, "final": stats}).to_json(),
+                        PeerRow("sglang-engine", "0.5.17", "c", None, None, None, None, error="Trace\nValueError: boom\n").to_json()]}
+    ours, sf, sg = rows(result, "r.json")
+    assert "| 30,000 | 1.00 | 32,773 | 9.5 GB |" in ours
+    assert "| 10,000 | 3.00 | 110,000 | 20.0 GB | 1: 0.99991 / 0.9990 | 0.99991 / 0.9990, 1.000 | `r.json` |" in sf
+    assert "**error**: ValueError: boom" in sg
