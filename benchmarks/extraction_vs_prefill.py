@@ -211,7 +211,7 @@ def _timed(coord: Coordinator, fn, clock: "_ForwardClock | None" = None) -> floa
 
 def _bare(engine: Engine, batches: list[Batch]) -> None:
     for b in batches:
-        engine.forward([s.input_ids for s in b.samples], capture=False)
+        engine.prefill([s.input_ids for s in b.samples])
 
 
 def _hf_pass(model, batches: list[Batch], layer_ids, device) -> None:
@@ -267,8 +267,11 @@ class _ForwardClock:
             self.seconds += time.perf_counter() - start
             self._events.append((before, self._event()))
 
-    def forward(self, *args, **kwargs):
-        return self._timed(lambda: self._engine.forward(*args, **kwargs))
+    def capture(self, seqs):
+        return self._timed(lambda: self._engine.capture(seqs))
+
+    def prefill(self, seqs):
+        return self._timed(lambda: self._engine.prefill(seqs))
 
     def chunks(self, *args, **kwargs):
         parts = self._engine.chunks(*args, **kwargs)
@@ -501,7 +504,7 @@ def _chunk_sweep(engine: Engine, coord: Coordinator, batch: Batch, sizes: tuple[
     tokens = sum(s.num_tokens for s in long)
     rates = {}
     for size in sizes:
-        seconds = _timed(coord, lambda: [engine.forward_chunked(s.input_ids, size, capture=False) for s in long])
+        seconds = _timed(coord, lambda: [engine.prefill_chunked(s.input_ids, size) for s in long])
         rates[str(size)] = tokens / seconds
     return rates
 

@@ -283,7 +283,7 @@ def extract_batches(
     """
     if writer is None:
         for batch in batches:
-            engine.forward([s.input_ids for s in batch.samples])
+            engine.capture([s.input_ids for s in batch.samples])
             on_batch(batch)
         return
     guard = nonfinite or NonFiniteGuard("fail", engine.layer_ids)
@@ -308,7 +308,7 @@ def extract_batches(
 
     with HostOffload(consume, engine.device, staging or staging_buffers(engine)) as offload:
         for batch in batches:
-            captured = engine.forward([s.input_ids for s in batch.samples])
+            captured = engine.capture([s.input_ids for s in batch.samples])
             offload.submit((batch, batch_flag(captured.aux, captured.last)), captured.aux, captured.last)
             on_batch(batch)
 
@@ -331,7 +331,7 @@ def _verify(
     part, and every rank stops if any replica fails: a TP peer left running would wait in NCCL forever."""
     states = []
     for s in head:
-        c = engine.forward([s.input_ids])
+        c = engine.capture([s.input_ids])
         states.append((s.input_ids.tolist(), c.aux.cpu(), c.last.cpu()))
     rows, failure = [], None
     if layout.writes and head:

@@ -108,9 +108,9 @@ def main() -> None:
         seqs = [rng.integers(6, 380, n).astype(np.int32) for n in LENGTHS]  # inside the tiny tokenizer's vocab
         if args.forced_routing:
             with engine.recording_routing() as chosen:
-                captured = engine.forward(seqs)
+                captured = engine.capture(seqs)
         else:
-            captured = engine.forward(seqs)
+            captured = engine.capture(seqs)
         hf = parity.load_hf_model(args.hf_reference or args.model, args.dtype, args.device)
         device = next(hf.parameters()).device
         hf_states = [[h.float().cpu() for h in parity.hf_hidden_states(hf, s.tolist(), device)] for s in seqs]
@@ -119,8 +119,8 @@ def main() -> None:
         del hf
 
         # Bare prefill must turn capture fully off, and capture must come back unchanged after it.
-        report["bare_prefill_returned"] = engine.forward(seqs, capture=False) is not None
-        again = engine.forward(seqs)
+        report["bare_prefill_returned"] = engine.prefill(seqs) is not None
+        again = engine.capture(seqs)
         report["recapture_max_abs"] = max(
             (again.aux - captured.aux).abs().max().item(), (again.last - captured.last).abs().max().item()
         )
@@ -137,7 +137,7 @@ def main() -> None:
                 check["error"] = str(e)
                 continue
             check["layer_ids"], check["capture_points"] = list(engine.layer_ids), list(engine.capture_points)
-            check["rows"] = _compare(engine, engine.forward(seqs), seqs, hf_states)
+            check["rows"] = _compare(engine, engine.capture(seqs), seqs, hf_states)
         report["checks"] = checks
     except Exception as e:  # the report carries the failure, so the test can show it
         report["error"] = f"{type(e).__name__}: {e}"

@@ -40,7 +40,7 @@ def test_default_layers_are_sglang_eagle3_defaults(engine):
 
 def test_every_token_matches_hf_hidden_states_in_fp32(engine, hf_model):
     seqs = _seqs([7, 33, 1, 120])
-    captured = engine.forward(seqs)
+    captured = engine.capture(seqs)
     assert captured.aux.shape == (sum(map(len, seqs)), len(engine.layer_ids) * engine.hidden_size)
     assert captured.last.shape == (sum(map(len, seqs)), engine.hidden_size)
     start = 0
@@ -61,7 +61,7 @@ def test_parity_gate_passes_and_catches_an_off_by_one(engine, hf_model):
     seqs = _seqs([12, 40], seed=1)
     states = []
     for ids in seqs:
-        c = engine.forward([ids])
+        c = engine.capture([ids])
         states.append((ids.tolist(), c.aux, c.last))
     rows = parity.compare(states, hf_model, engine.layer_ids, "float32")
     assert all(r.ok for r in rows) and len(rows) == len(engine.layer_ids) + 1
@@ -77,25 +77,25 @@ def test_parity_gate_passes_and_catches_an_off_by_one(engine, hf_model):
 
 def test_states_do_not_depend_on_batch_composition(engine):
     seqs = _seqs([50, 9, 77], seed=2)
-    together = engine.forward(seqs)
-    alone = engine.forward([seqs[1]])
+    together = engine.capture(seqs)
+    alone = engine.capture([seqs[1]])
     assert torch.allclose(together.aux[50:59], alone.aux, atol=1e-6)
     assert torch.allclose(together.last[50:59], alone.last, atol=1e-6)
 
 
 def test_bare_prefill_then_capture_again(engine):
     seqs = _seqs([30, 31], seed=3)
-    before = engine.forward(seqs)
-    assert engine.forward(seqs, capture=False) is None
-    after = engine.forward(seqs)
+    before = engine.capture(seqs)
+    assert engine.prefill(seqs) is None
+    after = engine.capture(seqs)
     assert torch.equal(before.aux, after.aux) and torch.equal(before.last, after.last)
 
 
 def test_batch_over_budget_is_refused(engine):
     with pytest.raises(ValueError, match="exceeds the engine"):
-        engine.forward(_seqs([2000, 49]))
+        engine.capture(_seqs([2000, 49]))
     with pytest.raises(ValueError, match="does not fit the KV pool"):
-        engine.forward(_seqs([4097]))
+        engine.capture(_seqs([4097]))
 
 
 def test_layer_id_validation():
@@ -116,8 +116,8 @@ def test_unverified_architecture_is_refused_by_name():
 
 def test_chunked_prefill_equals_one_pass_and_hf(engine, hf_model):
     ids = _seqs([300], seed=4)[0]
-    whole = engine.forward([ids])
-    chunked = engine.forward_chunked(ids, 37)
+    whole = engine.capture([ids])
+    chunked = engine.capture_chunked(ids, 37)
     assert (chunked.aux - whole.aux).abs().max().item() <= 1e-5
     assert (chunked.last - whole.last).abs().max().item() <= 1e-5
     rows = parity.compare([(ids.tolist(), chunked.aux, chunked.last)], hf_model, engine.layer_ids, "float32")
@@ -126,19 +126,19 @@ def test_chunked_prefill_equals_one_pass_and_hf(engine, hf_model):
 
 def test_chunks_stream_each_chunks_rows_and_may_exceed_the_batch_budget(engine):
     ids = _seqs([3100], seed=6)[0]
-    whole = engine.forward_chunked(ids, 1024)
+    whole = engine.capture_chunked(ids, 1024)
     chunk = engine.cfg.max_tokens_per_batch + 952  # one forward larger than any ragged batch
     parts = list(engine.chunks(ids, chunk))
     assert [p.aux.shape[0] for p in parts] == [chunk, len(ids) - chunk]
     assert (torch.cat([p.aux for p in parts]) - whole.aux).abs().max().item() <= 1e-5
     assert (torch.cat([p.last for p in parts]) - whole.last).abs().max().item() <= 1e-5
     # The pools are free again once the generator is done: an ordinary batch runs.
-    assert engine.forward(_seqs([40], seed=7)).aux.shape[0] == 40
+    assert engine.capture(_seqs([40], seed=7)).aux.shape[0] == 40
 
 
 def test_a_sequence_over_the_batch_budget_is_chunked_by_forward(engine, hf_model):
     ids = _seqs([engine.cfg.max_tokens_per_batch + 500], seed=5)[0]
-    c = engine.forward([ids])
+    c = engine.capture([ids])
     assert c.aux.shape[0] == len(ids)
     rows = parity.compare([(ids.tolist(), c.aux, c.last)], hf_model, engine.layer_ids, "float32")
     assert all(r.ok for r in rows), rows
@@ -153,7 +153,7 @@ def pre_norm(engine):
 
 def test_pre_norm_final_state_is_hfs_final_norm_input(pre_norm, hf_model):
     seqs = _seqs([19, 64], seed=6)
-    captured = pre_norm.forward(seqs)
+    captured = pre_norm.capture(seqs)
     start = 0
     for ids in seqs:
         rows = slice(start, start + len(ids))
@@ -166,12 +166,12 @@ def test_pre_norm_final_state_is_hfs_final_norm_input(pre_norm, hf_model):
         assert (captured.last[rows] - pre[-2]).abs().max().item() > 1e-2
     # The chunked path takes the same state from each chunk.
     ids = _seqs([150], seed=7)[0]
-    assert (pre_norm.forward_chunked(ids, 41).last - pre_norm.forward([ids]).last).abs().max().item() <= 1e-5
+    assert (pre_norm.capture_chunked(ids, 41).last - pre_norm.capture([ids]).last).abs().max().item() <= 1e-5
 
 
 def test_parity_gate_judges_the_pre_norm_state_against_the_pre_norm_reference(pre_norm, hf_model):
     ids = _seqs([45], seed=8)[0]
-    c = pre_norm.forward([ids])
+    c = pre_norm.capture([ids])
     states = [(ids.tolist(), c.aux, c.last)]
     rows = parity.compare(states, hf_model, pre_norm.layer_ids, "float32", final_state="pre-norm")
     assert all(r.ok for r in rows) and rows[-1].layer == "last (pre-norm)"

@@ -579,7 +579,7 @@ class PoisonedEngine:
     hidden_size = 4
     max_sequence_tokens = 64
 
-    def forward(self, seqs):
+    def capture(self, seqs):
         ids = torch.from_numpy(np.concatenate(seqs)).float()[:, None]
         aux, last = ids.repeat(1, 8), ids.repeat(1, 4)
         aux[ids[:, 0] == 99, 4:] = float("nan")

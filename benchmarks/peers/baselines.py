@@ -181,7 +181,7 @@ def our_states(engine):
     """Our layers for one sequence, prefilled alone by our engine, on the host."""
 
     def states(ids: np.ndarray) -> dict[str, torch.Tensor]:
-        captured = engine.forward([ids.astype(np.int64)], capture=True)
+        captured = engine.capture([ids.astype(np.int64)])
         return split_layers(captured.aux.cpu(), captured.last.cpu(), engine.layer_ids)
 
     return states

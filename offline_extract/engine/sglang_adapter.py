@@ -477,15 +477,22 @@ class Engine:
             for h in handles:
                 h.remove()
 
-    def forward(self, seqs: Sequence[np.ndarray], capture: bool = True) -> Captured | None:
-        """Prefill `seqs` as one EXTEND batch. With capture, return their states (still on the device).
+    def capture(self, seqs: Sequence[np.ndarray]) -> Captured:
+        """Prefill `seqs` as one EXTEND batch and return their states (still on the device).
 
         A single sequence longer than one forward's token budget is prefilled in chunks (`chunks`).
-        capture=False runs SGLang's unmodified prefill (last-token logits only), the benchmark's ceiling.
         """
+        return self._prefill(seqs, capture=True)
+
+    def prefill(self, seqs: Sequence[np.ndarray]) -> None:
+        """SGLang's unmodified prefill of `seqs` (last-token logits only, nothing captured): the ceiling
+        the benchmarks hold extraction against."""
+        self._prefill(seqs, capture=False)
+
+    def _prefill(self, seqs: Sequence[np.ndarray], capture: bool) -> Captured | None:
         total = sum(len(s) for s in seqs)
         if len(seqs) == 1 and total > self.cfg.max_tokens_per_batch:
-            return self.forward_chunked(seqs[0], self.chunk_tokens, capture)
+            return self._chunked(seqs[0], self.chunk_tokens, capture)
         if total > self.cfg.max_tokens_per_batch or len(seqs) > self.cfg.max_seqs_per_batch:
             raise ValueError(
                 f"batch of {len(seqs)} sequences / {total} tokens exceeds the engine's "
@@ -503,20 +510,30 @@ class Engine:
     def chunk_tokens(self) -> int:
         return self.cfg.chunk_tokens or self.cfg.max_tokens_per_batch
 
-    def forward_chunked(self, ids: np.ndarray, chunk: int, capture: bool = True) -> Captured | None:
+    def capture_chunked(self, ids: np.ndarray, chunk: int) -> Captured:
         """All of `chunks(ids, chunk)` in one piece: states equal to an unchunked prefill's."""
-        parts = list(self.chunks(ids, chunk, capture))
+        return self._chunked(ids, chunk, capture=True)
+
+    def prefill_chunked(self, ids: np.ndarray, chunk: int) -> None:
+        """`prefill` of one long sequence, `chunk` tokens at a time."""
+        self._chunked(ids, chunk, capture=False)
+
+    def _chunked(self, ids: np.ndarray, chunk: int, capture: bool) -> Captured | None:
+        parts = list(self._chunks(ids, chunk, capture))
         if not capture:
             return None
         return Captured(aux=torch.cat([p.aux for p in parts]), last=torch.cat([p.last for p in parts]))
 
-    def chunks(self, ids: np.ndarray, chunk: int, capture: bool = True) -> Iterator[Captured | None]:
+    def chunks(self, ids: np.ndarray, chunk: int) -> Iterator[Captured]:
         """Prefill one long sequence `chunk` tokens at a time, each chunk attending to the KV cache of
         the ones before (SGLang's extend with a prefix), and yield each chunk's states as soon as its
         forward is enqueued: the caller can move them off the device while later chunks compute.
 
         The sequence holds the KV pool until the generator is exhausted or closed.
         """
+        return self._chunks(ids, chunk, capture=True)
+
+    def _chunks(self, ids: np.ndarray, chunk: int, capture: bool) -> Iterator[Captured | None]:
         if len(ids) > self.max_sequence_tokens:
             raise ValueError(
                 f"a sequence of {len(ids)} tokens does not fit the KV pool of {self.max_sequence_tokens} tokens "
