@@ -147,6 +147,11 @@ def test_a_model_file_without_eagle3_capture_is_refused_with_the_reason():
         model_capture_rule(object.__new__(MixtralForCausalLM), "/m/mixtral")  # never built: only its type counts
     from sglang.srt.models.qwen2_moe import Qwen2MoeForCausalLM
 
+    # It has a convention, but what it captures is not the layer's output.
+    from sglang.srt.models.gemma3_causal import Gemma3ForCausalLM
+
+    with pytest.raises(NotImplementedError, match=r"Gemma3ForCausalLM .* not supported: .* without the residual"):
+        model_capture_rule(_stand_in_class(Gemma3ForCausalLM)())
     # It can capture, but its convention is not one verified here.
     with pytest.raises(NotImplementedError, match="Qwen2MoeForCausalLM .* not supported"):
         model_capture_rule(_stand_in_class(Qwen2MoeForCausalLM)())

@@ -199,7 +199,21 @@ _CAPTURE_RULES = {
 }
 
 
+# Architectures whose SGLang model file captures something other than a layer's output.
+_GEMMA3_CAPTURE = (
+    "SGLang's gemma3_causal.py (also behind gemma3_mm.py) captures the output of a layer's last norm, "
+    "post_feedforward_layernorm(mlp(...)), without the residual its layers carry apart (gemma3_causal.py:386 "
+    "and :642), so what it records is not the layer's output (HF hidden_states[k+1]); on the test model it is "
+    "as far from it as the state itself, while the final state matches"
+)
+_WRONG_CAPTURE = {"Gemma3ForCausalLM": _GEMMA3_CAPTURE, "Gemma3ForConditionalGeneration": _GEMMA3_CAPTURE}
+
+
 def capture_rule(architecture: str, model_path: str = "") -> CaptureRule:
+    if architecture in _WRONG_CAPTURE:
+        raise NotImplementedError(
+            f"architecture {architecture} ({model_path or 'model'}) is not supported: {_WRONG_CAPTURE[architecture]}"
+        )
     rule = _CAPTURE_RULES.get(architecture)
     if rule is None:
         raise NotImplementedError(
