@@ -87,6 +87,7 @@ def _stand_ins(num_layers):
     from sglang.srt.models.kimi_k25 import KimiK25ForConditionalGeneration
     from sglang.srt.models.llama import LlamaForCausalLM
     from sglang.srt.models.llama4 import Llama4ForCausalLM
+    from sglang.srt.models.minimax_m2 import MiniMaxM2ForCausalLM
     from sglang.srt.models.mllama4 import Llama4ForConditionalGeneration
     from sglang.srt.models.mistral import MistralForCausalLM
     from sglang.srt.models.qwen2 import Qwen2ForCausalLM
@@ -106,6 +107,7 @@ def _stand_ins(num_layers):
         "Qwen3MoeForCausalLM": _stand_in(Qwen3MoeForCausalLM, num_layers, Qwen3MoeModel),
         "Qwen3NextForCausalLM": _stand_in(Qwen3NextForCausalLM, num_layers, Qwen3NextModel),
         "Glm4MoeForCausalLM": _stand_in(Glm4MoeForCausalLM, num_layers),
+        "MiniMaxM2ForCausalLM": _stand_in(MiniMaxM2ForCausalLM, num_layers),
         "GptOssForCausalLM": _stand_in(GptOssForCausalLM, num_layers),
         "DeepseekV3ForCausalLM": _stand_in(DeepseekV3ForCausalLM, num_layers),
         "KimiK25ForConditionalGeneration": kimi,
@@ -118,7 +120,10 @@ def test_every_rule_is_checked_here():
 
 
 @pytest.mark.parametrize("num_layers", [8, 11])
-def test_every_id_set_reaches_the_next_layers_input_through_sglangs_own_method(num_layers):
+def test_every_id_set_reaches_the_next_layers_input_through_sglangs_own_method(num_layers, monkeypatch):
+    prepare_process("cpu")
+    # minimax_m2 asks the process-wide pipeline group, not the model, whether it is the last stage.
+    monkeypatch.setattr("sglang.srt.models.minimax_m2.get_pp_group", lambda: SimpleNamespace(is_last_rank=True))
     for name, model in _stand_ins(num_layers).items():
         rule = model_capture_rule(model)
         # SGLang's default, as its model files write it: the inputs of layers [2, N//2, N-3].
@@ -175,6 +180,12 @@ def test_qwen3_next_is_refused_on_cpu_with_the_reason(tiny_model_dir, tmp_path):
     # Refused from the config, before any weight is loaded; its parity runs in the GPU suite.
     model = build_model("qwen3_next", tmp_path / "m", tokenizer_dir=tiny_model_dir, weights=False)
     with pytest.raises(NotImplementedError, match=r"Qwen3NextForCausalLM .* CPU path: .*sgl_kernel\.mamba"):
+        Engine(EngineConfig(model_path=str(model), device="cpu", dtype="float32", nccl_port=free_port()))
+
+
+def test_minimax_m2_is_refused_on_cpu_with_the_reason(tiny_model_dir, tmp_path):
+    model = build_model("minimax_m2", tmp_path / "m", tokenizer_dir=tiny_model_dir, weights=False)
+    with pytest.raises(NotImplementedError, match=r"MiniMaxM2ForCausalLM .* CPU path: .*CUDA tensors"):
         Engine(EngineConfig(model_path=str(model), device="cpu", dtype="float32", nccl_port=free_port()))
 
 

@@ -33,6 +33,7 @@ GPU_MODELS = {
     "gpt_oss": {},
     "llama4": {},
     "qwen3_next": {},
+    "minimax_m2": {},
     "deepseek_v3": {},
     "kimi_k25": {},
 }
@@ -48,6 +49,7 @@ GPU_ARCHS = {
     # HF loads the wrapped checkpoint as its Llama4ForCausalLM, as the product's --verify does.
     "llama4": ("llama4", "llama4"),
     "qwen3_next": ("qwen3_next", "qwen3_next"),
+    "minimax_m2": ("minimax_m2", "minimax_m2"),
     "deepseek_v3": ("deepseek_v3", "deepseek_v3"),
     "kimi_k25": ("kimi_k25", "kimi_k25"),
 }

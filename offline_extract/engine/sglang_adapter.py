@@ -187,6 +187,7 @@ _CAPTURE_RULES = {
     "Qwen3NextForCausalLM": CaptureRule(
         "qwen3_next.py:1263, flags set in qwen3_next.py:926", _PLUS_ONE, _ids_adding_one, in_layer_flags=True
     ),
+    "MiniMaxM2ForCausalLM": CaptureRule("minimax_m2.py:1254", _PLUS_ONE, _ids_adding_one),
     "DeepseekV3ForCausalLM": CaptureRule("deepseek_v2.py:3134 (inherited)", _DEEPSEEK, _ids_for_deepseek),
     "Llama4ForConditionalGeneration": CaptureRule(
         "mllama4.py:983, delegating to llama.py:885 (inherited by llama4.py's Llama4ForCausalLM)", _PLUS_ONE,
@@ -301,6 +302,10 @@ def _refuse_unsupported_attention(model_config, backend: str, model_path: str) -
 # Architectures SGLang loads on CPU but cannot run there, checked before the weights load: its own error would
 # come after loading and name a module of the shimmed sgl_kernel.
 _CPU_UNSUPPORTED = {
+    "MiniMaxM2ForCausalLM": (
+        "its QK norm sums squares over all heads in a Triton kernel that asserts CUDA tensors "
+        "(rms_sumsq_serial, minimax_m2.py:205)"
+    ),
     "Qwen3NextForCausalLM": (
         "its hybrid linear-attention backend imports causal_conv1d_update_cpu from sgl_kernel.mamba "
         "(layers/attention/linear/kda_backend.py:31), a CPU operator the CUDA sgl-kernel wheel does not have"

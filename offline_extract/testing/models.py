@@ -179,6 +179,27 @@ def _tiny_qwen3_next_config(vocab_size: int) -> dict:
     }
 
 
+def _tiny_minimax_m2_config(vocab_size: int) -> dict:
+    # MiniMax-M2: RoPE on half of each head, RMS norms over all heads' q and k together, every layer sparse
+    # with sigmoid routing and the correction bias, no shared expert; written as the released config.json
+    # writes it.
+    return {
+        **_tiny_qwen3_config(vocab_size),
+        "architectures": ["MiniMaxM2ForCausalLM"],
+        "model_type": "minimax_m2",
+        "intermediate_size": 128,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "rotary_dim": 32,
+        "partial_rotary_factor": 0.5,
+        "use_qk_norm": True,
+        "qk_norm_type": "per_layer",
+        "scoring_func": "sigmoid",
+        "use_routing_bias": True,
+        "rope_theta": 5000000.0,
+    }
+
+
 def _tiny_deepseek_v3_config(vocab_size: int) -> dict:
     # MLA with both LoRA ranks, interleaved RoPE under YaRN (whose mscale changes the softmax scale), grouped
     # sigmoid routing with the correction bias, shared experts, and dense first layers: every DeepSeek-V3
@@ -298,6 +319,7 @@ ARCHITECTURES = {
     "gpt_oss": _tiny_gpt_oss_config,
     "llama4_text": _tiny_llama4_text_config,
     "qwen3_next": _tiny_qwen3_next_config,
+    "minimax_m2": _tiny_minimax_m2_config,
     "deepseek_v3": _tiny_deepseek_v3_config,
     "kimi_k2": _tiny_kimi_k2_config,
     "llama3_8b": _llama3_8b_config,
