@@ -91,6 +91,7 @@ def _stand_ins(num_layers):
     from sglang.srt.models.mllama4 import Llama4ForConditionalGeneration
     from sglang.srt.models.mistral import MistralForCausalLM
     from sglang.srt.models.qwen2 import Qwen2ForCausalLM
+    from sglang.srt.models.qwen2_moe import Qwen2MoeForCausalLM, Qwen2MoeModel
     from sglang.srt.models.qwen3 import Qwen3ForCausalLM
     from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeModel
     from sglang.srt.models.qwen3_next import Qwen3NextForCausalLM, Qwen3NextModel
@@ -105,6 +106,7 @@ def _stand_ins(num_layers):
         "Qwen2ForCausalLM": _stand_in(Qwen2ForCausalLM, num_layers),
         "Qwen3ForCausalLM": _stand_in(Qwen3ForCausalLM, num_layers),
         "Qwen3MoeForCausalLM": _stand_in(Qwen3MoeForCausalLM, num_layers, Qwen3MoeModel),
+        "Qwen2MoeForCausalLM": _stand_in(Qwen2MoeForCausalLM, num_layers, Qwen2MoeModel),
         "Qwen3NextForCausalLM": _stand_in(Qwen3NextForCausalLM, num_layers, Qwen3NextModel),
         "Glm4MoeForCausalLM": _stand_in(Glm4MoeForCausalLM, num_layers),
         "MiniMaxM2ForCausalLM": _stand_in(MiniMaxM2ForCausalLM, num_layers),
@@ -150,7 +152,7 @@ def test_a_model_file_without_eagle3_capture_is_refused_with_the_reason():
     with pytest.raises(NotImplementedError, match=r"MixtralForCausalLM \(/m/mixtral\).*sglang\.srt\.models\.mixtral "
                                                   r"defines no set_eagle3_layers_to_capture"):
         model_capture_rule(object.__new__(MixtralForCausalLM), "/m/mixtral")  # never built: only its type counts
-    from sglang.srt.models.qwen2_moe import Qwen2MoeForCausalLM
+    from sglang.srt.models.apertus import ApertusForCausalLM
 
     # It has a convention, but what it captures is not the layer's output.
     from sglang.srt.models.gemma3_causal import Gemma3ForCausalLM
@@ -158,8 +160,8 @@ def test_a_model_file_without_eagle3_capture_is_refused_with_the_reason():
     with pytest.raises(NotImplementedError, match=r"Gemma3ForCausalLM .* not supported: .* without the residual"):
         model_capture_rule(_stand_in_class(Gemma3ForCausalLM)())
     # It can capture, but its convention is not one verified here.
-    with pytest.raises(NotImplementedError, match="Qwen2MoeForCausalLM .* not supported"):
-        model_capture_rule(_stand_in_class(Qwen2MoeForCausalLM)())
+    with pytest.raises(NotImplementedError, match="ApertusForCausalLM .* not supported"):
+        model_capture_rule(_stand_in_class(ApertusForCausalLM)())
 
 
 def test_gpt_oss_reference_is_hfs_eager_attention_with_the_sinks_in_play(tiny_model_dir, tmp_path):
@@ -183,9 +185,10 @@ def test_qwen3_next_is_refused_on_cpu_with_the_reason(tiny_model_dir, tmp_path):
         Engine(EngineConfig(model_path=str(model), device="cpu", dtype="float32", nccl_port=free_port()))
 
 
-def test_minimax_m2_is_refused_on_cpu_with_the_reason(tiny_model_dir, tmp_path):
-    model = build_model("minimax_m2", tmp_path / "m", tokenizer_dir=tiny_model_dir, weights=False)
-    with pytest.raises(NotImplementedError, match=r"MiniMaxM2ForCausalLM .* CPU path: .*CUDA tensors"):
+@pytest.mark.parametrize("arch, reason", [("minimax_m2", "CUDA tensors"), ("qwen2_moe", "Triton kernel")])
+def test_an_architecture_sglang_cannot_run_on_cpu_is_refused_with_the_reason(arch, reason, tiny_model_dir, tmp_path):
+    model = build_model(arch, tmp_path / "m", tokenizer_dir=tiny_model_dir, weights=False)
+    with pytest.raises(NotImplementedError, match=rf"ForCausalLM .* CPU path: .*{reason}"):
         Engine(EngineConfig(model_path=str(model), device="cpu", dtype="float32", nccl_port=free_port()))
 
 

@@ -34,6 +34,7 @@ GPU_MODELS = {
     "llama4": {},
     "qwen3_next": {},
     "minimax_m2": {},
+    "qwen2_moe": {},
     "deepseek_v3": {},
     "kimi_k25": {},
 }
@@ -50,6 +51,7 @@ GPU_ARCHS = {
     "llama4": ("llama4", "llama4"),
     "qwen3_next": ("qwen3_next", "qwen3_next"),
     "minimax_m2": ("minimax_m2", "minimax_m2"),
+    "qwen2_moe": ("qwen2_moe", "qwen2_moe"),
     "deepseek_v3": ("deepseek_v3", "deepseek_v3"),
     "kimi_k25": ("kimi_k25", "kimi_k25"),
 }

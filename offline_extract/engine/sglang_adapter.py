@@ -188,6 +188,9 @@ _CAPTURE_RULES = {
         "qwen3_next.py:1263, flags set in qwen3_next.py:926", _PLUS_ONE, _ids_adding_one, in_layer_flags=True
     ),
     "MiniMaxM2ForCausalLM": CaptureRule("minimax_m2.py:1254", _PLUS_ONE, _ids_adding_one),
+    "Qwen2MoeForCausalLM": CaptureRule(
+        "qwen2_moe.py:1203, flags set in qwen2_moe.py:891", _PLUS_ONE, _ids_adding_one, in_layer_flags=True
+    ),
     "DeepseekV3ForCausalLM": CaptureRule("deepseek_v2.py:3134 (inherited)", _DEEPSEEK, _ids_for_deepseek),
     "Llama4ForConditionalGeneration": CaptureRule(
         "mllama4.py:983, delegating to llama.py:885 (inherited by llama4.py's Llama4ForCausalLM)", _PLUS_ONE,
@@ -302,6 +305,10 @@ def _refuse_unsupported_attention(model_config, backend: str, model_path: str) -
 # Architectures SGLang loads on CPU but cannot run there, checked before the weights load: its own error would
 # come after loading and name a module of the shimmed sgl_kernel.
 _CPU_UNSUPPORTED = {
+    "Qwen2MoeForCausalLM": (
+        "its shared expert's sigmoid gate is applied by a fused Triton kernel (fused_gate_sigmoid_mul_add, "
+        "qwen2_moe.py:590) on every platform but AMX and NPU, and Triton has no CPU driver here"
+    ),
     "MiniMaxM2ForCausalLM": (
         "its QK norm sums squares over all heads in a Triton kernel that asserts CUDA tensors "
         "(rms_sumsq_serial, minimax_m2.py:205)"

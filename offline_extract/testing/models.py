@@ -200,6 +200,24 @@ def _tiny_minimax_m2_config(vocab_size: int) -> dict:
     }
 
 
+def _tiny_qwen2_moe_config(vocab_size: int) -> dict:
+    # Qwen1.5/Qwen2-MoE: Qwen2's biased attention, every layer sparse with unnormalized top-k weights and a
+    # shared expert behind its own sigmoid gate.
+    return {
+        **_tiny_qwen2_config(vocab_size),
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "model_type": "qwen2_moe",
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 256,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": False,
+        "output_router_logits": False,
+    }
+
+
 def _tiny_deepseek_v3_config(vocab_size: int) -> dict:
     # MLA with both LoRA ranks, interleaved RoPE under YaRN (whose mscale changes the softmax scale), grouped
     # sigmoid routing with the correction bias, shared experts, and dense first layers: every DeepSeek-V3
@@ -320,6 +338,7 @@ ARCHITECTURES = {
     "llama4_text": _tiny_llama4_text_config,
     "qwen3_next": _tiny_qwen3_next_config,
     "minimax_m2": _tiny_minimax_m2_config,
+    "qwen2_moe": _tiny_qwen2_moe_config,
     "deepseek_v3": _tiny_deepseek_v3_config,
     "kimi_k2": _tiny_kimi_k2_config,
     "llama3_8b": _llama3_8b_config,
