@@ -297,11 +297,23 @@ class _ForwardClock:
 
 
 class _DiscardWriter:
-    """Takes batches like ShardWriter and keeps nothing: isolates the copy-out from shard writing."""
+    """Takes batches like ShardWriter and keeps nothing: isolates the copy-out from shard writing.
+
+    A long sample's chunks still land in host rows, as a writer's would, in one scratch area of
+    `rows` x `widths` touched up front (as a writer's shard buffers are)."""
 
     bytes_written = 0
 
+    def __init__(self, rows: int, widths: tuple[int, int]):
+        self._scratch = tuple(torch.zeros(rows, w, dtype=STORED_DTYPE) for w in widths)
+
     def add_batch(self, *args, **kwargs) -> None:
+        pass
+
+    def begin_sample(self, sample, input_ids, loss_mask, widths) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(t[: len(input_ids)] for t in self._scratch)
+
+    def end_sample(self, keep: bool = True) -> None:
         pass
 
     def close(self) -> list:
@@ -358,7 +370,9 @@ def run_bench(opts: BenchOptions) -> list[dict]:
     bare_s = _timed(coord, lambda: _bare(clock, timed), clock)
     bare_forward_s, bare_phases = clock.seconds, clock.phases()
     bare_by_chunk = _chunk_sweep(engine, coord, timed[0], opts.chunk_sweep) if opts.chunk_sweep else None
-    discard = _DiscardWriter() if layout.writes else None
+    widths = state_widths(len(engine.layer_ids), engine.hidden_size)
+    longest = max(s.num_tokens for s in samples)
+    discard = _DiscardWriter(longest if longest > opts.tokens_per_batch else 0, widths) if layout.writes else None
     copy_only_s = _timed(coord, lambda: extract_batches(clock, timed, discard, staging=staging), clock)
 
     results = []
@@ -368,8 +382,6 @@ def run_bench(opts: BenchOptions) -> list[dict]:
         disk_rate = disk_write_rate(root / "probe", opts.disk_probe_bytes, opts.writers) if layout.writes else 0.0
         torch.cuda.reset_peak_memory_stats()
         run_meta = {"model": str(model_dir), "layer_ids": list(engine.layer_ids), "benchmark": True}
-
-        widths = state_widths(len(engine.layer_ids), engine.hidden_size)
 
         def writer(name: str) -> ShardWriter | None:
             # Created before the clock starts, as a run creates it before its first batch.
@@ -407,7 +419,7 @@ def run_bench(opts: BenchOptions) -> list[dict]:
             "num_tokens": total_tokens,
             "tokens_per_batch": opts.tokens_per_batch,
             "chunk_tokens": engine.chunk_tokens,
-            "longest_sample": max(s.num_tokens for s in samples),
+            "longest_sample": longest,
             "bare_prefill_tok_s": total_tokens / bare_s,
             "extract_tok_s": total_tokens / extract_s,
             "extract_over_bare": bare_s / extract_s,

@@ -29,7 +29,7 @@ from offline_extract.engine import parity
 from offline_extract.engine.distributed import Coordinator, Layout, ReportedByLeader, layout_from_env
 from offline_extract.engine.nonfinite import NonFiniteError, NonFiniteGuard, batch_flag
 from offline_extract.engine.offload import HostOffload, pinned_buffers
-from offline_extract.engine.sglang_adapter import FINAL_STATES, LAYER_CONVENTION, Engine, EngineConfig
+from offline_extract.engine.sglang_adapter import FINAL_STATES, LAYER_CONVENTION, Captured, Engine, EngineConfig
 from offline_extract.progress import RunProgress, foreign_output_hidden, plural
 from offline_extract.store import manifest, resume
 from offline_extract.store.atomic import atomic_write
@@ -267,6 +267,75 @@ def _info(s: Sample) -> SampleInfo:
     return SampleInfo(s.index, s.id, s.source, s.line, s.source_len, s.truncated)
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """Rows start:stop of a batch's packed tokens, as one forward returned them (all of a batch, or one
+    chunk of a long sample), with their non-finite flag."""
+
+    batch: Batch
+    start: int
+    stop: int
+    flag: torch.Tensor
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.stop == self.batch.num_tokens
+
+
+def _forwards(engine: Engine, batch: Batch) -> Iterator[tuple[int, int, Captured]]:
+    """A batch's forwards, each with the rows it covers: the batch in one, or a long sample's chunks."""
+    seqs = [s.input_ids for s in batch.samples]
+    if engine.is_chunked(seqs):
+        yield from engine.chunks(seqs[0], engine.chunk_tokens)
+    else:
+        yield 0, batch.num_tokens, engine.capture(seqs)
+
+
+class _WriterFeed:
+    """The offload's consumer: hands each piece's host rows to the writer. A long sample's chunks go
+    straight into its rows in the shard buffer as they arrive, so its states are never held on the host
+    twice, and are screened for NaN/Inf once all of them are there."""
+
+    def __init__(self, writer: ShardWriter, guard: NonFiniteGuard):
+        self.writer = writer
+        self.guard = guard
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # the long sample being filled
+        self._flagged = False
+
+    # The flag travels with its piece, so it is read only once the copy event says the states (and the
+    # flag, enqueued before them) are on the host.
+    def __call__(self, piece: _Piece, aux: torch.Tensor, last: torch.Tensor) -> None:
+        if piece.whole:
+            self._batch(piece, aux, last)
+            return
+        (sample,) = piece.batch.samples
+        if piece.start == 0:
+            self._rows = self.writer.begin_sample(_info(sample), sample.input_ids, sample.loss_mask, (aux.shape[1], last.shape[1]))
+            self._flagged = False
+        self._rows[0][piece.start : piece.stop].copy_(aux)
+        self._rows[1][piece.start : piece.stop].copy_(last)
+        self._flagged |= bool(piece.flag)
+        if piece.stop == sample.num_tokens:
+            kept = self.guard.screen([sample], *self._rows)[0] if self._flagged else [sample]
+            self._rows = None
+            self.writer.end_sample(keep=bool(kept))
+
+    def _batch(self, piece: _Piece, aux: torch.Tensor, last: torch.Tensor) -> None:
+        samples = piece.batch.samples
+        if piece.flag:
+            samples, aux, last = self.guard.screen(samples, aux, last)
+            if not samples:
+                return
+        self.writer.add_batch(
+            [_info(s) for s in samples],
+            np.concatenate([s.input_ids for s in samples]),
+            np.concatenate([s.loss_mask for s in samples]),
+            aux,
+            last,
+            lengths=[s.num_tokens for s in samples],
+        )
+
+
 def extract_batches(
     engine: Engine,
     batches: Iterable[Batch],
@@ -277,45 +346,30 @@ def extract_batches(
 ) -> None:
     """The hot loop: forward each batch and hand its states to the writer without waiting for the host.
 
-    `staging` (from `staging_buffers`) may be passed in to reuse pinned memory across calls. Ranks that
-    do not write (tp_rank > 0) still take part in every forward: TP needs all of them. Batches with NaN
-    or Inf go through `nonfinite` (default: fail on the first such sample).
+    A long sample's chunks are handed over one by one, so that copying the earlier ones overlaps the later
+    ones' compute. `staging` (from `staging_buffers`) may be passed in to reuse pinned memory across
+    calls. Ranks that do not write (tp_rank > 0) still take part in every forward: TP needs all of them.
+    Batches with NaN or Inf go through `nonfinite` (default: fail on the first such sample).
     """
     if writer is None:
         for batch in batches:
-            engine.capture([s.input_ids for s in batch.samples])
+            for _ in _forwards(engine, batch):
+                pass
             on_batch(batch)
         return
-    guard = nonfinite or NonFiniteGuard("fail", engine.layer_ids)
-
-    # The non-finite flag travels with its batch, so the consumer reads it only once the copy event says
-    # the states (and the flag, enqueued before them) are on the host.
-    def consume(flagged: tuple[Batch, torch.Tensor], aux: torch.Tensor, last: torch.Tensor) -> None:
-        batch, flag = flagged
-        samples = batch.samples
-        if flag:  # already on the host: its copy was enqueued before the states'
-            samples, aux, last = guard.screen(samples, aux, last)
-            if not samples:
-                return
-        writer.add_batch(
-            [_info(s) for s in samples],
-            np.concatenate([s.input_ids for s in samples]),
-            np.concatenate([s.loss_mask for s in samples]),
-            aux,
-            last,
-            lengths=[s.num_tokens for s in samples],
-        )
-
-    with HostOffload(consume, engine.device, staging or staging_buffers(engine)) as offload:
+    feed = _WriterFeed(writer, nonfinite or NonFiniteGuard("fail", engine.layer_ids))
+    with HostOffload(feed, engine.device, staging or staging_buffers(engine)) as offload:
         for batch in batches:
-            captured = engine.capture([s.input_ids for s in batch.samples])
-            offload.submit((batch, batch_flag(captured.aux, captured.last)), captured.aux, captured.last)
+            for start, stop, captured in _forwards(engine, batch):
+                piece = _Piece(batch, start, stop, batch_flag(captured.aux, captured.last))
+                offload.submit(piece, captured.aux, captured.last)
             on_batch(batch)
 
 
 def staging_buffers(engine: Engine) -> list:
+    """Pinned host rows for a few forwards' states: a batch's, or one chunk's of a long sample."""
     widths = state_widths(len(engine.layer_ids), engine.hidden_size)
-    return pinned_buffers(engine.device, engine.max_sequence_tokens, widths)
+    return pinned_buffers(engine.device, engine.max_forward_tokens, widths)
 
 
 def _count_owned(layout: Layout, sources: Sequence[Source]) -> int | None:

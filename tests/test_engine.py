@@ -128,7 +128,8 @@ def test_chunks_stream_each_chunks_rows_and_may_exceed_the_batch_budget(engine):
     ids = _seqs([3100], seed=6)[0]
     whole = engine.capture_chunked(ids, 1024)
     chunk = engine.cfg.max_tokens_per_batch + 952  # one forward larger than any ragged batch
-    parts = list(engine.chunks(ids, chunk))
+    bounds, parts = zip(*[((start, stop), states) for start, stop, states in engine.chunks(ids, chunk)])
+    assert bounds == ((0, chunk), (chunk, len(ids)))
     assert [p.aux.shape[0] for p in parts] == [chunk, len(ids) - chunk]
     assert (torch.cat([p.aux for p in parts]) - whole.aux).abs().max().item() <= 1e-5
     assert (torch.cat([p.last for p in parts]) - whole.last).abs().max().item() <= 1e-5

@@ -572,12 +572,13 @@ def test_a_directory_holding_no_complete_shard_is_taken_over(tmp_path):
 
 class PoisonedEngine:
     """Stands in for the engine: each token's states are its id; token 99 makes its row of layer 3 NaN,
-    token 98 its last state's first value Inf."""
+    token 98 its last state's first value Inf. A single sequence over 8 tokens comes in chunks of 3."""
 
     device = "cpu"
     layer_ids = (1, 3)
     hidden_size = 4
-    max_sequence_tokens = 64
+    max_forward_tokens = 8
+    chunk_tokens = 3
 
     def capture(self, seqs):
         ids = torch.from_numpy(np.concatenate(seqs)).float()[:, None]
@@ -585,6 +586,13 @@ class PoisonedEngine:
         aux[ids[:, 0] == 99, 4:] = float("nan")
         last[ids[:, 0] == 98, 0] = float("inf")
         return Captured(aux, last)
+
+    def is_chunked(self, seqs):
+        return len(seqs) == 1 and len(seqs[0]) > self.max_forward_tokens
+
+    def chunks(self, ids, chunk):
+        for start in range(0, len(ids), chunk):
+            yield start, min(start + chunk, len(ids)), self.capture([ids[start : start + chunk]])
 
 
 def samples(*token_lists):
@@ -595,6 +603,10 @@ def samples(*token_lists):
 
 
 POISONED = samples([1, 2], [3, 99, 99, 4], [5], [98, 6], [7, 8, 9])
+# Samples over the batch budget, prefilled in chunks: a clean one, one poisoned in its third chunk, and
+# one in its first; short ones between them.
+LONG = samples(list(range(10, 21)), [1, 2], [30, 31, 32, 33, 34, 35, 99, 37, 38, 39], [5], [98] + list(range(40, 49)))
+LONG_NAN = "4 non-finite values (NaN/Inf) in its hidden states: 4 in layer 3"
 NAN_REASON = "8 non-finite values (NaN/Inf) in its hidden states: 8 in layer 3"
 INF_REASON = "1 non-finite values (NaN/Inf) in its hidden states: 1 in the final state"
 
@@ -630,6 +642,23 @@ def test_nonfinite_keep_writes_the_states_as_they_are(tmp_path):
     assert found == ["s1", "s3"] and len(got) == 5
     assert torch.isnan(got["s1"]["aux_hidden_states"][1:3, 4:].float()).all()
     assert torch.isinf(got["s3"]["hidden_states"][0, 0].float())
+
+
+@pytest.mark.parametrize("policy", ["drop", "keep"])
+def test_long_samples_arrive_chunk_by_chunk_and_are_screened_whole(tmp_path, policy):
+    found = []
+    got = extract(tmp_path, NonFiniteGuard(policy, PoisonedEngine.layer_ids, lambda s, why: found.append((s.id, why))), LONG)
+    assert found == [("s2", LONG_NAN), ("s4", INF_REASON)]
+    assert set(got) == ({"s0", "s1", "s3"} if policy == "drop" else {"s0", "s1", "s2", "s3", "s4"})
+    for sample in LONG:
+        if sample.id in got:  # every chunk's rows in their place
+            assert got[sample.id]["aux_hidden_states"][:, 0].float().tolist() == sample.input_ids.tolist()
+            assert got[sample.id]["input_ids"].tolist() == sample.input_ids.tolist()
+
+
+def test_a_long_sample_poisoned_in_a_later_chunk_fails_the_run(tmp_path):
+    with pytest.raises(NonFiniteError, match=re.escape(f"sample 's2' (c.jsonl:3) has {LONG_NAN}")):
+        extract(tmp_path, NonFiniteGuard("fail", PoisonedEngine.layer_ids), LONG)
 
 
 def test_clean_batches_are_never_examined_sample_by_sample(tmp_path):

@@ -273,3 +273,69 @@ def test_damaged_metadata_is_a_shard_error_naming_the_file(tmp_path):
     save_file(tensors, str(path), metadata={"offline_extract": "{not json"})
     with pytest.raises(ShardError, match=r"shard_000\.safetensors has damaged"):
         read_header(path)
+
+
+def _feed_in_pieces(writer, batches, piece_rows, drop=()):
+    """Every sample alone: short ones through add_batch, those over `piece_rows` rows through
+    begin_sample / end_sample, filled `piece_rows` rows at a time (as a long sample's chunks arrive)."""
+    for indices, lengths, seed in batches:
+        samples, ids, mask, aux, last = make_batch(indices, lengths, seed)
+        start = 0
+        for info, n in zip(samples, lengths):
+            rows = slice(start, start + n)
+            if n > piece_rows:
+                got_aux, got_last = writer.begin_sample(info, ids[rows], mask[rows], (K * H, H))
+                for a in range(0, n, piece_rows):
+                    b = min(a + piece_rows, n)
+                    got_aux[a:b].copy_(aux[start + a : start + b])
+                    got_last[a:b].copy_(last[start + a : start + b])
+                writer.end_sample(keep=info.index not in drop)
+            else:
+                writer.add_batch([info], ids[rows], mask[rows], aux[rows], last[rows], lengths=[n])
+            start += n
+    return writer.close()
+
+
+@pytest.mark.parametrize("widths", [None, (K * H, H)], ids=["lazy", "preallocated"])
+def test_a_sample_filled_in_pieces_writes_the_same_shards(tmp_path, widths):
+    # Sample 3 (25 rows) is longer than a shard (10 rows) and arrives in pieces of 7 rows, after three
+    # samples already buffered: it grows that buffer and closes the shard with them, as add_batch would.
+    batches = [([0, 1, 2, 3], [3, 2, 4, 25], 0), ([4, 5, 6], [9, 1, 30], 1), ([7], [2], 2)]
+    _, whole = write(tmp_path / "whole", batches, shard_bytes=10 * ROW_BYTES, writers=2)
+    writer = ShardWriter(tmp_path / "pieces", RUN, shard_bytes=10 * ROW_BYTES, writers=2, widths=widths)
+    pieces = _feed_in_pieces(writer, batches, piece_rows=7)
+    assert [p.name for p in whole] == [p.name for p in pieces]
+    assert [[s.index for s in open_shard(p).samples] for p in pieces] == [[0, 1, 2, 3], [4, 5], [6], [7]]
+    for a, b in zip(whole, pieces):
+        assert a.read_bytes() == b.read_bytes()
+    if widths is not None:
+        # Buffers grown for the long samples went back to the shard size once written.
+        capacities = {writer._free.get().capacity for _ in range(3)}
+        assert capacities == {-(-10 * ROW_BYTES // ((K * H + H) * 2))}
+
+
+def test_a_sample_ended_without_keep_is_left_out(tmp_path):
+    batches = [([0, 1, 2], [3, 12, 4], 0)]
+    writer = ShardWriter(tmp_path, RUN, shard_bytes=100 * ROW_BYTES)
+    paths = _feed_in_pieces(writer, batches, piece_rows=5, drop={1})
+    want = expected_samples(batches)
+    (path,) = paths
+    shard = open_shard(path)
+    assert [s.index for s in shard.samples] == [0, 2]
+    assert shard.offsets == [0, 3, 7]
+    for pos, info in enumerate(shard.samples):
+        assert_tensors_equal(shard.sample(pos), want[info.index][1])
+
+
+def test_nothing_else_goes_in_while_a_sample_is_begun(tmp_path):
+    writer = ShardWriter(tmp_path, RUN, shard_bytes=1 << 20)
+    samples, ids, mask, aux, last = make_batch([0, 1], [4, 3])
+    writer.begin_sample(samples[0], ids[:4], mask[:4], (K * H, H))
+    with pytest.raises(ShardError, match="'s0' is begun"):
+        writer.add_batch(samples[1:], ids[4:], mask[4:], aux[4:], last[4:], lengths=[3])
+    with pytest.raises(ShardError, match="'s0' is begun"):
+        writer.close()
+    writer.end_sample()
+    with pytest.raises(ShardError, match="no sample begun"):
+        writer.end_sample()
+    assert len(writer.close()) == 1

@@ -516,9 +516,9 @@ class Engine:
         self._prefill(seqs, capture=False)
 
     def _prefill(self, seqs: Sequence[np.ndarray], capture: bool) -> Captured | None:
-        total = sum(len(s) for s in seqs)
-        if len(seqs) == 1 and total > self.cfg.max_tokens_per_batch:
+        if self.is_chunked(seqs):
             return self._chunked(seqs[0], self.chunk_tokens, capture)
+        total = sum(len(s) for s in seqs)
         if total > self.cfg.max_tokens_per_batch or len(seqs) > self.cfg.max_seqs_per_batch:
             raise ValueError(
                 f"batch of {len(seqs)} sequences / {total} tokens exceeds the engine's "
@@ -532,9 +532,18 @@ class Engine:
         finally:
             self._clear_pools()
 
+    def is_chunked(self, seqs: Sequence[np.ndarray]) -> bool:
+        """Whether `capture(seqs)` prefills in chunks: a single sequence over one forward's token budget."""
+        return len(seqs) == 1 and len(seqs[0]) > self.cfg.max_tokens_per_batch
+
     @property
     def chunk_tokens(self) -> int:
         return self.cfg.chunk_tokens or self.cfg.max_tokens_per_batch
+
+    @property
+    def max_forward_tokens(self) -> int:
+        """The most tokens whose states one forward returns: a batch or a chunk."""
+        return max(self.cfg.max_tokens_per_batch, self.chunk_tokens)
 
     def capture_chunked(self, ids: np.ndarray, chunk: int) -> Captured:
         """All of `chunks(ids, chunk)` in one piece: states equal to an unchunked prefill's."""
@@ -545,21 +554,22 @@ class Engine:
         self._chunked(ids, chunk, capture=False)
 
     def _chunked(self, ids: np.ndarray, chunk: int, capture: bool) -> Captured | None:
-        parts = list(self._chunks(ids, chunk, capture))
+        parts = [states for _, _, states in self._chunks(ids, chunk, capture)]
         if not capture:
             return None
         return Captured(aux=torch.cat([p.aux for p in parts]), last=torch.cat([p.last for p in parts]))
 
-    def chunks(self, ids: np.ndarray, chunk: int) -> Iterator[Captured]:
+    def chunks(self, ids: np.ndarray, chunk: int) -> Iterator[tuple[int, int, Captured]]:
         """Prefill one long sequence `chunk` tokens at a time, each chunk attending to the KV cache of
-        the ones before (SGLang's extend with a prefix), and yield each chunk's states as soon as its
-        forward is enqueued: the caller can move them off the device while later chunks compute.
+        the ones before (SGLang's extend with a prefix), and yield each chunk's rows (start, stop) and
+        states as soon as its forward is enqueued: the caller can move them off the device while later
+        chunks compute.
 
         The sequence holds the KV pool until the generator is exhausted or closed.
         """
         return self._chunks(ids, chunk, capture=True)
 
-    def _chunks(self, ids: np.ndarray, chunk: int, capture: bool) -> Iterator[Captured | None]:
+    def _chunks(self, ids: np.ndarray, chunk: int, capture: bool) -> Iterator[tuple[int, int, Captured | None]]:
         if len(ids) > self.max_sequence_tokens:
             raise ValueError(
                 f"a sequence of {len(ids)} tokens does not fit the KV pool of {self.max_sequence_tokens} tokens "
@@ -572,7 +582,7 @@ class Engine:
                     pool = self.runner.req_to_token_pool.req_to_token
                     req.prefix_indices = pool[req.req_pool_idx, :start].to(req.prefix_indices.dtype)
                 req.set_extend_range(start, stop)
-                yield self._extend([req], capture)
+                yield start, stop, self._extend([req], capture)
         finally:
             self._clear_pools()
 

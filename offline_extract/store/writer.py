@@ -91,18 +91,26 @@ class _ShardBuffer:
         self.lengths: list[int] = []
         self.tokens = 0
 
-    def append(self, samples, lengths, tensors: dict[str, torch.Tensor], start: int, stop: int) -> None:
-        need = self.tokens + stop - start
-        if need > self.capacity:  # the sample that crosses the shard target: grow once, then reuse
+    def reserve(self, n: int) -> dict[str, torch.Tensor]:
+        """Views of the next `n` rows of every tensor, to be filled and then `record`ed."""
+        need = self.tokens + n
+        if need > self.capacity:  # the sample that crosses the shard target: grow (see ShardWriter._write)
             grown = _ShardBuffer(self.widths, max(need, self.capacity + self.capacity // 16))
             for name, t in self.tensors.items():
                 grown.tensors[name][: self.tokens].copy_(t[: self.tokens])
             self.tensors = grown.tensors
-        for name, t in tensors.items():
-            self.tensors[name][self.tokens : need].copy_(t[start:stop])
+        return {name: t[self.tokens : need] for name, t in self.tensors.items()}
+
+    def record(self, samples, lengths) -> None:
+        """The samples whose rows were reserved and filled, in order."""
         self.samples.extend(samples)
         self.lengths.extend(lengths)
-        self.tokens = need
+        self.tokens += sum(lengths)
+
+    def append(self, samples, lengths, tensors: dict[str, torch.Tensor], start: int, stop: int) -> None:
+        for name, rows in self.reserve(stop - start).items():
+            rows.copy_(tensors[name][start:stop])
+        self.record(samples, lengths)
 
     def contents(self) -> dict[str, torch.Tensor]:
         out = {name: t[: self.tokens] for name, t in self.tensors.items()}
@@ -133,6 +141,10 @@ class ShardWriter:
     that outpaces the disk blocks in `add_batch`. A failed write (disk full, I/O error) is raised from the
     next `add_batch` or from `close`, and leaves no file under a shard's final name. `on_written` is
     called from a writer thread once a shard is complete under its final name.
+
+    A sample whose states arrive in pieces (a long sample, chunk by chunk) goes in with `begin_sample`,
+    which hands out its rows in the shard buffer to fill, and `end_sample`: its states are then copied
+    into host memory once, never assembled elsewhere first.
     """
 
     def __init__(
@@ -165,6 +177,8 @@ class ShardWriter:
         self._closed = False
         self._widths: tuple[int, int] | None = None  # (k*H, H), given or fixed by the first batch
         self._current: _ShardBuffer | None = None
+        self._open: tuple[SampleInfo, int, int] | None = None  # (sample, tokens, row bytes): begun, not ended
+        self._touch = widths is not None
         self._lock = threading.Lock()
         self.bytes_written = 0
         self.samples_written = 0
@@ -178,14 +192,15 @@ class ShardWriter:
         self._widths = widths
         while self._buffers_left:
             self._buffers_left -= 1
-            buf = self._new_buffer()
-            for t in buf.tensors.values():
-                t.zero_()
-            self._free.put(buf)
+            self._free.put(self._new_buffer())
 
     def _new_buffer(self) -> _ShardBuffer:
         row_bytes = state_bytes_per_token(self._widths)
-        return _ShardBuffer(self._widths, max(1, -(-self.shard_bytes // row_bytes)))
+        buf = _ShardBuffer(self._widths, max(1, -(-self.shard_bytes // row_bytes)))
+        if self._touch:
+            for t in buf.tensors.values():
+                t.zero_()
+        return buf
 
     def add_batch(
         self,
@@ -201,9 +216,7 @@ class ShardWriter:
 
         `lengths[i]` is the token count of `samples[i]`; the packed tensors must have sum(lengths) rows.
         """
-        if self._closed:
-            raise ShardError("add_batch called on a closed ShardWriter")
-        self._raise_failed_writes()
+        self._check_open("add_batch")
         lengths = [int(n) for n in lengths]
         if len(lengths) != len(samples):
             raise ShardError(f"{len(samples)} samples but {len(lengths)} lengths")
@@ -223,14 +236,7 @@ class ShardWriter:
                     f"{name} has shape {tuple(t.shape)}; expected {want_dims} dims with "
                     f"sum(lengths)={total} rows"
                 )
-        widths = (tensors["aux_hidden_states"].shape[1], tensors["hidden_states"].shape[1])
-        if widths[1] == 0 or widths[0] % widths[1] != 0:
-            raise ShardError(f"aux width {widths[0]} is not a multiple of hidden size {widths[1]}")
-        if self._widths is None:
-            self._widths = widths
-        elif widths != self._widths:
-            raise ShardError(f"(aux width, hidden size) changed from {self._widths} to {widths}")
-        row_bytes = state_bytes_per_token(widths)
+        row_bytes = self._fix_widths(tensors["aux_hidden_states"].shape[1], tensors["hidden_states"].shape[1])
 
         first_sample = first_row = row = 0
         for i, n in enumerate(lengths):
@@ -241,6 +247,53 @@ class ShardWriter:
                 first_sample, first_row = i + 1, row
         if first_sample < len(samples):
             self._buffer().append(samples[first_sample:], lengths[first_sample:], tensors, first_row, row)
+
+    def begin_sample(
+        self, sample: SampleInfo, input_ids: np.ndarray | torch.Tensor, loss_mask: np.ndarray | torch.Tensor,
+        widths: tuple[int, int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows for one sample whose states arrive in pieces: returns its (aux, last) rows, of `widths`
+        columns, in the shard it goes to. The caller fills them, then calls `end_sample`; nothing else may
+        be added in between."""
+        self._check_open("begin_sample")
+        row_bytes = self._fix_widths(*widths)
+        ids, mask = _as_tensor(input_ids), _as_tensor(loss_mask)
+        n = ids.shape[0]
+        if ids.dim() != 1 or mask.shape != ids.shape:
+            raise ShardError(f"input_ids {tuple(ids.shape)} and loss_mask {tuple(mask.shape)} must be [T] alike")
+        rows = self._buffer().reserve(n)
+        rows["input_ids"].copy_(ids)
+        rows["loss_mask"].copy_(mask)
+        self._open = (sample, n, row_bytes)
+        return rows["aux_hidden_states"], rows["hidden_states"]
+
+    def end_sample(self, keep: bool = True) -> None:
+        """Completes the sample begun last, whose rows are now filled; keep=False leaves it out."""
+        if self._open is None:
+            raise ShardError("end_sample called with no sample begun")
+        (sample, n, row_bytes), self._open = self._open, None
+        if keep:
+            self._current.record([sample], [n])
+            if self._current.tokens * row_bytes >= self.shard_bytes:
+                self._flush()
+
+    def _check_open(self, call: str) -> None:
+        if self._closed:
+            raise ShardError(f"{call} called on a closed ShardWriter")
+        if self._open is not None:
+            raise ShardError(f"{call} called while sample {self._open[0].id!r} is begun and not ended")
+        self._raise_failed_writes()
+
+    def _fix_widths(self, aux_width: int, hidden_size: int) -> int:
+        """Checks (aux width, hidden size) against the writer's; returns the state bytes a token."""
+        widths = (int(aux_width), int(hidden_size))
+        if widths[1] == 0 or widths[0] % widths[1] != 0:
+            raise ShardError(f"aux width {widths[0]} is not a multiple of hidden size {widths[1]}")
+        if self._widths is None:
+            self._widths = widths
+        elif widths != self._widths:
+            raise ShardError(f"(aux width, hidden size) changed from {self._widths} to {widths}")
+        return state_bytes_per_token(widths)
 
     def _buffered_tokens(self) -> int:
         return self._current.tokens if self._current is not None else 0
@@ -266,6 +319,7 @@ class ShardWriter:
         self._pending.append(self._pool.submit(self._write, path, buf))
 
     def _write(self, path: Path, buf: _ShardBuffer) -> Path:
+        row_bytes = state_bytes_per_token(buf.widths)
         try:
             tensors = buf.contents()
             document = {"format_version": FORMAT_VERSION, "run": self.run, "samples": [asdict(s) for s in buf.samples]}
@@ -280,6 +334,10 @@ class ShardWriter:
             return path
         finally:
             buf.clear()
+            # A buffer grown for a sample longer than a shard would stay that size for the rest of the run,
+            # and up to writers+1 of them could: swap it for a standard one, touched here, off the hot path.
+            if buf.capacity * row_bytes > self.shard_bytes + row_bytes:
+                buf = self._new_buffer()
             self._free.put(buf)
 
     def _raise_failed_writes(self) -> None:
@@ -290,6 +348,8 @@ class ShardWriter:
 
     def close(self) -> list[Path]:
         """Writes the buffered tail, waits for every write, and returns the shards written."""
+        if self._open is not None:
+            raise ShardError(f"close called while sample {self._open[0].id!r} is begun and not ended")
         if not self._closed:
             self._closed = True
             try:
@@ -310,5 +370,5 @@ class ShardWriter:
         """
         if not self._closed:
             self._closed = True
-            self._current = None
+            self._current = self._open = None
             self._pool.shutdown(wait=True)
