@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gzip
 import importlib.metadata
 import json
 import math
@@ -36,7 +37,7 @@ from offline_extract.default_model import TRAINING_TEXT
 from offline_extract.engine.distributed import Coordinator, Layout, layout_from_env
 from offline_extract.engine.sglang_adapter import Engine, EngineConfig
 from offline_extract.extraction import extract_batches, staging_buffers
-from offline_extract.store.schema import bytes_per_token, state_widths
+from offline_extract.store.schema import STATE_DTYPE, bytes_per_token, state_widths
 from offline_extract.store.writer import ShardWriter
 from offline_extract.testing.models import build_model
 
@@ -305,7 +306,7 @@ class _DiscardWriter:
     bytes_written = 0
 
     def __init__(self, rows: int, widths: tuple[int, int]):
-        self._scratch = tuple(torch.zeros(rows, w, dtype=STORED_DTYPE) for w in widths)
+        self._scratch = tuple(torch.zeros(rows, w, dtype=STATE_DTYPE) for w in widths)
 
     def add_batch(self, *args, **kwargs) -> None:
         pass
@@ -532,11 +533,15 @@ def _profile(fn, out_dir: Path, name: str) -> None:
     averages = prof.key_averages()
     (out_dir / f"{name}_profile.txt").write_text(
         f"{name}: by GPU time of each kernel itself\n"
-        + averages.table(sort_by="self_cuda_time_total", row_limit=50)
+        + averages.table(sort_by="self_device_time_total", row_limit=50)
         + f"\n\n{name}: by CPU time, children included\n"
         + averages.table(sort_by="cpu_time_total", row_limit=50)
     )
-    prof.export_chrome_trace(str(out_dir / f"{name}_trace.json"))
+    trace = out_dir / f"{name}_trace.json"
+    prof.export_chrome_trace(str(trace))
+    with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+    trace.unlink()
 
 
 def _generated_config(shape: str, longest: int, layout: Layout, coord: Coordinator) -> Path:

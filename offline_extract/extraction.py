@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from itertools import chain, islice
@@ -36,7 +37,7 @@ from offline_extract.store.atomic import atomic_write
 from offline_extract.store.index import write_index
 from offline_extract.store.journal import Journal, read_journal
 from offline_extract.store.schema import STATE_DTYPE, SampleInfo, state_widths
-from offline_extract.store.writer import ShardWriter
+from offline_extract.store.writer import WRITER_THREADS, ShardWriter, shard_buffers
 
 REJECTS_FILE = "rejects.jsonl"
 
@@ -372,6 +373,38 @@ def staging_buffers(engine: Engine) -> list:
     return pinned_buffers(engine.device, engine.max_forward_tokens, widths)
 
 
+class _HostMemory:
+    """A writing rank's hot-loop host memory on a GPU, prepared on a thread while the model loads: pinned
+    staging for the forwards' states and the writer's touched shard buffers. Pinning and first
+    touching a few gigabytes takes a second or more, which would otherwise sit between the loaded model
+    and the first batch.
+
+    The widths are predicted from the config (`_num_aux_layers`); should the loaded engine differ, the
+    prepared memory is dropped and allocated anew.
+    """
+
+    def __init__(self, opts: ExtractOptions, checked: preflight.Checked, layout: Layout):
+        hidden = checked.model.hidden_size
+        self.widths = state_widths(_num_aux_layers(opts), hidden)
+        self.forward_tokens = max(checked.tokens_per_batch, opts.chunk_tokens or 0)
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-memory")
+        self._prepared = pool.submit(self._allocate, layout.local_rank, opts.shard_bytes)
+        pool.shutdown(wait=False)
+
+    def _allocate(self, gpu: int, shard_bytes: int) -> tuple[list, list]:
+        torch.cuda.set_device(gpu)  # pinned memory belongs to the current device's context, per thread
+        staging = pinned_buffers("cuda", self.forward_tokens, self.widths)
+        return staging, shard_buffers(self.widths, shard_bytes, WRITER_THREADS + 1)
+
+    def take(self, engine: Engine) -> tuple[list, list]:
+        """(staging, shard buffers) for `engine`'s widths and forwards."""
+        staging, buffers = self._prepared.result()
+        widths = state_widths(len(engine.layer_ids), engine.hidden_size)
+        if (self.widths, self.forward_tokens) != (widths, engine.max_forward_tokens):
+            return staging_buffers(engine), []
+        return staging, buffers
+
+
 def _count_owned(layout: Layout, sources: Sequence[Source]) -> int | None:
     """This replica's share of the records, for the progress ETA; None when a source cannot say."""
     counts = [source.count() for source in sources]
@@ -420,10 +453,13 @@ def dry_run(opts: ExtractOptions) -> planning.Plan:
     """The real run's checks, then the whole corpus tokenized as the run would and its output sized,
     without loading the model."""
     model = preflight.check(opts).model
-    # Every supported model's SGLang EAGLE-3 default captures three layers.
-    num_aux = len(opts.layers) if opts.layers is not None else 3
-    return planning.plan(opts.data, _sample_tokenizer(opts, model.path), opts.out, model.hidden_size, num_aux,
-                         strict=opts.strict)
+    return planning.plan(opts.data, _sample_tokenizer(opts, model.path), opts.out, model.hidden_size,
+                         _num_aux_layers(opts), strict=opts.strict)
+
+
+def _num_aux_layers(opts: ExtractOptions) -> int:
+    """Before the model loads: every supported model's SGLang EAGLE-3 default captures three layers."""
+    return len(opts.layers) if opts.layers is not None else 3
 
 
 def run(opts: ExtractOptions) -> Summary | None:
@@ -506,6 +542,7 @@ def _run(
 
     on_gpu = torch.device(device).type == "cuda"
     tokens_per_batch = checked.tokens_per_batch
+    host = _HostMemory(opts, checked, layout) if on_gpu and layout.writes else None
     with foreign_output_hidden(not opts.verbose):
         engine = Engine(EngineConfig(
             model_path=str(model_dir),
@@ -547,6 +584,7 @@ def _run(
             for line in parity_lines(summary.parity):
                 _note(line)
         meta["parity"] = summary.parity
+        staging, buffers = host.take(engine) if host else (None, [])
         writer = None
         if layout.writes:
             shard_log = journals.enter_context(Journal(manifest.journal_path(out, layout.dp_rank), durable=True))
@@ -559,6 +597,7 @@ def _run(
                 # On a GPU the first shards would otherwise fill fresh pages on the hot path; on CPU
                 # (tiny models, tests) that memory would mostly sit unused.
                 widths=state_widths(len(engine.layer_ids), engine.hidden_size) if on_gpu else None,
+                buffers=buffers,
             )
 
         def found_nonfinite(sample: Sample, reason: str) -> None:
@@ -586,7 +625,7 @@ def _run(
             batches = batch_by_tokens(chain(head, samples), tokens_per_batch, opts.seqs_per_batch)
             guard = NonFiniteGuard(opts.nonfinite, engine.layer_ids, found_nonfinite)
             try:
-                extract_batches(engine, batches, writer, advance, nonfinite=guard)
+                extract_batches(engine, batches, writer, advance, staging=staging, nonfinite=guard)
             except BaseException:
                 if writer is not None:
                     writer.abort()

@@ -31,6 +31,8 @@ from offline_extract.store.schema import (
     state_bytes_per_token,
 )
 
+WRITER_THREADS = 4  # ShardWriter's default; it holds at most one more shard buffer than threads
+
 
 def _serialize(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
     """Write a safetensors file straight from the tensors' memory, without an intermediate bytes copy,
@@ -119,6 +121,20 @@ class _ShardBuffer:
         return out
 
 
+def shard_buffers(widths: tuple[int, int], shard_bytes: int, count: int, touch: bool = True) -> list[_ShardBuffer]:
+    """`count` buffers of one shard of `shard_bytes` each, for states of `widths` (k*H, H) columns.
+
+    Touched (written once) by default: a first-touch copy runs several times slower than one into resident
+    memory. A caller may prepare them ahead, e.g. while the model loads, and hand them to ShardWriter.
+    """
+    rows = max(1, -(-shard_bytes // state_bytes_per_token(widths)))
+    buffers = [_ShardBuffer(widths, rows) for _ in range(count)]
+    for buf in buffers if touch else ():
+        for t in buf.tensors.values():
+            t.zero_()
+    return buffers
+
+
 @dataclass(frozen=True)
 class WrittenShard:
     """A shard that is complete under its final name, with the checksum of its bytes."""
@@ -154,9 +170,10 @@ class ShardWriter:
         *,
         shard_bytes: int = 512 << 20,
         shard_numbers: Iterator[int] | None = None,
-        writers: int = 4,
+        writers: int = WRITER_THREADS,
         on_written: Callable[[WrittenShard], None] | None = None,
         widths: tuple[int, int] | None = None,
+        buffers: list[_ShardBuffer] | None = None,
     ):
         if shard_bytes <= 0:
             raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
@@ -178,29 +195,26 @@ class ShardWriter:
         self._widths: tuple[int, int] | None = None  # (k*H, H), given or fixed by the first batch
         self._current: _ShardBuffer | None = None
         self._open: tuple[SampleInfo, int, int] | None = None  # (sample, tokens, row bytes): begun, not ended
-        self._touch = widths is not None
+        self._touch = widths is not None or bool(buffers)
         self._lock = threading.Lock()
         self.bytes_written = 0
         self.samples_written = 0
         self.tokens_written = 0
-        if widths is not None:
-            self._preallocate(widths)
-
-    def _preallocate(self, widths: tuple[int, int]) -> None:
-        """All shard buffers now, their pages touched: a first-touch copy runs several times slower than
-        one into resident memory, and would otherwise land on the hot path during the first shards."""
-        self._widths = widths
-        while self._buffers_left:
-            self._buffers_left -= 1
-            self._free.put(self._new_buffer())
+        # All shard buffers up front, touched, so that first-touch copies stay off the hot path during the
+        # first shards: given (`shard_buffers`, prepared ahead), or allocated now for `widths`.
+        for buf in buffers or ():
+            if self._buffers_left:
+                self._buffers_left -= 1
+                self._widths = buf.widths
+                self._free.put(buf)
+        if widths is not None and not buffers:
+            self._widths = widths
+            while self._buffers_left:
+                self._buffers_left -= 1
+                self._free.put(self._new_buffer())
 
     def _new_buffer(self) -> _ShardBuffer:
-        row_bytes = state_bytes_per_token(self._widths)
-        buf = _ShardBuffer(self._widths, max(1, -(-self.shard_bytes // row_bytes)))
-        if self._touch:
-            for t in buf.tensors.values():
-                t.zero_()
-        return buf
+        return shard_buffers(self._widths, self.shard_bytes, 1, touch=self._touch)[0]
 
     def add_batch(
         self,
