@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from offline_extract.engine import parity
 from offline_extract.store.index import iter_samples, shard_paths
 from offline_extract.store.shard import open_shard
 from offline_extract.testing.models import build_model
@@ -90,7 +91,7 @@ def test_small_llama_bf16_matches_hf(tmp_path):
 def llama3_8b(tmp_path_factory):
     # Generated on the GPU in bf16: ~16 GB written once, shared by the tests below.
     return build_model("llama3_8b", tmp_path_factory.mktemp("llama3_8b"), dtype=torch.bfloat16, device="cuda",
-                       overrides={"max_position_embeddings": 32768})
+                       overrides={"max_position_embeddings": 131072})
 
 
 def test_llama3_8b_shaped_matches_hf_including_a_32k_chunked_sample(llama3_8b, tmp_path):
@@ -107,3 +108,28 @@ def test_llama3_8b_shaped_matches_hf_including_a_32k_chunked_sample(llama3_8b, t
     samples = {info.id: t for info, t in iter_samples(out)}
     assert samples["long-32k"]["aux_hidden_states"].shape == (32768, 3 * 4096)
     assert len(samples) == 25
+
+
+def test_llama3_8b_shaped_65k_and_131k_samples_match_hf_in_the_gate_and_in_the_shards(llama3_8b, tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    rng = np.random.default_rng(1)
+    lengths = {"long-65k": 65536, "long-131k": 131072}
+    records = [json.dumps({"id": i, "input_ids": rng.integers(10, 380, n).tolist()}) for i, n in lengths.items()]
+    corpus.write_text("\n".join(records) + "\n" + CORPUS.read_text())
+    out = tmp_path / "out"
+    # The default backend (FA3 on Hopper) and batch budget: each long sample streams out in 16k-token chunks.
+    _extract(out, "--model", str(llama3_8b), "--data", str(corpus), "--verify", "2", "--max-length", "131072")
+    run, rows = _parity(out, "llama3_8b (generated), 65k and 131k samples", "gpu_parity_llama3_8b_long")
+    _check(rows, run["layer_ids"])
+    samples = {info.id: t for info, t in iter_samples(out)}
+    assert len(samples) == 26
+    for name, n in lengths.items():
+        assert samples[name]["aux_hidden_states"].shape == (n, 3 * 4096)
+
+    # The gate judged the engine's states; the shards hold what the chunk-by-chunk copy-out made of them.
+    hf = parity.load_hf_model(str(llama3_8b), "bfloat16", "cuda")
+    t = samples["long-131k"]
+    hs = parity.hf_hidden_states(hf, t["input_ids"].tolist(), "cuda")
+    stored = parity.compare_states([(t["aux_hidden_states"].cuda(), t["hidden_states"].cuda(), hs)],
+                                   run["layer_ids"], "bfloat16")
+    assert all(r.ok and r.cosine >= MIN_COSINE for r in stored), stored
