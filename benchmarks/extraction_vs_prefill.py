@@ -311,8 +311,11 @@ class _DiscardWriter:
     def add_batch(self, *args, **kwargs) -> None:
         pass
 
-    def begin_sample(self, sample, input_ids, loss_mask, widths) -> tuple[torch.Tensor, torch.Tensor]:
+    def begin_sample(self, sample, input_ids, loss_mask, widths, stream=False) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(t[: len(input_ids)] for t in self._scratch)
+
+    def filled(self, rows: int) -> None:
+        pass
 
     def end_sample(self, keep: bool = True) -> None:
         pass

@@ -295,7 +295,8 @@ def _forwards(engine: Engine, batch: Batch) -> Iterator[tuple[int, int, Captured
 class _WriterFeed:
     """The offload's consumer: hands each piece's host rows to the writer. A long sample's chunks go
     straight into its rows in the shard buffer as they arrive, so its states are never held on the host
-    twice, and are screened for NaN/Inf once all of them are there."""
+    twice, and are screened for NaN/Inf once all of them are there. Its shard is written as the chunks
+    arrive, unless non-finite samples are dropped: a streamed sample can no longer be left out."""
 
     def __init__(self, writer: ShardWriter, guard: NonFiniteGuard):
         self.writer = writer
@@ -311,10 +312,13 @@ class _WriterFeed:
             return
         (sample,) = piece.batch.samples
         if piece.start == 0:
-            self._rows = self.writer.begin_sample(_info(sample), sample.input_ids, sample.loss_mask, (aux.shape[1], last.shape[1]))
+            widths = (aux.shape[1], last.shape[1])
+            stream = self.guard.policy != "drop"
+            self._rows = self.writer.begin_sample(_info(sample), sample.input_ids, sample.loss_mask, widths, stream=stream)
             self._flagged = False
         self._rows[0][piece.start : piece.stop].copy_(aux)
         self._rows[1][piece.start : piece.stop].copy_(last)
+        self.writer.filled(piece.stop)
         self._flagged |= bool(piece.flag)
         if piece.stop == sample.num_tokens:
             kept = self.guard.screen([sample], *self._rows)[0] if self._flagged else [sample]

@@ -611,8 +611,8 @@ NAN_REASON = "8 non-finite values (NaN/Inf) in its hidden states: 8 in layer 3"
 INF_REASON = "1 non-finite values (NaN/Inf) in its hidden states: 1 in the final state"
 
 
-def extract(tmp_path, guard, items=POISONED):
-    writer = ShardWriter(tmp_path, RUN)
+def extract(tmp_path, guard, items=POISONED, shard_bytes=512 << 20):
+    writer = ShardWriter(tmp_path, RUN, shard_bytes=shard_bytes)
     try:
         extract_batches(PoisonedEngine(), batch_by_tokens(items, 8, 8), writer, nonfinite=guard)
     except BaseException:
@@ -644,10 +644,14 @@ def test_nonfinite_keep_writes_the_states_as_they_are(tmp_path):
     assert torch.isinf(got["s3"]["hidden_states"][0, 0].float())
 
 
+# (8 + 4) bf16 values a token: with shards of 8 tokens, each long sample completes a shard, which is then
+# written while its chunks arrive (but not under "drop": a streamed sample could not be left out).
+@pytest.mark.parametrize("shard_bytes", [512 << 20, 8 * 24], ids=["big-shards", "streamed"])
 @pytest.mark.parametrize("policy", ["drop", "keep"])
-def test_long_samples_arrive_chunk_by_chunk_and_are_screened_whole(tmp_path, policy):
+def test_long_samples_arrive_chunk_by_chunk_and_are_screened_whole(tmp_path, policy, shard_bytes):
     found = []
-    got = extract(tmp_path, NonFiniteGuard(policy, PoisonedEngine.layer_ids, lambda s, why: found.append((s.id, why))), LONG)
+    guard = NonFiniteGuard(policy, PoisonedEngine.layer_ids, lambda s, why: found.append((s.id, why)))
+    got = extract(tmp_path, guard, LONG, shard_bytes)
     assert found == [("s2", LONG_NAN), ("s4", INF_REASON)]
     assert set(got) == ({"s0", "s1", "s3"} if policy == "drop" else {"s0", "s1", "s2", "s3", "s4"})
     for sample in LONG:
@@ -658,7 +662,10 @@ def test_long_samples_arrive_chunk_by_chunk_and_are_screened_whole(tmp_path, pol
 
 def test_a_long_sample_poisoned_in_a_later_chunk_fails_the_run(tmp_path):
     with pytest.raises(NonFiniteError, match=re.escape(f"sample 's2' (c.jsonl:3) has {LONG_NAN}")):
-        extract(tmp_path, NonFiniteGuard("fail", PoisonedEngine.layer_ids), LONG)
+        extract(tmp_path, NonFiniteGuard("fail", PoisonedEngine.layer_ids), LONG, shard_bytes=8 * 24)
+    # s0's shard is complete; s2's (with s1), already being written as s2 arrived, is gone with its
+    # temporary file: a re-run redoes both.
+    assert [p.name for p in tmp_path.iterdir()] == ["shard_000.safetensors"]
 
 
 def test_clean_batches_are_never_examined_sample_by_sample(tmp_path):

@@ -2,6 +2,7 @@ import itertools
 import json
 import os
 import stat
+import time
 
 import numpy as np
 import pytest
@@ -197,7 +198,7 @@ def test_writes_leave_only_final_files(tmp_path):
 
 
 def test_crash_while_serializing_leaves_no_partial_shard(tmp_path, monkeypatch):
-    def crash_midway(path, tensors, metadata):
+    def crash_midway(path, tensors, metadata, filling=None):
         with open(path, "wb") as f:
             f.write(b"\x00" * 100)
         raise OSError("disk full")
@@ -275,7 +276,7 @@ def test_damaged_metadata_is_a_shard_error_naming_the_file(tmp_path):
         read_header(path)
 
 
-def _feed_in_pieces(writer, batches, piece_rows, drop=()):
+def _feed_in_pieces(writer, batches, piece_rows, drop=(), stream=False):
     """Every sample alone: short ones through add_batch, those over `piece_rows` rows through
     begin_sample / end_sample, filled `piece_rows` rows at a time (as a long sample's chunks arrive)."""
     for indices, lengths, seed in batches:
@@ -284,11 +285,12 @@ def _feed_in_pieces(writer, batches, piece_rows, drop=()):
         for info, n in zip(samples, lengths):
             rows = slice(start, start + n)
             if n > piece_rows:
-                got_aux, got_last = writer.begin_sample(info, ids[rows], mask[rows], (K * H, H))
+                got_aux, got_last = writer.begin_sample(info, ids[rows], mask[rows], (K * H, H), stream=stream)
                 for a in range(0, n, piece_rows):
                     b = min(a + piece_rows, n)
                     got_aux[a:b].copy_(aux[start + a : start + b])
                     got_last[a:b].copy_(last[start + a : start + b])
+                    writer.filled(b)
                 writer.end_sample(keep=info.index not in drop)
             else:
                 writer.add_batch([info], ids[rows], mask[rows], aux[rows], last[rows], lengths=[n])
@@ -296,14 +298,16 @@ def _feed_in_pieces(writer, batches, piece_rows, drop=()):
     return writer.close()
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["written-after", "streamed"])
 @pytest.mark.parametrize("widths", [None, (K * H, H)], ids=["lazy", "preallocated"])
-def test_a_sample_filled_in_pieces_writes_the_same_shards(tmp_path, widths):
+def test_a_sample_filled_in_pieces_writes_the_same_shards(tmp_path, widths, stream):
     # Sample 3 (25 rows) is longer than a shard (10 rows) and arrives in pieces of 7 rows, after three
     # samples already buffered: it grows that buffer and closes the shard with them, as add_batch would.
+    # Streamed, that shard is written while the pieces arrive.
     batches = [([0, 1, 2, 3], [3, 2, 4, 25], 0), ([4, 5, 6], [9, 1, 30], 1), ([7], [2], 2)]
     _, whole = write(tmp_path / "whole", batches, shard_bytes=10 * ROW_BYTES, writers=2)
     writer = ShardWriter(tmp_path / "pieces", RUN, shard_bytes=10 * ROW_BYTES, writers=2, widths=widths)
-    pieces = _feed_in_pieces(writer, batches, piece_rows=7)
+    pieces = _feed_in_pieces(writer, batches, piece_rows=7, stream=stream)
     assert [p.name for p in whole] == [p.name for p in pieces]
     assert [[s.index for s in open_shard(p).samples] for p in pieces] == [[0, 1, 2, 3], [4, 5], [6], [7]]
     for a, b in zip(whole, pieces):
@@ -325,6 +329,30 @@ def test_a_sample_ended_without_keep_is_left_out(tmp_path):
     assert shard.offsets == [0, 3, 7]
     for pos, info in enumerate(shard.samples):
         assert_tensors_equal(shard.sample(pos), want[info.index][1])
+
+
+def test_a_streamed_shard_waits_for_every_row_and_is_abandoned_cleanly(tmp_path):
+    samples, ids, mask, aux, last = make_batch([0], [12])
+    writer = ShardWriter(tmp_path, RUN, shard_bytes=4 * ROW_BYTES)
+    rows = writer.begin_sample(samples[0], ids, mask, (K * H, H), stream=True)
+    rows[0].copy_(aux)
+    rows[1].copy_(last)
+    writer.filled(12)
+    time.sleep(0.5)
+    # Every row is written, but the shard appears only once the sample is ended (checked whole by then).
+    assert "shard_000.safetensors" not in os.listdir(tmp_path)
+    with pytest.raises(ShardError, match="streamed into its shard; it cannot be left out"):
+        writer.end_sample(keep=False)
+    writer.abort()
+    assert os.listdir(tmp_path) == []  # neither the shard nor its temporary file
+
+    writer = ShardWriter(tmp_path, RUN, shard_bytes=4 * ROW_BYTES)
+    writer.begin_sample(samples[0], ids, mask, (K * H, H), stream=True)
+    writer.filled(11)
+    with pytest.raises(ShardError, match="1 of its rows unfilled"):
+        writer.end_sample()
+    writer.abort()
+    assert os.listdir(tmp_path) == []
 
 
 def test_nothing_else_goes_in_while_a_sample_is_begun(tmp_path):

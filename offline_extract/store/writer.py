@@ -34,11 +34,78 @@ from offline_extract.store.schema import (
 WRITER_THREADS = 4  # ShardWriter's default; it holds at most one more shard buffer than threads
 
 
-def _serialize(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+class _Filling:
+    """State rows of a shard still arriving while the shard is written: its last sample's, chunk by chunk.
+
+    The writing thread writes and hashes every row as soon as it is final and waits here for the rest;
+    the file becomes the shard only once the sample is `confirm`ed, after the caller has checked it whole
+    (a NaN found then must not leave a complete shard behind). `abort` makes the thread give up, and the
+    partial file goes like any failed write's."""
+
+    def __init__(self, final: int, end: int):
+        self._cond = threading.Condition()
+        self.final = final  # rows [0, final) of the state tensors hold their final values
+        self.end = end
+        self._confirmed = self._aborted = False
+
+    def advance(self, final: int) -> None:
+        with self._cond:
+            self.final = final
+            self._cond.notify_all()
+
+    def confirm(self) -> None:
+        with self._cond:
+            self._confirmed = True
+            self._cond.notify_all()
+
+    def abort(self) -> None:
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+
+    def wait(self, beyond: int) -> int:
+        """How many rows are final, once that is more than `beyond`."""
+        return self._wait(lambda: self.final > beyond)
+
+    def wait_confirmed(self) -> None:
+        self._wait(lambda: self._confirmed)
+
+    def _wait(self, ready) -> int:
+        with self._cond:
+            self._cond.wait_for(lambda: ready() or self._aborted)
+            if self._aborted:
+                raise ShardError("a shard being written as its last sample arrived was abandoned")
+            return self.final
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+
+
+def _pieces(tensors: dict[str, torch.Tensor], filling: _Filling | None) -> Iterator[memoryview]:
+    """The tensors' bytes in file order; rows still `filling` are handed out as they become final."""
+    for name in FILE_ORDER:
+        t = tensors[name]
+        if not t.numel():
+            continue
+        if filling is None or name not in STATE_TENSORS:
+            yield _as_bytes(t.contiguous())
+            continue
+        done = 0
+        while done < t.shape[0]:
+            final = min(filling.wait(done), t.shape[0])
+            yield _as_bytes(t[done:final])  # row slices of the buffer: contiguous, no copy
+            done = final
+
+
+def _serialize(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], filling: _Filling | None = None) -> str:
     """Write a safetensors file straight from the tensors' memory, without an intermediate bytes copy,
     and return the file's sha256, hashed from memory so the file is never read back. Hashing runs on its
     own thread alongside the write (both release the GIL), so a shard costs the slower of the two, not
     their sum: the last shard of a run is written after the last forward, where nothing else overlaps it.
+
+    With `filling`, the state rows from `filling.final` on are still arriving: each is written, hashed and
+    flushed to disk as soon as it is final, so that little is left to do once the last one is.
 
     The layout is safetensors' own (u64 header length, JSON header padded to 8 bytes, raw data), so the
     reference reader opens it; the tests read every shard back through it.
@@ -52,21 +119,29 @@ def _serialize(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str,
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    # A file we create gets the mode the process umask allows (safetensors' own writer leaves 0600,
-    # which other users' training jobs could not read).
-    pieces = [len(blob).to_bytes(8, "little"), blob]
-    for name in FILE_ORDER:
-        t = tensors[name].contiguous()
-        if t.numel():
-            pieces.append(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
     digest = hashlib.sha256()
-    hasher = threading.Thread(target=lambda: [digest.update(p) for p in pieces], name="shard-hash")
+    to_hash: queue.SimpleQueue = queue.SimpleQueue()
+
+    def hash_in_order() -> None:
+        while (piece := to_hash.get()) is not None:
+            digest.update(piece)
+
+    hasher = threading.Thread(target=hash_in_order, name="shard-hash")
     hasher.start()
     try:
+        # A file we create gets the mode the process umask allows (safetensors' own writer leaves 0600,
+        # which other users' training jobs could not read).
         with open(path, "wb") as f:
-            for p in pieces:
-                f.write(p)
+            for piece in itertools.chain([len(blob).to_bytes(8, "little"), blob], _pieces(tensors, filling)):
+                to_hash.put(piece)
+                f.write(piece)
+                if filling is not None and filling.final < filling.end:
+                    f.flush()
+                    os.fdatasync(f.fileno())  # on a disk, the final fsync would otherwise flush it all at once
+        if filling is not None:
+            filling.wait_confirmed()
     finally:
+        to_hash.put(None)
         hasher.join()
     return digest.hexdigest()
 
@@ -117,11 +192,17 @@ class _ShardBuffer:
             rows.copy_(tensors[name][start:stop])
         self.record(samples, lengths)
 
-    def contents(self) -> dict[str, torch.Tensor]:
-        out = {name: t[: self.tokens] for name, t in self.tensors.items()}
-        out["offsets"] = torch.tensor(np.cumsum([0, *self.lengths]), dtype=SPECS["offsets"].dtype)
-        out["sample_index"] = torch.tensor([s.index for s in self.samples], dtype=SPECS["sample_index"].dtype)
-        return out
+    def contents(self, pending: tuple[SampleInfo, int] | None = None) -> tuple[list[SampleInfo], dict[str, torch.Tensor]]:
+        """The samples and the shard's tensors (views of this buffer), with the `pending` (sample, tokens)
+        whose rows are reserved after the recorded ones, if given."""
+        samples, lengths = list(self.samples), list(self.lengths)
+        if pending is not None:
+            samples.append(pending[0])
+            lengths.append(pending[1])
+        out = {name: t[: sum(lengths)] for name, t in self.tensors.items()}
+        out["offsets"] = torch.tensor(np.cumsum([0, *lengths]), dtype=SPECS["offsets"].dtype)
+        out["sample_index"] = torch.tensor([s.index for s in samples], dtype=SPECS["sample_index"].dtype)
+        return samples, out
 
 
 def shard_buffers(widths: tuple[int, int], shard_bytes: int, count: int, touch: bool = True) -> list[_ShardBuffer]:
@@ -198,6 +279,7 @@ class ShardWriter:
         self._widths: tuple[int, int] | None = None  # (k*H, H), given or fixed by the first batch
         self._current: _ShardBuffer | None = None
         self._open: tuple[SampleInfo, int, int] | None = None  # (sample, tokens, row bytes): begun, not ended
+        self._filling: _Filling | None = None  # the begun sample's rows, when its shard is already being written
         self._touch = widths is not None or bool(buffers)
         self._lock = threading.Lock()
         self.bytes_written = 0
@@ -267,28 +349,51 @@ class ShardWriter:
 
     def begin_sample(
         self, sample: SampleInfo, input_ids: np.ndarray | torch.Tensor, loss_mask: np.ndarray | torch.Tensor,
-        widths: tuple[int, int],
+        widths: tuple[int, int], *, stream: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows for one sample whose states arrive in pieces: returns its (aux, last) rows, of `widths`
-        columns, in the shard it goes to. The caller fills them, then calls `end_sample`; nothing else may
-        be added in between."""
+        columns, in the shard it goes to. The caller fills them in order, reports each filled prefix with
+        `filled`, then calls `end_sample`; nothing else may be added in between.
+
+        stream=True, when the sample completes its shard, starts writing that shard at once: every row is
+        written (and hashed) as soon as it is filled, so that the write after the last row is short. Such a
+        sample cannot then be left out (end_sample(keep=False))."""
         self._check_open("begin_sample")
         row_bytes = self._fix_widths(*widths)
         ids, mask = _as_tensor(input_ids), _as_tensor(loss_mask)
         n = ids.shape[0]
         if ids.dim() != 1 or mask.shape != ids.shape:
             raise ShardError(f"input_ids {tuple(ids.shape)} and loss_mask {tuple(mask.shape)} must be [T] alike")
-        rows = self._buffer().reserve(n)
+        buf = self._buffer()
+        rows = buf.reserve(n)
         rows["input_ids"].copy_(ids)
         rows["loss_mask"].copy_(mask)
         self._open = (sample, n, row_bytes)
+        if stream and (buf.tokens + n) * row_bytes >= self.shard_bytes:
+            self._filling = _Filling(buf.tokens, buf.tokens + n)
+            self._flush(pending=(sample, n), filling=self._filling)
         return rows["aux_hidden_states"], rows["hidden_states"]
+
+    def filled(self, rows: int) -> None:
+        """The begun sample's first `rows` rows hold their final states."""
+        if self._filling is not None:
+            self._filling.advance(self._filling.end - self._open[1] + rows)
 
     def end_sample(self, keep: bool = True) -> None:
         """Completes the sample begun last, whose rows are now filled; keep=False leaves it out."""
         if self._open is None:
             raise ShardError("end_sample called with no sample begun")
         (sample, n, row_bytes), self._open = self._open, None
+        filling, self._filling = self._filling, None
+        if filling is not None:  # its shard, handed to a writer thread at begin_sample, may now complete
+            if not keep or filling.final != filling.end:
+                filling.abort()
+                raise ShardError(
+                    f"sample {sample.id!r} was streamed into its shard; it cannot be "
+                    + ("left out" if not keep else f"ended with {filling.end - filling.final} of its rows unfilled")
+                )
+            filling.confirm()
+            return
         if keep:
             self._current.record([sample], [n])
             if self._current.tokens * row_bytes >= self.shard_bytes:
@@ -326,28 +431,31 @@ class ShardWriter:
                 self._raise_failed_writes()
         return self._current
 
-    def _flush(self) -> None:
+    def _flush(self, pending: tuple[SampleInfo, int] | None = None, filling: _Filling | None = None) -> None:
+        """Hands the current buffer to a writer thread, with the `pending` sample whose rows are `filling`."""
         buf, self._current = self._current, None
-        if buf is None or not buf.samples:
+        if buf is None or not (buf.samples or pending):
             return
         path = self.out_dir / shard_name(next(self._numbers))
         if path.exists():
             raise FileExistsError(f"{path} already exists; refusing to overwrite another run's shard")
-        self._pending.append(self._pool.submit(self._write, path, buf))
+        samples, tensors = buf.contents(pending)
+        self._pending.append(self._pool.submit(self._write, path, buf, samples, tensors, filling))
 
-    def _write(self, path: Path, buf: _ShardBuffer) -> Path:
+    def _write(self, path: Path, buf: _ShardBuffer, samples: list[SampleInfo], tensors: dict[str, torch.Tensor],
+               filling: _Filling | None) -> Path:
         row_bytes = state_bytes_per_token(buf.widths)
         try:
-            tensors = buf.contents()
-            document = {"format_version": FORMAT_VERSION, "run": self.run, "samples": [asdict(s) for s in buf.samples]}
-            sha256 = atomic_write(path, lambda tmp: _serialize(tmp, tensors, {METADATA_KEY: json.dumps(document)}))
-            size = path.stat().st_size
+            document = {"format_version": FORMAT_VERSION, "run": self.run, "samples": [asdict(s) for s in samples]}
+            metadata = {METADATA_KEY: json.dumps(document)}
+            sha256 = atomic_write(path, lambda tmp: _serialize(tmp, tensors, metadata, filling))
+            size, tokens = path.stat().st_size, tensors["input_ids"].shape[0]
             with self._lock:
                 self.bytes_written += size
-                self.samples_written += len(buf.samples)
-                self.tokens_written += buf.tokens
+                self.samples_written += len(samples)
+                self.tokens_written += tokens
             if self._on_written is not None:
-                self._on_written(WrittenShard(path.name, sha256, size, len(buf.samples), buf.tokens))
+                self._on_written(WrittenShard(path.name, sha256, size, len(samples), tokens))
             return path
         finally:
             buf.clear()
@@ -388,4 +496,6 @@ class ShardWriter:
         if not self._closed:
             self._closed = True
             self._current = self._open = None
+            if self._filling is not None:
+                self._filling.abort()
             self._pool.shutdown(wait=True)
