@@ -231,6 +231,7 @@ def run_metadata(known: dict, engine: Engine) -> dict:
         "hidden_size": engine.hidden_size,
         "dtype": str(STATE_DTYPE).removeprefix("torch."),
         "compute_dtype": engine.dtype,
+        "quantization": engine.quantization,
         "attention_backend": engine.attention_backend,
         "sglang_version": importlib.metadata.version("sglang"),
         "torch_version": torch.__version__,
@@ -417,29 +418,51 @@ def _count_owned(layout: Layout, sources: Sequence[Source]) -> int | None:
 
 def _verify(
     engine: Engine, layout: Layout, coord: Coordinator, model_dir: Path, head: list[Sample], verbose: bool
-) -> list[dict]:
+) -> dict:
     """Parity gate on each replica's first samples, before extraction spends any time. Every rank takes
-    part, and every rank stops if any replica fails: a TP peer left running would wait in NCCL forever."""
+    part, and every rank stops if any replica fails: a TP peer left running would wait in NCCL forever.
+
+    On a MoE model HF is sent to the experts the engine chose (parity.ForcedRouting) where SGLang exposes
+    them and HF's MoE block is one that can be forced, so that near-tied router scores, which bf16 and FP8
+    rounding resolve differently in the two stacks, do not compare a token on two different experts; how
+    often HF's own router would have chosen otherwise is recorded."""
     states = []
     for s in head:
-        c = engine.capture([s.input_ids])
-        states.append((s.input_ids.tolist(), c.aux.cpu(), c.last.cpu()))
-    rows, failure = [], None
+        if engine.is_moe:
+            with engine.recording_routing() as chosen:
+                c = engine.capture([s.input_ids])
+            # A sample longer than one forward's budget is routed chunk by chunk.
+            experts = {layer: None if any(i is None for i in ids) else torch.cat(ids) for layer, ids in chosen.items()}
+        else:
+            c, experts = engine.capture([s.input_ids]), {}
+        states.append((s.input_ids.tolist(), c.aux.cpu(), c.last.cpu(), experts))
+    fp8 = parity.is_fp8_block(engine.quantization)
+    result, failure = {"rows": []}, None
     if layout.writes and head:
         with foreign_output_hidden(not verbose):
             hf = parity.load_hf_model(str(model_dir), engine.dtype, str(engine.device))
-        rows = parity.compare(states, hf, engine.layer_ids, engine.dtype, moe=engine.is_moe, final_state=engine.final_state)
+        exposed = all(experts and all(ids is not None for ids in experts.values()) for _, _, _, experts in states)
+        forcing = parity.ForcedRouting(hf) if engine.is_moe and exposed and parity.ForcedRouting.supports(hf) else None
+        try:
+            rows = parity.compare(states, hf, engine.layer_ids, engine.dtype, moe=engine.is_moe,
+                                  final_state=engine.final_state, fp8=fp8, forcing=forcing)
+        finally:
+            if forcing is not None:
+                forcing.remove()
         del hf
         if torch.device(engine.device).type == "cuda":
             torch.cuda.empty_cache()  # once, so HF's weights do not shrink the extraction's activation room
+        result["rows"] = [r.to_json() for r in rows]
+        if engine.is_moe:
+            result["routing"] = [layer.to_json() for layer in forcing.layers.values()] if forcing else "not forced"
         try:
-            parity.check(rows, engine.dtype, len(head), moe=engine.is_moe)
+            parity.check(rows, engine.dtype, len(head), moe=engine.is_moe, fp8=fp8)
         except parity.ParityError as e:
             failure = f"dp replica {layout.dp_rank}: {e}"
     failures = [f for f in coord.all_gather(failure) if f]
     if failures:
         raise parity.ParityError(failures[0])
-    return [r.to_json() for r in rows]
+    return result
 
 
 def _sample_tokenizer(opts: ExtractOptions, model_dir: Path) -> SampleTokenizer:
@@ -583,11 +606,13 @@ def _run(
         rejects = journals.enter_context(Journal(out / f".rejects.dp{layout.dp_rank}.jsonl")) if layout.writes else None
         samples = _owned(layout, opts, tokenizer, done, rejects, summary)
         head = list(islice(samples, opts.verify))
-        summary.parity = _verify(engine, layout, coord, model_dir, head, opts.verbose) if opts.verify else []
+        verified = _verify(engine, layout, coord, model_dir, head, opts.verbose) if opts.verify else {"rows": []}
+        summary.parity = meta["parity"] = verified["rows"]
+        if "routing" in verified:
+            meta["parity_routing"] = verified["routing"]
         if layout.leads:
             for line in parity_lines(summary.parity):
                 _note(line)
-        meta["parity"] = summary.parity
         staging, buffers = host.take(engine) if host else (None, [])
         writer = None
         if layout.writes:

@@ -12,6 +12,7 @@ chose (`parity.ForcedRouting`), and reports per MoE layer how often HF's own cho
 """
 import argparse
 import json
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -43,14 +44,17 @@ def _route_mla_prefill_to_absorbed_path() -> None:
     AttentionBackendRegistry.register("torch_native", _dispatch_mla_subtype)
 
 
-def _compare(engine, captured, seqs, hf_states, moe=None):
+def _compare(engine, captured, seqs, hf_states, moe=None, early=False):
     """Each captured state against HF through the product's own parity gate (rows as it records them); moe
-    overrides which of the gate's rules applies."""
+    overrides which of the gate's rules applies. early=True compares every state with the HF state one layer
+    before the right one, the off-by-one the gate must reject."""
     bounds = np.cumsum([0, *map(len, seqs)])
     pairs = (
-        (captured.aux[a:b].cpu(), captured.last[a:b].cpu(), hs) for a, b, hs in zip(bounds, bounds[1:], hf_states)
+        (captured.aux[a:b].cpu(), captured.last[a:b].cpu(), [hs[0], *hs[:-1]] if early else hs)
+        for a, b, hs in zip(bounds, bounds[1:], hf_states)
     )
-    rows = parity.compare_states(pairs, engine.layer_ids, engine.dtype, moe=engine.is_moe if moe is None else moe)
+    rows = parity.compare_states(pairs, engine.layer_ids, engine.dtype, moe=engine.is_moe if moe is None else moe,
+                                 fp8=parity.is_fp8_block(engine.quantization))
     return [r.to_json() for r in rows]
 
 
@@ -72,9 +76,21 @@ def _forced_routing(engine, hf, captured, seqs, chosen) -> dict:
     return {
         "moe_layers": sorted(chosen),
         "routing": [forcing.layers[layer].to_json() for layer in sorted(forcing.layers)],
-        # With the experts aligned, judged as a dense model is: every token.
+        # With the experts aligned, judged as a dense model is: every token (FP8: the median token).
         "rows": _compare(engine, captured, seqs, forced_states, moe=False),
+        "off_by_one_rows": _compare(engine, captured, seqs, forced_states, moe=False, early=True),
     }
+
+
+def run_report(model, out, *args: str) -> dict:
+    """Run this script on `model` in a process of its own, for the tests; a failure shows its stderr or the
+    traceback its report carries."""
+    cmd = [sys.executable, __file__, str(model), "--out", str(out), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=900)
+    assert proc.returncode == 0 and Path(out).exists(), proc.stderr[-4000:]
+    report = json.loads(Path(out).read_text())
+    assert "error" not in report, report.get("traceback")
+    return report
 
 
 def main() -> None:
@@ -102,7 +118,8 @@ def main() -> None:
             )
         )
         report.update(
-            architecture=engine.architecture, num_layers=engine.num_layers, attention_backend=engine.attention_backend
+            architecture=engine.architecture, num_layers=engine.num_layers, attention_backend=engine.attention_backend,
+            quantization=engine.quantization,
         )
         rng = np.random.default_rng(0)
         seqs = [rng.integers(6, 380, n).astype(np.int32) for n in LENGTHS]  # inside the tiny tokenizer's vocab
@@ -127,7 +144,8 @@ def main() -> None:
 
         # First SGLang's default ids (requested None), as the engine chose them at start.
         checks = [{"requested": None, "layer_ids": list(engine.layer_ids), "capture_points": engine.capture_points,
-                   "rows": _compare(engine, captured, seqs, hf_states)}]
+                   "rows": _compare(engine, captured, seqs, hf_states),
+                   "off_by_one_rows": _compare(engine, captured, seqs, hf_states, early=True)}]
         for spec in [s for s in args.layer_sets.split(";") if s]:
             check = {"requested": [int(x) for x in spec.split(",")]}
             checks.append(check)

@@ -277,6 +277,8 @@ def test_every_state_matches_hf_in_fp32(report):
             # (A "last" taken before the final norm fails the tolerance itself: the norm rescales it.)
             assert r["neighbour_gap"] > MIN_NEIGHBOUR_GAP, where
         assert rows["last"]["hf_index"] == rep["num_layers"]
+    # The gate itself rejects every state compared one layer early.
+    assert not any(r["ok"] for r in rep["checks"][0]["off_by_one_rows"]), arch
 
 
 def test_bare_prefill_turns_capture_off_and_back_on(report):

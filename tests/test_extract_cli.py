@@ -79,7 +79,7 @@ def test_shards_carry_provenance_and_parity(single):
     assert run["sglang_capture_points"] == [2, 4, 5]
     assert "HF output_hidden_states[k+1]" in run["layer_convention"]
     assert run["final_state"] == "post-norm" and "after the model's final norm" in run["layer_convention"]
-    assert run["dtype"] == "bfloat16" and run["compute_dtype"] == "float32"
+    assert run["dtype"] == "bfloat16" and run["compute_dtype"] == "float32" and run["quantization"] is None
     assert run["sglang_version"] == "0.5.17"
     for key in ("config_sha256", "weights", "tokenizer_sha256", "chat_template_sha256"):
         assert len(run[key]) == 64, key

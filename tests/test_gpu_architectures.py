@@ -9,18 +9,17 @@ written to $OFFLINE_EXTRACT_RESULTS/<architecture>-<backend>.json with the comma
 """
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from arch_parity import run_report
 
 from offline_extract.testing.models import build_model
 
 pytestmark = pytest.mark.gpu
 
-ROOT = Path(__file__).resolve().parents[1]
 # Models built, with their config overrides: the tiny Llama's head dim 16 has no FlashInfer kernel, so it
 # gets 64 (test_gpu.py covers the 8B shape through the CLI).
 GPU_MODELS = {
@@ -84,13 +83,9 @@ def _report(arch, backend, models, tmp_path_factory) -> dict:
         return _REPORTS[arch, backend]
     out = tmp_path_factory.mktemp(f"{arch}-{backend}") / "report.json"
     model, reference = GPU_ARCHS[arch]
-    cmd = [sys.executable, str(ROOT / "tests" / "arch_parity.py"), str(models[model]), "--out", str(out),
-           "--hf-reference", str(models[reference]), "--device", "cuda", "--dtype", "bfloat16",
-           "--attention-backend", backend, "--layer-sets", LAYER_SETS] + (["--forced-routing"] if arch in MOE_ARCHS else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
-    rep = json.loads(out.read_text())
-    assert "error" not in rep, rep.get("traceback")
+    rep = run_report(models[model], out, "--hf-reference", str(models[reference]), "--device", "cuda",
+                     "--dtype", "bfloat16", "--attention-backend", backend, "--layer-sets", LAYER_SETS,
+                     *(["--forced-routing"] if arch in MOE_ARCHS else []))
     results = os.environ.get("OFFLINE_EXTRACT_RESULTS")
     if results:
         rows, seen = [], set()

@@ -2,17 +2,12 @@
 every token matches as on a dense model, so what the parity gate's median rule lets through is routing
 flips and nothing else (docs/moe-bf16-investigation.md). The GPU suite runs the same check
 (tests/test_gpu_architectures.py)."""
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from arch_parity import run_report
 
 from offline_extract.testing.models import build_model
 
-ROOT = Path(__file__).resolve().parents[1]
 # Architecture -> its MoE decoder layers: Qwen3-MoE routes in every layer; DeepSeek-V3's first two are dense,
 # and its routing is the grouped top-k with the correction bias and routed_scaling_factor.
 MOE_LAYERS = {"qwen3_moe": list(range(8)), "deepseek_v3": list(range(2, 8))}
@@ -27,14 +22,7 @@ def report(request, tiny_model_dir, tmp_path_factory):
     arch = request.param
     root = tmp_path_factory.mktemp(f"routing-{arch}")
     model = build_model(arch, root / "m", dtype=torch.bfloat16, tokenizer_dir=tiny_model_dir)
-    out = root / "report.json"
-    cmd = [sys.executable, str(ROOT / "tests" / "arch_parity.py"), str(model), "--out", str(out),
-           "--dtype", "bfloat16", "--forced-routing"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
-    rep = json.loads(out.read_text())
-    assert "error" not in rep, rep.get("traceback")
-    return arch, rep
+    return arch, run_report(model, root / "report.json", "--dtype", "bfloat16", "--forced-routing")
 
 
 def test_every_token_matches_hf_once_hf_takes_the_engines_experts(report):

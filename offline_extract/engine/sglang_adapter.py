@@ -398,6 +398,12 @@ class Engine:
         mc = ModelConfig.from_server_args(sa)
         _refuse_unsupported_attention(mc, backend, cfg.model_path)
         _refuse_on_cpu(mc.hf_config.architectures[0], cfg.device, cfg.model_path)
+        # Where the checkpoint's weights are quantized, as its config states it (a wrapper's text model's).
+        self.quantization = getattr(mc.hf_config, "quantization_config", None) or getattr(
+            mc.hf_text_config, "quantization_config", None
+        )
+        if self.quantization and self.quantization.get("quant_method") == "fp8" and cfg.device == "cpu":
+            _refuse_fp8_on_cpu(cfg.model_path, self.quantization)
         ps = ParallelState(
             tp_rank=cfg.tp_rank, tp_size=cfg.tp_size, pp_rank=0, pp_size=1, dp_rank=None, dp_size=1,
             attn_tp_rank=cfg.tp_rank, attn_tp_size=cfg.tp_size, attn_cp_rank=0, attn_cp_size=1,
@@ -468,7 +474,9 @@ class Engine:
         """Record the routed experts SGLang picks for every token, per MoE layer, while the block runs.
 
         Yields {decoder layer index: [ids of each forward, [T, experts per token] int64 on the CPU, each row
-        sorted]}. The engine computes exactly as without recording: the hook only reads SGLang's top-k output.
+        sorted, or None where SGLang's MoE runner routes inside its kernel and exposes no choice]}, empty for a
+        model without SGLang TopK modules. The engine computes exactly as without recording: the hook only
+        reads SGLang's top-k output.
         """
         from sglang.srt.layers.moe.topk import TopK
 
@@ -477,11 +485,9 @@ class Engine:
 
         def record(layer: int, output) -> None:
             ids = getattr(output, "topk_ids", None)
-            if ids is None:
-                raise RuntimeError(
-                    f"SGLang's MoE runner routes inside its kernel here ({type(output).__name__}), so the experts "
-                    f"chosen at layer {layer} cannot be read"
-                )
+            if ids is None:  # a MoE runner that routes inside its kernel (FlashInfer TRT-LLM, triton_kernels)
+                chosen.setdefault(layer, []).append(None)
+                return
             # A shared expert fused into the routed kernel shows up as an extra column with an id past the
             # routed experts; sorting puts it last.
             ids = ids.sort(dim=-1).values
@@ -495,8 +501,6 @@ class Engine:
             if isinstance(module, TopK):
                 layer = int(re.search(r"layers\.(\d+)\.", name).group(1))
                 handles.append(module.register_forward_hook(lambda m, args, out, layer=layer: record(layer, out)))
-        if not handles:
-            raise RuntimeError(f"{self.architecture} has no SGLang TopK module: it is not a mixture of experts")
         try:
             yield chosen
         finally:
@@ -654,6 +658,18 @@ def _new_req(i: int, ids: np.ndarray):
     r.logprob_start_len = -1  # no input logprobs, hence no full-vocab logits
     r.set_extend_range(len(r.prefix_indices), len(ids))
     return r
+
+
+def _refuse_fp8_on_cpu(model_path: str, quantization: dict) -> None:
+    """Before any weight loads: SGLang 0.5.17 runs FP8 linear layers and experts on CPU only through the Intel
+    AMX kernels of sgl_kernel's CPU build (fp8.py asserts it after loading every weight)."""
+    from sglang.srt.utils import cpu_has_amx_support
+
+    if not cpu_has_amx_support():
+        raise NotImplementedError(
+            f"{model_path} is an FP8 checkpoint ({quantization}); SGLang runs FP8 weights on CPU only with the "
+            f"Intel AMX kernels of sgl_kernel's CPU build, which this host lacks. Run it on a GPU (--device cuda)"
+        )
 
 
 class _CaptureOnly(torch.nn.Module):

@@ -37,6 +37,7 @@ IDENTITY_KEYS = (
     "layer_ids",
     "final_state",
     "compute_dtype",
+    "quantization",
     "max_length",
     "overlong",
     "trim_after_last_loss_token",

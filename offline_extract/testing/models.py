@@ -2,6 +2,8 @@
 suite's 8B-shaped Llama and a 180B DeepSeek-V3 shape among them), with the embedded model's tokenizer.
 
 Everything is generated from fixed seeds, so two machines build the same files; nothing is downloaded.
+`build_model` writes them in bf16/fp32, or block-quantized to FP8 as DeepSeek-V3 and the Qwen3 "-FP8"
+releases ship.
 """
 from __future__ import annotations
 
@@ -430,6 +432,7 @@ def build_model(
     seed: int = 0,
     tokenizer_dir: str | os.PathLike | None = None,
     weights: bool = True,
+    fp8: bool = False,
 ) -> Path:
     """Write a seeded random model of `arch` with the embedded tokenizer (from `tokenizer_dir` if given,
     else the cached embedded model).
@@ -439,7 +442,7 @@ def build_model(
     those of "llama4_text". `device` is where the
     weights are drawn (a GPU makes the 8B-shaped model quick); `overrides` replace top-level config fields
     (of the text config, for a wrapped architecture). weights=False writes the config alone, for SGLang's
-    dummy loader.
+    dummy loader. fp8=True then quantizes the checkpoint as the FP8 releases are (`quantize_fp8_checkpoint`).
     """
     base, wrap = _WRAPPED.get(arch, (arch, None))
     if base not in ARCHITECTURES:
@@ -453,6 +456,8 @@ def build_model(
     config.update(overrides or {})
     if weights:
         out = random_checkpoint(config, out_dir, seed=seed, dtype=dtype, device=device)
+        if fp8:
+            quantize_fp8_checkpoint(out)
     else:  # for SGLang's dummy loader, which draws its own random weights
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -463,3 +468,57 @@ def build_model(
         if f.name != "config.json" and not f.name.endswith(".safetensors"):
             shutil.copy2(f, out / f.name)
     return out
+
+
+# The FP8 releases (DeepSeek-V3/R1, Kimi-K2, Qwen3-*-FP8): e4m3 weights with one float32 scale per
+# 128x128 block, stored as `<name>_scale_inv` (multiplying by it dequantizes), activations quantized at run
+# time. This is DeepSeek-V3's quantization_config verbatim.
+FP8_QUANTIZATION_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
+
+
+def _is_fp8_quantized(name: str, shape) -> bool:
+    # What those releases quantize: every projection of attention, MLP, shared and routed experts. Embeddings,
+    # lm_head, norms, routers (`mlp.gate`) and the correction bias keep the checkpoint's dtype.
+    return len(shape) == 2 and ".layers." in f".{name}" and name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
+
+
+def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, float32 scale_inv per block): each block scaled so that its largest value maps to e4m3's
+    largest; a partial block at the edge gets its own scale, as in the releases (576 = 4.5 x 128 rows)."""
+    n, k = weight.shape
+    bn, bk = block
+    rows, cols = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(rows * bn, cols * bk, dtype=torch.float32, device=weight.device)
+    padded[:n, :k] = weight.float()
+    blocks = padded.view(rows, bn, cols, bk)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    quantized = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(rows * bn, cols * bk)
+    return quantized[:n, :k].contiguous(), scale
+
+
+def quantize_fp8_checkpoint(model_dir: str | os.PathLike, quantization_config: dict = FP8_QUANTIZATION_CONFIG) -> None:
+    """Rewrite a written checkpoint in place as an FP8 block-quantized release: the quantized weights and their
+    `weight_scale_inv` in the same files, and `quantization_config` in config.json."""
+    model_dir = Path(model_dir)
+    block = tuple(quantization_config["weight_block_size"])
+    index_path = model_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else None
+    for path in sorted(model_dir.glob("*.safetensors")):
+        tensors = {}
+        for name, t in load_file(path).items():
+            if _is_fp8_quantized(name, t.shape):
+                tensors[name], tensors[f"{name}_scale_inv"] = quantize_fp8_blocks(t, block)
+                if index is not None:
+                    index["weight_map"][f"{name}_scale_inv"] = path.name
+            else:
+                tensors[name] = t
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    if index is not None:
+        index_path.write_text(json.dumps(index))
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}, indent=2))
