@@ -32,7 +32,7 @@ lane0() {
 }
 lane1() {
   step long_131k 170 1 "$bench --out /dev/shm/oe_long --lengths fixed --mean-length 131072 --num-tokens 262144 --warmup-batches 1 --chunk-sweep 65536 --profile $results/profile_131k --profile-batches 1"
-  step storage_300k 110 1 "$bench --out /dev/shm/oe_storage --num-tokens 300000 --store bf16 --store fp8 --compress none --compress zstd"
+  step bench_300k 110 1 "$bench --out /dev/shm/oe_300k --num-tokens 300000"
 }
 lane0 & lane1 & wait
 step two_gpu_tests 90 0,1 "python -m pytest -m gpu tests/test_gpu_two.py -v -rA -k 'two_one_gpu_nodes or float32'"
