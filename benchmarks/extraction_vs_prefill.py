@@ -37,7 +37,7 @@ from offline_extract.default_model import TRAINING_TEXT
 from offline_extract.engine.distributed import Coordinator, Layout, layout_from_env
 from offline_extract.engine.sglang_adapter import Engine, EngineConfig
 from offline_extract.extraction import extract_batches, staging_buffers
-from offline_extract.store.schema import STATE_DTYPE, bytes_per_token, state_widths
+from offline_extract.store.schema import FINAL_STATE, STATE_TENSORS, Encoding
 from offline_extract.store.writer import ShardWriter
 from offline_extract.testing.models import build_model
 
@@ -66,6 +66,8 @@ class BenchOptions:
     peer_options: peers.PeerOptions | None = None  # None: its defaults
     disk_probe_bytes: int = 4 << 30
     writers: int = 4
+    encodings: tuple[tuple[str, str], ...] = (("bf16", "none"),)  # (--store, --compress) pairs, one model load
+    fp8_error_tokens: int = 131072  # tokens over which fp8's decoded states are compared with bf16's
     seed: int = 0
     results_dir: str = "benchmarks/results"
     profile: str | None = None
@@ -305,14 +307,15 @@ class _DiscardWriter:
 
     bytes_written = 0
 
-    def __init__(self, rows: int, widths: tuple[int, int]):
-        self._scratch = tuple(torch.zeros(rows, w, dtype=STATE_DTYPE) for w in widths)
+    def __init__(self, encoding: Encoding, rows: int, widths: dict[str, int]):
+        self.encoding = encoding
+        self._scratch = {t.name: torch.zeros(rows, widths[t.name], dtype=t.dtype) for t in encoding.staged}
 
-    def add_batch(self, *args, **kwargs) -> None:
+    def add_staged(self, *args, **kwargs) -> None:
         pass
 
-    def begin_sample(self, sample, input_ids, loss_mask, widths, stream=False) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(t[: len(input_ids)] for t in self._scratch)
+    def begin_sample(self, sample, input_ids, loss_mask, widths, stream=False) -> dict[str, torch.Tensor]:
+        return {name: t[: len(input_ids)] for name, t in self._scratch.items()}
 
     def filled(self, rows: int) -> None:
         pass
@@ -368,89 +371,104 @@ def run_bench(opts: BenchOptions) -> list[dict]:
         context_length=opts.longest, load_format=opts.load_format,
     ))
 
-    staging = staging_buffers(engine)
     clock = _ForwardClock(engine)
     _bare(engine, warm)
     bare_s = _timed(coord, lambda: _bare(clock, timed), clock)
     bare_forward_s, bare_phases = clock.seconds, clock.phases()
     bare_by_chunk = _chunk_sweep(engine, coord, timed[0], opts.chunk_sweep) if opts.chunk_sweep else None
-    widths = state_widths(len(engine.layer_ids), engine.hidden_size)
     longest = max(s.num_tokens for s in samples)
-    discard = _DiscardWriter(longest if longest > opts.tokens_per_batch else 0, widths) if layout.writes else None
-    copy_only_s = _timed(coord, lambda: extract_batches(clock, timed, discard, staging=staging), clock)
+    # fp8's error against the bf16 states of the same forward passes, once for every fp8 encoding.
+    fp8_error = _fp8_error(engine, timed, opts.fp8_error_tokens) if any(s == "fp8" for s, _ in opts.encodings) else None
 
     results = []
-    for out in opts.outs:
-        root = Path(out) / f"rank{layout.rank}"
-        shutil.rmtree(root, ignore_errors=True)
-        disk_rate = disk_write_rate(root / "probe", opts.disk_probe_bytes, opts.writers) if layout.writes else 0.0
-        torch.cuda.reset_peak_memory_stats()
-        run_meta = {"model": str(model_dir), "layer_ids": list(engine.layer_ids), "benchmark": True}
+    for encoding in (Encoding(store, compress) for store, compress in opts.encodings):
+        staging = staging_buffers(engine, encoding)
+        widths = encoding.widths(len(engine.layer_ids), engine.hidden_size)
+        scratch = longest if longest > opts.tokens_per_batch else 0
+        discard = _DiscardWriter(encoding, scratch, widths) if layout.writes else None
+        copy_only_s = _timed(coord, lambda: extract_batches(clock, timed, discard, staging=staging), clock)
+        for out in opts.outs:
+            root = Path(out) / f"rank{layout.rank}"
+            shutil.rmtree(root, ignore_errors=True)
+            disk_rate = disk_write_rate(root / "probe", opts.disk_probe_bytes, opts.writers) if layout.writes else 0.0
+            torch.cuda.reset_peak_memory_stats()
+            run_meta = {"model": str(model_dir), "layer_ids": list(engine.layer_ids), "benchmark": True}
 
-        def writer(name: str) -> ShardWriter | None:
-            # Created before the clock starts, as a run creates it before its first batch.
-            return ShardWriter(root / name, run_meta, writers=opts.writers, widths=widths) if layout.writes else None
+            def writer(name: str) -> ShardWriter | None:
+                # Created before the clock starts, as a run creates it before its first batch.
+                if not layout.writes:
+                    return None
+                return ShardWriter(root / name, run_meta, writers=opts.writers, encoding=encoding, widths=widths)
 
-        def extract(batches: list[Batch], w: ShardWriter | None) -> None:
-            extract_batches(clock, batches, w, staging=staging)
-            if w is not None:
-                w.close()
+            def extract(batches: list[Batch], w: ShardWriter | None) -> None:
+                extract_batches(clock, batches, w, staging=staging)
+                if w is not None:
+                    w.close()
 
-        extract(warm, writer("warm"))
-        if opts.profile:
-            profiled = timed[: opts.profile_batches]
-            _profile(lambda: _bare(engine, profiled), Path(opts.profile), "bare")
-            w = writer("profile")
-            _profile(lambda: extract(profiled, w), Path(opts.profile), "extract")
-        w = writer("shards")
-        extract_s = _timed(coord, lambda: extract(timed, w), clock)
-        total_tokens = sum(coord.all_gather(tokens))
-        row_bytes = sum(bytes_per_token(widths).values())
-        results.append({
-            "command": opts.command,
-            "device": torch.cuda.get_device_name(),
-            "world_size": layout.world_size,
-            "tp_size": layout.tp_size,
-            "dp_size": layout.dp_size,
-            "sglang_version": importlib.metadata.version("sglang"),
-            "torch_version": torch.__version__,
-            "model": opts.model or f"{opts.shape} (generated config, load_format={opts.load_format})",
-            "dtype": opts.dtype,
-            "attention_backend": engine.attention_backend,
-            "layer_ids": list(engine.layer_ids),
-            "lengths": opts.lengths if opts.lengths == "fixed" else f"lognormal mean {opts.mean_length} cap {opts.max_length}",
-            "num_samples": sum(coord.all_gather(sum(len(b.samples) for b in timed) if layout.writes else 0)),
-            "num_tokens": total_tokens,
-            "tokens_per_batch": opts.tokens_per_batch,
-            "chunk_tokens": engine.chunk_tokens,
-            "longest_sample": longest,
-            "bare_prefill_tok_s": total_tokens / bare_s,
-            "extract_tok_s": total_tokens / extract_s,
-            "extract_over_bare": bare_s / extract_s,
-            # Diagnostics: copy-out without writing, and where the main thread's time went.
-            "copy_only_tok_s": total_tokens / copy_only_s,
-            "bare_forward_s": bare_forward_s,
-            "bare_wall_s": bare_s,
-            "extract_forward_s": clock.seconds,
-            "extract_wall_s": extract_s,
-            # Start-up and tail, from CUDA events (see _ForwardClock): this rank's, not the slowest's.
-            **{f"bare_{k}": v for k, v in bare_phases.items()},
-            **{f"extract_{k}": v for k, v in clock.phases().items()},
-            "writers": opts.writers,
-            "out": out,
-            "out_kind": out_kind(out),
-            "disk_write_bytes_s": sum(coord.all_gather(disk_rate)),
-            "bytes_per_token": row_bytes,
-            "extract_bytes_s": total_tokens * row_bytes / extract_s,
-            # Counting causal attention (attention_flops) as well as the matmuls.
-            "flops_per_token": model_flops_per_token(config, samples),
-            "mfu_bare": _mfu(config, samples, total_tokens / bare_s / layout.world_size),
-            "mfu_extract": _mfu(config, samples, total_tokens / extract_s / layout.world_size),
-            **({"bare_tok_s_by_chunk": bare_by_chunk} if bare_by_chunk else {}),
-            "host_peak_rss_bytes": max(coord.all_gather(_host_peak_rss())),
-            "gpu_peak_bytes": max(coord.all_gather(torch.cuda.max_memory_allocated())),
-        })
-        shutil.rmtree(root, ignore_errors=True)
+            extract(warm, writer("warm"))
+            if opts.profile:
+                profiled = timed[: opts.profile_batches]
+                _profile(lambda: _bare(engine, profiled), Path(opts.profile), "bare")
+                w = writer("profile")
+                _profile(lambda: extract(profiled, w), Path(opts.profile), "extract")
+            w = writer("shards")
+            extract_s = _timed(coord, lambda: extract(timed, w), clock)
+            total_tokens = sum(coord.all_gather(tokens))
+            row_bytes = sum(encoding.bytes_per_token(len(engine.layer_ids), engine.hidden_size).values())
+            written = sum(coord.all_gather(w.bytes_written if w is not None else 0))
+            results.append({
+                "command": opts.command,
+                "device": torch.cuda.get_device_name(),
+                "world_size": layout.world_size,
+                "tp_size": layout.tp_size,
+                "dp_size": layout.dp_size,
+                "sglang_version": importlib.metadata.version("sglang"),
+                "torch_version": torch.__version__,
+                "model": opts.model or f"{opts.shape} (generated config, load_format={opts.load_format})",
+                "dtype": opts.dtype,
+                "attention_backend": engine.attention_backend,
+                "layer_ids": list(engine.layer_ids),
+                "lengths": opts.lengths if opts.lengths == "fixed" else f"lognormal mean {opts.mean_length} cap {opts.max_length}",
+                "num_samples": sum(coord.all_gather(sum(len(b.samples) for b in timed) if layout.writes else 0)),
+                "num_tokens": total_tokens,
+                "tokens_per_batch": opts.tokens_per_batch,
+                "chunk_tokens": engine.chunk_tokens,
+                "longest_sample": longest,
+                "bare_prefill_tok_s": total_tokens / bare_s,
+                "extract_tok_s": total_tokens / extract_s,
+                "extract_over_bare": bare_s / extract_s,
+                # Diagnostics: copy-out without writing, and where the main thread's time went.
+                "copy_only_tok_s": total_tokens / copy_only_s,
+                "bare_forward_s": bare_forward_s,
+                "bare_wall_s": bare_s,
+                "extract_forward_s": clock.seconds,
+                "extract_wall_s": extract_s,
+                # Start-up and tail, from CUDA events (see _ForwardClock): this rank's, not the slowest's.
+                **{f"bare_{k}": v for k, v in bare_phases.items()},
+                **{f"extract_{k}": v for k, v in clock.phases().items()},
+                "writers": opts.writers,
+                "out": out,
+                "out_kind": out_kind(out),
+                "disk_write_bytes_s": sum(coord.all_gather(disk_rate)),
+                "store": encoding.store,
+                "compress": encoding.compress,
+                # Per token before compression (states, fp8 scales, input_ids, loss_mask), and as written
+                # (compression, offsets, metadata and headers included).
+                "bytes_per_token": row_bytes,
+                "bytes_per_token_written": written / total_tokens,
+                "compression_ratio": total_tokens * row_bytes / written,
+                "extract_bytes_s": total_tokens * row_bytes / extract_s,
+                "written_bytes_s": written / extract_s,
+                **({"fp8_cosine_vs_bf16": fp8_error} if encoding.store == "fp8" else {}),
+                # Counting causal attention (attention_flops) as well as the matmuls.
+                "flops_per_token": model_flops_per_token(config, samples),
+                "mfu_bare": _mfu(config, samples, total_tokens / bare_s / layout.world_size),
+                "mfu_extract": _mfu(config, samples, total_tokens / extract_s / layout.world_size),
+                **({"bare_tok_s_by_chunk": bare_by_chunk} if bare_by_chunk else {}),
+                "host_peak_rss_bytes": max(coord.all_gather(_host_peak_rss())),
+                "gpu_peak_bytes": max(coord.all_gather(torch.cuda.max_memory_allocated())),
+            })
+            shutil.rmtree(root, ignore_errors=True)
 
     if "hf" in opts.baselines:
         check = [s.input_ids for b in timed for s in b.samples][: popts.cross_check_samples]
@@ -484,6 +502,33 @@ def run_bench(opts: BenchOptions) -> list[dict]:
     if layout.leads:
         _save(results, opts)
     return results
+
+
+def _fp8_error(engine: Engine, batches: list[Batch], max_tokens: int) -> dict:
+    """Per-token cosine of fp8-decoded states against the bf16 states that --store bf16 writes, from the
+    same forward passes: the worst and the median token per layer over about `max_tokens` tokens."""
+    fp8, k = Encoding("fp8"), len(engine.layer_ids)
+    cosines: dict[str, list[torch.Tensor]] = {}
+    seen = 0
+    for batch in batches:
+        if seen >= max_tokens:
+            break
+        captured = engine.forward([s.input_ids for s in batch.samples])
+        seen += batch.num_tokens
+        bf16 = {STATE_TENSORS[0]: captured.aux.to(torch.bfloat16), FINAL_STATE: captured.last.to(torch.bfloat16)}
+        decoded = fp8.decode(fp8.encode(bf16[STATE_TENSORS[0]], bf16[FINAL_STATE], k))
+        for name, layers in ((STATE_TENSORS[0], [f"layer {i}" for i in engine.layer_ids]), (FINAL_STATE, ["last"])):
+            rows = bf16[name].shape[0]
+            cos = torch.nn.functional.cosine_similarity(
+                decoded[name].float().reshape(rows, len(layers), -1), bf16[name].float().reshape(rows, len(layers), -1), dim=-1
+            )
+            for j, layer in enumerate(layers):
+                cosines.setdefault(layer, []).append(cos[:, j].cpu())
+    result = {}
+    for layer, parts in cosines.items():
+        cos = torch.cat(parts)
+        result[layer] = {"worst": cos.min().item(), "median": cos.median().item(), "tokens": cos.numel()}
+    return result
 
 
 def _mfu(config, samples: list[Sample], tok_s_per_gpu: float) -> float | None:
@@ -565,6 +610,6 @@ def _save(results: list[dict], opts: BenchOptions) -> None:
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for r in results:
-        name = f"bench_{opts.shape if not opts.model else Path(opts.model).name}_{opts.lengths}_{r['out_kind']}_w{r['world_size']}_tp{r['tp_size']}_{stamp}.json"
+        name = f"bench_{opts.shape if not opts.model else Path(opts.model).name}_{opts.lengths}_{r['out_kind']}_{r['store']}_{r['compress']}_w{r['world_size']}_tp{r['tp_size']}_{stamp}.json"
         (out / name).write_text(json.dumps(r, indent=2) + "\n")
         print(json.dumps(r, indent=2), file=sys.stderr)

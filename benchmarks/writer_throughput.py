@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 import torch
 
-from offline_extract.store.schema import SampleInfo
+from offline_extract.store.schema import Encoding, SampleInfo
 from offline_extract.store.writer import ShardWriter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def _writer_rate(out: Path, total_bytes: int, preallocate: bool, shard_bytes: in
     per_batch = (aux.numel() + last.numel()) * 2
     batches = max(1, total_bytes // per_batch)
     created = time.perf_counter()
-    writer = ShardWriter(out, {"benchmark": True}, shard_bytes=shard_bytes, widths=(K * H, H) if preallocate else None)
+    writer = ShardWriter(out, {"benchmark": True}, shard_bytes=shard_bytes, widths=Encoding().widths(K, H) if preallocate else None)
     start = time.perf_counter()
     for b in range(batches):
         samples = [SampleInfo(index=b * 8 + i, id=f"s{b * 8 + i}", source="synthetic", line=b * 8 + i + 1,

@@ -47,6 +47,8 @@ from offline_extract.engine.nonfinite import POLICIES
 from offline_extract.engine.parity import ParityError
 from offline_extract.engine.sglang_adapter import FINAL_STATES
 from offline_extract.extraction import REJECTS_FILE, ExtractOptions, StoppedError, Terminated, raise_terminated
+from offline_extract.recipes import RECIPES
+from offline_extract.store.schema import COMPRESSIONS, STORES
 
 
 @command(help=__doc__)
@@ -111,6 +113,21 @@ from offline_extract.extraction import REJECTS_FILE, ExtractOptions, StoppedErro
               help="Which final state to store as hidden_states: after the model's final norm (SGLang's EAGLE-3 and "
                    "SpecForge train on it) or before it (vLLM and speculators store this one and apply the "
                    "verifier's norm while training). A drafter trained on the other one is silently wrong.")
+@click.option("--recipe", type=click.Choice(list(RECIPES)), default="eagle3", show_default=True,
+              help="Which drafter the states are for (SpecForge's data preparation). eagle3: SGLang's EAGLE-3 "
+                   "layers plus the final state. dflash (also Domino): 5 layers spread evenly over 1..N-3, no final "
+                   "state, and only samples with consecutive loss tokens. dspark: the dflash layers and rule plus "
+                   "the final state. --layers overrides the layers; the recipe is recorded in the manifest.")
+@click.option("--min-loss-run", default=None, type=click.IntRange(0),
+              help="Skip samples without this many consecutive loss tokens (listed in rejects.jsonl as skipped). "
+                   "Default: the recipe's (dflash, dspark: 2; eagle3: no rule).")
+@click.option("--store", type=click.Choice(list(STORES)), default="bf16", show_default=True,
+              help="How states are stored. fp8: float8 e4m3 with one float32 scale per token per layer "
+                   "(absmax/448), quantized on the GPU before the copy to host: about half the bytes. Readers, "
+                   "export and inspect decode to bf16.")
+@click.option("--compress", type=click.Choice(COMPRESSIONS), default="none", show_default=True,
+              help="zstd: lossless, one frame per sample per state tensor with its bytes grouped by significance; "
+                   "compressed by the writer threads. Saves most on bf16 states; costs CPU while writing.")
 @click.option("--force", is_flag=True,
               help="Go ahead even if a check says no: --dry-run's free space, or resuming into an --out whose "
                    "manifest records another corpus (right when records were only appended). An --out holding "
@@ -126,8 +143,8 @@ from offline_extract.extraction import REJECTS_FILE, ExtractOptions, StoppedErro
                    "without it they are shown only if loading fails.")
 def main(data, out, model, device, dtype, tp, layers, max_length, overlong, tokens_per_batch, chunk_tokens, seqs_per_batch,
          shard_size_mb, attention_backend, load_format, mem_fraction_static, port_base, verify,
-         trim_after_last_loss_token, dry_run, strict, nonfinite, final_state, force, trust_remote_code, no_progress,
-         progress_every, verbose):
+         trim_after_last_loss_token, dry_run, strict, nonfinite, final_state, recipe, min_loss_run, store, compress,
+         force, trust_remote_code, no_progress, progress_every, verbose):
     try:
         layer_ids = None if layers is None else tuple(int(x) for x in layers.split(",")) if layers.strip() else ()
     except ValueError:
@@ -139,7 +156,7 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
         load_format=load_format, mem_fraction_static=mem_fraction_static, port_base=port_base, verify=verify,
         trim_after_last_loss=trim_after_last_loss_token, trust_remote_code=trust_remote_code,
         progress=not no_progress, progress_every=progress_every, verbose=verbose, strict=strict, nonfinite=nonfinite,
-        final_state=final_state, force=force,
+        final_state=final_state, recipe=recipe, min_loss_run=min_loss_run, store=store, compress=compress, force=force,
     )
     # Torchrun stops every rank with SIGTERM once one fails, and schedulers preempt with it: stop as on an
     # error (the unfinished shard dropped, the lock released) instead of dying mid-write.

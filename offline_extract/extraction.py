@@ -36,7 +36,8 @@ from offline_extract.store import manifest, resume
 from offline_extract.store.atomic import atomic_write
 from offline_extract.store.index import write_index
 from offline_extract.store.journal import Journal, read_journal
-from offline_extract.store.schema import STATE_DTYPE, SampleInfo, state_widths
+from offline_extract.recipes import RECIPES
+from offline_extract.store.schema import FINAL_STATE, STATE_TENSORS, STORES, Encoding, SampleInfo
 from offline_extract.store.writer import WRITER_THREADS, ShardWriter, shard_buffers
 
 REJECTS_FILE = "rejects.jsonl"
@@ -86,6 +87,10 @@ class ExtractOptions:
     strict: bool = False
     nonfinite: str = "fail"
     final_state: str = "post-norm"  # a key of sglang_adapter.FINAL_STATES
+    recipe: str = "eagle3"  # a key of recipes.RECIPES
+    min_loss_run: int | None = None  # None: the recipe's
+    store: str = "bf16"  # a key of schema.STORES
+    compress: str = "none"  # one of schema.COMPRESSIONS
     force: bool = False  # resume into an output directory written by a different run
 
 
@@ -203,9 +208,14 @@ def _known_before_loading(opts: ExtractOptions, checked: preflight.Checked, toke
         "tokenizer_path": str(model_dir),
         **tokenizer.fingerprint(),
         # SGLang decides these two when they are left to it.
-        **({"layer_ids": sorted(opts.layers)} if opts.layers is not None else {}),
+        **({"layer_ids": sorted(checked.layer_ids)} if checked.layer_ids is not None else {}),
         **({"compute_dtype": dtype} if dtype != "auto" else {}),
-        "final_state": opts.final_state,
+        "recipe": opts.recipe,
+        "min_loss_run": _min_loss_run(opts),
+        "final_state": opts.final_state if RECIPES[opts.recipe].final_state else None,
+        "store": opts.store,
+        "compress": opts.compress,
+        "dtype": str(STORES[opts.store]).removeprefix("torch."),
         "tp_size": opts.tp,
         "max_length": opts.max_length,
         "overlong": opts.overlong,
@@ -224,12 +234,10 @@ def run_metadata(known: dict, engine: Engine) -> dict:
         **known,
         "architecture": engine.architecture,
         "layer_ids": list(engine.layer_ids),
-        "layer_convention": f"{LAYER_CONVENTION}; last = {FINAL_STATES[engine.final_state]}",
-        "final_state": engine.final_state,
+        "layer_convention": LAYER_CONVENTION + (f"; last = {FINAL_STATES[known['final_state']]}" if known["final_state"] else ""),
         "sglang_capture_points": list(engine.capture_points),
         "num_layers": engine.num_layers,
         "hidden_size": engine.hidden_size,
-        "dtype": str(STATE_DTYPE).removeprefix("torch."),
         "compute_dtype": engine.dtype,
         "quantization": engine.quantization,
         "attention_backend": engine.attention_backend,
@@ -302,42 +310,48 @@ class _WriterFeed:
     def __init__(self, writer: ShardWriter, guard: NonFiniteGuard):
         self.writer = writer
         self.guard = guard
-        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # the long sample being filled
+        self._rows: dict[str, torch.Tensor] | None = None  # the long sample being filled, per staged tensor
         self._flagged = False
 
     # The flag travels with its piece, so it is read only once the copy event says the states (and the
     # flag, enqueued before them) are on the host.
-    def __call__(self, piece: _Piece, aux: torch.Tensor, last: torch.Tensor) -> None:
+    def __call__(self, piece: _Piece, staged: dict[str, torch.Tensor]) -> None:
         if piece.whole:
-            self._batch(piece, aux, last)
+            self._batch(piece, staged)
             return
         (sample,) = piece.batch.samples
         if piece.start == 0:
-            widths = (aux.shape[1], last.shape[1])
+            widths = {name: t.shape[1] for name, t in staged.items()}
             stream = self.guard.policy != "drop"
             self._rows = self.writer.begin_sample(_info(sample), sample.input_ids, sample.loss_mask, widths, stream=stream)
             self._flagged = False
-        self._rows[0][piece.start : piece.stop].copy_(aux)
-        self._rows[1][piece.start : piece.stop].copy_(last)
+        for name, t in staged.items():
+            self._rows[name][piece.start : piece.stop].copy_(t)
         self.writer.filled(piece.stop)
         self._flagged |= bool(piece.flag)
         if piece.stop == sample.num_tokens:
-            kept = self.guard.screen([sample], *self._rows)[0] if self._flagged else [sample]
+            kept = self._screen([sample], self._rows)[0] if self._flagged else [sample]
             self._rows = None
             self.writer.end_sample(keep=bool(kept))
 
-    def _batch(self, piece: _Piece, aux: torch.Tensor, last: torch.Tensor) -> None:
+    def _screen(self, samples, staged: dict[str, torch.Tensor]):
+        """The guard's verdict on the decoded states: kept samples and their rows (None: all)."""
+        states = self.writer.encoding.decode(staged)
+        return self.guard.screen(samples, states[STATE_TENSORS[0]], states.get(FINAL_STATE))
+
+    def _batch(self, piece: _Piece, staged: dict[str, torch.Tensor]) -> None:
         samples = piece.batch.samples
         if piece.flag:
-            samples, aux, last = self.guard.screen(samples, aux, last)
+            samples, rows = self._screen(samples, staged)
             if not samples:
                 return
-        self.writer.add_batch(
+            if rows is not None:
+                staged = {name: t[rows] for name, t in staged.items()}
+        self.writer.add_staged(
             [_info(s) for s in samples],
             np.concatenate([s.input_ids for s in samples]),
             np.concatenate([s.loss_mask for s in samples]),
-            aux,
-            last,
+            staged,
             lengths=[s.num_tokens for s in samples],
         )
 
@@ -364,7 +378,12 @@ def extract_batches(
             on_batch(batch)
         return
     feed = _WriterFeed(writer, nonfinite or NonFiniteGuard("fail", engine.layer_ids))
-    with HostOffload(feed, engine.device, staging or staging_buffers(engine)) as offload:
+
+    def encode(aux: torch.Tensor, last: torch.Tensor) -> dict[str, torch.Tensor]:
+        return writer.encoding.encode(aux, last, len(engine.layer_ids))
+
+    buffers = staging or staging_buffers(engine, writer.encoding)
+    with HostOffload(feed, engine.device, buffers, encode) as offload:
         for batch in batches:
             for start, stop, captured in _forwards(engine, batch):
                 piece = _Piece(batch, start, stop, batch_flag(captured.aux, captured.last))
@@ -372,10 +391,10 @@ def extract_batches(
             on_batch(batch)
 
 
-def staging_buffers(engine: Engine) -> list:
+def staging_buffers(engine: Engine, encoding: Encoding) -> list:
     """Pinned host rows for a few forwards' states: a batch's, or one chunk's of a long sample."""
-    widths = state_widths(len(engine.layer_ids), engine.hidden_size)
-    return pinned_buffers(engine.device, engine.max_forward_tokens, widths)
+    widths = encoding.widths(len(engine.layer_ids), engine.hidden_size)
+    return pinned_buffers(engine.device, engine.max_forward_tokens, encoding, widths)
 
 
 class _HostMemory:
@@ -389,8 +408,8 @@ class _HostMemory:
     """
 
     def __init__(self, opts: ExtractOptions, checked: preflight.Checked, layout: Layout):
-        hidden = checked.model.hidden_size
-        self.widths = state_widths(_num_aux_layers(opts), hidden)
+        self.encoding = encoding(opts)
+        self.widths = self.encoding.widths(_num_aux_layers(checked), checked.model.hidden_size)
         self.forward_tokens = max(checked.tokens_per_batch, opts.chunk_tokens or 0)
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-memory")
         self._prepared = pool.submit(self._allocate, layout.local_rank, opts.shard_bytes)
@@ -398,15 +417,15 @@ class _HostMemory:
 
     def _allocate(self, gpu: int, shard_bytes: int) -> tuple[list, list]:
         torch.cuda.set_device(gpu)  # pinned memory belongs to the current device's context, per thread
-        staging = pinned_buffers("cuda", self.forward_tokens, self.widths)
-        return staging, shard_buffers(self.widths, shard_bytes, WRITER_THREADS + 1)
+        staging = pinned_buffers("cuda", self.forward_tokens, self.encoding, self.widths)
+        return staging, shard_buffers(self.encoding, self.widths, shard_bytes, WRITER_THREADS + 1)
 
     def take(self, engine: Engine) -> tuple[list, list]:
         """(staging, shard buffers) for `engine`'s widths and forwards."""
         staging, buffers = self._prepared.result()
-        widths = state_widths(len(engine.layer_ids), engine.hidden_size)
+        widths = self.encoding.widths(len(engine.layer_ids), engine.hidden_size)
         if (self.widths, self.forward_tokens) != (widths, engine.max_forward_tokens):
-            return staging_buffers(engine), []
+            return staging_buffers(engine, self.encoding), []
         return staging, buffers
 
 
@@ -473,20 +492,30 @@ def _sample_tokenizer(opts: ExtractOptions, model_dir: Path) -> SampleTokenizer:
         max_length=opts.max_length,
         overlong=opts.overlong,
         trim_after_last_loss=opts.trim_after_last_loss,
+        min_loss_run=_min_loss_run(opts),
     )
+
+
+def _min_loss_run(opts: ExtractOptions) -> int:
+    return opts.min_loss_run if opts.min_loss_run is not None else RECIPES[opts.recipe].min_loss_run
+
+
+def encoding(opts: ExtractOptions) -> Encoding:
+    return Encoding(opts.store, opts.compress, final_state=RECIPES[opts.recipe].final_state)
 
 
 def dry_run(opts: ExtractOptions) -> planning.Plan:
     """The real run's checks, then the whole corpus tokenized as the run would and its output sized,
     without loading the model."""
-    model = preflight.check(opts).model
+    checked = preflight.check(opts)
+    model = checked.model
     return planning.plan(opts.data, _sample_tokenizer(opts, model.path), opts.out, model.hidden_size,
-                         _num_aux_layers(opts), strict=opts.strict)
+                         _num_aux_layers(checked), encoding(opts), strict=opts.strict)
 
 
-def _num_aux_layers(opts: ExtractOptions) -> int:
+def _num_aux_layers(checked: preflight.Checked) -> int:
     """Before the model loads: every supported model's SGLang EAGLE-3 default captures three layers."""
-    return len(opts.layers) if opts.layers is not None else 3
+    return len(checked.layer_ids) if checked.layer_ids is not None else 3
 
 
 def run(opts: ExtractOptions) -> Summary | None:
@@ -584,7 +613,7 @@ def _run(
             max_seqs_per_batch=opts.seqs_per_batch,
             chunk_tokens=opts.chunk_tokens,
             context_length=max(opts.max_length, 8),
-            layer_ids=opts.layers,
+            layer_ids=checked.layer_ids,
             final_state=opts.final_state,
             load_format=opts.load_format,
             mem_fraction_static=opts.mem_fraction_static,
@@ -625,7 +654,8 @@ def _run(
                 on_written=lambda shard: shard_log.append(asdict(shard)),
                 # On a GPU the first shards would otherwise fill fresh pages on the hot path; on CPU
                 # (tiny models, tests) that memory would mostly sit unused.
-                widths=state_widths(len(engine.layer_ids), engine.hidden_size) if on_gpu else None,
+                encoding=encoding(opts),
+                widths=encoding(opts).widths(len(engine.layer_ids), engine.hidden_size) if on_gpu else None,
                 buffers=buffers,
             )
 

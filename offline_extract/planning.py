@@ -12,10 +12,10 @@ from pathlib import Path
 from offline_extract.data.corpus import BadRecordError, Record, read_corpus
 from offline_extract.data.tokenization import Sample, SampleTokenizer
 from offline_extract.progress import human_bytes
-from offline_extract.store.schema import SAMPLE_ROW_BYTES, STATE_TENSORS, TENSORS, bytes_per_token, state_widths
+from offline_extract.store.schema import Encoding
 
-# Per sample: its rows of offsets and sample_index, plus its metadata entry (about 150 bytes of JSON).
-_SAMPLE_BYTES = SAMPLE_ROW_BYTES + 150
+# Per sample, besides its rows of the per-sample tensors: its metadata entry (about 150 bytes of JSON).
+_SAMPLE_METADATA_BYTES = 150
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,11 @@ class Plan:
 
 
 def plan(
-    data, tokenizer: SampleTokenizer, out: str | Path, hidden_size: int, num_aux_layers: int, strict: bool = False
+    data, tokenizer: SampleTokenizer, out: str | Path, hidden_size: int, num_aux_layers: int,
+    encoding: Encoding = Encoding(), strict: bool = False,
 ) -> Plan:
-    """Under `strict`, the first bad record raises BadRecordError, as it stops the real run."""
+    """Under `strict`, the first bad record raises BadRecordError, as it stops the real run. Compressed
+    states are sized as they are before compression: how much zstd saves depends on the states."""
     records = samples = skipped = rejected = tokens = loss_tokens = 0
     for item in read_corpus(data):
         records += 1
@@ -57,10 +59,14 @@ def plan(
             raise BadRecordError(item)
         else:
             rejected += 1
-    per_token = bytes_per_token(state_widths(num_aux_layers, hidden_size))
-    # The hidden states first: they are nearly all of it.
-    sizes = {name: tokens * per_token[name] for name in sorted(per_token, key=lambda n: n not in STATE_TENSORS)}
-    sizes[", ".join(t.name for t in TENSORS if not t.per_token) + ", metadata"] = samples * _SAMPLE_BYTES
+    # The hidden states first (the encoding lists them first): they are nearly all of it.
+    sizes = {
+        name + (" (before zstd)" if name in encoding.compressed else ""): tokens * n
+        for name, n in encoding.bytes_per_token(num_aux_layers, hidden_size).items()
+    }
+    per_sample = [t for t in encoding.tensors if t.rows in ("n", "n+1")]
+    sample_bytes = sum(t.dtype.itemsize for t in per_sample) + _SAMPLE_METADATA_BYTES
+    sizes[", ".join(t.name for t in per_sample) + ", metadata"] = samples * sample_bytes
     existing = Path(out)
     while not existing.exists():
         existing = existing.parent

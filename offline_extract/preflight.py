@@ -18,6 +18,7 @@ from offline_extract.data.sources import Source, open_sources
 from offline_extract.default_model import ensure_tiny_model
 from offline_extract.engine.parity import wrapped_text_config
 from offline_extract.engine.sglang_adapter import CONTEXT_KEYS, capture_rule, context_length, validate_layer_ids
+from offline_extract.recipes import RECIPES
 
 # One forward's token budget when --tokens-per-batch is not given.
 DEFAULT_TOKENS_PER_BATCH = {"cuda": 16384, "cpu": 4096}
@@ -48,6 +49,7 @@ class Checked:
     device: str
     tokens_per_batch: int
     sources: list[Source]
+    layer_ids: tuple[int, ...] | None  # None: SGLang's EAGLE-3 default, resolved by the engine
 
     @property
     def corpus_paths(self) -> list[Path]:
@@ -74,8 +76,12 @@ def check(opts) -> Checked:
     device = resolve_device(opts.device)
     check_dtype(device, opts.dtype)
     model = resolve_model(opts.model, opts.trust_remote_code)
-    if opts.layers is not None:
-        validate_layer_ids(opts.layers, model.num_layers)
+    recipe = RECIPES[opts.recipe]
+    if not recipe.final_state and opts.final_state != "post-norm":
+        raise ValueError(f"--recipe {opts.recipe} stores no final state, so --final-state {opts.final_state} has no effect")
+    layer_ids = opts.layers if opts.layers is not None else recipe.layer_ids(model.num_layers)
+    if layer_ids is not None:
+        validate_layer_ids(layer_ids, model.num_layers)
     if opts.max_length > model.context_length:
         raise ValueError(
             f"--max-length {opts.max_length} is longer than the model's context of {model.context_length} tokens "
@@ -83,7 +89,7 @@ def check(opts) -> Checked:
             f"{model.context_length}"
         )
     tokens_per_batch = opts.tokens_per_batch or DEFAULT_TOKENS_PER_BATCH[torch.device(device).type]
-    return Checked(model, device, tokens_per_batch, sources)
+    return Checked(model, device, tokens_per_batch, sources, layer_ids)
 
 
 def check_dtype(device: str, dtype: str) -> None:

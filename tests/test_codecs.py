@@ -72,9 +72,10 @@ def test_fp8_refuses_a_width_that_does_not_split_into_layers():
 def test_zstd_frame_round_trips_bit_exactly(dtype, rows):
     x = (torch.randn(rows, 24) * 50).to(dtype)
     frame = compress_frame(x, compressor())
-    back = decompress_frame(frame, dtype, (rows, 24), decompressor())
-    assert back.dtype == dtype and back.shape == (rows, 24)
-    assert torch.equal(back.view(torch.uint8), x.view(torch.uint8))
+    back = decompress_frame(frame, dtype, rows, decompressor())
+    assert back.dtype == dtype
+    # An empty frame has no bytes to tell its width by.
+    assert torch.equal(back.view(torch.uint8), x.view(torch.uint8)) if rows else back.numel() == 0
 
 
 def test_zstd_byte_planes_compress_bf16_states_better_than_their_bytes_as_they_lie():
@@ -87,8 +88,8 @@ def test_zstd_byte_planes_compress_bf16_states_better_than_their_bytes_as_they_l
 
 def test_zstd_frame_of_the_wrong_size_is_refused():
     frame = compress_frame(torch.zeros(10, 4, dtype=torch.bfloat16), compressor())
-    with pytest.raises(Exception, match="frame|size"):
-        decompress_frame(frame, torch.bfloat16, (11, 4), decompressor())
+    with pytest.raises(ValueError, match="frame of 80 bytes does not hold 3 rows of torch.bfloat16"):
+        decompress_frame(frame, torch.bfloat16, 3, decompressor())
 
 
 @pytest.mark.gpu

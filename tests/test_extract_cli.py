@@ -273,3 +273,68 @@ def test_strict_under_torchrun_reports_the_first_bad_record_in_corpus_order_once
     assert f"Error: {corpus}:4: invalid JSON" in proc.stderr
     assert f'File "{ROOT}' not in proc.stderr, "a traceback through our code"  # torchrun prints its own
     assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory, cache_env):
+    """The first 8 records extracted as bf16 and as zstd-compressed fp8, in the same batches (the other
+    combinations are written and read back in test_encodings.py)."""
+    corpus = tmp_path_factory.mktemp("corpus") / "c.jsonl"
+    corpus.write_text("".join(CORPUS.read_text().splitlines(keepends=True)[:8]))
+    outs = {}
+    for store, compress in (("bf16", "none"), ("fp8", "zstd")):
+        out = tmp_path_factory.mktemp(f"{store}-{compress}") / "out"
+        _ok(_extract(out, "--data", str(corpus), "--store", store, "--compress", compress, "--tokens-per-batch", "512",
+                     "--max-length", "512", env=cache_env))
+        outs[store] = out
+    return outs
+
+
+@pytest.mark.parametrize("store", ["bf16", "fp8"])
+def test_extraction_round_trips_through_reader_export_and_verify(stored, store, tmp_path):
+    from offline_extract.training.datasets import HiddenStateDataset
+    from offline_extract.training.export import export_specforge, specforge_path
+
+    out = stored[store]
+    verify = subprocess.run([sys.executable, str(ROOT / "bin" / "inspect.py"), str(out), "--verify"],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert verify.returncode == 0 and "no problems" in verify.stdout, verify.stdout + verify.stderr
+    run = open_shard(shard_paths(out)[0]).run
+    assert run["store"] == store and run["compress"] == ("zstd" if store == "fp8" else "none")
+    got, bf16 = HiddenStateDataset(out), HiddenStateDataset(stored["bf16"])
+    export_specforge(out, tmp_path / "sf", progress=False)
+    for i in range(len(got)):
+        item = got[i]
+        assert item["id"] == bf16[i]["id"] and torch.equal(item["input_ids"], bf16[i]["input_ids"])
+        for name in ("aux_hidden_states", "hidden_states"):
+            assert item[name].dtype == torch.bfloat16
+            a, b = item[name].float(), bf16[i][name].float()
+            layers = a.shape[1] // 64
+            cosine = torch.nn.functional.cosine_similarity(a.reshape(-1, layers, 64), b.reshape(-1, layers, 64), dim=-1)
+            # The same forward passes: fp8 keeps every token's direction; bf16 is the reference itself.
+            assert cosine.min() >= (0.999 if store == "fp8" else 1 - 1e-6), (item["id"], name)
+        exported = torch.load(specforge_path(tmp_path / "sf", i), weights_only=True)
+        assert torch.equal(exported["aux_hidden_state"][0], item["aux_hidden_states"])
+    sizes = {key: sum(p.stat().st_size for p in shard_paths(o)) for key, o in stored.items()}
+    assert sizes["fp8"] < 0.6 * sizes["bf16"], sizes
+
+
+def test_dflash_recipe_captures_spread_layers_without_final_state_and_skips_short_loss_runs(tmp_path, cache_env):
+    from offline_extract.training.datasets import HiddenStateDataset
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(CORPUS.read_text().splitlines(keepends=True)[:4])
+                      + '{"id": "scattered", "input_ids": [5, 6, 7, 8, 9], "loss_mask": [1, 0, 1, 0, 1]}\n')
+    out = tmp_path / "out"
+    _ok(_extract(out, "--data", str(corpus), "--recipe", "dflash", "--store", "fp8", "--compress", "zstd",
+                 "--verify", "1", env=cache_env))
+    run = open_shard(shard_paths(out)[0]).run
+    assert run["recipe"] == "dflash" and run["layer_ids"] == [1, 2, 3, 4, 5] and run["final_state"] is None
+    assert run["min_loss_run"] == 2
+    item = HiddenStateDataset(out)[0]
+    assert "hidden_states" not in item and item["aux_hidden_states"].shape[1] == 5 * 64
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["kind"]) for r in rejects] == [("scattered", "skipped")]
+    assert "consecutive loss tokens is 1" in rejects[0]["reason"]
+    identity = json.loads((out / "manifest.json").read_text())["identity"]
+    assert (identity["recipe"], identity["store"], identity["compress"]) == ("dflash", "fp8", "zstd")

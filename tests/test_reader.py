@@ -99,6 +99,9 @@ class CountingHandle:
     def __init__(self, inner, log):
         self.inner, self.log = inner, log
 
+    def metadata(self):
+        return self.inner.metadata()
+
     def get_tensor(self, name):
         self.log.append(("tensor", name))
         return self.inner.get_tensor(name)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from offline_extract.store.index import iter_samples, shard_paths, write_index
-from offline_extract.store.schema import SampleInfo, ShardError, shard_name
+from offline_extract.store.schema import Encoding, SampleInfo, ShardError, shard_name
 from offline_extract.store.shard import open_shard, read_header
 from offline_extract.store import writer as writer_module
 from offline_extract.store.writer import ShardWriter
@@ -258,7 +258,7 @@ def test_unknown_sample_in_a_shard(tmp_path):
 
 def test_preallocated_buffers_write_the_same_shards(tmp_path):
     _, plain = write(tmp_path / "plain", BATCHES, shard_bytes=12 * ROW_BYTES, writers=2)
-    writer, pre = write(tmp_path / "pre", BATCHES, shard_bytes=12 * ROW_BYTES, writers=2, widths=(K * H, H))
+    writer, pre = write(tmp_path / "pre", BATCHES, shard_bytes=12 * ROW_BYTES, writers=2, widths=Encoding().widths(K, H))
     assert writer._buffers_left == 0, "every buffer is allocated up front"
     assert [p.name for p in plain] == [p.name for p in pre]
     for a, b in zip(plain, pre):

@@ -58,19 +58,22 @@ class NonFiniteGuard:
         self.names = [f"layer {k}" for k in layer_ids] + ["the final state"]
         self.on_found = on_found
 
-    def _counts(self, aux: torch.Tensor, last: torch.Tensor) -> dict[str, int]:
+    def _counts(self, aux: torch.Tensor, last: torch.Tensor | None) -> dict[str, int]:
         per_layer = aux.reshape(aux.shape[0], len(self.names) - 1, -1)
-        bad = [*(~torch.isfinite(per_layer)).sum(dim=(0, 2)).tolist(), int((~torch.isfinite(last)).sum())]
+        bad = (~torch.isfinite(per_layer)).sum(dim=(0, 2)).tolist()
+        if last is not None:
+            bad.append(int((~torch.isfinite(last)).sum()))
         return {name: n for name, n in zip(self.names, bad) if n}
 
     def screen(
-        self, samples: Sequence[Sample], aux: torch.Tensor, last: torch.Tensor
-    ) -> tuple[Sequence[Sample], torch.Tensor, torch.Tensor]:
-        """The samples, packed aux rows and last rows the policy lets through."""
+        self, samples: Sequence[Sample], aux: torch.Tensor, last: torch.Tensor | None
+    ) -> tuple[Sequence[Sample], torch.Tensor | None]:
+        """The samples the policy lets through, and their rows of the packed states (None: all rows).
+        `last` is None when the final state is not stored."""
         kept, rows, start = [], [], 0
         for s in samples:
             stop = start + s.num_tokens
-            counts = self._counts(aux[start:stop], last[start:stop])
+            counts = self._counts(aux[start:stop], None if last is None else last[start:stop])
             if counts:
                 reason = _describe(counts)
                 if self.policy == "fail":
@@ -84,6 +87,5 @@ class NonFiniteGuard:
                 rows.append(torch.arange(start, stop))
             start = stop
         if len(kept) == len(samples):
-            return samples, aux, last
-        index = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
-        return kept, aux[index], last[index]
+            return samples, None
+        return kept, torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)

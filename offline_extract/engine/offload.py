@@ -1,7 +1,9 @@
 """Moving captured states off the GPU without making the GPU wait for the host.
 
-Each batch's states are copied on a side CUDA stream into one of a few reused pinned host buffers; a
-background thread waits for the copy and hands the host rows to the consumer (the shard writer). The
+Each batch's states are encoded (cast to bf16, or quantized to fp8 with their scales) and copied on a
+side CUDA stream into one of a few reused pinned host buffers, so the copy, host memory and the disk
+carry only the stored bytes; a background thread waits for the copy and hands the host rows to the
+consumer (the shard writer). The
 main loop only blocks when every pinned buffer is still in flight, which is the back-pressure that keeps
 host memory bounded when the disk is slower than the GPU.
 """
@@ -13,23 +15,38 @@ from typing import Callable
 
 import torch
 
-from offline_extract.store.schema import STATE_DTYPE
+from offline_extract.store.schema import Encoding
 
-# Called with whatever the caller submitted as its batch, then the host copies of aux and last.
-Consumer = Callable[[object, torch.Tensor, torch.Tensor], None]
+# Called with whatever the caller submitted as its batch, then the host copies of the staged tensors.
+Consumer = Callable[[object, dict[str, torch.Tensor]], None]
 
 
-def pinned_buffers(device: torch.device | str, max_tokens: int, widths: tuple[int, ...], depth: int = 3) -> list:
-    """Host staging for `depth` batches in flight. Allocate once and reuse: pinning half a gigabyte
-    takes about 0.1 s. On CPU there is nothing to stage, only the depth to bound."""
+def pinned_buffers(
+    device: torch.device | str, max_tokens: int, encoding: Encoding, widths: dict[str, int], depth: int = 3
+) -> list:
+    """Host staging for `depth` batches in flight, one buffer per staged tensor. Allocate once and
+    reuse: pinning half a gigabyte takes about 0.1 s. On CPU there is nothing to stage, only the depth
+    to bound."""
     if torch.device(device).type != "cuda":
         return [None] * depth
-    return [tuple(torch.empty(max_tokens, w, dtype=STATE_DTYPE, pin_memory=True) for w in widths) for _ in range(depth)]
+    return [
+        {t.name: torch.empty(max_tokens, widths[t.name], dtype=t.dtype, pin_memory=True) for t in encoding.staged}
+        for _ in range(depth)
+    ]
 
 
 class HostOffload:
-    def __init__(self, consume: Consumer, device: torch.device | str, buffers: list):
+    """`encode(aux, last)` turns a batch's captured states into the staged tensors the buffers hold."""
+
+    def __init__(
+        self,
+        consume: Consumer,
+        device: torch.device | str,
+        buffers: list,
+        encode: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]],
+    ):
         self._consume = consume
+        self._encode = encode
         self._device = torch.device(device)
         self._cuda = self._device.type == "cuda"
         if self._cuda:
@@ -47,16 +64,20 @@ class HostOffload:
         self._raise_error()
         buffers = self._free.get()
         if not self._cuda:
-            self._ready.put((batch, None, (aux.to(STATE_DTYPE), last.to(STATE_DTYPE)), buffers))
+            self._ready.put((batch, None, self._encode(aux, last), buffers))
             return
         t = aux.shape[0]
         self._stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(self._stream):
-            host = tuple(buf[:t] for buf in buffers)
-            for dst, src in zip(host, (aux, last)):
-                dst.copy_(src, non_blocking=True)
+            for src in (aux, last):
                 # The caching allocator must not hand this memory to the next forward while we read it.
                 src.record_stream(self._stream)
+            # Encoded here, on the side stream: the next forward does not wait for it, and only the
+            # stored bytes cross to the host.
+            staged = self._encode(aux, last)
+            host = {name: buffers[name][:t] for name in staged}
+            for name, src in staged.items():
+                host[name].copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._stream)
         self._ready.put((batch, done, host, buffers))
@@ -68,7 +89,7 @@ class HostOffload:
                 if self._error is None:
                     if done is not None:
                         done.synchronize()
-                    self._consume(batch, *host)
+                    self._consume(batch, host)
             except BaseException as e:  # surfaced to the main thread on its next submit or close
                 self._error = e
             finally:

@@ -66,24 +66,22 @@ def compress_frame(tensor: torch.Tensor, compressor: zstandard.ZstdCompressor) -
     return compressor.compress(planes)
 
 
-def decompress_frame(
-    frame, dtype: torch.dtype, shape: tuple[int, ...], decompressor: zstandard.ZstdDecompressor
-) -> torch.Tensor:
-    """The tensor compress_frame was given, from its frame (bytes or a uint8 tensor)."""
+def decompress_frame(frame, dtype: torch.dtype, rows: int, decompressor: zstandard.ZstdDecompressor) -> torch.Tensor:
+    """The [rows, width] tensor compress_frame was given, from its frame (bytes or a uint8 tensor); the
+    width follows from the frame's size."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    count = 1
-    for n in shape:
-        count *= n
     if isinstance(frame, torch.Tensor):
         frame = frame.numpy()
-    raw = decompressor.decompress(frame, max_output_size=count * itemsize)
-    if len(raw) != count * itemsize:
-        raise ValueError(f"a zstd frame holds {len(raw)} bytes, expected {count * itemsize} for {dtype} {list(shape)}")
+    size = zstandard.frame_content_size(frame)
+    if size < 0 or size % max(rows * itemsize, 1) or (rows == 0 and size):
+        raise ValueError(f"a zstd frame of {size} bytes does not hold {rows} rows of {dtype}")
+    raw = decompressor.decompress(frame, max_output_size=size)
+    count = size // itemsize
     planes = np.frombuffer(raw, dtype=np.uint8).reshape(itemsize, count)
     by_element = np.empty((count, itemsize), dtype=np.uint8)
     for b in range(itemsize):
         by_element[:, b] = planes[b]
-    return torch.from_numpy(by_element.reshape(-1)).view(dtype).reshape(shape)
+    return torch.from_numpy(by_element.reshape(-1)).view(dtype).reshape(rows, -1 if rows else 0)
 
 
 def compressor() -> zstandard.ZstdCompressor:

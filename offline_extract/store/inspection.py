@@ -20,7 +20,7 @@ from rich.text import Text
 
 from offline_extract.store import manifest
 from offline_extract.store.index import read_index, shard_paths
-from offline_extract.store.schema import INDEX_NAME, SHARD_GLOB, ShardError
+from offline_extract.store.schema import FINAL_STATE, INDEX_NAME, SHARD_GLOB, STATE_TENSORS, ShardError
 from offline_extract.store.shard import Shard, open_shard, read_header
 
 # Upper bound on the float32 copy of one chunk of rows; the float64 reduction temporaries double it.
@@ -107,6 +107,11 @@ def _layer_names(run: dict, num_aux: int) -> list[tuple[str, int | None]]:
     return [(f"layer {lid}", lid) for lid in layer_ids]
 
 
+def _state_widths(shard: Shard) -> dict[str, int]:
+    sample = shard.read(0, 1, shard.encoding.states) if shard.samples else {}
+    return {name: t.shape[1] for name, t in sample.items()}
+
+
 def summarize(path: str | os.PathLike, allow_partial: bool = False) -> dict:
     """Counts, run facts, and per captured layer mean/std/absmax/NaN/Inf for a shard or directory.
 
@@ -119,31 +124,39 @@ def summarize(path: str | os.PathLike, allow_partial: bool = False) -> dict:
     paths = resolve_shards(path)
     shards = [open_shard(p) for p in paths]
     run = shards[0].run
-    hidden = shards[0].shapes["hidden_states"][1]
-    aux_width = shards[0].shapes["aux_hidden_states"][1]
+    states = shards[0].encoding.states
+    # Widths from a decoded sample: compressed shards record their states as bytes, not as [T, width].
+    widths = _state_widths(shards[0])
     for s in shards:
-        widths = (s.shapes["aux_hidden_states"][1], s.shapes["hidden_states"][1])
-        if widths != (aux_width, hidden):
-            raise ShardError(
-                f"{s.path} has (aux width, hidden size) {widths}, unlike {paths[0]}'s {(aux_width, hidden)}"
-            )
-    if hidden == 0 or aux_width % hidden:
+        if s.encoding.states != states or _state_widths(s) != widths:
+            raise ShardError(f"{s.path} holds states {_state_widths(s)}, unlike {paths[0]}'s {widths}")
+    aux_width = widths[STATE_TENSORS[0]]
+    hidden = widths.get(FINAL_STATE, run.get("hidden_size"))
+    if not hidden or aux_width % hidden:
         raise ShardError(f"{paths[0]}: aux width {aux_width} is not a multiple of hidden size {hidden}")
     num_aux = aux_width // hidden
-    names = [*_layer_names(run, num_aux), ("last (post-norm)", None)]
+    names = _layer_names(run, num_aux)
+    if FINAL_STATE in states:
+        names.append((f"last ({run.get('final_state') or 'post-norm'})", None))
     stats = [_RunningStats() for _ in names]
 
-    chunk_rows = max(1, CHUNK_BYTES // ((aux_width + hidden) * 4))
+    chunk_rows = max(1, CHUNK_BYTES // (sum(widths.values()) * 4))
     loss_tokens = 0
     for shard in shards:
         loss_tokens += int(shard.tensor("loss_mask").sum(dtype=torch.int64))
-        for start in range(0, shard.num_tokens, chunk_rows):
-            stop = min(start + chunk_rows, shard.num_tokens)
-            rows = shard.rows(start, stop, ("aux_hidden_states", "hidden_states"))
-            aux = rows["aux_hidden_states"].float()
+        # Whole samples at a time, about chunk_rows tokens: a compressed sample is decoded as a unit.
+        first = 0
+        while first < len(shard.samples):
+            stop = first + 1
+            while stop < len(shard.samples) and shard.offsets[stop + 1] - shard.offsets[first] <= chunk_rows:
+                stop += 1
+            rows = shard.read(first, stop, states)
+            aux = rows[STATE_TENSORS[0]].float()
             for j in range(num_aux):
                 stats[j].update(aux[:, j * hidden : (j + 1) * hidden])
-            stats[-1].update(rows["hidden_states"].float())
+            if FINAL_STATE in states:
+                stats[-1].update(rows[FINAL_STATE].float())
+            first = stop
 
     num_tokens = sum(s.num_tokens for s in shards)
     return {
@@ -156,6 +169,7 @@ def summarize(path: str | os.PathLike, allow_partial: bool = False) -> dict:
         "layer_ids": run.get("layer_ids"),
         "layer_convention": run.get("layer_convention"),
         "dtype": run.get("dtype"),
+        "encoding": shards[0].encoding.to_json(),
         "hidden_size": hidden,
         "num_aux_layers": num_aux,
         "layers": [st.result(name, lid) for st, (name, lid) in zip(stats, names)],
@@ -251,12 +265,13 @@ def render_summary(summary: dict, console: Console) -> None:
         ("layer ids", summary["layer_ids"]),
         ("layer convention", summary["layer_convention"]),
         ("dtype", summary["dtype"]),
+        ("stored as", ", ".join(f"{k} {v}" for k, v in summary["encoding"].items())),
         ("hidden size", summary["hidden_size"]),
     ]:
         overview.add_row(label, Text("-" if value is None else str(value)))
     console.print(overview)
 
-    layers = Table(title="captured layers (finite values; float32)")
+    layers = Table(title="captured layers (finite values, as decoded; float32)")
     for column in ("layer", "mean", "std", "absmax", "NaN", "Inf"):
         layers.add_column(column, justify="left" if column == "layer" else "right")
     for layer in summary["layers"]:

@@ -8,16 +8,19 @@ and its index.json (written when a run completes) are reported apart, as what a 
 """
 from __future__ import annotations
 
+import bisect
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+import zstandard
 from safetensors import safe_open
 
 from offline_extract.store import manifest
 from offline_extract.store.index import read_index, shard_paths
-from offline_extract.store.schema import INDEX_NAME, TENSORS, ShardError
+from offline_extract.store.schema import FRAMES_SUFFIX, INDEX_NAME, SCALE_SUFFIX, Encoding, ShardError
 from offline_extract.store.shard import ShardHeader, read_header
 
 
@@ -122,16 +125,18 @@ def _check_shard(path: Path, recorded: dict | None) -> tuple[ShardHeader | None,
             dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
             offsets = f.get_tensor("offsets").tolist()
             sample_index = f.get_tensor("sample_index").tolist()
+            encoded = _check_encoding(path.name, f, header.encoding, offsets, dtypes)
     except ShardError as e:
         return None, [str(e)]
     name, shapes, run = path.name, header.shapes, header.run
+    tensors = header.encoding.tensors
     problems = [
         f"{name}: {t.name} is {dtypes.get(t.name)}, expected {t.safetensors_dtype}"
-        for t in TENSORS
+        for t in tensors
         if dtypes.get(t.name) != t.safetensors_dtype
-    ]
+    ] + encoded
     tokens, n, k = header.num_tokens, len(header.samples), len(run.get("layer_ids", []))
-    for t in TENSORS:
+    for t in tensors:
         shape, found = t.shape(tokens, n, k, run.get("hidden_size") or None), shapes[t.name]
         if len(found) != len(shape) or any(w is not None and w != s for w, s in zip(shape, found)):
             problems.append(f"{name}: {t.name} has shape {list(found)}, expected {list(shape)}")
@@ -144,6 +149,41 @@ def _check_shard(path: Path, recorded: dict | None) -> tuple[ShardHeader | None,
         if key in identity and run.get(key) != identity[key]:
             problems.append(f"{name}: run {key} {run.get(key)!r} differs from the manifest's {identity[key]!r}")
     return header, problems
+
+
+def _check_encoding(name: str, f, encoding: Encoding, offsets: list[int], dtypes: dict) -> list[str]:
+    """fp8 scales finite and positive; zstd frames covering the byte stream, each holding its sample's
+    bytes (read from the frame headers, without decompressing)."""
+    problems = []
+    for t in encoding.staged:
+        if t.name.endswith(SCALE_SUFFIX) and dtypes.get(t.name) == t.safetensors_dtype:
+            scales = f.get_tensor(t.name)
+            bad = ~(torch.isfinite(scales) & (scales > 0))
+            if bad.any():
+                rows = bad.any(dim=-1).nonzero().flatten()
+                samples = sorted({bisect.bisect_right(offsets, int(r)) - 1 for r in rows})
+                problems.append(
+                    f"{name}: {int(bad.sum())} {t.name} values are not finite and positive, in samples at "
+                    f"positions {samples[:10]}{' ...' if len(samples) > 10 else ''} (non-finite states, e.g. kept "
+                    f"under --nonfinite keep, or damage)"
+                )
+    for state in encoding.compressed:
+        frames = f.get_tensor(state + FRAMES_SUFFIX).tolist()
+        blob = f.get_slice(state)
+        size = blob.get_shape()[0]
+        if frames[:1] != [0] or frames[-1:] != [size] or any(a > b for a, b in zip(frames, frames[1:])):
+            problems.append(f"{name}: {state}{FRAMES_SUFFIX} do not rise from 0 to its {size} bytes")
+            continue
+        itemsize = next(t.dtype.itemsize for t in encoding.staged if t.name == state)
+        for i, (a, b) in enumerate(zip(frames, frames[1:])):
+            rows = offsets[i + 1] - offsets[i] if i + 1 < len(offsets) else -1
+            try:
+                content = zstandard.frame_content_size(blob[a : min(b, a + 18)].numpy().tobytes())
+            except zstandard.ZstdError:
+                content = -1
+            if content < 0 or content % max(rows * itemsize, 1) or (rows == 0) != (content == 0):
+                problems.append(f"{name}: {state} frame of sample position {i} does not hold its {rows} rows")
+    return problems
 
 
 def _check_index(out: Path, names: list[str], headers: dict[str, ShardHeader]) -> list[str]:

@@ -1,4 +1,4 @@
-"""Reading one shard: its header alone, or its tensors row by row."""
+"""Reading one shard: its header alone, or its samples with their states decoded (see schema.Encoding)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,17 @@ from typing import Sequence
 import torch
 from safetensors import safe_open
 
-from offline_extract.store.schema import FORMAT_VERSION, METADATA_KEY, SAMPLE_TENSORS, TENSORS, SampleInfo, ShardError
+from offline_extract.store.codecs import decompress_frame, decompressor
+from offline_extract.store.schema import (
+    FORMAT_VERSION,
+    FRAMES_SUFFIX,
+    METADATA_KEY,
+    SCALE_SUFFIX,
+    STATE_TENSORS,
+    Encoding,
+    SampleInfo,
+    ShardError,
+)
 
 
 @dataclass
@@ -21,6 +31,7 @@ class ShardHeader:
     run: dict
     samples: list[SampleInfo]
     shapes: dict[str, tuple[int, ...]]
+    encoding: Encoding
 
     @property
     def num_tokens(self) -> int:
@@ -43,14 +54,48 @@ def read_header(path: str | os.PathLike) -> ShardHeader:
         if version != FORMAT_VERSION:
             raise ShardError(f"{path} has format_version {version}, expected {FORMAT_VERSION}")
         run, samples = document["run"], [SampleInfo(**s) for s in document["samples"]]
+        encoding = Encoding.from_json(document.get("encoding"))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         if isinstance(e, ShardError):
             raise
         raise ShardError(f"{path} has damaged {METADATA_KEY!r} metadata: {e!r}") from e
-    missing = [t.name for t in TENSORS if t.name not in shapes]
+    missing = [t.name for t in encoding.tensors if t.name not in shapes]
     if missing:
         raise ShardError(f"{path} lacks tensors {missing}")
-    return ShardHeader(path, run, samples, shapes)
+    return ShardHeader(path, run, samples, shapes, encoding)
+
+
+def encoding_of(f) -> Encoding:
+    """The encoding an open shard's metadata names."""
+    return Encoding.from_json(json.loads(f.metadata()[METADATA_KEY]).get("encoding"))
+
+
+def sample_bounds(f, encoding: Encoding) -> dict[str, list[int]]:
+    """An open shard's per-sample bounds: token offsets, and each compressed state's frame offsets."""
+    names = ["offsets", *(name + FRAMES_SUFFIX for name in encoding.compressed)]
+    return {name: f.get_tensor(name).tolist() for name in names}
+
+
+def read_samples(f, encoding: Encoding, bounds: dict[str, list[int]], first: int, stop: int, names: Sequence[str]) -> dict:
+    """Samples first:stop of the open shard `f`, their states decoded (bf16), reading only their rows:
+    the per-token tensors among `names` (any of the encoding's sample_tensors)."""
+    offsets = bounds["offsets"]
+    start, end = offsets[first], offsets[stop]
+    out = {name: f.get_slice(name)[start:end] for name in names if name not in STATE_TENSORS}
+    states = [name for name in names if name in STATE_TENSORS]
+    staged = {}
+    for t in encoding.staged:
+        if t.name.removesuffix(SCALE_SUFFIX) not in states:
+            continue
+        if t.name in encoding.compressed:
+            frames, dctx, blob = bounds[t.name + FRAMES_SUFFIX], decompressor(), f.get_slice(t.name)
+            staged[t.name] = torch.cat([
+                decompress_frame(blob[frames[i] : frames[i + 1]], t.dtype, offsets[i + 1] - offsets[i], dctx)
+                for i in range(first, stop)
+            ])
+        else:
+            staged[t.name] = f.get_slice(t.name)[start:end]
+    return {**out, **encoding.decode(staged)}
 
 
 @dataclass
@@ -61,7 +106,12 @@ class Shard:
     run: dict
     samples: list[SampleInfo]
     shapes: dict[str, tuple[int, ...]]
-    offsets: list[int]
+    encoding: Encoding
+    bounds: dict[str, list[int]]
+
+    @property
+    def offsets(self) -> list[int]:
+        return self.bounds["offsets"]
 
     @property
     def num_tokens(self) -> int:
@@ -79,14 +129,14 @@ class Shard:
         return i_or_id
 
     def sample(self, i_or_id: int | str) -> dict[str, torch.Tensor]:
-        """One sample's rows of input_ids, loss_mask, aux_hidden_states and hidden_states."""
+        """One sample's input_ids, loss_mask and states (aux_hidden_states, hidden_states if kept)."""
         pos = self.position(i_or_id)
-        return self.rows(self.offsets[pos], self.offsets[pos + 1])
+        return self.read(pos, pos + 1)
 
-    def rows(self, start: int, stop: int, names: Sequence[str] = SAMPLE_TENSORS) -> dict[str, torch.Tensor]:
-        """Token rows start:stop of the per-token tensors, reading only those rows from disk."""
+    def read(self, first: int, stop: int, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        """Samples first:stop (positions) packed along tokens, states decoded; only their rows are read."""
         with safe_open(self.path, framework="pt") as f:
-            return {name: f.get_slice(name)[start:stop] for name in names}
+            return read_samples(f, self.encoding, self.bounds, first, stop, names or self.encoding.sample_tensors)
 
     def tensor(self, name: str) -> torch.Tensor:
         with safe_open(self.path, framework="pt") as f:
@@ -96,7 +146,8 @@ class Shard:
 def open_shard(path: str | os.PathLike) -> Shard:
     header = read_header(path)
     with safe_open(header.path, framework="pt") as f:
-        offsets = f.get_tensor("offsets").tolist()
+        bounds = sample_bounds(f, header.encoding)
+    offsets = bounds["offsets"]
     if len(offsets) != len(header.samples) + 1 or offsets[-1] != header.num_tokens:
         raise ShardError(f"{header.path}: offsets do not match its {len(header.samples)} samples")
-    return Shard(header.path, header.run, header.samples, header.shapes, offsets)
+    return Shard(header.path, header.run, header.samples, header.shapes, header.encoding, bounds)

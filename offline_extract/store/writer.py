@@ -16,19 +16,19 @@ import numpy as np
 import torch
 
 from offline_extract.store.atomic import atomic_write
+from offline_extract.store.codecs import compress_frame, compressor
 from offline_extract.store.schema import (
-    FILE_ORDER,
     FORMAT_VERSION,
+    FRAMES_SUFFIX,
     METADATA_KEY,
     SAFETENSORS_DTYPES,
-    SAMPLE_TENSORS,
     SPECS,
     STATE_TENSORS,
+    Encoding,
     SampleInfo,
     ShardError,
     shard_name,
     shard_number,
-    state_bytes_per_token,
 )
 
 WRITER_THREADS = 4  # ShardWriter's default; it holds at most one more shard buffer than threads
@@ -83,12 +83,12 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
 
 
 def _pieces(tensors: dict[str, torch.Tensor], filling: _Filling | None) -> Iterator[memoryview]:
-    """The tensors' bytes in file order; rows still `filling` are handed out as they become final."""
-    for name in FILE_ORDER:
-        t = tensors[name]
+    """The tensors' bytes in the dict's (file) order; rows of the per-token state tensors (states, fp8
+    scales) still `filling` are handed out as they become final."""
+    for t in tensors.values():
         if not t.numel():
             continue
-        if filling is None or name not in STATE_TENSORS:
+        if filling is None or t.dim() != 2:
             yield _as_bytes(t.contiguous())
             continue
         done = 0
@@ -107,13 +107,12 @@ def _serialize(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str,
     With `filling`, the state rows from `filling.final` on are still arriving: each is written, hashed and
     flushed to disk as soon as it is final, so that little is left to do once the last one is.
 
-    The layout is safetensors' own (u64 header length, JSON header padded to 8 bytes, raw data), so the
-    reference reader opens it; the tests read every shard back through it.
+    The layout is safetensors' own (u64 header length, JSON header padded to 8 bytes, raw data in the
+    dict's order), so the reference reader opens it; the tests read every shard back through it.
     """
     header: dict = {"__metadata__": metadata}
     offset = 0
-    for name in FILE_ORDER:
-        t = tensors[name]
+    for name, t in tensors.items():
         size = t.numel() * t.element_size()
         header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         offset += size
@@ -153,13 +152,10 @@ def _as_tensor(x: np.ndarray | torch.Tensor) -> torch.Tensor:
 class _ShardBuffer:
     """Host memory for one shard in the making; reused from shard to shard to avoid page faults."""
 
-    def __init__(self, widths: tuple[int, int], tokens: int):
-        self.widths = widths
-        width = dict(zip(STATE_TENSORS, widths))
-        self.tensors = {
-            name: torch.empty((tokens, width[name]) if name in width else (tokens,), dtype=SPECS[name].dtype)
-            for name in SAMPLE_TENSORS
-        }
+    def __init__(self, encoding: Encoding, widths: dict[str, int], tokens: int):
+        self.encoding, self.widths = encoding, widths
+        self.tensors = {name: torch.empty(tokens, dtype=SPECS[name].dtype) for name in ("input_ids", "loss_mask")}
+        self.tensors.update({t.name: torch.empty(tokens, widths[t.name], dtype=t.dtype) for t in encoding.staged})
         self.clear()
 
     @property
@@ -175,7 +171,7 @@ class _ShardBuffer:
         """Views of the next `n` rows of every tensor, to be filled and then `record`ed."""
         need = self.tokens + n
         if need > self.capacity:  # the sample that crosses the shard target: grow (see ShardWriter._write)
-            grown = _ShardBuffer(self.widths, max(need, self.capacity + self.capacity // 16))
+            grown = _ShardBuffer(self.encoding, self.widths, max(need, self.capacity + self.capacity // 16))
             for name, t in self.tensors.items():
                 grown.tensors[name][: self.tokens].copy_(t[: self.tokens])
             self.tensors = grown.tensors
@@ -205,14 +201,16 @@ class _ShardBuffer:
         return samples, out
 
 
-def shard_buffers(widths: tuple[int, int], shard_bytes: int, count: int, touch: bool = True) -> list[_ShardBuffer]:
-    """`count` buffers of one shard of `shard_bytes` each, for states of `widths` (k*H, H) columns.
+def shard_buffers(
+    encoding: Encoding, widths: dict[str, int], shard_bytes: int, count: int, touch: bool = True
+) -> list[_ShardBuffer]:
+    """`count` buffers of one shard of `shard_bytes` each, for the encoding's staged tensors of `widths`.
 
     Touched (written once) by default: a first-touch copy runs several times slower than one into resident
     memory. A caller may prepare them ahead, e.g. while the model loads, and hand them to ShardWriter.
     """
-    rows = max(1, -(-shard_bytes // state_bytes_per_token(widths)))
-    buffers = [_ShardBuffer(widths, rows) for _ in range(count)]
+    rows = max(1, -(-shard_bytes // encoding.state_bytes(widths)))
+    buffers = [_ShardBuffer(encoding, widths, rows) for _ in range(count)]
     for buf in buffers if touch else ():
         for t in buf.tensors.values():
             t.zero_()
@@ -233,8 +231,9 @@ class WrittenShard:
 class ShardWriter:
     """Assembles batches of extracted samples into shards of about `shard_bytes` and writes them.
 
-    A shard is closed as soon as its hidden-state bytes (aux + last, as stored) reach `shard_bytes`, so it
-    exceeds that size by less than one sample; samples are never split across shards. `add_batch` copies
+    A shard is closed as soon as its hidden-state bytes (aux + last as `encoding` stores them, before any
+    compression) reach `shard_bytes`, so it exceeds that size by less than one sample; samples are never
+    split across shards. `add_batch` copies
     its input into a shard buffer and returns, so callers may reuse their (pinned) staging memory at once.
     Complete shards are written by `writers` threads in parallel, each file sequentially; at most
     `writers + 1` shard buffers exist, so host memory is bounded whatever the corpus size, and a caller
@@ -244,7 +243,8 @@ class ShardWriter:
 
     A sample whose states arrive in pieces (a long sample, chunk by chunk) goes in with `begin_sample`,
     which hands out its rows in the shard buffer to fill, and `end_sample`: its states are then copied
-    into host memory once, never assembled elsewhere first.
+    into host memory once, never assembled elsewhere first. Under zstd the writer threads compress, one
+    frame per sample per state, so such a shard is written once complete, not while it fills.
     """
 
     def __init__(
@@ -256,7 +256,8 @@ class ShardWriter:
         shard_numbers: Iterator[int] | None = None,
         writers: int = WRITER_THREADS,
         on_written: Callable[[WrittenShard], None] | None = None,
-        widths: tuple[int, int] | None = None,
+        encoding: Encoding = Encoding(),
+        widths: dict[str, int] | None = None,
         buffers: list[_ShardBuffer] | None = None,
     ):
         if shard_bytes <= 0:
@@ -267,6 +268,7 @@ class ShardWriter:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.run = run
+        self.encoding = encoding
         self.shard_bytes = shard_bytes
         self._numbers = shard_numbers if shard_numbers is not None else itertools.count()
         self._on_written = on_written
@@ -276,7 +278,7 @@ class ShardWriter:
         self._pending: list[Future] = []
         self._paths: list[Path] = []
         self._closed = False
-        self._widths: tuple[int, int] | None = None  # (k*H, H), given or fixed by the first batch
+        self._widths: dict[str, int] | None = None  # of each staged tensor, given or fixed by the first batch
         self._current: _ShardBuffer | None = None
         self._open: tuple[SampleInfo, int, int] | None = None  # (sample, tokens, row bytes): begun, not ended
         self._filling: _Filling | None = None  # the begun sample's rows, when its shard is already being written
@@ -299,7 +301,7 @@ class ShardWriter:
                 self._free.put(self._new_buffer())
 
     def _new_buffer(self) -> _ShardBuffer:
-        return shard_buffers(self._widths, self.shard_bytes, 1, touch=self._touch)[0]
+        return shard_buffers(self.encoding, self._widths, self.shard_bytes, 1, touch=self._touch)[0]
 
     def add_batch(
         self,
@@ -307,14 +309,30 @@ class ShardWriter:
         input_ids: np.ndarray | torch.Tensor,
         loss_mask: np.ndarray | torch.Tensor,
         aux: torch.Tensor,
-        last: torch.Tensor,
+        last: torch.Tensor | None,
         *,
         lengths: Sequence[int],
     ) -> None:
-        """Adds `samples`, whose tokens are packed in order along dim 0 of every tensor.
+        """Adds `samples`, whose tokens are packed in order along dim 0 of every tensor, encoding their
+        states here (the extraction encodes on the GPU instead and calls add_staged).
 
         `lengths[i]` is the token count of `samples[i]`; the packed tensors must have sum(lengths) rows.
+        `last` is the final state, None when the encoding keeps none.
         """
+        layers = len(self.run.get("layer_ids", ())) if self.encoding.store == "fp8" else 1
+        aux, last = _as_tensor(aux), None if last is None else _as_tensor(last)
+        self.add_staged(samples, input_ids, loss_mask, self.encoding.encode(aux, last, layers), lengths=lengths)
+
+    def add_staged(
+        self,
+        samples: Sequence[SampleInfo],
+        input_ids: np.ndarray | torch.Tensor,
+        loss_mask: np.ndarray | torch.Tensor,
+        staged: dict[str, torch.Tensor],
+        *,
+        lengths: Sequence[int],
+    ) -> None:
+        """add_batch for states already encoded: `staged` holds the encoding's staged tensors."""
         self._check_open("add_batch")
         lengths = [int(n) for n in lengths]
         if len(lengths) != len(samples):
@@ -322,20 +340,15 @@ class ShardWriter:
         if any(n < 0 for n in lengths):
             raise ShardError(f"negative sample length in {lengths}")
         total = sum(lengths)
-        tensors = {
-            "input_ids": _as_tensor(input_ids),
-            "loss_mask": _as_tensor(loss_mask),
-            "aux_hidden_states": _as_tensor(aux),
-            "hidden_states": _as_tensor(last),
-        }
+        tensors = {"input_ids": _as_tensor(input_ids), "loss_mask": _as_tensor(loss_mask), **staged}
         for name, t in tensors.items():
-            want_dims = 1 if SPECS[name].cols is None else 2
+            want_dims = 1 if name in ("input_ids", "loss_mask") else 2
             if t.dim() != want_dims or t.shape[0] != total:
                 raise ShardError(
                     f"{name} has shape {tuple(t.shape)}; expected {want_dims} dims with "
                     f"sum(lengths)={total} rows"
                 )
-        row_bytes = self._fix_widths(tensors["aux_hidden_states"].shape[1], tensors["hidden_states"].shape[1])
+        row_bytes = self._fix_widths({name: t.shape[1] for name, t in staged.items()})
 
         first_sample = first_row = row = 0
         for i, n in enumerate(lengths):
@@ -349,17 +362,17 @@ class ShardWriter:
 
     def begin_sample(
         self, sample: SampleInfo, input_ids: np.ndarray | torch.Tensor, loss_mask: np.ndarray | torch.Tensor,
-        widths: tuple[int, int], *, stream: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows for one sample whose states arrive in pieces: returns its (aux, last) rows, of `widths`
-        columns, in the shard it goes to. The caller fills them in order, reports each filled prefix with
+        widths: dict[str, int], *, stream: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """Rows for one sample whose states arrive in pieces: returns its rows of each staged tensor, of
+        `widths` columns, in the shard it goes to. The caller fills them in order, reports each filled prefix with
         `filled`, then calls `end_sample`; nothing else may be added in between.
 
         stream=True, when the sample completes its shard, starts writing that shard at once: every row is
         written (and hashed) as soon as it is filled, so that the write after the last row is short. Such a
-        sample cannot then be left out (end_sample(keep=False))."""
+        sample cannot then be left out (end_sample(keep=False)). A compressed shard is not streamed."""
         self._check_open("begin_sample")
-        row_bytes = self._fix_widths(*widths)
+        row_bytes = self._fix_widths(widths)
         ids, mask = _as_tensor(input_ids), _as_tensor(loss_mask)
         n = ids.shape[0]
         if ids.dim() != 1 or mask.shape != ids.shape:
@@ -369,10 +382,10 @@ class ShardWriter:
         rows["input_ids"].copy_(ids)
         rows["loss_mask"].copy_(mask)
         self._open = (sample, n, row_bytes)
-        if stream and (buf.tokens + n) * row_bytes >= self.shard_bytes:
+        if stream and not self.encoding.compressed and (buf.tokens + n) * row_bytes >= self.shard_bytes:
             self._filling = _Filling(buf.tokens, buf.tokens + n)
             self._flush(pending=(sample, n), filling=self._filling)
-        return rows["aux_hidden_states"], rows["hidden_states"]
+        return {t.name: rows[t.name] for t in self.encoding.staged}
 
     def filled(self, rows: int) -> None:
         """The begun sample's first `rows` rows hold their final states."""
@@ -406,16 +419,21 @@ class ShardWriter:
             raise ShardError(f"{call} called while sample {self._open[0].id!r} is begun and not ended")
         self._raise_failed_writes()
 
-    def _fix_widths(self, aux_width: int, hidden_size: int) -> int:
-        """Checks (aux width, hidden size) against the writer's; returns the state bytes a token."""
-        widths = (int(aux_width), int(hidden_size))
-        if widths[1] == 0 or widths[0] % widths[1] != 0:
-            raise ShardError(f"aux width {widths[0]} is not a multiple of hidden size {widths[1]}")
+    def _fix_widths(self, widths: dict[str, int]) -> int:
+        """Checks the staged tensors' widths against the encoding and the writer's; returns the state bytes
+        a token."""
+        want = [t.name for t in self.encoding.staged]
+        if sorted(widths) != sorted(want):
+            raise ShardError(f"states {sorted(widths)} given, but the encoding {self.encoding.to_json()} stores {want}")
+        widths = {name: int(w) for name, w in widths.items()}
+        aux, hidden = (widths.get(name) for name in STATE_TENSORS)
+        if hidden is not None and (hidden == 0 or aux % hidden != 0):
+            raise ShardError(f"aux width {aux} is not a multiple of hidden size {hidden}")
         if self._widths is None:
             self._widths = widths
         elif widths != self._widths:
-            raise ShardError(f"(aux width, hidden size) changed from {self._widths} to {widths}")
-        return state_bytes_per_token(widths)
+            raise ShardError(f"state widths changed from {self._widths} to {widths}")
+        return self.encoding.state_bytes(widths)
 
     def _buffered_tokens(self) -> int:
         return self._current.tokens if self._current is not None else 0
@@ -444,9 +462,16 @@ class ShardWriter:
 
     def _write(self, path: Path, buf: _ShardBuffer, samples: list[SampleInfo], tensors: dict[str, torch.Tensor],
                filling: _Filling | None) -> Path:
-        row_bytes = state_bytes_per_token(buf.widths)
+        row_bytes = self.encoding.state_bytes(buf.widths)
         try:
-            document = {"format_version": FORMAT_VERSION, "run": self.run, "samples": [asdict(s) for s in samples]}
+            tensors = self._compressed(tensors)
+            tensors = {name: tensors[name] for name in self.encoding.file_order}
+            document = {
+                "format_version": FORMAT_VERSION,
+                "encoding": self.encoding.to_json(),
+                "run": self.run,
+                "samples": [asdict(s) for s in samples],
+            }
             metadata = {METADATA_KEY: json.dumps(document)}
             sha256 = atomic_write(path, lambda tmp: _serialize(tmp, tensors, metadata, filling))
             size, tokens = path.stat().st_size, tensors["input_ids"].shape[0]
@@ -464,6 +489,17 @@ class ShardWriter:
             if buf.capacity * row_bytes > self.shard_bytes + row_bytes:
                 buf = self._new_buffer()
             self._free.put(buf)
+
+    def _compressed(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Under zstd, each compressed state as its frames, one per sample, and their byte offsets."""
+        if not self.encoding.compressed:
+            return tensors
+        offsets, cctx, out = tensors["offsets"].tolist(), compressor(), dict(tensors)
+        for name in self.encoding.compressed:
+            frames = [compress_frame(tensors[name][a:b], cctx) for a, b in zip(offsets, offsets[1:])]
+            out[name] = torch.frombuffer(bytearray(b"".join(frames)), dtype=torch.uint8)
+            out[name + FRAMES_SUFFIX] = torch.tensor(np.cumsum([0, *map(len, frames)]), dtype=torch.int64)
+        return out
 
     def _raise_failed_writes(self) -> None:
         done = [f for f in self._pending if f.done()]

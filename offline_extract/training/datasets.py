@@ -11,8 +11,13 @@ Each item is a dict:
                                            targets and SpecForge all take int64)
     loss_mask          uint8    [T]       (0/1, as stored)
     aux_hidden_states  bfloat16 [T, k*H]  (EAGLE-3 layers in run["layer_ids"] order)
-    hidden_states      bfloat16 [T, H]    (final post-norm state)
+    hidden_states      bfloat16 [T, H]    (the final state, run["final_state"]; absent when the recipe
+                                           keeps none)
     id                 str
+
+States are decoded to bf16 whatever the shards store (fp8 values times their per-token scales, zstd
+frames decompressed). Under zstd each sample's states are one frame per tensor, so an item decompresses
+exactly its own bytes, once, and memory stays one sample's worth whatever the order of reading.
 
 Shards are opened lazily, once per process, through safetensors' memory map, and an item reads only
 its own rows. Every tensor in an item owns a storage of exactly its size: safetensors' slices are views
@@ -34,7 +39,8 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from offline_extract.store import manifest
 from offline_extract.store.index import read_index, scan, shard_paths
-from offline_extract.store.schema import INDEX_NAME, SAMPLE_TENSORS, ShardError
+from offline_extract.store.schema import INDEX_NAME, ShardError
+from offline_extract.store.shard import encoding_of, read_samples, sample_bounds
 
 
 @dataclass
@@ -108,18 +114,19 @@ def load_catalog(out_dir: str | os.PathLike, allow_partial: bool = False) -> Cat
 
 
 class _ShardHandles:
-    """This process's open shards, each with its offsets; reopened after a fork, dropped when pickled."""
+    """This process's open shards, each with its encoding and sample bounds; reopened after a fork,
+    dropped when pickled."""
 
     def __init__(self, files: list[Path]):
         self._files = files
         self._pid = os.getpid()
-        self._open: dict[int, tuple[object, list[int]]] = {}
+        self._open: dict[int, tuple] = {}
 
     def __getstate__(self) -> dict:
         # safe_open handles cannot be pickled; a spawned DataLoader worker opens its own.
         return {"_files": self._files, "_pid": None, "_open": {}}
 
-    def _handle(self, shard: int) -> tuple[object, list[int]]:
+    def _handle(self, shard: int) -> tuple:
         if self._pid != os.getpid():
             # A forked worker inherits the parent's mappings; its own keep the parent's state out of it.
             self._open = {}
@@ -127,16 +134,19 @@ class _ShardHandles:
         entry = self._open.get(shard)
         if entry is None:
             handle = safe_open(self._files[shard], framework="pt")
-            entry = (handle, handle.get_tensor("offsets").tolist())
+            encoding = encoding_of(handle)
+            entry = (handle, encoding, sample_bounds(handle, encoding))
             self._open[shard] = entry
         return entry
 
-    def read(self, shard: int, row: int, names=SAMPLE_TENSORS) -> dict[str, torch.Tensor]:
-        handle, offsets = self._handle(shard)
-        if row + 1 >= len(offsets):
-            raise ShardError(f"{self._files[shard]} has {len(offsets) - 1} samples; row {row} was asked for")
-        start, stop = offsets[row], offsets[row + 1]
-        item = {name: handle.get_slice(name)[start:stop].clone() for name in names}
+    def read(self, shard: int, row: int, names=None) -> dict[str, torch.Tensor]:
+        handle, encoding, bounds = self._handle(shard)
+        samples = len(bounds["offsets"]) - 1
+        if row >= samples:
+            raise ShardError(f"{self._files[shard]} has {samples} samples; row {row} was asked for")
+        item = read_samples(handle, encoding, bounds, row, row + 1, names or encoding.sample_tensors)
+        # Slices of the memory map share its storage; decoded tensors are the sample's own already.
+        item = {k: t.clone() if t.untyped_storage().nbytes() != t.nbytes else t for k, t in item.items()}
         item["input_ids"] = item["input_ids"].long()
         return item
 

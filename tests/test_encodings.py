@@ -1,0 +1,199 @@
+"""--store bf16|fp8 and --compress none|zstd: every combination written, read back through the datasets,
+exported, summarized and verified; the states agree with what was given to the writer."""
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from offline_extract.store import integrity, manifest
+from offline_extract.store.codecs import fp8_dequantize, fp8_quantize
+from offline_extract.store.inspection import summarize
+from offline_extract.store.journal import Journal
+from offline_extract.store.schema import COMPRESSIONS, METADATA_KEY, STORES, Encoding, SampleInfo
+from offline_extract.store.index import iter_samples, shard_paths, write_index
+from offline_extract.store.shard import open_shard
+from offline_extract.store.writer import ShardWriter
+from offline_extract.training.datasets import HiddenStateDataset, HiddenStateIterableDataset
+from offline_extract.training.export import export_specforge, specforge_path
+
+K, H = 3, 256
+LENGTHS = [5, 17, 1, 30, 8, 12, 3]
+COMBINATIONS = [Encoding(store, compress) for store in STORES for compress in COMPRESSIONS]
+
+
+def states(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 (aux, last) for every token, with outlier channels and per-token scales like real ones."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = sum(LENGTHS)
+    x = torch.randn(tokens, K + 1, H, generator=g)
+    x[..., :2] *= 50
+    x *= torch.rand(tokens, K + 1, 1, generator=g) * 4 + 0.1
+    x = x.bfloat16()
+    return x[:, :K].reshape(tokens, K * H), x[:, K]
+
+
+def write(out, encoding: Encoding, shard_bytes: int = 20 * (K + 1) * H * 2) -> None:
+    """Shards of LENGTHS samples (three batches) in `encoding`, with manifest and index, as a run leaves them."""
+    out.mkdir(parents=True, exist_ok=True)
+    aux, last = states()
+    run = {"model": "synthetic", "layer_ids": [1, 3, 4], "hidden_size": H, "final_state": "post-norm"}
+    g = torch.Generator().manual_seed(1)
+    with Journal(manifest.journal_path(out, 0)) as journal:
+        writer = ShardWriter(out, run, shard_bytes=shard_bytes, encoding=encoding, on_written=lambda w: journal.append(vars(w)))
+        row = 0
+        for batch in ([0, 1], [2, 3, 4], [5, 6]):
+            n = [LENGTHS[i] for i in batch]
+            rows = slice(row, row + sum(n))
+            row += sum(n)
+            writer.add_batch(
+                [SampleInfo(i, f"s{i}", "synthetic", i + 1, LENGTHS[i], False) for i in batch],
+                torch.randint(0, 1000, (sum(n),), generator=g, dtype=torch.int32),
+                torch.ones(sum(n), dtype=torch.uint8),
+                aux[rows],
+                last[rows] if encoding.final_state else None,
+                lengths=n,
+            )
+        writer.close()
+    manifest.consolidate(out, identity={"layer_ids": [1, 3, 4]}, status="complete")
+    write_index(out)
+
+
+def expected(encoding: Encoding) -> dict[str, dict[str, torch.Tensor]]:
+    """What a reader must hand out: the bf16 states as given, or their fp8 round trip."""
+    aux, last = states()
+    if encoding.store == "fp8":
+        aux, last = fp8_dequantize(*fp8_quantize(aux, K)), fp8_dequantize(*fp8_quantize(last, 1))
+    bounds = torch.tensor([0, *LENGTHS]).cumsum(0).tolist()
+    return {
+        f"s{i}": {"aux_hidden_states": aux[a:b], "hidden_states": last[a:b]}
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:]))
+    }
+
+
+@pytest.fixture(scope="module", params=COMBINATIONS, ids=lambda e: f"{e.store}-{e.compress}")
+def written(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"{request.param.store}-{request.param.compress}")
+    write(out, request.param)
+    assert len(shard_paths(out)) > 1
+    return request.param, out
+
+
+def test_readers_hand_out_the_states_given_decoded_to_bf16(written):
+    encoding, out = written
+    want = expected(encoding)
+    ds = HiddenStateDataset(out)
+    assert ds.ids == [f"s{i}" for i in range(len(LENGTHS))]
+    streamed = {item["id"]: item for item in HiddenStateIterableDataset(out, seed=3)}
+    for i in range(len(ds)):
+        item = ds[i]
+        for name, t in want[item["id"]].items():
+            assert item[name].dtype == torch.bfloat16
+            assert torch.equal(item[name], t), (item["id"], name)
+            assert torch.equal(streamed[item["id"]][name], t)
+            # The sample's own storage, not a view of a decoded or mapped shard.
+            assert item[name].untyped_storage().nbytes() == item[name].nbytes
+    for info, tensors in iter_samples(out):
+        assert torch.equal(tensors["aux_hidden_states"], want[info.id]["aux_hidden_states"])
+
+
+def test_shards_stay_safetensors_and_name_their_encoding(written):
+    encoding, out = written
+    path = shard_paths(out)[0]
+    with safe_open(path, framework="pt") as f:
+        document = json.loads(f.metadata()[METADATA_KEY])
+        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    assert document["encoding"] == {"store": encoding.store, "compress": encoding.compress, "final_state": True}
+    state_dtype = {"bf16": "BF16", "fp8": "F8_E4M3"}[encoding.store]
+    if encoding.compress == "zstd":
+        assert dtypes["aux_hidden_states"] == "U8" and dtypes["aux_hidden_states_frames"] == "I64"
+    else:
+        assert dtypes["aux_hidden_states"] == dtypes["hidden_states"] == state_dtype
+    if encoding.store == "fp8":
+        assert dtypes["aux_hidden_states_scale"] == dtypes["hidden_states_scale"] == "F32"
+    assert open_shard(path).encoding == encoding
+
+
+def test_export_inspect_and_verify_read_every_combination(written, tmp_path):
+    encoding, out = written
+    assert integrity.verify(out).problems == []
+    summary = summarize(out)
+    assert summary["encoding"] == encoding.to_json() and summary["num_aux_layers"] == K
+    assert [layer["name"] for layer in summary["layers"]] == ["layer 1", "layer 3", "layer 4", "last (post-norm)"]
+    export_specforge(out, tmp_path / "sf", progress=False)
+    want = expected(encoding)
+    for i in range(len(LENGTHS)):
+        data = torch.load(specforge_path(tmp_path / "sf", i), weights_only=True)
+        assert torch.equal(data["aux_hidden_state"][0], want[f"s{i}"]["aux_hidden_states"])
+        assert torch.equal(data["hidden_state"][0], want[f"s{i}"]["hidden_states"])
+
+
+def test_fp8_halves_the_bytes_and_keeps_every_tokens_direction(tmp_path):
+    sizes = {}
+    for store in STORES:
+        write(tmp_path / store, Encoding(store), shard_bytes=1 << 30)
+        sizes[store] = sum(p.stat().st_size for p in shard_paths(tmp_path / store))
+    assert sizes["fp8"] <= 0.52 * sizes["bf16"], sizes
+    got, bf16 = expected(Encoding("fp8")), expected(Encoding())
+    for sid in got:
+        for name in ("aux_hidden_states", "hidden_states"):
+            a, b = got[sid][name].float(), bf16[sid][name].float()
+            layers = a.shape[1] // H
+            cos = torch.nn.functional.cosine_similarity(a.reshape(-1, layers, H), b.reshape(-1, layers, H), dim=-1)
+            assert cos.min() >= 0.999, (sid, name, cos.min())
+
+
+def test_zstd_is_lossless_and_smaller(tmp_path):
+    for store in STORES:
+        write(tmp_path / store, Encoding(store), shard_bytes=1 << 30)
+        write(tmp_path / f"{store}-zstd", Encoding(store, "zstd"), shard_bytes=1 << 30)
+        plain = sum(p.stat().st_size for p in shard_paths(tmp_path / store))
+        packed = sum(p.stat().st_size for p in shard_paths(tmp_path / f"{store}-zstd"))
+        assert packed < plain, (store, packed, plain)
+
+
+def test_a_recipe_without_final_state_stores_none(tmp_path):
+    encoding = Encoding("fp8", "zstd", final_state=False)
+    write(tmp_path, encoding)
+    item = HiddenStateDataset(tmp_path)[0]
+    assert set(item) == {"input_ids", "loss_mask", "aux_hidden_states", "id"}
+    assert torch.equal(item["aux_hidden_states"], expected(encoding)["s0"]["aux_hidden_states"])
+    with safe_open(shard_paths(tmp_path)[0], framework="pt") as f:
+        assert not any(name.startswith("hidden_states") for name in f.keys())
+    assert integrity.verify(tmp_path).problems == []
+    assert [layer["name"] for layer in summarize(tmp_path)["layers"]] == ["layer 1", "layer 3", "layer 4"]
+
+
+def _rewrite(path, name: str, change) -> None:
+    """Changes one tensor of a shard in place (same bytes count), as damage on disk would."""
+    with safe_open(path, framework="pt") as f:
+        tensor = f.get_tensor(name)
+        header_len = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+        start = json.loads(path.read_bytes()[8:header_len])[name]["data_offsets"][0]
+    change(tensor)
+    data = bytearray(path.read_bytes())
+    raw = tensor.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+    data[header_len + start : header_len + start + len(raw)] = raw
+    path.write_bytes(bytes(data))
+
+
+def test_verify_reports_scales_that_are_not_finite_and_positive(tmp_path):
+    write(tmp_path, Encoding("fp8"))
+    path = shard_paths(tmp_path)[0]
+
+    def damage(scales):
+        scales[2, 1] = -scales[2, 1]
+        scales[3, 0] = float("nan")
+
+    _rewrite(path, "aux_hidden_states_scale", damage)
+    problems = integrity.verify(tmp_path).problems
+    assert any(f"{path.name}: 2 aux_hidden_states_scale values are not finite and positive" in p for p in problems), problems
+
+
+def test_verify_reports_damaged_zstd_frames(tmp_path):
+    write(tmp_path, Encoding("bf16", "zstd"))
+    path = shard_paths(tmp_path)[0]
+    # Sample 1's frame now starts 3 bytes into it: no frame header there.
+    _rewrite(path, "hidden_states_frames", lambda frames: frames.__setitem__(1, frames[1] + 3))
+    problems = integrity.verify(tmp_path).problems
+    assert any(f"{path.name}: hidden_states frame of sample position 1 does not hold its 17 rows" in p for p in problems), problems
