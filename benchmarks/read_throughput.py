@@ -31,7 +31,7 @@ import torch
 
 from offline_extract import __version__
 from offline_extract.store.index import shard_paths
-from offline_extract.store.schema import state_bytes_per_token, state_widths
+from offline_extract.store.schema import Encoding
 from offline_extract.testing.shards import write_synthetic
 from offline_extract.training.datasets import HiddenStateDataset
 from offline_extract.training.export import DEFAULT_ROWS_PER_FOLDER, export_specforge, specforge_path
@@ -149,7 +149,7 @@ def run_benchmark(config: BenchConfig, work_dir: str | os.PathLike | None = None
     rows_per_folder = DEFAULT_ROWS_PER_FOLDER
     try:
         lengths = synthetic_lengths(config)
-        state_bytes = sum(lengths) * state_bytes_per_token(state_widths(config.num_aux, config.hidden_size))
+        state_bytes = sum(lengths) * Encoding().state_bytes_per_token(config.num_aux, config.hidden_size)
         start = time.perf_counter()
         write_synthetic(
             out_dir, lengths, hidden_size=config.hidden_size, num_aux=config.num_aux,

@@ -54,7 +54,7 @@ class TensorSpec:
         """Row width for a model; None for a 1-D tensor, or when the hidden size is unknown."""
         if self.cols is None or (hidden_size is None and "H" in self.cols):
             return None
-        return {"k*H": num_aux_layers * (hidden_size or 0), "H": hidden_size, "k": num_aux_layers, "1": 1}[self.cols]
+        return {"k*H": num_aux_layers * hidden_size, "H": hidden_size, "k": num_aux_layers, "1": 1}[self.cols]
 
     def shape(self, tokens: int, samples: int, num_aux_layers: int, hidden_size: int | None) -> tuple:
         """The expected shape; an unknown length or width is None."""
@@ -169,6 +169,14 @@ class Encoding:
     def widths(self, num_aux_layers: int, hidden_size: int) -> dict[str, int]:
         """Row width of each staged tensor for a model."""
         return {t.name: t.width(num_aux_layers, hidden_size) for t in self.staged}
+
+    def state_bytes(self, widths: dict[str, int]) -> int:
+        """Bytes of one token's staged states (and fp8 scales) at these widths: what a shard's size target
+        counts."""
+        return sum(t.dtype.itemsize * widths[t.name] for t in self.staged)
+
+    def state_bytes_per_token(self, num_aux_layers: int, hidden_size: int) -> int:
+        return self.state_bytes(self.widths(num_aux_layers, hidden_size))
 
     def bytes_per_token(self, num_aux_layers: int, hidden_size: int) -> dict[str, int]:
         """Bytes of one token in each per-token tensor before compression (staged states and scales,
