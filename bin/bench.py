@@ -7,6 +7,7 @@
     python bin/bench.py --model DIR --load-format auto --baseline sglang-engine --baseline specforge --baseline hf
     python bin/bench.py --lengths fixed --mean-length 2048
     python bin/bench.py --lengths fixed --mean-length 131072 --num-tokens 393216 --warmup-batches 1
+    python bin/bench.py --store bf16 --store fp8 --compress none --compress zstd   # storage, one model load
     torchrun --nproc-per-node 8 bin/bench.py              # DP=8: aggregate tokens/s
 
 Samples longer than --tokens-per-batch are prefilled alone in chunks of --chunk-tokens, in both modes.
@@ -72,11 +73,14 @@ def _command() -> str:
               help="SpecForge's --sglang-attention-backend (its own default is flashinfer).")
 @click.option("--disk-probe-gb", default=4.0, show_default=True, help="Bytes written to measure each --out's write rate.")
 @click.option("--writers", default=4, show_default=True, help="Shard writer threads (they also compress under zstd).")
-@click.option("--store", type=click.Choice(list(STORES)), default="bf16", show_default=True,
-              help="How states are stored (as extract.py --store). fp8 also records the per-token cosine of the "
-                   "decoded states against the bf16 ones of the same forward passes, worst and median per layer.")
-@click.option("--compress", type=click.Choice(COMPRESSIONS), default="none", show_default=True,
-              help="As extract.py --compress; the result records the compression ratio and bytes written per second.")
+@click.option("--store", "stores", multiple=True, type=click.Choice(list(STORES)), default=["bf16"], show_default=True,
+              help="How states are stored (as extract.py --store); repeat to measure several with one model load. "
+                   "fp8 also records the per-token cosine of the decoded states against the bf16 ones of the same "
+                   "forward passes, worst and median per layer.")
+@click.option("--compress", "compressions", multiple=True, type=click.Choice(COMPRESSIONS), default=["none"],
+              show_default=True, help="As extract.py --compress; repeat for several (every --store is measured with "
+                                      "every --compress). Results record the compression ratio and bytes written per "
+                                      "second.")
 @click.option("--results-dir", default="benchmarks/results", show_default=True)
 @click.option("--profile", default=None, help="Write torch-profiler tables and traces of bare prefill and of "
               "extraction of the first --profile-batches timed batches to this directory.")
@@ -86,7 +90,7 @@ def _command() -> str:
                    "results of the same out kind (tmpfs, disk); repeat for each kind.")
 def main(model, shape, load_format, dtype, tp, attention_backend, outs, lengths, mean_length, max_length, num_tokens,
          tokens_per_batch, chunk_tokens, chunk_sweep, warmup_batches, baselines, baseline_hf, cross_check_samples,
-         peer_workdir, peer_site, specforge_attention_backend, disk_probe_gb, writers, store, compress, results_dir,
+         peer_workdir, peer_site, specforge_attention_backend, disk_probe_gb, writers, stores, compressions, results_dir,
          profile, profile_batches, single_gpu_results):
     peer_options = PeerOptions(workdir=peer_workdir, cross_check_samples=cross_check_samples, peer_site=peer_site,
                                specforge_attention_backend=specforge_attention_backend)
@@ -96,7 +100,8 @@ def main(model, shape, load_format, dtype, tp, attention_backend, outs, lengths,
         tokens_per_batch=tokens_per_batch, chunk_tokens=chunk_tokens,
         chunk_sweep=tuple(int(c) for c in chunk_sweep.split(",") if c), warmup_batches=warmup_batches,
         baselines=tuple(dict.fromkeys((*baselines, *(["hf"] if baseline_hf else [])))), peer_options=peer_options,
-        disk_probe_bytes=int(disk_probe_gb * (1 << 30)), writers=writers, store=store, compress=compress,
+        disk_probe_bytes=int(disk_probe_gb * (1 << 30)), writers=writers,
+        encodings=tuple((store, compress) for store in stores for compress in compressions),
         results_dir=results_dir,
         profile=profile, profile_batches=profile_batches, single_gpu_results=tuple(single_gpu_results), command=_command(),
     )
