@@ -54,7 +54,7 @@ class TensorSpec:
         """Row width for a model; None for a 1-D tensor, or when the hidden size is unknown."""
         if self.cols is None or (hidden_size is None and "H" in self.cols):
             return None
-        return {"k*H": num_aux_layers * hidden_size, "H": hidden_size, "k": num_aux_layers, "1": 1}[self.cols]
+        return {"k*H": num_aux_layers * (hidden_size or 0), "H": hidden_size, "k": num_aux_layers, "1": 1}[self.cols]
 
     def shape(self, tokens: int, samples: int, num_aux_layers: int, hidden_size: int | None) -> tuple:
         """The expected shape; an unknown length or width is None."""
