@@ -1,4 +1,5 @@
-"""The CPU-checkable parts of bin/bench.py: its synthetic corpus, FLOP count and output classification."""
+"""The CPU-checkable parts of bin/bench.py: its synthetic corpus, FLOP count, output classification and fp8
+error measure."""
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -9,7 +10,9 @@ import torch
 from extract_runs import ROOT
 from transformers import AutoTokenizer
 
-from benchmarks.extraction_vs_prefill import BenchOptions, attention_flops, model_flops_per_token, out_kind, synthetic_corpus
+from benchmarks.extraction_vs_prefill import (
+    BenchOptions, _fp8_error, attention_flops, model_flops_per_token, out_kind, synthetic_corpus,
+)
 from offline_extract.data.tokenization import SampleTokenizer
 from offline_extract.engine.sglang_adapter import chunk_bounds
 
@@ -87,3 +90,31 @@ def test_bench_without_a_gpu_says_so_in_one_line():
                           timeout=300)
     assert proc.returncode == 1
     assert proc.stderr.strip() == "Error: bin/bench.py times extraction on a GPU, but torch sees no CUDA GPU here"
+
+
+def test_fp8_error_is_per_token_per_layer_against_the_same_forward(tokenizer):
+    from offline_extract.engine.sglang_adapter import Captured
+
+    g = torch.Generator().manual_seed(0)
+
+    class Engine:
+        layer_ids = (1, 3, 4)
+
+        def __init__(self):
+            self.forwards = 0
+
+        def forward(self, seqs):
+            self.forwards += 1
+            tokens = sum(len(s) for s in seqs)
+            x = torch.randn(tokens, 4, 32, generator=g) * (torch.rand(tokens, 4, 1, generator=g) * 5 + 0.1)
+            return Captured(aux=x[:, :3].reshape(tokens, 96), last=x[:, 3])
+
+    samples = synthetic_corpus(tokenizer, BenchOptions(lengths="fixed", mean_length=100, num_tokens=1000))
+    batches = [SimpleNamespace(samples=samples[i : i + 2], num_tokens=200) for i in range(0, 10, 2)]
+    engine = Engine()
+    result = _fp8_error(engine, batches, max_tokens=300)
+    assert engine.forwards == 2, "stops once max_tokens are measured"
+    assert list(result) == ["layer 1", "layer 3", "layer 4", "last"]
+    for row in result.values():
+        assert row["tokens"] == 400
+        assert 0.999 <= row["worst"] <= row["median"] < 1.0
