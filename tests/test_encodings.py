@@ -197,3 +197,27 @@ def test_verify_reports_damaged_zstd_frames(tmp_path):
     _rewrite(path, "hidden_states_frames", lambda frames: frames.__setitem__(1, frames[1] + 3))
     problems = integrity.verify(tmp_path).problems
     assert any(f"{path.name}: hidden_states frame of sample position 1 does not hold its 17 rows" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("encoding", [Encoding("fp8"), Encoding("bf16", "zstd"), Encoding("fp8", "zstd")],
+                         ids=lambda e: f"{e.store}-{e.compress}")
+def test_a_long_sample_filled_in_pieces_is_stored_in_the_encoding(tmp_path, encoding):
+    """The chunked path (begin_sample): the staged rows of a long sample, fp8 scales included, arrive
+    piece by piece; a compressed shard is written once whole, not streamed."""
+    aux, last = states()
+    n = LENGTHS[3]
+    a, b = sum(LENGTHS[:3]), sum(LENGTHS[:4])
+    staged = encoding.encode(aux[a:b], last[a:b], K)
+    writer = ShardWriter(tmp_path, {"layer_ids": [1, 3, 4]}, shard_bytes=8 * (K + 1) * H * 2, encoding=encoding)
+    rows = writer.begin_sample(SampleInfo(3, "s3", "synthetic", 4, n, False), torch.arange(n, dtype=torch.int32),
+                               torch.ones(n, dtype=torch.uint8), {k: t.shape[1] for k, t in staged.items()}, stream=True)
+    assert sorted(rows) == sorted(staged)
+    for start in range(0, n, 7):
+        for name, t in staged.items():
+            rows[name][start : start + 7].copy_(t[start : start + 7])
+        writer.filled(min(start + 7, n))
+    writer.end_sample()
+    writer.close()
+    item = open_shard(shard_paths(tmp_path)[0]).sample(0)
+    assert torch.equal(item["aux_hidden_states"], expected(encoding)["s3"]["aux_hidden_states"])
+    assert torch.equal(item["hidden_states"], expected(encoding)["s3"]["hidden_states"])

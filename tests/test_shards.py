@@ -16,6 +16,7 @@ from offline_extract.store.writer import ShardWriter
 
 K, H = 3, 8
 ROW_BYTES = (K + 1) * H * 2
+WIDTHS = Encoding().widths(K, H)  # of the states a bf16 shard stores
 RUN = {
     "model": "tiny",
     "model_hash": "abc",
@@ -258,7 +259,7 @@ def test_unknown_sample_in_a_shard(tmp_path):
 
 def test_preallocated_buffers_write_the_same_shards(tmp_path):
     _, plain = write(tmp_path / "plain", BATCHES, shard_bytes=12 * ROW_BYTES, writers=2)
-    writer, pre = write(tmp_path / "pre", BATCHES, shard_bytes=12 * ROW_BYTES, writers=2, widths=Encoding().widths(K, H))
+    writer, pre = write(tmp_path / "pre", BATCHES, shard_bytes=12 * ROW_BYTES, writers=2, widths=WIDTHS)
     assert writer._buffers_left == 0, "every buffer is allocated up front"
     assert [p.name for p in plain] == [p.name for p in pre]
     for a, b in zip(plain, pre):
@@ -285,11 +286,11 @@ def _feed_in_pieces(writer, batches, piece_rows, drop=(), stream=False):
         for info, n in zip(samples, lengths):
             rows = slice(start, start + n)
             if n > piece_rows:
-                got_aux, got_last = writer.begin_sample(info, ids[rows], mask[rows], (K * H, H), stream=stream)
+                got = writer.begin_sample(info, ids[rows], mask[rows], WIDTHS, stream=stream)
                 for a in range(0, n, piece_rows):
                     b = min(a + piece_rows, n)
-                    got_aux[a:b].copy_(aux[start + a : start + b])
-                    got_last[a:b].copy_(last[start + a : start + b])
+                    got["aux_hidden_states"][a:b].copy_(aux[start + a : start + b])
+                    got["hidden_states"][a:b].copy_(last[start + a : start + b])
                     writer.filled(b)
                 writer.end_sample(keep=info.index not in drop)
             else:
@@ -299,7 +300,7 @@ def _feed_in_pieces(writer, batches, piece_rows, drop=(), stream=False):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["written-after", "streamed"])
-@pytest.mark.parametrize("widths", [None, (K * H, H)], ids=["lazy", "preallocated"])
+@pytest.mark.parametrize("widths", [None, WIDTHS], ids=["lazy", "preallocated"])
 def test_a_sample_filled_in_pieces_writes_the_same_shards(tmp_path, widths, stream):
     # Sample 3 (25 rows) is longer than a shard (10 rows) and arrives in pieces of 7 rows, after three
     # samples already buffered: it grows that buffer and closes the shard with them, as add_batch would.
@@ -334,9 +335,9 @@ def test_a_sample_ended_without_keep_is_left_out(tmp_path):
 def test_a_streamed_shard_waits_for_every_row_and_is_abandoned_cleanly(tmp_path):
     samples, ids, mask, aux, last = make_batch([0], [12])
     writer = ShardWriter(tmp_path, RUN, shard_bytes=4 * ROW_BYTES)
-    rows = writer.begin_sample(samples[0], ids, mask, (K * H, H), stream=True)
-    rows[0].copy_(aux)
-    rows[1].copy_(last)
+    rows = writer.begin_sample(samples[0], ids, mask, WIDTHS, stream=True)
+    rows["aux_hidden_states"].copy_(aux)
+    rows["hidden_states"].copy_(last)
     writer.filled(12)
     time.sleep(0.5)
     # Every row is written, but the shard appears only once the sample is ended (checked whole by then).
@@ -347,7 +348,7 @@ def test_a_streamed_shard_waits_for_every_row_and_is_abandoned_cleanly(tmp_path)
     assert os.listdir(tmp_path) == []  # neither the shard nor its temporary file
 
     writer = ShardWriter(tmp_path, RUN, shard_bytes=4 * ROW_BYTES)
-    writer.begin_sample(samples[0], ids, mask, (K * H, H), stream=True)
+    writer.begin_sample(samples[0], ids, mask, WIDTHS, stream=True)
     writer.filled(11)
     with pytest.raises(ShardError, match="1 of its rows unfilled"):
         writer.end_sample()
@@ -358,7 +359,7 @@ def test_a_streamed_shard_waits_for_every_row_and_is_abandoned_cleanly(tmp_path)
 def test_nothing_else_goes_in_while_a_sample_is_begun(tmp_path):
     writer = ShardWriter(tmp_path, RUN, shard_bytes=1 << 20)
     samples, ids, mask, aux, last = make_batch([0, 1], [4, 3])
-    writer.begin_sample(samples[0], ids[:4], mask[:4], (K * H, H))
+    writer.begin_sample(samples[0], ids[:4], mask[:4], WIDTHS)
     with pytest.raises(ShardError, match="'s0' is begun"):
         writer.add_batch(samples[1:], ids[4:], mask[4:], aux[4:], last[4:], lengths=[3])
     with pytest.raises(ShardError, match="'s0' is begun"):
