@@ -9,10 +9,12 @@ hidden states it is handed.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
 import sys
 import types
+from pathlib import Path
 from array import array
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -398,10 +400,11 @@ class Engine:
         mc = ModelConfig.from_server_args(sa)
         _refuse_unsupported_attention(mc, backend, cfg.model_path)
         _refuse_on_cpu(mc.hf_config.architectures[0], cfg.device, cfg.model_path)
-        # Where the checkpoint's weights are quantized, as its config states it (a wrapper's text model's).
-        self.quantization = getattr(mc.hf_config, "quantization_config", None) or getattr(
-            mc.hf_text_config, "quantization_config", None
-        )
+        # Where the checkpoint's weights are quantized, as its config.json states it (a wrapper's text
+        # model's). Read from the file: SGLang's FP8 loader adds config objects to the in-memory dict later
+        # (seen on the H200), which would no longer serialize into the run's metadata.
+        raw = json.loads((Path(cfg.model_path) / "config.json").read_text())
+        self.quantization = raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config")
         if self.quantization and self.quantization.get("quant_method") == "fp8" and cfg.device == "cpu":
             _refuse_fp8_on_cpu(cfg.model_path, self.quantization)
         ps = ParallelState(
