@@ -8,12 +8,13 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import operator
 import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from itertools import chain, islice
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -108,27 +109,20 @@ class Summary:
     nonfinite_kept: int = 0
     tokens: int = 0
     bytes_written: int = 0
-    shards: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    extract_seconds: float = 0.0
-    parity: list[dict] = field(default_factory=list)
+    shards: list[str] = field(default_factory=list, metadata={"merge": lambda a, b: sorted(a + b)})
+    # Replicas run side by side: the run took as long as the slowest.
+    seconds: float = field(default=0.0, metadata={"merge": max})
+    extract_seconds: float = field(default=0.0, metadata={"merge": max})
+    # Every replica checks its own first samples; the report shows the first replica's.
+    parity: list[dict] = field(default_factory=list, metadata={"merge": lambda a, b: a or b})
 
     def merge(self, other: "Summary") -> "Summary":
-        return Summary(
-            records=self.records + other.records,
-            extracted=self.extracted + other.extracted,
-            resumed=self.resumed + other.resumed,
-            skipped=self.skipped + other.skipped,
-            rejected=self.rejected + other.rejected,
-            dropped=self.dropped + other.dropped,
-            nonfinite_kept=self.nonfinite_kept + other.nonfinite_kept,
-            tokens=self.tokens + other.tokens,
-            bytes_written=self.bytes_written + other.bytes_written,
-            shards=sorted(self.shards + other.shards),
-            seconds=max(self.seconds, other.seconds),
-            extract_seconds=max(self.extract_seconds, other.extract_seconds),
-            parity=self.parity or other.parity,
-        )
+        """Two replicas' summaries as one: counts add up, unless a field's metadata says otherwise."""
+        return Summary(**{
+            f.name: f.metadata.get("merge", operator.add)(getattr(self, f.name), getattr(other, f.name))
+            for f in fields(self)
+        })
+
 
     def no_sample_verdict(self, data: Sequence[str]) -> str | None:
         left_out = {"rejected": self.rejected, "skipped": self.skipped, "dropped": self.dropped}
@@ -247,30 +241,81 @@ def run_metadata(known: dict, engine: Engine) -> dict:
     }
 
 
-def _owned(
-    layout: Layout, opts: ExtractOptions, tokenizer: SampleTokenizer, done: np.ndarray, rejects: Journal | None,
-    summary: Summary,
+class Tally:
+    """One replica's counts as its records go by, kept in its `summary`, and the journal of the records
+    that gave no sample (`rejects`; None on ranks that do not write). Every record read is counted here
+    exactly once, so the counts add up to the records read."""
+
+    def __init__(self, rejects: Journal | None, strict: bool, nonfinite: str):
+        self.summary = Summary()
+        self._rejects = rejects
+        self._strict = strict
+        self._nonfinite = nonfinite
+        self._records_shown = 0
+
+    def resumed(self) -> None:
+        """A record already in a complete shard of an earlier attempt."""
+        self.summary.records += 1
+        self.summary.resumed += 1
+
+    def to_extract(self) -> None:
+        self.summary.records += 1
+
+    def left_out(self, reject: Reject) -> None:
+        """A record that gave no sample: skipped or rejected, and journaled (under --strict a rejected
+        one stops the run instead)."""
+        self.summary.records += 1
+        if reject.kind == "skipped":
+            self.summary.skipped += 1
+        elif self._strict:
+            raise BadRecordError(reject)
+        else:
+            self.summary.rejected += 1
+        self._journal(reject)
+
+    def nonfinite(self, sample: Sample, reason: str) -> None:
+        """A sample whose states hold NaN or Inf, under --nonfinite drop or keep."""
+        if self._nonfinite == "drop":
+            self.summary.dropped += 1
+            self._journal(Reject(sample.source, sample.line, sample.index, sample.id, reason, "dropped"))
+        else:
+            self.summary.nonfinite_kept += 1
+            _note(f"warning: sample {sample.id!r} ({sample.source}:{sample.line}) kept with {reason}")
+
+    def batch_done(self, batch: Batch) -> int:
+        """Counts the batch's tokens; returns the records read since the last batch, bad and resumed ones
+        included, so that a progress bar over the records reaches its total."""
+        self.summary.tokens += batch.num_tokens
+        new, self._records_shown = self.summary.records - self._records_shown, self.summary.records
+        return new
+
+    def written(self, shards: list[Path], writer: ShardWriter) -> None:
+        self.summary.shards = [p.name for p in shards]
+        # Counted as written, not as batched: dropped samples are batched but never written.
+        self.summary.extracted = writer.samples_written
+        self.summary.bytes_written = writer.bytes_written
+
+    def _journal(self, reject: Reject) -> None:
+        if self._rejects is not None:
+            self._rejects.append(reject.to_json())
+
+
+def _pending(
+    opts: ExtractOptions, layout: Layout, tokenizer: SampleTokenizer, done: np.ndarray, tally: Tally
 ) -> Iterator[Sample]:
-    """This replica's samples still to extract; bad records go to `rejects` and are counted, never lost
-    (under --strict the first one stops the run instead). `done[i]` marks record i as already written."""
+    """This replica's samples still to extract, every record read counted in `tally`. `done[i]` marks
+    record i as already written."""
     for item in read_corpus(opts.data, owns=layout.owns):
-        summary.records += 1
         if item.index < len(done) and done[item.index]:
-            summary.resumed += 1
+            tally.resumed()
             continue
         if isinstance(item, Record):
             item = tokenizer(item)
         if isinstance(item, Sample):
+            tally.to_extract()
             yield item
-            continue
-        if item.kind == "skipped":
-            summary.skipped += 1
-        elif opts.strict:
-            raise BadRecordError(item)
         else:
-            summary.rejected += 1
-        if rejects is not None:
-            rejects.append(item.to_json())
+            tally.left_out(item)
 
 
 def _info(s: Sample) -> SampleInfo:
@@ -436,6 +481,22 @@ def _count_owned(layout: Layout, sources: Sequence[Source]) -> int | None:
 
 
 def _verify(
+    opts: ExtractOptions, engine: Engine, layout: Layout, coord: Coordinator, model_dir: Path, head: list[Sample],
+    meta: dict,
+) -> list[dict]:
+    """--verify N: the parity gate on each replica's first N samples. Its rows (and, on a MoE model, how HF
+    was routed) go into the run's metadata; the leader prints the rows."""
+    verified = _parity_gate(engine, layout, coord, model_dir, head, opts.verbose) if opts.verify else {"rows": []}
+    meta["parity"] = verified["rows"]
+    if "routing" in verified:
+        meta["parity_routing"] = verified["routing"]
+    if layout.leads:
+        for line in parity_lines(verified["rows"]):
+            _note(line)
+    return verified["rows"]
+
+
+def _parity_gate(
     engine: Engine, layout: Layout, coord: Coordinator, model_dir: Path, head: list[Sample], verbose: bool
 ) -> dict:
     """Parity gate on each replica's first samples, before extraction spends any time. Every rank takes
@@ -589,27 +650,42 @@ def _run(
     opts: ExtractOptions, checked: preflight.Checked, tokenizer: SampleTokenizer, known: dict, layout: Layout,
     coord: Coordinator, existing: resume.Existing, start: float,
 ) -> Summary | None:
-    device, model_dir = checked.device, checked.model.path
-    dtype = _compute_dtype(opts, device)
+    """The phases of one attempt, in order: load the model, claim the output directory for this run,
+    read the samples still pending, verify the first ones against HF, extract the rest, finish."""
     out = Path(opts.out)
     if layout.leads:
         for note in existing.notes:
             _note(note)
-
-    on_gpu = torch.device(device).type == "cuda"
-    tokens_per_batch = checked.tokens_per_batch
+    on_gpu = torch.device(checked.device).type == "cuda"
     host = _HostMemory(opts, checked, layout) if on_gpu and layout.writes else None
+    engine = _load(opts, checked, layout)
+    meta = run_metadata(known, engine)
+    done = _claim(opts, checked, layout, coord, existing, meta)
+    with _resumable(out), ExitStack() as journals:
+        rejects = journals.enter_context(Journal(out / f".rejects.dp{layout.dp_rank}.jsonl")) if layout.writes else None
+        tally = Tally(rejects, opts.strict, opts.nonfinite)
+        samples = _pending(opts, layout, tokenizer, done, tally)
+        head = list(islice(samples, opts.verify))
+        tally.summary.parity = _verify(opts, engine, layout, coord, checked.model.path, head, meta)
+        staging, buffers = host.take(engine) if host else (None, [])
+        writer = _writer(opts, layout, existing, engine, meta, journals, buffers, on_gpu) if layout.writes else None
+        _extract(opts, checked, layout, engine, chain(head, samples), writer, staging, tally)
+    tally.summary.seconds = time.perf_counter() - start
+    return _finish(out, layout, coord, tally.summary)
+
+
+def _load(opts: ExtractOptions, checked: preflight.Checked, layout: Layout) -> Engine:
     with foreign_output_hidden(not opts.verbose):
-        engine = Engine(EngineConfig(
-            model_path=str(model_dir),
-            device=device,
-            dtype=dtype,
+        return Engine(EngineConfig(
+            model_path=str(checked.model.path),
+            device=checked.device,
+            dtype=_compute_dtype(opts, checked.device),
             tp_size=opts.tp,
             tp_rank=layout.tp_rank,
             gpu_id=layout.local_rank,
             nccl_port=layout.nccl_port(opts.port_base),
             attention_backend=opts.attention_backend,
-            max_tokens_per_batch=tokens_per_batch,
+            max_tokens_per_batch=checked.tokens_per_batch,
             max_seqs_per_batch=opts.seqs_per_batch,
             chunk_tokens=opts.chunk_tokens,
             context_length=max(opts.max_length, 8),
@@ -619,8 +695,15 @@ def _run(
             mem_fraction_static=opts.mem_fraction_static,
             trust_remote_code=opts.trust_remote_code,
         ))
-    meta = run_metadata(known, engine)
-    # Checked once the model is loaded: the default layer ids and the compute dtype come from SGLang.
+
+
+def _claim(
+    opts: ExtractOptions, checked: preflight.Checked, layout: Layout, coord: Coordinator, existing: resume.Existing,
+    meta: dict,
+) -> np.ndarray:
+    """Checks that the directory's earlier shards come from this same run (once the model is loaded: the
+    default layer ids and the compute dtype come from SGLang) and returns which records they hold."""
+    out = Path(opts.out)
     notes = coord.from_leader(lambda: resume.check_identity(out, manifest.run_identity(meta, checked.corpus_paths), opts.force))
     done = resume.done_mask(out, existing.shards)
     if layout.leads:
@@ -629,76 +712,59 @@ def _run(
         if existing.shards:
             kept = f"{plural(int(done.sum()), 'sample')} in {plural(len(existing.shards), 'complete shard')}"
             _note(f"resuming in {out}: {kept} are kept")
+    return done
 
-    summary = Summary()
-    with _resumable(out), ExitStack() as journals:
-        rejects = journals.enter_context(Journal(out / f".rejects.dp{layout.dp_rank}.jsonl")) if layout.writes else None
-        samples = _owned(layout, opts, tokenizer, done, rejects, summary)
-        head = list(islice(samples, opts.verify))
-        verified = _verify(engine, layout, coord, model_dir, head, opts.verbose) if opts.verify else {"rows": []}
-        summary.parity = meta["parity"] = verified["rows"]
-        if "routing" in verified:
-            meta["parity_routing"] = verified["routing"]
-        if layout.leads:
-            for line in parity_lines(summary.parity):
-                _note(line)
-        staging, buffers = host.take(engine) if host else (None, [])
-        writer = None
-        if layout.writes:
-            shard_log = journals.enter_context(Journal(manifest.journal_path(out, layout.dp_rank), durable=True))
-            writer = ShardWriter(
-                out,
-                meta,
-                shard_bytes=opts.shard_bytes,
-                shard_numbers=resume.shard_numbers(existing.first_number, layout),
-                on_written=lambda shard: shard_log.append(asdict(shard)),
-                # On a GPU the first shards would otherwise fill fresh pages on the hot path; on CPU
-                # (tiny models, tests) that memory would mostly sit unused.
-                encoding=encoding(opts),
-                widths=encoding(opts).widths(len(engine.layer_ids), engine.hidden_size) if on_gpu else None,
-                buffers=buffers,
-            )
 
-        def found_nonfinite(sample: Sample, reason: str) -> None:
-            if opts.nonfinite == "drop":
-                summary.dropped += 1
-                rejects.append(Reject(sample.source, sample.line, sample.index, sample.id, reason, "dropped").to_json())
-            else:
-                summary.nonfinite_kept += 1
-                _note(f"warning: sample {sample.id!r} ({sample.source}:{sample.line}) kept with {reason}")
+def _writer(
+    opts: ExtractOptions, layout: Layout, existing: resume.Existing, engine: Engine, meta: dict, journals: ExitStack,
+    buffers: list, on_gpu: bool,
+) -> ShardWriter:
+    out = Path(opts.out)
+    shard_log = journals.enter_context(Journal(manifest.journal_path(out, layout.dp_rank), durable=True))
+    return ShardWriter(
+        out,
+        meta,
+        shard_bytes=opts.shard_bytes,
+        shard_numbers=resume.shard_numbers(existing.first_number, layout),
+        on_written=lambda shard: shard_log.append(asdict(shard)),
+        # On a GPU the first shards would otherwise fill fresh pages on the hot path; on CPU
+        # (tiny models, tests) that memory would mostly sit unused.
+        encoding=encoding(opts),
+        widths=encoding(opts).widths(len(engine.layer_ids), engine.hidden_size) if on_gpu else None,
+        buffers=buffers,
+    )
 
-        show = layout.leads and (opts.progress or opts.progress_every > 0)
-        label = f"dp {layout.dp_rank}/{layout.dp_size}" if layout.dp_size > 1 else "extract"
-        shown = 0
-        heartbeat = None if opts.progress else opts.progress_every
-        with RunProgress(lambda: _count_owned(layout, checked.sources), label, enabled=show, heartbeat=heartbeat) as bar:
 
-            def advance(batch: Batch) -> None:
-                nonlocal shown
-                summary.tokens += batch.num_tokens
-                # Records read so far, bad and resumed ones included, so the bar reaches its total.
-                bar.advance(summary.records - shown, batch.num_tokens, writer.bytes_written if writer else 0)
-                shown = summary.records
+def _extract(
+    opts: ExtractOptions, checked: preflight.Checked, layout: Layout, engine: Engine, samples: Iterator[Sample],
+    writer: ShardWriter | None, staging: list | None, tally: Tally,
+) -> None:
+    show = layout.leads and (opts.progress or opts.progress_every > 0)
+    label = f"dp {layout.dp_rank}/{layout.dp_size}" if layout.dp_size > 1 else "extract"
+    heartbeat = None if opts.progress else opts.progress_every
+    with RunProgress(lambda: _count_owned(layout, checked.sources), label, enabled=show, heartbeat=heartbeat) as bar:
 
-            extract_start = time.perf_counter()
-            batches = batch_by_tokens(chain(head, samples), tokens_per_batch, opts.seqs_per_batch)
-            guard = NonFiniteGuard(opts.nonfinite, engine.layer_ids, found_nonfinite)
-            try:
-                extract_batches(engine, batches, writer, advance, staging=staging, nonfinite=guard)
-            except BaseException:
-                if writer is not None:
-                    writer.abort()
-                raise
+        def advance(batch: Batch) -> None:
+            bar.advance(tally.batch_done(batch), batch.num_tokens, writer.bytes_written if writer else 0)
+
+        extract_start = time.perf_counter()
+        batches = batch_by_tokens(samples, checked.tokens_per_batch, opts.seqs_per_batch)
+        guard = NonFiniteGuard(opts.nonfinite, engine.layer_ids, tally.nonfinite)
+        try:
+            extract_batches(engine, batches, writer, advance, staging=staging, nonfinite=guard)
+        except BaseException:
             if writer is not None:
-                summary.shards = [p.name for p in writer.close()]
-                # Counted as written, not as batched: dropped samples are batched but never written.
-                summary.extracted = writer.samples_written
-                summary.bytes_written = writer.bytes_written
-                bar.advance(0, 0, writer.bytes_written)  # the last shards land after the last batch
-            summary.extract_seconds = time.perf_counter() - extract_start
-    summary.seconds = time.perf_counter() - start
+                writer.abort()
+            raise
+        if writer is not None:
+            tally.written(writer.close(), writer)
+            bar.advance(0, 0, writer.bytes_written)  # the last shards land after the last batch
+        tally.summary.extract_seconds = time.perf_counter() - extract_start
 
-    # Every replica has finished writing: the leader can describe the whole directory.
+
+def _finish(out: Path, layout: Layout, coord: Coordinator, summary: Summary) -> Summary | None:
+    """Every replica has finished writing: the leader describes the whole directory (rejects.jsonl, the
+    index, then the manifest) and gets the run's summary."""
     parts = coord.all_gather(asdict(summary) if layout.writes else None)
     total = Summary()
     for p in parts:
