@@ -4,7 +4,6 @@ Every check goes through bin/extract.py --verify, the product's own parity gate,
 rows it writes into the shards' metadata. With OFFLINE_EXTRACT_RESULTS set, each test also writes its
 rows there as JSON for benchmarks/results/.
 """
-import importlib
 import json
 import os
 import subprocess
@@ -51,17 +50,6 @@ def _check(rows, layer_ids):
         # The convention holds: the matched HF state is far closer than its neighbour.
         assert r["neighbour_cosine"] < r["cosine"] - 0.01, r
     assert [r["hf_index"] for r in rows[:-1]] == [k + 1 for k in layer_ids]
-
-
-def test_default_backend_is_fa3_only_where_installed():
-    from offline_extract.engine.sglang_adapter import default_attention_backend
-
-    try:
-        importlib.import_module("sgl_kernel.flash_ops")
-        has_fa3 = torch.cuda.get_device_capability()[0] == 9
-    except (ImportError, OSError):
-        has_fa3 = False
-    assert default_attention_backend("cuda") == ("fa3" if has_fa3 else "triton")
 
 
 def test_kimi_k25_passes_the_gate_against_hf_deepseek_v3_built_from_its_text_config(tmp_path):
