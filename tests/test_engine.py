@@ -7,18 +7,12 @@ import pytest
 import torch
 
 from offline_extract.engine import parity
-from offline_extract.engine.distributed import free_port
 from offline_extract.engine.sglang_adapter import Engine, EngineConfig, capture_rule, validate_layer_ids
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    return Engine(
-        EngineConfig(
-            model_path=str(tiny_model_dir), device="cpu", dtype="float32", max_tokens_per_batch=2048,
-            max_seqs_per_batch=16, context_length=4096, nccl_port=free_port(),
-        )
-    )
+def engine(tiny_engine):
+    return tiny_engine
 
 
 @pytest.fixture(scope="module")

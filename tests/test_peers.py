@@ -179,12 +179,10 @@ def test_cross_check_fills_the_row_and_unknown_baselines_are_refused():
 
 
 @pytest.mark.slow
-def test_sglang_return_hidden_states_is_our_post_norm_final_state(tmp_path, tiny_model_dir, hf_tokenizer, seqs):
+def test_sglang_return_hidden_states_is_our_post_norm_final_state(tmp_path, tiny_model_dir, tiny_engine, hf_tokenizer,
+                                                                 seqs):
     """The bench's sglang-engine peer, run on CPU in fp32: sglang.Engine(enable_return_hidden_states=True)
     returns, per prompt token, the state after the final norm, equal to our engine's `last`."""
-    from offline_extract.engine.distributed import free_port
-    from offline_extract.engine.sglang_adapter import Engine, EngineConfig
-
     popts = baselines.PeerOptions(workdir=str(tmp_path), cross_check_samples=3, device="cpu",
                                   sglang_attention_backend="torch_native", sglang_mem_fraction_static=0.5)
     batches = [seqs[:2], seqs[2:5], seqs[5:6]]
@@ -196,10 +194,7 @@ def test_sglang_return_hidden_states_is_our_post_norm_final_state(tmp_path, tiny
     assert [len(ids) for _, ids, _ in pending.states] == [len(s) for s in seqs[2:5]], "the first timed samples"
     assert pending.row.notes["num_tokens"] == sum(len(s) for s in seqs[2:6]) and pending.row.tok_s > 0
     assert pending.row.host_peak_rss_bytes > 100 << 20, "the engine's processes are counted"
-    engine = Engine(EngineConfig(model_path=str(tiny_model_dir), device="cpu", dtype="float32",
-                                 max_tokens_per_batch=4096, max_seqs_per_batch=4, context_length=4096,
-                                 nccl_port=free_port()))
-    row = baselines.cross_check(pending, baselines.our_states(engine))
+    row = baselines.cross_check(pending, baselines.our_states(tiny_engine))
     assert row.error is None, row.error
     final = row.cosine_vs_ours["final"]
     assert set(row.cosine_vs_ours) == {"final"} and final["samples"] == 3
