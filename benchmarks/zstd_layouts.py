@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -111,7 +112,7 @@ def main() -> None:
                   f"decompress {row['decompress_MBps']:7.0f} MB/s  ({row['frames']} frames)", flush=True)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps({"args": vars(a) | {"json": str(a.json)}, "zstd_level": ZSTD_LEVEL,
+        a.json.write_text(json.dumps({"command": " ".join(["python -m benchmarks.zstd_layouts", *sys.argv[1:]]), "args": vars(a) | {"json": str(a.json)}, "zstd_level": ZSTD_LEVEL,
                                       "zstandard": zstandard.__version__, "rows": rows}, indent=1))
 
 
