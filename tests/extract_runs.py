@@ -13,7 +13,8 @@ import psutil
 import torch
 
 from offline_extract.engine.distributed import free_port
-from offline_extract.store.index import iter_samples
+from offline_extract.store.index import iter_samples, shard_paths
+from offline_extract.store.shard import read_header
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,6 +86,13 @@ def kill_rank_when(launcher: subprocess.Popen, rank: int, until) -> float:
         time.sleep(0.01)
     os.kill(victim.pid, signal.SIGKILL)
     return time.monotonic()
+
+
+def assert_only_complete_shards(out) -> None:
+    """What a stopped run leaves: complete shards only (a resume's journals may remain, no half file)."""
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")], "no unfinished file"
+    for path in shard_paths(out):
+        read_header(path)  # every shard on disk is whole
 
 
 def assert_same_samples(out_a, out_b) -> None:

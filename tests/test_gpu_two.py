@@ -14,11 +14,11 @@ import time
 import numpy as np
 import pytest
 import torch
-from extract_runs import ROOT, extract_command, kill_rank_when, start_nodes
+from extract_runs import ROOT, assert_only_complete_shards, extract_command, kill_rank_when, start_nodes
 
 from offline_extract.store import integrity
 from offline_extract.store.index import iter_samples, shard_paths
-from offline_extract.store.shard import open_shard, read_header
+from offline_extract.store.shard import open_shard
 from offline_extract.testing.models import build_model
 
 pytestmark = [
@@ -156,9 +156,7 @@ def test_a_killed_dp_rank_stops_the_other_within_seconds_and_a_rerun_completes(t
     stopped_after = time.monotonic() - killed
     assert launcher.returncode != 0 and stopped_after < 45, stopped_after
     assert "rank 0: stopped by SIGTERM" in stderr and "SIGKILL" in stderr, stderr[-3000:]
-    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
-    for path in shard_paths(out):
-        read_header(path)
+    assert_only_complete_shards(out)
     extract(out, "--model", tiny, "--data", corpus, *SMALL, torchrun=2)
     assert_close_runs(one_gpu, out)
 

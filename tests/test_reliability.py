@@ -20,7 +20,14 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from extract_runs import ROOT, assert_same_samples, extract_command, kill_rank_when, start_nodes
+from extract_runs import (
+    ROOT,
+    assert_only_complete_shards,
+    assert_same_samples,
+    extract_command,
+    kill_rank_when,
+    start_nodes,
+)
 
 from offline_extract.data.batching import batch_by_tokens
 from offline_extract.data.tokenization import Sample
@@ -181,13 +188,6 @@ def test_tp_wider_than_a_node_is_refused_before_anything_starts(corpus, env, tmp
         assert node.proc.returncode != 0
         assert "--tp 2 must divide the processes per node (1): a TP group has to stay inside one node" in output
     assert not out.exists(), "refused before the output directory was touched"
-
-
-def assert_only_complete_shards(out) -> None:
-    """What a stopped run leaves: complete shards only (a resume's journals may remain, no half file)."""
-    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")], "no unfinished file"
-    for path in shard_paths(out):
-        read_header(path)  # every shard on disk is whole
 
 
 @pytest.mark.slow
