@@ -170,6 +170,30 @@ def test_write_index_contents(tmp_path):
     }
 
 
+@pytest.mark.parametrize("encoding", [Encoding(), Encoding("fp8", "zstd")], ids=["bf16", "fp8-zstd"])
+def test_the_writer_knows_its_headers_so_the_index_reads_none_back(tmp_path, monkeypatch, encoding):
+    writer, paths = write(tmp_path, BATCHES, shard_bytes=12 * ROW_BYTES, encoding=encoding)
+    assert len(paths) > 2
+    assert sorted(writer.headers, key=lambda h: h.path.name) == [read_header(p) for p in paths]
+    from_disk = write_index(tmp_path).read_text()
+
+    def no_reading(path):
+        raise AssertionError(f"{path} was read back")
+
+    monkeypatch.setattr("offline_extract.store.index.read_header", no_reading)
+    assert write_index(tmp_path, writer.headers).read_text() == from_disk
+
+
+def test_the_index_reads_the_shards_it_was_not_told_of(tmp_path):
+    """Another replica's shards, or an earlier attempt's: the directory, not the writer, says what is there."""
+    write(tmp_path, [([0, 2], [3, 3], 0)], shard_numbers=iter([0]))
+    writer, _ = write(tmp_path, [([1, 3], [3, 3], 1)], shard_numbers=iter([1]))
+    index = json.loads(write_index(tmp_path, writer.headers).read_text())
+    assert [s["file"] for s in index["shards"]] == [shard_name(0), shard_name(1)]
+    assert index["samples"]["index"] == [0, 1, 2, 3]
+    assert index["samples"]["shard"] == [0, 1, 0, 1]
+
+
 def test_write_index_rejects_a_sample_in_two_shards(tmp_path):
     write(tmp_path, [([0, 1], [2, 2], 0)], shard_numbers=iter([0]))
     write(tmp_path, [([1, 2], [2, 2], 1)], shard_numbers=iter([1]))

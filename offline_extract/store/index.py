@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 
@@ -33,12 +33,16 @@ def _check_run_agrees(first: ShardHeader, other: ShardHeader) -> None:
             )
 
 
-def scan(out_dir: str | os.PathLike) -> tuple[list[ShardHeader], list[tuple[int, int, int]]]:
-    """Headers of all shards plus (sample index, shard position, row) sorted by sample index."""
+def scan(
+    out_dir: str | os.PathLike, known: Iterable[ShardHeader] = ()
+) -> tuple[list[ShardHeader], list[tuple[int, int, int]]]:
+    """Headers of all shards plus (sample index, shard position, row) sorted by sample index. The
+    directory decides which shards there are; those among `known` are not read again."""
     paths = shard_paths(out_dir)
     if not paths:
         raise ShardError(f"no {SHARD_GLOB} files in {out_dir}")
-    headers = [read_header(p) for p in paths]
+    known = {h.path.name: h for h in known}
+    headers = [known.get(p.name) or read_header(p) for p in paths]
     where: dict[int, tuple[int, int]] = {}
     for s_pos, h in enumerate(headers):
         _check_run_agrees(headers[0], h)
@@ -52,13 +56,15 @@ def scan(out_dir: str | os.PathLike) -> tuple[list[ShardHeader], list[tuple[int,
     return headers, sorted((index, s_pos, row) for index, (s_pos, row) in where.items())
 
 
-def write_index(out_dir: str | os.PathLike) -> Path:
-    """Writes out_dir/index.json describing every shard and where each sample lives, from headers only.
+def write_index(out_dir: str | os.PathLike, known: Iterable[ShardHeader] = ()) -> Path:
+    """Writes out_dir/index.json describing every shard and where each sample lives, from headers only:
+    those `known` already (a writer's own shards, `ShardWriter.headers`) are not read back from disk,
+    which at the end of a run would read every shard it just wrote.
 
     A directory without shards (a run whose every record was rejected) gets an index of no samples.
     """
     out_dir = Path(out_dir)
-    headers, order = scan(out_dir) if shard_paths(out_dir) else ([], [])
+    headers, order = scan(out_dir, known) if shard_paths(out_dir) else ([], [])
     index = {
         "format_version": FORMAT_VERSION,
         "run": headers[0].run if headers else None,

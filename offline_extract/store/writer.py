@@ -17,6 +17,7 @@ import torch
 
 from offline_extract.store.atomic import atomic_write
 from offline_extract.store.codecs import compress_frame, compressor
+from offline_extract.store.shard import ShardHeader
 from offline_extract.store.schema import (
     FORMAT_VERSION,
     FRAMES_SUFFIX,
@@ -287,6 +288,7 @@ class ShardWriter:
         self.bytes_written = 0
         self.samples_written = 0
         self.tokens_written = 0
+        self.headers: list[ShardHeader] = []  # of the shards written, as read_header would read them back
         # All shard buffers up front, touched, so that first-touch copies stay off the hot path during the
         # first shards: given (`shard_buffers`, prepared ahead), or allocated now for `widths`.
         for buf in buffers or ():
@@ -475,10 +477,12 @@ class ShardWriter:
             metadata = {METADATA_KEY: json.dumps(document)}
             sha256 = atomic_write(path, lambda tmp: _serialize(tmp, tensors, metadata, filling))
             size, tokens = path.stat().st_size, tensors["input_ids"].shape[0]
+            header = ShardHeader(path, self.run, samples, {name: tuple(t.shape) for name, t in tensors.items()}, self.encoding)
             with self._lock:
                 self.bytes_written += size
                 self.samples_written += len(samples)
                 self.tokens_written += tokens
+                self.headers.append(header)
             if self._on_written is not None:
                 self._on_written(WrittenShard(path.name, sha256, size, len(samples), tokens))
             return path
