@@ -15,21 +15,7 @@ work=${PEERS_WORKDIR:-/dev/shm/offline_extract_peers}
 source /tmp/sglang-site/env.sh
 export PYTHONUNBUFFERED=1
 start=$SECONDS
-if [[ ! -f $model/.complete ]]; then
-  python - "$model" <<'PY' || exit 1
-import sys
-
-import torch
-
-from offline_extract.testing.models import build_model
-
-# Room past the 8,192-token cap: SGLang's engine refuses a prompt as long as the context, and a capped
-# sample plus the one token it generates needs 8,193.
-build_model("llama3_8b", sys.argv[1], dtype=torch.bfloat16, device="cuda", overrides={"max_position_embeddings": 16384})
-PY
-  touch "$model/.complete"
-  echo "model written to $model in $((SECONDS - start)) s"
-fi
+bash benchmarks/make_8b_model.sh "$model" || exit 1
 baselines=()
 for b in ${PEERS_BASELINES:-sglang-engine specforge hf}; do baselines+=(--baseline "$b"); done
 python bin/bench.py --model "$model" --load-format auto --num-tokens 240000 --peer-workdir "$work" \

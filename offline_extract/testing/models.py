@@ -467,6 +467,11 @@ def build_model(
     for f in tiny.iterdir():
         if f.name != "config.json" and not f.name.endswith(".safetensors"):
             shutil.copy2(f, out / f.name)
+    # The tokenizer states the model's context, as a release's does, not the embedded model's.
+    tokenizer_config = out / "tokenizer_config.json"
+    tokenizer_config.write_text(json.dumps(
+        {**json.loads(tokenizer_config.read_text()), "model_max_length": config["max_position_embeddings"]}, indent=2
+    ))
     return out
 
 

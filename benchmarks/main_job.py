@@ -1,0 +1,63 @@
+"""Inputs and outputs of the main job as users run it (benchmarks/main_job.sh).
+
+    python benchmarks/main_job.py corpus MODEL_DIR CORPUS.jsonl --num-tokens N
+        a chat corpus (OpenAI `messages`) of the bench's lognormal lengths (mean 1,700 tokens, cap
+        8,192), so that the command's samples are the bench's and its figures compare with the bench's;
+    python benchmarks/main_job.py stacks ARGS...
+        runs `ARGS` (a Python script and its arguments) with every thread's stack dumped every
+        $OE_STACKS_EVERY seconds (default 5) into $OE_STACKS: where a cold start's minute goes, on a machine
+        with no profiler.
+"""
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import click
+
+# Run as a script from anywhere: the checkout's root, for `benchmarks` and the package beside it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+@click.group()
+def main():
+    pass
+
+
+@main.command()
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("corpus", type=click.Path(dir_okay=False))
+@click.option("--num-tokens", default=1_000_000, show_default=True)
+def corpus(model_dir, corpus, num_tokens):
+    from transformers import AutoTokenizer
+
+    from benchmarks.extraction_vs_prefill import BenchOptions, synthetic_corpus
+    from benchmarks.peers.corpus import chat_records
+    from offline_extract.data.tokenization import SampleTokenizer
+
+    opts = BenchOptions(num_tokens=num_tokens)
+    tokenizer = SampleTokenizer(AutoTokenizer.from_pretrained(model_dir), max_length=opts.longest)
+    samples = synthetic_corpus(tokenizer, opts)
+    records = chat_records([s.input_ids for s in samples], tokenizer.tokenizer)
+    with open(corpus, "w") as f:
+        f.writelines(json.dumps({"id": r["id"], "messages": r["conversations"]}) + "\n" for r in records)
+    click.echo(f"{len(records)} records, {sum(s.num_tokens for s in samples):,} tokens -> {corpus}")
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED, required=True)
+def stacks(args):
+    out = open(os.environ["OE_STACKS"], "a")  # kept open for the process's life: faulthandler writes to its fd
+    faulthandler.dump_traceback_later(float(os.environ.get("OE_STACKS_EVERY", "5")), repeat=True, file=out)
+    script = str(Path(args[0]).resolve())
+    sys.argv = [script, *args[1:]]
+    sys.path[0] = os.path.dirname(script)
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The main job as users type it, on one GPU of a fresh machine (issues 21 and 26), SGLang 0.5.17 on the path:
+#   bash benchmarks/main_job.sh RESULTS_DIR [NUM_TOKENS]
+# 1. bin/extract.py on the 8B-shaped model with its generated weights (benchmarks/make_8b_model.sh), a
+#    lognormal chat corpus of NUM_TOKENS (default: what fits 70% of the free disk, at most 1.5M), --verify 8,
+#    written to local disk (/tmp), every thread's stack sampled every 5 s (stacks_cold.txt);
+# 2. bin/inspect.py --verify on that output;
+# 3. the same command again into a fresh folder, now that SGLang's JIT kernels are in their cache;
+# 4. bin/bench.py on the same model and lengths, for bare prefill's rate (the ratio's denominator).
+# Each step's command, exit status and seconds go to RESULTS_DIR/steps.jsonl, its output to <step>.log in
+# RESULTS_DIR/logs.tar.gz, and what SGLang's JIT caches hold before and after the first run to caches.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+results=$1
+mkdir -p "$results"
+model=/dev/shm/offline_extract_peers_llama3_8b
+work=/tmp/offline_extract_main_job
+logs=$work/logs
+rm -rf "$work"; mkdir -p "$logs"
+free=$(df --output=avail -B1 "$work" | tail -1)
+tokens=${2:-$(python3 -c "print(min(1_500_000, int($free * 0.7 / 32773) // 1000 * 1000))")}
+echo "free disk under $work: $free bytes; corpus of $tokens tokens" | tee "$results/plan.txt"
+
+step() {  # step NAME COMMAND...
+  local name=$1; shift
+  local t0=$SECONDS
+  PYTHONUNBUFFERED=1 bash -c "$*" >"$logs/$name.log" 2>&1
+  local rc=$?
+  python3 -c 'import json,sys; print(json.dumps({"step": sys.argv[1], "command": sys.argv[2], "rc": int(sys.argv[3]), "seconds": int(sys.argv[4])}))' \
+    "$name" "$*" "$rc" "$((SECONDS - t0))" | tee -a "$results/steps.jsonl"
+}
+caches() {
+  for d in ~/.cache/tvm-ffi ~/.triton/cache ~/.cache/flashinfer ~/.cache/torch/inductor /tmp/torchinductor_$(whoami); do
+    echo "$1 $d: $(find "$d" -type f 2>/dev/null | wc -l) files, $(du -sb "$d" 2>/dev/null | cut -f1) bytes"
+  done >>"$results/caches.txt"
+  ls ~/.cache/tvm-ffi 2>/dev/null | sed "s/^/$1 tvm-ffi: /" >>"$results/caches.txt"
+}
+
+extract="python bin/extract.py --model $model --data $work/corpus.jsonl --verify 8 --no-progress --progress-every 5"
+step model "bash benchmarks/make_8b_model.sh $model"
+step corpus "python benchmarks/main_job.py corpus $model $work/corpus.jsonl --num-tokens $tokens"
+caches before
+step extract_cold "OE_STACKS=$results/stacks_cold.txt python benchmarks/main_job.py stacks $extract --out $work/out"
+caches after
+step inspect_verify "python bin/inspect.py $work/out --verify"
+rm -rf "$work/out"
+step extract_warm "$extract --out $work/out_warm"
+rm -rf "$work/out_warm"
+step bench "python bin/bench.py --model $model --load-format auto --num-tokens 300000 --out $work/bench --disk-probe-gb 1 --results-dir $results"
+tar -czf "$results/logs.tar.gz" -C "$logs" .
+rm -rf "$work"
