@@ -28,6 +28,7 @@ step() {  # step NAME COMMAND...
   local rc=$?
   python3 -c 'import json,sys; print(json.dumps({"step": sys.argv[1], "command": sys.argv[2], "rc": int(sys.argv[3]), "seconds": int(sys.argv[4])}))' \
     "$name" "$*" "$rc" "$((SECONDS - t0))" | tee -a "$results/steps.jsonl"
+  tar -czf "$results/logs.tar.gz" -C "$logs" .  # after every step, so that a call cut short keeps them
 }
 caches() {
   for d in ~/.cache/tvm-ffi ~/.triton/cache ~/.cache/flashinfer ~/.cache/torch/inductor /tmp/torchinductor_$(whoami); do
@@ -47,5 +48,4 @@ rm -rf "$work/out"
 step extract_warm "$extract --out $work/out_warm"
 rm -rf "$work/out_warm"
 step bench "python bin/bench.py --model $model --load-format auto --num-tokens 300000 --out $work/bench --disk-probe-gb 1 --results-dir $results"
-tar -czf "$results/logs.tar.gz" -C "$logs" .
 rm -rf "$work"
