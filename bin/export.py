@@ -15,8 +15,10 @@ offline training as its hidden-states path. Needs the post-norm final state (the
 \b
 speculators: DEST is its training data directory: a datasets table (input_ids, loss_mask, seq_len),
 DEST/hidden_states/hs_{i}.safetensors (hidden_states [T, k+1, H], the final state last, and
-token_ids [T]) and DEST/token_freq.pt. Needs a run extracted with --final-state pre-norm: speculators
-applies the verifier's norm to that state itself.
+token_ids [T]), DEST/token_freq.pt, and DEST/speculators_train.yaml for `speculators train --config`.
+speculators' layer ids are ours + 1 (HF hidden_states indices; the final state is num_layers): the YAML
+and export_manifest.json give its --target-layer-ids for this run. Needs a run extracted with
+--final-state pre-norm: speculators applies the verifier's norm to that state itself.
 
 DEST/export_manifest.json maps i to sample ids. Rerunning the same export into DEST resumes it.
 """

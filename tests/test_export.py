@@ -11,7 +11,8 @@ from offline_extract.store.index import iter_samples
 from offline_extract.store.schema import ShardError
 from offline_extract.testing.shards import write_synthetic
 from offline_extract.training.export import (
-    MANIFEST_NAME, ExportError, export_specforge, export_speculators, specforge_path, speculators_path,
+    MANIFEST_NAME, SPECULATORS_TRAIN_CONFIG, ExportError, export_specforge, export_speculators, specforge_path,
+    speculators_path,
 )
 
 SCRIPT = Path(__file__).resolve().parent.parent / "bin" / "export.py"
@@ -170,6 +171,10 @@ def test_speculators_export_is_what_its_trainer_reads(pre_norm_dir, tmp_path):
             expected_freq[t] = expected_freq.get(t, 0) + 1
     assert freq == expected_freq
     assert not (dest / ".datasets-cache").exists()
+    # Layers 0..K-1 of a (K+1)-layer model, in speculators' convention: HF indices, then num_layers.
+    export_manifest = json.loads((dest / MANIFEST_NAME).read_text())
+    assert export_manifest["layer_ids"] == [*range(1, K + 1), K + 1]
+    assert export_manifest["target_layer_ids"] == list(range(1, K + 1))
 
     speculators_path(dest, 3).unlink()
     again = export_speculators(pre_norm_dir, dest, progress=False)
@@ -208,3 +213,28 @@ def test_script_exports_to_speculators(pre_norm_dir, tmp_path):
     done = run_script("--format", "speculators", pre_norm_dir, "--to", tmp_path / "spec", "--no-progress")
     assert done.returncode == 0, done.stderr
     assert len(list((tmp_path / "spec" / "hidden_states").glob("hs_*.safetensors"))) == len(LENGTHS)
+
+
+def test_speculators_export_names_custom_layers_in_its_convention(tmp_path):
+    import yaml
+
+    out = tmp_path / "custom"
+    # A 6-layer model extracted with --layers 1,3,4 (our ids: decoder layer outputs).
+    write_synthetic(out, LENGTHS[:2], hidden_size=H, num_aux=3,
+                    run={"final_state": "pre-norm", "layer_ids": [1, 3, 4], "num_layers": 6})
+    dest = tmp_path / "spec"
+    export_speculators(out, dest, progress=False)
+    manifest = json.loads((dest / MANIFEST_NAME).read_text())
+    assert (manifest["layer_ids"], manifest["target_layer_ids"]) == ([2, 4, 5, 6], [2, 4, 5])
+    config_text = (dest / SPECULATORS_TRAIN_CONFIG).read_text()
+    config = yaml.safe_load(config_text)["train"]
+    assert config["draft"]["target_layer_ids"] == [2, 4, 5]
+    assert config["data"]["data_path"] == str(dest.resolve()) and config["verifier"]["verifier_name_or_path"] == "synthetic"
+    assert "[2, 4, 5, 6]" in config_text
+
+
+def test_speculators_export_needs_the_models_layer_count(tmp_path):
+    out = tmp_path / "old"
+    write_synthetic(out, LENGTHS[:2], hidden_size=H, num_aux=K, run={"final_state": "pre-norm", "num_layers": None})
+    with pytest.raises(ExportError, match="num_layers"):
+        export_speculators(out, tmp_path / "spec", progress=False)

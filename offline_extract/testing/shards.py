@@ -30,6 +30,8 @@ def write_synthetic(
     run = {
         "model": "synthetic",
         "layer_ids": list(range(num_aux)),
+        # The last layer is never an aux layer (validate_layer_ids).
+        "num_layers": num_aux + 1,
         "hidden_size": hidden_size,
         "dtype": "bfloat16",
         **(run or {}),

@@ -25,6 +25,15 @@ speculators (`--format speculators`), its offline training data directory:
         token_ids      int64 [T]
     DEST/token_freq.pt             {token id: count} over loss tokens, for its draft-vocabulary mapping
 
+    DEST/speculators_train.yaml    `speculators train --config` file: the verifier, DEST as data path and
+                                   `target_layer_ids` in speculators' convention (below)
+
+speculators names layers by HF `output_hidden_states` index, which is our layer id + 1, and calls the
+final state layer `num_layers` (as vLLM's extraction does): the stacked layers of a run with ids
+[1, 3, 4] of a 6-layer model are [2, 4, 5, 6], and its `--target-layer-ids` (the aux layers alone, which
+size the drafter's input) are [2, 4, 5]. Passing our ids instead would train on the next layers
+silently, so the export states them where training reads them (the YAML) and in export_manifest.json.
+
 speculators takes the last of the stacked states as the verifier's pre-norm state and applies the
 verifier's norm itself, so only a run extracted with --final-state pre-norm exports to it; SpecForge
 trains on the normed state, so only post-norm runs export there. Either mismatch is refused rather
@@ -45,6 +54,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import yaml
 from safetensors.torch import save_file
 
 from offline_extract.progress import RunProgress
@@ -59,6 +69,7 @@ DEFAULT_ROWS_PER_FOLDER = 2000
 TRAINER_FINAL_STATE = {"specforge": "post-norm", "speculators": "pre-norm"}
 SPECULATORS_STATES_DIR = "hidden_states"
 SPECULATORS_TOKEN_FREQ = "token_freq.pt"
+SPECULATORS_TRAIN_CONFIG = "speculators_train.yaml"
 
 
 class ExportError(ValueError):
@@ -92,6 +103,29 @@ def specforge_record(item: dict, recipe: str = "eagle3") -> dict[str, torch.Tens
 
 def speculators_path(dest: str | os.PathLike, i: int) -> Path:
     return Path(dest) / SPECULATORS_STATES_DIR / f"hs_{i}.safetensors"
+
+
+def speculators_layer_ids(run: dict, out_dir) -> list[int]:
+    """The layers stacked in speculators' hidden_states, in its convention (module docstring): the aux
+    layers' HF indices, then num_layers for the final state."""
+    if run.get("num_layers") is None:
+        raise ExportError(f"{out_dir} does not record the model's num_layers, which names speculators' final layer")
+    return [k + 1 for k in run["layer_ids"]] + [run["num_layers"]]
+
+
+def speculators_train_config(run: dict, dest: Path, layer_ids: list[int]) -> str:
+    """speculators' stage-shaped training config for this export; flags given to `speculators train`
+    override it (e.g. --verifier-name-or-path where the model has moved)."""
+    config = {"train": {
+        "speculator_type": "eagle3",
+        "verifier": {"verifier_name_or_path": run["model"]},
+        "draft": {"target_layer_ids": layer_ids[:-1]},
+        "data": {"data_path": str(dest.resolve()), "hidden_states_backend": "file"},
+    }}
+    header = (f"# Written by offline_extract's export. Train with: speculators train --config {dest / SPECULATORS_TRAIN_CONFIG}\n"
+              f"# hidden_states/hs_*.safetensors stack layers {layer_ids} (HF hidden_states indices; "
+              f"{layer_ids[-1]} = the final state).\n")
+    return header + yaml.safe_dump(config, sort_keys=False)
 
 
 def speculators_record(item: dict) -> dict[str, torch.Tensor]:
@@ -201,8 +235,9 @@ def export_speculators(
 
     dataset = HiddenStateDataset(out_dir, allow_partial=allow_partial)
     _check_final_state("speculators", dataset.run, out_dir)
+    layer_ids = speculators_layer_ids(dataset.run, out_dir)
     dest = Path(dest)
-    _prepare_dest(dest, _manifest("speculators", out_dir, dataset))
+    _prepare_dest(dest, _manifest("speculators", out_dir, dataset, layer_ids=layer_ids, target_layer_ids=layer_ids[:-1]))
     summary = ExportSummary(dest, 0, 0, 0)
     _write_samples(
         dataset, lambda i: speculators_path(dest, i),
@@ -235,6 +270,8 @@ def export_speculators(
         if bars:
             datasets.enable_progress_bars()
     atomic_write(dest / SPECULATORS_TOKEN_FREQ, lambda tmp: torch.save(dict(freq), tmp))
+    config = speculators_train_config(dataset.run, dest, layer_ids)
+    atomic_write(dest / SPECULATORS_TRAIN_CONFIG, lambda tmp: tmp.write_text(config))
     return summary
 
 
