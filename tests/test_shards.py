@@ -301,7 +301,7 @@ def test_damaged_metadata_is_a_shard_error_naming_the_file(tmp_path):
         read_header(path)
 
 
-def _feed_in_pieces(writer, batches, piece_rows, drop=(), stream=False):
+def _feed_in_pieces(writer, batches, piece_rows, drop=(), stream=False, before_close=lambda writer: None):
     """Every sample alone: short ones through add_batch, those over `piece_rows` rows through
     begin_sample / end_sample, filled `piece_rows` rows at a time (as a long sample's chunks arrive)."""
     for indices, lengths, seed in batches:
@@ -320,6 +320,7 @@ def _feed_in_pieces(writer, batches, piece_rows, drop=(), stream=False):
             else:
                 writer.add_batch([info], ids[rows], mask[rows], aux[rows], last[rows], lengths=[n])
             start += n
+    before_close(writer)
     return writer.close()
 
 
@@ -332,14 +333,21 @@ def test_a_sample_filled_in_pieces_writes_the_same_shards(tmp_path, widths, stre
     batches = [([0, 1, 2, 3], [3, 2, 4, 25], 0), ([4, 5, 6], [9, 1, 30], 1), ([7], [2], 2)]
     _, whole = write(tmp_path / "whole", batches, shard_bytes=10 * ROW_BYTES, writers=2)
     writer = ShardWriter(tmp_path / "pieces", RUN, shard_bytes=10 * ROW_BYTES, writers=2, widths=widths)
-    pieces = _feed_in_pieces(writer, batches, piece_rows=7, stream=stream)
+    capacities = set()
+
+    def buffers_written_during_the_run(writer):
+        for f in writer._pending:
+            f.result()
+        capacities.update(writer._free.get().capacity for _ in range(writer._free.qsize()))
+
+    pieces = _feed_in_pieces(writer, batches, piece_rows=7, stream=stream, before_close=buffers_written_during_the_run)
     assert [p.name for p in whole] == [p.name for p in pieces]
     assert [[s.index for s in open_shard(p).samples] for p in pieces] == [[0, 1, 2, 3], [4, 5], [6], [7]]
     for a, b in zip(whole, pieces):
         assert a.read_bytes() == b.read_bytes()
     if widths is not None:
-        # Buffers grown for the long samples went back to the shard size once written.
-        capacities = {writer._free.get().capacity for _ in range(3)}
+        # Buffers grown for the long samples went back to the shard size once written (during the run:
+        # after close none is needed, and the writer drops them as they are).
         assert capacities == {-(-10 * ROW_BYTES // ((K * H + H) * 2))}
 
 
@@ -392,3 +400,24 @@ def test_nothing_else_goes_in_while_a_sample_is_begun(tmp_path):
     with pytest.raises(ShardError, match="no sample begun"):
         writer.end_sample()
     assert len(writer.close()) == 1
+
+
+@pytest.mark.parametrize("encoding", [Encoding(), Encoding("fp8", "zstd")], ids=["bf16", "fp8-zstd"])
+def test_the_shard_left_at_close_is_written_by_every_thread_in_whole_samples(tmp_path, monkeypatch, encoding):
+    monkeypatch.setattr(writer_module, "LAST_SHARD_PART_BYTES", 10 * ROW_BYTES)
+    _, (whole,) = write(tmp_path / "whole", BATCHES, encoding=encoding, writers=1)
+    writer, paths = write(tmp_path / "parts", BATCHES, encoding=encoding, writers=3)
+    # 42 tokens buffered (1 GiB target), 3 threads: three parts of about 14 tokens, each cut at the sample
+    # boundary nearest to 14 and 28 (lengths 5 3 7 | 4 6 2 | 9 1 5).
+    assert [read_header(p).num_tokens for p in paths] == [15, 12, 15]
+    assert (writer.samples_written, writer.tokens_written) == (9, 42)
+    got, want = list(iter_samples(tmp_path / "parts")), list(iter_samples(tmp_path / "whole"))
+    assert [info for info, _ in got] == [info for info, _ in want] == [s for b in BATCHES for s in make_batch(*b)[0]]
+    for (_, tensors), (_, expected) in zip(got, want):
+        assert_tensors_equal(tensors, expected)
+
+
+def test_a_small_last_shard_stays_one_file(tmp_path):
+    """Under LAST_SHARD_PART_BYTES a part would cost more in files than it saves in time."""
+    _, paths = write(tmp_path, BATCHES, writers=4)
+    assert len(paths) == 1

@@ -33,6 +33,10 @@ from offline_extract.store.schema import (
 )
 
 WRITER_THREADS = 4  # ShardWriter's default; it holds at most one more shard buffer than threads
+# The shard still buffered when a writer closes is written after the last forward, where nothing overlaps
+# it: it is cut into up to one shard a writer thread, each of at least this many state bytes (a part's
+# sha256 takes tens of milliseconds), so that all threads write and hash it at once.
+LAST_SHARD_PART_BYTES = 64 << 20
 
 
 class _Filling:
@@ -164,6 +168,7 @@ class _ShardBuffer:
         return self.tensors["input_ids"].shape[0]
 
     def clear(self) -> None:
+        self.writes_left = 0  # of the shards handed to writer threads from this buffer, still being written
         self.samples: list[SampleInfo] = []
         self.lengths: list[int] = []
         self.tokens = 0
@@ -189,17 +194,29 @@ class _ShardBuffer:
             rows.copy_(tensors[name][start:stop])
         self.record(samples, lengths)
 
-    def contents(self, pending: tuple[SampleInfo, int] | None = None) -> tuple[list[SampleInfo], dict[str, torch.Tensor]]:
+    def contents(
+        self, pending: tuple[SampleInfo, int] | None = None, parts: int = 1
+    ) -> list[tuple[list[SampleInfo], dict[str, torch.Tensor]]]:
         """The samples and the shard's tensors (views of this buffer), with the `pending` (sample, tokens)
-        whose rows are reserved after the recorded ones, if given."""
+        whose rows are reserved after the recorded ones, if given; cut into up to `parts` shards of about
+        equal tokens, whole samples each."""
         samples, lengths = list(self.samples), list(self.lengths)
         if pending is not None:
             samples.append(pending[0])
             lengths.append(pending[1])
-        out = {name: t[: sum(lengths)] for name, t in self.tensors.items()}
-        out["offsets"] = torch.tensor(np.cumsum([0, *lengths]), dtype=SPECS["offsets"].dtype)
-        out["sample_index"] = torch.tensor([s.index for s in samples], dtype=SPECS["sample_index"].dtype)
-        return samples, out
+        bounds = np.cumsum([0, *lengths])
+        targets = bounds[-1] * np.arange(1, parts) / parts
+        above = np.searchsorted(bounds, targets)  # the first sample boundary at or past each target
+        nearest = above - (targets - bounds[above - 1] < bounds[above] - targets)
+        cuts = sorted({0, len(samples), *nearest.tolist()})
+        shards = []
+        for first, stop in zip(cuts, cuts[1:]):
+            rows = slice(int(bounds[first]), int(bounds[stop]))
+            out = {name: t[rows] for name, t in self.tensors.items()}
+            out["offsets"] = torch.tensor(bounds[first : stop + 1] - bounds[first], dtype=SPECS["offsets"].dtype)
+            out["sample_index"] = torch.tensor([s.index for s in samples[first:stop]], dtype=SPECS["sample_index"].dtype)
+            shards.append((samples[first:stop], out))
+        return shards
 
 
 def shard_buffers(
@@ -234,7 +251,8 @@ class ShardWriter:
 
     A shard is closed as soon as its hidden-state bytes (aux + last as `encoding` stores them, before any
     compression) reach `shard_bytes`, so it exceeds that size by less than one sample; samples are never
-    split across shards. `add_batch` copies
+    split across shards. What is still buffered at `close` is written by every thread at once, as up to
+    `writers` smaller shards (LAST_SHARD_PART_BYTES), since the caller waits for it. `add_batch` copies
     its input into a shard buffer and returns, so callers may reuse their (pinned) staging memory at once.
     Complete shards are written by `writers` threads in parallel, each file sequentially; at most
     `writers + 1` shard buffers exist, so host memory is bounded whatever the corpus size, and a caller
@@ -273,6 +291,7 @@ class ShardWriter:
         self.shard_bytes = shard_bytes
         self._numbers = shard_numbers if shard_numbers is not None else itertools.count()
         self._on_written = on_written
+        self._writers = writers
         self._pool = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="shard-writer")
         self._free: queue.Queue[_ShardBuffer] = queue.Queue()
         self._buffers_left = writers + 1
@@ -451,16 +470,20 @@ class ShardWriter:
                 self._raise_failed_writes()
         return self._current
 
-    def _flush(self, pending: tuple[SampleInfo, int] | None = None, filling: _Filling | None = None) -> None:
-        """Hands the current buffer to a writer thread, with the `pending` sample whose rows are `filling`."""
+    def _flush(self, pending: tuple[SampleInfo, int] | None = None, filling: _Filling | None = None, parts: int = 1) -> None:
+        """Hands the current buffer to a writer thread, with the `pending` sample whose rows are `filling`;
+        or, cut into up to `parts` shards, to as many threads."""
         buf, self._current = self._current, None
         if buf is None or not (buf.samples or pending):
             return
-        path = self.out_dir / shard_name(next(self._numbers))
-        if path.exists():
-            raise FileExistsError(f"{path} already exists; refusing to overwrite another run's shard")
-        samples, tensors = buf.contents(pending)
-        self._pending.append(self._pool.submit(self._write, path, buf, samples, tensors, filling))
+        shards = buf.contents(pending, parts)
+        paths = [self.out_dir / shard_name(next(self._numbers)) for _ in shards]
+        for path in paths:
+            if path.exists():
+                raise FileExistsError(f"{path} already exists; refusing to overwrite another run's shard")
+        buf.writes_left = len(shards)
+        for path, (samples, tensors) in zip(paths, shards):
+            self._pending.append(self._pool.submit(self._write, path, buf, samples, tensors, filling))
 
     def _write(self, path: Path, buf: _ShardBuffer, samples: list[SampleInfo], tensors: dict[str, torch.Tensor],
                filling: _Filling | None) -> Path:
@@ -487,12 +510,18 @@ class ShardWriter:
                 self._on_written(WrittenShard(path.name, sha256, size, len(samples), tokens))
             return path
         finally:
-            buf.clear()
-            # A buffer grown for a sample longer than a shard would stay that size for the rest of the run,
-            # and up to writers+1 of them could: swap it for a standard one, touched here, off the hot path.
-            if buf.capacity * row_bytes > self.shard_bytes + row_bytes:
-                buf = self._new_buffer()
-            self._free.put(buf)
+            with self._lock:
+                buf.writes_left -= 1
+                last = buf.writes_left == 0
+            if last:
+                buf.clear()
+                # A buffer grown for a sample longer than a shard would stay that size for the rest of the
+                # run, and up to writers+1 of them could: swap it for a standard one, touched here, off the
+                # hot path. Once closed, no buffer is needed any more, and touching one would only delay
+                # the end.
+                if buf.capacity * row_bytes > self.shard_bytes + row_bytes and not self._closed:
+                    buf = self._new_buffer()
+                self._free.put(buf)
 
     def _compressed(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Under zstd, each compressed state as its frames, one per sample, and their byte offsets."""
@@ -518,7 +547,8 @@ class ShardWriter:
         if not self._closed:
             self._closed = True
             try:
-                self._flush()
+                tail = self._current.tokens * self.encoding.state_bytes(self._widths) if self._current else 0
+                self._flush(parts=max(1, min(self._writers, tail // LAST_SHARD_PART_BYTES)))
                 for f in self._pending:
                     f.exception()  # wait for all, so no thread still writes when we raise
                 self._raise_failed_writes()
