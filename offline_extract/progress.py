@@ -2,6 +2,7 @@
 and nothing of what the libraries it loads print unless asked."""
 from __future__ import annotations
 
+import io
 import os
 import sys
 import tempfile
@@ -103,6 +104,43 @@ def _clock(seconds: float) -> str:
     return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
 
 
+class _Diverted(io.TextIOBase):
+    """A stand-in for sys.stdout or sys.stderr that writes to `sink` while set, and to the stream it
+    stands in for once the sink is gone. Libraries keep the stream they found at import (a logging
+    handler does): one imported while output was hidden must not keep writing to the hidden file's
+    descriptor number, which the next file opened takes over (a journal, say)."""
+
+    def __init__(self, stream, sink):
+        self._stream = stream
+        self._sink = sink
+
+    def release(self) -> None:
+        self._sink.flush()
+        self._sink = None
+
+    def _target(self):
+        return self._stream if self._sink is None else self._sink
+
+    def write(self, text: str) -> int:
+        return self._target().write(text)
+
+    def flush(self) -> None:
+        self._target().flush()
+
+    def fileno(self) -> int:
+        return self._target().fileno()
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return self._sink is None and self._stream.isatty()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self._target(), "encoding", "utf-8")
+
+
 @contextmanager
 def foreign_output_hidden(hide: bool = True) -> Iterator[None]:
     """What SGLang, torch and HF print while a model loads (warnings, log lines, loading bars), sent to
@@ -117,19 +155,23 @@ def foreign_output_hidden(hide: bool = True) -> Iterator[None]:
     saved = {fd: os.dup(fd) for fd in (1, 2)}
     streams = sys.stdout, sys.stderr
 
-    def restore() -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        sys.stdout, sys.stderr = streams
-        for fd, copy in saved.items():
-            os.dup2(copy, fd)
-            os.close(copy)
+    with tempfile.TemporaryFile() as sink, open(sink.fileno(), "w", closefd=False) as text:
+        # Python-level writes too, where sys.stdout or sys.stderr is not a file descriptor's (notebooks).
+        diverted = _Diverted(streams[0], text), _Diverted(streams[1], text)
 
-    with tempfile.TemporaryFile() as sink:
+        def restore() -> None:
+            for stream in (*diverted, *streams):
+                stream.flush()
+            for stream in diverted:
+                stream.release()
+            sys.stdout, sys.stderr = streams
+            for fd, copy in saved.items():
+                os.dup2(copy, fd)
+                os.close(copy)
+
         for fd in saved:
             os.dup2(sink.fileno(), fd)
-        # Python-level writes too, where sys.stdout or sys.stderr is not a file descriptor's (notebooks).
-        sys.stdout = sys.stderr = open(sink.fileno(), "w", closefd=False)
+        sys.stdout, sys.stderr = diverted
         try:
             yield
         except BaseException:

@@ -1,4 +1,5 @@
 """What a run prints while it works: heartbeat lines without the bar, and the libraries' own output hidden."""
+import logging
 import os
 import re
 import sys
@@ -56,6 +57,26 @@ def test_library_output_is_hidden_while_loading(capfd):
         _chatter()
     print("ours")
     assert capfd.readouterr() == ("ours\n", "")
+
+
+def test_a_handler_made_while_hidden_writes_to_stderr_afterwards_not_to_the_next_file_opened(capfd, tmp_path):
+    # transformers binds its log handler to the sys.stderr it finds at import; under the hiding that was a
+    # file on the hidden sink's descriptor number, which the run's next file (its shard journal) reused.
+    with foreign_output_hidden():
+        handler = logging.StreamHandler(sys.stderr)
+    log = logging.getLogger("imported-while-hidden")
+    log.addHandler(handler)
+    # Descriptors are reused lowest first: a few files opened now include one on the sink's old number.
+    paths = [tmp_path / f"journal{i}.jsonl" for i in range(8)]
+    files = [open(path, "w") for path in paths]
+    try:
+        log.warning("Token indices sequence length is longer than the specified maximum")
+    finally:
+        log.removeHandler(handler)
+        for f in files:
+            f.close()
+    assert [path.read_text() for path in paths] == [""] * len(paths)
+    assert "Token indices sequence length" in capfd.readouterr().err
 
 
 def test_library_output_is_shown_when_loading_fails(capfd):

@@ -1,4 +1,5 @@
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -283,3 +284,30 @@ def test_trim_after_last_loss_token(tiny_model_dir):
     no_loss = Record(source="c.jsonl", line=2, index=1, id="b", format="tokens", input_ids=(5, 6), loss_mask=(0, 0))
     reject = SampleTokenizer(tok, max_length=4096, trim_after_last_loss=True)(no_loss)
     assert reject.kind == "skipped" and "no loss tokens" in reject.reason
+
+
+class _Kept(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_records_longer_than_the_tokenizers_own_maximum_raise_no_library_warning(load_tokenizer):
+    tok = load_tokenizer()
+    # HF's own handler holds whatever stderr it found at import; what its loggers emit is heard here.
+    kept = _Kept()
+    logging.getLogger("transformers").addHandler(kept)
+    tok.model_max_length = 16  # HF warns once per tokenizer past this; max_length is what applies here
+    st = SampleTokenizer(tok, max_length=1000)
+    text = Record("s", 1, 0, "t", "text", text="alpha " * 40)
+    reply = chat(("user", "hello " * 20), ("assistant", "world " * 20))
+    try:
+        assert st(text).num_tokens > 16 and st(reply).num_tokens > 16
+        ours = list(kept.messages)
+        tok("alpha " * 40)  # the check can fail: HF does warn when asked to
+    finally:
+        logging.getLogger("transformers").removeHandler(kept)
+    assert ours == [] and "Token indices" in kept.messages[-1]

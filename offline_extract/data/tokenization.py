@@ -93,7 +93,10 @@ class SampleTokenizer:
             if record.format in ("sharegpt", "openai"):
                 ids, mask = self._chat(record.messages)
             elif record.format == "text":
-                ids = np.asarray(self.tokenizer(record.text, add_special_tokens=True)["input_ids"], dtype=np.int32)
+                # verbose=False, here and for chats: HF's "longer than the model's maximum" warning ignores
+                # that max_length is applied below.
+                enc = self.tokenizer(record.text, add_special_tokens=True, verbose=False)
+                ids = np.asarray(enc["input_ids"], dtype=np.int32)
                 mask = np.ones(len(ids), dtype=np.uint8)
             elif record.format == "tokens":
                 ids, mask = self._tokens(record)
@@ -178,7 +181,7 @@ class SampleTokenizer:
         if bounds != sorted(bounds):
             raise _Unusable("chat template is not prefix-stable: assistant spans come out of order")
 
-        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         ids = np.asarray(enc["input_ids"], dtype=np.int32)
         offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
         starts = np.asarray(bounds[0::2], dtype=np.int64)
