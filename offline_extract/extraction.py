@@ -704,7 +704,14 @@ def _claim(
     """Checks that the directory's earlier shards come from this same run (once the model is loaded: the
     default layer ids and the compute dtype come from SGLang) and returns which records they hold."""
     out = Path(opts.out)
-    notes = coord.from_leader(lambda: resume.check_identity(out, manifest.run_identity(meta, checked.corpus_paths), opts.force))
+
+    def claim() -> list[str]:
+        identity = manifest.run_identity(meta, checked.corpus_paths)
+        notes = resume.check_identity(out, identity, opts.force)
+        resume.done_mask(out, existing.shards)  # a damaged shard refuses the run before anything is written
+        return notes + resume.claim(out, identity)
+
+    notes = coord.from_leader(claim)
     done = resume.done_mask(out, existing.shards)
     if layout.leads:
         for note in notes:

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import psutil
@@ -35,7 +36,9 @@ from offline_extract.default_model import TINY_VERSION
 from offline_extract.engine.distributed import Layout
 from offline_extract.engine.nonfinite import NonFiniteError, NonFiniteGuard
 from offline_extract.engine.sglang_adapter import Captured
-from offline_extract.extraction import extract_batches
+from offline_extract import extraction
+from offline_extract.engine.distributed import Coordinator
+from offline_extract.extraction import ExtractOptions, extract_batches
 from offline_extract.store import integrity, manifest, resume
 from offline_extract.store.index import iter_samples, shard_paths, write_index
 from offline_extract.store.journal import Journal, read_journal
@@ -531,6 +534,7 @@ def test_force_never_mixes_shards_of_another_model_tokenizer_layers_or_length_po
     with pytest.raises(resume.TakeoverError, match="no manifest.json records the corpus"):
         resume.check_identity(out, manifest.run_identity(RUN, [corpus]), force=False)
     resume.check_identity(out, manifest.run_identity(RUN, [corpus]), force=True)
+    resume.claim(out, manifest.run_identity(RUN, [corpus]))
     before = manifest.load(out)
     for change in ({"layer_ids": [1, 2]}, {"max_length": 7}):
         with pytest.raises(resume.TakeoverError, match="--force cannot mix") as refused:
@@ -549,6 +553,8 @@ def test_force_never_mixes_shards_of_another_model_tokenizer_layers_or_length_po
         resume.check_identity(out, manifest.run_identity(RUN, [corpus]), force=False)
     notes = resume.check_identity(out, manifest.run_identity(RUN, [corpus]), force=True)
     assert len(notes) == 1 and notes[0].startswith("--force: resuming despite")
+    assert manifest.load(out) is None, "the check alone writes nothing"
+    resume.claim(out, manifest.run_identity(RUN, [corpus]))
     assert manifest.load(out)["identity"] == manifest.run_identity(RUN, [corpus])
 
 
@@ -559,15 +565,58 @@ def test_a_directory_holding_no_complete_shard_is_taken_over(tmp_path):
     out = tmp_path / "out"
     lock, _ = resume.take_over(out)
     resume.check_identity(out, manifest.run_identity(RUN, [corpus]), force=False)
+    resume.claim(out, manifest.run_identity(RUN, [corpus]))
     lock.release()
 
     corpus.write_text('{"text": "fixed"}\n')
     fixed = manifest.run_identity({**RUN, "layer_ids": [2]}, [corpus])
     lock, _ = resume.take_over(out)
     (note,) = resume.check_identity(out, fixed, force=False)
+    resume.claim(out, fixed)
     lock.release()
     assert "holds no complete shard" in note
     assert manifest.load(out)["identity"] == fixed
+
+
+def _claim_as_a_rerun(out, corpus, force=False) -> None:
+    """What a rerun does to `out` before extracting: take it over, then claim it for RUN on `corpus`."""
+    lock, existing = resume.take_over(out)
+    try:
+        opts = ExtractOptions(data=(str(corpus),), out=str(out), force=force)
+        checked = SimpleNamespace(corpus_paths=[corpus])
+        layout = Layout(rank=0, world_size=1)
+        extraction._claim(opts, checked, layout, Coordinator(layout, "test"), existing, dict(RUN))
+    finally:
+        lock.release()
+
+
+def test_a_refused_rerun_writes_nothing(tmp_path):
+    corpus, other = tmp_path / "c.jsonl", tmp_path / "other.jsonl"
+    corpus.write_text('{"text": "a"}\n{"text": "b"}\n')
+    other.write_text('{"text": "z"}\n')
+    out = tmp_path / "out"
+    paths = write_shards(out, [[(0, 2)], [(1, 3)]])
+    _claim_as_a_rerun(out, corpus, force=True)  # shards written through the library: no manifest yet
+    manifest.consolidate(out, status="complete")
+
+    def files() -> dict:
+        return {p.name: p.read_bytes() for p in out.iterdir()}
+
+    # A truncated shard: refused, and the manifest still says complete.
+    os.truncate(paths[1], 100)
+    before = files()
+    with pytest.raises(resume.TakeoverError, match="Move or delete it"):
+        _claim_as_a_rerun(out, corpus)
+    assert files() == before
+
+    # No manifest, and another corpus: refused, and no manifest written (a reader would take a statusless
+    # one for an unfinished run).
+    paths[1].unlink()
+    (out / manifest.MANIFEST_NAME).unlink()
+    before = files()
+    with pytest.raises(resume.TakeoverError, match="corpus is not recorded"):
+        _claim_as_a_rerun(out, other)
+    assert files() == before
 
 
 class PoisonedEngine:

@@ -99,7 +99,8 @@ class OutputLock:
 
 @dataclass(frozen=True)
 class Existing:
-    """What the leader found in the directory: complete shards and the first free shard number."""
+    """What the leader found in the directory: complete shards and the first free shard number. Nothing
+    in it is rewritten before the run is known to belong there (`claim`)."""
 
     shards: list[str]
     first_number: int
@@ -107,7 +108,8 @@ class Existing:
 
 
 def take_over(out: Path) -> tuple[OutputLock, Existing]:
-    """The leader's side: lock the directory, clear leftovers, bring the manifest up to date."""
+    """The leader's side: lock the directory and clear a crashed run's leftovers (files only a live run
+    owns); the manifest is left as it is until `claim`."""
     out.mkdir(parents=True, exist_ok=True)
     lock = OutputLock(out)
     try:
@@ -119,8 +121,6 @@ def take_over(out: Path) -> tuple[OutputLock, Existing]:
             names = ", ".join(p.name for p in leftovers)
             notes.append(f"removed {plural(len(leftovers), 'file')} left by an interrupted run: {names}")
         paths = shard_paths(out)
-        if paths or manifest.load(out) is not None:
-            notes += manifest.consolidate(out)[1]
         first = shard_number(paths[-1]) + 1 if paths else 0
         return lock, Existing([p.name for p in paths], first, notes)
     except BaseException:
@@ -149,7 +149,8 @@ def finished(out: Path, known: dict, data: Sequence[str]) -> dict | None:
 
 
 def check_identity(out: Path, identity: dict, force: bool) -> list[str]:
-    """The leader's side, once the model is loaded: refuse to mix runs, then record this run's identity.
+    """The leader's side, once the model is loaded: refuse to mix runs, writing nothing (`claim` records
+    the identity once every check has passed).
 
     Shards of another model, tokenizer, layers, compute dtype or length policy are refused whatever
     --force says: a directory mixing them would not be one data set. --force only
@@ -175,18 +176,26 @@ def check_identity(out: Path, identity: dict, force: bool) -> list[str]:
             )
         if "identity" in current:
             diffs = manifest.corpus_differences(current["identity"], identity)
+            what = "the output of another corpus"
         else:
-            diffs = ["no manifest.json records the corpus of the shards here"]
+            diffs = [f"no {manifest.MANIFEST_NAME} records the corpus of the shards here"]
+            what = "shards of this run whose corpus is not recorded"
         if diffs and not force:
             raise TakeoverError(
-                f"{out} holds the output of another corpus, so this run cannot resume there:\n  "
+                f"{out} holds {what}, so this run cannot resume there:\n  "
                 + "\n  ".join(diffs)
-                + "\nChoose another --out, or pass --force to resume anyway (right when records were only appended: "
-                "samples are matched to records by position)"
+                + "\nChoose another --out, or pass --force to resume anyway (right when the corpus is the same, or "
+                "records were only appended: samples are matched to records by position)"
             )
         notes = [f"--force: resuming despite {d}" for d in diffs]
-    manifest.consolidate(out, identity=identity, status="running", result=None)
     return notes
+
+
+def claim(out: Path, identity: dict) -> list[str]:
+    """The leader's side, once the run may resume in `out`: the manifest brought up to date with the shards
+    on disk (a crashed attempt's journals folded in) and this run's identity recorded, status running.
+    Returns notes on what was repaired."""
+    return manifest.consolidate(out, identity=identity, status="running", result=None)[1]
 
 
 def done_mask(out: Path, shards: Sequence[str]) -> np.ndarray:
