@@ -37,7 +37,7 @@ caches() {
   ls ~/.cache/tvm-ffi 2>/dev/null | sed "s/^/$1 tvm-ffi: /" >>"$results/caches.txt"
 }
 
-extract="python bin/extract.py --model $model --data $work/corpus.jsonl --verify 8 --no-progress --progress-every 5"
+extract="bin/extract.py --model $model --data $work/corpus.jsonl --verify 8 --no-progress --progress-every 5"
 step model "bash benchmarks/make_8b_model.sh $model"
 step corpus "python benchmarks/main_job.py corpus $model $work/corpus.jsonl --num-tokens $tokens"
 caches before
@@ -45,7 +45,7 @@ step extract_cold "OE_STACKS=$results/stacks_cold.txt python benchmarks/main_job
 caches after
 step inspect_verify "python bin/inspect.py $work/out --verify"
 rm -rf "$work/out"
-step extract_warm "$extract --out $work/out_warm"
+step extract_warm "python $extract --out $work/out_warm"
 rm -rf "$work/out_warm"
 step bench "python bin/bench.py --model $model --load-format auto --num-tokens 300000 --out $work/bench --disk-probe-gb 1 --results-dir $results"
 rm -rf "$work"
