@@ -2,6 +2,8 @@
 
 SGLang allows one ModelRunner per process, so every test here shares one engine.
 """
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -176,3 +178,28 @@ def test_parity_gate_judges_the_pre_norm_state_against_the_pre_norm_reference(pr
 def test_unknown_final_state_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="final_state must be one of post-norm, pre-norm, got 'mid-norm'"):
         Engine(EngineConfig(model_path=str(tiny_model_dir), device="cpu", final_state="mid-norm"))
+
+
+def test_warm_up_leaves_the_engine_as_it_found_it(engine):
+    """A throwaway batch and chunked sequence: the KV pool is free again and capture still on."""
+    seqs = _seqs([9, 50], seed=3)
+    before = engine.capture(seqs)
+    free = engine.runner.token_to_kv_pool_allocator.available_size()
+    engine.warm_up()
+    assert engine.runner.token_to_kv_pool_allocator.available_size() == free
+    after = engine.capture(seqs)
+    assert torch.equal(before.aux, after.aux) and torch.equal(before.last, after.last)
+
+
+def test_jit_caches_go_under_one_folder_unless_the_environment_says_otherwise(monkeypatch, tmp_path):
+    from offline_extract.engine import sglang_adapter
+
+    env = {k: v for k, v in os.environ.items() if k not in sglang_adapter.JIT_CACHES}
+    monkeypatch.setattr(os, "environ", {**env, "TRITON_CACHE_DIR": "/mine/triton", "XDG_CACHE_HOME": str(tmp_path)})
+    where = sglang_adapter.use_jit_cache()
+    assert where["TRITON_CACHE_DIR"] == "/mine/triton"
+    assert where["TVM_FFI_CACHE_DIR"] == str(tmp_path / "offline_extract" / "tvm-ffi")
+    assert {k: os.environ[k] for k in sglang_adapter.JIT_CACHES} == where
+    monkeypatch.setattr(os, "environ", dict(env))
+    where = sglang_adapter.use_jit_cache(tmp_path / "kept")
+    assert sorted(where.values()) == sorted(str(tmp_path / "kept" / folder) for folder in sglang_adapter.JIT_CACHES.values())

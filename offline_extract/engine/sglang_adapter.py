@@ -51,6 +51,40 @@ def prepare_process(device: str) -> None:
     os.environ.setdefault("CUDA_MODULE_LOADING", "AUTO")
 
 
+# What SGLang 0.5.17 compiles on first use, by the environment variable that says where each compiler keeps
+# its results (read when it compiles; FlashInfer's at import). In a dense model's EXTEND forward on CUDA:
+# SiluAndMul (layers/activation.py), the fused RoPE (layers/rotary_embedding/base.py, via
+# kernels/ops/attention/rope.py) and the KV store (mem_cache/memory_pool.py, kernels/ops/kvcache) are
+# TVM-FFI modules built with nvcc (kernels/jit/utils/compile.py, load_jit); write_cache_indices
+# (mem_cache/allocation.py) and compute_position (model_executor/forward_batch_info.py) are Triton
+# kernels; at TP > 1 the vocab-parallel embedding is a Triton kernel or torch.compile'd (Inductor). FlashInfer
+# and DeepGEMM compile for the backends and FP8 paths that use them. Their own defaults (~/.triton,
+# ~/.cache/tvm-ffi, /tmp/torchinductor_$USER, ...) are lost with a fresh container: a cold first batch
+# then compiles for tens of seconds.
+JIT_CACHES = {
+    "TVM_FFI_CACHE_DIR": "tvm-ffi",
+    "TRITON_CACHE_DIR": "triton",
+    "TORCHINDUCTOR_CACHE_DIR": "torchinductor",
+    "FLASHINFER_WORKSPACE_BASE": "flashinfer",
+    "SGLANG_DG_CACHE_DIR": "deep_gemm",
+}
+
+
+def default_jit_cache() -> Path:
+    """$XDG_CACHE_HOME/offline_extract, else ~/.cache/offline_extract."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "offline_extract"
+
+
+def use_jit_cache(root: str | os.PathLike | None = None) -> dict[str, str]:
+    """Points every compiler in JIT_CACHES at its own folder under `root` (None: `default_jit_cache()`),
+    except those the environment already points somewhere, and returns where each one keeps its results.
+    Call before sglang is imported."""
+    root = Path(root) if root is not None else default_jit_cache()
+    for key, folder in JIT_CACHES.items():
+        os.environ.setdefault(key, str(root / folder))
+    return {key: os.environ[key] for key in JIT_CACHES}
+
+
 class _SglKernelImportShim(types.ModuleType):
     """Stands in for `sgl_kernel` where the installed wheel cannot load (CUDA-only wheel on a CPU host).
 
@@ -103,6 +137,7 @@ class EngineConfig:
     load_format: str = "auto"
     mem_fraction_static: float = 0.85
     trust_remote_code: bool = False
+    jit_cache: str | None = None  # where compiled kernels are kept between runs (use_jit_cache); None: its default
 
 
 @dataclass
@@ -352,6 +387,7 @@ class Engine:
 
     def __init__(self, cfg: EngineConfig):
         prepare_process(cfg.device)
+        self.jit_caches = use_jit_cache(cfg.jit_cache)
         from sglang.srt.configs.model_config import ModelConfig
         from sglang.srt.distributed.parallel_state_wrapper import ParallelState
         from sglang.srt.layers.moe.utils import initialize_moe_config
@@ -509,6 +545,17 @@ class Engine:
         finally:
             for h in handles:
                 h.remove()
+
+    def warm_up(self) -> None:
+        """Captures two short sequences in one batch, then one in chunks (an extend on a prefix), so that
+        what compiles on first use (JIT_CACHES) compiles here rather than inside the first real batch:
+        tens of seconds when the cache is cold, milliseconds once it is warm."""
+        vocab = self.runner.model_config.vocab_size
+        ids = [np.arange(1, n + 1, dtype=np.int64) % vocab for n in (17, 32)]
+        self.capture(ids)
+        self.capture_chunked(np.concatenate(ids), 16)
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize()
 
     def capture(self, seqs: Sequence[np.ndarray]) -> Captured:
         """Prefill `seqs` as one EXTEND batch and return their states (still on the device).
