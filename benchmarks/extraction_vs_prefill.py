@@ -1,5 +1,7 @@
 """Benchmarking: extraction throughput against bare SGLang prefill, on the same GPU, batches and process.
 
+First, the warm-up batches are timed as they come, on a freshly loaded engine: the cold start
+(`--cold`: with an empty JIT cache, as on a fresh machine), beside the warm figures that follow.
 Modes, in this order, each after untimed warm-up batches:
 1. bare prefill: SGLang's forward with no capture and no copy-out (the ceiling);
 2. extraction: capture, copy to host and write shards to each `--out` (tmpfs or disk), timed until the
@@ -21,6 +23,7 @@ import math
 import os
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -35,11 +38,12 @@ from offline_extract.data.corpus import Record
 from offline_extract.data.tokenization import Sample, SampleTokenizer
 from offline_extract.default_model import TRAINING_TEXT
 from offline_extract.engine.distributed import Coordinator, Layout, layout_from_env
-from offline_extract.engine.sglang_adapter import Engine, EngineConfig
+from offline_extract.engine.sglang_adapter import JIT_CACHES, Engine, EngineConfig
 from offline_extract.extraction import extract_batches, staging_buffers
 from offline_extract.store.schema import FINAL_STATE, STATE_TENSORS, Encoding
 from offline_extract.store.writer import ShardWriter
 from offline_extract.testing.models import build_model
+from offline_extract.timeline import Timeline
 
 # Dense bf16 tensor-core peaks, for MFU.
 PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
@@ -62,6 +66,8 @@ class BenchOptions:
     chunk_tokens: int | None = None  # the engine's chunk for longer samples; None: tokens_per_batch
     chunk_sweep: tuple[int, ...] = ()  # also time bare chunked prefill of the first timed batch at these
     warmup_batches: int = 2
+    cold: bool = False  # compile into an empty JIT cache, as a fresh machine does
+    jit_cache: str | None = None  # where compiled kernels are kept (EngineConfig.jit_cache)
     baselines: tuple[str, ...] = ()  # of peers.BASELINES
     peer_options: peers.PeerOptions | None = None  # None: its defaults
     disk_probe_bytes: int = 4 << 30
@@ -328,6 +334,7 @@ class _DiscardWriter:
 
 
 def run_bench(opts: BenchOptions) -> list[dict]:
+    timeline = Timeline()
     if not torch.cuda.is_available():
         raise ValueError("bin/bench.py times extraction on a GPU, but torch sees no CUDA GPU here")
     if "hf" in opts.baselines and opts.tp > 1:
@@ -363,16 +370,25 @@ def run_bench(opts: BenchOptions) -> list[dict]:
             batches=[[s.input_ids for s in b.samples] for b in batches], warmup=opts.warmup_batches,
             max_length=opts.longest, dtype=opts.dtype, num_layers=config.num_hidden_layers, load_format=opts.load_format,
         )
+    jit_cache = opts.jit_cache
+    if opts.cold:
+        jit_cache = tempfile.mkdtemp(prefix="offline_extract_cold_jit_")
+        for key in JIT_CACHES:
+            os.environ.pop(key, None)  # even a cache the environment names would not be cold
+    timeline.mark("engine")
     engine = Engine(EngineConfig(
         model_path=str(model_dir), device="cuda", dtype=opts.dtype, tp_size=opts.tp, tp_rank=layout.tp_rank,
         gpu_id=layout.local_rank,
         nccl_port=layout.nccl_port(None), attention_backend=opts.attention_backend,
         max_tokens_per_batch=opts.tokens_per_batch, max_seqs_per_batch=256, chunk_tokens=opts.chunk_tokens,
-        context_length=opts.longest, load_format=opts.load_format,
+        context_length=opts.longest, load_format=opts.load_format, jit_cache=jit_cache,
     ))
+    timeline.mark("loaded")
+    cold = _cold_start(engine, warm, timeline)
+    if opts.cold:
+        shutil.rmtree(jit_cache, ignore_errors=True)
 
     clock = _ForwardClock(engine)
-    _bare(engine, warm)
     bare_s = _timed(coord, lambda: _bare(clock, timed), clock)
     bare_forward_s, bare_phases = clock.seconds, clock.phases()
     bare_by_chunk = _chunk_sweep(engine, coord, timed[0], opts.chunk_sweep) if opts.chunk_sweep else None
@@ -446,6 +462,12 @@ def run_bench(opts: BenchOptions) -> list[dict]:
                 # Start-up and tail, from CUDA events (see _ForwardClock): this rank's, not the slowest's.
                 **{f"bare_{k}": v for k, v in bare_phases.items()},
                 **{f"extract_{k}": v for k, v in clock.phases().items()},
+                # The cold start of this process: command -> model loaded -> first warm-up batches, timed
+                # as they ran (this rank's); `bare_prefill_tok_s` is the warm figure beside them.
+                **cold,
+                "cold_over_warm": cold["cold_tok_s"] / (total_tokens / bare_s) if cold.get("cold_tok_s") else None,
+                "jit_cache": engine.jit_caches,
+                "jit_cache_cold": opts.cold,
                 "writers": opts.writers,
                 "out": out,
                 "out_kind": out_kind(out),
@@ -502,6 +524,29 @@ def run_bench(opts: BenchOptions) -> list[dict]:
     if layout.leads:
         _save(results, opts)
     return results
+
+
+def _cold_start(engine: Engine, batches: list[Batch], timeline: Timeline) -> dict:
+    """Runs the warm-up `batches` one by one, each waited for, on the freshly loaded engine: the start-up
+    (command to model loaded, and to the first forward) and what the first batches cost while kernels
+    compile and caches fill. Each rank's own."""
+    on_gpu = torch.device(engine.device).type == "cuda"
+    seconds = []
+    timeline.mark("first forward")
+    for b in batches:
+        start = time.perf_counter()
+        _bare(engine, [b])
+        if on_gpu:
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    tokens = sum(b.num_tokens for b in batches)
+    return {
+        "startup_to_engine_s": timeline.marks["engine"],
+        "engine_load_s": timeline.between("engine", "loaded"),
+        "startup_to_first_forward_s": timeline.marks["first forward"],
+        "cold_batch_s": seconds,
+        "cold_tok_s": tokens / sum(seconds) if seconds else None,
+    }
 
 
 def _fp8_error(engine: Engine, batches: list[Batch], max_tokens: int) -> dict:

@@ -8,6 +8,7 @@
     python bin/bench.py --lengths fixed --mean-length 2048
     python bin/bench.py --lengths fixed --mean-length 131072 --num-tokens 393216 --warmup-batches 1
     python bin/bench.py --store bf16 --store fp8 --compress none --compress zstd   # storage, one model load
+    python bin/bench.py --cold --num-tokens 250000      # start-up as on a fresh machine, beside the warm rate
     torchrun --nproc-per-node 8 bin/bench.py              # DP=8: aggregate tokens/s
 
 Samples longer than --tokens-per-batch are prefilled alone in chunks of --chunk-tokens, in both modes.
@@ -59,7 +60,15 @@ def _command() -> str:
               help="Tokens a forward for samples longer than --tokens-per-batch (chunked prefill). Default: --tokens-per-batch.")
 @click.option("--chunk-sweep", default="", help="Comma-separated chunk sizes: also time bare chunked prefill of the "
               "first timed batch at each (`bare_tok_s_by_chunk`), to choose --chunk-tokens.")
-@click.option("--warmup-batches", default=2, show_default=True)
+@click.option("--warmup-batches", default=2, show_default=True,
+              help="Batches run first, each timed on its own: the cold start (`cold_batch_s`, `cold_tok_s`, beside "
+                   "the command-to-first-forward `startup_to_first_forward_s`), then untimed before each mode.")
+@click.option("--cold", is_flag=True,
+              help="Compile into an empty JIT cache (a temporary folder, removed after), as a fresh machine or "
+                   "container does, whatever the environment's caches hold.")
+@click.option("--jit-cache", default=None,
+              help="Where compiled kernels are kept between runs (as extract.py --jit-cache). "
+                   "Default: $XDG_CACHE_HOME/offline_extract.")
 @click.option("--baseline", "baselines", multiple=True, type=click.Choice(BASELINES),
               help="Also run this peer (repeatable); see above.")
 @click.option("--baseline-hf", is_flag=True, help="The same as --baseline hf (kept for earlier results' commands).")
@@ -89,7 +98,7 @@ def _command() -> str:
               help="A one-GPU result JSON from the same session: adds `scaling` (aggregate / one GPU) to the "
                    "results of the same out kind (tmpfs, disk); repeat for each kind.")
 def main(model, shape, load_format, dtype, tp, attention_backend, outs, lengths, mean_length, max_length, num_tokens,
-         tokens_per_batch, chunk_tokens, chunk_sweep, warmup_batches, baselines, baseline_hf, cross_check_samples,
+         tokens_per_batch, chunk_tokens, chunk_sweep, warmup_batches, cold, jit_cache, baselines, baseline_hf, cross_check_samples,
          peer_workdir, peer_site, specforge_attention_backend, disk_probe_gb, writers, stores, compressions, results_dir,
          profile, profile_batches, single_gpu_results):
     peer_options = PeerOptions(workdir=peer_workdir, cross_check_samples=cross_check_samples, peer_site=peer_site,
@@ -99,6 +108,7 @@ def main(model, shape, load_format, dtype, tp, attention_backend, outs, lengths,
         outs=tuple(outs), lengths=lengths, mean_length=mean_length, max_length=max_length, num_tokens=num_tokens,
         tokens_per_batch=tokens_per_batch, chunk_tokens=chunk_tokens,
         chunk_sweep=tuple(int(c) for c in chunk_sweep.split(",") if c), warmup_batches=warmup_batches,
+        cold=cold, jit_cache=jit_cache,
         baselines=tuple(dict.fromkeys((*baselines, *(["hf"] if baseline_hf else [])))), peer_options=peer_options,
         disk_probe_bytes=int(disk_probe_gb * (1 << 30)), writers=writers,
         encodings=tuple((store, compress) for store in stores for compress in compressions),

@@ -11,7 +11,7 @@ from extract_runs import ROOT
 from transformers import AutoTokenizer
 
 from benchmarks.extraction_vs_prefill import (
-    BenchOptions, _fp8_error, attention_flops, model_flops_per_token, out_kind, synthetic_corpus,
+    BenchOptions, _cold_start, _fp8_error, attention_flops, model_flops_per_token, out_kind, synthetic_corpus,
 )
 from offline_extract.data.tokenization import SampleTokenizer
 from offline_extract.engine.sglang_adapter import chunk_bounds
@@ -118,3 +118,25 @@ def test_fp8_error_is_per_token_per_layer_against_the_same_forward(tokenizer):
     for row in result.values():
         assert row["tokens"] == 400
         assert 0.999 <= row["worst"] <= row["median"] < 1.0
+
+
+def test_the_cold_start_times_each_first_batch_after_the_start_up(tiny_engine, tokenizer):
+    from offline_extract.data.batching import batch_by_tokens
+    from offline_extract.timeline import Timeline
+
+    timeline = Timeline()
+    timeline.mark("engine")
+    timeline.mark("loaded")
+    samples = synthetic_corpus(tokenizer, BenchOptions(mean_length=200, num_tokens=1500))
+    batches = list(batch_by_tokens(samples, 512, 16))[:2]
+    cold = _cold_start(tiny_engine, batches, timeline)
+    assert len(cold["cold_batch_s"]) == 2 and min(cold["cold_batch_s"]) > 0
+    assert cold["cold_tok_s"] == pytest.approx(sum(b.num_tokens for b in batches) / sum(cold["cold_batch_s"]))
+    assert 0 < cold["startup_to_engine_s"] <= cold["startup_to_first_forward_s"]
+    assert cold["engine_load_s"] >= 0
+
+
+def test_process_age_counts_from_the_command():
+    code = "import time; time.sleep(0.5); from offline_extract.timeline import process_age; print(process_age())"
+    age = float(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout)
+    assert 0.5 <= age < 30
