@@ -53,7 +53,8 @@ from offline_extract.store.schema import COMPRESSIONS, STORES
 
 @command(help=__doc__)
 @click.option("--data", "data", multiple=True, required=True,
-              help="Corpus: a .jsonl or .jsonl.gz file, a .parquet file, a datasets.save_to_disk folder, or a hub "
+              help="Corpus: a .jsonl or .jsonl.gz file (JSONL also through a pipe, read once: not with --strict "
+                   "or torchrun), a .parquet file, a datasets.save_to_disk folder, or a hub "
                    "data set id (org/name, or org/name:split; the local hub cache first, HF_HUB_OFFLINE honoured). "
                    "Repeat for several (records are numbered across them in order).")
 @click.option("--out", default="out", show_default=True, type=click.Path(file_okay=False),

@@ -7,6 +7,7 @@ means the real one starts.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -73,6 +74,7 @@ def check(opts) -> Checked:
         if value is not None and value < least:
             raise ValueError(f"{name} must be at least {least}, got {value}")
     sources = open_sources(opts.data)
+    _check_pipes(sources, opts.strict)
     device = resolve_device(opts.device)
     check_dtype(device, opts.dtype)
     model = resolve_model(opts.model, opts.trust_remote_code)
@@ -90,6 +92,23 @@ def check(opts) -> Checked:
         )
     tokens_per_batch = opts.tokens_per_batch or DEFAULT_TOKENS_PER_BATCH[torch.device(device).type]
     return Checked(model, device, tokens_per_batch, sources, layer_ids)
+
+
+def _check_pipes(sources: list[Source], strict: bool) -> None:
+    """A pipe is read once, as it streams: refused where the run would read it more than once."""
+    pipes = [source.name for source in sources if source.streamed]
+    if not pipes:
+        return
+    readers = []
+    if strict:
+        readers.append("--strict reads the corpus once before the run reads it again")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        readers.append("every torchrun rank reads the corpus")
+    if readers:
+        raise ValueError(
+            f"--data {', '.join(pipes)} is a pipe, which can be read only once, but {' and '.join(readers)}: "
+            f"save it to a file first (a .jsonl.gz keeps it small)"
+        )
 
 
 def check_dtype(device: str, dtype: str) -> None:

@@ -165,6 +165,44 @@ def test_dry_run_sizes_the_output_and_writes_nothing(tmp_path, cache_env):
     assert not out.exists()
 
 
+def test_a_pipe_holding_a_record_longer_than_the_tokenizers_maximum_is_extracted_whole(tmp_path, cache_env):
+    # Both were lost: the corpus fingerprint read the pipe before the reader did, and transformers'
+    # too-long warning went into the shard journal, failing the run at its end.
+    lines = CORPUS.read_text().splitlines()[:3] + [json.dumps({"id": "long", "text": "alpha " * 5000})]
+    out = tmp_path / "out"
+    read_end, write_end = os.pipe()
+    proc = subprocess.Popen(extract_command(out, "--data", f"/dev/fd/{read_end}"), pass_fds=(read_end,), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **cache_env})
+    os.close(read_end)
+    with os.fdopen(write_end, "w") as pipe:
+        pipe.write("\n".join(lines) + "\n")
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
+    assert "records 4: extracted 4, skipped 0, rejected 0, dropped 0" in stderr
+    recorded = manifest.load(out)
+    assert recorded["status"] == "complete" and recorded["result"]["extracted"] == 4
+    samples = {info.id: (info, t) for info, t in iter_samples(out)}
+    info, t = samples["long"]
+    assert info.truncated and t["input_ids"].shape == (4096,)
+    assert integrity.verify(out).problems == []
+
+
+def test_a_pipe_is_refused_where_it_would_be_read_twice(tmp_path, monkeypatch):
+    from offline_extract import preflight
+    from offline_extract.extraction import ExtractOptions
+
+    read_end, write_end = os.pipe()
+    try:
+        with pytest.raises(ValueError, match=rf"--data /dev/fd/{read_end} is a pipe.*--strict reads the corpus"):
+            preflight.check(ExtractOptions(data=(f"/dev/fd/{read_end}",), strict=True))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        with pytest.raises(ValueError, match="every torchrun rank reads the corpus"):
+            preflight.check(ExtractOptions(data=(f"/dev/fd/{read_end}",)))
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
 @pytest.mark.parametrize(
     "lines, verdict, result",
     [

@@ -526,6 +526,21 @@ def test_corpus_fingerprints_sample_big_files_and_ignore_where_they_live(tmp_pat
     assert "name 'corpus.jsonl' -> 'c.jsonl'" in diff
 
 
+def test_a_pipe_is_fingerprinted_without_reading_it_and_never_matches_a_recorded_corpus(tmp_path):
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, b'{"text": "a"}\n')
+        fingerprint = manifest.file_fingerprint(f"/dev/fd/{read_end}")
+        assert os.read(read_end, 100) == b'{"text": "a"}\n', "the records are still there for the reader"
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert fingerprint["sampled_sha256"] is None
+    identity = {"corpus": [fingerprint]}
+    (diff,) = manifest.corpus_differences(identity, identity)
+    assert "a pipe, whose records cannot be compared" in diff
+
+
 def test_force_never_mixes_shards_of_another_model_tokenizer_layers_or_length_policy(tmp_path):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text('{"text": "a"}\n')

@@ -38,6 +38,11 @@ class Source:
     revision: str | None = None  # the commit a hub id resolved to
 
     @property
+    def streamed(self) -> bool:
+        """A pipe (e.g. <(zcat ...)): its records can be read once only."""
+        return self.kind == "jsonl" and not self.path.is_file()
+
+    @property
     def label(self) -> str:
         """The start of a derived id ("label:line")."""
         return self.name if self.kind == "hub" else self.path.name
@@ -82,8 +87,8 @@ class Source:
     def count(self) -> int | None:
         """How many records the source holds (for an ETA); None where only reading it all would tell."""
         if self.kind == "jsonl":
-            # A pipe is read once: counting would take the records from the reader.
-            return _count_lines(self.path) if self.path.is_file() else None
+            # Counting a pipe would take the records from the reader.
+            return None if self.streamed else _count_lines(self.path)
         if self.kind == "parquet":
             import pyarrow.parquet as pq
 

@@ -63,10 +63,13 @@ CORPUS_KEYS = ("name", "bytes", "sampled_sha256")
 
 def file_fingerprint(path: str | os.PathLike) -> dict:
     """A corpus file's, or a corpus folder's (a saved or downloaded data set: every file in it, by
-    relative name), identity as CORPUS_KEYS says, plus where it was."""
+    relative name), identity as CORPUS_KEYS says, plus where it was. A pipe has neither size nor
+    sampled sha256: reading it here would take its records from the run."""
     path = Path(path)
     st = path.stat()
-    if path.is_dir():
+    if not path.is_dir() and not path.is_file():
+        size = sampled = None
+    elif path.is_dir():
         files = sorted(f for f in path.rglob("*") if f.is_file())
         size = sum(f.stat().st_size for f in files)
         digest = hashlib.sha256()
@@ -113,6 +116,10 @@ def corpus_differences(old: dict, new: dict) -> list[str]:
     before, after = old.get("corpus", []), new.get("corpus", [])
     diffs = [f"corpus: {len(before)} files -> {len(after)} files"] if len(before) != len(after) else []
     for i, (a, b) in enumerate(zip(before, after)):
+        if a.get("sampled_sha256") is None or b.get("sampled_sha256") is None:
+            diffs.append(f"corpus file {i + 1} ({b['path']}): a pipe, whose records cannot be compared with the "
+                         f"earlier run's")
+            continue
         changed = [key for key in CORPUS_KEYS if a.get(key) != b.get(key)]
         if changed:
             detail = ", ".join(f"{key} {a.get(key)!r} -> {b.get(key)!r}" for key in changed)
