@@ -31,7 +31,7 @@ import click
 from benchmarks.peers.baselines import BASELINES, PeerOptions
 from benchmarks.extraction_vs_prefill import BenchOptions, run_bench
 from offline_extract.cli import command
-from offline_extract.store.schema import COMPRESSIONS, STORES
+from offline_extract.choices import COMPRESSIONS, STORES
 
 
 def _command() -> str:

@@ -40,15 +40,9 @@ from pathlib import Path
 
 import click
 
-from offline_extract import extraction, planning
+from offline_extract.choices import COMPRESSIONS, FINAL_STATES, NONFINITE_POLICIES, STORES
 from offline_extract.cli import Interrupted, command
-from offline_extract.engine.distributed import LeaderFailed, PeerLost, ReportedByLeader
-from offline_extract.engine.nonfinite import POLICIES
-from offline_extract.engine.parity import ParityError
-from offline_extract.engine.sglang_adapter import FINAL_STATES
-from offline_extract.extraction import REJECTS_FILE, ExtractOptions, StoppedError, Terminated, raise_terminated
 from offline_extract.recipes import RECIPES
-from offline_extract.store.schema import COMPRESSIONS, STORES
 
 
 @command(help=__doc__)
@@ -107,7 +101,7 @@ from offline_extract.store.schema import COMPRESSIONS, STORES
               help="Stop at the first bad record in corpus order (named by source and line) instead of listing it in "
                    "rejects.jsonl. Every record is read and tokenized first (each replica its share), so the run stops "
                    "before the model loads and writes nothing.")
-@click.option("--nonfinite", type=click.Choice(POLICIES), default="fail", show_default=True,
+@click.option("--nonfinite", type=click.Choice(NONFINITE_POLICIES), default="fail", show_default=True,
               help="A sample whose hidden states hold NaN or Inf: stop the run, drop it (listed in rejects.jsonl "
                    "as dropped), or keep it with a warning.")
 @click.option("--final-state", type=click.Choice(list(FINAL_STATES)), default="post-norm", show_default=True,
@@ -146,6 +140,13 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
          shard_size_mb, attention_backend, load_format, mem_fraction_static, port_base, verify,
          trim_after_last_loss_token, dry_run, strict, nonfinite, final_state, recipe, min_loss_run, store, compress,
          force, trust_remote_code, no_progress, progress_every, verbose):
+    # Here, not at the top: torch and transformers take seconds to import, which --help, --version and a
+    # mistyped option need not wait for.
+    from offline_extract import extraction, planning
+    from offline_extract.engine.distributed import LeaderFailed, PeerLost, ReportedByLeader
+    from offline_extract.engine.parity import ParityError
+    from offline_extract.extraction import REJECTS_FILE, ExtractOptions, StoppedError, Terminated, raise_terminated
+
     try:
         layer_ids = None if layers is None else tuple(int(x) for x in layers.split(",")) if layers.strip() else ()
     except ValueError:

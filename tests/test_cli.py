@@ -25,6 +25,16 @@ def test_every_script_answers_h_and_version(script):
     assert short.returncode == 0 and short.stdout.startswith(f"Usage: {script}.py") and "--version" in short.stdout
 
 
+def test_extract_answers_help_and_a_mistyped_option_without_importing_torch():
+    """They answer in a fraction of a second: torch, transformers and SGLang take seconds to import."""
+    path = str(ROOT / "bin" / "extract.py")
+    for args in (["--help"], ["--data", "x.jsonl", "--store", "fp16"]):
+        run = subprocess.run([sys.executable, "-X", "importtime", path, *args], capture_output=True, text=True, cwd=ROOT)
+        imported = {line.split("|")[-1].strip().split(".")[0] for line in run.stderr.splitlines() if line.startswith("import time:")}
+        assert imported and not imported & {"torch", "transformers", "sglang", "numpy"}, args
+    assert run.returncode == 2 and "'fp16' is not one of 'bf16', 'fp8'" in run.stderr
+
+
 def test_ctrl_c_exits_130():
     @command()
     def stopped():

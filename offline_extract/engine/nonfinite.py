@@ -17,9 +17,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from offline_extract.choices import NONFINITE_POLICIES as POLICIES
 from offline_extract.data.tokenization import Sample
-
-POLICIES = ("fail", "drop", "keep")
 
 
 class NonFiniteError(RuntimeError):

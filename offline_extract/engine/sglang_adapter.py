@@ -23,16 +23,11 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from offline_extract.choices import FINAL_STATES
+
 SGLANG_VERSION = "0.5.17"
 
 LAYER_CONVENTION = "id k = output of decoder layer k (0-based) = HF output_hidden_states[k+1]"
-# Which final state `Captured.last` holds. Trainers disagree, and a drafter fed the other one is silently
-# wrong (GPT-OSS drafters broke exactly so, sglang#32334).
-FINAL_STATES = {
-    "post-norm": "the last decoder layer's output after the model's final norm (SGLang's EAGLE-3 and SpecForge)",
-    "pre-norm": "the last decoder layer's output before the model's final norm (vLLM and speculators, which "
-    "apply the verifier's norm at training time)",
-}
 
 
 def prepare_process(device: str) -> None:

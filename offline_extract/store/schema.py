@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from offline_extract import choices
 from offline_extract.store.codecs import FP8_DTYPE, fp8_dequantize, fp8_quantize
 
 # Of shards, index.json and manifest.json alike: they are read together, so they change together.
@@ -94,9 +95,10 @@ STATE_TENSORS = tuple(t.name for t in TENSORS if t.cols is not None)
 (STATE_DTYPE,) = {SPECS[name].dtype for name in STATE_TENSORS}
 FINAL_STATE = STATE_TENSORS[-1]
 
-# --store: the dtype a state is stored in. fp8 adds, per state, a float32 scale per token per layer.
-STORES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE}
-COMPRESSIONS = ("none", "zstd")
+# --store: the dtype a state is stored in, in choices.STORES's order. fp8 adds, per state, a float32 scale
+# per token per layer.
+STORES = dict(zip(choices.STORES, (torch.bfloat16, FP8_DTYPE), strict=True))
+COMPRESSIONS = choices.COMPRESSIONS
 SCALE_SUFFIX = "_scale"
 # Under zstd a state is one byte stream of per-sample frames; "<state>_frames" holds the frame bounds.
 FRAMES_SUFFIX = "_frames"
