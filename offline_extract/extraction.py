@@ -593,8 +593,11 @@ def run(opts: ExtractOptions) -> Summary | None:
     known = _known_before_loading(opts, checked, tokenizer)
     finished = resume.finished(out, known, checked.corpus_paths)
     if finished is not None:
-        # Read-only: every rank finds the same, and no rank loads the model to find nothing to do.
+        # Every rank finds the same, and no rank loads the model to find nothing to do; the leader checks the
+        # shards' checksums and rebuilds a lost index.
         if layout.leads:
+            for note in resume.settle_finished(out, finished):
+                _note(note)
             _note(f"already complete: {out} holds this run's finished output, nothing to extract")
         counts = finished["result"]
         return Summary(records=counts["records"], resumed=counts["extracted"], skipped=counts["skipped"],

@@ -634,6 +634,23 @@ def test_a_refused_rerun_writes_nothing(tmp_path):
     assert files() == before
 
 
+def test_a_rerun_of_a_finished_run_rebuilds_a_lost_index_and_refuses_a_damaged_shard(tmp_path):
+    paths = write_shards(tmp_path, [[(0, 2)], [(1, 3)]])
+    recorded, _ = manifest.consolidate(tmp_path, status="complete")
+    assert resume.settle_finished(tmp_path, recorded) == ["rebuilt index.json, which was missing or did not describe the shards"]
+    index = (tmp_path / "index.json").read_text()
+    assert json.loads(index)["num_samples"] == 2
+    assert resume.settle_finished(tmp_path, recorded) == [], "a good index is left alone"
+    assert (tmp_path / "index.json").read_text() == index
+
+    data = bytearray(paths[1].read_bytes())
+    data[-1] ^= 0x01  # a flipped bit in the states: same size, same header
+    paths[1].write_bytes(bytes(data))
+    with pytest.raises(resume.TakeoverError, match=rf"{paths[1].name}: sha256 \w+ differs from manifest.json's") as e:
+        resume.settle_finished(tmp_path, recorded)
+    assert paths[0].name not in str(e.value) and "Delete the damaged shards and re-run" in str(e.value)
+
+
 class PoisonedEngine:
     """Stands in for the engine: each token's states are its id; token 99 makes its row of layer 3 NaN,
     token 98 its last state's first value Inf. A single sequence over 8 tokens comes in chunks of 3."""

@@ -99,6 +99,14 @@ def iter_samples(out_dir: str | os.PathLike) -> Iterator[tuple[SampleInfo, dict[
         yield shards[s].samples[row], shards[s].sample(row)
 
 
+def describes(index: dict | None, files: dict[str, int]) -> bool:
+    """Whether `index` lists exactly the shard `files` (name -> bytes), at those sizes."""
+    if index is None:
+        return False
+    listed = {s["file"]: s["bytes"] for s in index["shards"]}
+    return len(listed) == len(index["shards"]) and listed == files
+
+
 def read_index(out_dir: str | os.PathLike) -> dict | None:
     """out_dir/index.json, or None when there is none; an index of another format version is an error."""
     path = Path(out_dir) / INDEX_NAME

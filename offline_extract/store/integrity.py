@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import bisect
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,16 +104,9 @@ def _check_checksums(
             )
     entries = {p: listed.get(p.name) or logged.get(p.name) for p in paths}
     checked = [p for p, entry in entries.items() if entry is not None]
-    # hashlib releases the GIL, so threads hash several shards at disk speed.
-    with ThreadPoolExecutor(threads) as pool:
-        for path, digest in zip(checked, pool.map(manifest.sha256_file, checked)):
-            entry, size, found = entries[path], path.stat().st_size, []
-            where = manifest.MANIFEST_NAME if path.name in listed else "the run's journal"
-            if size != entry["bytes"]:
-                found.append(f"{path.name}: {size} bytes, but {where} says {entry['bytes']}")
-            if digest != entry["sha256"]:
-                found.append(f"{path.name}: sha256 {digest} differs from {where}'s {entry['sha256']}")
-            report.damage(path.name, found)
+    for path, digest in zip(checked, manifest.sha256_files(checked, threads)):
+        where = manifest.MANIFEST_NAME if path.name in listed else "the run's journal"
+        report.damage(path.name, manifest.differences(path, digest, entries[path], where))
 
 
 def _check_shard(path: Path, recorded: dict | None) -> tuple[ShardHeader | None, list[str]]:

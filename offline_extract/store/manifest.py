@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
@@ -176,6 +177,33 @@ def sha256_file(path: str | os.PathLike) -> str:
         while block := f.read(64 * BLOCK_BYTES):
             digest.update(block)
     return digest.hexdigest()
+
+
+def sha256_files(paths: Sequence[Path], threads: int = 8) -> list[str]:
+    """Each file's sha256; hashlib releases the GIL, so threads hash several files at disk speed."""
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(sha256_file, paths))
+
+
+def damaged_shards(out: str | os.PathLike, recorded: dict) -> list[str]:
+    """One line for each shard the manifest `recorded` lists whose file is gone or differs from its
+    recorded size or sha256 (e.g. a flipped byte, which only the checksum tells)."""
+    out = Path(out)
+    listed = recorded.get("shards", {})
+    present = [out / name for name in listed if (out / name).is_file()]
+    problems = [f"{name}: listed in {MANIFEST_NAME} but missing" for name in listed if not (out / name).is_file()]
+    for path, digest in zip(present, sha256_files(present)):
+        problems += differences(path, digest, listed[path.name])
+    return problems
+
+
+def differences(path: Path, digest: str, entry: dict, where: str = MANIFEST_NAME) -> list[str]:
+    """How a shard file of sha256 `digest` differs from its `entry` in `where` (size and checksum)."""
+    size = path.stat().st_size
+    found = [f"{path.name}: {size} bytes, but {where} says {entry['bytes']}"] if size != entry["bytes"] else []
+    if digest != entry["sha256"]:
+        found.append(f"{path.name}: sha256 {digest} differs from {where}'s {entry['sha256']}")
+    return found
 
 
 def journal_entries(out: str | os.PathLike) -> dict[str, dict]:

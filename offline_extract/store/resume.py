@@ -24,8 +24,8 @@ import numpy as np
 from offline_extract.engine.distributed import Layout
 from offline_extract.progress import plural
 from offline_extract.store import manifest
-from offline_extract.store.index import shard_paths
-from offline_extract.store.schema import ShardError, shard_number
+from offline_extract.store.index import describes, read_index, shard_paths, write_index
+from offline_extract.store.schema import INDEX_NAME, ShardError, shard_number
 from offline_extract.store.shard import read_header
 
 LOCK_NAME = ".lock"
@@ -146,6 +146,30 @@ def finished(out: Path, known: dict, data: Sequence[str]) -> dict | None:
         if not (out / name).is_file() or (out / name).stat().st_size != entry["bytes"]:
             return None
     return current
+
+
+def settle_finished(out: Path, recorded: dict) -> list[str]:
+    """The leader's side of a rerun that `finished` let through: a shard whose bytes differ from its
+    checksum refuses the run, saying what to do, and a missing or stale index.json is rebuilt from the
+    shard headers (the model is not needed for that). Returns notes on what was rebuilt."""
+    damaged = manifest.damaged_shards(out, recorded)
+    if damaged:
+        raise TakeoverError(
+            f"{out} holds this run's finished output, but damaged:\n  " + "\n  ".join(damaged)
+            + "\nDelete the damaged shards and re-run the same command: it extracts exactly their samples again"
+        )
+    try:
+        index = read_index(out)
+    except ValueError:  # not JSON, or another format version: rebuilt like a missing one
+        index = None
+    if describes(index, {name: entry["bytes"] for name, entry in recorded["shards"].items()}):
+        return []
+    lock = OutputLock(out)
+    try:
+        write_index(out)
+    finally:
+        lock.release()
+    return [f"rebuilt {INDEX_NAME}, which was missing or did not describe the shards"]
 
 
 def check_identity(out: Path, identity: dict, force: bool) -> list[str]:

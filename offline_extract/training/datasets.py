@@ -38,7 +38,7 @@ from safetensors import safe_open
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from offline_extract.store import manifest
-from offline_extract.store.index import read_index, scan, shard_paths
+from offline_extract.store.index import describes, read_index, scan, shard_paths
 from offline_extract.store.schema import INDEX_NAME, ShardError
 from offline_extract.store.shard import encoding_of, read_samples, sample_bounds
 
@@ -64,9 +64,7 @@ def _catalog_from_index(out_dir: Path, index: dict) -> Catalog | None:
     """The catalog index.json describes, or None when the shards on disk no longer match it."""
     listed = index["shards"]
     on_disk = {p.name: p for p in shard_paths(out_dir)}
-    if sorted(on_disk) != sorted(s["file"] for s in listed) or any(
-        on_disk[s["file"]].stat().st_size != s["bytes"] for s in listed
-    ):
+    if not describes(index, {name: p.stat().st_size for name, p in on_disk.items()}):
         return None
     samples = index["samples"]
     return Catalog(
