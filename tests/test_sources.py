@@ -12,7 +12,7 @@ from huggingface_hub import constants
 
 from offline_extract import hub
 from offline_extract.data.corpus import Record, read_corpus
-from offline_extract.data.sources import open_source
+from offline_extract.data.sources import CorpusReadError, open_source
 from offline_extract.store import manifest
 
 ROWS = [
@@ -127,3 +127,32 @@ def test_a_folder_corpus_has_a_fingerprint_that_follows_its_files(forms, tmp_pat
     data[-20] ^= 1
     arrow.write_bytes(data)
     assert manifest.file_fingerprint(copy)["sampled_sha256"] != before["sampled_sha256"]
+
+
+def _jsonl_gz(path, n: int) -> bytes:
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps({"text": f"record {i} " * 50}) + "\n" for i in range(n))
+    return path.read_bytes()
+
+
+def test_a_truncated_or_corrupt_gzip_is_named_with_how_far_it_was_read(tmp_path):
+    path = tmp_path / "c.jsonl.gz"
+    data = _jsonl_gz(path, 2000)
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CorpusReadError, match=rf"^{path} cannot be read past line \d+: .*truncated or damaged") as e:
+        list(read_corpus([path]))
+    assert isinstance(e.value.__cause__, EOFError), "the case click would print as a bare 'Aborted!'"
+
+    corrupt = bytearray(data)
+    corrupt[-8] ^= 0xFF  # the CRC in the trailer
+    path.write_bytes(bytes(corrupt))
+    with pytest.raises(CorpusReadError, match=rf"^{path} cannot be read past line 2000: CRC check failed"):
+        list(read_corpus([path]))
+
+
+def test_a_truncated_parquet_file_is_named_before_anything_is_read(tmp_path):
+    path = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"text": ["a", "b"]}), path)
+    path.write_bytes(path.read_bytes()[:-20])
+    with pytest.raises(CorpusReadError, match=rf"^{path} is not a readable parquet file: .*magic bytes"):
+        open_source(str(path))

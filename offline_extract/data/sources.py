@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,10 @@ _SAVED_DATASET = ("state.json", "dataset_dict.json")
 # File names that say "a local file", never a hub id, when nothing is found at them.
 _FILE_SUFFIXES = (".jsonl", ".json", ".gz", ".parquet", ".arrow")
 _ROWS_PER_BATCH = 1024
+
+
+class CorpusReadError(ValueError):
+    """A corpus source could not be read to its end; the message names it and how far it got."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,19 @@ class Source:
         return self.name if self.kind == "hub" else self.path.name
 
     def rows(self) -> Iterator[tuple[int, bytes | dict]]:
-        """(position, raw JSONL line) for JSONL, (position, row) for the tabular kinds."""
+        """(position, raw JSONL line) for JSONL, (position, row) for the tabular kinds. A file that breaks
+        off part-way (a truncated or damaged gzip, an I/O error) raises CorpusReadError naming it."""
+        position = 0
+        try:
+            for position, row in self._rows():
+                yield position, row
+        except (OSError, EOFError, zlib.error, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+            past = f" past {'line' if self.kind.startswith('jsonl') else 'row'} {position}" if position else ""
+            raise CorpusReadError(
+                f"{self.name} cannot be read{past}: {e or type(e).__name__} (a truncated or damaged file?)"
+            ) from e
+
+    def _rows(self) -> Iterator[tuple[int, bytes | dict]]:
         if self.kind in ("jsonl", "jsonl.gz"):
             with (gzip.open if self.kind == "jsonl.gz" else open)(self.path, "rb") as f:
                 yield from ((line, raw) for line, raw in enumerate(f, start=1) if raw.strip())
@@ -117,6 +134,18 @@ def _count_lines(path: Path) -> int:
     return n
 
 
+def _check_parquet_footer(name: str, path: Path) -> None:
+    """A parquet file's schema and row groups are in its footer: a cut-off file is unreadable from the
+    start, and is named now rather than once the model has loaded."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise CorpusReadError(f"{name} is not a readable parquet file: {e} (a truncated or damaged file?)") from e
+
+
 def open_sources(names: Sequence[str | Path]) -> list[Source]:
     """Every --data entry resolved, before any is read: a typo in the last is caught before work on the first."""
     return [open_source(str(name)) for name in names]
@@ -142,7 +171,10 @@ def open_source(name: str) -> Source:
             magic = f.read(4)
         if magic[:2] == _GZIP_MAGIC:
             return Source(name, path, "jsonl.gz")
-        return Source(name, path, "parquet" if magic == _PARQUET_MAGIC else "jsonl")
+        if magic == _PARQUET_MAGIC:
+            _check_parquet_footer(name, path)
+            return Source(name, path, "parquet")
+        return Source(name, path, "jsonl")
     repo_id, _, split = name.partition(":")
     if "/" not in repo_id or name.endswith(_FILE_SUFFIXES) or not hub.looks_like_repo_id(repo_id):
         raise FileNotFoundError(f"corpus file not found: {name}")
