@@ -22,7 +22,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from offline_extract import __version__, planning, preflight
+from offline_extract import __version__, final_norm, planning, preflight
 from offline_extract.data.batching import Batch, batch_by_tokens
 from offline_extract.data.corpus import BadRecordError, Record, Reject, read_corpus
 from offline_extract.data.sources import Source
@@ -232,6 +232,7 @@ def run_metadata(known: dict, engine: Engine) -> dict:
         "sglang_capture_points": list(engine.capture_points),
         "num_layers": engine.num_layers,
         "hidden_size": engine.hidden_size,
+        **({final_norm.RUN_KEY: norm.to_json()} if (norm := engine.final_norm()) is not None else {}),
         "compute_dtype": engine.dtype,
         "quantization": engine.quantization,
         "attention_backend": engine.attention_backend,

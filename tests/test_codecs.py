@@ -16,15 +16,28 @@ def _states(rows: int, layers: int, hidden: int, seed: int = 0) -> torch.Tensor:
     return x.reshape(rows, layers * hidden).bfloat16()
 
 
-def test_fp8_scale_is_each_tokens_absmax_per_layer_over_448():
+def test_fp8_scale_is_each_tokens_absmax_per_layer_over_448_rounded_up_to_bf16():
     x = _states(50, 3, 64)
     values, scales = fp8_quantize(x, layers=3)
     assert values.dtype == torch.float8_e4m3fn and values.shape == x.shape
     assert scales.dtype == torch.float32 and scales.shape == (50, 3)
     absmax = x.float().reshape(50, 3, 64).abs().amax(-1)
-    torch.testing.assert_close(scales, absmax / 448, rtol=1e-6, atol=0)
-    # Each token's largest element lands on e4m3's edge.
+    exact = absmax / 448
+    # The smallest bf16 value at or above absmax / 448: never below it (no element past 448), and less
+    # than one bf16 step (2^-7 relative) above it.
+    assert torch.equal(scales.bfloat16().float(), scales)
+    assert (scales >= exact).all() and (scales < exact * (1 + 2**-7)).all()
+    assert (scales > exact).any()
+    # Each token's largest element lands on e4m3's edge (446.3..448 rounds to 448).
     assert torch.equal(values.float().reshape(50, 3, 64).abs().amax(-1), torch.full((50, 3), FP8_MAX))
+
+
+def test_fp8_decoded_in_bf16_arithmetic_equals_our_float32_decode():
+    # speculators' FP8 reader multiplies in bf16; with bf16 scales the product rounds once, as ours does.
+    x = _states(200, 4, 64)
+    values, scales = fp8_quantize(x, layers=4)
+    theirs = values.to(torch.bfloat16).reshape(200, 4, 64) * scales.to(torch.bfloat16).reshape(200, 4, 1)
+    assert torch.equal(theirs.reshape(200, -1), fp8_dequantize(values, scales))
 
 
 def test_fp8_decoded_states_keep_every_tokens_direction():

@@ -238,3 +238,54 @@ def test_speculators_export_needs_the_models_layer_count(tmp_path):
     write_synthetic(out, LENGTHS[:2], hidden_size=H, num_aux=K, run={"final_state": "pre-norm", "num_layers": None})
     with pytest.raises(ExportError, match="num_layers"):
         export_speculators(out, tmp_path / "spec", progress=False)
+
+
+@pytest.mark.parametrize("store, compress", [("fp8", "none"), ("bf16", "zstd")])
+def test_specforge_export_of_a_smaller_run_is_gzipped_by_default(tmp_path, store, compress):
+    import gzip
+    import io
+
+    from offline_extract.store.schema import Encoding
+    from offline_extract.training.datasets import HiddenStateDataset
+
+    out = tmp_path / "run"
+    write_synthetic(out, LENGTHS, hidden_size=H, num_aux=K, encoding=Encoding(store=store, compress=compress))
+    export_specforge(out, tmp_path / "sf", progress=False)
+    assert json.loads((tmp_path / "sf" / MANIFEST_NAME).read_text())["gzip"] is True
+    ours = HiddenStateDataset(out)
+    for i in range(len(LENGTHS)):
+        with gzip.open(specforge_path(tmp_path / "sf", i, gzipped=True), "rb") as f:
+            data = torch.load(io.BytesIO(f.read()), weights_only=True)
+        assert data["hidden_state"].dtype == torch.bfloat16
+        assert torch.equal(data["hidden_state"][0], ours[i]["hidden_states"])
+        assert torch.equal(data["aux_hidden_state"][0], ours[i]["aux_hidden_states"])
+    plain = export_specforge(out, tmp_path / "plain", gzipped=False, progress=False)
+    assert plain.samples_written == len(LENGTHS) and specforge_path(tmp_path / "plain", 0).is_file()
+
+
+def test_speculators_export_of_an_fp8_run_keeps_its_bytes(tmp_path):
+    from safetensors.torch import load_file
+
+    from offline_extract.store.schema import Encoding
+    from offline_extract.training.datasets import HiddenStateDataset
+
+    WIDE = 256  # wide enough that the states, not the file headers, make the size
+    out = tmp_path / "run"
+    write_synthetic(out, LENGTHS, hidden_size=WIDE, num_aux=K, encoding=Encoding(store="fp8"), run={"final_state": "pre-norm"})
+    summary = export_speculators(out, tmp_path / "spec", progress=False)
+    assert any("--hidden-states-backend fp8" in note for note in summary.notes)
+    assert "hidden_states_backend: fp8" in (tmp_path / "spec" / SPECULATORS_TRAIN_CONFIG).read_text()
+    ours = HiddenStateDataset(out)
+    for i in range(len(LENGTHS)):
+        hs, stored = load_file(speculators_path(tmp_path / "spec", i)), ours.stored(i)
+        assert hs["hidden_states"].dtype == torch.float8_e4m3fn and hs["hidden_states"].shape == (LENGTHS[i], K + 1, WIDE)
+        assert hs["hidden_states_scales"].shape == (LENGTHS[i], K + 1, 1)
+        assert torch.equal(hs["hidden_states"][:, :K].flatten(1).view(torch.uint8), stored["aux_hidden_states"].view(torch.uint8))
+        assert torch.equal(hs["hidden_states_scales"][:, :K, 0], stored["aux_hidden_states_scale"])
+        assert torch.equal(hs["hidden_states_scales"][:, K], stored["hidden_states_scale"])
+    fp8_bytes = sum(p.stat().st_size for p in (tmp_path / "spec" / "hidden_states").iterdir())
+    bf16 = tmp_path / "bf16"
+    write_synthetic(bf16, LENGTHS, hidden_size=WIDE, num_aux=K, run={"final_state": "pre-norm"})
+    export_speculators(bf16, tmp_path / "spec16", progress=False)
+    bf16_bytes = sum(p.stat().st_size for p in (tmp_path / "spec16" / "hidden_states").iterdir())
+    assert fp8_bytes < 0.6 * bf16_bytes, (fp8_bytes, bf16_bytes)

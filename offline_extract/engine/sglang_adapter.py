@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from offline_extract.choices import FINAL_STATES
+from offline_extract.final_norm import FinalNorm
 
 SGLANG_VERSION = "0.5.17"
 
@@ -488,6 +489,21 @@ class Engine:
         self.capture_points = resolved
         self._capturing: bool | None = None  # SGLang's capture state now: unknown until the first switch
         return ids
+
+    def final_norm(self) -> FinalNorm | None:
+        """The model's final norm as loaded (weight, epsilon, gain convention), for an export to turn one
+        final state into the other; None for a norm other than SGLang's plain or Gemma-style RMSNorm."""
+        from sglang.srt.layers.layernorm import GemmaRMSNorm, RMSNorm
+
+        norm = self._capture_lm.model.norm
+        if type(norm) is GemmaRMSNorm:
+            offset = 1.0
+        elif type(norm) is RMSNorm and norm.has_weight and norm.variance_size_override is None:
+            offset = 0.0
+        else:
+            return None
+        # RMSNorm is replicated across TP ranks: any rank's weight is the whole weight.
+        return FinalNorm(norm.weight.detach().float().cpu(), float(norm.variance_epsilon), offset)
 
     def _keep_pre_norm(self, norm, args, output) -> None:
         """The pre-norm state is the final norm's input. Called as norm(x, residual) the norm returns

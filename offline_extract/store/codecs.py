@@ -1,9 +1,12 @@
 """How hidden states are encoded for storage: fp8 with per-token scales, and zstd frames.
 
 fp8 (`--store fp8`): float8 e4m3 values with one float32 scale per token per stored layer, scale =
-absmax / 448 (e4m3's largest finite value), so every token's largest element lands on the format's
-edge and the 3 mantissa bits are spent on that token's own range. The functions are plain torch ops,
-so the extraction runs them on the GPU before the copy to host and the reader runs them on the CPU.
+absmax / 448 (e4m3's largest finite value) rounded up to a bfloat16 value, so every token's largest
+element lands at the format's edge and the 3 mantissa bits are spent on that token's own range. A
+bfloat16 scale makes a decode in bfloat16 arithmetic (fp8 -> bf16 times the scale in bf16, what
+speculators' FP8 reader does) round exactly as ours does (float32 product, one rounding to bf16): the
+product of a 4-bit and an 8-bit significand is exact in float32. The functions are plain torch ops, so
+the extraction runs them on the GPU before the copy to host and the reader runs them on the CPU.
 
 zstd (`--compress zstd`): each sample's rows of a tensor become one zstd frame, its bytes grouped by
 significance first (byte planes: the bf16 high bytes, sign and exponent, sit together and compress;
@@ -39,13 +42,21 @@ def fp8_quantize(states: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch
         stop = min(start + _QUANTIZE_ROWS, rows)
         x = states[start:stop].reshape(stop - start, layers, -1).float()
         absmax = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1)
-        scale = torch.where(absmax == 0, 1.0, absmax / FP8_MAX)
+        scale = torch.where(absmax == 0, 1.0, _round_up_to_bf16(absmax / FP8_MAX))
         # e4m3fn has no infinity and torch's cast does not saturate: a quotient rounded a hair past 448
         # would become NaN without the clamp.
         x.div_(scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
         values[start:stop] = x.reshape(stop - start, width).to(FP8_DTYPE)
         scales[start:stop] = scale
     return values, scales
+
+
+def _round_up_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """Positive float32 values rounded up to the next bfloat16 value (its top 16 bits); NaN and Inf are
+    left as they are, so a damaged token stays visible in its scale."""
+    bits = x.view(torch.int32)
+    rounded = ((bits + 0xFFFF) & -0x10000).view(torch.float32)
+    return torch.where(torch.isfinite(x), rounded, x)
 
 
 def fp8_dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -76,9 +76,12 @@ def sample_bounds(f, encoding: Encoding) -> dict[str, list[int]]:
     return {name: f.get_tensor(name).tolist() for name in names}
 
 
-def read_samples(f, encoding: Encoding, bounds: dict[str, list[int]], first: int, stop: int, names: Sequence[str]) -> dict:
+def read_samples(
+    f, encoding: Encoding, bounds: dict[str, list[int]], first: int, stop: int, names: Sequence[str], decode: bool = True,
+) -> dict:
     """Samples first:stop of the open shard `f`, their states decoded (bf16), reading only their rows:
-    the per-token tensors among `names` (any of the encoding's sample_tensors)."""
+    the per-token tensors among `names` (any of the encoding's sample_tensors). With decode=False the
+    states come as stored, decompressed (fp8: values and their `_scale` tensors)."""
     offsets = bounds["offsets"]
     start, end = offsets[first], offsets[stop]
     out = {name: f.get_slice(name)[start:end] for name in names if name not in STATE_TENSORS}
@@ -95,7 +98,7 @@ def read_samples(f, encoding: Encoding, bounds: dict[str, list[int]], first: int
             ])
         else:
             staged[t.name] = f.get_slice(t.name)[start:end]
-    return {**out, **encoding.decode(staged)}
+    return {**out, **(encoding.decode(staged) if decode else staged)}
 
 
 @dataclass

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from offline_extract.store.index import write_index
-from offline_extract.store.schema import SampleInfo
+from offline_extract.store.schema import Encoding, SampleInfo
 from offline_extract.store.writer import ShardWriter
 
 # Rows generated per add_batch call: bounds the float32 temporaries of random generation.
@@ -24,10 +24,13 @@ def write_synthetic(
     shard_bytes: int = 1 << 30,
     seed: int = 0,
     run: dict | None = None,
+    encoding: Encoding = Encoding(),
 ) -> list[Path]:
-    """Writes samples of the given lengths (ids "sample-{i}", random bf16 states) plus index.json; `run`
-    adds to (or overrides) the run metadata."""
+    """Writes samples of the given lengths (ids "sample-{i}", random bf16 states, stored in `encoding`)
+    plus index.json; `run` adds to (or overrides) the run metadata."""
     run = {
+        "store": encoding.store,
+        "compress": encoding.compress,
         "model": "synthetic",
         "layer_ids": list(range(num_aux)),
         # The last layer is never an aux layer (validate_layer_ids).
@@ -37,7 +40,7 @@ def write_synthetic(
         **(run or {}),
     }
     gen = torch.Generator().manual_seed(seed)
-    writer = ShardWriter(out_dir, run, shard_bytes=shard_bytes)
+    writer = ShardWriter(out_dir, run, shard_bytes=shard_bytes, encoding=encoding)
 
     def add(indices: list[int]) -> None:
         batch = [lengths[i] for i in indices]

@@ -137,12 +137,12 @@ class _ShardHandles:
             self._open[shard] = entry
         return entry
 
-    def read(self, shard: int, row: int, names=None) -> dict[str, torch.Tensor]:
+    def read(self, shard: int, row: int, names=None, decode: bool = True) -> dict[str, torch.Tensor]:
         handle, encoding, bounds = self._handle(shard)
         samples = len(bounds["offsets"]) - 1
         if row >= samples:
             raise ShardError(f"{self._files[shard]} has {samples} samples; row {row} was asked for")
-        item = read_samples(handle, encoding, bounds, row, row + 1, names or encoding.sample_tensors)
+        item = read_samples(handle, encoding, bounds, row, row + 1, names or encoding.sample_tensors, decode)
         # Slices of the memory map share its storage; decoded tensors are the sample's own already.
         item = {k: t.clone() if t.untyped_storage().nbytes() != t.nbytes else t for k, t in item.items()}
         item["input_ids"] = item["input_ids"].long()
@@ -174,6 +174,13 @@ class HiddenStateDataset(Dataset):
             raise IndexError(f"sample {i} out of range for {n} samples")
         i %= n
         item = self._handles.read(int(self.catalog.shard[i]), int(self.catalog.row[i]))
+        item["id"] = self.catalog.ids[i]
+        return item
+
+    def stored(self, i: int) -> dict:
+        """Item i with its states as the shards store them, decompressed but not decoded (under --store fp8:
+        e4m3 values and their float32 `<state>_scale` tensors), for an export that keeps the run's store."""
+        item = self._handles.read(int(self.catalog.shard[i]), int(self.catalog.row[i]), decode=False)
         item["id"] = self.catalog.ids[i]
         return item
 

@@ -2,7 +2,7 @@
 
 SpecForge (`--format specforge`): one torch.save file per sample,
 
-    DEST/rows_{start}-{start + rows_per_folder}/data_{i}.ckpt
+    DEST/rows_{start}-{start + rows_per_folder}/data_{i}.ckpt      (data_{i}.ckpt.gz with gzip)
 
 with the keys its offline reader takes for the run's recipe (SpecForge's data_preparation.md):
 
@@ -13,20 +13,31 @@ with the keys its offline reader takes for the run's recipe (SpecForge's data_pr
 
 where i counts samples from 0 in sample-index order, and folder rows_{start}-{end} holds i in
 [start, end). That is the layout SpecForge's scripts/prepare_hidden_states.py writes and its offline
-training reads; its loader walks DEST recursively for *.ckpt, so rows_per_folder only bounds directory
-sizes (SpecForge's default has been 2000 since its --file-group-size option; 5000 before).
+training reads; its loader walks DEST recursively for *.ckpt and *.ckpt.gz, so rows_per_folder only
+bounds directory sizes (SpecForge's default has been 2000 since its --file-group-size option; 5000
+before). SpecForge trains on bf16 tensors only, so an fp8 run is decoded; gzip (the default for a run
+stored as fp8 or compressed) keeps the export near the run's size, at the cost of SpecForge reading and
+inflating each file whole.
 
 speculators (`--format speculators`), its offline training data directory:
 
     DEST/                          a `datasets` dataset (save_to_disk; torch format) with one row per
                                    sample: input_ids int64, loss_mask int64, seq_len
     DEST/hidden_states/hs_{i}.safetensors
-        hidden_states  bf16 [T, k+1, H]  (the k layers in ascending order, then the final state)
-        token_ids      int64 [T]
+        hidden_states         bf16 [T, k+1, H] (the k layers in ascending order, then the final state)
+                              or, from an fp8 run, e4m3 [T, k+1, H] with
+        hidden_states_scales  float32 [T, k+1, 1] (the run's per-token per-layer scales)
+        token_ids             int64 [T]
     DEST/token_freq.pt             {token id: count} over loss tokens, for its draft-vocabulary mapping
-
-    DEST/speculators_train.yaml    `speculators train --config` file: the verifier, DEST as data path and
+    DEST/speculators_train.yaml    `speculators train --config` file: the verifier, DEST as data path,
+                                   the hidden-states backend (`fp8` for an fp8 export) and
                                    `target_layer_ids` in speculators' convention (below)
+
+speculators' fp8 layout (hs-connectors' FP8HiddenStatesConnector) has one scale per token; its reader
+(`FP8Transfer`, `--hidden-states-backend fp8`) multiplies values by scales by broadcasting, so the run's
+finer scales (per token and layer) are read as they are, with no requantization: the export holds the
+run's bytes. Scales of runs before the bf16-rounded ones (store/codecs.py) are rounded to bf16 by that
+reader, a relative change of at most 2^-9 per token and layer.
 
 speculators names layers by HF `output_hidden_states` index, which is our layer id + 1, and calls the
 final state layer `num_layers` (as vLLM's extraction does): the stacked layers of a run with ids
@@ -34,22 +45,26 @@ final state layer `num_layers` (as vLLM's extraction does): the stacked layers o
 size the drafter's input) are [2, 4, 5]. Passing our ids instead would train on the next layers
 silently, so the export states them where training reads them (the YAML) and in export_manifest.json.
 
-speculators takes the last of the stacked states as the verifier's pre-norm state and applies the
-verifier's norm itself, so only a run extracted with --final-state pre-norm exports to it; SpecForge
-trains on the normed state, so only post-norm runs export there. Either mismatch is refused rather
+Final state: SpecForge trains on the post-norm state; speculators takes the last stacked state as the
+verifier's pre-norm state and applies the verifier's norm itself. A run holding the other state is
+converted with the final norm the run recorded (offline_extract/final_norm.py: pre -> post exactly,
+post -> pre up to each token's scale, which speculators' EAGLE-3 training does not see), in float32;
+a run that recorded no norm (extracted before runs did, or a norm other than RMSNorm) is refused rather
 than silently producing a drafter trained on the wrong state.
 
 DEST also gets export_manifest.json (ignored by both trainers): the format, the source directory, the
-run, and sample i's id at position i. An interrupted export resumes when rerun with the same source
-and options: every per-sample file is renamed into place complete, so existing ones are skipped.
+run, the options, the final state exported and whether it was converted, and sample i's id at position
+i. An interrupted export resumes when rerun with the same source and options: every per-sample file is
+renamed into place complete, so existing ones are skipped.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -57,9 +72,12 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
+from offline_extract import final_norm
 from offline_extract.progress import RunProgress
 from offline_extract.store.atomic import atomic_write
+from offline_extract.store.codecs import fp8_dequantize, fp8_quantize
 from offline_extract.store.journal import load_json
+from offline_extract.store.schema import FINAL_STATE, SCALE_SUFFIX, STATE_DTYPE, STATE_TENSORS
 from offline_extract.training.datasets import HiddenStateDataset
 
 FORMATS = ("specforge", "speculators")
@@ -70,6 +88,10 @@ TRAINER_FINAL_STATE = {"specforge": "post-norm", "speculators": "pre-norm"}
 SPECULATORS_STATES_DIR = "hidden_states"
 SPECULATORS_TOKEN_FREQ = "token_freq.pt"
 SPECULATORS_TRAIN_CONFIG = "speculators_train.yaml"
+# hs-connectors' name for the fp8 scales (its fp8_utils.SCALES_KEY).
+SPECULATORS_SCALES = "hidden_states_scales"
+# Fast enough not to be the export's bottleneck; higher levels gain little on hidden states.
+GZIP_LEVEL = 1
 
 
 class ExportError(ValueError):
@@ -82,11 +104,14 @@ class ExportSummary:
     samples_written: int
     samples_skipped: int
     bytes_written: int
+    notes: list[str] = field(default_factory=list)  # what the user must know to train on it
 
 
-def specforge_path(dest: str | os.PathLike, i: int, rows_per_folder: int = DEFAULT_ROWS_PER_FOLDER) -> Path:
+def specforge_path(
+    dest: str | os.PathLike, i: int, rows_per_folder: int = DEFAULT_ROWS_PER_FOLDER, gzipped: bool = False,
+) -> Path:
     start = i // rows_per_folder * rows_per_folder
-    return Path(dest) / f"rows_{start}-{start + rows_per_folder}" / f"data_{i}.ckpt"
+    return Path(dest) / f"rows_{start}-{start + rows_per_folder}" / f"data_{i}.ckpt{'.gz' if gzipped else ''}"
 
 
 def specforge_record(item: dict, recipe: str = "eagle3") -> dict[str, torch.Tensor]:
@@ -101,6 +126,14 @@ def specforge_record(item: dict, recipe: str = "eagle3") -> dict[str, torch.Tens
     return record
 
 
+def _save_specforge(record: dict, path: Path, gzipped: bool) -> None:
+    if not gzipped:
+        torch.save(record, path)
+        return
+    with gzip.open(path, "wb", compresslevel=GZIP_LEVEL) as f:
+        torch.save(record, f)
+
+
 def speculators_path(dest: str | os.PathLike, i: int) -> Path:
     return Path(dest) / SPECULATORS_STATES_DIR / f"hs_{i}.safetensors"
 
@@ -113,19 +146,19 @@ def speculators_layer_ids(run: dict, out_dir) -> list[int]:
     return [k + 1 for k in run["layer_ids"]] + [run["num_layers"]]
 
 
-def speculators_train_config(run: dict, dest: Path, layer_ids: list[int]) -> str:
+def speculators_train_config(run: dict, dest: Path, layer_ids: list[int], fp8: bool) -> str:
     """speculators' stage-shaped training config for this export; flags given to `speculators train`
     override it (e.g. --verifier-name-or-path where the model has moved)."""
     config = {"train": {
         "speculator_type": "eagle3",
         "verifier": {"verifier_name_or_path": run["model"]},
         "draft": {"target_layer_ids": layer_ids[:-1]},
-        "data": {"data_path": str(dest.resolve()), "hidden_states_backend": "file"},
+        "data": {"data_path": str(dest.resolve()), "hidden_states_backend": "fp8" if fp8 else "file"},
     }}
     header = (f"# Written by offline_extract's export. Train with: speculators train --config {dest / SPECULATORS_TRAIN_CONFIG}\n"
               f"# hidden_states/hs_*.safetensors stack layers {layer_ids} (HF hidden_states indices; "
               f"{layer_ids[-1]} = the final state).\n")
-    return header + yaml.safe_dump(config, sort_keys=False)
+    return header + yaml.safe_dump(config, sort_keys=False, default_flow_style=None)
 
 
 def speculators_record(item: dict) -> dict[str, torch.Tensor]:
@@ -136,7 +169,23 @@ def speculators_record(item: dict) -> dict[str, torch.Tensor]:
     return {"hidden_states": torch.cat([layers, last[:, None]], dim=1), "token_ids": item["input_ids"].to(torch.int64)}
 
 
-def _check_final_state(format: str, run: dict, out_dir) -> None:
+def speculators_fp8_record(stored: dict) -> dict[str, torch.Tensor]:
+    """A stored fp8 item (HiddenStateDataset.stored) in speculators' fp8 layout: the values and scales
+    stacked as the states are, the scales broadcasting over each layer's row."""
+    aux, last = (stored[name] for name in STATE_TENSORS)
+    rows, hidden = last.shape
+    values = torch.cat([aux.reshape(rows, -1, hidden), last[:, None]], dim=1)
+    scales = torch.cat([stored[name + SCALE_SUFFIX] for name in STATE_TENSORS], dim=1)
+    return {"hidden_states": values, SPECULATORS_SCALES: scales[:, :, None],
+            "token_ids": stored["input_ids"].to(torch.int64)}
+
+
+Convert = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _final_state_conversion(format: str, run: dict, out_dir) -> Convert | None:
+    """None when the run holds the final state `format` trains on, else the float32 conversion to it from
+    the run's final norm; refuses a run that cannot feed `format`."""
     want, have = TRAINER_FINAL_STATE[format], run.get("final_state", "post-norm")
     recipe = run.get("recipe", "eagle3")
     if format == "speculators" and recipe != "eagle3":
@@ -144,11 +193,49 @@ def _check_final_state(format: str, run: dict, out_dir) -> None:
                           f"(export it with --format specforge)")
     if have is None and format == "speculators":
         raise ExportError(f"{out_dir} holds no final state, which speculators needs")
-    if have is not None and have != want:
+    if have is None or have == want:
+        return None
+    norm = final_norm.from_run(run)
+    if norm is None:
         raise ExportError(
-            f"{out_dir} holds the {have} final state, but {format} trains on the {want} one: a drafter trained on "
-            f"this export would be silently wrong. Re-extract with --final-state {want}."
+            f"{out_dir} holds the {have} final state, but {format} trains on the {want} one, and the run recorded no "
+            f"final norm to convert it with (extracted before runs recorded it, or a norm other than RMSNorm): a "
+            f"drafter trained on this export would be silently wrong. Re-extract with --final-state {want}."
         )
+    return norm.apply if want == "post-norm" else norm.undo
+
+
+def _converted(item: dict, convert: Convert | None) -> dict:
+    """A decoded item with its final state converted (bf16, as items are)."""
+    if convert is None:
+        return item
+    return {**item, FINAL_STATE: convert(item[FINAL_STATE]).to(STATE_DTYPE)}
+
+
+def _converted_stored(stored: dict, convert: Convert | None) -> dict:
+    """A stored fp8 item with its final state converted and quantized again (one scale per token)."""
+    if convert is None:
+        return stored
+    scale = FINAL_STATE + SCALE_SUFFIX
+    state = convert(fp8_dequantize(stored[FINAL_STATE], stored[scale], torch.float32))
+    values, scales = fp8_quantize(state, 1)
+    return {**stored, FINAL_STATE: values, scale: scales}
+
+
+def _final_state_manifest(format: str, run: dict, convert: Convert | None) -> dict:
+    have = run.get("final_state", "post-norm")
+    return {"final_state": TRAINER_FINAL_STATE[format] if have else None,
+            "final_state_converted_from": have if convert else None}
+
+
+def _conversion_note(format: str, run: dict, convert: Convert | None) -> list[str]:
+    if convert is None:
+        return []
+    have, want = run["final_state"], TRAINER_FINAL_STATE[format]
+    how = ("exact" if want == "post-norm"
+           else "each token's direction, scaled so the model's final norm gives the post-norm state back; "
+                "speculators' EAGLE-3 training reads it only through that norm")
+    return [f"final state converted from {have} to {want} with the model's final norm ({how})"]
 
 
 def _without_source(manifest: dict) -> dict:
@@ -174,12 +261,12 @@ def _prepare_dest(dest: Path, manifest: dict) -> None:
 
 
 def _write_samples(
-    dataset: HiddenStateDataset, path_of: Callable[[int], Path], save: Callable[[dict, Path], None], progress: bool,
-    summary: "ExportSummary",
+    dataset: HiddenStateDataset, path_of: Callable[[int], Path], read: Callable[[int], dict],
+    save: Callable[[dict, Path], None], progress: bool, summary: "ExportSummary",
 ) -> None:
-    """One file per sample, skipping those an earlier attempt wrote. Not fsynced per file (that would
-    dominate an export of millions of small files); the rename still means a reader or a resumed export
-    never sees a partial file."""
+    """One file per sample (item `read(i)` saved by `save`), skipping those an earlier attempt wrote. Not
+    fsynced per file (that would dominate an export of millions of small files); the rename still means a
+    reader or a resumed export never sees a partial file."""
     with RunProgress(lambda: len(dataset), "export", enabled=progress) as bar:
         for i in range(len(dataset)):
             path = path_of(i)
@@ -187,7 +274,7 @@ def _write_samples(
                 summary.samples_skipped += 1
                 bar.advance(1, 0, summary.bytes_written)
                 continue
-            item = dataset[i]
+            item = read(i)
             path.parent.mkdir(exist_ok=True)
             atomic_write(path, lambda tmp: save(item, tmp), durable=False)
             summary.samples_written += 1
@@ -204,23 +291,30 @@ def export_specforge(
     dest: str | os.PathLike,
     *,
     rows_per_folder: int = DEFAULT_ROWS_PER_FOLDER,
+    gzipped: bool | None = None,
     progress: bool = True,
     allow_partial: bool = False,
 ) -> ExportSummary:
-    """Writes every sample of out_dir to dest in SpecForge's offline layout (see the module docstring).
+    """Writes every sample of out_dir to dest in SpecForge's offline layout (see the module docstring);
+    gzipped=None gzips the files of a run stored as fp8 or compressed.
 
     An unfinished extraction is refused unless allow_partial (see `HiddenStateDataset`)."""
     if rows_per_folder <= 0:
         raise ValueError(f"rows_per_folder must be positive, got {rows_per_folder}")
     dataset = HiddenStateDataset(out_dir, allow_partial=allow_partial)
-    _check_final_state("specforge", dataset.run, out_dir)
-    recipe = dataset.run.get("recipe", "eagle3")
+    run = dataset.run
+    convert = _final_state_conversion("specforge", run, out_dir)
+    recipe = run.get("recipe", "eagle3")
+    if gzipped is None:
+        gzipped = run.get("store", "bf16") != "bf16" or run.get("compress", "none") != "none"
     dest = Path(dest)
-    _prepare_dest(dest, _manifest("specforge", out_dir, dataset, rows_per_folder=rows_per_folder))
-    summary = ExportSummary(dest, 0, 0, 0)
+    _prepare_dest(dest, _manifest("specforge", out_dir, dataset, rows_per_folder=rows_per_folder, gzip=gzipped,
+                                  **_final_state_manifest("specforge", run, convert)))
+    summary = ExportSummary(dest, 0, 0, 0, _conversion_note("specforge", run, convert))
     _write_samples(
-        dataset, lambda i: specforge_path(dest, i, rows_per_folder),
-        lambda item, tmp: torch.save(specforge_record(item, recipe), tmp), progress, summary,
+        dataset, lambda i: specforge_path(dest, i, rows_per_folder, gzipped),
+        lambda i: dataset[i], lambda item, tmp: _save_specforge(specforge_record(_converted(item, convert), recipe), tmp, gzipped),
+        progress, summary,
     )
     return summary
 
@@ -234,15 +328,24 @@ def export_speculators(
     import datasets
 
     dataset = HiddenStateDataset(out_dir, allow_partial=allow_partial)
-    _check_final_state("speculators", dataset.run, out_dir)
-    layer_ids = speculators_layer_ids(dataset.run, out_dir)
+    run = dataset.run
+    convert = _final_state_conversion("speculators", run, out_dir)
+    layer_ids = speculators_layer_ids(run, out_dir)
+    fp8 = run.get("store", "bf16") == "fp8"
     dest = Path(dest)
-    _prepare_dest(dest, _manifest("speculators", out_dir, dataset, layer_ids=layer_ids, target_layer_ids=layer_ids[:-1]))
-    summary = ExportSummary(dest, 0, 0, 0)
-    _write_samples(
-        dataset, lambda i: speculators_path(dest, i),
-        lambda item, tmp: save_file(speculators_record(item), tmp), progress, summary,
-    )
+    _prepare_dest(dest, _manifest("speculators", out_dir, dataset, layer_ids=layer_ids, target_layer_ids=layer_ids[:-1],
+                                  store="fp8" if fp8 else "bf16", **_final_state_manifest("speculators", run, convert)))
+    notes = [f"train with --target-layer-ids {' '.join(map(str, layer_ids[:-1]))} (speculators' ids: ours + 1), "
+             f"or --config {dest / SPECULATORS_TRAIN_CONFIG}"]
+    if fp8:
+        notes.append("states kept in fp8 with the run's scales: train with --hidden-states-backend fp8")
+    summary = ExportSummary(dest, 0, 0, 0, [*notes, *_conversion_note("speculators", run, convert)])
+    if fp8:
+        read, record = dataset.stored, lambda item: speculators_fp8_record(_converted_stored(item, convert))
+    else:
+        read, record = dataset.__getitem__, lambda item: speculators_record(_converted(item, convert))
+    _write_samples(dataset, lambda i: speculators_path(dest, i), read, lambda item, tmp: save_file(record(item), tmp),
+                   progress, summary)
     freq: Counter[int] = Counter()
 
     def rows():
@@ -270,7 +373,7 @@ def export_speculators(
         if bars:
             datasets.enable_progress_bars()
     atomic_write(dest / SPECULATORS_TOKEN_FREQ, lambda tmp: torch.save(dict(freq), tmp))
-    config = speculators_train_config(dataset.run, dest, layer_ids)
+    config = speculators_train_config(run, dest, layer_ids, fp8)
     atomic_write(dest / SPECULATORS_TRAIN_CONFIG, lambda tmp: tmp.write_text(config))
     return summary
 

@@ -1,0 +1,85 @@
+"""Exports that convert the final state, on the GPU (run with `-m gpu`): a pre-norm run exported to
+SpecForge and a post-norm run exported to speculators, each against a direct run of the other state on
+the same batches, through SGLang's fused CUDA norm kernels in bf16.
+
+    python -m pytest -m gpu tests/test_gpu_exports.py
+"""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from offline_extract.final_norm import from_run
+from offline_extract.store.index import iter_samples, shard_paths
+from offline_extract.store.shard import open_shard
+from offline_extract.testing.models import build_model
+from offline_extract.training.export import export_specforge, export_speculators, speculators_path
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT / "examples" / "corpus.jsonl"
+MIN_COSINE = 0.999
+
+
+def _extract(out, *args):
+    cmd = [sys.executable, str(ROOT / "bin" / "extract.py"), "--out", str(out), "--no-progress", *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+
+
+@pytest.fixture(scope="module", params=["bf16", "fp8"])
+def runs(request, tmp_path_factory):
+    """The same corpus and batches extracted post-norm and pre-norm."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    model = build_model("llama", tmp / "m", dtype=torch.bfloat16, device="cuda")
+    outs = {}
+    for state in ("post-norm", "pre-norm"):
+        outs[state] = tmp / state
+        _extract(outs[state], "--model", model, "--data", CORPUS, "--final-state", state, "--store", request.param,
+                 "--attention-backend", "triton")
+    return outs
+
+
+def _by_id(out):
+    return {info.id: t for info, t in iter_samples(out)}
+
+
+def test_the_run_records_the_models_final_norm(runs):
+    run = open_shard(shard_paths(runs["post-norm"])[0]).run
+    norm = from_run(run)
+    assert norm is not None and norm.weight.shape == (run["hidden_size"],) and norm.weight_offset == 0.0
+
+
+def test_pre_norm_run_exported_to_specforge_matches_a_post_norm_run(runs, tmp_path):
+    export_specforge(runs["pre-norm"], tmp_path / "sf", progress=False)
+    direct = _by_id(runs["post-norm"])
+    for i, (info, _) in enumerate(iter_samples(runs["pre-norm"])):
+        data = _load_specforge(next((tmp_path / "sf").rglob(f"data_{i}.ckpt*")))
+        cosine = torch.nn.functional.cosine_similarity(data["hidden_state"][0].float(), direct[info.id]["hidden_states"].float(), dim=-1)
+        assert cosine.min() >= MIN_COSINE, (info.id, cosine.min().item())
+
+
+def test_post_norm_run_exported_to_speculators_matches_a_pre_norm_run(runs, tmp_path):
+    export_speculators(runs["post-norm"], tmp_path / "spec", progress=False)
+    direct = _by_id(runs["pre-norm"])
+    for i, (info, _) in enumerate(iter_samples(runs["post-norm"])):
+        hs = load_file(speculators_path(tmp_path / "spec", i))
+        stacked = hs["hidden_states"].to(torch.bfloat16)
+        if "hidden_states_scales" in hs:
+            stacked = stacked * hs["hidden_states_scales"].to(torch.bfloat16)
+        cosine = torch.nn.functional.cosine_similarity(stacked[:, -1].float(), direct[info.id]["hidden_states"].float(), dim=-1)
+        assert cosine.min() >= MIN_COSINE, (info.id, cosine.min().item())
+
+
+def _load_specforge(path):
+    import gzip
+    import io
+
+    if path.suffix == ".gz":
+        with gzip.open(path, "rb") as f:
+            return torch.load(io.BytesIO(f.read()), weights_only=True)
+    return torch.load(path, weights_only=True)
