@@ -39,7 +39,7 @@ from offline_extract.data.tokenization import Sample, SampleTokenizer
 from offline_extract.default_model import TRAINING_TEXT
 from offline_extract.engine.distributed import Coordinator, Layout, layout_from_env
 from offline_extract.engine.sglang_adapter import JIT_CACHES, Engine, EngineConfig
-from offline_extract.extraction import extract_batches, staging_buffers
+from offline_extract.feed import extract_batches, staging_buffers
 from offline_extract.store.schema import FINAL_STATE, STATE_TENSORS, Encoding
 from offline_extract.store.writer import ShardWriter
 from offline_extract.testing.models import build_model

@@ -145,7 +145,8 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
     from offline_extract import extraction, planning
     from offline_extract.engine.distributed import LeaderFailed, PeerLost, ReportedByLeader
     from offline_extract.engine.parity import ParityError
-    from offline_extract.extraction import REJECTS_FILE, ExtractOptions, StoppedError, Terminated, raise_terminated
+    from offline_extract.extraction import ExtractOptions, StoppedError, Terminated, raise_terminated
+    from offline_extract.summary import REJECTS_FILE, no_sample_verdict
 
     try:
         layer_ids = None if layers is None else tuple(int(x) for x in layers.split(",")) if layers.strip() else ()
@@ -182,7 +183,7 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
         sys.exit(128 + signal.SIGTERM)
     if dry_run:
         click.echo(planning.render(plan, out))
-        verdict = extraction.no_sample_verdict(data, plan.records, {"rejected": plan.rejected, "skipped": plan.skipped})
+        verdict = no_sample_verdict(data, plan.records, {"rejected": plan.rejected, "skipped": plan.skipped})
         if verdict:
             raise click.ClickException(verdict)
         if not plan.fits and not force:

@@ -24,7 +24,7 @@ _EXPORTS = {
     "extract": ("offline_extract.extraction", "run"),
     "dry_run": ("offline_extract.extraction", "dry_run"),
     "ExtractOptions": ("offline_extract.extraction", "ExtractOptions"),
-    "Summary": ("offline_extract.extraction", "Summary"),
+    "Summary": ("offline_extract.summary", "Summary"),
     "StoppedError": ("offline_extract.extraction", "StoppedError"),
     "HiddenStateDataset": ("offline_extract.training.datasets", "HiddenStateDataset"),
     "HiddenStateIterableDataset": ("offline_extract.training.datasets", "HiddenStateIterableDataset"),
@@ -40,12 +40,13 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
-    from offline_extract.extraction import ExtractOptions, StoppedError, Summary, dry_run
+    from offline_extract.extraction import ExtractOptions, StoppedError, dry_run
     from offline_extract.extraction import run as extract
     from offline_extract.store.index import iter_samples
     from offline_extract.store.integrity import verify
     from offline_extract.store.schema import SampleInfo, ShardError
     from offline_extract.store.shard import Shard, open_shard
+    from offline_extract.summary import Summary
     from offline_extract.training.datasets import HiddenStateDataset, HiddenStateIterableDataset
     from offline_extract.training.export import export
 

@@ -20,6 +20,11 @@ def plural(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
+def note(message: str) -> None:
+    """One of our own lines, on stderr and at once (before a long phase starts, not after it)."""
+    print(message, file=sys.stderr, flush=True)
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":

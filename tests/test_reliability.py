@@ -38,7 +38,8 @@ from offline_extract.engine.nonfinite import NonFiniteError, NonFiniteGuard
 from offline_extract.engine.sglang_adapter import Captured
 from offline_extract import extraction
 from offline_extract.engine.distributed import Coordinator
-from offline_extract.extraction import ExtractOptions, extract_batches
+from offline_extract.extraction import ExtractOptions
+from offline_extract.feed import extract_batches
 from offline_extract.store import integrity, manifest, resume
 from offline_extract.store.index import iter_samples, shard_paths, write_index
 from offline_extract.store.journal import Journal, read_journal
@@ -597,10 +598,13 @@ def _claim_as_a_rerun(out, corpus, force=False) -> None:
     """What a rerun does to `out` before extracting: take it over, then claim it for RUN on `corpus`."""
     lock, existing = resume.take_over(out)
     try:
-        opts = ExtractOptions(data=(str(corpus),), out=str(out), force=force)
-        checked = SimpleNamespace(corpus_paths=[corpus])
         layout = Layout(rank=0, world_size=1)
-        extraction._claim(opts, checked, layout, Coordinator(layout, "test"), existing, dict(RUN))
+        # The job's claim phase itself, on what it reads of a job whose model has loaded.
+        job = SimpleNamespace(
+            opts=ExtractOptions(data=(str(corpus),), out=str(out), force=force), out=out, layout=layout,
+            checked=SimpleNamespace(corpus_paths=[corpus]), coord=Coordinator(layout, "test"), meta=dict(RUN),
+        )
+        extraction.Job._claim(job, existing)
     finally:
         lock.release()
 

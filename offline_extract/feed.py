@@ -1,0 +1,179 @@
+"""Feeding batches to the engine and its states to the writer: the hot loop of an extraction.
+
+Each batch is one forward (or a long sample's chunks, one forward each); its states are encoded on the
+device and copied to pinned host rows on a side stream (`engine.offload`) while the next forward runs,
+then handed to the `ShardWriter`, screened for NaN/Inf on the way.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from offline_extract.data.batching import Batch
+from offline_extract.data.tokenization import Sample
+from offline_extract.engine.nonfinite import NonFiniteGuard, batch_flag
+from offline_extract.engine.offload import HostOffload, pinned_buffers
+from offline_extract.engine.sglang_adapter import Captured, Engine
+from offline_extract.store.schema import FINAL_STATE, STATE_TENSORS, Encoding, SampleInfo
+from offline_extract.store.writer import WRITER_THREADS, ShardWriter, shard_buffers
+
+
+def _info(s: Sample) -> SampleInfo:
+    return SampleInfo(s.index, s.id, s.source, s.line, s.source_len, s.truncated)
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Rows start:stop of a batch's packed tokens, as one forward returned them (all of a batch, or one
+    chunk of a long sample), with their non-finite flag."""
+
+    batch: Batch
+    start: int
+    stop: int
+    flag: torch.Tensor
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.stop == self.batch.num_tokens
+
+
+def _forwards(engine: Engine, batch: Batch) -> Iterator[tuple[int, int, Captured]]:
+    """A batch's forwards, each with the rows it covers: the batch in one, or a long sample's chunks."""
+    seqs = [s.input_ids for s in batch.samples]
+    if engine.is_chunked(seqs):
+        yield from engine.chunks(seqs[0], engine.chunk_tokens)
+    else:
+        yield 0, batch.num_tokens, engine.capture(seqs)
+
+
+class _WriterFeed:
+    """The offload's consumer: hands each piece's host rows to the writer. A long sample's chunks go
+    straight into its rows in the shard buffer as they arrive, so its states are never held on the host
+    twice, and are screened for NaN/Inf once all of them are there. Its shard is written as the chunks
+    arrive, unless non-finite samples are dropped: a streamed sample can no longer be left out."""
+
+    def __init__(self, writer: ShardWriter, guard: NonFiniteGuard):
+        self.writer = writer
+        self.guard = guard
+        self._rows: dict[str, torch.Tensor] | None = None  # the long sample being filled, per staged tensor
+        self._flagged = False
+
+    # The flag travels with its piece, so it is read only once the copy event says the states (and the
+    # flag, enqueued before them) are on the host.
+    def __call__(self, piece: _Piece, staged: dict[str, torch.Tensor]) -> None:
+        if piece.whole:
+            self._batch(piece, staged)
+            return
+        (sample,) = piece.batch.samples
+        if piece.start == 0:
+            widths = {name: t.shape[1] for name, t in staged.items()}
+            stream = self.guard.policy != "drop"
+            self._rows = self.writer.begin_sample(_info(sample), sample.input_ids, sample.loss_mask, widths, stream=stream)
+            self._flagged = False
+        for name, t in staged.items():
+            self._rows[name][piece.start : piece.stop].copy_(t)
+        self.writer.filled(piece.stop)
+        self._flagged |= bool(piece.flag)
+        if piece.stop == sample.num_tokens:
+            kept = self._screen([sample], self._rows)[0] if self._flagged else [sample]
+            self._rows = None
+            self.writer.end_sample(keep=bool(kept))
+
+    def _screen(self, samples, staged: dict[str, torch.Tensor]):
+        """The guard's verdict on the decoded states: kept samples and their rows (None: all)."""
+        states = self.writer.encoding.decode(staged)
+        return self.guard.screen(samples, states[STATE_TENSORS[0]], states.get(FINAL_STATE))
+
+    def _batch(self, piece: _Piece, staged: dict[str, torch.Tensor]) -> None:
+        samples = piece.batch.samples
+        if piece.flag:
+            samples, rows = self._screen(samples, staged)
+            if not samples:
+                return
+            if rows is not None:
+                staged = {name: t[rows] for name, t in staged.items()}
+        self.writer.add_staged(
+            [_info(s) for s in samples],
+            np.concatenate([s.input_ids for s in samples]),
+            np.concatenate([s.loss_mask for s in samples]),
+            staged,
+            lengths=[s.num_tokens for s in samples],
+        )
+
+
+def extract_batches(
+    engine: Engine,
+    batches: Iterable[Batch],
+    writer: ShardWriter | None,
+    on_batch=lambda b: None,
+    staging=None,
+    nonfinite: NonFiniteGuard | None = None,
+) -> None:
+    """The hot loop: forward each batch and hand its states to the writer without waiting for the host.
+
+    A long sample's chunks are handed over one by one, so that copying the earlier ones overlaps the later
+    ones' compute. `staging` (from `staging_buffers`) may be passed in to reuse pinned memory across
+    calls. Ranks that do not write (tp_rank > 0) still take part in every forward: TP needs all of them.
+    Batches with NaN or Inf go through `nonfinite` (default: fail on the first such sample).
+    """
+    if writer is None:
+        for batch in batches:
+            for _ in _forwards(engine, batch):
+                pass
+            on_batch(batch)
+        return
+    feed = _WriterFeed(writer, nonfinite or NonFiniteGuard("fail", engine.layer_ids))
+
+    def encode(aux: torch.Tensor, last: torch.Tensor) -> dict[str, torch.Tensor]:
+        return writer.encoding.encode(aux, last, len(engine.layer_ids))
+
+    buffers = staging or staging_buffers(engine, writer.encoding)
+    with HostOffload(feed, engine.device, buffers, encode) as offload:
+        for batch in batches:
+            for start, stop, captured in _forwards(engine, batch):
+                piece = _Piece(batch, start, stop, batch_flag(captured.aux, captured.last))
+                offload.submit(piece, captured.aux, captured.last)
+            on_batch(batch)
+
+
+def staging_buffers(engine: Engine, encoding: Encoding) -> list:
+    """Pinned host rows for a few forwards' states: a batch's, or one chunk's of a long sample."""
+    widths = encoding.widths(len(engine.layer_ids), engine.hidden_size)
+    return pinned_buffers(engine.device, engine.max_forward_tokens, encoding, widths)
+
+
+class HostMemory:
+    """A writing rank's hot-loop host memory on a GPU, prepared on a thread while the model loads: pinned
+    staging for the forwards' states and the writer's touched shard buffers. Pinning and first
+    touching a few gigabytes takes a second or more, which would otherwise sit between the loaded model
+    and the first batch.
+
+    The widths are predicted from the config before the model loads; should the loaded engine differ,
+    the prepared memory is dropped and allocated anew.
+    """
+
+    def __init__(self, encoding: Encoding, widths: dict[str, int], forward_tokens: int, gpu: int, shard_bytes: int):
+        self.encoding = encoding
+        self.widths = widths
+        self.forward_tokens = forward_tokens
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-memory")
+        self._prepared = pool.submit(self._allocate, gpu, shard_bytes)
+        pool.shutdown(wait=False)
+
+    def _allocate(self, gpu: int, shard_bytes: int) -> tuple[list, list]:
+        torch.cuda.set_device(gpu)  # pinned memory belongs to the current device's context, per thread
+        staging = pinned_buffers("cuda", self.forward_tokens, self.encoding, self.widths)
+        return staging, shard_buffers(self.encoding, self.widths, shard_bytes, WRITER_THREADS + 1)
+
+    def take(self, engine: Engine) -> tuple[list, list]:
+        """(staging, shard buffers) for `engine`'s widths and forwards."""
+        staging, buffers = self._prepared.result()
+        widths = self.encoding.widths(len(engine.layer_ids), engine.hidden_size)
+        if (self.widths, self.forward_tokens) != (widths, engine.max_forward_tokens):
+            return staging_buffers(engine, self.encoding), []
+        return staging, buffers
+
