@@ -10,7 +10,7 @@ from offline_extract.store import integrity, manifest
 from offline_extract.store.codecs import fp8_dequantize, fp8_quantize
 from offline_extract.store.inspection import summarize
 from offline_extract.store.journal import Journal
-from offline_extract.store.schema import COMPRESSIONS, METADATA_KEY, STORES, Encoding, SampleInfo
+from offline_extract.store.schema import COMPRESSIONS, METADATA_KEY, STORES, Encoding, SampleInfo, ShardError
 from offline_extract.store.index import iter_samples, shard_paths, write_index
 from offline_extract.store.shard import open_shard
 from offline_extract.store.writer import ShardWriter
@@ -197,6 +197,22 @@ def test_verify_reports_damaged_zstd_frames(tmp_path):
     _rewrite(path, "hidden_states_frames", lambda frames: frames.__setitem__(1, frames[1] + 3))
     problems = integrity.verify(tmp_path).problems
     assert any(f"{path.name}: hidden_states frame of sample position 1 does not hold its 17 rows" in p for p in problems), problems
+
+
+def test_a_flipped_byte_in_a_zstd_frame_fails_its_read_by_the_frames_checksum(tmp_path):
+    write(tmp_path, Encoding("bf16", "zstd"))
+    path = shard_paths(tmp_path)[0]
+    frames = open_shard(path).tensor("aux_hidden_states_frames").tolist()
+    middle = (frames[1] + frames[2]) // 2  # inside sample 1's compressed bytes: its frame header stays whole
+
+    def flip(blob):
+        blob[middle] ^= 1
+
+    _rewrite(path, "aux_hidden_states", flip)
+    shard = open_shard(path)
+    shard.sample(0)  # the other frames are whole
+    with pytest.raises(ShardError, match=rf"{path}: the aux_hidden_states frame of sample position 1 is damaged"):
+        shard.sample(1)
 
 
 @pytest.mark.parametrize("encoding", [Encoding("fp8"), Encoding("bf16", "zstd"), Encoding("fp8", "zstd")],

@@ -117,6 +117,20 @@ def test_an_unfinished_extraction_is_exported_only_when_asked(out_dir, tmp_path)
     assert len(list((tmp_path / "sf").rglob("*.ckpt"))) == len(LENGTHS)
 
 
+def test_a_shard_whose_bytes_differ_from_its_checksum_is_not_exported(out_dir, tmp_path):
+    manifest.consolidate(out_dir, identity={}, status="complete")
+    damaged = sorted(out_dir.glob("shard_*.safetensors"))[1]
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0x01  # a flipped bit in a state: same size, readable header
+    damaged.write_bytes(bytes(data))
+    refused = run_script("--format", "specforge", out_dir, "--to", tmp_path / "sf", "--no-progress")
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert f"{damaged.name}: sha256" in refused.stderr and "differs from manifest.json's" in refused.stderr
+    assert not (tmp_path / "sf").exists()
+    with pytest.raises(ShardError, match=damaged.name):
+        export_speculators(out_dir, tmp_path / "spec", progress=False)
+
+
 def test_script(out_dir, tmp_path):
     dest = tmp_path / "sf"
     done = run_script("--format", "specforge", out_dir, "--to", dest, "--no-progress")

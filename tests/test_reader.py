@@ -250,3 +250,20 @@ def test_shuffle_is_seeded(out_dir):
 def test_rank_arguments_are_checked(out_dir):
     with pytest.raises(ValueError, match="rank"):
         HiddenStateIterableDataset(out_dir, rank=2, world_size=2)
+
+
+def _flip_last_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01  # inside the last sample's states: the header and the size stay as they were
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("dataset", [HiddenStateDataset, HiddenStateIterableDataset])
+def test_a_checksum_check_on_request_refuses_a_flipped_byte(out_dir, dataset):
+    manifest.consolidate(out_dir, identity={}, status="complete")
+    assert len(dataset(out_dir, verify_checksums=True)) == N
+    damaged = shard_paths(out_dir)[2]
+    _flip_last_byte(damaged)
+    assert len(dataset(out_dir)) == N, "unchecked, the reader cannot tell"
+    with pytest.raises(ShardError, match=rf"{damaged.name}: sha256 \w+ differs from manifest.json's.*\nDelete them"):
+        dataset(out_dir, verify_checksums=True)

@@ -186,12 +186,13 @@ def sha256_files(paths: Sequence[Path], threads: int = 8) -> list[str]:
 
 
 def damaged_shards(out: str | os.PathLike, recorded: dict) -> list[str]:
-    """One line for each shard the manifest `recorded` lists whose file is gone or differs from its
-    recorded size or sha256 (e.g. a flipped byte, which only the checksum tells)."""
+    """One line for each shard on disk that the manifest `recorded` lists and whose file differs from its
+    recorded size or sha256 (e.g. a flipped byte, which only the checksum tells). Missing ones are
+    `unfinished`'s business."""
     out = Path(out)
     listed = recorded.get("shards", {})
     present = [out / name for name in listed if (out / name).is_file()]
-    problems = [f"{name}: listed in {MANIFEST_NAME} but missing" for name in listed if not (out / name).is_file()]
+    problems = []
     for path, digest in zip(present, sha256_files(present)):
         problems += differences(path, digest, listed[path.name])
     return problems

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+import zstandard
 from safetensors import safe_open
 
 from offline_extract.store.codecs import decompress_frame, decompressor
@@ -77,11 +78,13 @@ def sample_bounds(f, encoding: Encoding) -> dict[str, list[int]]:
 
 
 def read_samples(
-    f, encoding: Encoding, bounds: dict[str, list[int]], first: int, stop: int, names: Sequence[str], decode: bool = True,
+    f, encoding: Encoding, bounds: dict[str, list[int]], first: int, stop: int, names: Sequence[str], path: Path,
+    decode: bool = True,
 ) -> dict:
-    """Samples first:stop of the open shard `f`, their states decoded (bf16), reading only their rows:
-    the per-token tensors among `names` (any of the encoding's sample_tensors). With decode=False the
-    states come as stored, decompressed (fp8: values and their `_scale` tensors)."""
+    """Samples first:stop of the open shard `f` (at `path`), their states decoded (bf16), reading only
+    their rows: the per-token tensors among `names` (any of the encoding's sample_tensors). With
+    decode=False the states come as stored, decompressed (fp8: values and their `_scale` tensors). A zstd
+    frame whose checksum or structure is broken raises ShardError naming the shard and the sample."""
     offsets = bounds["offsets"]
     start, end = offsets[first], offsets[stop]
     out = {name: f.get_slice(name)[start:end] for name in names if name not in STATE_TENSORS}
@@ -92,10 +95,13 @@ def read_samples(
             continue
         if t.name in encoding.compressed:
             frames, dctx, blob = bounds[t.name + FRAMES_SUFFIX], decompressor(), f.get_slice(t.name)
-            staged[t.name] = torch.cat([
-                decompress_frame(blob[frames[i] : frames[i + 1]], t.dtype, offsets[i + 1] - offsets[i], dctx)
-                for i in range(first, stop)
-            ])
+            pieces = []
+            for i in range(first, stop):
+                try:
+                    pieces.append(decompress_frame(blob[frames[i] : frames[i + 1]], t.dtype, offsets[i + 1] - offsets[i], dctx))
+                except (zstandard.ZstdError, ValueError) as e:
+                    raise ShardError(f"{path}: the {t.name} frame of sample position {i} is damaged ({e})") from e
+            staged[t.name] = torch.cat(pieces)
         else:
             staged[t.name] = f.get_slice(t.name)[start:end]
     return {**out, **(encoding.decode(staged) if decode else staged)}
@@ -139,7 +145,7 @@ class Shard:
     def read(self, first: int, stop: int, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
         """Samples first:stop (positions) packed along tokens, states decoded; only their rows are read."""
         with safe_open(self.path, framework="pt") as f:
-            return read_samples(f, self.encoding, self.bounds, first, stop, names or self.encoding.sample_tensors)
+            return read_samples(f, self.encoding, self.bounds, first, stop, names or self.encoding.sample_tensors, self.path)
 
     def tensor(self, name: str) -> torch.Tensor:
         with safe_open(self.path, framework="pt") as f:

@@ -77,11 +77,14 @@ def _catalog_from_index(out_dir: Path, index: dict) -> Catalog | None:
     )
 
 
-def load_catalog(out_dir: str | os.PathLike, allow_partial: bool = False) -> Catalog:
+def load_catalog(out_dir: str | os.PathLike, allow_partial: bool = False, verify_checksums: bool = False) -> Catalog:
     """Reads out_dir/index.json when it matches the shards present, else scans every shard's header.
 
     An extraction that has not finished (or lost shards since) is refused: training on it as if it were
     whole would silently miss samples. allow_partial=True reads what is there, with a warning.
+    verify_checksums=True first reads every shard manifest.json lists against its sha256 there (the
+    whole output once), and refuses damaged ones: a flipped byte in a state is otherwise served as is
+    (zstd frames carry their own checksum). Without manifest.json there is nothing to check against.
     """
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
@@ -91,6 +94,8 @@ def load_catalog(out_dir: str | os.PathLike, allow_partial: bool = False) -> Cat
         raise ShardError(f"{reason}, or allow a partial read (allow_partial=True, --allow-partial)")
     if reason:
         warnings.warn(reason)
+    if verify_checksums:
+        _check_checksums(out_dir)
     index = read_index(out_dir)
     if index is not None:
         catalog = _catalog_from_index(out_dir, index)
@@ -109,6 +114,19 @@ def load_catalog(out_dir: str | os.PathLike, allow_partial: bool = False) -> Cat
         shard=np.asarray([s for _, s, _ in order], dtype=np.int64),
         row=np.asarray([row for _, _, row in order], dtype=np.int64),
     )
+
+
+def _check_checksums(out_dir: Path) -> None:
+    recorded = manifest.load(out_dir)
+    if recorded is None:
+        return  # shards written through the library: no checksum recorded, nothing claimed
+    # Shards of an unfinished run that the manifest does not list yet are read unchecked (allow_partial).
+    damaged = manifest.damaged_shards(out_dir, recorded)
+    if damaged:
+        raise ShardError(
+            f"{out_dir} holds damaged shards:\n  " + "\n  ".join(damaged)
+            + "\nDelete them and re-run the extraction: it extracts exactly their samples again"
+        )
 
 
 class _ShardHandles:
@@ -142,7 +160,8 @@ class _ShardHandles:
         samples = len(bounds["offsets"]) - 1
         if row >= samples:
             raise ShardError(f"{self._files[shard]} has {samples} samples; row {row} was asked for")
-        item = read_samples(handle, encoding, bounds, row, row + 1, names or encoding.sample_tensors, decode)
+        item = read_samples(handle, encoding, bounds, row, row + 1, names or encoding.sample_tensors, self._files[shard],
+                            decode)
         # Slices of the memory map share its storage; decoded tensors are the sample's own already.
         item = {k: t.clone() if t.untyped_storage().nbytes() != t.nbytes else t for k, t in item.items()}
         item["input_ids"] = item["input_ids"].long()
@@ -152,8 +171,8 @@ class _ShardHandles:
 class HiddenStateDataset(Dataset):
     """Map-style: item i is the i-th sample in sample-index order (see the module docstring)."""
 
-    def __init__(self, out_dir: str | os.PathLike, *, allow_partial: bool = False):
-        self.catalog = load_catalog(out_dir, allow_partial)
+    def __init__(self, out_dir: str | os.PathLike, *, allow_partial: bool = False, verify_checksums: bool = False):
+        self.catalog = load_catalog(out_dir, allow_partial, verify_checksums)
         self._handles = _ShardHandles(self.catalog.shard_files)
         self._position_of_id: dict[str, int] | None = None
 
@@ -226,10 +245,11 @@ class HiddenStateIterableDataset(IterableDataset):
         world_size: int = 1,
         drop_last: bool = False,
         allow_partial: bool = False,
+        verify_checksums: bool = False,
     ):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank} world_size={world_size}")
-        self.catalog = load_catalog(out_dir, allow_partial)
+        self.catalog = load_catalog(out_dir, allow_partial, verify_checksums)
         self.shuffle = shuffle
         self.seed = seed
         self.rank = rank

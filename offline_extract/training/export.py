@@ -301,7 +301,7 @@ def export_specforge(
     An unfinished extraction is refused unless allow_partial (see `HiddenStateDataset`)."""
     if rows_per_folder <= 0:
         raise ValueError(f"rows_per_folder must be positive, got {rows_per_folder}")
-    dataset = HiddenStateDataset(out_dir, allow_partial=allow_partial)
+    dataset = HiddenStateDataset(out_dir, allow_partial=allow_partial, verify_checksums=True)
     run = dataset.run
     convert = _final_state_conversion("specforge", run, out_dir)
     recipe = run.get("recipe", "eagle3")
@@ -327,7 +327,7 @@ def export_speculators(
     extraction is refused unless allow_partial (see `HiddenStateDataset`)."""
     import datasets
 
-    dataset = HiddenStateDataset(out_dir, allow_partial=allow_partial)
+    dataset = HiddenStateDataset(out_dir, allow_partial=allow_partial, verify_checksums=True)
     run = dataset.run
     convert = _final_state_conversion("speculators", run, out_dir)
     layer_ids = speculators_layer_ids(run, out_dir)
