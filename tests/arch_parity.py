@@ -3,12 +3,14 @@ ModelRunner per process). Run by test_architectures.py and test_gpu_architecture
 writes a JSON report.
 
     python tests/arch_parity.py MODEL_DIR --out report.json [--hf-reference DIR] [--device cuda --dtype bfloat16
-        --attention-backend triton] [--layer-sets "0,3,6;1,2;2,5;0"] [--forced-routing]
+        --attention-backend triton] [--layer-sets "0,3,6;1,2;2,5;0"] [--forced-routing [--fp32-reference]]
 
 The engine starts with SGLang's default layer ids; each --layer-sets entry then re-points the running
 engine's capture and is compared against HF again, so every id mapping is checked on the same weights.
---forced-routing (MoE models) also compares the default ids against HF routed to the experts the engine
-chose (`parity.ForcedRouting`), and reports per MoE layer how often HF's own choice differs.
+--forced-routing (MoE models) also compares every layer set against HF routed to the experts the engine
+chose (`parity.ForcedRouting`), and reports per MoE layer how often HF's own choice differs; with
+--fp32-reference, the engine's states and HF's own bf16 states are each compared against HF in fp32 on the same
+experts, which measures how far bf16 arithmetic alone moves the model.
 """
 import argparse
 import json
@@ -18,6 +20,7 @@ import traceback
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -26,6 +29,27 @@ from offline_extract.engine.distributed import free_port  # noqa: E402
 from offline_extract.engine.sglang_adapter import Engine, EngineConfig, prepare_process  # noqa: E402
 
 LENGTHS = (5, 37, 64)  # several requests in one batch, so packing by request is exercised too
+
+
+# With the experts aligned, how much further from HF in fp32 the engine's bf16 states may be than HF's own bf16
+# states are, per layer, for its worst and its median token: 1 - cosine at most this factor times HF's own,
+# plus a floor for where HF's bf16 is near-exact. Kernels round differently (fused ops, accumulation order),
+# hence the factor; an off-by-one or a wrong side of a norm lands at 1 - cosine of 0.05 or more, orders of
+# magnitude out.
+BF16_FLOOR_FACTOR = 3.0
+BF16_FLOOR_SLACK = {"cosine": 1e-4, "median_cosine": 1e-5}
+
+
+def beyond_bf16_floor(fp32_reference: dict) -> list[str]:
+    """The layers where the engine's bf16 states are further from HF in fp32 than bf16 arithmetic explains."""
+    bad = []
+    hf_rows = {r["layer"]: r for r in fp32_reference["hf_bf16_rows"]}
+    for ours in fp32_reference["engine_rows"]:
+        hfs = hf_rows[ours["layer"]]
+        for key, slack in BF16_FLOOR_SLACK.items():
+            if 1 - ours[key] > BF16_FLOOR_FACTOR * (1 - hfs[key]) + slack:
+                bad.append(f"{ours['layer']} {key}: engine {ours[key]:.6f}, HF bf16 {hfs[key]:.6f} (vs HF fp32)")
+    return bad
 
 
 def _route_mla_prefill_to_absorbed_path() -> None:
@@ -58,8 +82,8 @@ def _compare(engine, captured, seqs, hf_states, moe=None, early=False):
     return [r.to_json() for r in rows]
 
 
-def _forced_routing(engine, hf, captured, seqs, chosen) -> dict:
-    """The engine's states against HF sent to the engine's experts, sequence by sequence."""
+def _forced_states(hf, seqs, chosen) -> tuple[list, "parity.ForcedRouting"]:
+    """HF's states for each sequence with every MoE block sent to the engine's experts, and the forcing's record."""
     bounds = np.cumsum([0, *map(len, seqs)])
     if any(len(ids) != 1 or len(ids[0]) != bounds[-1] for ids in chosen.values()):
         raise RuntimeError(f"expected one routing of {bounds[-1]} tokens per MoE layer, got "
@@ -67,18 +91,41 @@ def _forced_routing(engine, hf, captured, seqs, chosen) -> dict:
     forcing = parity.ForcedRouting(hf)
     device = next(hf.parameters()).device
     try:
-        forced_states = []
+        states = []
         for a, b, s in zip(bounds, bounds[1:], seqs):
             forcing.set({layer: ids[0][a:b] for layer, ids in chosen.items()})
-            forced_states.append([h.float().cpu() for h in parity.hf_hidden_states(hf, s.tolist(), device)])
+            states.append([h.float().cpu() for h in parity.hf_hidden_states(hf, s.tolist(), device)])
     finally:
         forcing.remove()
+    return states, forcing
+
+
+def _forced_routing(engine, hf, captured, seqs, chosen) -> tuple[dict, list]:
+    """The engine's states against HF sent to the engine's experts, and those HF states."""
+    forced_states, forcing = _forced_states(hf, seqs, chosen)
     return {
         "moe_layers": sorted(chosen),
         "routing": [forcing.layers[layer].to_json() for layer in sorted(forcing.layers)],
         # With the experts aligned, judged as a dense model is: every token (FP8: the median token).
         "rows": _compare(engine, captured, seqs, forced_states, moe=False),
         "off_by_one_rows": _compare(engine, captured, seqs, forced_states, moe=False, early=True),
+    }, forced_states
+
+
+def _exact_reference(engine, hf_path, device, captured, seqs, chosen, forced_states) -> dict:
+    """How far bf16 arithmetic itself moves this model: the engine's states, and HF's own bf16 states, each
+    against HF in fp32 on the same weights and the same (the engine's) experts. Where HF's own bf16 run is far
+    from fp32, no bf16 implementation can be expected to match it token by token; the engine is then held to
+    being about as close to fp32 as HF's bf16 is."""
+    hf32 = parity.load_hf_model(hf_path, "float32", device)
+    exact, _ = _forced_states(hf32, seqs, chosen)
+    del hf32
+    # HF's own bf16 against fp32 at every layer, so that any layer set can be looked up.
+    every_id = range(len(exact[0]) - 2)
+    pairs = ((torch.cat([hs[k + 1] for k in every_id], dim=-1), hs[-1], ref) for hs, ref in zip(forced_states, exact))
+    return {
+        "engine_rows": _compare(engine, captured, seqs, exact, moe=False),
+        "hf_bf16_rows": [r.to_json() for r in parity.compare_states(pairs, every_id, engine.dtype)],
     }
 
 
@@ -103,6 +150,8 @@ def main() -> None:
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--layer-sets", default="", help="';'-separated comma lists of layer ids to re-point capture to")
     ap.add_argument("--forced-routing", action="store_true", help="also compare against HF routed like the engine")
+    ap.add_argument("--fp32-reference", action="store_true",
+                    help="with --forced-routing: also compare the engine and HF's own run against HF in fp32")
     args = ap.parse_args()
 
     report = {"model": args.model, "device": args.device, "dtype": args.dtype}
@@ -120,6 +169,9 @@ def main() -> None:
         report.update(
             architecture=engine.architecture, num_layers=engine.num_layers, attention_backend=engine.attention_backend,
             quantization=engine.quantization,
+            # Which of SGLang's methods runs the experts: shows that a quantized checkpoint took its own path.
+            expert_methods=sorted({type(m.quant_method).__name__ for name, m in engine.runner.model.named_modules()
+                                   if name.endswith(".experts") and hasattr(m, "quant_method")}),
         )
         rng = np.random.default_rng(0)
         seqs = [rng.integers(6, 380, n).astype(np.int32) for n in LENGTHS]  # inside the tiny tokenizer's vocab
@@ -132,8 +184,11 @@ def main() -> None:
         device = next(hf.parameters()).device
         hf_states = [[h.float().cpu() for h in parity.hf_hidden_states(hf, s.tolist(), device)] for s in seqs]
         if args.forced_routing:
-            report["forced_routing"] = _forced_routing(engine, hf, captured, seqs, chosen)
+            report["forced_routing"], forced_states = _forced_routing(engine, hf, captured, seqs, chosen)
         del hf
+        if args.fp32_reference:
+            report["forced_routing"]["fp32_reference"] = _exact_reference(
+                engine, args.hf_reference or args.model, args.device, captured, seqs, chosen, forced_states)
 
         # Bare prefill must turn capture fully off, and capture must come back unchanged after it.
         report["bare_prefill_returned"] = engine.prefill(seqs) is not None
@@ -155,7 +210,16 @@ def main() -> None:
                 check["error"] = str(e)
                 continue
             check["layer_ids"], check["capture_points"] = list(engine.layer_ids), list(engine.capture_points)
-            check["rows"] = _compare(engine, engine.capture(seqs), seqs, hf_states)
+            if args.forced_routing:
+                with engine.recording_routing() as again_chosen:
+                    states = engine.capture(seqs)
+                # The forced HF states hold for this capture only if the engine routed it the same way.
+                if any(not torch.equal(again_chosen[layer][0], ids[0]) for layer, ids in chosen.items()):
+                    raise RuntimeError(f"the engine routed layer set {check['requested']} differently")
+                check["forced_rows"] = _compare(engine, states, seqs, forced_states, moe=False)
+            else:
+                states = engine.capture(seqs)
+            check["rows"] = _compare(engine, states, seqs, hf_states)
         report["checks"] = checks
     except Exception as e:  # the report carries the failure, so the test can show it
         report["error"] = f"{type(e).__name__}: {e}"

@@ -70,17 +70,22 @@ def test_dequantized_weights_are_the_bf16_weights_within_e4m3_rounding(fp8_model
     assert torch.equal(dequantized["model.embed_tokens.weight"], plain["model.embed_tokens.weight"].float())
 
 
-def test_cpu_refuses_an_fp8_checkpoint_before_loading_it(fp8_models, tmp_path):
+def assert_cpu_refuses_before_loading(model, out, refusal):
+    """bin/extract.py on CPU stops on `model` with `refusal` and the reason (no Intel AMX kernels), before any
+    weight loads and with nothing written."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bin" / "extract.py"), "--model", str(fp8_models["qwen3"]), "--data",
-         str(ROOT / "examples" / "corpus.jsonl"), "--out", str(tmp_path / "out"), "--device", "cpu", "--no-progress"],
+        [sys.executable, str(ROOT / "bin" / "extract.py"), "--model", str(model), "--data",
+         str(ROOT / "examples" / "corpus.jsonl"), "--out", str(out), "--device", "cpu", "--no-progress"],
         capture_output=True, text=True, cwd=ROOT, timeout=600,
     )
     assert proc.returncode != 0
-    refusal = f"{fp8_models['qwen3']} is an FP8 checkpoint"
     assert refusal in proc.stderr and "Intel AMX" in proc.stderr, proc.stderr[-2000:]
     assert "Loading weights" not in proc.stderr and "loading shards" not in proc.stderr.lower()
-    assert not list((tmp_path / "out").glob("shard_*"))
+    assert not list(Path(out).glob("shard_*"))
+
+
+def test_cpu_refuses_an_fp8_checkpoint_before_loading_it(fp8_models, tmp_path):
+    assert_cpu_refuses_before_loading(fp8_models["qwen3"], tmp_path / "out", f"{fp8_models['qwen3']} is an FP8 checkpoint")
 
 
 def _fp8_activations(x, group=128):

@@ -65,6 +65,20 @@ def test_kimi_k25_passes_the_gate_against_hf_deepseek_v3_built_from_its_text_con
     assert all(r["ok"] and r["neighbour_cosine"] < r["median_cosine"] - 0.01 for r in rows), rows
 
 
+@pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_next"])
+def test_verify_passes_on_the_families_that_missed_it_as_users_run_them(arch, tmp_path):
+    # The default attention backend (fa3 on Hopper) and MoE runner, through the CLI: --verify sends HF to the
+    # experts the engine chose on every MoE layer and judges the median token. Unforced, GPT-OSS's and
+    # Qwen3-Next's routing flips moved their deep layers' medians below the gate (H200, 2026-11-30).
+    model = build_model(arch, tmp_path / "m", dtype=torch.bfloat16, device="cuda")
+    out = tmp_path / "out"
+    _extract(out, "--model", str(model), "--data", str(CORPUS), "--verify", "8")
+    run, rows = _parity(out, f"{arch} (tiny, generated)", f"gpu_verify_{arch}_default_backend")
+    assert all(r["ok"] and r["neighbour_cosine"] < r["median_cosine"] - 0.01 for r in rows), rows
+    assert [layer["layer"] for layer in run["parity_routing"]] == list(range(8)), run["parity_routing"]
+    assert all(layer["weight_max_abs_diff"] <= 1e-6 for layer in run["parity_routing"]), run["parity_routing"]
+
+
 def test_small_llama_bf16_matches_hf(tmp_path):
     model = build_model("llama", tmp_path / "m", dtype=torch.bfloat16, device="cuda")
     out = tmp_path / "out"

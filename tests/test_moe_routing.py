@@ -1,16 +1,31 @@
 """MoE models in bf16 on CPU with the engine's expert choice forced onto HF (`parity.ForcedRouting`): then
 every token matches as on a dense model, so what the parity gate's median rule lets through is routing
 flips and nothing else (docs/moe-bf16-investigation.md). The GPU suite runs the same check
-(tests/test_gpu_architectures.py)."""
+(tests/test_gpu_architectures.py) on every MoE family, including those SGLang cannot run on CPU; for those,
+the forcing itself is checked here on HF's own model, and the reading of SGLang's triton_kernels routing."""
+import numpy as np
 import pytest
 import torch
-from arch_parity import run_report
+from arch_parity import beyond_bf16_floor, run_report
 
+from offline_extract.engine import parity
 from offline_extract.testing.models import build_model
 
 # Architecture -> its MoE decoder layers: Qwen3-MoE routes in every layer; DeepSeek-V3's first two are dense,
-# and its routing is the grouped top-k with the correction bias and routed_scaling_factor.
-MOE_LAYERS = {"qwen3_moe": list(range(8)), "deepseek_v3": list(range(2, 8))}
+# and its routing is the grouped top-k with the correction bias and routed_scaling_factor; GLM-4.5's first is
+# dense, then sigmoid routing with the correction bias, a shared expert and routed_scaling_factor.
+MOE_LAYERS = {"qwen3_moe": list(range(8)), "deepseek_v3": list(range(2, 8)), "glm4_moe": list(range(1, 8))}
+# Every HF MoE block ForcedRouting knows, by the test architecture that has it (SGLang runs the last four
+# on GPU only).
+HF_BLOCKS = {
+    "qwen3_moe": "Qwen3MoeSparseMoeBlock",
+    "deepseek_v3": "DeepseekV3MoE",
+    "glm4_moe": "Glm4MoeMoE",
+    "gpt_oss": "GptOssMLP",
+    "qwen3_next": "Qwen3NextSparseMoeBlock",
+    "minimax_m2": "MiniMaxM2SparseMoeBlock",
+    "qwen2_moe": "Qwen2MoeSparseMoeBlock",
+}
 TOKENS = 5 + 37 + 64  # arch_parity.LENGTHS
 # Near-ties only: measured 1-7 % of tokens per layer on these checkpoints; a wrong bias, grouping or scoring
 # function would send most tokens elsewhere.
@@ -22,7 +37,7 @@ def report(request, tiny_model_dir, tmp_path_factory):
     arch = request.param
     root = tmp_path_factory.mktemp(f"routing-{arch}")
     model = build_model(arch, root / "m", dtype=torch.bfloat16, tokenizer_dir=tiny_model_dir)
-    return arch, run_report(model, root / "report.json", "--dtype", "bfloat16", "--forced-routing")
+    return arch, run_report(model, root / "report.json", "--dtype", "bfloat16", "--forced-routing", "--fp32-reference")
 
 
 def test_every_token_matches_hf_once_hf_takes_the_engines_experts(report):
@@ -37,6 +52,9 @@ def test_every_token_matches_hf_once_hf_takes_the_engines_experts(report):
         assert r["neighbour_cosine"] < r["median_cosine"] - 0.01, (arch, r)
     # Without forcing the same states miss on some tokens: the forcing is what closes the gap.
     assert min(r["cosine"] for r in rep["checks"][0]["rows"]) < 0.999
+    # Against HF in fp32 on the same experts, the engine is as close as HF's own bf16 run (the rule the GPU
+    # suite holds a family to where HF's bf16 is itself far from fp32).
+    assert not beyond_bf16_floor(forced["fp32_reference"]), beyond_bf16_floor(forced["fp32_reference"])
 
 
 def test_forcing_keeps_hfs_own_weights_and_hfs_own_choice_differs_only_on_few_tokens(report):
@@ -46,3 +64,78 @@ def test_forcing_keeps_hfs_own_weights_and_hfs_own_choice_differs_only_on_few_to
         # Where HF's router picks the forced experts itself, the forced weights are exactly its own.
         assert layer["weight_max_abs_diff"] == 0.0, (arch, layer)
         assert layer["disagreement_rate"] <= MAX_DISAGREEMENT_RATE, (arch, layer)
+
+
+def _hf_run(hf, ids, forced=None):
+    """HF's states for `ids` and the experts each MoE block was handed, with `forced` experts if given."""
+    forcing = parity.ForcedRouting(hf) if forced is not None else None
+    handed, hooks = {}, []
+    for name, block in hf.named_modules():
+        if type(block).__name__ in HF_BLOCKS.values():
+            layer = int(name.split("layers.")[1].split(".")[0])
+            # After the forcing's own hook, so that it sees what the experts are handed.
+            hooks.append(block.experts.register_forward_pre_hook(
+                lambda m, args, layer=layer: handed.__setitem__(layer, args[1].clone())))
+    try:
+        if forcing:
+            forcing.set(forced)
+        states = parity.hf_hidden_states(hf, ids, "cpu")
+    finally:
+        for h in hooks:
+            h.remove()
+        if forcing:
+            forcing.remove()
+    return states, handed, forcing
+
+
+@pytest.mark.parametrize("arch", list(HF_BLOCKS))
+def test_forcing_hfs_own_choice_changes_nothing_and_another_choice_moves_that_token(arch, tiny_model_dir, tmp_path):
+    model = build_model(arch, tmp_path / "m", dtype=torch.bfloat16, tokenizer_dir=tiny_model_dir)
+    hf = parity.load_hf_model(str(model), "bfloat16", "cpu")
+    assert {type(m).__name__ for m in hf.modules()} & set(HF_BLOCKS.values()) == {HF_BLOCKS[arch]}
+    ids = np.random.default_rng(0).integers(6, 380, 24).tolist()
+    own_states, own, _ = _hf_run(hf, ids)
+
+    # HF's own experts, forced: bit for bit HF's own run, and HF's own weights (no arithmetic added).
+    states, handed, forcing = _hf_run(hf, ids, own)
+    assert all(torch.equal(a, b) for a, b in zip(own_states, states)), arch
+    routing = [forcing.layers[layer].to_json() for layer in sorted(own)]
+    assert all(r["disagreements"] == 0 and r["weight_max_abs_diff"] == 0.0 for r in routing), routing
+
+    # Token 9 sent elsewhere in the first MoE layer: HF's experts get that choice, the layer's output moves
+    # for that token alone, and the disagreement is counted.
+    first, token = min(own), 9
+    moved = {layer: e.clone() for layer, e in own.items()}
+    experts = hf.config.get_text_config().to_dict()
+    num = next(experts[key] for key in ("num_experts", "n_routed_experts", "num_local_experts") if experts.get(key))
+    moved[first][token] = torch.tensor([e for e in range(num) if e not in own[first][token]][: own[first].shape[1]])
+    states, handed, forcing = _hf_run(hf, ids, moved)
+    assert torch.equal(handed[first].sort(dim=-1).values, moved[first].sort(dim=-1).values)
+    assert forcing.layers[first].disagreements == 1
+    after = states[first + 1].float() - own_states[first + 1].float()
+    assert after[token].abs().max() > 0.1 * own_states[first + 1][token].float().abs().max(), arch
+    assert torch.equal(after[:token], torch.zeros_like(after[:token])), "earlier tokens cannot see a later one"
+
+
+def test_experts_are_read_back_from_triton_kernels_routing():
+    """GPT-OSS's default MoE runner on Hopper (triton_kernels) hands its experts no id table, only the (token,
+    slot) pairs sorted by expert and each expert's count; the adapter reads the choice back from those."""
+    from offline_extract.engine.sglang_adapter import prepare_process, routed_experts
+
+    prepare_process("cpu")
+    from sglang.srt.layers.moe.topk import TritonKernelTopKOutput
+    from triton_kernels.matmul_ogs import GatherIndx, RoutingData, ScatterIndx
+
+    generator = torch.Generator().manual_seed(0)
+    tokens, num_experts, k = 37, 8, 3
+    ids = torch.stack([torch.randperm(num_experts, generator=generator)[:k] for _ in range(tokens)])
+    # As triton_kernels' reference builds them (make_bitmatrix_metadata_torch, whose histc has no CPU kernel
+    # for ints): pairs numbered token * k + slot, stably sorted by expert.
+    by_expert = torch.argsort(ids.flatten(), stable=True).int()
+    inverse = torch.argsort(by_expert, stable=True).int()
+    routing = RoutingData(torch.zeros(tokens * k), torch.bincount(ids.flatten(), minlength=num_experts).int(),
+                          num_experts, k)
+    output = TritonKernelTopKOutput(routing, GatherIndx(by_expert, inverse), ScatterIndx(inverse, by_expert))
+    assert torch.equal(routed_experts(output), ids)
+    # A runner that routes inside its kernel states no choice.
+    assert routed_experts(object()) is None

@@ -11,7 +11,7 @@ import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -122,11 +122,16 @@ def load_hf_model(model_path: str, dtype: str, device: str):
             attn_implementation=attention,
         )
     elif is_fp8_block(quantization):
-        model = _load_dequantized_fp8(model_path, config, key_mapping, getattr(torch, dtype), attention)
+        tensors, _ = dequantized_fp8_tensors(model_path, getattr(torch, dtype))
+        model = _load_dequantized(tensors, config, key_mapping, getattr(torch, dtype), attention)
+    elif is_mxfp4(quantization):
+        tensors, _ = dequantized_mxfp4_tensors(model_path, getattr(torch, dtype))
+        model = _load_dequantized(tensors, config, key_mapping, getattr(torch, dtype), attention)
     else:
         raise NotImplementedError(
             f"{model_path}: the parity gate has no HF reference for quantization {quantization}; it supports FP8 "
-            f"block-quantized checkpoints (quant_method fp8 with weight_block_size)"
+            f"block-quantized checkpoints (quant_method fp8 with weight_block_size) and MXFP4 experts "
+            f"(quant_method mxfp4)"
         )
     return model.to(device).eval()
 
@@ -135,14 +140,19 @@ def is_fp8_block(quantization: dict | None) -> bool:
     return bool(quantization and quantization.get("quant_method") == "fp8" and quantization.get("weight_block_size"))
 
 
-def dequantized_fp8_tensors(model_path: str, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """Every tensor of an FP8 block-quantized checkpoint, each e4m3 weight multiplied by its block's
-    `weight_scale_inv` and rounded once to `dtype`; and the names of those weights."""
+def _checkpoint_tensors(model_path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     raw: dict[str, torch.Tensor] = {}
     for path in sorted(Path(model_path).glob("*.safetensors")):
         raw.update(load_file(path))
+    return raw
+
+
+def dequantized_fp8_tensors(model_path: str, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Every tensor of an FP8 block-quantized checkpoint, each e4m3 weight multiplied by its block's
+    `weight_scale_inv` and rounded once to `dtype`; and the names of those weights."""
+    raw = _checkpoint_tensors(model_path)
     tensors, quantized = {}, set()
     for name, t in raw.items():
         if name.endswith("_scale_inv"):
@@ -158,16 +168,50 @@ def dequantized_fp8_tensors(model_path: str, dtype: torch.dtype) -> tuple[dict[s
     return tensors, quantized
 
 
-def _load_dequantized_fp8(model_path: str, config, key_mapping: dict | None, dtype: torch.dtype, attention: str):
-    """HF's model on the dequantized weights. transformers' own FP8 layers would quantize activations as
-    SGLang does, but fetch their kernel from the Hugging Face Hub at run time (offline: unavailable), and its
-    dequantize mode needs accelerate; the weights are dequantized here instead, exactly, and handed over as
-    a state dict, so HF's own loading still renames, splits and fuses them."""
+def is_mxfp4(quantization: dict | None) -> bool:
+    return bool(quantization and quantization.get("quant_method") == "mxfp4")
+
+
+# The OCP microscaling FP4 element (e2m1) by its 4-bit code: codes 0-7 these magnitudes, 8-15 the same negated.
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+MXFP4_BLOCK = 32  # elements sharing one e8m0 scale
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., K/32, 16] uint8 (two e2m1 codes a byte, the lower nibble first) with [..., K/32] e8m0 scales
+    (2^(s-127)) -> [..., K] in `dtype` (exact in bf16: an e2m1 value times a power of two)."""
+    values = torch.tensor([*E2M1_MAGNITUDES, *(-m for m in E2M1_MAGNITUDES)], dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()
+    exponents = scales.to(torch.int32) - 127
+    return torch.ldexp(values[codes], exponents[..., None]).flatten(-2).to(dtype)
+
+
+def dequantized_mxfp4_tensors(model_path: str, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Every tensor of an MXFP4 checkpoint (GPT-OSS as released), each expert projection's `<name>_blocks` and
+    `<name>_scales` ([experts, out, in/32, 16] and [experts, out, in/32]) dequantized into `<name>` in HF's
+    layout ([experts, in, out]); and the names of those projections."""
+    raw = _checkpoint_tensors(model_path)
+    tensors, quantized = {}, set()
+    for name, t in raw.items():
+        if name.endswith("_scales"):
+            continue
+        if name.endswith("_blocks"):
+            name = name.removesuffix("_blocks")
+            t = dequantize_mxfp4(t, raw[f"{name}_scales"], torch.float32).transpose(1, 2).to(dtype)
+            quantized.add(name)
+        tensors[name] = t
+    return tensors, quantized
+
+
+def _load_dequantized(tensors: dict, config, key_mapping: dict | None, dtype: torch.dtype, attention: str):
+    """HF's model on dequantized weights. transformers' own quantized layers would compute as SGLang does, but
+    fetch their kernels from the Hugging Face Hub at run time (offline: unavailable), and its dequantize modes
+    need accelerate; the weights are dequantized here instead, exactly, and handed over as a state dict, so
+    HF's own loading still renames, splits and fuses them."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # what is handed over is already dequantized
-    tensors, _ = dequantized_fp8_tensors(model_path, dtype)
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
         None, config=config, state_dict=tensors, key_mapping=key_mapping, dtype=dtype, attn_implementation=attention
     )
@@ -277,12 +321,50 @@ def check(rows: Sequence[LayerParity], dtype: str, num_samples: int, moe: bool =
         )
 
 
-# HF transformers' sparse MoE blocks, by class, and how each turns router logits into expert scores. Both
-# then take the chosen experts' scores, renormalize them when the config's norm_topk_prob is set, and scale
-# them by routed_scaling_factor where the block has one (DeepSeek).
-_HF_EXPERT_SCORES = {
-    "Qwen3MoeSparseMoeBlock": lambda logits: torch.softmax(logits.float(), dim=-1),
-    "DeepseekV3MoE": lambda logits: logits.sigmoid(),
+@dataclass(frozen=True)
+class _HFRouting:
+    """How one of HF transformers' sparse MoE blocks routes: which submodule computes its router logits, and how
+    the weights of the chosen experts follow from those logits, as HF's own code computes them."""
+
+    router: str
+    weights: Callable[[object, torch.Tensor, torch.Tensor], torch.Tensor]  # (block, logits [T, E], experts [T, k])
+
+
+def _softmax_then_top_k(block, logits, experts):
+    # Qwen-MoE family: softmax over all experts in fp32, the chosen ones renormalized when norm_topk_prob is set.
+    weights = torch.softmax(logits.float(), dim=-1).gather(1, experts)
+    return weights / weights.sum(dim=-1, keepdim=True) if block.gate.norm_topk_prob else weights
+
+
+def _sigmoid_scaled(block, logits, experts):
+    # DeepSeek-V3 and GLM-4.5: sigmoid scores (the correction bias only chooses), renormalized, times
+    # routed_scaling_factor.
+    weights = logits.sigmoid().gather(1, experts)
+    if block.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * block.routed_scaling_factor
+
+
+def _sigmoid_renormalized(block, logits, experts):
+    # MiniMax-M2: fp32 sigmoid scores (the correction bias only chooses), always renormalized.
+    weights = logits.float().sigmoid().gather(1, experts)
+    return weights / weights.sum(dim=-1, keepdim=True)
+
+
+def _top_k_then_softmax(block, logits, experts):
+    # GPT-OSS: a softmax over the chosen experts' logits alone, in the logits' dtype.
+    return torch.softmax(logits.gather(1, experts), dim=1, dtype=logits.dtype)
+
+
+# HF transformers' sparse MoE blocks, by class name.
+_HF_ROUTING = {
+    "Qwen3MoeSparseMoeBlock": _HFRouting("gate", _softmax_then_top_k),
+    "Qwen2MoeSparseMoeBlock": _HFRouting("gate", _softmax_then_top_k),
+    "Qwen3NextSparseMoeBlock": _HFRouting("gate", _softmax_then_top_k),
+    "DeepseekV3MoE": _HFRouting("gate", _sigmoid_scaled),
+    "Glm4MoeMoE": _HFRouting("gate", _sigmoid_scaled),
+    "MiniMaxM2SparseMoeBlock": _HFRouting("gate", _sigmoid_renormalized),
+    "GptOssMLP": _HFRouting("router", _top_k_then_softmax),
 }
 
 
@@ -305,42 +387,42 @@ class ForcedRouting:
     whose bf16 router scores nearly tie for some token are compared on the same experts.
 
     The choice is the only thing replaced. The weights of the forced experts come from HF's own router
-    logits through HF's own scoring (softmax, or sigmoid; renormalization; routed_scaling_factor), and each
-    block still records what HF would have chosen, so a routing that differs by more than near-ties
-    (a wrong correction bias or grouping) shows as a high disagreement rate. Hooks stay until `remove`.
+    logits through HF's own scoring (softmax before or after the top-k, or sigmoid; renormalization;
+    routed_scaling_factor; `_HF_ROUTING`), and each block still records what HF would have chosen, so a
+    routing that differs by more than near-ties (a wrong correction bias or grouping) shows as a high
+    disagreement rate. Hooks stay until `remove`.
     """
 
     def __init__(self, hf_model):
-        self._normalize = bool(getattr(hf_model.config, "norm_topk_prob", False))
         self._forced: Mapping[int, torch.Tensor] = {}
         self.layers: dict[int, LayerRouting] = {}
         self._handles = []
         for name, block in hf_model.named_modules():
-            score = _HF_EXPERT_SCORES.get(type(block).__name__)
-            if score is None:
+            routing = _HF_ROUTING.get(type(block).__name__)
+            if routing is None:
                 continue
             layer = int(re.search(r"layers\.(\d+)\.", name).group(1))
             self.layers[layer] = LayerRouting(layer)
             logits: dict = {}
             self._handles += [
-                block.gate.register_forward_hook(
+                getattr(block, routing.router).register_forward_hook(
                     lambda m, args, out, logits=logits: logits.update(last=out[0] if isinstance(out, tuple) else out)
                 ),
                 block.experts.register_forward_pre_hook(
-                    lambda m, args, block=block, layer=layer, logits=logits, score=score: self._force(
-                        block, layer, score(logits.pop("last")), args
+                    lambda m, args, block=block, layer=layer, logits=logits, routing=routing: self._force(
+                        block, layer, routing, logits.pop("last"), args
                     )
                 ),
             ]
         if not self.layers:
             raise ValueError(
                 f"{type(hf_model).__name__} has no MoE block whose routing can be forced "
-                f"(known: {', '.join(_HF_EXPERT_SCORES)})"
+                f"(known: {', '.join(_HF_ROUTING)})"
             )
 
     @staticmethod
     def supports(hf_model) -> bool:
-        return any(type(m).__name__ in _HF_EXPERT_SCORES for m in hf_model.modules())
+        return any(type(m).__name__ in _HF_ROUTING for m in hf_model.modules())
 
     def set(self, experts: Mapping[int, torch.Tensor]) -> None:
         """The experts of the next forward's tokens: {decoder layer: [T, experts per token]}."""
@@ -349,15 +431,15 @@ class ForcedRouting:
             raise ValueError(f"no forced experts for MoE layers {missing}")
         self._forced = experts
 
-    def _force(self, block, layer: int, scores: torch.Tensor, args: tuple) -> tuple:
+    def _force(self, block, layer: int, routing: _HFRouting, logits: torch.Tensor, args: tuple) -> tuple:
         hidden, own_ids, own_weights = args
         forced = self._forced[layer].to(own_ids.device)
         if forced.shape != own_ids.shape:
             raise ValueError(f"layer {layer}: forced experts {tuple(forced.shape)}, HF routes {tuple(own_ids.shape)}")
-        weights = scores.gather(1, forced)
-        if self._normalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        weights = (weights * getattr(block, "routed_scaling_factor", 1.0)).to(own_weights.dtype)
+        # In the order HF's top-k lists them (best logit first), so that sums over the chosen experts add up in
+        # HF's own order.
+        forced = forced.gather(1, logits.gather(1, forced).argsort(dim=-1, descending=True))
+        weights = routing.weights(block, logits, forced).to(own_weights.dtype)
 
         stats = self.layers[layer]
         own_order, forced_order = own_ids.sort(dim=-1), forced.sort(dim=-1)

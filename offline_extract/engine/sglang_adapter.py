@@ -397,6 +397,13 @@ class Engine:
             raise ValueError(f"final_state must be one of {', '.join(FINAL_STATES)}, got {cfg.final_state!r}")
         self.cfg = cfg
         self.final_state = cfg.final_state
+        # Where the checkpoint's weights are quantized, as its config.json states it (a wrapper's text
+        # model's). Read from the file: SGLang's FP8 loader adds config objects to the in-memory dict later
+        # (seen on the H200), which would no longer serialize into the run's metadata. Checked before SGLang
+        # reads the config, whose own model checks (GPT-OSS's attention backends) would otherwise speak first.
+        raw = json.loads((Path(cfg.model_path) / "config.json").read_text())
+        self.quantization = raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config")
+        _refuse_quantization(cfg.model_path, self.quantization, cfg.device)
         if torch.device(cfg.device).type == "cuda":
             torch.cuda.set_device(cfg.gpu_id)
         backend = cfg.attention_backend or default_attention_backend(cfg.device)
@@ -432,13 +439,6 @@ class Engine:
         mc = ModelConfig.from_server_args(sa)
         _refuse_unsupported_attention(mc, backend, cfg.model_path)
         _refuse_on_cpu(mc.hf_config.architectures[0], cfg.device, cfg.model_path)
-        # Where the checkpoint's weights are quantized, as its config.json states it (a wrapper's text
-        # model's). Read from the file: SGLang's FP8 loader adds config objects to the in-memory dict later
-        # (seen on the H200), which would no longer serialize into the run's metadata.
-        raw = json.loads((Path(cfg.model_path) / "config.json").read_text())
-        self.quantization = raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config")
-        if self.quantization and self.quantization.get("quant_method") == "fp8" and cfg.device == "cpu":
-            _refuse_fp8_on_cpu(cfg.model_path, self.quantization)
         ps = ParallelState(
             tp_rank=cfg.tp_rank, tp_size=cfg.tp_size, pp_rank=0, pp_size=1, dp_rank=None, dp_size=1,
             attn_tp_rank=cfg.tp_rank, attn_tp_size=cfg.tp_size, attn_cp_rank=0, attn_cp_size=1,
@@ -534,8 +534,8 @@ class Engine:
         k, routed = self._experts_per_token, self._routed_experts
 
         def record(layer: int, output) -> None:
-            ids = getattr(output, "topk_ids", None)
-            if ids is None:  # a MoE runner that routes inside its kernel (FlashInfer TRT-LLM, triton_kernels)
+            ids = routed_experts(output)
+            if ids is None:  # a MoE runner that routes inside its kernel (FlashInfer TRT-LLM)
                 chosen.setdefault(layer, []).append(None)
                 return
             # A shared expert fused into the routed kernel shows up as an extra column with an id past the
@@ -704,6 +704,30 @@ class Engine:
         self.runner.token_to_kv_pool_allocator.clear()
 
 
+def routed_experts(topk_output) -> torch.Tensor | None:
+    """The experts SGLang's TopK chose, [T, experts per token] in any order within a row, from any output format
+    that states them; None for one that leaves the choice to the MoE kernel (BYPASSED)."""
+    ids = getattr(topk_output, "topk_ids", None)
+    if ids is not None:
+        return ids
+    routing = getattr(topk_output, "routing_data", None)
+    if routing is None:
+        return None
+    # triton_kernels (GPT-OSS's default MoE runner on Hopper): no id table, but the (token, slot) pairs sorted by
+    # expert, gather_indx.src_indx numbering them token * k + slot, and expt_hist counting each expert's pairs.
+    # Reading the experts back off that order gives each pair its expert (triton_kernels' own reference,
+    # make_bitmatrix_metadata_torch, is a stable argsort of the flat id table).
+    k = routing.n_expts_act
+    pairs = topk_output.gather_indx.src_indx
+    pairs = pairs[pairs >= 0].long()
+    experts = torch.repeat_interleave(
+        torch.arange(routing.n_expts_tot, device=pairs.device), routing.expt_hist.long(), output_size=len(pairs)
+    )
+    ids = torch.empty(len(pairs), dtype=torch.long, device=pairs.device)
+    ids[pairs] = experts
+    return ids.view(-1, k)
+
+
 def _new_req(i: int, ids: np.ndarray):
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
@@ -721,16 +745,41 @@ def _new_req(i: int, ids: np.ndarray):
     return r
 
 
-def _refuse_fp8_on_cpu(model_path: str, quantization: dict) -> None:
-    """Before any weight loads: SGLang 0.5.17 runs FP8 linear layers and experts on CPU only through the Intel
-    AMX kernels of sgl_kernel's CPU build (fp8.py asserts it after loading every weight)."""
-    from sglang.srt.utils import cpu_has_amx_support
+# The quantized formats SGLang 0.5.17 runs and how: {quant_method: (name, what runs it on CPU)}.
+_QUANTIZED_ON_CPU = {
+    # fp8.py asserts AMX after loading every weight.
+    "fp8": ("an FP8 checkpoint", "SGLang runs FP8 weights on CPU only with the Intel AMX kernels of sgl_kernel's CPU build"),
+    # mxfp4.py packs the experts for AMX, and otherwise upcasts them with triton_kernels' GPU kernels.
+    "mxfp4": ("an MXFP4 checkpoint", "SGLang runs MXFP4 experts on CPU only with the Intel AMX kernels of "
+              "sgl_kernel's CPU build"),
+}
 
-    if not cpu_has_amx_support():
-        raise NotImplementedError(
-            f"{model_path} is an FP8 checkpoint ({quantization}); SGLang runs FP8 weights on CPU only with the "
-            f"Intel AMX kernels of sgl_kernel's CPU build, which this host lacks. Run it on a GPU (--device cuda)"
-        )
+
+def _refuse_quantization(model_path: str, quantization: dict | None, device: str) -> None:
+    """Before SGLang reads the model: a quantized checkpoint on a device where SGLang 0.5.17 cannot run it.
+
+    MXFP4 on a GPU runs through triton_kernels (the MoE runner SGLang picks for GPT-OSS on Hopper: MXFP4 weights
+    upcast inside the kernel, bf16 activations), or FlashInfer's MXFP4 kernels on Blackwell (sm100/sm120);
+    without triton_kernels a Hopper would fail only after loading every weight."""
+    method = (quantization or {}).get("quant_method")
+    if method not in _QUANTIZED_ON_CPU:
+        return
+    name, cpu = _QUANTIZED_ON_CPU[method]
+    if device == "cpu":
+        from sglang.srt.utils import cpu_has_amx_support
+
+        if not cpu_has_amx_support():
+            raise NotImplementedError(
+                f"{model_path} is {name} ({quantization}); {cpu}, which this host lacks. Run it on a GPU (--device cuda)"
+            )
+    elif method == "mxfp4":
+        from sglang.srt.utils import is_sm100_supported, is_sm120_supported, is_triton_kernels_available
+
+        if not (is_triton_kernels_available() or is_sm100_supported() or is_sm120_supported()):
+            raise NotImplementedError(
+                f"{model_path} is {name} ({quantization}); SGLang {SGLANG_VERSION} runs MXFP4 experts on this GPU "
+                f"only through the triton_kernels package, which is not installed (pip install triton_kernels)"
+            )
 
 
 class _CaptureOnly(torch.nn.Module):

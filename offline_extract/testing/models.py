@@ -3,7 +3,7 @@ suite's 8B-shaped Llama and a 180B DeepSeek-V3 shape among them), with the embed
 
 Everything is generated from fixed seeds, so two machines build the same files; nothing is downloaded.
 `build_model` writes them in bf16/fp32, or block-quantized to FP8 as DeepSeek-V3 and the Qwen3 "-FP8"
-releases ship.
+releases ship, or with MXFP4 experts as GPT-OSS ships.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from offline_extract.default_model import ensure_tiny_model, random_checkpoint, tiny_llama_config
+from offline_extract.engine.parity import E2M1_MAGNITUDES, MXFP4_BLOCK
 
 
 def _tiny_qwen3_config(vocab_size: int) -> dict:
@@ -433,6 +434,7 @@ def build_model(
     tokenizer_dir: str | os.PathLike | None = None,
     weights: bool = True,
     fp8: bool = False,
+    mxfp4: bool = False,
 ) -> Path:
     """Write a seeded random model of `arch` with the embedded tokenizer (from `tokenizer_dir` if given,
     else the cached embedded model).
@@ -442,7 +444,8 @@ def build_model(
     those of "llama4_text". `device` is where the
     weights are drawn (a GPU makes the 8B-shaped model quick); `overrides` replace top-level config fields
     (of the text config, for a wrapped architecture). weights=False writes the config alone, for SGLang's
-    dummy loader. fp8=True then quantizes the checkpoint as the FP8 releases are (`quantize_fp8_checkpoint`).
+    dummy loader. fp8=True then quantizes the checkpoint as the FP8 releases are (`quantize_fp8_checkpoint`),
+    mxfp4=True its experts as the GPT-OSS releases are (`quantize_mxfp4_checkpoint`).
     """
     base, wrap = _WRAPPED.get(arch, (arch, None))
     if base not in ARCHITECTURES:
@@ -458,6 +461,8 @@ def build_model(
         out = random_checkpoint(config, out_dir, seed=seed, dtype=dtype, device=device)
         if fp8:
             quantize_fp8_checkpoint(out)
+        if mxfp4:
+            quantize_mxfp4_checkpoint(out)
     else:  # for SGLang's dummy loader, which draws its own random weights
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -527,3 +532,51 @@ def quantize_fp8_checkpoint(model_dir: str | os.PathLike, quantization_config: d
         index_path.write_text(json.dumps(index))
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}, indent=2))
+
+
+# GPT-OSS as OpenAI releases it (gpt-oss-20b, -120b): the experts' projections in MXFP4, everything else in
+# bf16. This is their quantization_config verbatim.
+MXFP4_QUANTIZATION_CONFIG = {
+    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+    "quant_method": "mxfp4",
+}
+_MXFP4_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., K] -> (blocks [..., K/32, 16] uint8, scales [..., K/32] uint8), the inverse of
+    `parity.dequantize_mxfp4` up to e2m1 rounding: each 32 values share the smallest power-of-two scale that
+    brings their largest magnitude within e2m1's largest (6), so nothing clips, and each value rounds to the
+    nearest e2m1 value, two codes a byte, the lower nibble first."""
+    groups = weight.float().unflatten(-1, (-1, MXFP4_BLOCK))
+    largest = groups.abs().amax(dim=-1).clamp(min=2.0**-126)
+    exponent = torch.ceil(torch.log2(largest / E2M1_MAGNITUDES[-1])).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    magnitudes = torch.tensor(E2M1_MAGNITUDES)
+    codes = (scaled.abs()[..., None] - magnitudes).abs().argmin(dim=-1) + 8 * (scaled < 0)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8), (exponent + 127).to(torch.uint8)
+
+
+def quantize_mxfp4_checkpoint(model_dir: str | os.PathLike) -> None:
+    """Rewrite a written GPT-OSS checkpoint in place as released: each expert projection, held by HF as
+    [experts, in, out], stored as `<name>_blocks` [experts, out, in/32, 16] and `<name>_scales`
+    [experts, out, in/32] (gate and up rows interleaved, as HF's fused layout has them), its bias and every other
+    tensor kept; and `quantization_config` in config.json."""
+    model_dir = Path(model_dir)
+    index_path = model_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else None
+    for path in sorted(model_dir.glob("*.safetensors")):
+        tensors = {}
+        for name, t in load_file(path).items():
+            if not name.endswith(_MXFP4_EXPERTS):
+                tensors[name] = t
+                continue
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = quantize_mxfp4(t.transpose(1, 2))
+            if index is not None:
+                del index["weight_map"][name]
+                index["weight_map"].update({f"{name}_blocks": path.name, f"{name}_scales": path.name})
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    if index is not None:
+        index_path.write_text(json.dumps(index))
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "quantization_config": MXFP4_QUANTIZATION_CONFIG}, indent=2))

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The MoE part of the GPU suite on one H200 in one device call (about 6 minutes), SGLang 0.5.17 (+ FA3):
+#   bash benchmarks/gpu_moe.sh RESULTS_DIR [SECONDS]
+# Every MoE family against HF on the experts the engine chose, and against HF in fp32 (the bf16 floor), on
+# triton, flashinfer and fa3: three lanes side by side on the one GPU, one a backend (each engine's KV pool
+# is capped at a few thousand tokens, so they share its memory). Then --verify as users run GPT-OSS and
+# Qwen3-Next (default backend). Each family's parity JSON goes to
+# RESULTS_DIR/parity/<architecture>-<backend>.json with its command; every step's command, exit status and
+# seconds into RESULTS_DIR/steps.jsonl, its output into RESULTS_DIR/<step>.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+results=$(realpath -m "$1") budget=${2:-560}
+mkdir -p "$results"
+start=$(date +%s)
+
+step() {  # step NAME LIMIT_SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  local left=$(( budget - ($(date +%s) - start) - 10 ))
+  (( limit > left )) && limit=$left
+  if (( limit < 30 )); then
+    printf '{"step": "%s", "command": "%s", "rc": null, "seconds": 0, "note": "no time left"}\n' "$name" "$*" >>"$results/steps.jsonl"
+    return
+  fi
+  local t0=$(date +%s)
+  PYTHONUNBUFFERED=1 OFFLINE_EXTRACT_RESULTS=$results/parity timeout "$limit" bash -c "$*" >"$results/$name.log" 2>&1
+  local rc=$?
+  python3 -c 'import json,sys; print(json.dumps({"step": sys.argv[1], "command": sys.argv[2], "rc": int(sys.argv[3]), "seconds": int(sys.argv[4])}))' \
+    "$name" "$*" "$rc" "$(( $(date +%s) - t0 ))" >>"$results/steps.jsonl"
+}
+
+moe="qwen3_moe or glm4_moe or gpt_oss or qwen3_next or minimax_m2 or qwen2_moe or deepseek_v3 or kimi_k25"
+suite="python -m pytest -m gpu tests/test_gpu_architectures.py -v -rA -p no:cacheprovider"
+step moe_triton 420 "$suite -k '($moe) and triton'" &
+step moe_flashinfer 420 "$suite -k '($moe) and flashinfer'" &
+step moe_fa3 420 "$suite -k '($moe) and fa3'" &
+wait
+step verify_default_backend 150 "python -m pytest -m gpu tests/test_gpu.py -v -rA -p no:cacheprovider -k verify_passes_on_the_families"
