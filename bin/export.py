@@ -30,7 +30,7 @@ import _bin_path  # noqa: F401  (must come first: see its docstring)
 import click
 
 from offline_extract.cli import command
-from offline_extract.progress import plural
+from offline_extract.words import plural
 from offline_extract.store.schema import ShardError
 from offline_extract.training.export import DEFAULT_ROWS_PER_FOLDER, FORMATS, ExportError, export
 

@@ -9,7 +9,7 @@ import click
 from rich.console import Console
 
 from offline_extract.cli import command
-from offline_extract.progress import plural
+from offline_extract.words import plural
 from offline_extract.store import inspection, integrity
 from offline_extract.store.schema import ShardError
 

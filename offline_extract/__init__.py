@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from offline_extract.version import __version__
 
 # Public name -> (module, name there). Imported on first use, so that `import offline_extract` (and so
 # every bin/ script's start and every check made before the model loads) pays for torch and SGLang only

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from offline_extract import __version__
+from offline_extract.version import __version__
 
 
 class Interrupted(click.ClickException):

@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from offline_extract import __version__, final_norm, planning, preflight
+from offline_extract import final_norm, planning, preflight
 from offline_extract.data.batching import batch_by_tokens
 from offline_extract.data.corpus import BadRecordError, Record, Reject, read_corpus
 from offline_extract.data.sources import Source
@@ -30,7 +30,7 @@ from offline_extract.engine.distributed import Coordinator, Layout, ReportedByLe
 from offline_extract.engine.nonfinite import NonFiniteError, NonFiniteGuard
 from offline_extract.engine.sglang_adapter import FINAL_STATES, LAYER_CONVENTION, Engine, EngineConfig
 from offline_extract.feed import HostMemory, extract_batches
-from offline_extract.progress import RunProgress, foreign_output_hidden, note, plural
+from offline_extract.progress import RunProgress, foreign_output_hidden, note
 from offline_extract.recipes import RECIPES
 from offline_extract.store import manifest, resume
 from offline_extract.store.atomic import atomic_write
@@ -39,6 +39,8 @@ from offline_extract.store.journal import Journal, read_journal
 from offline_extract.store.schema import STORES, Encoding
 from offline_extract.store.writer import ShardWriter
 from offline_extract.summary import REJECTS_FILE, Summary, Tally
+from offline_extract.version import __version__
+from offline_extract.words import plural
 
 
 class StoppedError(RuntimeError):
@@ -441,7 +443,7 @@ class Job:
             self.out,
             self.meta,
             shard_bytes=self.opts.shard_bytes,
-            shard_numbers=resume.shard_numbers(existing.first_number, self.layout),
+            shard_numbers=resume.shard_numbers(existing.first_number, self.layout.dp_rank, self.layout.dp_size),
             on_written=lambda shard: shard_log.append(asdict(shard)),
             # On a GPU the first shards would otherwise fill fresh pages on the hot path; on CPU
             # (tiny models, tests) that memory would mostly sit unused.

@@ -15,11 +15,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
-def plural(n: int, noun: str) -> str:
-    """'1 shard', '3 shards': counts in messages are often 1."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
 def note(message: str) -> None:
     """One of our own lines, on stderr and at once (before a long phase starts, not after it)."""
     print(message, file=sys.stderr, flush=True)

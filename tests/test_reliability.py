@@ -444,7 +444,8 @@ def test_take_over_clears_leftovers_and_numbers_new_shards_above_existing(tmp_pa
     mask = resume.done_mask(tmp_path, existing.shards)
     assert np.flatnonzero(mask).tolist() == [0, 2, 5]
     replica = Layout(rank=2, world_size=4)  # dp 2 of 4
-    assert [n for n, _ in zip(resume.shard_numbers(existing.first_number, replica), range(3))] == [13, 17, 21]
+    numbers = resume.shard_numbers(existing.first_number, replica.dp_rank, replica.dp_size)
+    assert [n for n, _ in zip(numbers, range(3))] == [13, 17, 21]
 
 
 def test_a_damaged_shard_stops_a_resume_with_what_to_do(tmp_path):

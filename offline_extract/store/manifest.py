@@ -19,12 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
-from offline_extract.progress import plural
 from offline_extract.store.atomic import atomic_write
 from offline_extract.store.index import shard_paths
 from offline_extract.store.journal import load_json, read_journal
 from offline_extract.store.schema import FORMAT_VERSION, shard_number
 from offline_extract.store.shard import read_header
+from offline_extract.words import plural
 
 MANIFEST_NAME = "manifest.json"
 JOURNAL_GLOB = ".manifest.dp*.jsonl"

@@ -21,12 +21,11 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from offline_extract.engine.distributed import Layout
-from offline_extract.progress import plural
 from offline_extract.store import manifest
 from offline_extract.store.index import describes, read_index, shard_paths, write_index
 from offline_extract.store.schema import INDEX_NAME, ShardError, shard_number
 from offline_extract.store.shard import read_header
+from offline_extract.words import plural
 
 LOCK_NAME = ".lock"
 REJECTS_PARTS = ".rejects.dp*.jsonl"
@@ -235,8 +234,8 @@ def done_mask(out: Path, shards: Sequence[str]) -> np.ndarray:
     return mask
 
 
-def shard_numbers(first: int, layout: Layout) -> Iterator[int]:
+def shard_numbers(first: int, dp_rank: int, dp_size: int) -> Iterator[int]:
     """This replica's new shard numbers: above every existing one, interleaved by dp_rank so replicas
     never collide, whatever DP size wrote the existing ones."""
-    return itertools.count(first + layout.dp_rank, layout.dp_size)
+    return itertools.count(first + dp_rank, dp_size)
 

@@ -1,0 +1,75 @@
+"""The package's parts import downwards only: a part may import its own floor and those below it.
+
+Read from the source (no imports run), so a wrong-way import fails here before it makes a cycle.
+"""
+import ast
+from pathlib import Path
+
+from extract_runs import ROOT
+
+PACKAGE = ROOT / "offline_extract"
+
+# Bottom first. A part is a top-level module or subpackage of offline_extract; the package itself
+# (its __init__, the public API) is the top floor.
+FLOORS = [
+    {"version", "words", "choices", "recipes", "hub", "default_model", "final_norm", "timeline"},
+    {"data"},
+    {"store"},
+    {"engine"},
+    {"progress", "training", "testing"},
+    {"preflight", "planning", "summary", "feed"},
+    {"extraction"},
+    {"cli"},
+    {""},
+]
+FLOOR = {part: level for level, parts in enumerate(FLOORS) for part in parts}
+
+
+def part_of(module: str) -> str:
+    """'offline_extract.store.index' -> 'store'; the package itself -> ''."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every offline_extract module that `path` imports, `from offline_extract import x`
+    counted as importing offline_extract.x when x is a module, else the package itself."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "offline_extract"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "offline_extract":
+            if node.module == "offline_extract":
+                for a in node.names:
+                    is_module = (PACKAGE / f"{a.name}.py").exists() or (PACKAGE / a.name).is_dir()
+                    found.append((node.lineno, f"offline_extract.{a.name}" if is_module else "offline_extract"))
+            else:
+                found.append((node.lineno, node.module))
+    return found
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_every_part_has_a_floor():
+    parts = {part_of(module_name(p)) for p in PACKAGE.rglob("*.py")}
+    assert parts - FLOOR.keys() == set(), "add the new part to FLOORS"
+
+
+def test_no_part_imports_a_part_above_it():
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        here = part_of(module_name(path))
+        for line, module in imports(path):
+            there = part_of(module)
+            if FLOOR.get(there, -1) > FLOOR.get(here, len(FLOORS)):
+                wrong.append(f"{path.relative_to(ROOT)}:{line}: {here or 'the package'} imports {module}")
+    assert wrong == []
+
+
+def test_the_check_sees_a_wrong_way_import(tmp_path):
+    wrong = tmp_path / "resume.py"
+    wrong.write_text("from offline_extract.engine.distributed import Layout\nfrom offline_extract import extraction\n")
+    assert [part_of(m) for _, m in imports(wrong)] == ["engine", "extraction"]
+    assert FLOOR["engine"] > FLOOR["store"] and FLOOR["extraction"] > FLOOR["store"]
