@@ -80,8 +80,10 @@ def run(model: str, batches_path: Path, result: Path, dump: Path | None, dump_sa
         engine = sglang.Engine(
             model_path=model, dtype=dtype, device=device, enable_return_hidden_states=True, skip_tokenizer_init=True,
             disable_radix_cache=True, chunked_prefill_size=-1, max_prefill_tokens=max(largest, max_length),
-            # KV room for one of our batches: the scheduler packs prefills as ours are packed.
-            max_total_tokens=max(largest, max_length) + 64, context_length=max_length + 1,
+            # KV room for one of our batches: the scheduler packs prefills as ours are packed. SGLang 0.5.17
+            # admits an input only under its context less 6 (the generated token and 5 more,
+            # TpModelWorker.get_worker_info), so the longest sample needs that much room above it.
+            max_total_tokens=max(largest, max_length) + 64, context_length=max_length + 6 + 1,
             # Graphs serve decode steps only, which a max_new_tokens=1 request never takes; its one sampled
             # token costs the same on any sampler, and PyTorch's runs on every device.
             disable_cuda_graph=True, sampling_backend="pytorch", log_level="error", **kwargs,
