@@ -40,7 +40,7 @@ from offline_extract.training.export import DEFAULT_ROWS_PER_FOLDER, FORMATS, Ex
 @click.option("--to", "dest", required=True, type=click.Path(file_okay=False, path_type=str),
               help="Destination directory: new, empty, or an interrupted export of the same data.")
 @click.option("--format", "format_", type=click.Choice(FORMATS), default="specforge", show_default=True)
-@click.option("--rows-per-folder", default=DEFAULT_ROWS_PER_FOLDER, show_default=True,
+@click.option("--rows-per-folder", default=DEFAULT_ROWS_PER_FOLDER, show_default=True, type=click.IntRange(min=1),
               help="Samples per rows_{start}-{end} folder (specforge).")
 @click.option("--gzip/--no-gzip", "gzipped", default=None,
               help="Write data_{i}.ckpt.gz, which SpecForge's reader opens (specforge). Default: gzip a run stored as "
@@ -55,6 +55,8 @@ def main(out_dir, dest, format_, rows_per_folder, gzipped, allow_partial, no_pro
         summary = export(format_, out_dir, dest, progress=not no_progress, allow_partial=allow_partial, **options)
     except (ShardError, ExportError) as e:
         raise click.ClickException(str(e)) from e
+    except OSError as e:  # a full disk, say: the message names the errno and the file
+        raise click.ClickException(f"{e}\nOnce the cause is fixed, rerunning the same export resumes into {dest}") from e
     skipped = f", {summary.samples_skipped} already there" if summary.samples_skipped else ""
     click.echo(
         f"wrote {plural(summary.samples_written, 'sample')} ({summary.bytes_written / 1e9:.2f} GB) to {summary.dest}"

@@ -1,4 +1,8 @@
 import json
+import os
+import re
+import resource
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +14,7 @@ from offline_extract.store import manifest
 from offline_extract.store.index import iter_samples
 from offline_extract.store.schema import ShardError
 from offline_extract.testing.shards import write_synthetic
+from offline_extract.training import export as export_module
 from offline_extract.training.export import (
     MANIFEST_NAME, SPECULATORS_TRAIN_CONFIG, ExportError, export_specforge, export_speculators, specforge_path,
     speculators_path,
@@ -129,6 +134,53 @@ def test_a_shard_whose_bytes_differ_from_its_checksum_is_not_exported(out_dir, t
     assert not (tmp_path / "sf").exists()
     with pytest.raises(ShardError, match=damaged.name):
         export_speculators(out_dir, tmp_path / "spec", progress=False)
+
+
+def test_ctrl_c_while_a_sample_is_saved_stops_after_it_and_the_export_resumes(out_dir, tmp_path, monkeypatch):
+    saved = []
+    real_save = export_module._save_specforge
+
+    def save_then_interrupted(record, path, gzipped):
+        if not saved:
+            os.kill(os.getpid(), signal.SIGINT)  # arrives mid-save, as Ctrl-C inside torch.save would
+        real_save(record, path, gzipped)
+        saved.append(path)
+
+    monkeypatch.setattr(export_module, "_save_specforge", save_then_interrupted)
+    dest = tmp_path / "sf"
+    with pytest.raises(KeyboardInterrupt):
+        export_specforge(out_dir, dest, progress=False)
+    assert len(saved) == 1 and torch.load(specforge_path(dest, 0))["input_ids"].shape == (LENGTHS[0],)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    summary = export_specforge(out_dir, dest, progress=False)
+    assert (summary.samples_skipped, summary.samples_written) == (1, len(LENGTHS) - 1)
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "speculators"])
+def test_a_full_disk_names_the_file_and_errno_and_a_rerun_resumes(out_dir, pre_norm_dir, tmp_path, fmt):
+    source = out_dir if fmt == "specforge" else pre_norm_dir
+    limit = 1200  # bytes: less than the longest sample's file in either format
+
+    def full_disk() -> None:
+        # Ignored, SIGXFSZ no longer kills the writer; write() fails with EFBIG, as on a full disk.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    dest = tmp_path / "dest"
+    full = subprocess.run([sys.executable, str(SCRIPT), "--format", fmt, source, "--to", dest, "--no-progress"],
+                          capture_output=True, text=True, preexec_fn=full_disk)
+    assert full.returncode == 1 and "Traceback" not in full.stderr, full.stderr
+    assert re.search(r"Error: \[Errno 27\] File too large: '.*/\.[\w.]+\.tmp'", full.stderr), full.stderr
+    assert "rerunning the same export resumes" in full.stderr
+    assert not list(dest.rglob(".*.tmp")), "no partial file is left"
+    done = run_script("--format", fmt, source, "--to", dest, "--no-progress")
+    assert done.returncode == 0, done.stderr
+
+
+def test_rows_per_folder_must_be_positive(out_dir, tmp_path):
+    refused = run_script("--format", "specforge", out_dir, "--to", tmp_path / "sf", "--rows-per-folder", "0")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "--rows-per-folder" in refused.stderr and "0 is not in the range x>=1" in refused.stderr
 
 
 def test_script(out_dir, tmp_path):

@@ -60,17 +60,21 @@ renamed into place complete, so existing ones are skipped.
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import os
 import shutil
+import signal
+import threading
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import yaml
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
 
 from offline_extract import final_norm
 from offline_extract.progress import RunProgress
@@ -127,11 +131,21 @@ def specforge_record(item: dict, recipe: str = "eagle3") -> dict[str, torch.Tens
 
 
 def _save_specforge(record: dict, path: Path, gzipped: bool) -> None:
-    if not gzipped:
-        torch.save(record, path)
-        return
-    with gzip.open(path, "wb", compresslevel=GZIP_LEVEL) as f:
-        torch.save(record, f)
+    _write_bytes(path, _torch_bytes(record), gzipped)
+
+
+def _torch_bytes(obj) -> memoryview:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getbuffer()
+
+
+def _write_bytes(path: Path, data: bytes | memoryview, gzipped: bool = False) -> None:
+    """Files are serialized in memory and written here, by Python: torch's and safetensors' own file
+    writers report a full disk as a bare C++ "iostream error" or a message without errno, where
+    Python's OSError carries both the errno and, through atomic_write, the path."""
+    with gzip.open(path, "wb", compresslevel=GZIP_LEVEL) if gzipped else open(path, "wb") as f:
+        f.write(data)
 
 
 def speculators_path(dest: str | os.PathLike, i: int) -> Path:
@@ -260,6 +274,24 @@ def _prepare_dest(dest: Path, manifest: dict) -> None:
     atomic_write(manifest_path, lambda tmp: tmp.write_text(json.dumps(manifest)))
 
 
+@contextmanager
+def _interrupt_between_samples() -> Iterator[None]:
+    """Ctrl-C while a sample is read or saved takes effect once it is done. A KeyboardInterrupt raised
+    inside torch's or safetensors' C++ code can surface as an unrelated error (e.g. "could not determine
+    the shape of object type 'torch.storage.UntypedStorage'") instead of an interruption."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
 def _write_samples(
     dataset: HiddenStateDataset, path_of: Callable[[int], Path], read: Callable[[int], dict],
     save: Callable[[dict, Path], None], progress: bool, summary: "ExportSummary",
@@ -274,9 +306,10 @@ def _write_samples(
                 summary.samples_skipped += 1
                 bar.advance(1, 0, summary.bytes_written)
                 continue
-            item = read(i)
-            path.parent.mkdir(exist_ok=True)
-            atomic_write(path, lambda tmp: save(item, tmp), durable=False)
+            with _interrupt_between_samples():
+                item = read(i)
+                path.parent.mkdir(exist_ok=True)
+                atomic_write(path, lambda tmp: save(item, tmp), durable=False)
             summary.samples_written += 1
             summary.bytes_written += path.stat().st_size
             bar.advance(1, len(item["input_ids"]), summary.bytes_written)
@@ -344,7 +377,8 @@ def export_speculators(
         read, record = dataset.stored, lambda item: speculators_fp8_record(_converted_stored(item, convert))
     else:
         read, record = dataset.__getitem__, lambda item: speculators_record(_converted(item, convert))
-    _write_samples(dataset, lambda i: speculators_path(dest, i), read, lambda item, tmp: save_file(record(item), tmp),
+    _write_samples(dataset, lambda i: speculators_path(dest, i), read,
+                   lambda item, tmp: _write_bytes(tmp, safetensors_bytes(record(item))),
                    progress, summary)
     freq: Counter[int] = Counter()
 
@@ -372,7 +406,7 @@ def export_speculators(
         shutil.rmtree(cache, ignore_errors=True)
         if bars:
             datasets.enable_progress_bars()
-    atomic_write(dest / SPECULATORS_TOKEN_FREQ, lambda tmp: torch.save(dict(freq), tmp))
+    atomic_write(dest / SPECULATORS_TOKEN_FREQ, lambda tmp: _write_bytes(tmp, _torch_bytes(dict(freq))))
     config = speculators_train_config(run, dest, layer_ids, fp8)
     atomic_write(dest / SPECULATORS_TRAIN_CONFIG, lambda tmp: tmp.write_text(config))
     return summary
