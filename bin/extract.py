@@ -95,8 +95,9 @@ from offline_extract.recipes import RECIPES
 @click.option("--trim-after-last-loss-token", is_flag=True,
               help="Drop each sample's tokens after its last loss token (they carry no training signal).")
 @click.option("--dry-run", is_flag=True,
-              help="Tokenize the corpus, print samples, tokens, bytes per output tensor and free space at --out, "
-                   "and stop; exits non-zero if the output would not fit (unless --force).")
+              help="Tokenize the corpus, print samples, tokens, the first rejected records (line and reason), bytes "
+                   "per output tensor and free space at --out, and stop; exits non-zero if the output would not fit "
+                   "(unless --force) or --out cannot be written.")
 @click.option("--strict", is_flag=True,
               help="Stop at the first bad record in corpus order (named by source and line) instead of listing it in "
                    "rejects.jsonl. Every record is read and tokenized first (each replica its share), so the run stops "
@@ -186,6 +187,8 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
         verdict = no_sample_verdict(data, plan.records, {"rejected": plan.rejected, "skipped": plan.skipped})
         if verdict:
             raise click.ClickException(verdict)
+        if not plan.writable:
+            raise click.ClickException(f"{out} cannot be written: its filesystem is read-only, or you lack permission")
         if not plan.fits and not force:
             raise click.ClickException(f"the output would not fit in {out}; free space first or pass --force")
     elif summary is not None:

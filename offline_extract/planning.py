@@ -5,15 +5,18 @@ turns the token count into bytes per output tensor, set against the free space a
 """
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from offline_extract.data.corpus import BadRecordError, Record, read_corpus
+from offline_extract.data.corpus import BadRecordError, Record, Reject, read_corpus
 from offline_extract.data.tokenization import Sample, SampleTokenizer
 from offline_extract.progress import human_bytes
 from offline_extract.store.schema import Encoding
 
+# Rejected records listed by a dry run, with their reasons; the run itself lists every one in rejects.jsonl.
+REJECTS_SHOWN = 10
 # Per sample, besides its rows of the per-sample tensors: its metadata entry (about 150 bytes of JSON).
 _SAMPLE_METADATA_BYTES = 150
 
@@ -28,6 +31,11 @@ class Plan:
     loss_tokens: int
     bytes_by_tensor: dict[str, int]
     free_bytes: int
+    # The directory --out would be created in (or --out itself) can take files: a read-only mount or a
+    # directory of someone else's fails the real run at its first write.
+    writable: bool = True
+    # The first rejected records, each with its source, line and reason (`rejected` counts them all).
+    first_rejects: tuple[Reject, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -45,6 +53,7 @@ def plan(
     """Under `strict`, the first bad record raises BadRecordError, as it stops the real run. Compressed
     states are sized as they are before compression: how much zstd saves depends on the states."""
     records = samples = skipped = rejected = tokens = loss_tokens = 0
+    first_rejects = []
     for item in read_corpus(data):
         records += 1
         if isinstance(item, Record):
@@ -59,6 +68,8 @@ def plan(
             raise BadRecordError(item)
         else:
             rejected += 1
+            if len(first_rejects) < REJECTS_SHOWN:
+                first_rejects.append(item)
     # The hidden states first (the encoding lists them first): they are nearly all of it.
     sizes = {
         name + (" (before zstd)" if name in encoding.compressed else ""): tokens * n
@@ -70,15 +81,20 @@ def plan(
     existing = Path(out)
     while not existing.exists():
         existing = existing.parent
-    return Plan(records, samples, skipped, rejected, tokens, loss_tokens, sizes, shutil.disk_usage(existing).free)
+    return Plan(records, samples, skipped, rejected, tokens, loss_tokens, sizes, shutil.disk_usage(existing).free,
+                writable=os.access(existing, os.W_OK), first_rejects=tuple(first_rejects))
 
 
 def render(p: Plan, out: str | Path) -> str:
     lines = [
         f"records {p.records}: {p.samples} samples, {p.skipped} skipped, {p.rejected} rejected",
+        *(f"  rejected {r.source}:{r.line}{f' (id {r.id!r})' if r.id else ''}: {r.reason}" for r in p.first_rejects),
+        *([f"  ... and {p.rejected - len(p.first_rejects)} more"] if p.rejected > len(p.first_rejects) else []),
         f"tokens {p.tokens:,} ({p.loss_tokens:,} in the loss, {p.loss_tokens / max(p.tokens, 1):.1%})",
     ]
     lines += [f"  {name:<32} {human_bytes(size):>12}" for name, size in p.bytes_by_tensor.items()]
     lines.append(f"  {'total':<32} {human_bytes(p.total_bytes):>12}")
     lines.append(f"free at {out}: {human_bytes(p.free_bytes)} -> {'fits' if p.fits else 'DOES NOT FIT'}")
+    if not p.writable:
+        lines.append(f"{out} cannot be written here (read-only, or no permission)")
     return "\n".join(lines)

@@ -203,6 +203,13 @@ def test_a_pipe_is_refused_where_it_would_be_read_twice(tmp_path, monkeypatch):
         os.close(write_end)
 
 
+def test_a_dry_run_refuses_an_out_it_cannot_write(tmp_path, cache_env):
+    # /proc/sys takes no new files, whoever asks (root included), like a read-only mount.
+    dry = _extract("/proc/sys/offline_extract_out", "--data", str(CORPUS), "--dry-run", env=cache_env)
+    assert dry.returncode == 1 and "Traceback" not in dry.stderr, dry.stderr[-3000:]
+    assert "Error: /proc/sys/offline_extract_out cannot be written: its filesystem is read-only" in dry.stderr
+
+
 @pytest.mark.parametrize(
     "lines, verdict, result",
     [

@@ -27,3 +27,19 @@ def test_plan_says_when_output_does_not_fit(tiny_model_dir, tmp_path, monkeypatc
     tok = SampleTokenizer(AutoTokenizer.from_pretrained(tiny_model_dir), max_length=4096)
     p = planning.plan([CORPUS], tok, tmp_path, hidden_size=64, num_aux_layers=3)
     assert not p.fits and "DOES NOT FIT" in planning.render(p, tmp_path)
+
+
+def test_plan_names_the_first_rejects_and_an_output_it_cannot_write(tiny_model_dir, tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    good = '{"text": "fine"}'
+    corpus.write_text("\n".join([good, "{broken", good, *(['{"text": ""}'] * 11)]) + "\n")
+    tok = SampleTokenizer(AutoTokenizer.from_pretrained(tiny_model_dir), max_length=4096)
+    # /proc/sys takes no new files, whoever asks (root included), like a read-only mount.
+    p = planning.plan([corpus], tok, "/proc/sys/offline_extract_out", hidden_size=64, num_aux_layers=3)
+    assert (p.records, p.rejected, len(p.first_rejects)) == (14, 12, planning.REJECTS_SHOWN)
+    lines = planning.render(p, "/proc/sys/offline_extract_out").splitlines()
+    assert lines[1].startswith(f"  rejected {corpus}:2: invalid JSON")
+    assert lines[2] == f"  rejected {corpus}:4 (id 'c.jsonl:4'): text is empty"
+    assert lines[1 + planning.REJECTS_SHOWN] == "  ... and 2 more"
+    assert not p.writable and lines[-1] == "/proc/sys/offline_extract_out cannot be written here (read-only, or no permission)"
+    assert planning.plan([corpus], tok, tmp_path / "out", hidden_size=64, num_aux_layers=3).writable
