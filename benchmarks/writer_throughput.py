@@ -1,24 +1,30 @@
 #!/usr/bin/env python
 """Host side of extraction, without a GPU: how fast ShardWriter takes batches, with and without its
-buffers preallocated, and what a first-touch copy costs against a copy into resident memory.
+buffers preallocated, and what a first-touch copy costs against a copy into resident memory; with
+--store/--compress, in that encoding, with the process's peak resident memory above its baseline.
 
     python benchmarks/writer_throughput.py [--out /dev/shm/oe-writer] [--gb 4]
+    python benchmarks/writer_throughput.py --store fp8 --compress zstd --writers 4 --gb 2
 
-Writes benchmarks/results/writer_throughput_<host>.json with this command.
+Writes benchmarks/results/writer_throughput_<host>[_<store>_<compress>].json with this command. The
+states are Gaussian with a few large channels per layer, which zstd compresses about as it does real
+activations (ones, as before, would compress to nothing and hide its cost).
 """
 import json
 import os
 import platform
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
 import click
+import psutil
 import torch
 
 from offline_extract.store.schema import Encoding, SampleInfo
-from offline_extract.store.writer import ShardWriter
+from offline_extract.store.writer import WRITER_THREADS, ShardWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 K, H = 3, 4096  # the 8B shape: 3 aux layers + the last state
@@ -35,30 +41,66 @@ def _copy_rate(nbytes: int, warm: bool) -> float:
     return nbytes / (time.perf_counter() - start)
 
 
-def _writer_rate(out: Path, total_bytes: int, preallocate: bool, shard_bytes: int) -> dict:
+def _states(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch of activation-like bf16 states: Gaussian, a few outlier channels, tokens of varied norm."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(BATCH_TOKENS, K + 1, H, generator=g)
+    x[:, :, :8] *= 30
+    x *= torch.rand(BATCH_TOKENS, K + 1, 1, generator=g) * 4 + 0.5
+    x = x.bfloat16()
+    return x[:, :K].reshape(BATCH_TOKENS, K * H).contiguous(), x[:, K].contiguous()
+
+
+class _PeakRSS:
+    """The process's resident memory, sampled every few milliseconds while the block runs."""
+
+    def __enter__(self):
+        self._proc, self._stop = psutil.Process(), threading.Event()
+        self.baseline = self.peak = self._proc.memory_info().rss
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def _writer_rate(out: Path, total_bytes: int, preallocate: bool, shard_bytes: int, encoding: Encoding = Encoding(),
+                 writers: int = WRITER_THREADS) -> dict:
     """Bytes/s that add_batch + close sustain for 8B-shaped batches (the consumer thread's view)."""
     shutil.rmtree(out, ignore_errors=True)
-    aux = torch.ones(BATCH_TOKENS, K * H, dtype=torch.bfloat16)
-    last = torch.ones(BATCH_TOKENS, H, dtype=torch.bfloat16)
+    aux, last = _states()
     ids = torch.zeros(BATCH_TOKENS, dtype=torch.int32)
     mask = torch.ones(BATCH_TOKENS, dtype=torch.uint8)
     per_batch = (aux.numel() + last.numel()) * 2
     batches = max(1, total_bytes // per_batch)
-    created = time.perf_counter()
-    writer = ShardWriter(out, {"benchmark": True}, shard_bytes=shard_bytes, widths=Encoding().widths(K, H) if preallocate else None)
-    start = time.perf_counter()
-    for b in range(batches):
-        samples = [SampleInfo(index=b * 8 + i, id=f"s{b * 8 + i}", source="synthetic", line=b * 8 + i + 1,
-                              source_len=BATCH_TOKENS // 8, truncated=False) for i in range(8)]
-        writer.add_batch(samples, ids, mask, aux, last, lengths=[BATCH_TOKENS // 8] * 8)
-    fed = time.perf_counter()
-    writer.close()
-    done = time.perf_counter()
+    # Around the writer's whole life: its shard buffers are part of what it holds.
+    with _PeakRSS() as rss:
+        created = time.perf_counter()
+        writer = ShardWriter(out, {"benchmark": True, "layer_ids": list(range(K))}, shard_bytes=shard_bytes, encoding=encoding,
+                             writers=writers, widths=encoding.widths(K, H) if preallocate else None)
+        start = time.perf_counter()
+        for b in range(batches):
+            samples = [SampleInfo(index=b * 8 + i, id=f"s{b * 8 + i}", source="synthetic", line=b * 8 + i + 1,
+                                  source_len=BATCH_TOKENS // 8, truncated=False) for i in range(8)]
+            writer.add_batch(samples, ids, mask, aux, last, lengths=[BATCH_TOKENS // 8] * 8)
+        fed = time.perf_counter()
+        writer.close()
+        done = time.perf_counter()
+    written = sum(p.stat().st_size for p in out.iterdir())
     shutil.rmtree(out, ignore_errors=True)
     data = batches * per_batch
     return {
         "preallocate": preallocate,
         "shard_bytes": shard_bytes,
+        "writers": writers,
+        "bf16_state_bytes_over_file_bytes": data / written,
+        "peak_rss_above_baseline_bytes": rss.peak - rss.baseline,
         "bytes": data,
         "setup_s": start - created,
         "add_batch_bytes_s": data / (fed - start),
@@ -70,8 +112,23 @@ def _writer_rate(out: Path, total_bytes: int, preallocate: bool, shard_bytes: in
 @click.command()
 @click.option("--out", default="/dev/shm/oe-writer", show_default=True)
 @click.option("--gb", default=4.0, show_default=True, help="Hidden-state bytes to push through each writer.")
-def main(out: str, gb: float) -> None:
+@click.option("--store", type=click.Choice(["bf16", "fp8"]), default=None,
+              help="Measure this store only (with --compress), at 512 MB shards, preallocated.")
+@click.option("--compress", type=click.Choice(["none", "zstd"]), default="none", show_default=True)
+@click.option("--writers", default=WRITER_THREADS, show_default=True)
+def main(out: str, gb: float, store: str | None, compress: str, writers: int) -> None:
     total = int(gb * (1 << 30))
+    if store is not None:
+        result = {
+            "command": "python " + " ".join(["benchmarks/writer_throughput.py", *sys.argv[1:]]),
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "writer": _writer_rate(Path(out), total, True, 512 << 20, Encoding(store=store, compress=compress), writers),
+        }
+        name = f"writer_throughput_{platform.node() or 'host'}_{store}_{compress}.json"
+        (ROOT / "benchmarks" / "results" / name).write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result, indent=2))
+        return
     result = {
         "command": "python " + " ".join(["benchmarks/writer_throughput.py", *sys.argv[1:]]),
         "host": platform.node(),

@@ -87,11 +87,32 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).reshape(-1).numpy())
 
 
-def _pieces(tensors: dict[str, torch.Tensor], filling: _Filling | None) -> Iterator[memoryview]:
+class _Frames:
+    """A compressed state's zstd frames as the uint8 tensor they make in the file, written frame by frame.
+    Joining them first (and copying the join into a tensor) held two more copies of the shard's compressed
+    bytes per writer thread while it wrote."""
+
+    dtype = torch.uint8
+
+    def __init__(self, frames: list[bytes]):
+        self.frames = frames
+        self.shape = (sum(map(len, frames)),)
+
+    def numel(self) -> int:
+        return self.shape[0]
+
+    def element_size(self) -> int:
+        return 1
+
+
+def _pieces(tensors: dict[str, torch.Tensor | _Frames], filling: _Filling | None) -> Iterator[memoryview]:
     """The tensors' bytes in the dict's (file) order; rows of the per-token state tensors (states, fp8
     scales) still `filling` are handed out as they become final."""
     for t in tensors.values():
         if not t.numel():
+            continue
+        if isinstance(t, _Frames):
+            yield from map(memoryview, t.frames)
             continue
         if filling is None or t.dim() != 2:
             yield _as_bytes(t.contiguous())
@@ -103,7 +124,7 @@ def _pieces(tensors: dict[str, torch.Tensor], filling: _Filling | None) -> Itera
             done = final
 
 
-def _serialize(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], filling: _Filling | None = None) -> str:
+def _serialize(path: Path, tensors: dict[str, torch.Tensor | _Frames], metadata: dict[str, str], filling: _Filling | None = None) -> str:
     """Write a safetensors file straight from the tensors' memory, without an intermediate bytes copy,
     and return the file's sha256, hashed from memory so the file is never read back. Hashing runs on its
     own thread alongside the write (both release the GIL), so a shard costs the slower of the two, not
@@ -523,14 +544,14 @@ class ShardWriter:
                     buf = self._new_buffer()
                 self._free.put(buf)
 
-    def _compressed(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _compressed(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | _Frames]:
         """Under zstd, each compressed state as its frames, one per sample, and their byte offsets."""
         if not self.encoding.compressed:
             return tensors
         offsets, cctx, out = tensors["offsets"].tolist(), compressor(), dict(tensors)
         for name in self.encoding.compressed:
             frames = [compress_frame(tensors[name][a:b], cctx) for a, b in zip(offsets, offsets[1:])]
-            out[name] = torch.frombuffer(bytearray(b"".join(frames)), dtype=torch.uint8)
+            out[name] = _Frames(frames)
             out[name + FRAMES_SUFFIX] = torch.tensor(np.cumsum([0, *map(len, frames)]), dtype=torch.int64)
         return out
 
