@@ -38,8 +38,10 @@ from offline_extract.data.corpus import Record
 from offline_extract.data.tokenization import Sample, SampleTokenizer
 from offline_extract.default_model import TRAINING_TEXT
 from offline_extract.engine.distributed import Coordinator, Layout, layout_from_env
-from offline_extract.engine.sglang_adapter import JIT_CACHES, Engine, EngineConfig
+from offline_extract.engine.sglang_adapter import JIT_CACHES, Engine
+from offline_extract.extraction import engine_config
 from offline_extract.feed import extract_batches, staging_buffers
+from offline_extract.options import ExtractOptions
 from offline_extract.store.schema import FINAL_STATE, STATE_TENSORS, Encoding
 from offline_extract.store.writer import ShardWriter
 from offline_extract.testing.models import build_model
@@ -376,13 +378,13 @@ def run_bench(opts: BenchOptions) -> list[dict]:
         for key in JIT_CACHES:
             os.environ.pop(key, None)  # even a cache the environment names would not be cold
     timeline.mark("engine")
-    engine = Engine(EngineConfig(
-        model_path=str(model_dir), device="cuda", dtype=opts.dtype, tp_size=opts.tp, tp_rank=layout.tp_rank,
-        gpu_id=layout.local_rank,
-        nccl_port=layout.nccl_port(None), attention_backend=opts.attention_backend,
-        max_tokens_per_batch=opts.tokens_per_batch, max_seqs_per_batch=256, chunk_tokens=opts.chunk_tokens,
-        context_length=opts.longest, load_format=opts.load_format, jit_cache=jit_cache,
-    ))
+    # The engine a run with these options gets.
+    run = ExtractOptions(
+        data=(), model=str(model_dir), dtype=opts.dtype, tp=opts.tp, max_length=opts.longest,
+        tokens_per_batch=opts.tokens_per_batch, chunk_tokens=opts.chunk_tokens,
+        attention_backend=opts.attention_backend, load_format=opts.load_format, jit_cache=jit_cache,
+    )
+    engine = Engine(engine_config(run, layout, model_dir, "cuda", opts.tokens_per_batch, layer_ids=None))
     timeline.mark("loaded")
     cold = _cold_start(engine, warm, timeline)
     if opts.cold:

@@ -31,7 +31,7 @@ import click
 from benchmarks.peers.baselines import BASELINES, PeerOptions
 from benchmarks.extraction_vs_prefill import BenchOptions, run_bench
 from offline_extract.cli import command
-from offline_extract.choices import COMPRESSIONS, STORES
+from offline_extract.options import choices
 
 
 def _command() -> str:
@@ -82,11 +82,11 @@ def _command() -> str:
               help="SpecForge's --sglang-attention-backend (its own default is flashinfer).")
 @click.option("--disk-probe-gb", default=4.0, show_default=True, help="Bytes written to measure each --out's write rate.")
 @click.option("--writers", default=4, show_default=True, help="Shard writer threads (they also compress under zstd).")
-@click.option("--store", "stores", multiple=True, type=click.Choice(list(STORES)), default=["bf16"], show_default=True,
+@click.option("--store", "stores", multiple=True, type=click.Choice(choices("store")), default=["bf16"], show_default=True,
               help="How states are stored (as extract.py --store); repeat to measure several with one model load. "
                    "fp8 also records the per-token cosine of the decoded states against the bf16 ones of the same "
                    "forward passes, worst and median per layer.")
-@click.option("--compress", "compressions", multiple=True, type=click.Choice(COMPRESSIONS), default=["none"],
+@click.option("--compress", "compressions", multiple=True, type=click.Choice(choices("compress")), default=["none"],
               show_default=True, help="As extract.py --compress; repeat for several (every --store is measured with "
                                       "every --compress). Results record the compression ratio and bytes written per "
                                       "second.")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Extract EAGLE-3 training hidden states from a model with SGLang, into bf16 safetensors shards.
+"""Extract EAGLE-3 training hidden states from a model with SGLang, into safetensors shards.
 
 \b
 One GPU, or the embedded tiny model on CPU:
@@ -40,9 +40,8 @@ from pathlib import Path
 
 import click
 
-from offline_extract.choices import COMPRESSIONS, FINAL_STATES, NONFINITE_POLICIES, STORES
 from offline_extract.cli import Interrupted, command
-from offline_extract.recipes import RECIPES
+from offline_extract.options import choices, default
 
 
 @command(help=__doc__)
@@ -51,22 +50,22 @@ from offline_extract.recipes import RECIPES
                    "or torchrun), a .parquet file, a datasets.save_to_disk folder, or a hub "
                    "data set id (org/name, or org/name:split; the local hub cache first, HF_HUB_OFFLINE honoured). "
                    "Repeat for several (records are numbered across them in order).")
-@click.option("--out", default="out", show_default=True, type=click.Path(file_okay=False),
+@click.option("--out", default=default("out"), show_default=True, type=click.Path(file_okay=False),
               help="Output directory for shards, index.json and rejects.jsonl.")
 @click.option("--model", default=None,
               help="HF model directory, or a hub id (org/name) taken from the local hub cache, else downloaded "
                    "unless HF_HUB_OFFLINE is set; the commit it resolved to is recorded. Default: the embedded tiny "
                    "random Llama, built locally, run on CPU.")
-@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
+@click.option("--device", type=click.Choice(choices("device")), default=None,
               help="Default: cuda when a GPU is visible, else cpu.")
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
-              show_default=True, help="Compute dtype (auto = the checkpoint's). Shards are always bf16.")
-@click.option("--tp", default=1, show_default=True, help="Tensor-parallel size; world size / tp replicas run data-parallel.")
+@click.option("--dtype", type=click.Choice(choices("dtype")), default=default("dtype"), show_default=True,
+              help="Compute dtype (auto = the checkpoint's). How the states are stored is --store's.")
+@click.option("--tp", default=default("tp"), show_default=True, help="Tensor-parallel size; world size / tp replicas run data-parallel.")
 @click.option("--layers", default=None,
               help="Comma-separated EAGLE-3 layer ids (id k = output of decoder layer k). "
                    "Default: SGLang's EAGLE-3 default for the model, e.g. [1, N/2-1, N-4] for Llama.")
-@click.option("--max-length", default=4096, show_default=True, help="Longest sample in tokens.")
-@click.option("--overlong", type=click.Choice(["truncate", "skip"]), default="truncate", show_default=True,
+@click.option("--max-length", default=default("max_length"), show_default=True, help="Longest sample in tokens.")
+@click.option("--overlong", type=click.Choice(choices("overlong")), default=default("overlong"), show_default=True,
               help="What to do with a sample longer than --max-length (recorded per sample either way). A "
                    "truncated sample whose loss tokens all lay past the cut is skipped, listed in rejects.jsonl "
                    "and counted as skipped: it has nothing left to train on.")
@@ -76,19 +75,19 @@ from offline_extract.recipes import RECIPES
 @click.option("--chunk-tokens", default=None, type=int,
               help="Tokens a forward when a sample longer than --tokens-per-batch is prefilled in chunks. "
                    "Default: --tokens-per-batch.")
-@click.option("--seqs-per-batch", default=256, show_default=True, help="Most sequences in one forward.")
-@click.option("--shard-size-mb", default=512.0, show_default=True, type=click.FloatRange(0, min_open=True),
+@click.option("--seqs-per-batch", default=default("seqs_per_batch"), show_default=True, help="Most sequences in one forward.")
+@click.option("--shard-size-mb", default=default("shard_bytes") / (1 << 20), show_default=True, type=click.FloatRange(0, min_open=True),
               help="Target hidden-state MiB per shard (a shard closes once it reaches this).")
 @click.option("--attention-backend", default=None,
               help="SGLang attention backend. Default: fa3 on Hopper when installed, else triton; torch_native on CPU.")
-@click.option("--load-format", default="auto", show_default=True,
+@click.option("--load-format", default=default("load_format"), show_default=True,
               help="SGLang load format; 'dummy' gives random weights (benchmarks only).")
-@click.option("--mem-fraction-static", default=0.85, show_default=True,
+@click.option("--mem-fraction-static", default=default("mem_fraction_static"), show_default=True,
               help="GPU memory fraction for weights plus the (prefill-sized) KV pool.")
 @click.option("--port-base", default=None, type=int,
               help="Each data-parallel replica's SGLang rendezvous uses port-base + dp_rank. "
                    "Default: a free port alone, 29600 under torchrun.")
-@click.option("--verify", default=0, show_default=True,
+@click.option("--verify", default=default("verify"), show_default=True,
               help="Before extracting, compare each replica's first N samples against HF transformers and stop "
                    "on mismatch. HF loads the whole model on the GPU of each replica's tp_rank 0, so for a model "
                    "that needs TP, verify a smaller sibling of the same architecture.")
@@ -102,14 +101,14 @@ from offline_extract.recipes import RECIPES
               help="Stop at the first bad record in corpus order (named by source and line) instead of listing it in "
                    "rejects.jsonl. Every record is read and tokenized first (each replica its share), so the run stops "
                    "before the model loads and writes nothing.")
-@click.option("--nonfinite", type=click.Choice(NONFINITE_POLICIES), default="fail", show_default=True,
+@click.option("--nonfinite", type=click.Choice(choices("nonfinite")), default=default("nonfinite"), show_default=True,
               help="A sample whose hidden states hold NaN or Inf: stop the run, drop it (listed in rejects.jsonl "
                    "as dropped), or keep it with a warning.")
-@click.option("--final-state", type=click.Choice(list(FINAL_STATES)), default="post-norm", show_default=True,
+@click.option("--final-state", type=click.Choice(choices("final_state")), default=default("final_state"), show_default=True,
               help="Which final state to store as hidden_states: after the model's final norm (SGLang's EAGLE-3 and "
                    "SpecForge train on it) or before it (vLLM and speculators store this one and apply the "
                    "verifier's norm while training). A drafter trained on the other one is silently wrong.")
-@click.option("--recipe", type=click.Choice(list(RECIPES)), default="eagle3", show_default=True,
+@click.option("--recipe", type=click.Choice(choices("recipe")), default=default("recipe"), show_default=True,
               help="Which drafter the states are for (SpecForge's data preparation). eagle3: SGLang's EAGLE-3 "
                    "layers plus the final state. dflash (also Domino): 5 layers spread evenly over 1..N-3, no final "
                    "state, and only samples with consecutive loss tokens. dspark: the dflash layers and rule plus "
@@ -117,11 +116,11 @@ from offline_extract.recipes import RECIPES
 @click.option("--min-loss-run", default=None, type=click.IntRange(0),
               help="Skip samples without this many consecutive loss tokens (listed in rejects.jsonl as skipped). "
                    "Default: the recipe's (dflash, dspark: 2; eagle3: no rule).")
-@click.option("--store", type=click.Choice(list(STORES)), default="bf16", show_default=True,
+@click.option("--store", type=click.Choice(choices("store")), default=default("store"), show_default=True,
               help="How states are stored. fp8: float8 e4m3 with one float32 scale per token per layer "
                    "(absmax/448), quantized on the GPU before the copy to host: about half the bytes. Readers, "
                    "export and inspect decode to bf16.")
-@click.option("--compress", type=click.Choice(COMPRESSIONS), default="none", show_default=True,
+@click.option("--compress", type=click.Choice(choices("compress")), default=default("compress"), show_default=True,
               help="zstd: lossless, one frame per sample per state tensor with its bytes grouped by significance; "
                    "compressed by the writer threads. Saves most on bf16 states; costs CPU while writing.")
 @click.option("--force", is_flag=True,
@@ -131,7 +130,7 @@ from offline_extract.recipes import RECIPES
                    "before anything is written: mixed, its shards would not be one data set.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow model code from the model directory.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (e.g. for logs): a line every --progress-every seconds instead.")
-@click.option("--progress-every", default=60.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--progress-every", default=default("progress_every"), show_default=True, type=click.FloatRange(min=0),
               help="With --no-progress, seconds between progress lines (samples, tokens, tok/s, GB written, ETA); "
                    "0: none.")
 @click.option("--verbose", is_flag=True,
@@ -146,7 +145,8 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
     from offline_extract import extraction, planning
     from offline_extract.engine.distributed import LeaderFailed, PeerLost, ReportedByLeader
     from offline_extract.engine.parity import ParityError
-    from offline_extract.extraction import ExtractOptions, StoppedError, Terminated, raise_terminated
+    from offline_extract.extraction import StoppedError, Terminated, raise_terminated
+    from offline_extract.options import ExtractOptions
     from offline_extract.summary import REJECTS_FILE, no_sample_verdict
 
     try:

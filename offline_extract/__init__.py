@@ -23,7 +23,7 @@ from offline_extract.version import __version__
 _EXPORTS = {
     "extract": ("offline_extract.extraction", "run"),
     "dry_run": ("offline_extract.extraction", "dry_run"),
-    "ExtractOptions": ("offline_extract.extraction", "ExtractOptions"),
+    "ExtractOptions": ("offline_extract.options", "ExtractOptions"),
     "Summary": ("offline_extract.summary", "Summary"),
     "StoppedError": ("offline_extract.extraction", "StoppedError"),
     "HiddenStateDataset": ("offline_extract.training.datasets", "HiddenStateDataset"),
@@ -40,8 +40,9 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
-    from offline_extract.extraction import ExtractOptions, StoppedError, dry_run
+    from offline_extract.extraction import StoppedError, dry_run
     from offline_extract.extraction import run as extract
+    from offline_extract.options import ExtractOptions
     from offline_extract.store.index import iter_samples
     from offline_extract.store.integrity import verify
     from offline_extract.store.schema import SampleInfo, ShardError

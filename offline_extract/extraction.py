@@ -12,7 +12,7 @@ import json
 import os
 import time
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from itertools import chain, islice
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -28,8 +28,9 @@ from offline_extract.data.tokenization import Sample, SampleTokenizer
 from offline_extract.engine import parity
 from offline_extract.engine.distributed import Coordinator, Layout, ReportedByLeader, layout_from_env
 from offline_extract.engine.nonfinite import NonFiniteError, NonFiniteGuard
-from offline_extract.engine.sglang_adapter import FINAL_STATES, LAYER_CONVENTION, Engine, EngineConfig
+from offline_extract.engine.sglang_adapter import LAYER_CONVENTION, Engine, EngineConfig
 from offline_extract.feed import HostMemory, extract_batches
+from offline_extract.options import FINAL_STATES, ExtractOptions
 from offline_extract.progress import RunProgress, foreign_output_hidden, note
 from offline_extract.recipes import RECIPES
 from offline_extract.store import manifest, resume
@@ -57,41 +58,6 @@ class Terminated(BaseException):
 
 def raise_terminated(signum, frame) -> None:
     raise Terminated()
-
-
-@dataclass(frozen=True)
-class ExtractOptions:
-    data: tuple[str, ...]
-    out: str = "out"
-    model: str | None = None  # None: the embedded tiny Llama, on CPU
-    device: str | None = None  # None: cuda if available, else cpu
-    dtype: str = "auto"
-    tp: int = 1
-    layers: tuple[int, ...] | None = None
-    max_length: int = 4096
-    overlong: str = "truncate"
-    tokens_per_batch: int | None = None
-    chunk_tokens: int | None = None  # for samples longer than tokens_per_batch; None: tokens_per_batch
-    seqs_per_batch: int = 256
-    shard_bytes: int = 512 << 20
-    attention_backend: str | None = None
-    load_format: str = "auto"
-    mem_fraction_static: float = 0.85
-    port_base: int | None = None
-    verify: int = 0
-    trim_after_last_loss: bool = False
-    trust_remote_code: bool = False
-    progress: bool = True
-    progress_every: float = 60.0  # without the bar (progress=False): a progress line this often, in seconds; 0: none
-    verbose: bool = False  # show what SGLang, torch and HF print while loading
-    strict: bool = False
-    nonfinite: str = "fail"
-    final_state: str = "post-norm"  # a key of sglang_adapter.FINAL_STATES
-    recipe: str = "eagle3"  # a key of recipes.RECIPES
-    min_loss_run: int | None = None  # None: the recipe's
-    store: str = "bf16"  # a key of schema.STORES
-    compress: str = "none"  # one of schema.COMPRESSIONS
-    force: bool = False  # resume into an output directory written by a different run
 
 
 def parity_lines(rows: list[dict]) -> list[str]:
@@ -142,6 +108,34 @@ def _known_before_loading(opts: ExtractOptions, checked: preflight.Checked, toke
         "overlong": opts.overlong,
         "trim_after_last_loss_token": opts.trim_after_last_loss,
     }
+
+
+def engine_config(
+    opts: ExtractOptions, layout: Layout, model_path: Path, device: str, tokens_per_batch: int,
+    layer_ids: tuple[int, ...] | None,
+) -> EngineConfig:
+    """The engine a run of `opts` loads on this rank, from what preflight resolved (the bench builds its
+    engine here too, so that it measures the engine a run gets)."""
+    return EngineConfig(
+        model_path=str(model_path),
+        device=device,
+        dtype=_compute_dtype(opts, device),
+        tp_size=opts.tp,
+        tp_rank=layout.tp_rank,
+        gpu_id=layout.local_rank,
+        nccl_port=layout.nccl_port(opts.port_base),
+        attention_backend=opts.attention_backend,
+        max_tokens_per_batch=tokens_per_batch,
+        max_seqs_per_batch=opts.seqs_per_batch,
+        chunk_tokens=opts.chunk_tokens,
+        context_length=max(opts.max_length, 8),
+        layer_ids=layer_ids,
+        final_state=opts.final_state,
+        load_format=opts.load_format,
+        mem_fraction_static=opts.mem_fraction_static,
+        trust_remote_code=opts.trust_remote_code,
+        jit_cache=opts.jit_cache,
+    )
 
 
 def _compute_dtype(opts: ExtractOptions, device: str) -> str:
@@ -320,25 +314,8 @@ class Job:
     def _load(self) -> None:
         opts, checked, layout = self.opts, self.checked, self.layout
         with foreign_output_hidden(not opts.verbose):
-            self.engine = Engine(EngineConfig(
-                model_path=str(checked.model.path),
-                device=checked.device,
-                dtype=_compute_dtype(opts, checked.device),
-                tp_size=opts.tp,
-                tp_rank=layout.tp_rank,
-                gpu_id=layout.local_rank,
-                nccl_port=layout.nccl_port(opts.port_base),
-                attention_backend=opts.attention_backend,
-                max_tokens_per_batch=checked.tokens_per_batch,
-                max_seqs_per_batch=opts.seqs_per_batch,
-                chunk_tokens=opts.chunk_tokens,
-                context_length=max(opts.max_length, 8),
-                layer_ids=checked.layer_ids,
-                final_state=opts.final_state,
-                load_format=opts.load_format,
-                mem_fraction_static=opts.mem_fraction_static,
-                trust_remote_code=opts.trust_remote_code,
-            ))
+            self.engine = Engine(engine_config(opts, layout, checked.model.path, checked.device,
+                                               checked.tokens_per_batch, checked.layer_ids))
         self.meta = run_metadata(self.known, self.engine)
 
     def _claim(self, existing: resume.Existing) -> np.ndarray:

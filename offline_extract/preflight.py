@@ -19,6 +19,7 @@ from offline_extract.data.sources import Source, open_sources
 from offline_extract.default_model import ensure_tiny_model
 from offline_extract.engine.parity import wrapped_text_config
 from offline_extract.engine.sglang_adapter import CONTEXT_KEYS, capture_rule, context_length, validate_layer_ids
+from offline_extract.options import ExtractOptions
 from offline_extract.recipes import RECIPES
 
 # One forward's token budget when --tokens-per-batch is not given.
@@ -58,11 +59,9 @@ class Checked:
         return [source.path for source in self.sources]
 
 
-def check(opts) -> Checked:
-    """Every check that needs neither SGLang nor the output directory; raises with what to change.
-
-    `opts` is an `extraction.ExtractOptions`.
-    """
+def check(opts: ExtractOptions) -> Checked:
+    """Every check that needs neither SGLang nor the output directory; raises with what to change (the
+    options' choices were checked when they were made)."""
     for name, value, least in (
         ("--tp", opts.tp, 1),
         ("--max-length", opts.max_length, 1),

@@ -10,7 +10,8 @@ from offline_extract.store import integrity, manifest
 from offline_extract.store.codecs import fp8_dequantize, fp8_quantize
 from offline_extract.store.inspection import summarize
 from offline_extract.store.journal import Journal
-from offline_extract.store.schema import COMPRESSIONS, METADATA_KEY, STORES, Encoding, SampleInfo, ShardError
+from offline_extract.options import choices
+from offline_extract.store.schema import METADATA_KEY, STORES, Encoding, SampleInfo, ShardError
 from offline_extract.store.index import iter_samples, shard_paths, write_index
 from offline_extract.store.shard import open_shard
 from offline_extract.store.writer import ShardWriter
@@ -19,7 +20,7 @@ from offline_extract.training.export import export_specforge, specforge_path
 
 K, H = 3, 256
 LENGTHS = [5, 17, 1, 30, 8, 12, 3]
-COMBINATIONS = [Encoding(store, compress) for store in STORES for compress in COMPRESSIONS]
+COMBINATIONS = [Encoding(store, compress) for store in STORES for compress in choices("compress")]
 
 
 def states(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

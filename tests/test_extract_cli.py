@@ -189,7 +189,7 @@ def test_a_pipe_holding_a_record_longer_than_the_tokenizers_maximum_is_extracted
 
 def test_a_pipe_is_refused_where_it_would_be_read_twice(tmp_path, monkeypatch):
     from offline_extract import preflight
-    from offline_extract.extraction import ExtractOptions
+    from offline_extract.options import ExtractOptions
 
     read_end, write_end = os.pipe()
     try:

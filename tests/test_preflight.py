@@ -15,7 +15,7 @@ from offline_extract import extraction, hub, preflight
 from offline_extract.data.corpus import BadRecordError, Reject, read_corpus
 from offline_extract.default_model import TINY_VERSION
 from offline_extract.testing.models import ARCHITECTURES, build_model
-from offline_extract.extraction import ExtractOptions
+from offline_extract.options import ExtractOptions
 
 CORPUS = str(ROOT / "examples" / "corpus.jsonl")
 
@@ -64,9 +64,10 @@ def test_refusals_come_before_sglang_or_transformers_is_imported(tmp_path):
     script = f"""
 import sys
 from offline_extract import extraction
+from offline_extract.options import ExtractOptions
 for changes in {[changes for changes, _ in REFUSED.values()]!r}:
     try:
-        extraction.run(extraction.ExtractOptions(data=({CORPUS!r},), out={str(tmp_path / "out")!r}, **changes))
+        extraction.run(ExtractOptions(data=({CORPUS!r},), out={str(tmp_path / "out")!r}, **changes))
     except Exception as e:
         print(type(e).__name__, e)
     else:

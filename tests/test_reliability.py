@@ -38,7 +38,7 @@ from offline_extract.engine.nonfinite import NonFiniteError, NonFiniteGuard
 from offline_extract.engine.sglang_adapter import Captured
 from offline_extract import extraction
 from offline_extract.engine.distributed import Coordinator
-from offline_extract.extraction import ExtractOptions
+from offline_extract.options import ExtractOptions
 from offline_extract.feed import extract_batches
 from offline_extract.store import integrity, manifest, resume
 from offline_extract.store.index import iter_samples, shard_paths, write_index

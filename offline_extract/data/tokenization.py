@@ -14,8 +14,8 @@ import jinja2
 import numpy as np
 
 from offline_extract.data.corpus import Record, Reject
+from offline_extract.options import Overlong, check_choice
 
-OVERLONG_POLICIES = ("truncate", "skip")
 
 
 # eq=False: the generated __eq__/__hash__ would compare numpy arrays, which raises.
@@ -70,12 +70,11 @@ class SampleTokenizer:
         self,
         tokenizer,
         max_length: int,
-        overlong: str = "truncate",
+        overlong: Overlong = "truncate",
         trim_after_last_loss: bool = False,
         min_loss_run: int = 0,
     ):
-        if overlong not in OVERLONG_POLICIES:
-            raise ValueError(f"overlong must be one of {OVERLONG_POLICIES}, got {overlong!r}")
+        check_choice("overlong", overlong)
         if max_length < 1:
             raise ValueError(f"max_length must be positive, got {max_length}")
         if not getattr(tokenizer, "is_fast", False):

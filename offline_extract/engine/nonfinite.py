@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from offline_extract.choices import NONFINITE_POLICIES as POLICIES
+from offline_extract.options import Nonfinite, check_choice
 from offline_extract.data.tokenization import Sample
 
 
@@ -47,12 +47,11 @@ class NonFiniteGuard:
 
     def __init__(
         self,
-        policy: str,
+        policy: Nonfinite,
         layer_ids: Sequence[int],
         on_found: Callable[[Sample, str], None] = lambda sample, reason: None,
     ):
-        if policy not in POLICIES:
-            raise ValueError(f"nonfinite policy must be one of {POLICIES}, got {policy!r}")
+        check_choice("nonfinite", policy)
         self.policy = policy
         self.names = [f"layer {k}" for k in layer_ids] + ["the final state"]
         self.on_found = on_found

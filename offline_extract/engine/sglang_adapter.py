@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from offline_extract.choices import FINAL_STATES
+from offline_extract.options import FINAL_STATES, FinalState, check_choice
 from offline_extract.final_norm import FinalNorm
 
 SGLANG_VERSION = "0.5.17"
@@ -129,7 +129,7 @@ class EngineConfig:
     chunk_tokens: int | None = None
     context_length: int | None = None
     layer_ids: tuple[int, ...] | None = None  # None: SGLang's EAGLE-3 default for the model
-    final_state: str = "post-norm"  # a key of FINAL_STATES
+    final_state: FinalState = "post-norm"
     load_format: str = "auto"
     mem_fraction_static: float = 0.85
     trust_remote_code: bool = False
@@ -393,8 +393,7 @@ class Engine:
         from sglang.srt.model_executor.model_runner import ModelRunner
         from sglang.srt.server_args import ServerArgs
 
-        if cfg.final_state not in FINAL_STATES:
-            raise ValueError(f"final_state must be one of {', '.join(FINAL_STATES)}, got {cfg.final_state!r}")
+        check_choice("final_state", cfg.final_state)
         self.cfg = cfg
         self.final_state = cfg.final_state
         # Where the checkpoint's weights are quantized, as its config.json states it (a wrapper's text

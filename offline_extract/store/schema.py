@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from offline_extract import choices
+from offline_extract.options import Compression, Store, check_choice, choices
 from offline_extract.store.codecs import FP8_DTYPE, fp8_dequantize, fp8_quantize
 
 # Of shards, index.json and manifest.json alike: they are read together, so they change together.
@@ -95,10 +95,9 @@ STATE_TENSORS = tuple(t.name for t in TENSORS if t.cols is not None)
 (STATE_DTYPE,) = {SPECS[name].dtype for name in STATE_TENSORS}
 FINAL_STATE = STATE_TENSORS[-1]
 
-# --store: the dtype a state is stored in, in choices.STORES's order. fp8 adds, per state, a float32 scale
+# --store: the dtype a state is stored in, in the order of its choices. fp8 adds, per state, a float32 scale
 # per token per layer.
-STORES = dict(zip(choices.STORES, (torch.bfloat16, FP8_DTYPE), strict=True))
-COMPRESSIONS = choices.COMPRESSIONS
+STORES = dict(zip(choices("store"), (torch.bfloat16, FP8_DTYPE), strict=True))
 SCALE_SUFFIX = "_scale"
 # Under zstd a state is one byte stream of per-sample frames; "<state>_frames" holds the frame bounds.
 FRAMES_SUFFIX = "_frames"
@@ -108,15 +107,13 @@ FRAMES_SUFFIX = "_frames"
 class Encoding:
     """How a run stores its states: `--store`, `--compress`, and whether the final state is kept."""
 
-    store: str = "bf16"
-    compress: str = "none"
+    store: Store = "bf16"
+    compress: Compression = "none"
     final_state: bool = True
 
     def __post_init__(self):
-        if self.store not in STORES:
-            raise ValueError(f"store must be one of {', '.join(STORES)}, got {self.store!r}")
-        if self.compress not in COMPRESSIONS:
-            raise ValueError(f"compress must be one of {', '.join(COMPRESSIONS)}, got {self.compress!r}")
+        check_choice("store", self.store)
+        check_choice("compress", self.compress)
 
     def to_json(self) -> dict:
         return {"store": self.store, "compress": self.compress, "final_state": self.final_state}

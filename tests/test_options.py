@@ -1,0 +1,81 @@
+"""The options module: each choice stated once, checked once, and the tables keyed by it agree with it."""
+import importlib.util
+from dataclasses import fields
+from pathlib import Path
+
+import click
+import pytest
+from extract_runs import ROOT
+
+from offline_extract.engine.distributed import Layout
+from offline_extract.extraction import engine_config
+from offline_extract.options import FINAL_STATES, ExtractOptions, choices, default
+from offline_extract.recipes import RECIPES
+from offline_extract.store.schema import STORES
+
+
+@pytest.mark.parametrize("option, value", [
+    ("recipe", "eagle4"), ("store", "fp4"), ("compress", "lz4"), ("final_state", "mid-norm"),
+    ("nonfinite", "ignore"), ("overlong", "wrap"), ("dtype", "int8"), ("device", "tpu"),
+])
+def test_a_value_outside_a_choice_is_refused_when_the_options_are_made(option, value):
+    with pytest.raises(ValueError) as refused:
+        ExtractOptions(data=("c.jsonl",), **{option: value})
+    assert str(refused.value) == f"{option} must be one of {', '.join(choices(option))}, got {value!r}"
+
+
+def test_the_tables_keyed_by_a_choice_have_exactly_its_values():
+    assert tuple(RECIPES) == choices("recipe")
+    assert tuple(STORES) == choices("store")
+    assert tuple(FINAL_STATES) == choices("final_state")
+
+
+def _extract_command(monkeypatch) -> click.Command:
+    monkeypatch.syspath_prepend(str(ROOT / "bin"))  # where the script finds _bin_path, as when it runs
+    spec = importlib.util.spec_from_file_location("extract_script", ROOT / "bin" / "extract.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def test_the_command_line_offers_the_options_choices_and_defaults(monkeypatch):
+    params = {p.name: p for p in _extract_command(monkeypatch).params}
+    offered = {name: tuple(p.type.choices) for name, p in params.items() if isinstance(p.type, click.Choice)}
+    assert offered == {name: choices(name) for name in offered}
+    assert set(offered) == {f.name for f in fields(ExtractOptions) if f.name in _choice_fields()}
+    for name, p in params.items():
+        if name in offered or name in {"max_length", "tp", "seqs_per_batch", "verify", "progress_every"}:
+            assert p.default == default(name), name
+    assert params["shard_size_mb"].default * (1 << 20) == default("shard_bytes")
+
+
+def _choice_fields() -> set[str]:
+    names = set()
+    for f in fields(ExtractOptions):
+        try:
+            choices(f.name)
+        except KeyError:
+            continue
+        names.add(f.name)
+    return names
+
+
+def test_the_engine_config_is_the_options_mapped_once():
+    opts = ExtractOptions(
+        data=(), model="m", dtype="bfloat16", tp=2, max_length=9000, chunk_tokens=4096, seqs_per_batch=64,
+        attention_backend="triton", load_format="dummy", mem_fraction_static=0.5, port_base=30000,
+        final_state="pre-norm", trust_remote_code=True, jit_cache="/cache",
+    )
+    layout = Layout(rank=3, world_size=4, local_rank=3, local_world_size=4, tp_size=2)  # dp 1, tp 1
+    cfg = engine_config(opts, layout, Path("/models/m"), "cuda", 8192, (1, 2))
+    assert (cfg.model_path, cfg.device, cfg.dtype) == ("/models/m", "cuda", "bfloat16")
+    assert (cfg.tp_size, cfg.tp_rank, cfg.gpu_id, cfg.nccl_port) == (2, 1, 3, 30001)
+    assert (cfg.max_tokens_per_batch, cfg.max_seqs_per_batch, cfg.chunk_tokens, cfg.context_length) == (8192, 64, 4096, 9000)
+    assert (cfg.attention_backend, cfg.load_format, cfg.mem_fraction_static) == ("triton", "dummy", 0.5)
+    assert (cfg.layer_ids, cfg.final_state, cfg.trust_remote_code, cfg.jit_cache) == ((1, 2), "pre-norm", True, "/cache")
+
+
+def test_the_embedded_model_on_cpu_computes_in_float32_under_auto():
+    cfg = engine_config(ExtractOptions(data=()), Layout(), Path("/tiny"), "cpu", 4096, None)
+    assert cfg.dtype == "float32"
+    assert engine_config(ExtractOptions(data=(), model="m"), Layout(), Path("/m"), "cpu", 4096, None).dtype == "auto"
