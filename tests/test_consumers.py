@@ -7,12 +7,15 @@ fp8 + zstd, so that each trainer gets one run holding its own final state and on
 run's final norm, and the fp8, gzip and plain layouts are all read.
 """
 import json
+import subprocess
 
 import numpy as np
 import pytest
 import torch
 from consumers import read_exports
+from extract_runs import ROOT, extract_command
 
+from offline_extract.engine import parity
 from offline_extract.final_norm import RUN_KEY, from_run
 from offline_extract.store.index import write_index
 from offline_extract.store.schema import Encoding, SampleInfo
@@ -22,6 +25,7 @@ from offline_extract.training.datasets import HiddenStateDataset
 from offline_extract.training.export import MANIFEST_NAME, export_specforge, export_speculators
 
 LENGTHS = [23, 7, 61, 2, 40, 15]
+CORPUS = ROOT / "examples" / "corpus.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +58,26 @@ def runs(tiny_engine, tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def read(runs, tmp_path_factory):
-    """Every export of both runs, and what the trainers' code read from each."""
+def custom_run(tiny_model_dir, tmp_path_factory):
+    """bin/extract.py with our layer ids 0 and 2 of the tiny model, the pre-norm final state, in fp32."""
+    out = tmp_path_factory.mktemp("custom") / "out"
+    corpus = out.parent / "c.jsonl"
+    corpus.write_text("".join(CORPUS.read_text().splitlines(keepends=True)[:4]))
+    proc = subprocess.run(extract_command(out, "--model", tiny_model_dir, "--data", corpus, "--layers", "0,2",
+                                          "--final-state", "pre-norm", "--dtype", "float32"),
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def read(runs, custom_run, tmp_path_factory):
+    """Every export of the runs, and what the trainers' code read from each."""
     tmp = tmp_path_factory.mktemp("exports")
     dflash = tmp / "dflash-run"
     write_synthetic(dflash, LENGTHS, hidden_size=64, num_aux=5, run={"recipe": "dflash", "final_state": None})
     exports = {
+        ("speculators", "custom"): export_speculators(custom_run, tmp / "spec-custom", progress=False).dest,
         ("specforge", "post-norm"): export_specforge(runs["post-norm"], tmp / "sf-post", progress=False).dest,
         ("specforge", "pre-norm"): export_specforge(runs["pre-norm"], tmp / "sf-pre", progress=False).dest,
         ("speculators", "post-norm"): export_speculators(runs["post-norm"], tmp / "spec-post", progress=False).dest,
@@ -126,3 +144,26 @@ def test_specforge_reads_a_dflash_export(read):
         assert torch.equal(got["input_ids"], item["input_ids"])
         assert torch.equal(got["loss_mask"], item["loss_mask"].long())
         assert torch.equal(got["hidden_states"], item["aux_hidden_states"])
+
+
+def test_a_custom_layer_run_trains_speculators_on_the_layers_it_names(custom_run, read, tiny_model_dir):
+    """Our ids [0, 2] are HF hidden_states [1, 3]: speculators' own config resolver reads them from the
+    export, and the states it hands to training at its ids are HF's at those indices (fp32 run, bf16
+    store), the final one HF's final-norm input."""
+    dest, result = read[0][("speculators", "custom")]
+    dataset, items = _ours(custom_run)
+    assert dataset.run["layer_ids"] == [0, 2] and dataset.run["num_layers"] == 8
+    assert result["target_layer_ids"] == [1, 3]
+    assert json.loads((dest / MANIFEST_NAME).read_text())["layer_ids"] == [1, 3, 8]
+    hf = parity.load_hf_model(str(tiny_model_dir), "float32", "cpu")
+    for i, item in enumerate(items):
+        got = result["samples"][i]
+        reference = parity.hf_hidden_states(hf, item["input_ids"].tolist(), "cpu", final_state="pre-norm")
+        layers = got["hidden_states"].float().reshape(len(item["input_ids"]), 2, -1)
+        for position, hf_index in enumerate(result["target_layer_ids"]):
+            want = reference[hf_index]
+            # bf16 storage of an fp32 state: within a bf16 step of each value.
+            assert ((layers[:, position] - want).abs() <= want.abs() * 2**-8 + 1e-6).all(), hf_index
+            assert (layers[:, position] - reference[hf_index + 1]).abs().max() > 0.1
+        last = got["verifier_last_hidden_states"].float()
+        assert ((last - reference[-1]).abs() <= reference[-1].abs() * 2**-8 + 1e-6).all()
