@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from arch_parity import write_result
 from safetensors.torch import load_file
 
 from offline_extract.engine import parity
@@ -228,6 +229,7 @@ def report(request, models, tmp_path_factory):
     assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
     rep = json.loads(out.read_text())
     assert "error" not in rep, rep.get("traceback")
+    write_result(rep, arch, "cpu")
     return arch, rep
 
 

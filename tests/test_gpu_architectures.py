@@ -10,14 +10,9 @@ each run's parity rows (and, for MoE models, the forced-routing rows, routing di
 comparison) are written to $OFFLINE_EXTRACT_RESULTS/<architecture>-<backend>.json with the command that ran
 them. benchmarks/gpu_moe.sh runs the MoE part.
 """
-import json
-import os
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from arch_parity import beyond_bf16_floor, run_report
+from arch_parity import beyond_bf16_floor, run_report, write_result
 
 from offline_extract.engine.parity import MOE_HALF_MIN_MEDIAN_COSINE
 from offline_extract.testing.models import build_model
@@ -100,27 +95,9 @@ def _report(arch, backend, models, tmp_path_factory) -> dict:
     rep = run_report(models(model), out, "--hf-reference", str(models(reference)), "--device", "cuda",
                      "--dtype", "bfloat16", "--attention-backend", backend, "--layer-sets", LAYER_SETS,
                      *(["--forced-routing", "--fp32-reference"] if arch in MOE_ARCHS else []))
-    results = os.environ.get("OFFLINE_EXTRACT_RESULTS")
-    if results:
-        rows, seen = [], set()
-        for check in rep["checks"]:
-            for r in check.get("rows", []):
-                if r["layer"] not in seen:
-                    seen.add(r["layer"])
-                    rows.append({"architecture": arch, "backend": backend, **{k: r[k] for k in ROW_KEYS}})
-        result = {"command": " ".join(["python -m pytest", *sys.argv[1:]]), "architecture": arch,
-                  "backend": backend, "rows": rows}
-        if "forced_routing" in rep:
-            result["forced_routing"] = rep["forced_routing"]
-        Path(results).mkdir(parents=True, exist_ok=True)
-        (Path(results) / f"{arch}-{backend}.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result(rep, arch, backend)
     _REPORTS[arch, backend] = rep
     return rep
-
-
-# What a results file keeps of each parity row: enough to tell a right state from an off-by-one (the
-# neighbouring layer's cosine) without the report's every field.
-ROW_KEYS = ("layer", "hf_index", "max_abs", "max_rel", "cosine", "median_cosine", "neighbour_cosine", "ok")
 
 
 @pytest.fixture(scope="module", params=[(a, b) for a in GPU_ARCHS for b in backends(a)], ids=lambda p: f"{p[0]}-{p[1]}")

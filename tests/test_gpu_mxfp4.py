@@ -5,17 +5,16 @@ Then `bin/extract.py --verify` as users run it (default backend), which records 
 shards and the manifest.
 
 With OFFLINE_EXTRACT_RESULTS set, the rows go to $OFFLINE_EXTRACT_RESULTS/mxfp4-gpt_oss-<backend>.json with
-the command that ran them.
+the command that ran them (arch_parity.write_result).
 """
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from arch_parity import beyond_bf16_floor, run_report
+from arch_parity import beyond_bf16_floor, run_report, write_result
 
 from offline_extract.engine.parity import MOE_HALF_MIN_MEDIAN_COSINE
 from offline_extract.store.index import shard_paths
@@ -41,12 +40,7 @@ def report(request, model, tmp_path_factory):
     backend = request.param
     rep = run_report(model, tmp_path_factory.mktemp(f"mxfp4-{backend}") / "report.json", "--device", "cuda",
                      "--dtype", "bfloat16", "--attention-backend", backend, "--forced-routing", "--fp32-reference")
-    results = os.environ.get("OFFLINE_EXTRACT_RESULTS")
-    if results:
-        Path(results).mkdir(parents=True, exist_ok=True)
-        (Path(results) / f"mxfp4-gpt_oss-{backend}.json").write_text(json.dumps(
-            {"command": " ".join(["python -m pytest", *sys.argv[1:]]), "architecture": "gpt_oss", "backend": backend,
-             "quantization": rep.get("quantization"), "report": rep}, indent=2) + "\n")
+    write_result(rep, "mxfp4-gpt_oss", backend)
     return backend, rep
 
 

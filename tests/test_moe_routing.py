@@ -6,7 +6,7 @@ the forcing itself is checked here on HF's own model, and the reading of SGLang'
 import numpy as np
 import pytest
 import torch
-from arch_parity import beyond_bf16_floor, run_report
+from arch_parity import beyond_bf16_floor, run_report, write_result
 
 from offline_extract.engine import parity
 from offline_extract.testing.models import build_model
@@ -37,7 +37,9 @@ def report(request, tiny_model_dir, tmp_path_factory):
     arch = request.param
     root = tmp_path_factory.mktemp(f"routing-{arch}")
     model = build_model(arch, root / "m", dtype=torch.bfloat16, tokenizer_dir=tiny_model_dir)
-    return arch, run_report(model, root / "report.json", "--dtype", "bfloat16", "--forced-routing", "--fp32-reference")
+    rep = run_report(model, root / "report.json", "--dtype", "bfloat16", "--forced-routing", "--fp32-reference")
+    write_result(rep, arch, "cpu_bf16")
+    return arch, rep
 
 
 def test_every_token_matches_hf_once_hf_takes_the_engines_experts(report):

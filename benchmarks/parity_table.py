@@ -1,0 +1,144 @@
+"""The README's per-family parity table, built from the parity JSONs the test suites write
+(`OFFLINE_EXTRACT_RESULTS=DIR`: tests/test_architectures.py on CPU, tests/test_gpu_architectures.py,
+tests/test_gpu_fp8.py and tests/test_gpu_mxfp4.py on the GPU; `benchmarks/gpu_moe.sh` writes the MoE ones).
+
+    python benchmarks/parity_table.py [RESULTS_DIR] [--readme README.md]
+
+prints the table, or with --readme replaces the one between its parity-table markers. A family whose run has
+no file yet reads "pending".
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from offline_extract.engine.parity import MOE_HALF_MIN_MEDIAN_COSINE
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "parity"
+# Family -> the architecture key its results are filed under, whether --verify forces its routing (a MoE family
+# with a forceable HF block), and its quantized release format, if any.
+FAMILIES = {
+    "Llama 2/3": ("llama", False, None),
+    "Qwen3": ("qwen3", False, "fp8"),
+    "Qwen2, Qwen2.5": ("qwen2", False, None),
+    "Mistral": ("mistral", False, None),
+    "Qwen3-MoE": ("qwen3_moe", True, None),
+    "Qwen2-MoE": ("qwen2_moe", True, None),
+    "Qwen3-Next": ("qwen3_next", True, None),
+    "MiniMax-M2": ("minimax_m2", True, None),
+    "GLM-4.5": ("glm4_moe", True, None),
+    "GPT-OSS": ("gpt_oss", True, "mxfp4"),
+    "Llama 4 (text)": ("llama4", False, None),
+    "DeepSeek-V3, Kimi-K2": ("deepseek_v3", True, "fp8"),
+    "Kimi-K2.5 (text)": ("kimi_k25", True, None),
+}
+GPU_BACKENDS = ("flashinfer", "fa3")
+START, END = "<!-- parity-table -->", "<!-- /parity-table -->"
+
+
+def _load(results: Path, name: str) -> dict | None:
+    path = results / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _states(rows: list[dict], moe: bool = False) -> str:
+    """Over all layers compared: pass or FAIL under the product's gate (a MoE model's median token, else every
+    token), the worst token and the worst median."""
+    passed = all(r["median_cosine"] >= MOE_HALF_MIN_MEDIAN_COSINE for r in rows) if moe else all(r["ok"] for r in rows)
+    return (f"{'pass' if passed else '**FAIL**'}: worst token {min(r['cosine'] for r in rows):.4f}, "
+            f"median ≥ {min(r['median_cosine'] for r in rows):.5f}")
+
+
+# The CPU suite's fp32 rule (tests/test_architectures.py): relative to the states' scale, which grows to about 11
+# on GLM-4.5 and DeepSeek-V3 (their routed scaling), where an absolute 1e-5 would be fp32 rounding's own size.
+CPU_FP32_MAX_REL = 1e-5
+
+
+def _cpu(result: dict | None) -> str:
+    if result is None:
+        return "no CPU run (docs/architectures.md)"
+    rows = result["rows"]
+    rel = max(r["max_rel"] for r in rows)
+    verdict = "pass" if rel <= CPU_FP32_MAX_REL else "**FAIL**"
+    return f"{verdict}, {result['dtype']}: max rel {rel:.1e} (max abs {max(r['max_abs'] for r in rows):.1e})"
+
+
+def _gpu(result: dict | None, moe: bool) -> str:
+    """The product's gate as --verify applies it: on a MoE model, against HF on the engine's experts."""
+    if result is None:
+        return "pending"
+    if moe and "forced_routing" in result:
+        return _states(result["forced_routing"]["rows"], moe=True) + " (HF on the engine's experts)"
+    return _states(result["rows"], moe=moe) + (" (unforced)" if moe else "")
+
+
+def _forced(results: Path, arch: str, moe: bool) -> str:
+    if not moe:
+        return "—"
+    runs = {b: _load(results, f"{arch}-{b}") for b in ("triton", *GPU_BACKENDS, "cpu_bf16")}
+    forced = {b: r["forced_routing"] for b, r in runs.items() if r and "forced_routing" in r}
+    if not forced:
+        return "pending"
+    worst, where = min((min(row["cosine"] for row in f["rows"]), b) for b, f in forced.items())
+    text = f"{worst:.4f} on {where.replace('_', ' ')}" + (f" (of {', '.join(forced)})" if len(forced) > 1 else "")
+    floor = [f["fp32_reference"] for f in forced.values() if "fp32_reference" in f]
+    if floor:
+        ours = min(min(r["cosine"] for r in f["engine_rows"]) for f in floor)
+        theirs = min(min(r["cosine"] for r in f["hf_bf16_rows"]) for f in floor)
+        text += f"; vs HF fp32: engine {ours:.4f}, HF's own bf16 {theirs:.4f}"
+    return text
+
+
+def _quantized(results: Path, arch: str, fmt: str | None) -> str:
+    if fmt is None:
+        return "—"
+    if fmt == "fp8":
+        result = _load(results, f"fp8-{arch}")
+        if result is None:
+            return "FP8: pending"
+        rep = result["report"]
+        rows = (rep.get("forced_routing") or rep["checks"][0])["rows"]
+        return f"FP8: median ≥ {min(r['median_cosine'] for r in rows):.4f} (gate 0.98)"
+    found = {b: _load(results, f"mxfp4-{arch}-{b}") for b in ("triton", "fa3")}
+    done = {b: r for b, r in found.items() if r}
+    if not done:
+        return "MXFP4: pending"
+    return "MXFP4: " + "; ".join(f"{b} {_states(r['forced_routing']['rows'], moe=True)}" for b, r in done.items())
+
+
+def table(results: Path) -> str:
+    lines = [
+        "| family | CPU, engine vs HF | GPU bf16, triton | GPU bf16, flashinfer / fa3 | forced routing, worst token (bf16) "
+        "| quantized checkpoint |",
+        "|---|---|---|---|---|---|",
+    ]
+    for family, (arch, moe, fmt) in FAMILIES.items():
+        others = [f"{b}: {_gpu(r, moe)}" for b in GPU_BACKENDS if (r := _load(results, f"{arch}-{b}"))]
+        lines.append(
+            f"| {family} | {_cpu(_load(results, f'{arch}-cpu'))} | {_gpu(_load(results, f'{arch}-triton'), moe)} | "
+            f"{'; '.join(others) or 'pending'} | {_forced(results, arch, moe)} | {_quantized(results, arch, fmt)} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", nargs="?", type=Path, default=RESULTS, help=f"default: {RESULTS.relative_to(ROOT)}")
+    ap.add_argument("--readme", type=Path, help="replace the table between the parity-table markers in this file")
+    args = ap.parse_args()
+    text = table(args.results)
+    if args.readme is None:
+        print(text)
+        return
+    readme = args.readme.read_text()
+    if START not in readme or END not in readme:
+        raise SystemExit(f"{args.readme} has no {START} ... {END} markers")
+    args.readme.write_text(re.sub(f"{re.escape(START)}.*?{re.escape(END)}", lambda m: f"{START}\n{text}\n{END}",
+                                  readme, flags=re.S))
+
+
+if __name__ == "__main__":
+    main()
