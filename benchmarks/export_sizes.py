@@ -1,0 +1,79 @@
+#!/usr/bin/env python
+"""How big SpecForge's export of a run is against the run, per store and compression, plain and gzipped.
+
+SpecForge trains on the tensors its files hold, in bf16, so an export decodes fp8 and zstd; gzip
+(`.ckpt.gz`, which its reader opens) is what can bring the files back towards the run's size. The states
+are activation-like (Gaussian, a few large channels, tokens of varied norm), 3 aux layers + the final state.
+
+    python -m benchmarks.export_sizes --json benchmarks/results/export_sizes_cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from offline_extract.store.index import write_index
+from offline_extract.store.schema import Encoding, SampleInfo
+from offline_extract.store.writer import ShardWriter
+from offline_extract.training.export import export_specforge
+
+K = 3
+
+
+def states(tokens: int, hidden: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, K + 1, hidden, generator=g)
+    x[:, :, :8] *= 30
+    x *= torch.rand(tokens, K + 1, 1, generator=g) * 4 + 0.5
+    return x.bfloat16()
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--samples", type=int, default=6)
+    ap.add_argument("--sample-tokens", type=int, default=1500)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    n, t = args.samples, args.sample_tokens
+    x = states(n * t, args.hidden, seed=0)
+    rows = []
+    root = Path(tempfile.mkdtemp(prefix="export-sizes-"))
+    try:
+        for store, compress in (("bf16", "none"), ("bf16", "zstd"), ("fp8", "none"), ("fp8", "zstd")):
+            out = root / f"{store}-{compress}"
+            run = {"model": "synthetic", "layer_ids": [1, 3, 4], "num_layers": 8, "final_state": "post-norm",
+                   "store": store, "compress": compress}
+            writer = ShardWriter(out, run, encoding=Encoding(store, compress))
+            writer.add_batch([SampleInfo(i, f"s{i}", "synthetic", i + 1, t, False) for i in range(n)],
+                             torch.zeros(n * t, dtype=torch.int32), torch.ones(n * t, dtype=torch.uint8),
+                             x[:, :K].reshape(n * t, -1), x[:, K], lengths=[t] * n)
+            writer.close()
+            write_index(out)
+            run_bytes = sum(p.stat().st_size for p in out.glob("shard_*"))
+            for gzipped in (False, True):
+                start = time.perf_counter()
+                summary = export_specforge(out, root / f"sf-{store}-{compress}-{gzipped}", gzipped=gzipped, progress=False)
+                rows.append({"store": store, "compress": compress, "gzip": gzipped, "run_bytes": run_bytes,
+                             "export_bytes": summary.bytes_written, "export_over_run": round(summary.bytes_written / run_bytes, 3),
+                             "export_s": round(time.perf_counter() - start, 2)})
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    result = {"command": " ".join(["python -m benchmarks.export_sizes", *(argv if argv is not None else sys.argv[1:])]),
+              "hidden": args.hidden, "tokens": n * t, "rows": rows}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
