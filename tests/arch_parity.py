@@ -59,8 +59,9 @@ def _route_mla_prefill_to_absorbed_path() -> None:
     and fails ("Expected size for first two dimensions of batch2 tensor to be: [4, 192] but got: [4, 576]"
     for the tiny DeepSeek-V3: the 192-wide MHA key against the 576-wide latent).
     SGLang's absorbed-MLA path, which it uses for decode and prefix prefill, runs on torch_native, so the
-    CPU check routes prefill there. It computes the same attention in a different association, which is
-    why MLA gets a relative rather than an absolute fp32 tolerance; GPU backends keep SGLang's dispatch."""
+    CPU check routes prefill there. It computes the same attention in a different association, whose fp32
+    rounding the relative tolerance (tests/test_architectures.py) allows; GPU backends keep SGLang's
+    dispatch."""
     from sglang.srt.models.deepseek_common.attention_backend_handler import (
         AttentionBackendRegistry,
         _dispatch_mla_subtype,

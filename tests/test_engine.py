@@ -22,6 +22,21 @@ def hf_model(tiny_model_dir):
     return parity.load_hf_model(str(tiny_model_dir), "float32", "cpu")
 
 
+def _max_diff_over_scale(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Float32 rounding scales with the values, so the difference is stated relative to the expected states'
+    largest magnitude (about 7 on the tiny model). Two stacks, or two batch shapes, differ there by a few
+    float32 steps, more or fewer with the CPU's GEMM blocking (2.4e-6 absolute, 3.3e-7 relative, on an AMD
+    EPYC); a layer off by one by 1e-2 or more."""
+    return ((actual - expected).abs().max() / expected.abs().max()).item()
+
+
+# Two stacks (SGLang against HF, chunked against one pass) agree to this much of the states' scale.
+FP32_REL = 1e-5
+# One engine against itself with other batch neighbours: the same kernels, summed in other blocks; 16 float32
+# steps of the largest value.
+SAME_STACK_REL = 16 * torch.finfo(torch.float32).eps
+
+
 def _seqs(lengths, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(6, 380, n).astype(np.int32) for n in lengths]
@@ -46,10 +61,10 @@ def test_every_token_matches_hf_hidden_states_in_fp32(engine, hf_model):
         start += len(ids)
         for j, k in enumerate(engine.layer_ids):
             mine = captured.aux[rows, j * engine.hidden_size : (j + 1) * engine.hidden_size]
-            assert (mine - hs[k + 1]).abs().max().item() <= 1e-5, f"aux id {k} vs HF hidden_states[{k + 1}]"
+            assert _max_diff_over_scale(mine, hs[k + 1]) <= FP32_REL, f"aux id {k} vs HF hidden_states[{k + 1}]"
             # The neighbours differ by far more than the tolerance, so an off-by-one cannot pass.
             assert (mine - hs[k]).abs().max().item() > 1e-2
-        assert (captured.last[rows] - hs[-1]).abs().max().item() <= 1e-5
+        assert _max_diff_over_scale(captured.last[rows], hs[-1]) <= FP32_REL
         assert (captured.last[rows] - hs[-2]).abs().max().item() > 1e-2, "last state must be after the final norm"
 
 
@@ -61,7 +76,7 @@ def test_parity_gate_passes_and_catches_an_off_by_one(engine, hf_model):
         states.append((ids.tolist(), c.aux, c.last))
     rows = parity.compare(states, hf_model, engine.layer_ids, "float32")
     assert all(r.ok for r in rows) and len(rows) == len(engine.layer_ids) + 1
-    assert max(r.max_abs for r in rows) <= 1e-5
+    assert max(r.max_rel for r in rows) <= FP32_REL
     parity.check(rows, "float32", len(seqs))
 
     shifted = [k - 1 for k in engine.layer_ids]  # states labelled one layer too deep
@@ -75,8 +90,8 @@ def test_states_do_not_depend_on_batch_composition(engine):
     seqs = _seqs([50, 9, 77], seed=2)
     together = engine.capture(seqs)
     alone = engine.capture([seqs[1]])
-    assert torch.allclose(together.aux[50:59], alone.aux, atol=1e-6)
-    assert torch.allclose(together.last[50:59], alone.last, atol=1e-6)
+    assert _max_diff_over_scale(together.aux[50:59], alone.aux) <= SAME_STACK_REL
+    assert _max_diff_over_scale(together.last[50:59], alone.last) <= SAME_STACK_REL
 
 
 def test_bare_prefill_then_capture_again(engine):
@@ -114,8 +129,8 @@ def test_chunked_prefill_equals_one_pass_and_hf(engine, hf_model):
     ids = _seqs([300], seed=4)[0]
     whole = engine.capture([ids])
     chunked = engine.capture_chunked(ids, 37)
-    assert (chunked.aux - whole.aux).abs().max().item() <= 1e-5
-    assert (chunked.last - whole.last).abs().max().item() <= 1e-5
+    assert _max_diff_over_scale(chunked.aux, whole.aux) <= FP32_REL
+    assert _max_diff_over_scale(chunked.last, whole.last) <= FP32_REL
     rows = parity.compare([(ids.tolist(), chunked.aux, chunked.last)], hf_model, engine.layer_ids, "float32")
     assert all(r.ok for r in rows), rows
 
@@ -127,8 +142,8 @@ def test_chunks_stream_each_chunks_rows_and_may_exceed_the_batch_budget(engine):
     bounds, parts = zip(*[((start, stop), states) for start, stop, states in engine.chunks(ids, chunk)])
     assert bounds == ((0, chunk), (chunk, len(ids)))
     assert [p.aux.shape[0] for p in parts] == [chunk, len(ids) - chunk]
-    assert (torch.cat([p.aux for p in parts]) - whole.aux).abs().max().item() <= 1e-5
-    assert (torch.cat([p.last for p in parts]) - whole.last).abs().max().item() <= 1e-5
+    assert _max_diff_over_scale(torch.cat([p.aux for p in parts]), whole.aux) <= FP32_REL
+    assert _max_diff_over_scale(torch.cat([p.last for p in parts]), whole.last) <= FP32_REL
     # The pools are free again once the generator is done: an ordinary batch runs.
     assert engine.capture(_seqs([40], seed=7)).aux.shape[0] == 40
 
@@ -157,13 +172,13 @@ def test_pre_norm_final_state_is_hfs_final_norm_input(pre_norm, hf_model):
         start += len(ids)
         post = parity.hf_hidden_states(hf_model, ids.tolist(), "cpu")
         pre = parity.hf_hidden_states(hf_model, ids.tolist(), "cpu", final_state="pre-norm")
-        assert (captured.last[rows] - pre[-1]).abs().max().item() <= 1e-5
+        assert _max_diff_over_scale(captured.last[rows], pre[-1]) <= FP32_REL
         # Neither the normed state nor the layer below passes for it.
         assert (captured.last[rows] - post[-1]).abs().max().item() > 1e-2
         assert (captured.last[rows] - pre[-2]).abs().max().item() > 1e-2
     # The chunked path takes the same state from each chunk.
     ids = _seqs([150], seed=7)[0]
-    assert (pre_norm.capture_chunked(ids, 41).last - pre_norm.capture([ids]).last).abs().max().item() <= 1e-5
+    assert _max_diff_over_scale(pre_norm.capture_chunked(ids, 41).last, pre_norm.capture([ids]).last) <= FP32_REL
 
 
 def test_parity_gate_judges_the_pre_norm_state_against_the_pre_norm_reference(pre_norm, hf_model):

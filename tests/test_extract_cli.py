@@ -85,7 +85,7 @@ def test_shards_carry_provenance_and_parity(single):
         assert len(run[key]) == 64, key
     rows = {r["layer"]: r for r in run["parity"]}
     assert set(rows) == {"aux 1", "aux 3", "aux 4", "last"}
-    assert all(r["ok"] and r["max_abs"] <= 1e-5 for r in rows.values())
+    assert all(r["ok"] and r["max_rel"] <= 1e-5 for r in rows.values())
     index = json.loads((out / "index.json").read_text())
     assert index["num_samples"] == 24
     assert sorted(s["file"] for s in index["shards"]) == sorted(p.name for p in paths)
