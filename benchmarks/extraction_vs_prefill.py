@@ -205,15 +205,21 @@ def disk_write_rate(directory: Path, total_bytes: int, streams: int) -> float:
     return streams * (per_stream // len(chunk)) * len(chunk) / (time.perf_counter() - start)
 
 
+def _synchronize() -> None:
+    # The bench runs on a GPU; its CPU tests drive the same code through the engine on CPU.
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _timed(coord: Coordinator, fn, clock: "_ForwardClock | None" = None) -> float:
     """Wall seconds of fn() on the slowest rank; `clock` (if given) is restarted at the same instant."""
     coord.barrier()
-    torch.cuda.synchronize()
+    _synchronize()
     if clock is not None:
         clock.restart()
     start = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    _synchronize()
     seconds = time.perf_counter() - start
     if clock is not None:
         clock.wall_s = seconds
@@ -250,11 +256,13 @@ class _ForwardClock:
     adds around them (batch hand-off, waits for free staging buffers). On the GPU, from CUDA events on the
     compute stream: how long after the start the first forward began (start-up), how long the GPU sat idle
     between forwards because the host had not enqueued the next one, and what ran after the last forward
-    ended (the tail: copies, shard assembly and writes still in flight).
+    ended (the tail: copies, shard assembly and writes still in flight). An engine on CPU (the CPU tests)
+    gets the host side only.
     """
 
     def __init__(self, engine: Engine):
         self._engine = engine
+        self._on_gpu = torch.device(engine.device).type == "cuda"
         self.restart()
 
     def restart(self) -> None:
@@ -263,8 +271,9 @@ class _ForwardClock:
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._origin = self._event()
 
-    @staticmethod
-    def _event() -> torch.cuda.Event:
+    def _event(self) -> torch.cuda.Event | None:
+        if not self._on_gpu:
+            return None
         e = torch.cuda.Event(enable_timing=True)
         e.record()
         return e
@@ -293,7 +302,7 @@ class _ForwardClock:
 
     def phases(self) -> dict:
         """GPU-side split of the last timed mode (call after it synchronized)."""
-        if not self._events:
+        if not self._events or not self._on_gpu:
             return {}
         first, last = self._events[0][0], self._events[-1][1]
         idle = sum(max(0.0, end.elapsed_time(begin)) for (_, end), (begin, _) in zip(self._events, self._events[1:]))
@@ -560,7 +569,7 @@ def _fp8_error(engine: Engine, batches: list[Batch], max_tokens: int) -> dict:
     for batch in batches:
         if seen >= max_tokens:
             break
-        captured = engine.forward([s.input_ids for s in batch.samples])
+        captured = engine.capture([s.input_ids for s in batch.samples])
         seen += batch.num_tokens
         bf16 = {STATE_TENSORS[0]: captured.aux.to(torch.bfloat16), FINAL_STATE: captured.last.to(torch.bfloat16)}
         decoded = fp8.decode(fp8.encode(bf16[STATE_TENSORS[0]], bf16[FINAL_STATE], k))

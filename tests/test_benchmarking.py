@@ -1,5 +1,7 @@
-"""The CPU-checkable parts of bin/bench.py: its synthetic corpus, FLOP count, output classification and fp8
-error measure."""
+"""bin/bench.py on CPU: its synthetic corpus, FLOP count and output classification, and every mode it times
+on the GPU (bare prefill, copy-out, extraction in each encoding, fp8 error, chunk sweep, cold start)
+through the real engine at tiny size."""
+import dataclasses
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -11,8 +13,14 @@ from extract_runs import ROOT
 from transformers import AutoTokenizer
 
 from benchmarks.extraction_vs_prefill import (
-    BenchOptions, _cold_start, _fp8_error, attention_flops, model_flops_per_token, out_kind, synthetic_corpus,
+    BenchOptions, _bare, _chunk_sweep, _cold_start, _DiscardWriter, _ForwardClock, _fp8_error, _timed, attention_flops,
+    model_flops_per_token, out_kind, synthetic_corpus,
 )
+from offline_extract.engine.distributed import Coordinator, Layout
+from offline_extract.feed import extract_batches, staging_buffers
+from offline_extract.store.index import iter_samples
+from offline_extract.store.schema import Encoding
+from offline_extract.store.writer import ShardWriter
 from offline_extract.data.tokenization import SampleTokenizer
 from offline_extract.engine.sglang_adapter import chunk_bounds
 
@@ -92,32 +100,60 @@ def test_bench_without_a_gpu_says_so_in_one_line():
     assert proc.stderr.strip() == "Error: bin/bench.py times extraction on a GPU, but torch sees no CUDA GPU here"
 
 
-def test_fp8_error_is_per_token_per_layer_against_the_same_forward(tokenizer):
-    from offline_extract.engine.sglang_adapter import Captured
+@pytest.fixture(scope="module")
+def bench_batches(tiny_engine, tokenizer):
+    """Short samples in one batch and one sample past the engine's budget, which it takes in chunks."""
+    from offline_extract.data.batching import batch_by_tokens
 
-    g = torch.Generator().manual_seed(0)
+    short = synthetic_corpus(tokenizer, BenchOptions(lengths="fixed", mean_length=100, num_tokens=300))
+    budget = tiny_engine.cfg.max_tokens_per_batch
+    long = synthetic_corpus(tokenizer, BenchOptions(lengths="fixed", mean_length=budget + 100, num_tokens=budget + 100))
+    long = [dataclasses.replace(s, index=len(short) + i, id=f"long-{i}") for i, s in enumerate(long)]
+    batches = list(batch_by_tokens(short + long, budget, 16))
+    assert [tiny_engine.is_chunked([s.input_ids for s in b.samples]) for b in batches] == [False, True]
+    return batches
 
-    class Engine:
-        layer_ids = (1, 3, 4)
 
-        def __init__(self):
-            self.forwards = 0
-
-        def forward(self, seqs):
-            self.forwards += 1
-            tokens = sum(len(s) for s in seqs)
-            x = torch.randn(tokens, 4, 32, generator=g) * (torch.rand(tokens, 4, 1, generator=g) * 5 + 0.1)
-            return Captured(aux=x[:, :3].reshape(tokens, 96), last=x[:, 3])
-
-    samples = synthetic_corpus(tokenizer, BenchOptions(lengths="fixed", mean_length=100, num_tokens=1000))
-    batches = [SimpleNamespace(samples=samples[i : i + 2], num_tokens=200) for i in range(0, 10, 2)]
-    engine = Engine()
-    result = _fp8_error(engine, batches, max_tokens=300)
-    assert engine.forwards == 2, "stops once max_tokens are measured"
-    assert list(result) == ["layer 1", "layer 3", "layer 4", "last"]
+def test_fp8_error_is_per_token_per_layer_against_the_same_forward(tiny_engine, bench_batches):
+    result = _fp8_error(tiny_engine, bench_batches, max_tokens=250)
+    assert list(result) == [*(f"layer {i}" for i in tiny_engine.layer_ids), "last"]
+    first = bench_batches[0].num_tokens
     for row in result.values():
-        assert row["tokens"] == 400
+        assert row["tokens"] == first, "stops once max_tokens are measured"
         assert 0.999 <= row["worst"] <= row["median"] < 1.0
+
+
+def test_the_timed_modes_run_through_the_real_engine(tiny_engine, bench_batches, tmp_path):
+    """What run_bench times on the GPU, on CPU at tiny size: bare prefill, the copy-out alone, extraction
+    into shards in each stored encoding, and the chunk sweep, all through the forward clock."""
+    layout = Layout(rank=0, world_size=1)
+    coord = Coordinator(layout, "bench-test")
+    clock = _ForwardClock(tiny_engine)
+    tokens = sum(b.num_tokens for b in bench_batches)
+    assert _timed(coord, lambda: _bare(clock, bench_batches), clock) > 0
+    assert clock.seconds > 0 and clock.phases() == {}, "on CPU the host side only"
+    longest = max(s.num_tokens for b in bench_batches for s in b.samples)
+    written = {}
+    for encoding in (Encoding("bf16"), Encoding("fp8", "zstd")):
+        staging = staging_buffers(tiny_engine, encoding)
+        widths = encoding.widths(len(tiny_engine.layer_ids), tiny_engine.hidden_size)
+        if encoding.store == "fp8":  # the copy-out alone, as --store fp8 --compress zstd measures it
+            discard = _DiscardWriter(encoding, longest, widths)
+            assert _timed(coord, lambda: extract_batches(clock, bench_batches, discard, staging=staging), clock) > 0
+        out = tmp_path / f"{encoding.store}-{encoding.compress}"
+        writer = ShardWriter(out, {"layer_ids": list(tiny_engine.layer_ids)}, shard_bytes=1 << 20, encoding=encoding,
+                             widths=widths)
+        _timed(coord, lambda: (extract_batches(clock, bench_batches, writer, staging=staging), writer.close()), clock)
+        assert writer.bytes_written > 0
+        written[encoding.store] = {info.index: t for info, t in iter_samples(out)}
+    assert sum(len(t["input_ids"]) for t in written["bf16"].values()) == tokens
+    assert written["fp8"].keys() == written["bf16"].keys()
+    for index, t in written["fp8"].items():
+        for name in ("aux_hidden_states", "hidden_states"):
+            cos = torch.nn.functional.cosine_similarity(t[name].float(), written["bf16"][index][name].float(), dim=-1)
+            assert cos.min() > 0.999, (index, name)
+    rates = _chunk_sweep(tiny_engine, coord, bench_batches[1], (1024,))
+    assert list(rates) == ["1024"] and rates["1024"] > 0
 
 
 def test_the_cold_start_times_each_first_batch_after_the_start_up(tiny_engine, tokenizer):
