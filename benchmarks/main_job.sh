@@ -3,7 +3,9 @@
 #   bash benchmarks/main_job.sh RESULTS_DIR [NUM_TOKENS]
 # 1. bin/extract.py on the 8B-shaped model with its generated weights (benchmarks/make_8b_model.sh), a
 #    lognormal chat corpus of NUM_TOKENS (default: what fits 70% of the free disk, at most 1.5M), --verify 8,
-#    written to local disk (/tmp), every thread's stack sampled every 5 s (stacks_cold.txt);
+#    written to local disk (/tmp); with MAIN_JOB_STACKS=1 every thread's stack is sampled every 5 s
+#    (stacks_cold.txt), which showed where the cold minute goes but can crash the run (faulthandler dumps
+#    threads that are running C code);
 # 2. bin/inspect.py --verify on that output;
 # 3. the same command again into a fresh folder, now that SGLang's JIT kernels are in their cache;
 # 4. bin/bench.py on the same model and lengths, for bare prefill's rate (the ratio's denominator).
@@ -41,7 +43,11 @@ extract="bin/extract.py --model $model --data $work/corpus.jsonl --verify 8 --no
 step model "bash benchmarks/make_8b_model.sh $model"
 step corpus "python benchmarks/main_job.py corpus $model $work/corpus.jsonl --num-tokens $tokens"
 caches before
-step extract_cold "OE_STACKS=$results/stacks_cold.txt python benchmarks/main_job.py stacks $extract --out $work/out"
+if [[ ${MAIN_JOB_STACKS:-0} == 1 ]]; then
+  step extract_cold "OE_STACKS=$results/stacks_cold.txt python benchmarks/main_job.py stacks $extract --out $work/out"
+else
+  step extract_cold "python $extract --out $work/out"
+fi
 caches after
 step inspect_verify "python bin/inspect.py $work/out --verify"
 rm -rf "$work/out"
