@@ -69,8 +69,9 @@ def test_forcing_keeps_hfs_own_weights_and_hfs_own_choice_differs_only_on_few_to
 
 
 def _hf_run(hf, ids, forced=None):
-    """HF's states for `ids` and the experts each MoE block was handed, with `forced` experts if given."""
-    forcing = parity.ForcedRouting(hf) if forced is not None else None
+    """HF's states for `ids` and the experts each MoE block was handed, with `forced` experts if given (None:
+    HF routes itself, the forcing only recording its choice)."""
+    forcing = parity.ForcedRouting(hf)
     handed, hooks = {}, []
     for name, block in hf.named_modules():
         if type(block).__name__ in HF_BLOCKS.values():
@@ -79,14 +80,12 @@ def _hf_run(hf, ids, forced=None):
             hooks.append(block.experts.register_forward_pre_hook(
                 lambda m, args, layer=layer: handed.__setitem__(layer, args[1].clone())))
     try:
-        if forcing:
-            forcing.set(forced)
+        forcing.set(forced)
         states = parity.hf_hidden_states(hf, ids, "cpu")
     finally:
         for h in hooks:
             h.remove()
-        if forcing:
-            forcing.remove()
+        forcing.remove()
     return states, handed, forcing
 
 
@@ -96,7 +95,11 @@ def test_forcing_hfs_own_choice_changes_nothing_and_another_choice_moves_that_to
     hf = parity.load_hf_model(str(model), "bfloat16", "cpu")
     assert {type(m).__name__ for m in hf.modules()} & set(HF_BLOCKS.values()) == {HF_BLOCKS[arch]}
     ids = np.random.default_rng(0).integers(6, 380, 24).tolist()
-    own_states, own, _ = _hf_run(hf, ids)
+    own_states, own, recorded = _hf_run(hf, ids)
+    # Nothing forced: HF's own run, its choice recorded as its experts were handed it.
+    assert all(torch.equal(a, b) for a, b in zip(parity.hf_hidden_states(hf, ids, "cpu"), own_states)), arch
+    assert recorded.own_choice.keys() == own.keys()
+    assert all(torch.equal(recorded.own_choice[layer], own[layer]) for layer in own)
 
     # HF's own experts, forced: bit for bit HF's own run, and HF's own weights (no arithmetic added).
     states, handed, forcing = _hf_run(hf, ids, own)

@@ -397,7 +397,9 @@ class ForcedRouting:
     """
 
     def __init__(self, hf_model):
-        self._forced: Mapping[int, torch.Tensor] = {}
+        self._forced: Mapping[int, torch.Tensor] | None = None
+        # HF's own choice in the last forward, per MoE layer: what it routes to when nothing is forced.
+        self.own_choice: dict[int, torch.Tensor] = {}
         self.layers: dict[int, LayerRouting] = {}
         self._handles = []
         for name, block in hf_model.named_modules():
@@ -427,15 +429,19 @@ class ForcedRouting:
     def supports(hf_model) -> bool:
         return any(type(m).__name__ in _HF_ROUTING for m in hf_model.modules())
 
-    def set(self, experts: Mapping[int, torch.Tensor]) -> None:
-        """The experts of the next forward's tokens: {decoder layer: [T, experts per token]}."""
-        missing = sorted(set(self.layers) - set(experts))
+    def set(self, experts: Mapping[int, torch.Tensor] | None) -> None:
+        """The experts of the next forward's tokens: {decoder layer: [T, experts per token]}; None lets HF route
+        itself (recording its choice in own_choice)."""
+        missing = sorted(set(self.layers) - set(experts)) if experts is not None else []
         if missing:
             raise ValueError(f"no forced experts for MoE layers {missing}")
         self._forced = experts
 
     def _force(self, block, layer: int, routing: _HFRouting, logits: torch.Tensor, args: tuple) -> tuple:
         hidden, own_ids, own_weights = args
+        self.own_choice[layer] = own_ids.detach().cpu()
+        if self._forced is None:
+            return None
         forced = self._forced[layer].to(own_ids.device)
         if forced.shape != own_ids.shape:
             raise ValueError(f"layer {layer}: forced experts {tuple(forced.shape)}, HF routes {tuple(own_ids.shape)}")
