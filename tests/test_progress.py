@@ -93,3 +93,11 @@ def test_verbose_shows_library_output_as_it_comes(capfd):
         _chatter()
     out, err = capfd.readouterr()
     assert "from C: loading shards 100%" in err and "to stdout" in out
+
+
+def test_a_long_list_of_names_is_kept_to_one_short_line():
+    from offline_extract.words import listing
+
+    names = [f"shard_{i:03d}.safetensors" for i in range(374)]
+    assert listing(names) == ", ".join(names[:5]) + " and 369 more"
+    assert listing(names[:5]) == ", ".join(names[:5])

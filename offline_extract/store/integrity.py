@@ -21,6 +21,7 @@ from offline_extract.store import manifest
 from offline_extract.store.index import read_index, shard_paths
 from offline_extract.store.schema import FRAMES_SUFFIX, INDEX_NAME, SCALE_SUFFIX, Encoding, ShardError
 from offline_extract.store.shard import ShardHeader, read_header
+from offline_extract.words import listing, plural
 
 
 @dataclass
@@ -63,10 +64,15 @@ def verify(out: str | os.PathLike, threads: int = 8) -> Verification:
                 )
             seen.setdefault(info.index, name)
     report.samples = len(seen)
+    # One line per way of checking, not per shard: a killed run may leave hundreds of them.
+    by_how: dict[str, list[str]] = {}
+    for name, how in unrecorded.items():
+        if name not in report.damaged:
+            by_how.setdefault(how, []).append(name)
     report.unfinished += [
-        f"{name}: complete, not yet recorded in {manifest.MANIFEST_NAME} because the run stopped ({how})"
-        for name, how in unrecorded.items()
-        if name not in report.damaged
+        f"{plural(len(names), 'shard')} complete, not yet recorded in {manifest.MANIFEST_NAME} because the run "
+        f"stopped ({how}): {listing(names)}"
+        for how, names in by_how.items()
     ]
     stale = _check_index(out, [p.name for p in paths], headers)
     if report.unfinished and stale:

@@ -24,7 +24,7 @@ from offline_extract.store.index import shard_paths
 from offline_extract.store.journal import load_json, read_journal
 from offline_extract.store.schema import FORMAT_VERSION, shard_number
 from offline_extract.store.shard import read_header
-from offline_extract.words import plural
+from offline_extract.words import listing, plural
 
 MANIFEST_NAME = "manifest.json"
 JOURNAL_GLOB = ".manifest.dp*.jsonl"
@@ -227,7 +227,8 @@ def consolidate(out: str | os.PathLike, **updates) -> tuple[dict, list[str]]:
     on_disk = {p.name: p for p in shard_paths(out)}
     gone = sorted(set(recorded) - set(on_disk))
     if gone:
-        notes.append(f"listed in the manifest but gone, their samples will be redone: {', '.join(gone)}")
+        notes.append(f"{plural(len(gone), 'shard')} listed in the manifest but gone, their samples will be redone: "
+                     f"{listing(gone)}")
     unrecorded = sorted(set(on_disk) - set(recorded), key=lambda name: shard_number(on_disk[name]))
     for name in unrecorded:
         header = read_header(on_disk[name])
@@ -238,8 +239,8 @@ def consolidate(out: str | os.PathLike, **updates) -> tuple[dict, list[str]]:
             "num_tokens": header.num_tokens,
         }
     if unrecorded:
-        listed = ", ".join(unrecorded)
-        notes.append(f"checksummed {plural(len(unrecorded), 'complete shard')} the manifest did not list yet: {listed}")
+        notes.append(f"checksummed {plural(len(unrecorded), 'complete shard')} the manifest did not list yet: "
+                     f"{listing(unrecorded)}")
     manifest.pop("format_version", None)
     manifest.update(updates)
     manifest["shards"] = {name: recorded[name] for name in sorted(on_disk, key=lambda n: shard_number(on_disk[n]))}

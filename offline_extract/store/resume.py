@@ -25,7 +25,7 @@ from offline_extract.store import manifest
 from offline_extract.store.index import describes, read_index, shard_paths, write_index
 from offline_extract.store.schema import INDEX_NAME, ShardError, shard_number
 from offline_extract.store.shard import read_header
-from offline_extract.words import plural
+from offline_extract.words import listing, plural
 
 LOCK_NAME = ".lock"
 REJECTS_PARTS = ".rejects.dp*.jsonl"
@@ -117,7 +117,7 @@ def take_over(out: Path) -> tuple[OutputLock, Existing]:
             p.unlink()
         notes = []
         if leftovers:
-            names = ", ".join(p.name for p in leftovers)
+            names = listing([p.name for p in leftovers])
             notes.append(f"removed {plural(len(leftovers), 'file')} left by an interrupted run: {names}")
         paths = shard_paths(out)
         first = shard_number(paths[-1]) + 1 if paths else 0
