@@ -4,7 +4,8 @@
 # Every MoE family against HF on the experts the engine chose, and against HF in fp32 (the bf16 floor), on
 # triton, flashinfer and fa3: three lanes side by side on the one GPU, one a backend (each engine's KV pool
 # is capped at a few thousand tokens, so they share its memory). Then --verify as users run GPT-OSS and
-# Qwen3-Next (default backend), and GPT-OSS's MXFP4 checkpoint. Each family's parity JSON goes to
+# Qwen3-Next (default backend), GPT-OSS's MXFP4 checkpoint, and HF's own bf16-vs-fp32 floor on the GPU
+# (benchmarks/bf16_floor.py). Each family's parity JSON goes to
 # RESULTS_DIR/parity/<architecture>-<backend>.json with its command; every step's command, exit status and
 # seconds into RESULTS_DIR/steps.jsonl, its output into RESULTS_DIR/<step>.log.
 set -uo pipefail
@@ -36,4 +37,5 @@ step moe_fa3 420 "$suite -k '($moe) and fa3'" &
 wait
 step verify_default_backend 150 "python -m pytest -m gpu tests/test_gpu.py -v -rA -p no:cacheprovider -k verify_passes_on_the_families" &
 step mxfp4 150 "python -m pytest -m gpu tests/test_gpu_mxfp4.py -v -rA -p no:cacheprovider" &
+step bf16_floor 150 "python benchmarks/bf16_floor.py --device cuda --out $results/bf16_floor_h200.json" &
 wait
