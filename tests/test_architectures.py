@@ -23,7 +23,7 @@ from offline_extract.engine.distributed import free_port
 from offline_extract.engine.sglang_adapter import (
     Engine,
     EngineConfig,
-    _CAPTURE_RULES,
+    CAPTURE_RULES,
     model_capture_rule,
     prepare_process,
     resolve_capture,
@@ -117,7 +117,7 @@ def _stand_ins(num_layers):
 
 
 def test_every_rule_is_checked_here():
-    assert set(_stand_ins(4)) == set(_CAPTURE_RULES)
+    assert set(_stand_ins(4)) == set(CAPTURE_RULES)
 
 
 @pytest.mark.parametrize("num_layers", [8, 11])

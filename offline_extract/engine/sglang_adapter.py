@@ -206,7 +206,9 @@ class CaptureRule:
 
 _PLUS_ONE = "adds +1 to every id"
 _DEEPSEEK = "adds +1 to every id only if ids[0] == 1, else uses the ids verbatim"
-_CAPTURE_RULES = {
+# Every supported architecture's rule, by SGLang class name: what `capture_rule` answers from, and what the
+# tests hold against SGLang's own model files.
+CAPTURE_RULES = {
     "LlamaForCausalLM": CaptureRule("llama.py:885", _PLUS_ONE, _ids_adding_one),
     "MistralForCausalLM": CaptureRule("llama.py:885 (inherited)", _PLUS_ONE, _ids_adding_one),
     "Qwen2ForCausalLM": CaptureRule("qwen2.py:747", _PLUS_ONE, _ids_adding_one),
@@ -251,12 +253,12 @@ def capture_rule(architecture: str, model_path: str = "") -> CaptureRule:
         raise NotImplementedError(
             f"architecture {architecture} ({model_path or 'model'}) is not supported: {_WRONG_CAPTURE[architecture]}"
         )
-    rule = _CAPTURE_RULES.get(architecture)
+    rule = CAPTURE_RULES.get(architecture)
     if rule is None:
         raise NotImplementedError(
             f"architecture {architecture} ({model_path or 'model'}) is not supported: its SGLang model file's "
             f"EAGLE-3 capture convention has not been verified against HF transformers. Supported: "
-            f"{', '.join(sorted(_CAPTURE_RULES))}"
+            f"{', '.join(sorted(CAPTURE_RULES))}"
         )
     return rule
 
@@ -610,11 +612,14 @@ class Engine:
         return max(self.cfg.max_tokens_per_batch, self.chunk_tokens)
 
     def capture_chunked(self, ids: np.ndarray, chunk: int) -> Captured:
-        """All of `chunks(ids, chunk)` in one piece: states equal to an unchunked prefill's."""
+        """All of `chunks(ids, chunk)` in one piece: states equal to an unchunked prefill's. For `warm_up`
+        and the tests; extraction takes the chunks one by one (`chunks`), so as to copy each out while the
+        next one computes."""
         return self._chunked(ids, chunk, capture=True)
 
     def prefill_chunked(self, ids: np.ndarray, chunk: int) -> None:
-        """`prefill` of one long sequence, `chunk` tokens at a time."""
+        """`prefill` of one long sequence, `chunk` tokens at a time: the bench's bare baseline for chunked
+        prefill; extraction never calls it."""
         self._chunked(ids, chunk, capture=False)
 
     def _chunked(self, ids: np.ndarray, chunk: int, capture: bool) -> Captured | None:
