@@ -28,6 +28,7 @@ _EXPORTS = {
     "StoppedError": ("offline_extract.extraction", "StoppedError"),
     "HiddenStateDataset": ("offline_extract.training.datasets", "HiddenStateDataset"),
     "HiddenStateIterableDataset": ("offline_extract.training.datasets", "HiddenStateIterableDataset"),
+    "pad_collate": ("offline_extract.training.datasets", "pad_collate"),
     "open_shard": ("offline_extract.store.shard", "open_shard"),
     "Shard": ("offline_extract.store.shard", "Shard"),
     "iter_samples": ("offline_extract.store.index", "iter_samples"),
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
     from offline_extract.store.schema import SampleInfo, ShardError
     from offline_extract.store.shard import Shard, open_shard
     from offline_extract.summary import Summary
-    from offline_extract.training.datasets import HiddenStateDataset, HiddenStateIterableDataset
+    from offline_extract.training.datasets import HiddenStateDataset, HiddenStateIterableDataset, pad_collate
     from offline_extract.training.export import export
 
 

@@ -12,7 +12,7 @@ from offline_extract.store.schema import SAMPLE_TENSORS, SampleInfo, ShardError
 from offline_extract.store.shard import open_shard
 from offline_extract.store.writer import ShardWriter
 from offline_extract.training import datasets
-from offline_extract.training.datasets import HiddenStateDataset, HiddenStateIterableDataset
+from offline_extract.training.datasets import HiddenStateDataset, HiddenStateIterableDataset, pad_collate
 
 K, H = 3, 8
 ROW_BYTES = (K + 1) * H * 2
@@ -267,3 +267,28 @@ def test_a_checksum_check_on_request_refuses_a_flipped_byte(out_dir, dataset):
     assert len(dataset(out_dir)) == N, "unchecked, the reader cannot tell"
     with pytest.raises(ShardError, match=rf"{damaged.name}: sha256 \w+ differs from manifest.json's.*\nDelete them"):
         dataset(out_dir, verify_checksums=True)
+
+
+def test_items_are_found_by_position_or_id_and_a_wrong_key_says_what_keys_are(out_dir):
+    ds = HiddenStateDataset(out_dir)
+    assert ds["s3"]["id"] == "s3" and torch.equal(ds["s3"]["input_ids"], ds[3]["input_ids"])
+    with pytest.raises(KeyError, match=r"no sample with id 'id'.*ds\[position\] or ds\[sample id\]"):
+        ds["id"]
+
+
+def test_pad_collate_batches_samples_of_different_lengths(out_dir):
+    want = truth(out_dir)
+    loader = DataLoader(HiddenStateDataset(out_dir), batch_size=4, collate_fn=pad_collate)
+    batches = list(loader)
+    assert sum(len(b["id"]) for b in batches) == N
+    for batch in batches:
+        longest = int(batch["lengths"].max())
+        assert batch["aux_hidden_states"].shape == (len(batch["id"]), longest, K * H)
+        assert batch["aux_hidden_states"].dtype == torch.bfloat16 and batch["input_ids"].dtype == torch.int64
+        for j, sample_id in enumerate(batch["id"]):
+            n = int(batch["lengths"][j])
+            assert n == LENGTHS[int(sample_id[1:])]
+            assert batch["attention_mask"][j].tolist() == [1] * n + [0] * (longest - n)
+            assert not batch["loss_mask"][j, n:].any() and not batch["hidden_states"][j, n:].any()
+            assert torch.equal(batch["hidden_states"][j, :n], want[sample_id]["hidden_states"])
+            assert torch.equal(batch["loss_mask"][j, :n], want[sample_id]["loss_mask"])

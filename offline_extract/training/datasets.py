@@ -187,7 +187,10 @@ class HiddenStateDataset(Dataset):
     def __len__(self) -> int:
         return len(self.catalog)
 
-    def __getitem__(self, i: int) -> dict:
+    def __getitem__(self, i: int | str) -> dict:
+        """Item i by position, or by sample id (a str)."""
+        if isinstance(i, str):
+            i = self.index_of(i)
         n = len(self.catalog)
         if not -n <= i < n:
             raise IndexError(f"sample {i} out of range for {n} samples")
@@ -214,10 +217,30 @@ class HiddenStateDataset(Dataset):
         try:
             return self._position_of_id[sample_id]
         except KeyError:
-            raise KeyError(f"no sample with id {sample_id!r} in {self.catalog.out_dir}") from None
+            raise KeyError(
+                f"no sample with id {sample_id!r} in {self.catalog.out_dir}: items are ds[position] or ds[sample id] "
+                f"(ds.ids lists the ids), and each item is a dict with its id under 'id'"
+            ) from None
 
     def get_by_id(self, sample_id: str) -> dict:
         return self[self.index_of(sample_id)]
+
+
+def pad_collate(items: list[dict], pad_token_id: int = 0) -> dict:
+    """A DataLoader's collate_fn for items of different lengths: each tensor padded at the end to the
+    batch's longest sample ([B, T_max, ...]; input_ids with `pad_token_id`, the rest with zeros, so the
+    loss mask is 0 on padding), plus `attention_mask` [B, T_max] (1 on real tokens), `lengths` [B] and
+    `id` as a list. torch's default collate stacks and so needs equal lengths."""
+    lengths = torch.tensor([len(item["input_ids"]) for item in items])
+    batch = {"id": [item["id"] for item in items], "lengths": lengths}
+    for name in items[0]:
+        if name == "id":
+            continue
+        value = pad_token_id if name == "input_ids" else 0
+        batch[name] = torch.nn.utils.rnn.pad_sequence([item[name] for item in items], batch_first=True,
+                                                      padding_value=value)
+    batch["attention_mask"] = (torch.arange(int(lengths.max())) < lengths[:, None]).to(torch.uint8)
+    return batch
 
 
 class HiddenStateIterableDataset(IterableDataset):
