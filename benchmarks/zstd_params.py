@@ -1,0 +1,68 @@
+#!/usr/bin/env python
+"""zstd's plain level 1 against the parameters `--compress zstd` uses (store/codecs.py: level 1, fast
+strategy, matches of 7 bytes or more, a 256-entry hash table), on one sample's activation-like states
+(Gaussian, a few large channels, tokens of varied norm; 3 aux layers of an 8B model's width): ratio, and
+single-thread speed as the best of a few runs.
+
+    python -m benchmarks.zstd_params --json benchmarks/results/zstd_params_cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import zstandard
+
+from offline_extract.store.codecs import ZSTD_LEVEL, compress_frame, compressor, fp8_quantize
+
+
+def _states(tokens: int, width: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, width, generator=g)
+    x[:, :8] *= 30
+    x *= torch.rand(tokens, 1, generator=g) * 4 + 0.5
+    return x.bfloat16()
+
+
+def _measure(tensor: torch.Tensor, cctx, repeat: int) -> dict:
+    best, frame = float("inf"), b""
+    for _ in range(repeat):
+        start = time.perf_counter()
+        frame = compress_frame(tensor, cctx)
+        best = min(best, time.perf_counter() - start)
+    nbytes = tensor.numel() * tensor.element_size()
+    return {"ratio": round(nbytes / len(frame), 3), "mb_s": round(nbytes / best / 1e6, 1)}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=1700)
+    ap.add_argument("--width", type=int, default=3 * 4096)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    plain = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True, write_checksum=True)
+    rows = []
+    for seed in range(args.seeds):
+        bf16 = _states(args.tokens, args.width, seed)
+        fp8, _ = fp8_quantize(bf16, 3)
+        for store, tensor in (("bf16", bf16), ("fp8", fp8)):
+            rows.append({"seed": seed, "store": store, "level_1": _measure(tensor, plain, args.repeat),
+                         "ours": _measure(tensor, compressor(), args.repeat)})
+    result = {"command": " ".join(["python -m benchmarks.zstd_params", *(argv if argv is not None else sys.argv[1:])]),
+              "tokens": args.tokens, "width": args.width, "threads": 1, "rows": rows}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
