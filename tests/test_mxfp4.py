@@ -68,3 +68,14 @@ def test_cpu_refuses_an_mxfp4_checkpoint_by_name_before_loading_it(checkpoints, 
     # Before SGLang's own GPT-OSS check (attention backends with sinks) could speak.
     assert_cpu_refuses_before_loading(checkpoints["mxfp4"], tmp_path / "out",
                                       f"{checkpoints['mxfp4']} is an MXFP4 checkpoint")
+
+
+def test_the_gates_reference_is_hfs_plain_gpt_oss_on_the_dequantized_experts(checkpoints):
+    hf = parity.load_hf_model(str(checkpoints["mxfp4"]), "bfloat16", "cpu")
+    dequantized, quantized = parity.dequantized_mxfp4_tensors(str(checkpoints["mxfp4"]), torch.bfloat16)
+    params = dict(hf.named_parameters())
+    # HF's own GPT-OSS experts (no MXFP4 kernels), holding exactly the dequantized weights; nothing quantized left.
+    assert {type(m).__name__ for m in hf.modules()} >= {"GptOssExperts", "GptOssMLP"}
+    assert not hasattr(hf.config, "quantization_config")
+    assert all(torch.equal(params[name], dequantized[name]) for name in quantized)
+    assert parity.ForcedRouting.supports(hf)
