@@ -1,5 +1,8 @@
-"""What every bin/ script shares: -h as well as --help, --version, and exit status 130 on Ctrl-C."""
+"""What every bin/ script shares: -h as well as --help, --version, exit status 130 on Ctrl-C, and warnings as
+one line of their own words."""
 from __future__ import annotations
+
+import warnings
 
 import click
 
@@ -13,8 +16,14 @@ class Interrupted(click.ClickException):
     exit_code = 130
 
 
+def _one_line(message, category, filename, lineno, line=None) -> str:
+    return f"warning: {message}\n"
+
+
 class _Command(click.Command):
     def invoke(self, ctx: click.Context):
+        # A warning is for the person at the terminal: its words, not Python's file, line and source line.
+        warnings.formatwarning = _one_line
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt:
