@@ -280,6 +280,8 @@ def test_script_exports_to_speculators(pre_norm_dir, tmp_path):
     done = run_script("--format", "speculators", pre_norm_dir, "--to", tmp_path / "spec", "--no-progress")
     assert done.returncode == 0, done.stderr
     assert len(list((tmp_path / "spec" / "hidden_states").glob("hs_*.safetensors"))) == len(LENGTHS)
+    # What the user must pass to speculators is said where they look.
+    assert f"train with --target-layer-ids {' '.join(str(k + 1) for k in range(K))} (speculators' ids: ours + 1)" in done.stderr
 
 
 def test_speculators_export_names_custom_layers_in_its_convention(tmp_path):

@@ -155,3 +155,13 @@ def test_a_run_without_a_recorded_norm_is_still_refused(tmp_path):
     with pytest.raises(ExportError, match="recorded no final norm"):
         export_specforge(out, tmp_path / "sf", progress=False)
     assert not (tmp_path / "sf").exists()
+
+
+def test_a_pre_norm_dspark_run_exports_its_post_norm_target_state(norm, tmp_path):
+    out = tmp_path / "dspark"
+    write_synthetic(out, [6, 4], hidden_size=H, num_aux=5, run=_run("pre-norm", norm, recipe="dspark"))
+    export_specforge(out, tmp_path / "sf", progress=False)
+    for i, (info, shard) in enumerate(iter_samples(out)):
+        data = torch.load(specforge_path(tmp_path / "sf", i), weights_only=True)
+        assert torch.equal(data["target_last_hidden_states"][0], norm.apply(shard["hidden_states"]).bfloat16())
+        assert torch.equal(data["hidden_states"][0], shard["aux_hidden_states"])
