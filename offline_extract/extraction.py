@@ -450,7 +450,8 @@ class Job:
                 raise
             if writer is not None:
                 tally.written(writer.close(), writer)
-                bar.advance(0, 0, writer.bytes_written)  # the last shards land after the last batch
+            # The last shards land after the last batch, and records after it (resumed ones) gave no batch.
+            bar.advance(tally.records_read(), 0, writer.bytes_written if writer else 0)
             tally.summary.extract_seconds = time.perf_counter() - extract_start
 
     def _finish(self, summary: Summary) -> Summary | None:

@@ -12,7 +12,8 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.text import Text
 
 
 def note(message: str) -> None:
@@ -26,6 +27,14 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1000
     raise AssertionError("unreachable")
+
+
+class _Done(ProgressColumn):
+    """'15/24', or '15' while the total is unknown (a pipe, or before the count is in): not '15/?'."""
+
+    def render(self, task) -> Text:
+        total = f"/{int(task.total)}" if task.total is not None else ""
+        return Text(f"{int(task.completed)}{total}", style="progress.download")
 
 
 class RunProgress:
@@ -51,7 +60,7 @@ class RunProgress:
         self._progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
-            MofNCompleteColumn(),
+            _Done(),
             TextColumn("samples  {task.fields[rate]} tok/s  {task.fields[written]} written"),
             TimeElapsedColumn(),
             TextColumn("ETA"),

@@ -133,9 +133,13 @@ class Tally:
             note(f"warning: sample {sample.id!r} ({sample.source}:{sample.line}) kept with {reason}")
 
     def batch_done(self, batch: Batch) -> int:
-        """Counts the batch's tokens; returns the records read since the last batch, bad and resumed ones
-        included, so that a progress bar over the records reaches its total."""
+        """Counts the batch's tokens; returns the records read since the last batch (`records_read`)."""
         self.summary.tokens += batch.num_tokens
+        return self.records_read()
+
+    def records_read(self) -> int:
+        """The records read since the last call, bad and resumed ones included, so that a progress bar over
+        the records reaches its total, also when the last records (or all of them) give no batch."""
         new, self._records_shown = self.summary.records - self._records_shown, self.summary.records
         return new
 

@@ -101,3 +101,21 @@ def test_a_long_list_of_names_is_kept_to_one_short_line():
     names = [f"shard_{i:03d}.safetensors" for i in range(374)]
     assert listing(names) == ", ".join(names[:5]) + " and 369 more"
     assert listing(names[:5]) == ", ".join(names[:5])
+
+
+def test_the_count_column_shows_no_question_mark_while_the_total_is_unknown():
+    from types import SimpleNamespace
+
+    from offline_extract.progress import _Done
+
+    assert _Done().render(SimpleNamespace(completed=15, total=None)).plain == "15"
+    assert _Done().render(SimpleNamespace(completed=15, total=24)).plain == "15/24"
+
+
+def test_records_after_the_last_batch_still_reach_the_bar():
+    from offline_extract.summary import Tally
+
+    tally = Tally(None, strict=False, nonfinite="fail")
+    tally.resumed()  # a fully resumed run: records read, no batch ever formed
+    tally.resumed()
+    assert tally.records_read() == 2 and tally.records_read() == 0

@@ -106,6 +106,11 @@ class Source:
         if self.kind == "jsonl":
             # Counting a pipe would take the records from the reader.
             return None if self.streamed else _count_lines(self.path)
+        if self.kind == "jsonl.gz":
+            try:
+                return _count_lines(self.path, gzip.open)
+            except (OSError, EOFError, zlib.error):
+                return None  # a damaged file: the reader names it when it gets there
         if self.kind == "parquet":
             import pyarrow.parquet as pq
 
@@ -120,12 +125,12 @@ def _present(row: dict) -> dict:
     return {key: value for key, value in row.items() if value is not None}
 
 
-def _count_lines(path: Path) -> int:
+def _count_lines(path: Path, opener=open) -> int:
     """Non-empty line starts, counted with numpy over large chunks (a per-line Python loop would contend
-    for the GIL with the hot loop for minutes on a large corpus). A line of only spaces counts, which
-    only skews the ETA."""
+    for the GIL with the hot loop for minutes on a large corpus; zlib, for gzip, releases it too). A line
+    of only spaces counts, which only skews the ETA."""
     n = 0
-    with open(path, "rb") as f:
+    with opener(path, "rb") as f:
         after_newline = True
         while chunk := f.read(16 << 20):
             newline = np.frombuffer(chunk, dtype=np.uint8) == ord("\n")
