@@ -2,6 +2,7 @@
 one line of their own words."""
 from __future__ import annotations
 
+import signal
 import warnings
 
 import click
@@ -24,6 +25,8 @@ class _Command(click.Command):
     def invoke(self, ctx: click.Context):
         # A warning is for the person at the terminal: its words, not Python's file, line and source line.
         warnings.formatwarning = _one_line
+        # From here Ctrl-C is a KeyboardInterrupt again (bin/_bin_path.py ends the script while it imports).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt:

@@ -44,6 +44,14 @@ def test_ctrl_c_exits_130():
     assert result.exit_code == 130 and "interrupted" in result.output
 
 
+def test_ctrl_c_while_a_script_still_imports_exits_130_without_a_traceback():
+    # What every bin/ script does first, then Ctrl-C while the heavy imports would run.
+    code = ("import sys; sys.path.insert(0, 'bin'); import _bin_path, os, signal, time; "
+            "os.kill(os.getpid(), signal.SIGINT); time.sleep(30)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert (proc.returncode, proc.stderr) == (130, "interrupted\n")
+
+
 def test_ctrl_c_stops_an_extraction_with_130_and_says_how_to_resume(tmp_path, tiny_model_dir):
     cache = tmp_path / "cache"
     cache.mkdir()
