@@ -384,9 +384,11 @@ def export_speculators(
 
     def rows():
         for i in range(len(dataset)):
-            ids, mask = dataset.tokens(i)
-            freq.update(ids[mask.bool()].tolist())
-            yield {"input_ids": ids.numpy(), "loss_mask": mask.to(torch.int64).numpy(), "seq_len": len(ids)}
+            with _interrupt_between_samples():
+                ids, mask = dataset.tokens(i)
+                freq.update(ids[mask.bool()].tolist())
+                row = {"input_ids": ids.numpy(), "loss_mask": mask.to(torch.int64).numpy(), "seq_len": len(ids)}
+            yield row
 
     features = datasets.Features({
         "input_ids": datasets.Sequence(datasets.Value("int64")),
