@@ -129,6 +129,14 @@ from offline_extract.options import choices, default
                    "shards of another model, tokenizer, layers, compute dtype or length policy is refused even so, "
                    "before anything is written: mixed, its shards would not be one data set.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow model code from the model directory.")
+@click.option("--jit-cache", default=None, type=click.Path(file_okay=False),
+              help="Where the kernels SGLang compiles on first use (Triton, nvcc-built modules, Inductor, "
+                   "FlashInfer, DeepGEMM) are kept between runs; a cold cache costs the first run tens of seconds. "
+                   "Keep it on storage that outlives the machine or container. Variables such as TRITON_CACHE_DIR "
+                   "that are already set win. Default: $XDG_CACHE_HOME/offline_extract (~/.cache/offline_extract).")
+@click.option("--no-warm-up", is_flag=True,
+              help="Skip the throwaway batch that compiles those kernels right after the model loads (then the "
+                   "first real batch compiles them; start-up and tail are printed and kept in manifest.json either way).")
 @click.option("--no-progress", is_flag=True, help="No progress bar (e.g. for logs): a line every --progress-every seconds instead.")
 @click.option("--progress-every", default=default("progress_every"), show_default=True, type=click.FloatRange(min=0),
               help="With --no-progress, seconds between progress lines (samples, tokens, tok/s, GB written, ETA); "
@@ -139,7 +147,7 @@ from offline_extract.options import choices, default
 def main(data, out, model, device, dtype, tp, layers, max_length, overlong, tokens_per_batch, chunk_tokens, seqs_per_batch,
          shard_size_mb, attention_backend, load_format, mem_fraction_static, port_base, verify,
          trim_after_last_loss_token, dry_run, strict, nonfinite, final_state, recipe, min_loss_run, store, compress,
-         force, trust_remote_code, no_progress, progress_every, verbose):
+         force, trust_remote_code, jit_cache, no_warm_up, no_progress, progress_every, verbose):
     # Here, not at the top: torch and transformers take seconds to import, which --help, --version and a
     # mistyped option need not wait for.
     from offline_extract import extraction, planning
@@ -161,6 +169,7 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
         trim_after_last_loss=trim_after_last_loss_token, trust_remote_code=trust_remote_code,
         progress=not no_progress, progress_every=progress_every, verbose=verbose, strict=strict, nonfinite=nonfinite,
         final_state=final_state, recipe=recipe, min_loss_run=min_loss_run, store=store, compress=compress, force=force,
+        jit_cache=jit_cache, warm_up=not no_warm_up,
     )
     # Torchrun stops every rank with SIGTERM once one fails, and schedulers preempt with it: stop as on an
     # error (the unfinished shard dropped, the lock released) instead of dying mid-write.

@@ -24,7 +24,7 @@ from offline_extract import final_norm, planning, preflight
 from offline_extract.data.batching import batch_by_tokens
 from offline_extract.data.corpus import BadRecordError, Record, Reject, read_corpus
 from offline_extract.data.sources import Source
-from offline_extract.data.tokenization import Sample, SampleTokenizer
+from offline_extract.data.tokenization import Sample, SampleTokenizer, tokenizer_files
 from offline_extract.engine import parity
 from offline_extract.engine.distributed import Coordinator, Layout, ReportedByLeader, layout_from_env
 from offline_extract.engine.nonfinite import NonFiniteError, NonFiniteGuard
@@ -40,6 +40,7 @@ from offline_extract.store.journal import Journal, read_journal
 from offline_extract.store.schema import STORES, Encoding
 from offline_extract.store.writer import ShardWriter
 from offline_extract.summary import REJECTS_FILE, Summary, Tally
+from offline_extract.timeline import Timeline
 from offline_extract.version import __version__
 from offline_extract.words import plural
 
@@ -68,6 +69,20 @@ def parity_lines(rows: list[dict]) -> list[str]:
     ]
 
 
+def timing_line(t: dict) -> str:
+    """`Job.timings` in one line: what a user waited for before the first forward and after the last."""
+    if "startup_s" not in t:
+        return f"start-up: no forward ran ({t['marks'].get('checked', 0.0):.1f} s of imports and checks)"
+    gate = f", parity gate {t['parity_gate_s']:.1f} s" if t["parity_gate_s"] >= 0.05 else ""
+    return (
+        f"start-up {t['startup_s']:.1f} s to the first forward: ours {t['ours_s']:.1f} s (imports and checks "
+        f"{t['imports_and_checks_s']:.1f} s, tokenizer {t['tokenizer_s']:.1f} s), SGLang's model load "
+        f"{t['model_load_s']:.1f} s, warm-up {t['warm_up_s']:.1f} s{gate}; tail {t['tail_s']:.2f} s after the last "
+        f"forward: states to host {t['to_host_s']:.2f} s, last shards {t['last_shards_s']:.2f} s, rejects and index "
+        f"{t['rejects_and_index_s']:.2f} s"
+    )
+
+
 def _weights_fingerprint(model_dir: Path) -> str:
     """Names and sizes of the weight files, plus each safetensors file's header: cheap even for a 1 TB
     checkpoint, and it changes whenever the set of tensors, their shapes or their files change."""
@@ -83,8 +98,9 @@ def _weights_fingerprint(model_dir: Path) -> str:
     return h.hexdigest()
 
 
-def _known_before_loading(opts: ExtractOptions, checked: preflight.Checked, tokenizer: SampleTokenizer) -> dict:
-    """The run metadata that needs no engine: enough to tell a finished directory of this run apart."""
+def _known_before_loading(opts: ExtractOptions, checked: preflight.Checked) -> dict:
+    """The run metadata that needs neither the engine nor the tokenizer: with the tokenizer's files in place
+    of its hashes (`resume.finished`), enough to tell a finished directory of this run apart."""
     model_dir = checked.model.path
     dtype = _compute_dtype(opts, checked.device)
     return {
@@ -93,7 +109,7 @@ def _known_before_loading(opts: ExtractOptions, checked: preflight.Checked, toke
         "config_sha256": hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest(),
         "weights": "dummy (random)" if opts.load_format == "dummy" else _weights_fingerprint(model_dir),
         "tokenizer_path": str(model_dir),
-        **tokenizer.fingerprint(),
+        "tokenizer_files": tokenizer_files(model_dir, opts.trust_remote_code),
         # SGLang decides these two when they are left to it.
         **({"layer_ids": sorted(checked.layer_ids)} if checked.layer_ids is not None else {}),
         **({"compute_dtype": dtype} if dtype != "auto" else {}),
@@ -205,6 +221,10 @@ def run(opts: ExtractOptions) -> Summary | None:
     """
     job = Job(opts)
     finished = resume.finished(job.out, job.known, job.checked.corpus_paths)
+    if finished is None:
+        job.load_tokenizer()
+        # Other files may still make the recorded tokenizer (a copied model directory): it decides.
+        finished = resume.finished(job.out, job.known, job.checked.corpus_paths)
     if finished is not None:
         return job.already_complete(finished)
     return job.run()
@@ -212,22 +232,31 @@ def run(opts: ExtractOptions) -> Summary | None:
 
 class Job:
     """One process's part of one attempt. Built from the options, it holds what every phase reads: the
-    checked options, this rank's place in the layout, the tokenizer and the run metadata known before the
-    model loads; `run` calls the phases in order."""
+    checked options, this rank's place in the layout, the tokenizer (`load_tokenizer`) and the run metadata
+    known before the model loads; `run` calls the phases in order, and `timeline` records when each began."""
 
     def __init__(self, opts: ExtractOptions):
-        self.start = time.perf_counter()
+        self.timeline = Timeline()
         self.opts = opts
         self.checked = preflight.check(opts)
         self.layout = layout_from_env(opts.tp)
         self.out = Path(opts.out)
-        with foreign_output_hidden(not opts.verbose):
-            self.tokenizer = _sample_tokenizer(opts, self.checked.model.path)
-        self.known = _known_before_loading(opts, self.checked, self.tokenizer)
+        self.known = _known_before_loading(opts, self.checked)
+        self.timeline.mark("checked")
+        self.tokenizer: SampleTokenizer | None = None
         self.coord: Coordinator | None = None
         # Set by _load: the engine, and the run metadata that every shard carries.
         self.engine: Engine | None = None
         self.meta: dict | None = None
+        self.written: list = []  # headers of the shards this rank wrote (ShardWriter.headers)
+
+    def load_tokenizer(self) -> None:
+        """Loaded only once the directory is known not to hold this run's finished output: transformers
+        alone takes seconds to import."""
+        with foreign_output_hidden(not self.opts.verbose):
+            self.tokenizer = _sample_tokenizer(self.opts, self.checked.model.path)
+        self.known.update(self.tokenizer.fingerprint())
+        self.timeline.mark("tokenizer")
 
     def already_complete(self, finished: dict) -> Summary | None:
         """The directory holds this run's finished output. Every rank finds the same, and no rank loads the
@@ -297,11 +326,13 @@ class Job:
             tally = Tally(rejects, opts.strict, opts.nonfinite)
             samples = self._pending(done, tally)
             head = list(islice(samples, opts.verify))
+            self.timeline.mark("verifying")
             tally.summary.parity = self._verify(head)
+            self.timeline.mark("verified")
             staging, buffers = host.take(self.engine) if host else (None, [])
             writer = self._writer(existing, journals, buffers, on_gpu) if layout.writes else None
             self._extract(chain(head, samples), writer, staging, tally)
-        tally.summary.seconds = time.perf_counter() - self.start
+        tally.summary.seconds = self.timeline.now()  # from the command, as a user waits for it
         return self._finish(tally.summary)
 
     def _host_memory(self) -> HostMemory:
@@ -313,9 +344,14 @@ class Job:
 
     def _load(self) -> None:
         opts, checked, layout = self.opts, self.checked, self.layout
+        self.timeline.mark("loading")
         with foreign_output_hidden(not opts.verbose):
             self.engine = Engine(engine_config(opts, layout, checked.model.path, checked.device,
                                                checked.tokens_per_batch, checked.layer_ids))
+            self.timeline.mark("loaded")
+            if opts.warm_up and torch.device(checked.device).type == "cuda":  # nothing compiles on CPU
+                self.engine.warm_up()
+        self.timeline.mark("warm")
         self.meta = run_metadata(self.known, self.engine)
 
     def _claim(self, existing: resume.Existing) -> np.ndarray:
@@ -440,7 +476,7 @@ class Job:
                 bar.advance(tally.batch_done(batch), batch.num_tokens, writer.bytes_written if writer else 0)
 
             extract_start = time.perf_counter()
-            batches = batch_by_tokens(samples, self.checked.tokens_per_batch, opts.seqs_per_batch)
+            batches = self._marked(batch_by_tokens(samples, self.checked.tokens_per_batch, opts.seqs_per_batch))
             guard = NonFiniteGuard(opts.nonfinite, self.engine.layer_ids, tally.nonfinite)
             try:
                 extract_batches(self.engine, batches, writer, advance, staging=staging, nonfinite=guard)
@@ -448,11 +484,23 @@ class Job:
                 if writer is not None:
                     writer.abort()
                 raise
+            self.timeline.mark("drained")
             if writer is not None:
                 tally.written(writer.close(), writer)
+                self.written = writer.headers
             # The last shards land after the last batch, and records after it (resumed ones) gave no batch.
             bar.advance(tally.records_read(), 0, writer.bytes_written if writer else 0)
+            self.timeline.mark("written")
             tally.summary.extract_seconds = time.perf_counter() - extract_start
+
+    def _marked(self, batches: Iterator) -> Iterator:
+        """`batches`, marking on the timeline when the first is handed to the engine and when the last
+        one's forwards have all been enqueued."""
+        for i, batch in enumerate(batches):
+            if not i:
+                self.timeline.mark("first forward")
+            yield batch
+        self.timeline.mark("last forward")
 
     def _finish(self, summary: Summary) -> Summary | None:
         """Every replica has finished writing: the leader describes the whole directory (rejects.jsonl, the
@@ -466,11 +514,41 @@ class Job:
             return None
         with _resumable(self.out):
             _merge_rejects(self.out)
-            write_index(self.out)
+            write_index(self.out, self.written)
+            self.timeline.mark("finished")
+            timings = self.timings()
             # Last, so that a manifest saying "complete" means the index and rejects.jsonl are final too.
             counts = {key: getattr(total, key) for key in ("records", "skipped", "rejected", "dropped")}
-            manifest.consolidate(self.out, status="complete", result={**counts, "extracted": total.extracted + total.resumed})
+            manifest.consolidate(self.out, status="complete", result={**counts, "extracted": total.extracted + total.resumed},
+                                 timings=timings)
+        note(timing_line(timings))
         return total
+
+    def timings(self) -> dict:
+        """Where this rank's start-up and tail went, in seconds: from the command to the first forward
+        (ours, SGLang's model load, the warm-up, the parity gate), and from the last forward enqueued to
+        the run's end (its states to the host, the last shards, rejects and index); `marks` holds every
+        point of the timeline, counted from the process's start."""
+        marks = self.timeline.marks
+        if "first forward" not in marks:  # no sample to extract
+            return {"marks": marks}
+        load, warm_up, verify = (self.timeline.between(a, b) for a, b in
+                                 (("loading", "loaded"), ("loaded", "warm"), ("verifying", "verified")))
+        startup = marks["first forward"]
+        return {
+            "startup_s": startup,
+            "ours_s": startup - load - warm_up - verify,
+            "imports_and_checks_s": marks["checked"],
+            "tokenizer_s": self.timeline.between("checked", "tokenizer"),
+            "model_load_s": load,
+            "warm_up_s": warm_up,
+            "parity_gate_s": verify,
+            "tail_s": self.timeline.between("last forward", "finished"),
+            "to_host_s": self.timeline.between("last forward", "drained"),
+            "last_shards_s": self.timeline.between("drained", "written"),
+            "rejects_and_index_s": self.timeline.between("written", "finished"),
+            "marks": marks,
+        }
 
 
 def _count_owned(layout: Layout, sources: Sequence[Source]) -> int | None:

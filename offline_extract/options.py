@@ -51,6 +51,7 @@ class ExtractOptions:
     compress: Compression = "none"
     force: bool = False  # resume into an output directory written by a different run
     jit_cache: str | None = None  # where compiled kernels are kept between runs; None: the engine's default
+    warm_up: bool = True  # on a GPU, compile what the forward compiles on first use before the first real batch
 
     def __post_init__(self):
         for name in _CHOICES:

@@ -25,7 +25,7 @@ CORPUS = ROOT / "examples" / "corpus.jsonl"
 SINGLE_ARGS = ("--data", str(CORPUS), "--verify", "3", "--shard-size-mb", "0.05", "--tokens-per-batch", "512",
                "--max-length", "512")
 # Every line a plain run prints is one of ours.
-OUR_LINES = re.compile(r"^(parity |extract: \d+/24 samples, |records \d+: |tokens [\d,]+: |\d+ new shards, )")
+OUR_LINES = re.compile(r"^(parity |start-up [\d.]+ s to the first forward: |extract: \d+/24 samples, |records \d+: |tokens [\d,]+: |\d+ new shards, )")
 
 
 def _extract(out, *args, torchrun: int | None = None, env=None):
@@ -99,6 +99,22 @@ def test_a_plain_run_prints_only_its_own_lines_and_parity_before_extraction(sing
     # The gate's verdict as soon as it is known, then a heartbeat a batch (--progress-every 0.001).
     assert kinds[:4] == ["parity"] * 4 and kinds[4] == "extract:" and kinds.count("parity") == 4
     assert kinds.index("records") > max(i for i, kind in enumerate(kinds) if kind == "extract:")
+
+
+def test_start_up_and_tail_are_printed_and_kept_in_the_manifest(single):
+    out, proc = single
+    t = json.loads((out / "manifest.json").read_text())["timings"]
+    marks = list(t["marks"].values())
+    assert marks == sorted(marks) and marks[0] > 0, "every point counted from the command, in order"
+    assert list(t["marks"])[:3] == ["checked", "tokenizer", "loading"]
+    assert t["startup_s"] == t["marks"]["first forward"]
+    # The parts add up: ours is what the model load, the warm-up and the parity gate (--verify) leave.
+    assert t["ours_s"] + t["model_load_s"] + t["warm_up_s"] + t["parity_gate_s"] == pytest.approx(t["startup_s"])
+    assert t["parity_gate_s"] > 0 and t["model_load_s"] > 0
+    assert t["to_host_s"] + t["last_shards_s"] + t["rejects_and_index_s"] == pytest.approx(t["tail_s"])
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("start-up ")]
+    assert f"start-up {t['startup_s']:.1f} s to the first forward: ours {t['ours_s']:.1f} s" in line
+    assert f"tail {t['tail_s']:.2f} s after the last forward" in line
 
 
 def test_a_finished_run_run_again_says_so_without_loading_the_model(single, cache_env):

@@ -865,3 +865,18 @@ def test_finished_is_only_a_complete_run_of_the_same_identity_with_its_shards(tm
     (out / "shard_000.safetensors").write_bytes(b"x" * 10)
     manifest.save(out, {**manifest.load(out), "status": "running"})
     assert resume.finished(out, known, [corpus]) is None
+
+
+def test_finished_takes_the_recorded_tokenizer_only_from_the_same_tokenizer_files(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "a"}\n')
+    out = tmp_path / "out"
+    out.mkdir()
+    recorded = {**RUN, "tokenizer_sha256": "t", "chat_template_sha256": "c", "tokenizer_files": "f1"}
+    manifest.save(out, {"identity": manifest.run_identity(recorded, [corpus]), "status": "complete", "shards": {}})
+    known = {key: value for key, value in recorded.items() if key not in ("tokenizer_sha256", "chat_template_sha256")}
+    assert resume.finished(out, known, [corpus]) is not None
+    assert resume.finished(out, {**known, "tokenizer_files": "f2"}, [corpus]) is None
+    # Loaded after all, the tokenizer decides: the same hashes from other files are the same run.
+    assert resume.finished(out, {**recorded, "tokenizer_files": "f2"}, [corpus]) is not None
+    assert resume.finished(out, {**recorded, "tokenizer_files": "f2", "tokenizer_sha256": "u"}, [corpus]) is None

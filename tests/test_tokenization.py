@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from offline_extract.data.corpus import Record, Reject, read_corpus
-from offline_extract.data.tokenization import Sample, SampleTokenizer
+from offline_extract.data.tokenization import Sample, SampleTokenizer, tokenizer_files
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "corpus.jsonl"
 
@@ -311,3 +311,20 @@ def test_records_longer_than_the_tokenizers_own_maximum_raise_no_library_warning
     finally:
         logging.getLogger("transformers").removeHandler(kept)
     assert ours == [] and "Token indices" in kept.messages[-1]
+
+
+def test_tokenizer_files_change_with_any_file_but_the_weights(tmp_path, monkeypatch):
+    for name, text in (("tokenizer.json", "{}"), ("tokenizer_config.json", "{}"), ("model.safetensors", "w")):
+        (tmp_path / name).write_text(text)
+    first = tokenizer_files(tmp_path)
+    (tmp_path / "model.safetensors").write_text("other weights")
+    assert tokenizer_files(tmp_path) == first
+    assert tokenizer_files(tmp_path, trust_remote_code=True) != first
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
+    second = tokenizer_files(tmp_path)
+    assert second != first
+    (tmp_path / "tokenizer_config.json").write_text('{"x": 1}')
+    third = tokenizer_files(tmp_path)
+    assert third != second
+    monkeypatch.setattr("importlib.metadata.version", lambda name: "0.0.1")  # another transformers
+    assert tokenizer_files(tmp_path) != third

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import jinja2
 import numpy as np
@@ -206,3 +208,28 @@ class SampleTokenizer:
                 "chat_template_sha256": None if template is None else _sha256(template),
             }
         return dict(self._fingerprint)
+
+
+# Weights never change how text is tokenized; any other file of a model directory might (tokenizer.json,
+# tokenizer_config.json, chat_template.jinja, *.tiktoken, remote tokenizer code, ...).
+_WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".onnx"}
+
+
+def tokenizer_files(model_dir: str | os.PathLike, trust_remote_code: bool = False) -> str:
+    """What a tokenizer would be loaded from, as cheaply as listing the model directory: every file but
+    the weights, by name, size and modification time, and the transformers version that reads them.
+
+    Two runs with the same value load the same tokenizer, so one can take the other's recorded
+    `SampleTokenizer.fingerprint` without loading it (transformers takes seconds to import): a rerun that
+    finds its output complete says so at once. Copying or touching the files only costs that shortcut.
+    """
+    import importlib.metadata
+
+    root = Path(model_dir)
+    entries = [
+        (str(f.relative_to(root)), st.st_size, st.st_mtime_ns)
+        for f in sorted(root.rglob("*"))
+        if f.suffix not in _WEIGHT_SUFFIXES and f.is_file() and (st := f.stat())
+    ]
+    facts = {"files": entries, "transformers": importlib.metadata.version("transformers"), "trust_remote_code": trust_remote_code}
+    return _sha256(json.dumps(facts))

@@ -49,8 +49,9 @@ IDENTITY_KEYS = (
 )
 # Recorded with the identity but not compared: where the model came from. A hub id's commit tells a
 # reader which snapshot was used; whether two runs match is decided by the config and weights hashes,
-# so the same snapshot named by path and by hub id is one run.
-PROVENANCE_KEYS = ("model", "model_repo_id", "model_revision")
+# so the same snapshot named by path and by hub id is one run. `tokenizer_files`
+# (tokenization.tokenizer_files) lets a rerun take the recorded tokenizer hashes without loading it.
+PROVENANCE_KEYS = ("model", "model_repo_id", "model_revision", "tokenizer_files")
 # A corpus file is identified by its name, size, and the sha256 of this many blocks spread evenly over
 # it (the whole file when that covers it): a few milliseconds at start-up for a terabyte corpus, where
 # a full hash would take an hour on every resume. Appending, truncating or replacing a file changes its

@@ -131,13 +131,16 @@ def finished(out: Path, known: dict, data: Sequence[str]) -> dict | None:
     """The manifest of `out` if it holds a complete run that this one would only repeat, else None.
 
     `known` is the run metadata this run has before its model loads; what only SGLang decides (default
-    layer ids, an "auto" compute dtype) is taken as recorded. The corpus `data` must be the recorded
-    one, and every recorded shard still on disk at its size.
+    layer ids, an "auto" compute dtype) is taken as recorded, and so are the tokenizer's hashes when
+    `known` has none but names the same `tokenizer_files` as recorded. The corpus `data` must be the
+    recorded one, and every recorded shard still on disk at its size.
     """
     current = manifest.load(out) if out.is_dir() else None
     if current is None or current.get("status") != "complete" or "identity" not in current:
         return None
     recorded = current["identity"]
+    if "tokenizer_sha256" not in known and known.get("tokenizer_files") != recorded.get("tokenizer_files"):
+        return None  # only the tokenizer itself can say whether it still tokenizes as recorded
     expected = manifest.run_identity({**recorded, **known}, data)
     if manifest.run_differences(recorded, expected) or manifest.corpus_differences(recorded, expected):
         return None
