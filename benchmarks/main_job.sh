@@ -32,11 +32,13 @@ step() {  # step NAME COMMAND...
     "$name" "$*" "$rc" "$((SECONDS - t0))" | tee -a "$results/steps.jsonl"
   tar -czf "$results/logs.tar.gz" -C "$logs" .  # after every step, so that a call cut short keeps them
 }
-caches() {
-  for d in ~/.cache/tvm-ffi ~/.triton/cache ~/.cache/flashinfer ~/.cache/torch/inductor /tmp/torchinductor_$(whoami); do
+caches() {  # bin/extract.py --jit-cache's default folder first, then the libraries' own defaults
+  jit=${XDG_CACHE_HOME:-$HOME/.cache}/offline_extract
+  for d in $jit/tvm-ffi $jit/triton $jit/torchinductor $jit/flashinfer \
+           ~/.cache/tvm-ffi ~/.triton/cache ~/.cache/flashinfer ~/.cache/torch/inductor /tmp/torchinductor_$(whoami); do
     echo "$1 $d: $(find "$d" -type f 2>/dev/null | wc -l) files, $(du -sb "$d" 2>/dev/null | cut -f1) bytes"
   done >>"$results/caches.txt"
-  ls ~/.cache/tvm-ffi 2>/dev/null | sed "s/^/$1 tvm-ffi: /" >>"$results/caches.txt"
+  ls $jit/tvm-ffi ~/.cache/tvm-ffi 2>/dev/null | sed "s/^/$1 tvm-ffi: /" >>"$results/caches.txt"
 }
 
 extract="bin/extract.py --model $model --data $work/corpus.jsonl --verify 8 --no-progress --progress-every 5"
