@@ -162,3 +162,27 @@ def test_pre_norm_fp8_zstd_on_the_gpu_path(tmp_path):
             hidden = bf16[i]["hidden_states"].shape[1]
             cos = torch.nn.functional.cosine_similarity(a.reshape(len(a), -1, hidden), b.reshape(len(b), -1, hidden), dim=-1)
             assert cos.min() >= MIN_COSINE, (i, name, cos.min())
+
+
+def test_the_warm_up_compiles_into_the_jit_cache_and_a_second_run_reuses_it(tmp_path):
+    """What SGLang compiles on first use lands in --jit-cache during the warm-up, before the first real
+    batch; a second run with the same cache compiles nothing (docs/start-up.md)."""
+    from offline_extract.engine.sglang_adapter import JIT_CACHES
+
+    model = build_model("llama", tmp_path / "m", dtype=torch.bfloat16, device="cuda")
+    cache = tmp_path / "jit"
+    env = {k: v for k, v in os.environ.items() if k not in JIT_CACHES}  # a cache the environment names would win
+    timings = []
+    for out in (tmp_path / "cold", tmp_path / "warm"):
+        cmd = [sys.executable, str(ROOT / "bin" / "extract.py"), "--out", str(out), "--no-progress", "--model", str(model),
+               "--data", str(CORPUS), "--jit-cache", str(cache), "--attention-backend", "triton"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1200, env=env)
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        assert any(line.startswith("start-up ") for line in proc.stderr.splitlines())
+        timings.append(json.loads((out / "manifest.json").read_text())["timings"])
+    assert list((cache / "tvm-ffi").rglob("*.so")), "the nvcc-built modules are kept in the cache"
+    assert list((cache / "triton").rglob("*")), "the Triton kernels are kept in the cache"
+    cold, warm = timings
+    print(json.dumps({"cold": cold, "warm": warm}, indent=1))
+    assert cold["warm_up_s"] > 1.0, "a cold cache compiles during the warm-up"
+    assert warm["warm_up_s"] < 0.5 * cold["warm_up_s"]
