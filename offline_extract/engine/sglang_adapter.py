@@ -562,10 +562,12 @@ class Engine:
         """Captures two short sequences in one batch, then one in chunks (an extend on a prefix), so that
         what compiles on first use (JIT_CACHES) compiles here rather than inside the first real batch:
         tens of seconds when the cache is cold, milliseconds once it is warm."""
-        vocab = self.runner.model_config.vocab_size
-        ids = [np.arange(1, n + 1, dtype=np.int64) % vocab for n in (17, 32)]
-        self.capture(ids)
-        self.capture_chunked(np.concatenate(ids), 16)
+        vocab, budget = self.runner.model_config.vocab_size, self.cfg.max_tokens_per_batch
+        # Within any batch budget; one length a multiple of 16 and one not, as Triton specializes on that.
+        ids = [np.arange(1, max(1, min(n, budget // 2)) + 1, dtype=np.int64) % vocab for n in (17, 32)]
+        self.capture(ids[: self.cfg.max_seqs_per_batch])
+        whole = np.concatenate(ids)
+        self.capture_chunked(whole, max(1, len(whole) // 3))
         if torch.device(self.device).type == "cuda":
             torch.cuda.synchronize()
 
