@@ -6,7 +6,6 @@ means the real one starts.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from offline_extract.engine.parity import wrapped_text_config
 from offline_extract.engine.sglang_adapter import CONTEXT_KEYS, capture_rule, context_length, validate_layer_ids
 from offline_extract.options import ExtractOptions
 from offline_extract.recipes import RECIPES
+from offline_extract.store.journal import load_json
 
 # One forward's token budget when --tokens-per-batch is not given.
 DEFAULT_TOKENS_PER_BATCH = {"cuda": 16384, "cpu": 4096}
@@ -154,7 +154,7 @@ def read_model(path: Path, trust_remote_code: bool = False) -> Model:
     config_file = path / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"{path} holds no config.json, so it is not a Hugging Face model directory")
-    raw = json.loads(config_file.read_text())
+    raw = load_json(config_file)  # damaged, it is named
     architectures = raw.get("architectures") or []
     if not architectures:
         raise ValueError(f"{config_file} names no architectures, so the model cannot be identified")

@@ -172,3 +172,18 @@ def test_a_cached_config_without_weights_is_no_model(offline_hub, tiny_model_dir
 ])
 def test_paths_are_never_taken_for_hub_ids(name, is_id):
     assert hub.looks_like_repo_id(name) is is_id
+
+
+def test_a_damaged_config_or_saved_data_set_is_named(tmp_path):
+    from offline_extract.data.sources import CorpusReadError, open_source
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], ')
+    with pytest.raises(ValueError, match=rf"{model / 'config.json'} is not valid JSON"):
+        preflight.read_model(model)
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "dataset_dict.json").write_text("{")
+    with pytest.raises(CorpusReadError, match=rf"{saved / 'dataset_dict.json'} is damaged"):
+        open_source(str(saved))

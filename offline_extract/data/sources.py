@@ -165,7 +165,10 @@ def open_source(name: str) -> Source:
                 f"dataset_dict.json): {name}"
             )
         if (path / "dataset_dict.json").exists():
-            splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+            try:
+                splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+            except (ValueError, KeyError) as e:
+                raise CorpusReadError(f"{path / 'dataset_dict.json'} is damaged ({e!r}); save the data set again") from e
             if len(splits) != 1:
                 raise ValueError(f"{name} holds the splits {', '.join(splits)}: give one, e.g. --data {path / splits[0]}")
         return Source(name, path, "saved")
