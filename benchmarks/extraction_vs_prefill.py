@@ -499,6 +499,8 @@ def run_bench(opts: BenchOptions) -> list[dict]:
                 "mfu_extract": _mfu(config, samples, total_tokens / extract_s / layout.world_size),
                 **({"bare_tok_s_by_chunk": bare_by_chunk} if bare_by_chunk else {}),
                 "host_peak_rss_bytes": max(coord.all_gather(_host_peak_rss())),
+                # Intra-op threads of the host-side copies into shard buffers, once the model is loaded.
+                "host_torch_threads": torch.get_num_threads(),
                 "gpu_peak_bytes": max(coord.all_gather(torch.cuda.max_memory_allocated())),
             })
             shutil.rmtree(root, ignore_errors=True)

@@ -446,10 +446,16 @@ class Engine:
             attn_dp_rank=0, attn_dp_size=1, moe_ep_rank=0, moe_ep_size=1, moe_dp_rank=None, moe_dp_size=1,
             dcp_size=1, gpu_id=cfg.gpu_id,
         )
+        threads = torch.get_num_threads()
         self.runner = ModelRunner(
             model_config=mc, mem_fraction_static=sa.mem_fraction_static, gpu_id=cfg.gpu_id, ps=ps,
             nccl_port=cfg.nccl_port, server_args=sa,
         )
+        # On a GPU, ModelRunner.load_model leaves torch with one intra-op thread (to load weights with fewer
+        # thread conflicts); every batch's states would then be copied into the shard buffers on one core,
+        # and the last batches' copies add to the end of every run. Under torchrun, OMP_NUM_THREADS=1 had
+        # made it one thread anyway.
+        torch.set_num_threads(threads)
         model = self.runner.model
         self.architecture = type(model).__name__
         # The decoder's own config: a multimodal wrapper's (Kimi-K2.5) nests it as text_config.
