@@ -1,4 +1,4 @@
-"""What every bin/ script shares: -h as well as --help, --version, exit status 130 on Ctrl-C, and warnings as
+"""What every command shares: -h as well as --help, --version, exit status 130 on Ctrl-C, and warnings as
 one line of their own words."""
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class _Command(click.Command):
 
 
 def command(**kwargs):
-    """`click.command` for a bin/ script."""
+    """`click.command` for one of our commands."""
 
     def decorate(f):
         f = click.version_option(__version__, "--version", message="%(prog)s, offline_extract %(version)s")(f)

@@ -1,4 +1,6 @@
-"""What every bin/ script shares: -h, --version, and exit status 130 on Ctrl-C."""
+"""What every command shares: -h, --version, and exit status 130 on Ctrl-C; how they are installed."""
+import configparser
+import importlib
 import os
 import signal
 import subprocess
@@ -23,6 +25,20 @@ def test_every_script_answers_h_and_version(script):
     assert version.returncode == 0 and f"offline_extract {__version__}" in version.stdout, version.stderr[-2000:]
     short = subprocess.run([sys.executable, path, "-h"], capture_output=True, text=True, cwd=ROOT)
     assert short.returncode == 0 and short.stdout.startswith(f"Usage: {script}.py") and "--version" in short.stdout
+
+
+def test_each_console_script_is_the_command_its_bin_script_runs():
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    scripts = dict(
+        line.split(" = ") for line in setup["options.entry_points"]["console_scripts"].strip().splitlines()
+    )
+    assert set(scripts) == {"offline-extract", "offline-extract-inspect", "offline-extract-export"}
+    for name, target in scripts.items():
+        module, attr = target.split(":")
+        assert isinstance(getattr(importlib.import_module(module), attr), click.Command), name
+        script = module.rsplit(".", 1)[1]
+        assert f"from {module} import {attr}\n" in (ROOT / "bin" / f"{script}.py").read_text(), name
 
 
 def test_extract_answers_help_and_a_mistyped_option_without_importing_torch():

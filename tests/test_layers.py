@@ -20,6 +20,7 @@ FLOORS = [
     {"preflight", "planning", "summary", "feed"},
     {"extraction"},
     {"cli"},
+    {"commands"},
     {""},
 ]
 FLOOR = {part: level for level, parts in enumerate(FLOORS) for part in parts}

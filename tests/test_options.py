@@ -1,12 +1,11 @@
 """The options module: each choice stated once, checked once, and the tables keyed by it agree with it."""
-import importlib.util
 from dataclasses import fields
 from pathlib import Path
 
 import click
 import pytest
-from extract_runs import ROOT
 
+from offline_extract.commands.extract import main as extract_command
 from offline_extract.engine.distributed import Layout
 from offline_extract.extraction import engine_config
 from offline_extract.options import FINAL_STATES, ExtractOptions, choices, default
@@ -30,16 +29,8 @@ def test_the_tables_keyed_by_a_choice_have_exactly_its_values():
     assert tuple(FINAL_STATES) == choices("final_state")
 
 
-def _extract_command(monkeypatch) -> click.Command:
-    monkeypatch.syspath_prepend(str(ROOT / "bin"))  # where the script finds _bin_path, as when it runs
-    spec = importlib.util.spec_from_file_location("extract_script", ROOT / "bin" / "extract.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
-
-
-def test_the_command_line_offers_the_options_choices_and_defaults(monkeypatch):
-    params = {p.name: p for p in _extract_command(monkeypatch).params}
+def test_the_command_line_offers_the_options_choices_and_defaults():
+    params = {p.name: p for p in extract_command.params}
     offered = {name: tuple(p.type.choices) for name, p in params.items() if isinstance(p.type, click.Choice)}
     assert offered == {name: choices(name) for name in offered}
     assert set(offered) == {f.name for f in fields(ExtractOptions) if f.name in _choice_fields()}

@@ -1,0 +1,61 @@
+"""Summarize offline_extract shards: counts, run facts, per-layer statistics, or one sample's tokens;
+or verify an output directory."""
+import json
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from offline_extract.cli import command
+from offline_extract.words import plural
+from offline_extract.store import inspection, integrity
+from offline_extract.store.schema import ShardError
+
+
+@command()
+@click.argument("path", type=click.Path(path_type=str))
+@click.option("--sample", "sample_id", help="Show this sample's text, loss-masked tokens highlighted.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of tables.")
+@click.option("--verify", is_flag=True,
+              help="Re-hash every shard against manifest.json and check shapes, dtypes, offsets and index.json; "
+                   "list every problem and say which shards are damaged (delete those and re-run the extraction). "
+                   "An interrupted run's complete shards, not yet in manifest.json, are listed as unfinished, not "
+                   "as problems. Exit status: 0 complete and sound, 1 problems, 3 unfinished but sound.")
+@click.option("--allow-partial", is_flag=True,
+              help="Summarize an extraction that has not finished (or has lost shards) as it is; without this "
+                   "it is refused, saying how many samples are missing. --sample works on it either way.")
+def main(path: str, sample_id: str | None, as_json: bool, verify: bool, allow_partial: bool) -> None:
+    """PATH is a shard file or an output directory of shards (a directory for --verify)."""
+    if verify:
+        if not Path(path).is_dir():
+            raise click.BadParameter("--verify checks an output directory", param_hint="PATH")
+        report = integrity.verify(path)
+        for line in report.problems + [f"unfinished: {note}" for note in report.unfinished]:
+            click.echo(line)
+        verdict = plural(len(report.problems), "problem") if report.problems else "no problems"
+        click.echo(f"verified {plural(report.shards, 'shard')} holding {plural(report.samples, 'sample')} in {path}: "
+                   f"{verdict}")
+        if report.damaged:
+            their = "its" if len(report.damaged) == 1 else "their"
+            click.echo(f"delete {', '.join(report.damaged)} and re-run the extraction, which redoes exactly {their} "
+                       "samples")
+        elif report.problems:
+            click.echo("no shard is damaged: delete nothing, re-running the extraction repairs the rest")
+        if report.unfinished:
+            click.echo("the run was interrupted: the shards marked unfinished are sound and kept (delete nothing for "
+                       "them); re-running the same extraction command finishes it")
+        raise SystemExit(1 if report.problems else 3 if report.unfinished else 0)
+    try:
+        if sample_id is not None:
+            result = inspection.sample_view(path, sample_id)
+        else:
+            result = inspection.summarize(path, allow_partial)
+    except ShardError as e:
+        raise click.ClickException(str(e)) from e
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    elif sample_id is not None:
+        inspection.render_sample(result, Console())
+    else:
+        inspection.render_summary(result, Console())
+
