@@ -585,6 +585,11 @@ def test_a_directory_holding_no_complete_shard_is_taken_over(tmp_path):
     resume.claim(out, manifest.run_identity(RUN, [corpus]))
     lock.release()
 
+    os.utime(corpus, ns=(0, 0))  # touched, not changed: the same run, taken over without a note
+    lock, _ = resume.take_over(out)
+    assert resume.check_identity(out, manifest.run_identity(RUN, [corpus]), force=False) == []
+    lock.release()
+
     corpus.write_text('{"text": "fixed"}\n')
     fixed = manifest.run_identity({**RUN, "layer_ids": [2]}, [corpus])
     lock, _ = resume.take_over(out)

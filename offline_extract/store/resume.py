@@ -187,7 +187,11 @@ def check_identity(out: Path, identity: dict, force: bool) -> list[str]:
     current = manifest.load(out) or {}
     paths = shard_paths(out)
     if not paths:
-        taken = current.get("identity") not in (None, identity)
+        # Judged as a resume is: where the corpus lies, or its mtime, does not make it another run.
+        recorded = current.get("identity")
+        taken = recorded is not None and bool(
+            manifest.run_differences(recorded, identity) or manifest.corpus_differences(recorded, identity)
+        )
         notes = [f"taking over {out} from a different run: it holds no complete shard"] if taken else []
     else:
         # Without a manifest, the shards' own metadata tell which run wrote them, but not from which corpus.
