@@ -196,7 +196,7 @@ def test_unknown_final_state_is_refused(tiny_model_dir):
 
 
 def test_warm_up_leaves_the_engine_as_it_found_it(engine):
-    """A throwaway batch and chunked sequence: the KV pool is free again and capture still on."""
+    """A throwaway batch: the KV pool is free again and capture still on."""
     seqs = _seqs([9, 50], seed=3)
     before = engine.capture(seqs)
     free = engine.runner.token_to_kv_pool_allocator.available_size()

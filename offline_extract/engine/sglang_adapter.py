@@ -565,15 +565,15 @@ class Engine:
                 h.remove()
 
     def warm_up(self) -> None:
-        """Captures two short sequences in one batch, then one in chunks (an extend on a prefix), so that
-        what compiles on first use (JIT_CACHES) compiles here rather than inside the first real batch:
-        tens of seconds when the cache is cold, milliseconds once it is warm."""
+        """Captures a throwaway batch of two short sequences, so that what compiles on first use
+        (JIT_CACHES) compiles here rather than inside the first real batch: tens of seconds when the cache
+        is cold, milliseconds once it is warm. No chunked sequence: an extend on a prefix is verified on
+        Llama only, and a run whose samples all fit one forward must not fail on it; a run's first long
+        sample compiles what that path adds."""
         vocab, budget = self.runner.model_config.vocab_size, self.cfg.max_tokens_per_batch
         # Within any batch budget; one length a multiple of 16 and one not, as Triton specializes on that.
         ids = [np.arange(1, max(1, min(n, budget // 2)) + 1, dtype=np.int64) % vocab for n in (17, 32)]
         self.capture(ids[: self.cfg.max_seqs_per_batch])
-        whole = np.concatenate(ids)
-        self.capture_chunked(whole, max(1, len(whole) // 3))
         if torch.device(self.device).type == "cuda":
             torch.cuda.synchronize()
 
@@ -620,8 +620,8 @@ class Engine:
         return max(self.cfg.max_tokens_per_batch, self.chunk_tokens)
 
     def capture_chunked(self, ids: np.ndarray, chunk: int) -> Captured:
-        """All of `chunks(ids, chunk)` in one piece: states equal to an unchunked prefill's. For `warm_up`
-        and the tests; extraction takes the chunks one by one (`chunks`), so as to copy each out while the
+        """All of `chunks(ids, chunk)` in one piece: states equal to an unchunked prefill's. For the tests;
+        extraction takes the chunks one by one (`chunks`), so as to copy each out while the
         next one computes."""
         return self._chunked(ids, chunk, capture=True)
 
