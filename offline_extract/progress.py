@@ -149,6 +149,10 @@ class _Diverted(io.TextIOBase):
     def encoding(self) -> str:
         return getattr(self._target(), "encoding", "utf-8")
 
+    def __getattr__(self, name: str):
+        # Whatever else a library reaches for (`buffer`, `errors`, ...), from the stream written to now.
+        return getattr(self._target(), name)
+
 
 @contextmanager
 def foreign_output_hidden(hide: bool = True) -> Iterator[None]:

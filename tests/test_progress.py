@@ -79,6 +79,14 @@ def test_a_handler_made_while_hidden_writes_to_stderr_afterwards_not_to_the_next
     assert "Token indices sequence length" in capfd.readouterr().err
 
 
+def test_bytes_written_through_sys_stdout_buffer_are_hidden_too(capfd):
+    with foreign_output_hidden():
+        sys.stdout.buffer.write(b"raw bytes from a library\n")
+        sys.stdout.flush()
+    print("ours")
+    assert capfd.readouterr() == ("ours\n", "")
+
+
 def test_library_output_is_shown_when_loading_fails(capfd):
     with pytest.raises(RuntimeError, match="load failed"):
         with foreign_output_hidden():
