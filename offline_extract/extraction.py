@@ -111,11 +111,11 @@ def _known_before_loading(opts: ExtractOptions, checked: preflight.Checked) -> d
         "tokenizer_path": str(model_dir),
         "tokenizer_files": tokenizer_files(model_dir, opts.trust_remote_code),
         # SGLang decides these two when they are left to it.
-        **({"layer_ids": sorted(checked.layer_ids)} if checked.layer_ids is not None else {}),
+        **({"layer_ids": list(checked.layer_ids)} if checked.layer_ids is not None else {}),
         **({"compute_dtype": dtype} if dtype != "auto" else {}),
         "recipe": opts.recipe,
         "min_loss_run": _min_loss_run(opts),
-        "final_state": opts.final_state if RECIPES[opts.recipe].final_state else None,
+        "final_state": opts.final_state if RECIPES[opts.recipe].keeps_final_state else None,
         "store": opts.store,
         "compress": opts.compress,
         "dtype": str(STORES[opts.store]).removeprefix("torch."),
@@ -196,7 +196,7 @@ def _min_loss_run(opts: ExtractOptions) -> int:
 
 
 def encoding(opts: ExtractOptions) -> Encoding:
-    return Encoding(opts.store, opts.compress, final_state=RECIPES[opts.recipe].final_state)
+    return Encoding(opts.store, opts.compress, keeps_final_state=RECIPES[opts.recipe].keeps_final_state)
 
 
 def dry_run(opts: ExtractOptions) -> planning.Plan:

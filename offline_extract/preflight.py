@@ -51,7 +51,7 @@ class Checked:
     device: str
     tokens_per_batch: int
     sources: list[Source]
-    layer_ids: tuple[int, ...] | None  # None: SGLang's EAGLE-3 default, resolved by the engine
+    layer_ids: tuple[int, ...] | None  # validated and sorted; None: SGLang's EAGLE-3 default, resolved by the engine
 
     @property
     def corpus_paths(self) -> list[Path]:
@@ -78,11 +78,11 @@ def check(opts: ExtractOptions) -> Checked:
     check_dtype(device, opts.dtype)
     model = resolve_model(opts.model, opts.trust_remote_code)
     recipe = RECIPES[opts.recipe]
-    if not recipe.final_state and opts.final_state != "post-norm":
+    if not recipe.keeps_final_state and opts.final_state != "post-norm":
         raise ValueError(f"--recipe {opts.recipe} stores no final state, so --final-state {opts.final_state} has no effect")
     layer_ids = opts.layers if opts.layers is not None else recipe.layer_ids(model.num_layers)
     if layer_ids is not None:
-        validate_layer_ids(layer_ids, model.num_layers)
+        layer_ids = validate_layer_ids(layer_ids, model.num_layers)
     if opts.max_length > model.context_length:
         raise ValueError(
             f"--max-length {opts.max_length} is longer than the model's context of {model.context_length} tokens "

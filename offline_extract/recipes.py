@@ -23,21 +23,21 @@ MIN_DRAFT_LOSS_RUN = 2
 @dataclass(frozen=True)
 class Recipe:
     name: str
-    num_layers: int | None  # None: SGLang's EAGLE-3 default layers for the model
-    final_state: bool  # whether the final state (hidden_states) is stored
+    num_aux_layers: int | None  # None: SGLang's EAGLE-3 default layers for the model
+    keeps_final_state: bool  # whether the final state (hidden_states) is stored
     min_loss_run: int  # a sample needs this many consecutive loss tokens (0: no rule)
 
     def layer_ids(self, num_model_layers: int) -> tuple[int, ...] | None:
         """The layer ids to capture for a model of `num_model_layers` decoder layers (None: SGLang's)."""
-        if self.num_layers is None:
+        if self.num_aux_layers is None:
             return None
-        return spread_layer_ids(num_model_layers, self.num_layers)
+        return spread_layer_ids(num_model_layers, self.num_aux_layers)
 
 
 RECIPES = {
-    "eagle3": Recipe("eagle3", num_layers=None, final_state=True, min_loss_run=0),
-    "dflash": Recipe("dflash", num_layers=5, final_state=False, min_loss_run=MIN_DRAFT_LOSS_RUN),
-    "dspark": Recipe("dspark", num_layers=5, final_state=True, min_loss_run=MIN_DRAFT_LOSS_RUN),
+    "eagle3": Recipe("eagle3", num_aux_layers=None, keeps_final_state=True, min_loss_run=0),
+    "dflash": Recipe("dflash", num_aux_layers=5, keeps_final_state=False, min_loss_run=MIN_DRAFT_LOSS_RUN),
+    "dspark": Recipe("dspark", num_aux_layers=5, keeps_final_state=True, min_loss_run=MIN_DRAFT_LOSS_RUN),
 }
 
 

@@ -52,7 +52,7 @@ def write(out, encoding: Encoding, shard_bytes: int = 20 * (K + 1) * H * 2) -> N
                 torch.randint(0, 1000, (sum(n),), generator=g, dtype=torch.int32),
                 torch.ones(sum(n), dtype=torch.uint8),
                 aux[rows],
-                last[rows] if encoding.final_state else None,
+                last[rows] if encoding.keeps_final_state else None,
                 lengths=n,
             )
         writer.close()
@@ -154,7 +154,7 @@ def test_zstd_is_lossless_and_smaller(tmp_path):
 
 
 def test_a_recipe_without_final_state_stores_none(tmp_path):
-    encoding = Encoding("fp8", "zstd", final_state=False)
+    encoding = Encoding("fp8", "zstd", keeps_final_state=False)
     write(tmp_path, encoding)
     item = HiddenStateDataset(tmp_path)[0]
     assert set(item) == {"input_ids", "loss_mask", "aux_hidden_states", "id"}

@@ -25,7 +25,7 @@ def test_one_layer_is_the_middle_one_and_a_shallow_model_is_refused():
 
 def test_recipes_differ_in_final_state_and_sample_rule():
     assert RECIPES["eagle3"].layer_ids(32) is None  # SGLang's own default, resolved by the engine
-    assert [RECIPES[r].final_state for r in ("eagle3", "dflash", "dspark")] == [True, False, True]
+    assert [RECIPES[r].keeps_final_state for r in ("eagle3", "dflash", "dspark")] == [True, False, True]
     assert RECIPES["eagle3"].min_loss_run == 0 and RECIPES["dflash"].min_loss_run == RECIPES["dspark"].min_loss_run > 0
 
 

@@ -109,24 +109,26 @@ class Encoding:
 
     store: Store = "bf16"
     compress: Compression = "none"
-    final_state: bool = True
+    keeps_final_state: bool = True
 
     def __post_init__(self):
         check_choice("store", self.store)
         check_choice("compress", self.compress)
 
     def to_json(self) -> dict:
-        return {"store": self.store, "compress": self.compress, "final_state": self.final_state}
+        return {"store": self.store, "compress": self.compress, "final_state": self.keeps_final_state}
 
     @classmethod
     def from_json(cls, document: dict | None) -> "Encoding":
         """A shard's encoding; shards written before encodings existed hold plain bf16 states."""
-        return cls(**document) if document is not None else cls()
+        if document is None:
+            return cls()
+        return cls(document["store"], document["compress"], keeps_final_state=document["final_state"])
 
     @property
     def states(self) -> tuple[str, ...]:
         """The state tensors a sample has: aux, and the final state unless the recipe drops it."""
-        return STATE_TENSORS if self.final_state else STATE_TENSORS[:-1]
+        return STATE_TENSORS if self.keeps_final_state else STATE_TENSORS[:-1]
 
     @property
     def sample_tensors(self) -> tuple[str, ...]:
