@@ -1,5 +1,6 @@
 """How the end-to-end tests start bin/extract.py (alone, under torchrun, or as several torchrun "nodes" on
 localhost) and compare what runs wrote, and the hub cache they find models in."""
+import hashlib
 import os
 import signal
 import shutil
@@ -128,3 +129,12 @@ def hub_cache(hf_home, repo_id: str, files_from) -> None:
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(REVISION)
     shutil.copytree(files_from, repo / "snapshots" / REVISION)
+
+
+def sha256(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def hidden_files(out) -> list[str]:
+    """The dot files in `out`: journals, the lock, temporaries."""
+    return sorted(p.name for p in out.iterdir() if p.name.startswith("."))

@@ -1,0 +1,92 @@
+"""inspect --verify on damaged, interrupted and healthy output directories."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+from extract_runs import ROOT
+from small_shards import write_shards
+
+from offline_extract.store import integrity, manifest
+from offline_extract.store.index import write_index
+from offline_extract.store.journal import Journal
+
+def test_verify_reports_a_flipped_byte_a_truncated_shard_and_a_stale_index(tmp_path):
+    with Journal(manifest.journal_path(tmp_path, 0)) as journal:
+        paths = write_shards(tmp_path, [[(i, 3)] for i in range(4)], on_written=lambda w: journal.append(vars(w)))
+    manifest.consolidate(tmp_path, identity={"layer_ids": [1, 3]}, status="complete")
+    write_index(tmp_path)
+    assert integrity.verify(tmp_path).problems == []
+
+    data = bytearray(paths[0].read_bytes())
+    data[-5] ^= 0x01
+    paths[0].write_bytes(data)
+    os.truncate(paths[1], paths[1].stat().st_size - 7)
+    index = json.loads((tmp_path / "index.json").read_text())
+    index["shards"][2]["num_tokens"] += 1
+    index["samples"]["row"][3] = 1
+    (tmp_path / "index.json").write_text(json.dumps(index))
+
+    proc = subprocess.run(["python", str(ROOT / "bin" / "inspect.py"), str(tmp_path), "--verify"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1
+    problems = proc.stdout.splitlines()
+    expected = [
+        rf"{paths[0].name}: sha256 \w+ differs from manifest.json's",
+        rf"{paths[1].name}: \d+ bytes, but manifest.json says",
+        rf"{paths[1].name} is not a readable safetensors file",
+        rf"index.json: {paths[2].name} num_tokens is 4, the shard has 3",
+        r"index.json: sample 's3' \(index 3\) is not at row 1 of shard 3",
+        r"verified 4 shards holding 3 samples in .*: 7 problems",
+    ]
+    for pattern in expected:
+        assert any(re.search(pattern, line) for line in problems), (pattern, problems)
+
+
+def verify_script(out) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "bin" / "inspect.py"), str(out), "--verify"],
+                          capture_output=True, text=True)
+
+
+def test_verify_tells_an_interrupted_run_from_a_damaged_one(tmp_path):
+    """Killed mid-run: manifest.json says running and lists nothing yet, the journal lists three shards, and
+    a fourth was renamed into place just before the kill, too late for its journal line. All four are good."""
+    manifest.save(tmp_path, {"identity": {"layer_ids": [1, 3]}, "status": "running", "shards": {}})
+    with Journal(manifest.journal_path(tmp_path, 0)) as journal:
+        paths = write_shards(tmp_path, [[(i, 3)] for i in range(3)], on_written=lambda w: journal.append(vars(w)))
+    paths += write_shards(tmp_path, [[(3, 3)]], numbers=[3])
+
+    report = integrity.verify(tmp_path)
+    assert report.problems == [] and report.damaged == []
+    assert any("has not finished" in note for note in report.unfinished)
+    assert report.unfinished[1:3] == [
+        "3 shards complete, not yet recorded in manifest.json because the run stopped (checked against the run's "
+        f"journal): {', '.join(p.name for p in paths[:3])}",
+        "1 shard complete, not yet recorded in manifest.json because the run stopped (written just before the stop; "
+        f"a re-run checksums it): {paths[3].name}",
+    ]
+    proc = verify_script(tmp_path)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "verified 4 shards holding 4 samples" in proc.stdout and "delete nothing" in proc.stdout
+
+    data = bytearray(paths[1].read_bytes())
+    data[-5] ^= 0x01
+    paths[1].write_bytes(data)
+    report = integrity.verify(tmp_path)
+    assert report.damaged == [paths[1].name]
+    assert [p for p in report.problems if not p.startswith(paths[1].name)] == []
+    assert not any(paths[1].name in note for note in report.unfinished), "damaged is never 'complete'"
+    proc = verify_script(tmp_path)
+    assert proc.returncode == 1
+    assert f"delete {paths[1].name} and re-run the extraction, which redoes exactly its samples" in proc.stdout
+
+
+def test_verify_counts_one_shard_as_one(tmp_path):
+    with Journal(manifest.journal_path(tmp_path, 0)) as journal:
+        write_shards(tmp_path, [[(0, 3), (1, 2)]], on_written=lambda w: journal.append(vars(w)))
+    manifest.consolidate(tmp_path, identity={"layer_ids": [1, 3]}, status="complete")
+    write_index(tmp_path)
+    proc = verify_script(tmp_path)
+    assert proc.returncode == 0
+    assert f"verified 1 shard holding 2 samples in {tmp_path}: no problems" in proc.stdout
