@@ -312,7 +312,8 @@ class Job:
 
     def _attempt(self, existing: resume.Existing) -> Summary | None:
         """The phases of one attempt, in order: load the model, claim the output directory for this run,
-        read the samples still pending, verify the first ones against HF, extract the rest, finish."""
+        read the samples still pending, hold the first ones against HF (the parity gate), extract the rest,
+        finish."""
         opts, layout = self.opts, self.layout
         if layout.leads:
             for line in existing.notes:
@@ -327,7 +328,7 @@ class Job:
             samples = self._pending(done, tally)
             head = list(islice(samples, opts.verify))
             self.timeline.mark("verifying")
-            tally.summary.parity = self._verify(head)
+            tally.summary.parity = self._gate(head)
             self.timeline.mark("verified")
             staging, buffers = host.take(self.engine) if host else (None, [])
             writer = self._writer(existing, journals, buffers, on_gpu) if layout.writes else None
@@ -390,7 +391,7 @@ class Job:
             else:
                 tally.left_out(item)
 
-    def _verify(self, head: list[Sample]) -> list[dict]:
+    def _gate(self, head: list[Sample]) -> list[dict]:
         """--verify N: the parity gate on each replica's first N samples. Its rows (and, on a MoE model, how HF
         was routed) go into the run's metadata; the leader prints the rows."""
         verified = self._parity_gate(head) if self.opts.verify else {"rows": []}
