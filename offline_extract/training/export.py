@@ -36,7 +36,8 @@ speculators (`--format speculators`), its offline training data directory:
 speculators' fp8 layout (hs-connectors' FP8HiddenStatesConnector) has one scale per token; its reader
 (`FP8Transfer`, `--hidden-states-backend fp8`) multiplies values by scales by broadcasting, so the run's
 finer scales (per token and layer) are read as they are, with no requantization: the export holds the
-run's bytes. Scales of runs before the bf16-rounded ones (store/codecs.py) are rounded to bf16 by that
+run's bytes. A final state converted from post-norm (below) is not the run's fp8 values, and rounding it
+to fp8 again would add a second error, so that export is bf16 (and says so). Scales of runs before the bf16-rounded ones (store/codecs.py) are rounded to bf16 by that
 reader, a relative change of at most 2^-9 per token and layer.
 
 speculators names layers by HF `output_hidden_states` index, which is our layer id + 1, and calls the
@@ -79,7 +80,6 @@ from safetensors.torch import save as safetensors_bytes
 from offline_extract import final_norm
 from offline_extract.progress import RunProgress
 from offline_extract.store.atomic import atomic_write
-from offline_extract.store.codecs import fp8_dequantize, fp8_quantize
 from offline_extract.store.journal import load_json
 from offline_extract.store.schema import FINAL_STATE, SCALE_SUFFIX, STATE_DTYPE, STATE_TENSORS
 from offline_extract.training.datasets import HiddenStateDataset
@@ -226,16 +226,6 @@ def _converted(item: dict, convert: Convert | None) -> dict:
     return {**item, FINAL_STATE: convert(item[FINAL_STATE]).to(STATE_DTYPE)}
 
 
-def _converted_stored(stored: dict, convert: Convert | None) -> dict:
-    """A stored fp8 item with its final state converted and quantized again (one scale per token)."""
-    if convert is None:
-        return stored
-    scale = FINAL_STATE + SCALE_SUFFIX
-    state = convert(fp8_dequantize(stored[FINAL_STATE], stored[scale], torch.float32))
-    values, scales = fp8_quantize(state, 1)
-    return {**stored, FINAL_STATE: values, scale: scales}
-
-
 def _final_state_manifest(format: str, run: dict, convert: Convert | None) -> dict:
     have = run.get("final_state", "post-norm")
     return {"final_state": TRAINER_FINAL_STATE[format] if have else None,
@@ -364,7 +354,10 @@ def export_speculators(
     run = dataset.run
     convert = _final_state_conversion("speculators", run, out_dir)
     layer_ids = speculators_layer_ids(run, out_dir)
-    fp8 = run.get("store", "bf16") == "fp8"
+    # A converted final state is no longer the run's fp8 values: rounded to e4m3 a second time it would
+    # drift from a direct run's (worst token cosine 0.9989 on the tiny model, where one rounding keeps
+    # 0.999), and speculators' layout has one tensor for all layers. Such an export is bf16.
+    fp8 = run.get("store", "bf16") == "fp8" and convert is None
     dest = Path(dest)
     _prepare_dest(dest, _manifest("speculators", out_dir, dataset, layer_ids=layer_ids, target_layer_ids=layer_ids[:-1],
                                   store="fp8" if fp8 else "bf16", **_final_state_manifest("speculators", run, convert)))
@@ -372,9 +365,12 @@ def export_speculators(
              f"or --config {dest / SPECULATORS_TRAIN_CONFIG}"]
     if fp8:
         notes.append("states kept in fp8 with the run's scales: train with --hidden-states-backend fp8")
+    elif run.get("store") == "fp8":
+        notes.append("states written as bf16, not fp8: the converted final state would be rounded to fp8 a second "
+                     "time; extract with --final-state pre-norm for an fp8 export")
     summary = ExportSummary(dest, 0, 0, 0, [*notes, *_conversion_note("speculators", run, convert)])
     if fp8:
-        read, record = dataset.stored, lambda item: speculators_fp8_record(_converted_stored(item, convert))
+        read, record = dataset.stored, speculators_fp8_record
     else:
         read, record = dataset.__getitem__, lambda item: speculators_record(_converted(item, convert))
     _write_samples(dataset, lambda i: speculators_path(dest, i), read,
