@@ -1,4 +1,6 @@
 """bin/extract.py end to end on CPU with the embedded tiny model: one process, and torchrun DP=2."""
+import gzip
+import io
 import json
 import os
 import re
@@ -374,7 +376,10 @@ def test_extraction_round_trips_through_reader_export_and_verify(stored, store, 
             cosine = torch.nn.functional.cosine_similarity(a.reshape(-1, layers, 64), b.reshape(-1, layers, 64), dim=-1)
             # The same forward passes: fp8 keeps every token's direction; bf16 is the reference itself.
             assert cosine.min() >= (0.999 if store == "fp8" else 1 - 1e-6), (item["id"], name)
-        exported = torch.load(specforge_path(tmp_path / "sf", i), weights_only=True)
+        # An fp8 run exports gzipped by default (export.py: near the run's size instead of decoded bf16's).
+        path = specforge_path(tmp_path / "sf", i, gzipped=store == "fp8")
+        with gzip.open(path, "rb") if store == "fp8" else open(path, "rb") as f:
+            exported = torch.load(io.BytesIO(f.read()), weights_only=True)
         assert torch.equal(exported["aux_hidden_state"][0], item["aux_hidden_states"])
     sizes = {key: sum(p.stat().st_size for p in shard_paths(o)) for key, o in stored.items()}
     assert sizes["fp8"] < 0.6 * sizes["bf16"], sizes
