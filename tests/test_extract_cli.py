@@ -365,7 +365,7 @@ def test_extraction_round_trips_through_reader_export_and_verify(stored, store, 
     run = open_shard(shard_paths(out)[0]).run
     assert run["store"] == store and run["compress"] == ("zstd" if store == "fp8" else "none")
     got, bf16 = HiddenStateDataset(out), HiddenStateDataset(stored["bf16"])
-    export_specforge(out, tmp_path / "sf", gzipped=False, progress=False)  # .ckpt.gz is read in test_consumers.py
+    export_specforge(out, tmp_path / "sf", progress=False)
     for i in range(len(got)):
         item = got[i]
         assert item["id"] == bf16[i]["id"] and torch.equal(item["input_ids"], bf16[i]["input_ids"])
