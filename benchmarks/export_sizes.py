@@ -10,7 +10,6 @@ are activation-like (Gaussian, a few large channels, tokens of varied norm), 3 a
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -18,6 +17,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from benchmarks import emit
 
 from offline_extract.store.index import write_index
 from offline_extract.store.schema import Encoding, SampleInfo
@@ -68,11 +69,7 @@ def main(argv=None) -> dict:
         shutil.rmtree(root, ignore_errors=True)
     result = {"command": " ".join(["python -m benchmarks.export_sizes", *(argv if argv is not None else sys.argv[1:])]),
               "hidden": args.hidden, "tokens": n * t, "rows": rows}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    return result
+    return emit(result, args.json)
 
 
 if __name__ == "__main__":

@@ -19,13 +19,13 @@ weights as the source of the ratio, it does not predict a large model's to the p
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
+
+from benchmarks import emit
 
 from offline_extract.default_model import ensure_tiny_model
 from offline_extract.engine import parity
@@ -132,11 +132,7 @@ def main(argv=None) -> dict:
     result["random_weights"] = {"held_out_loss": round(held_out_loss(model, samples), 3), **ratios(model, samples)}
     result["training"] = train(model, train_stream, args.train_seconds, args.seq, args.batch, args.lr, args.seed)
     result["trained"] = {"held_out_loss": round(held_out_loss(model, samples), 3), **ratios(model, samples)}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    return result
+    return emit(result, args.json)
 
 
 if __name__ == "__main__":

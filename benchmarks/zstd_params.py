@@ -9,12 +9,12 @@ single-thread speed as the best of a few runs.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import torch
+
+from benchmarks import emit
 import zstandard
 
 from offline_extract.store.codecs import ZSTD_LEVEL, compress_frame, compressor, fp8_quantize
@@ -57,11 +57,7 @@ def main(argv=None) -> dict:
                          "ours": _measure(tensor, compressor(), args.repeat)})
     result = {"command": " ".join(["python -m benchmarks.zstd_params", *(argv if argv is not None else sys.argv[1:])]),
               "tokens": args.tokens, "width": args.width, "threads": 1, "rows": rows}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    return result
+    return emit(result, args.json)
 
 
 if __name__ == "__main__":
