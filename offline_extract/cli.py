@@ -25,7 +25,7 @@ class _Command(click.Command):
     def invoke(self, ctx: click.Context):
         # A warning is for the person at the terminal: its words, not Python's file, line and source line.
         warnings.formatwarning = _one_line
-        # From here Ctrl-C is a KeyboardInterrupt again (bin/_bin_path.py ends the script while it imports).
+        # From here Ctrl-C is a KeyboardInterrupt again (offline_extract.commands ends it while it imports).
         signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             return super().invoke(ctx)

@@ -60,10 +60,10 @@ def test_ctrl_c_exits_130():
     assert result.exit_code == 130 and "interrupted" in result.output
 
 
-def test_ctrl_c_while_a_script_still_imports_exits_130_without_a_traceback():
-    # What every bin/ script does first, then Ctrl-C while the heavy imports would run.
-    code = ("import sys; sys.path.insert(0, 'bin'); import _bin_path, os, signal, time; "
-            "os.kill(os.getpid(), signal.SIGINT); time.sleep(30)")
+@pytest.mark.parametrize("first", ["import offline_extract.commands", "sys.path.insert(0, 'bin'); import _bin_path, offline_extract.commands.extract"])
+def test_ctrl_c_while_a_command_still_imports_exits_130_without_a_traceback(first):
+    # What an installed command and a bin/ script do first, then Ctrl-C while the heavy imports would run.
+    code = f"import sys; {first}; import os, signal, time; os.kill(os.getpid(), signal.SIGINT); time.sleep(30)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert (proc.returncode, proc.stderr) == (130, "interrupted\n")
 

@@ -1,2 +1,17 @@
 """The installed commands (setup.cfg's console scripts): `offline-extract`, `offline-extract-inspect` and
-`offline-extract-export`, one module each; bin/ holds the same commands as scripts for a checkout."""
+`offline-extract-export`, one module each; bin/ holds the same commands as scripts for a checkout.
+
+Both import this package before anything heavy (torch, SGLang), so Ctrl-C while those still import ends the
+command with the shell's status for it and one word, not a traceback of the import; the command puts
+Python's own handler back when it starts (cli._Command.invoke), so that an interrupted run cleans up.
+"""
+import os
+import signal
+
+
+def _interrupted_while_starting(signum, frame) -> None:
+    os.write(2, b"interrupted\n")
+    os._exit(128 + signal.SIGINT)
+
+
+signal.signal(signal.SIGINT, _interrupted_while_starting)
