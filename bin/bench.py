@@ -23,6 +23,7 @@ weights and --load-format auto. Each peer's row, with its per-layer cosine again
 first --cross-check-samples samples, goes to the result's `peers` list.
 """
 import _bin_path  # noqa: F401  (must come first: see its docstring)
+import offline_extract.commands  # noqa: F401  (before the heavy imports: Ctrl-C during them exits 130)
 import os
 import sys
 
