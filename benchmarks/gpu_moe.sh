@@ -14,20 +14,8 @@ results=$(realpath -m "$1") budget=${2:-560}
 mkdir -p "$results"
 start=$(date +%s)
 
-step() {  # step NAME LIMIT_SECONDS COMMAND...
-  local name=$1 limit=$2; shift 2
-  local left=$(( budget - ($(date +%s) - start) - 10 ))
-  (( limit > left )) && limit=$left
-  if (( limit < 30 )); then
-    printf '{"step": "%s", "command": "%s", "rc": null, "seconds": 0, "note": "no time left"}\n' "$name" "$*" >>"$results/steps.jsonl"
-    return
-  fi
-  local t0=$(date +%s)
-  PYTHONUNBUFFERED=1 OFFLINE_EXTRACT_RESULTS=$results/parity timeout "$limit" bash -c "$*" >"$results/$name.log" 2>&1
-  local rc=$?
-  python3 -c 'import json,sys; print(json.dumps({"step": sys.argv[1], "command": sys.argv[2], "rc": int(sys.argv[3]), "seconds": int(sys.argv[4])}))' \
-    "$name" "$*" "$rc" "$(( $(date +%s) - t0 ))" >>"$results/steps.jsonl"
-}
+source benchmarks/steps.sh
+export OFFLINE_EXTRACT_RESULTS=$results/parity
 
 moe="qwen3_moe or glm4_moe or gpt_oss or qwen3_next or minimax_m2 or qwen2_moe or deepseek_v3 or kimi_k25"
 suite="python -m pytest -m gpu tests/test_gpu_architectures.py -v -rA -p no:cacheprovider"

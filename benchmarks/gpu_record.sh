@@ -3,36 +3,23 @@
 #   bash benchmarks/gpu_record.sh RESULTS_DIR SECONDS
 # Two lanes run side by side, one a GPU, each step under its own time limit so that a slow step leaves
 # the others their time; then the two-GPU steps. Every step's command goes into RESULTS_DIR/steps.jsonl
-# with its exit status and seconds, and its output into RESULTS_DIR/<step>.log.
+# with its exit status and seconds, and its output into RESULTS_DIR/<step>.log (benchmarks/steps.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 results=$1 budget=$2
 mkdir -p "$results"
 start=$(date +%s)
 
-step() {  # step NAME LIMIT_SECONDS GPUS COMMAND...
-  local name=$1 limit=$2 gpus=$3; shift 3
-  local left=$(( budget - ($(date +%s) - start) - 20 ))
-  (( limit > left )) && limit=$left
-  if (( limit < 30 )); then
-    printf '{"step": "%s", "command": "%s", "rc": null, "seconds": 0, "note": "no time left"}\n' "$name" "$*" >>"$results/steps.jsonl"
-    return
-  fi
-  local t0=$(date +%s)
-  CUDA_VISIBLE_DEVICES=$gpus PYTHONUNBUFFERED=1 timeout "$limit" bash -c "$*" >"$results/$name.log" 2>&1
-  local rc=$?
-  python3 -c 'import json,sys; print(json.dumps({"step": sys.argv[1], "command": sys.argv[2], "gpus": sys.argv[3], "rc": int(sys.argv[4]), "seconds": int(sys.argv[5])}))' \
-    "$name" "$*" "$gpus" "$rc" "$(( $(date +%s) - t0 ))" >>"$results/steps.jsonl"
-}
+source benchmarks/steps.sh
 
 bench="python bin/bench.py --results-dir $results/bench --disk-probe-gb 1"
 lane0() {
-  step moe_forced_routing 130 0 "OFFLINE_EXTRACT_RESULTS=$results/moe python -m pytest -m gpu tests/test_gpu_architectures.py -v -rA -k 'test_moe_matches_every_token_with_the_engines_routing and triton and (qwen3_moe or deepseek_v3)'"
-  step fp8_checkpoints 130 0 "OFFLINE_EXTRACT_RESULTS=$results/fp8 python -m pytest -m gpu tests/test_gpu_fp8.py -v -rA"
+  CUDA_VISIBLE_DEVICES=0 step moe_forced_routing 130 "OFFLINE_EXTRACT_RESULTS=$results/moe python -m pytest -m gpu tests/test_gpu_architectures.py -v -rA -k 'test_moe_matches_every_token_with_the_engines_routing and triton and (qwen3_moe or deepseek_v3)'"
+  CUDA_VISIBLE_DEVICES=0 step fp8_checkpoints 130 "OFFLINE_EXTRACT_RESULTS=$results/fp8 python -m pytest -m gpu tests/test_gpu_fp8.py -v -rA"
 }
 lane1() {
-  step long_131k 170 1 "$bench --out /dev/shm/oe_long --lengths fixed --mean-length 131072 --num-tokens 262144 --warmup-batches 1 --chunk-sweep 65536 --profile $results/profile_131k --profile-batches 1"
-  step bench_300k 110 1 "$bench --out /dev/shm/oe_300k --num-tokens 300000"
+  CUDA_VISIBLE_DEVICES=1 step long_131k 170 "$bench --out /dev/shm/oe_long --lengths fixed --mean-length 131072 --num-tokens 262144 --warmup-batches 1 --chunk-sweep 65536 --profile $results/profile_131k --profile-batches 1"
+  CUDA_VISIBLE_DEVICES=1 step bench_300k 110 "$bench --out /dev/shm/oe_300k --num-tokens 300000"
 }
 lane0 & lane1 & wait
-step two_gpu_tests 90 0,1 "python -m pytest -m gpu tests/test_gpu_two.py -v -rA -k 'two_one_gpu_nodes or float32'"
+CUDA_VISIBLE_DEVICES=0,1 step two_gpu_tests 90 "python -m pytest -m gpu tests/test_gpu_two.py -v -rA -k 'two_one_gpu_nodes or float32'"

@@ -9,11 +9,12 @@
 # 2. bin/inspect.py --verify on that output;
 # 3. the same command again into a fresh folder, now that SGLang's JIT kernels are in their cache;
 # 4. bin/bench.py on the same model and lengths, for bare prefill's rate (the ratio's denominator).
-# Each step's command, exit status and seconds go to RESULTS_DIR/steps.jsonl, its output to <step>.log in
-# RESULTS_DIR/logs.tar.gz, and what SGLang's JIT caches hold before and after the first run to caches.txt.
+# Each step runs under its own time limit within MAIN_JOB_SECONDS (default 590, one device call); its command,
+# exit status and seconds go to RESULTS_DIR/steps.jsonl, its output to <step>.log in RESULTS_DIR/logs.tar.gz,
+# and what SGLang's JIT caches hold before and after the first run to caches.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-results=$1
+results=$1 budget=${MAIN_JOB_SECONDS:-590} start=$(date +%s)
 mkdir -p "$results"
 model=/dev/shm/offline_extract_peers_llama3_8b
 work=/tmp/offline_extract_main_job
@@ -23,14 +24,10 @@ free=$(df --output=avail -B1 "$work" | tail -1)
 tokens=${2:-$(python3 -c "print(min(1_500_000, int($free * 0.7 / 32773) // 1000 * 1000))")}
 echo "free disk under $work: $free bytes; corpus of $tokens tokens" | tee "$results/plan.txt"
 
-step() {  # step NAME COMMAND...
-  local name=$1; shift
-  local t0=$SECONDS
-  PYTHONUNBUFFERED=1 bash -c "$*" >"$logs/$name.log" 2>&1
-  local rc=$?
-  python3 -c 'import json,sys; print(json.dumps({"step": sys.argv[1], "command": sys.argv[2], "rc": int(sys.argv[3]), "seconds": int(sys.argv[4])}))' \
-    "$name" "$*" "$rc" "$((SECONDS - t0))" | tee -a "$results/steps.jsonl"
-  tar -czf "$results/logs.tar.gz" -C "$logs" .  # after every step, so that a call cut short keeps them
+source benchmarks/steps.sh
+logged() {  # a step, then the logs archived, so that a call cut short keeps them
+  step "$@"
+  tar -czf "$results/logs.tar.gz" -C "$logs" .
 }
 caches() {  # bin/extract.py --jit-cache's default folder first, then the libraries' own defaults
   jit=${XDG_CACHE_HOME:-$HOME/.cache}/offline_extract
@@ -42,18 +39,18 @@ caches() {  # bin/extract.py --jit-cache's default folder first, then the librar
 }
 
 extract="bin/extract.py --model $model --data $work/corpus.jsonl --verify 8 --no-progress --progress-every 5"
-step model "bash benchmarks/make_8b_model.sh $model"
-step corpus "python benchmarks/main_job.py corpus $model $work/corpus.jsonl --num-tokens $tokens"
+logged model 120 "bash benchmarks/make_8b_model.sh $model"
+logged corpus 120 "python benchmarks/main_job.py corpus $model $work/corpus.jsonl --num-tokens $tokens"
 caches before
 if [[ ${MAIN_JOB_STACKS:-0} == 1 ]]; then
-  step extract_cold "OE_STACKS=$results/stacks_cold.txt python benchmarks/main_job.py stacks $extract --out $work/out"
+  logged extract_cold 300 "OE_STACKS=$results/stacks_cold.txt python benchmarks/main_job.py stacks $extract --out $work/out"
 else
-  step extract_cold "python $extract --out $work/out"
+  logged extract_cold 300 "python $extract --out $work/out"
 fi
 caches after
-step inspect_verify "python bin/inspect.py $work/out --verify"
+logged inspect_verify 120 "python bin/inspect.py $work/out --verify"
 rm -rf "$work/out"
-step extract_warm "python $extract --out $work/out_warm"
+logged extract_warm 240 "python $extract --out $work/out_warm"
 rm -rf "$work/out_warm"
-step bench "python bin/bench.py --model $model --load-format auto --num-tokens 300000 --out $work/bench --disk-probe-gb 1 --results-dir $results"
+logged bench 240 "python bin/bench.py --model $model --load-format auto --num-tokens 300000 --out $work/bench --disk-probe-gb 1 --results-dir $results"
 rm -rf "$work"

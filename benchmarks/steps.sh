@@ -1,0 +1,21 @@
+# Sourced by the device-call scripts (gpu_record.sh, gpu_moe.sh, main_job.sh):
+#   step NAME LIMIT_SECONDS COMMAND...
+# runs COMMAND under `timeout`, cut to what is left of the call's budget so that a slow step leaves the others
+# their time, its output into $logs/NAME.log, and appends its command, exit status and seconds to
+# $results/steps.jsonl. The caller sets results, logs (default: results), budget and start (date +%s);
+# an environment assignment in front of `step` reaches the command; CUDA_VISIBLE_DEVICES is recorded too.
+step() {
+  local name=$1 limit=$2; shift 2
+  local left=$(( budget - ($(date +%s) - start) - 10 ))
+  (( limit > left )) && limit=$left
+  if (( limit < 30 )); then
+    python3 -c 'import json,sys; print(json.dumps({"step": sys.argv[1], "command": sys.argv[2], "rc": None, "seconds": 0, "note": "no time left"}))' \
+      "$name" "$*" >>"$results/steps.jsonl"
+    return
+  fi
+  local t0=$(date +%s)
+  PYTHONUNBUFFERED=1 timeout "$limit" bash -c "$*" >"${logs:-$results}/$name.log" 2>&1
+  local rc=$?
+  python3 -c 'import json,sys; print(json.dumps({"step": sys.argv[1], "command": sys.argv[2], "env": sys.argv[3], "rc": int(sys.argv[4]), "seconds": int(sys.argv[5])}))' \
+    "$name" "$*" "${CUDA_VISIBLE_DEVICES:+CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES}" "$rc" "$(( $(date +%s) - t0 ))" >>"$results/steps.jsonl"
+}
