@@ -559,6 +559,8 @@ def _cold_start(engine: Engine, batches: list[Batch], timeline: Timeline) -> dic
         "startup_to_first_forward_s": timeline.marks["first forward"],
         "cold_batch_s": seconds,
         "cold_tok_s": tokens / sum(seconds) if seconds else None,
+        # SGLang's nvcc-built modules, built while the model loaded; the first batch waited for the rest.
+        **engine.prebuild_report(),
     }
 
 

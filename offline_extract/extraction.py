@@ -74,10 +74,12 @@ def timing_line(t: dict) -> str:
     if "startup_s" not in t:
         return f"start-up: no forward ran ({t['marks'].get('checked', 0.0):.1f} s of imports and checks)"
     gate = f", parity gate {t['parity_gate_s']:.1f} s" if t["parity_gate_s"] >= 0.05 else ""
+    prebuild = (f" (kernel prebuild {t['prebuild_s']:.1f} s, {t['prebuild_during_load_s']:.1f} s of it during "
+                f"the load)" if "prebuild_s" in t else "")
     return (
         f"start-up {t['startup_s']:.1f} s to the first forward: ours {t['ours_s']:.1f} s (imports and checks "
         f"{t['imports_and_checks_s']:.1f} s, tokenizer {t['tokenizer_s']:.1f} s), SGLang's model load "
-        f"{t['model_load_s']:.1f} s, warm-up {t['warm_up_s']:.1f} s{gate}; tail {t['tail_s']:.2f} s after the last "
+        f"{t['model_load_s']:.1f} s, warm-up {t['warm_up_s']:.1f} s{prebuild}{gate}; tail {t['tail_s']:.2f} s after the last "
         f"forward: states to host {t['to_host_s']:.2f} s, last shards {t['last_shards_s']:.2f} s, rejects and index "
         f"{t['rejects_and_index_s']:.2f} s"
     )
@@ -353,6 +355,8 @@ class Job:
             if opts.warm_up and torch.device(checked.device).type == "cuda":  # nothing compiles on CPU
                 self.engine.warm_up()
         self.timeline.mark("warm")
+        for name, why in self.engine.prebuild_report().get("prebuild_failed", {}).items():
+            note(f"kernel prebuild: {name} failed ({why}); SGLang builds it when the forward first needs it")
         self.meta = run_metadata(self.known, self.engine)
 
     def _claim(self, existing: resume.Existing) -> np.ndarray:
@@ -548,6 +552,7 @@ class Job:
             "to_host_s": self.timeline.between("last forward", "drained"),
             "last_shards_s": self.timeline.between("drained", "written"),
             "rejects_and_index_s": self.timeline.between("written", "finished"),
+            **self.engine.prebuild_report(),
             "marks": marks,
         }
 

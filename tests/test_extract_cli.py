@@ -119,6 +119,18 @@ def test_start_up_and_tail_are_printed_and_kept_in_the_manifest(single):
     assert f"tail {t['tail_s']:.2f} s after the last forward" in line
 
 
+def test_the_start_up_line_names_the_kernel_prebuild_where_one_ran(single):
+    """On CPU nothing is prebuilt (the manifest has no prebuild figures); on a GPU the line says how long
+    SGLang's nvcc modules took and how much of it the model load covered."""
+    from offline_extract.extraction import timing_line
+
+    out, _ = single
+    t = json.loads((out / "manifest.json").read_text())["timings"]
+    assert not [key for key in t if key.startswith("prebuild")] and "prebuild" not in timing_line(t)
+    line = timing_line({**t, "prebuild_s": 11.04, "prebuild_during_load_s": 9.51})
+    assert f"warm-up {t['warm_up_s']:.1f} s (kernel prebuild 11.0 s, 9.5 s of it during the load)" in line
+
+
 def test_a_finished_run_run_again_says_so_without_loading_the_model(single, cache_env):
     out, _ = single
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
