@@ -165,8 +165,9 @@ def test_pre_norm_fp8_zstd_on_the_gpu_path(tmp_path):
 
 
 def test_the_warm_up_compiles_into_the_jit_cache_and_a_second_run_reuses_it(tmp_path):
-    """What SGLang compiles on first use lands in --jit-cache during the warm-up, before the first real
-    batch; a second run with the same cache compiles nothing (docs/start-up.md)."""
+    """What SGLang compiles on first use lands in --jit-cache during the start-up (the nvcc modules while
+    the model loads, the Triton kernels in the warm-up), before the first real batch; a second run with the
+    same cache compiles nothing (docs/start-up.md)."""
     from offline_extract.engine.sglang_adapter import JIT_CACHES
 
     model = build_model("llama", tmp_path / "m", dtype=torch.bfloat16, device="cuda")

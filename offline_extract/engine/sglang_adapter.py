@@ -735,8 +735,9 @@ class Engine:
 
     def warm_up(self) -> None:
         """Captures a throwaway batch of two short sequences, so that what compiles on first use
-        (JIT_CACHES) compiles here rather than inside the first real batch: tens of seconds when the cache
-        is cold, milliseconds once it is warm. No chunked sequence: an extend on a prefix is verified on
+        (JIT_CACHES) compiles here rather than inside the first real batch: the Triton kernels, and the
+        wait for any nvcc module `KernelPrebuild` is still building; seconds when the cache is cold,
+        milliseconds once it is warm. No chunked sequence: an extend on a prefix is verified on
         Llama only, and a run whose samples all fit one forward must not fail on it; a run's first long
         sample compiles what that path adds."""
         vocab, budget = self.runner.model_config.vocab_size, self.cfg.max_tokens_per_batch
