@@ -18,12 +18,12 @@ source benchmarks/steps.sh
 export OFFLINE_EXTRACT_RESULTS=$results/parity
 
 moe="qwen3_moe or glm4_moe or gpt_oss or qwen3_next or minimax_m2 or qwen2_moe or deepseek_v3 or kimi_k25"
-suite="python -m pytest -m gpu tests/test_gpu_architectures.py -v -rA -p no:cacheprovider"
+suite="python -m pytest -m gpu tests/gpu/test_gpu_architectures.py -v -rA -p no:cacheprovider"
 step moe_triton 420 "$suite -k '($moe) and triton'" &
 step moe_flashinfer 420 "$suite -k '($moe) and flashinfer'" &
 step moe_fa3 420 "$suite -k '($moe) and fa3'" &
 wait
-step verify_default_backend 150 "python -m pytest -m gpu tests/test_gpu.py -v -rA -p no:cacheprovider -k verify_passes_on_the_families" &
-step mxfp4 150 "python -m pytest -m gpu tests/test_gpu_mxfp4.py -v -rA -p no:cacheprovider" &
+step verify_default_backend 150 "python -m pytest -m gpu tests/gpu/test_gpu.py -v -rA -p no:cacheprovider -k verify_passes_on_the_families" &
+step mxfp4 150 "python -m pytest -m gpu tests/gpu/test_gpu_mxfp4.py -v -rA -p no:cacheprovider" &
 step bf16_floor 150 "python benchmarks/bf16_floor.py --device cuda --out $results/bf16_floor_h200.json" &
 wait

@@ -1,6 +1,6 @@
 """The README's per-family parity table, built from the parity JSONs the test suites write
-(`OFFLINE_EXTRACT_RESULTS=DIR`: tests/test_architectures.py on CPU, tests/test_gpu_architectures.py,
-tests/test_gpu_fp8.py and tests/test_gpu_mxfp4.py on the GPU; `benchmarks/gpu_moe.sh` writes the MoE ones).
+(`OFFLINE_EXTRACT_RESULTS=DIR`: tests/unit/engine/test_architectures.py on CPU, tests/gpu/test_gpu_architectures.py,
+tests/gpu/test_gpu_fp8.py and tests/gpu/test_gpu_mxfp4.py on the GPU; `benchmarks/gpu_moe.sh` writes the MoE ones).
 
     python benchmarks/parity_table.py [RESULTS_DIR] [--readme README.md]
 
@@ -52,7 +52,7 @@ def _states(rows: list[dict], moe: bool = False) -> str:
             f"median ≥ {min(r['median_cosine'] for r in rows):.5f}")
 
 
-# The CPU suite's fp32 rule (tests/test_architectures.py): relative to the states' scale, which grows to about 11
+# The CPU suite's fp32 rule (tests/unit/engine/test_architectures.py): relative to the states' scale, which grows to about 11
 # on GLM-4.5 and DeepSeek-V3 (their routed scaling), where an absolute 1e-5 would be fp32 rounding's own size.
 CPU_FP32_MAX_REL = 1e-5
 

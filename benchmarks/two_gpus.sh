@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The two-GPU record (issue 12) on a machine with two GPUs of one host, SGLang 0.5.17 on the path:
-#   bash benchmarks/two_gpus.sh tests RESULTS_DIR    the two-GPU test suite (pytest -m gpu tests/test_gpu_two.py)
+#   bash benchmarks/two_gpus.sh tests RESULTS_DIR    the two-GPU test suite (pytest -m gpu tests/gpu/test_gpu_two.py)
 #   bash benchmarks/two_gpus.sh bench RESULTS_DIR    one GPU, DP=2 and TP=2; 1M tokens a GPU; /dev/shm and disk
 # Each bench JSON records its own command; this script is the sequence.
 set -euo pipefail
@@ -9,7 +9,7 @@ what=$1 results=$2
 mkdir -p "$results"
 case $what in
 tests)
-  python -m pytest -m gpu tests/test_gpu_two.py -v -rA -p no:cacheprovider 2>&1 | tee "$results/two_gpu_tests.log"
+  python -m pytest -m gpu tests/gpu/test_gpu_two.py -v -rA -p no:cacheprovider 2>&1 | tee "$results/two_gpu_tests.log"
   ;;
 bench)
   disk=/tmp/offline_extract_bench_disk

@@ -31,6 +31,11 @@ from offline_extract.engine.sglang_adapter import Engine, EngineConfig, prepare_
 
 LENGTHS = (5, 37, 64)  # several requests in one batch, so packing by request is exercised too
 
+# The FP8 block-quantized checkpoints the CPU and GPU suites build, and their config overrides.
+# SGLang fuses DeepSeek's q_a_proj and kv_a_proj_with_mqa and concatenates their block scales, which lines up
+# only when q_lora_rank is a whole number of 128-blocks (DeepSeek-V3's 1536 is; the tiny config's 192 is not).
+FP8_OVERRIDES = {"qwen3": {}, "deepseek_v3": {"q_lora_rank": 256}}
+
 
 # With the experts aligned, how much further from HF in fp32 the engine's bf16 states may be than HF's own bf16
 # states are, per layer, for its worst and its median token: 1 - cosine at most this factor times HF's own,
@@ -60,7 +65,7 @@ def _route_mla_prefill_to_absorbed_path() -> None:
     for the tiny DeepSeek-V3: the 192-wide MHA key against the 576-wide latent).
     SGLang's absorbed-MLA path, which it uses for decode and prefix prefill, runs on torch_native, so the
     CPU check routes prefill there. It computes the same attention in a different association, whose fp32
-    rounding the relative tolerance (tests/test_architectures.py) allows; GPU backends keep SGLang's
+    rounding the relative tolerance (tests/unit/engine/test_architectures.py) allows; GPU backends keep SGLang's
     dispatch."""
     from sglang.srt.models.deepseek_common.attention_backend_handler import (
         AttentionBackendRegistry,

@@ -2,7 +2,7 @@
 """Peer: SGLang's own hidden-state path, `sglang.Engine(enable_return_hidden_states=True)` in-process.
 
 What a user tries first: one generate call per batch with `return_hidden_states=True`. What it returns
-(SGLang 0.5.17, read from its source; the first two points are tested on CPU by tests/test_peers.py, the
+(SGLang 0.5.17, read from its source; the first two points are tested on CPU by tests/unit/benchmarks/test_peers.py, the
 radix-cache and max_new_tokens=0 points were tried by hand on CPU on 2026-11-30, the aux-layer point is
 from the source alone):
 - per prompt token, one state: `meta_info["hidden_states"][0]` is a [T][H] nested Python list (the

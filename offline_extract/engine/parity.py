@@ -36,7 +36,7 @@ MOE_HALF_MIN_MEDIAN_COSINE = 0.995
 # also quantizes every projection's input to e4m3 (3 mantissa bits) at run time, so each GEMM differs from
 # the reference by a few % and the difference grows with depth; any two W8A8 runs whose inputs differ by
 # bf16 rounding drift as far apart, so no reference brings this back to the bf16 rule
-# (docs/fp8-checkpoints.md). With SGLang's W8A8 reproduced in HF on the tiny checkpoints (tests/test_fp8.py):
+# (docs/fp8-checkpoints.md). With SGLang's W8A8 reproduced in HF on the tiny checkpoints (tests/unit/engine/test_fp8.py):
 # median token >= 0.9976 (Qwen3) and >= 0.991 (DeepSeek-V3, HF on the engine's experts), worst tokens 0.996
 # and 0.977; a layer off by one puts the median at 0.93 or below. So the median token is judged; MoE models
 # with HF on the engine's experts, since FP8 noise flips 7-25 % of the DeepSeek routing decisions.

@@ -5,10 +5,10 @@ import resource
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from extract_runs import ROOT
 
 from offline_extract.store import manifest
 from offline_extract.store.index import iter_samples
@@ -20,7 +20,7 @@ from offline_extract.training.export import (
     speculators_path,
 )
 
-SCRIPT = Path(__file__).resolve().parent.parent / "bin" / "export.py"
+SCRIPT = ROOT / "bin" / "export.py"
 K, H = 3, 16
 LENGTHS = [5, 3, 7, 1, 9, 4, 6]
 KEYS = {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}

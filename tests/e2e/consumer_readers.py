@@ -1,5 +1,5 @@
 """Reads exports with the trainers' own reading code; run inside the virtual environment that
-tests/consumers.py builds (SpecForge and speculators at their pinned versions), never in the test process.
+tests/e2e/consumers.py builds (SpecForge and speculators at their pinned versions), never in the test process.
 
     python consumer_readers.py JOBS.json
 

@@ -1,15 +1,15 @@
 import json
 import logging
-from pathlib import Path
 
 import numpy as np
 import pytest
+from extract_runs import ROOT
 from transformers import AutoTokenizer
 
 from offline_extract.data.corpus import Record, Reject, read_corpus
 from offline_extract.data.tokenization import Sample, SampleTokenizer, tokenizer_files
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "corpus.jsonl"
+EXAMPLES = ROOT / "examples" / "corpus.jsonl"
 
 
 @pytest.fixture(scope="module")

@@ -50,22 +50,21 @@ def test_verify_passes_a_bf16_moe_model_and_records_why(tiny_model_dir, tmp_path
     import json
     import subprocess
     import sys
-    from pathlib import Path
 
     import torch
+    from extract_runs import ROOT
 
     from offline_extract.store.index import shard_paths
     from offline_extract.store.shard import open_shard
     from offline_extract.testing.models import build_model
 
-    root = Path(__file__).resolve().parents[1]
     model = build_model("qwen3_moe", tmp_path / "m", dtype=torch.bfloat16, tokenizer_dir=tiny_model_dir)
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, str(root / "bin" / "extract.py"), "--model", str(model), "--data",
-         str(root / "examples" / "corpus.jsonl"), "--out", str(out), "--dtype", "bfloat16", "--verify", "8",
+        [sys.executable, str(ROOT / "bin" / "extract.py"), "--model", str(model), "--data",
+         str(ROOT / "examples" / "corpus.jsonl"), "--out", str(out), "--dtype", "bfloat16", "--verify", "8",
          "--no-progress"],
-        capture_output=True, text=True, cwd=root, timeout=600,
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     run = open_shard(shard_paths(out)[0]).run

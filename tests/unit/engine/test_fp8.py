@@ -1,6 +1,6 @@
 """FP8 block-quantized checkpoints on CPU: the test builder writes them as the releases are, SGLang's CPU path
 is refused before the model loads, and the parity gate's FP8 rule passes what SGLang's W8A8 compute gives
-while failing a layer off by one. The engine itself runs them on the GPU (tests/test_gpu_fp8.py).
+while failing a layer off by one. The engine itself runs them on the GPU (tests/gpu/test_gpu_fp8.py).
 
 SGLang's FP8 compute is reproduced here in HF, for the gate's rule only: every projection's input quantized
 to e4m3 per token in groups of 128 channels (SGLang's per_token_group_quant_fp8 before each block-FP8 GEMM,
@@ -15,16 +15,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from arch_parity import FP8_OVERRIDES, LENGTHS
+from extract_runs import ROOT
 from safetensors.torch import load_file
 
 from offline_extract.engine import parity
 from offline_extract.testing.models import FP8_QUANTIZATION_CONFIG, build_model
-
-ROOT = Path(__file__).resolve().parents[1]
-# SGLang fuses DeepSeek's q_a_proj and kv_a_proj_with_mqa and concatenates their block scales, which lines up
-# only when q_lora_rank is a whole number of 128-blocks (DeepSeek-V3's 1536 is; the tiny config's 192 is not).
-FP8_OVERRIDES = {"qwen3": {}, "deepseek_v3": {"q_lora_rank": 256}}
-LENGTHS = (5, 37, 64)
 
 
 @pytest.fixture(scope="module")

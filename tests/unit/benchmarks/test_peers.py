@@ -18,7 +18,6 @@ from benchmarks.peers.corpus import chat_records, load_batches, save_batches
 from benchmarks.peers.sglang_engine import returned_states
 from offline_extract.data.tokenization import SampleTokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,13 @@
 import shutil
 from collections import namedtuple
-from pathlib import Path
 
+from extract_runs import ROOT
 from transformers import AutoTokenizer
 
 from offline_extract import planning
 from offline_extract.data.tokenization import SampleTokenizer
 
-CORPUS = Path(__file__).resolve().parents[1] / "examples" / "corpus.jsonl"
+CORPUS = ROOT / "examples" / "corpus.jsonl"
 
 
 def test_plan_counts_what_extraction_would_write(tiny_model_dir, tmp_path):

@@ -3,11 +3,11 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from extract_runs import ROOT
 from rich.console import Console
 
 from offline_extract.store import inspection, manifest
@@ -15,7 +15,7 @@ from offline_extract.store.index import write_index
 from offline_extract.store.schema import SampleInfo, ShardError
 from offline_extract.store.writer import ShardWriter
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bin" / "inspect.py"
+SCRIPT = ROOT / "bin" / "inspect.py"
 H = 4
 RUN = {"model": "tiny", "layer_ids": [2, 5], "layer_convention": "after_layer", "dtype": "bfloat16"}
 LENGTHS = [3, 3, 4]

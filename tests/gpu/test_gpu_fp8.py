@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from arch_parity import run_report
-from test_fp8 import FP8_OVERRIDES
+from arch_parity import FP8_OVERRIDES, run_report
+from extract_runs import ROOT
 
 from offline_extract.engine.parity import FP8_MIN_MEDIAN_COSINE
 from offline_extract.store.index import shard_paths
@@ -24,7 +24,6 @@ from offline_extract.testing.models import FP8_QUANTIZATION_CONFIG, build_model
 
 pytestmark = pytest.mark.gpu
 
-ROOT = Path(__file__).resolve().parents[1]
 MOE = {"deepseek_v3"}
 
 

@@ -10,11 +10,11 @@ the command that ran them (arch_parity.write_result).
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from arch_parity import beyond_bf16_floor, run_report, write_result
+from extract_runs import ROOT
 
 from offline_extract.engine.parity import MOE_HALF_MIN_MEDIAN_COSINE
 from offline_extract.store.index import shard_paths
@@ -23,7 +23,6 @@ from offline_extract.testing.models import MXFP4_QUANTIZATION_CONFIG, build_mode
 
 pytestmark = pytest.mark.gpu
 
-ROOT = Path(__file__).resolve().parents[1]
 MIN_COSINE = 0.999
 
 

@@ -1,7 +1,7 @@
 """GPT-OSS as it ships: MXFP4 experts. The test builder writes the released layout, HF transformers' own MXFP4
 reader gives exactly the weights the parity gate's reference uses, those are the bf16 weights within e2m1
 rounding, and the CPU refuses the checkpoint by name before loading it. The engine runs it on the GPU through
-SGLang's MXFP4 path (tests/test_gpu_mxfp4.py)."""
+SGLang's MXFP4 path (tests/gpu/test_gpu_mxfp4.py)."""
 import json
 
 import pytest

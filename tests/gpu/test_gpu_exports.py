@@ -2,14 +2,14 @@
 SpecForge and a post-norm run exported to speculators, each against a direct run of the other state on
 the same batches, through SGLang's fused CUDA norm kernels in bf16.
 
-    python -m pytest -m gpu tests/test_gpu_exports.py
+    python -m pytest -m gpu tests/gpu/test_gpu_exports.py
 """
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from extract_runs import ROOT
 from safetensors.torch import load_file
 
 from offline_extract.final_norm import from_run
@@ -20,7 +20,6 @@ from offline_extract.training.export import export_specforge, export_speculators
 
 pytestmark = pytest.mark.gpu
 
-ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "examples" / "corpus.jsonl"
 MIN_COSINE = 0.999
 

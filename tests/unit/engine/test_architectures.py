@@ -10,12 +10,12 @@ import json
 import subprocess
 import sys
 from itertools import combinations
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from arch_parity import write_result
+from extract_runs import ROOT
 from safetensors.torch import load_file
 
 from offline_extract.engine import parity
@@ -31,7 +31,6 @@ from offline_extract.engine.sglang_adapter import (
 )
 from offline_extract.testing.models import build_model
 
-ROOT = Path(__file__).resolve().parents[1]
 
 # Architecture -> (its class in SGLang, the HF-loadable model with the same weights).
 ENGINE_ARCHS = {

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from extract_runs import ROOT
 
 from offline_extract.engine import parity
 from offline_extract.store.index import iter_samples, shard_paths
@@ -21,7 +22,6 @@ from offline_extract.testing.models import build_model
 
 pytestmark = pytest.mark.gpu
 
-ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "examples" / "corpus.jsonl"
 MIN_COSINE = 0.999
 

@@ -1,7 +1,7 @@
 """MoE models in bf16 on CPU with the engine's expert choice forced onto HF (`parity.ForcedRouting`): then
 every token matches as on a dense model, so what the parity gate's median rule lets through is routing
 flips and nothing else (docs/moe-bf16-investigation.md). The GPU suite runs the same check
-(tests/test_gpu_architectures.py) on every MoE family, including those SGLang cannot run on CPU; for those,
+(tests/gpu/test_gpu_architectures.py) on every MoE family, including those SGLang cannot run on CPU; for those,
 the forcing itself is checked here on HF's own model, and the reading of SGLang's triton_kernels routing."""
 import numpy as np
 import pytest

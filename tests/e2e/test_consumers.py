@@ -1,5 +1,5 @@
 """Each export opened by the trainer's own reading code (SpecForge 0.2.0, speculators 0.9.0 with
-hs-connectors 0.9.0, installed from PyPI into their own environment: tests/consumers.py), every tensor
+hs-connectors 0.9.0, installed from PyPI into their own environment: tests/e2e/consumers.py), every tensor
 compared with what our reader hands out for the same sample.
 
 The runs hold the tiny model's states from the SGLang engine: one post-norm in bf16 and one pre-norm in
