@@ -114,7 +114,7 @@ def kernel_shapes(model_config, tp_size: int) -> KernelShapes:
     row = dtype.itemsize * heads
     return KernelShapes(
         dtype=dtype,
-        mlp_width=intermediate // tp_size if intermediate else None,
+        mlp_width=intermediate // tp_size if isinstance(intermediate, int) else None,  # a list: per layer
         head_dim=model_config.head_dim,
         rope_dim=int(getattr(text, "partial_rotary_factor", 1) * model_config.head_dim) if mha else None,
         rope_is_neox=getattr(text, "rope_is_neox_style", True),
@@ -145,8 +145,13 @@ def _prebuild_calls(shapes: KernelShapes) -> dict[str, Callable[[], object]]:
         calls["rotary_embedding"] = _jit_rotary_embedding_module
     if shapes.kv_row_bytes:
         # The module itself, not can_use_store_cache: that one memoizes a failure as "use the slow path".
-        calls["kvcache k={} v={} bytes".format(*shapes.kv_row_bytes)] = partial(_jit_kvcache_module, *shapes.kv_row_bytes)
+        k_bytes, v_bytes = shapes.kv_row_bytes
+        calls[f"kvcache k={k_bytes} v={v_bytes} bytes"] = partial(_jit_kvcache_module, k_bytes, v_bytes)
     return calls
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 class KernelPrebuild:
@@ -162,7 +167,9 @@ class KernelPrebuild:
     wait for nvcc.
     """
 
-    def __init__(self, calls: dict[str, Callable[[], object]], cache_dir: str, gpu_id: int | None):
+    def __init__(self, plan: Callable[[], dict[str, Callable[[], object]]], cache_dir: str, gpu_id: int | None):
+        """Starts the builds `plan()` names; a plan that raises (a config these rules do not know) is
+        recorded like a failed build, and nothing is prebuilt."""
         from sglang.kernels.jit.utils import get_jit_cuda_arch, is_arch_support_pdl
 
         # SGLang sets TVM_FFI_CUDA_ARCH_LIST around each build and restores the old value after it: builds
@@ -179,6 +186,10 @@ class KernelPrebuild:
         self._modules_at_first_forward: int | None = None
         self._spans: dict[str, tuple[float, float]] = {}
         self.failed: dict[str, str] = {}
+        try:
+            calls = plan()
+        except Exception as e:
+            calls, self.failed["plan"] = {}, _first_line(e)
         self._threads = [
             threading.Thread(target=self._build, args=(name, call), name=f"prebuild {name}", daemon=True)
             for name, call in calls.items()
@@ -198,7 +209,7 @@ class KernelPrebuild:
                 torch.cuda.set_device(self._gpu_id)
             call()
         except Exception as e:  # the forward's own call builds it, or says why it cannot
-            self.failed[name] = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            self.failed[name] = _first_line(e)
         self._spans[name] = (start, time.perf_counter())
 
     def loaded(self) -> None:
@@ -599,8 +610,8 @@ class Engine:
         _refuse_on_cpu(mc.hf_config.architectures[0], cfg.device, cfg.model_path)
         # On CPU nothing is compiled: the torch_native path calls none of these modules.
         self.prebuild = (
-            KernelPrebuild(_prebuild_calls(kernel_shapes(mc, cfg.tp_size)), self.jit_caches["TVM_FFI_CACHE_DIR"],
-                           cfg.gpu_id)
+            KernelPrebuild(lambda: _prebuild_calls(kernel_shapes(mc, cfg.tp_size)),
+                           self.jit_caches["TVM_FFI_CACHE_DIR"], cfg.gpu_id)
             if torch.device(cfg.device).type == "cuda" else None
         )
         ps = ParallelState(

@@ -267,7 +267,8 @@ def test_a_failing_prebuild_is_recorded_and_the_rest_still_builds(monkeypatch, t
         time.sleep(0.3)
         (tmp_path / "m.so").write_bytes(b"")
 
-    prebuild = KernelPrebuild({"slow": built, "other": lambda: time.sleep(0.3), "broken": broken}, str(tmp_path), None)
+    builds = {"slow": built, "other": lambda: time.sleep(0.3), "broken": broken}
+    prebuild = KernelPrebuild(lambda: builds, str(tmp_path), None)
     prebuild.loaded()
     prebuild.wait()
     report = prebuild.report()
@@ -277,3 +278,9 @@ def test_a_failing_prebuild_is_recorded_and_the_rest_still_builds(monkeypatch, t
     assert report["prebuild_s"] < report["prebuild_serial_s"], "the builds ran side by side"
     assert 0 <= report["prebuild_during_load_s"] <= report["prebuild_s"] and report["prebuild_waited_s"] >= 0
     assert report["prebuild_cache_added"] == 1 and report["forward_cache_added"] == 0
+
+    # A config the rules cannot read builds nothing ahead, and says why; the forward builds as before.
+    unread = KernelPrebuild(lambda: {}["intermediate_size"], str(tmp_path), None)
+    unread.wait()
+    assert unread.report()["prebuild_failed"] == {"plan": "'intermediate_size'"}
+    assert unread.report()["prebuild_modules"] == {} and unread.report()["prebuild_s"] == 0
