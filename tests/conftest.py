@@ -21,3 +21,13 @@ def tiny_engine(tiny_model_dir):
             max_seqs_per_batch=16, context_length=4096, nccl_port=free_port(),
         )
     )
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """An empty, offline huggingface_hub cache; returns its HF_HOME (the cache is its `hub` folder)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return tmp_path / "hf"

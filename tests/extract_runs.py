@@ -123,9 +123,10 @@ def assert_same_samples(out_a, out_b) -> None:
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 
 
-def hub_cache(hf_home, repo_id: str, files_from) -> None:
-    """The layout huggingface_hub's cache gives a downloaded model: refs/main naming a snapshot folder."""
-    repo = Path(hf_home) / "hub" / f"models--{repo_id.replace('/', '--')}"
+def hub_cache(hf_home, repo_id: str, files_from, kind: str = "models") -> None:
+    """The layout huggingface_hub's cache gives a downloaded model (or, with kind="datasets", data set):
+    refs/main naming a snapshot folder."""
+    repo = Path(hf_home) / "hub" / f"{kind}--{repo_id.replace('/', '--')}"
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(REVISION)
     shutil.copytree(files_from, repo / "snapshots" / REVISION)

@@ -9,7 +9,6 @@ import sys
 import pytest
 import torch
 from extract_runs import REVISION, ROOT, hub_cache
-from huggingface_hub import constants
 
 from offline_extract import extraction, hub, preflight
 from offline_extract.data.corpus import BadRecordError, Reject, read_corpus
@@ -131,13 +130,6 @@ def test_strict_dry_run_stops_at_the_first_bad_record_like_the_real_run(tmp_path
     assert str(e.value).startswith(f"{corpus}:2 (id 'c.jsonl:2'): text is empty")
     plan = extraction.dry_run(ExtractOptions(data=(str(corpus),), out=str(tmp_path / "out")))
     assert (plan.samples, plan.rejected) == (1, 2)
-
-
-@pytest.fixture
-def offline_hub(tmp_path, monkeypatch):
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    return tmp_path / "hf"
 
 
 def test_a_hub_id_resolves_through_the_local_cache_to_its_commit(offline_hub, tiny_model_dir):

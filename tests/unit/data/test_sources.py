@@ -7,8 +7,7 @@ import shutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from extract_runs import REVISION
-from huggingface_hub import constants
+from extract_runs import hub_cache
 
 from offline_extract import hub
 from offline_extract.data.corpus import Record, read_corpus
@@ -31,13 +30,6 @@ def _table(rows):
 
 
 @pytest.fixture
-def offline_hub(tmp_path, monkeypatch):
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    return tmp_path / "hf" / "hub"
-
-
-@pytest.fixture
 def forms(tmp_path, offline_hub):
     """The same five records in every supported form, by name as --data takes it."""
     import datasets
@@ -48,11 +40,9 @@ def forms(tmp_path, offline_hub):
         f.write(text)
     pq.write_table(pa.Table.from_pylist(_table(ROWS)), tmp_path / "c.parquet")
     datasets.Dataset.from_list(_table(ROWS)).save_to_disk(str(tmp_path / "saved"))
-    repo = offline_hub / "datasets--org--chats"
-    (repo / "snapshots" / REVISION / "data").mkdir(parents=True)
-    (repo / "snapshots" / REVISION / "data" / "train.jsonl").write_text(text)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(REVISION)
+    (tmp_path / "chats" / "data").mkdir(parents=True)
+    (tmp_path / "chats" / "data" / "train.jsonl").write_text(text)
+    hub_cache(offline_hub, "org/chats", tmp_path / "chats", kind="datasets")
     return {name: str(tmp_path / name) for name in ("c.jsonl", "c.jsonl.gz", "c.parquet", "saved")} | {
         "hub": "org/chats"
     }
