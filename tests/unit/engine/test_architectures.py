@@ -7,15 +7,12 @@
    default ids, then ids starting at 0, at 1 and above 1, each compared with HF hidden_states[k+1].
 """
 import json
-import subprocess
-import sys
 from itertools import combinations
 from types import SimpleNamespace
 
 import pytest
 import torch
-from arch_parity import write_result
-from extract_runs import ROOT
+from arch_parity import run_report, write_result
 from safetensors.torch import load_file
 
 from offline_extract.engine import parity
@@ -218,14 +215,9 @@ def test_llama4_is_refused_where_sglang_cannot_run_its_chunked_attention(tiny_mo
 @pytest.fixture(scope="module", params=list(ENGINE_ARCHS))
 def report(request, models, tmp_path_factory):
     arch = request.param
-    out = tmp_path_factory.mktemp(f"report-{arch}") / "report.json"
-    cmd = [sys.executable, str(ROOT / "tests" / "arch_parity.py"), str(models[arch]), "--out", str(out),
-           "--hf-reference", str(models[ENGINE_ARCHS[arch][1]]),
-           "--layer-sets", ";".join(",".join(map(str, s)) for s in LAYER_SETS)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
-    rep = json.loads(out.read_text())
-    assert "error" not in rep, rep.get("traceback")
+    rep = run_report(models[arch], tmp_path_factory.mktemp(f"report-{arch}") / "report.json",
+                     "--hf-reference", str(models[ENGINE_ARCHS[arch][1]]),
+                     "--layer-sets", ";".join(",".join(map(str, s)) for s in LAYER_SETS))
     write_result(rep, arch, "cpu")
     return arch, rep
 
