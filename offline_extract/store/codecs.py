@@ -48,7 +48,10 @@ def fp8_quantize(states: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch
         stop = min(start + _QUANTIZE_ROWS, rows)
         x = states[start:stop].reshape(stop - start, layers, -1).float()
         absmax = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1)
-        scale = torch.where(absmax == 0, 1.0, _round_up_to_bf16(absmax / FP8_MAX))
+        # A tensor divisor, not the Python number: CUDA divides by a scalar as a product with its float32
+        # reciprocal, one ulp off the true quotient at times, so GPU scales would differ from the CPU's.
+        quotient = absmax / torch.full_like(absmax, FP8_MAX)
+        scale = torch.where(absmax == 0, 1.0, _round_up_to_bf16(quotient))
         # e4m3fn has no infinity and torch's cast does not saturate: a quotient rounded a hair past 448
         # would become NaN without the clamp.
         x.div_(scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
