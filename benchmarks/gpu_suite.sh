@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU suite (`pytest -m gpu`) in one device call on a machine of two H200s, SGLang 0.5.17 (+ FA3) on the path:
+#   bash benchmarks/gpu_suite.sh RESULTS_DIR [SECONDS]
+# Lanes side by side, each step under its own time limit (benchmarks/steps.sh): on GPU 0 the architecture suite,
+# one backend a process (each engine's KV pool is capped, so three fit one GPU), then the FP8 checkpoints; on
+# GPU 1 the engine, export and codec files; then, both GPUs free, the two-GPU file. The MoE part of the
+# architecture suite and the MXFP4 file are benchmarks/gpu_moe.sh's. Each step's command, exit status and seconds go to
+# RESULTS_DIR/steps.jsonl, its output to RESULTS_DIR/<step>.log, the parity JSONs to RESULTS_DIR/parity.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+results=$(realpath -m "$1") budget=${2:-560}
+mkdir -p "$results"
+start=$(date +%s)
+source benchmarks/steps.sh
+export OFFLINE_EXTRACT_RESULTS=$results/parity
+pytest="python -m pytest -m gpu -v -rA -p no:cacheprovider"
+moe="qwen3_moe or glm4_moe or gpt_oss or qwen3_next or minimax_m2 or qwen2_moe or deepseek_v3 or kimi_k25"
+lane0() {
+  export CUDA_VISIBLE_DEVICES=0
+  for backend in triton flashinfer fa3; do
+    step "dense_$backend" 330 "$pytest tests/gpu/test_gpu_architectures.py -k 'not ($moe) and $backend'" &
+  done
+  wait
+  step fp8 150 "$pytest tests/gpu/test_gpu_fp8.py"
+}
+lane1() {
+  export CUDA_VISIBLE_DEVICES=1
+  step engine 300 "$pytest tests/gpu/test_gpu.py"
+  step exports_codecs 150 "$pytest tests/gpu/test_gpu_exports.py tests/gpu/test_gpu_codecs.py"
+}
+lane0 & lane1 & wait
+step two_gpus 300 "$pytest tests/gpu/test_gpu_two.py"
