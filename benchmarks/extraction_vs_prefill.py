@@ -42,7 +42,7 @@ from offline_extract.engine.sglang_adapter import JIT_CACHES, Engine
 from offline_extract.extraction import engine_config
 from offline_extract.feed import extract_batches, staging_buffers
 from offline_extract.options import ExtractOptions
-from offline_extract.store.schema import FINAL_STATE, STATE_TENSORS, Encoding
+from offline_extract.store.schema import FINAL_STATE, STATE_TENSORS, Encoding, RunInfo
 from offline_extract.store.writer import ShardWriter
 from offline_extract.testing.models import build_model
 from offline_extract.timeline import Timeline
@@ -419,13 +419,14 @@ def run_bench(opts: BenchOptions) -> list[dict]:
             shutil.rmtree(root, ignore_errors=True)
             disk_rate = disk_write_rate(root / "probe", opts.disk_probe_bytes, opts.writers) if layout.writes else 0.0
             torch.cuda.reset_peak_memory_stats()
-            run_meta = {"model": str(model_dir), "layer_ids": list(engine.layer_ids), "benchmark": True}
+            run = RunInfo(model=str(model_dir), layer_ids=tuple(engine.layer_ids), store=encoding.store,
+                          compress=encoding.compress)
 
             def writer(name: str) -> ShardWriter | None:
                 # Created before the clock starts, as a run creates it before its first batch.
                 if not layout.writes:
                     return None
-                return ShardWriter(root / name, run_meta, writers=opts.writers, encoding=encoding, widths=widths)
+                return ShardWriter(root / name, run, writers=opts.writers, widths=widths)
 
             def extract(batches: list[Batch], w: ShardWriter | None) -> None:
                 extract_batches(clock, batches, w, staging=staging)

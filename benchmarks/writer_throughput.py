@@ -23,7 +23,7 @@ import click
 import psutil
 import torch
 
-from offline_extract.store.schema import Encoding, SampleInfo
+from offline_extract.store.schema import Encoding, RunInfo, SampleInfo
 from offline_extract.store.writer import WRITER_THREADS, ShardWriter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,8 +82,9 @@ def _writer_rate(out: Path, total_bytes: int, preallocate: bool, shard_bytes: in
     # Around the writer's whole life: its shard buffers are part of what it holds.
     with _PeakRSS() as rss:
         created = time.perf_counter()
-        writer = ShardWriter(out, {"benchmark": True, "layer_ids": list(range(K))}, shard_bytes=shard_bytes, encoding=encoding,
-                             writers=writers, widths=encoding.widths(K, H) if preallocate else None)
+        run = RunInfo(layer_ids=tuple(range(K)), store=encoding.store, compress=encoding.compress)
+        writer = ShardWriter(out, run, shard_bytes=shard_bytes, writers=writers,
+                             widths=encoding.widths(K, H) if preallocate else None)
         start = time.perf_counter()
         for b in range(batches):
             samples = [SampleInfo(index=b * 8 + i, id=f"s{b * 8 + i}", source="synthetic", line=b * 8 + i + 1,

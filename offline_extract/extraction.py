@@ -12,7 +12,7 @@ import json
 import os
 import time
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from itertools import chain, islice
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from offline_extract import final_norm, planning, preflight
+from offline_extract import planning, preflight
 from offline_extract.data.batching import batch_by_tokens
 from offline_extract.data.corpus import BadRecordError, Record, Reject, read_corpus
 from offline_extract.data.sources import Source
@@ -37,7 +37,7 @@ from offline_extract.store import manifest, resume
 from offline_extract.store.atomic import atomic_write
 from offline_extract.store.index import write_index
 from offline_extract.store.journal import Journal, read_journal
-from offline_extract.store.schema import STORES, Encoding
+from offline_extract.store.schema import Encoding, RunInfo
 from offline_extract.store.writer import ShardWriter
 from offline_extract.summary import REJECTS_FILE, Summary, Tally
 from offline_extract.timeline import Timeline
@@ -100,32 +100,31 @@ def _weights_fingerprint(model_dir: Path) -> str:
     return h.hexdigest()
 
 
-def _known_before_loading(opts: ExtractOptions, checked: preflight.Checked) -> dict:
-    """The run metadata that needs neither the engine nor the tokenizer: with the tokenizer's files in place
+def _known_before_loading(opts: ExtractOptions, checked: preflight.Checked) -> RunInfo:
+    """The run's facts that need neither the engine nor the tokenizer: with the tokenizer's files in place
     of its hashes (`resume.finished`), enough to tell a finished directory of this run apart."""
     model_dir = checked.model.path
     dtype = _compute_dtype(opts, checked.device)
-    return {
-        "model": str(model_dir),
+    return RunInfo(
+        model=str(model_dir),
         **checked.model.provenance,
-        "config_sha256": hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest(),
-        "weights": "dummy (random)" if opts.load_format == "dummy" else _weights_fingerprint(model_dir),
-        "tokenizer_path": str(model_dir),
-        "tokenizer_files": tokenizer_files(model_dir, opts.trust_remote_code),
-        # SGLang decides these two when they are left to it.
-        **({"layer_ids": list(checked.layer_ids)} if checked.layer_ids is not None else {}),
-        **({"compute_dtype": dtype} if dtype != "auto" else {}),
-        "recipe": opts.recipe,
-        "min_loss_run": _min_loss_run(opts),
-        "final_state": opts.final_state if RECIPES[opts.recipe].keeps_final_state else None,
-        "store": opts.store,
-        "compress": opts.compress,
-        "dtype": str(STORES[opts.store]).removeprefix("torch."),
-        "tp_size": opts.tp,
-        "max_length": opts.max_length,
-        "overlong": opts.overlong,
-        "trim_after_last_loss_token": opts.trim_after_last_loss,
-    }
+        config_sha256=hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest(),
+        weights="dummy (random)" if opts.load_format == "dummy" else _weights_fingerprint(model_dir),
+        tokenizer_path=str(model_dir),
+        tokenizer_files=tokenizer_files(model_dir, opts.trust_remote_code),
+        # SGLang decides these two when they are left to it (None until the model loads).
+        layer_ids=checked.layer_ids,
+        compute_dtype=None if dtype == "auto" else dtype,
+        recipe=opts.recipe,
+        min_loss_run=_min_loss_run(opts),
+        final_state=opts.final_state if RECIPES[opts.recipe].keeps_final_state else None,
+        store=opts.store,
+        compress=opts.compress,
+        tp_size=opts.tp,
+        max_length=opts.max_length,
+        overlong=opts.overlong,
+        trim_after_last_loss_token=opts.trim_after_last_loss,
+    )
 
 
 def engine_config(
@@ -162,23 +161,24 @@ def _compute_dtype(opts: ExtractOptions, device: str) -> str:
     return "float32" if opts.dtype == "auto" and not opts.model and torch.device(device).type == "cpu" else opts.dtype
 
 
-def run_metadata(known: dict, engine: Engine) -> dict:
-    return {
-        **known,
-        "architecture": engine.architecture,
-        "layer_ids": list(engine.layer_ids),
-        "layer_convention": LAYER_CONVENTION + (f"; last = {FINAL_STATES[known['final_state']]}" if known["final_state"] else ""),
-        "sglang_capture_points": list(engine.capture_points),
-        "num_layers": engine.num_layers,
-        "hidden_size": engine.hidden_size,
-        **({final_norm.RUN_KEY: norm.to_json()} if (norm := engine.final_norm()) is not None else {}),
-        "compute_dtype": engine.dtype,
-        "quantization": engine.quantization,
-        "attention_backend": engine.attention_backend,
-        "sglang_version": importlib.metadata.version("sglang"),
-        "torch_version": torch.__version__,
-        "offline_extract_version": __version__,
-    }
+def run_metadata(known: RunInfo, engine: Engine) -> RunInfo:
+    """The run's facts once the model is loaded (the parity gate's rows come last, `Job._gate`)."""
+    return replace(
+        known,
+        architecture=engine.architecture,
+        layer_ids=tuple(engine.layer_ids),
+        layer_convention=LAYER_CONVENTION + (f"; last = {FINAL_STATES[known.final_state]}" if known.final_state else ""),
+        sglang_capture_points=tuple(engine.capture_points),
+        num_layers=engine.num_layers,
+        hidden_size=engine.hidden_size,
+        final_norm=None if (norm := engine.final_norm()) is None else norm.to_json(),
+        compute_dtype=engine.dtype,
+        quantization=engine.quantization,
+        attention_backend=engine.attention_backend,
+        sglang_version=importlib.metadata.version("sglang"),
+        torch_version=torch.__version__,
+        offline_extract_version=__version__,
+    )
 
 
 def _sample_tokenizer(opts: ExtractOptions, model_dir: Path) -> SampleTokenizer:
@@ -247,9 +247,9 @@ class Job:
         self.timeline.mark("checked")
         self.tokenizer: SampleTokenizer | None = None
         self.coord: Coordinator | None = None
-        # Set by _load: the engine, and the run metadata that every shard carries.
+        # Set by _load: the engine, and the run's facts that every shard carries.
         self.engine: Engine | None = None
-        self.meta: dict | None = None
+        self.meta: RunInfo | None = None
         self.written: list = []  # headers of the shards this rank wrote (ShardWriter.headers)
 
     def load_tokenizer(self) -> None:
@@ -257,7 +257,7 @@ class Job:
         alone takes seconds to import."""
         with foreign_output_hidden(not self.opts.verbose):
             self.tokenizer = _sample_tokenizer(self.opts, self.checked.model.path)
-        self.known.update(self.tokenizer.fingerprint())
+        self.known = replace(self.known, **self.tokenizer.fingerprint())
         self.timeline.mark("tokenizer")
 
     def already_complete(self, finished: dict) -> Summary | None:
@@ -399,9 +399,7 @@ class Job:
         """--verify N: the parity gate on each replica's first N samples. Its rows (and, on a MoE model, how HF
         was routed) go into the run's metadata; the leader prints the rows."""
         verified = self._parity_gate(head) if self.opts.verify else {"rows": []}
-        self.meta["parity"] = verified["rows"]
-        if "routing" in verified:
-            self.meta["parity_routing"] = verified["routing"]
+        self.meta = replace(self.meta, parity=tuple(verified["rows"]), parity_routing=verified.get("routing"))
         if self.layout.leads:
             for line in parity_lines(verified["rows"]):
                 note(line)
@@ -456,7 +454,6 @@ class Job:
 
     def _writer(self, existing: resume.Existing, journals: ExitStack, buffers: list, on_gpu: bool) -> ShardWriter:
         shard_log = journals.enter_context(Journal(manifest.journal_path(self.out, self.layout.dp_rank), durable=True))
-        enc = encoding(self.opts)
         return ShardWriter(
             self.out,
             self.meta,
@@ -465,8 +462,7 @@ class Job:
             on_written=lambda shard: shard_log.append(asdict(shard)),
             # On a GPU the first shards would otherwise fill fresh pages on the hot path; on CPU
             # (tiny models, tests) that memory would mostly sit unused.
-            encoding=enc,
-            widths=enc.widths(len(self.engine.layer_ids), self.engine.hidden_size) if on_gpu else None,
+            widths=self.meta.encoding.widths(self.meta.num_aux_layers, self.meta.hidden_size) if on_gpu else None,
             buffers=buffers,
         )
 

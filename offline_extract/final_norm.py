@@ -1,8 +1,8 @@
 """The model's final norm, recorded with a run so that an export can turn one final state into the other.
 
 SpecForge trains on the post-norm state and speculators on the pre-norm one. A run records the final
-RMSNorm the engine ran (weight as loaded, epsilon, and whether the gain is `w` or Gemma's `1 + w`) under
-the run metadata key `final_norm`, so either run feeds either trainer:
+RMSNorm the engine ran (weight as loaded, epsilon, and whether the gain is `w` or Gemma's `1 + w`) as
+the run fact `final_norm` (store/schema.py `RunInfo`), so either run feeds either trainer:
 
 - pre -> post is exact: the norm is applied in float32, as SGLang's own RMSNorm computes it.
 - post -> pre cannot be exact. RMSNorm divides each token by its own root mean square, and the post-norm
@@ -26,9 +26,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-RUN_KEY = "final_norm"
-
 
 @dataclass(frozen=True)
 class FinalNorm:
@@ -64,6 +61,6 @@ class FinalNorm:
         return torch.where(gain != 0, post.float() / torch.where(gain != 0, gain, 1.0), 0.0)
 
 
-def from_run(run: dict) -> FinalNorm | None:
-    document = run.get(RUN_KEY)
+def recorded(document: dict | None) -> FinalNorm | None:
+    """The final norm a run records (`RunInfo.final_norm`); None when it records none."""
     return FinalNorm.from_json(document) if document else None

@@ -11,7 +11,16 @@ import torch
 
 from offline_extract.store.atomic import atomic_write
 from offline_extract.store.journal import load_json
-from offline_extract.store.schema import FORMAT_VERSION, INDEX_NAME, SHARD_GLOB, SampleInfo, ShardError, shard_number
+from offline_extract.store.schema import (
+    FORMAT_VERSION,
+    INDEX_NAME,
+    SHARD_GLOB,
+    RunInfo,
+    SampleInfo,
+    ShardError,
+    check_format_version,
+    shard_number,
+)
 from offline_extract.store.shard import ShardHeader, open_shard, read_header
 
 # Shards from different runs must never be indexed together; these run keys identify a run's output
@@ -26,10 +35,10 @@ def shard_paths(out_dir: str | os.PathLike) -> list[Path]:
 
 def _check_run_agrees(first: ShardHeader, other: ShardHeader) -> None:
     for key in RUN_KEYS_THAT_MUST_AGREE:
-        if first.run.get(key) != other.run.get(key):
+        theirs, ours = getattr(other.run, key), getattr(first.run, key)
+        if theirs != ours:
             raise ShardError(
-                f"{other.path.name} and {first.path.name} come from different runs: "
-                f"run[{key!r}] is {other.run.get(key)!r} vs {first.run.get(key)!r}"
+                f"{other.path.name} and {first.path.name} come from different runs: run {key} is {theirs!r} vs {ours!r}"
             )
 
 
@@ -67,7 +76,7 @@ def write_index(out_dir: str | os.PathLike, known: Iterable[ShardHeader] = ()) -
     headers, order = scan(out_dir, known) if shard_paths(out_dir) else ([], [])
     index = {
         "format_version": FORMAT_VERSION,
-        "run": headers[0].run if headers else None,
+        "run": headers[0].run.to_json() if headers else None,
         "num_samples": len(order),
         "num_tokens": sum(h.num_tokens for h in headers),
         "shards": [
@@ -108,11 +117,16 @@ def describes(index: dict | None, files: dict[str, int]) -> bool:
 
 
 def read_index(out_dir: str | os.PathLike) -> dict | None:
-    """out_dir/index.json, or None when there is none; an index of another format version is an error."""
+    """out_dir/index.json, or None when there is none; an index of a format version this one cannot read
+    is an error."""
     path = Path(out_dir) / INDEX_NAME
     if not path.is_file():
         return None
     index = load_json(path)
-    if index.get("format_version") != FORMAT_VERSION:
-        raise ShardError(f"{path} has format_version {index.get('format_version')}, expected {FORMAT_VERSION}")
+    check_format_version(index.get("format_version"), path)
     return index
+
+
+def index_run(index: dict, out_dir: str | os.PathLike) -> RunInfo | None:
+    """The run an index records; None for a directory without shards."""
+    return None if index["run"] is None else RunInfo.from_json(index["run"], str(Path(out_dir) / INDEX_NAME))

@@ -20,7 +20,7 @@ from rich.text import Text
 
 from offline_extract.store import manifest
 from offline_extract.store.index import read_index, shard_paths
-from offline_extract.store.schema import FINAL_STATE, INDEX_NAME, SHARD_GLOB, STATE_TENSORS, ShardError
+from offline_extract.store.schema import FINAL_STATE, INDEX_NAME, SHARD_GLOB, STATE_TENSORS, RunInfo, ShardError
 from offline_extract.store.shard import Shard, open_shard, read_header
 
 # Upper bound on the float32 copy of one chunk of rows; the float64 reduction temporaries double it.
@@ -96,13 +96,13 @@ class _RunningStats:
         }
 
 
-def _layer_names(run: dict, num_aux: int) -> list[tuple[str, int | None]]:
-    layer_ids = run.get("layer_ids")
+def _layer_names(run: RunInfo, num_aux: int) -> list[tuple[str, int | None]]:
+    layer_ids = run.layer_ids
     if layer_ids is None:
         return [(f"aux[{j}]", None) for j in range(num_aux)]
     if len(layer_ids) != num_aux:
         raise ShardError(
-            f"run lists {len(layer_ids)} layer_ids {layer_ids} but aux_hidden_states holds {num_aux} layers"
+            f"run lists {len(layer_ids)} layer_ids {list(layer_ids)} but aux_hidden_states holds {num_aux} layers"
         )
     return [(f"layer {lid}", lid) for lid in layer_ids]
 
@@ -131,13 +131,13 @@ def summarize(path: str | os.PathLike, allow_partial: bool = False) -> dict:
         if s.encoding.states != states or _state_widths(s) != widths:
             raise ShardError(f"{s.path} holds states {_state_widths(s)}, unlike {paths[0]}'s {widths}")
     aux_width = widths[STATE_TENSORS[0]]
-    hidden = widths.get(FINAL_STATE, run.get("hidden_size"))
+    hidden = widths.get(FINAL_STATE, run.hidden_size)
     if not hidden or aux_width % hidden:
         raise ShardError(f"{paths[0]}: aux width {aux_width} is not a multiple of hidden size {hidden}")
     num_aux = aux_width // hidden
     names = _layer_names(run, num_aux)
     if FINAL_STATE in states:
-        names.append((f"last ({run.get('final_state') or 'post-norm'})", None))
+        names.append((f"last ({run.final_state})", None))
     stats = [_RunningStats() for _ in names]
 
     chunk_rows = max(1, CHUNK_BYTES // (sum(widths.values()) * 4))
@@ -166,9 +166,10 @@ def summarize(path: str | os.PathLike, allow_partial: bool = False) -> dict:
         "num_tokens": num_tokens,
         "loss_tokens": loss_tokens,
         "loss_fraction": loss_tokens / num_tokens if num_tokens else None,
-        "layer_ids": run.get("layer_ids"),
-        "layer_convention": run.get("layer_convention"),
-        "dtype": run.get("dtype"),
+        "layer_ids": run.to_json()["layer_ids"],
+        "layer_convention": run.layer_convention,
+        "stored_dtype": str(run.stored_dtype).removeprefix("torch."),
+        "compute_dtype": run.compute_dtype,
         "encoding": shards[0].encoding.to_json(),
         "hidden_size": hidden,
         "num_aux_layers": num_aux,
@@ -198,8 +199,8 @@ class _Decoded:
     note: str | None
 
 
-def _load_decoder(run: dict) -> _Decoded:
-    tokenizer_path = run.get("tokenizer_path")
+def _load_decoder(run: RunInfo) -> _Decoded:
+    tokenizer_path = run.tokenizer_path
     if not tokenizer_path:
         return _Decoded(None, "the run records no tokenizer_path; showing token ids")
     if not Path(tokenizer_path).exists():
@@ -239,7 +240,7 @@ def sample_view(path: str | os.PathLike, sample_id: str) -> dict:
         "row": row,
         "num_tokens": len(ids),
         "loss_tokens": int(mask.sum()),
-        "tokenizer_path": shard.run.get("tokenizer_path"),
+        "tokenizer_path": shard.run.tokenizer_path,
         "tokenizer_note": decoded.note,
         "spans": spans,
     }
@@ -264,7 +265,8 @@ def render_summary(summary: dict, console: Console) -> None:
         ("loss tokens", f"{summary['loss_tokens']} ({_percent(summary['loss_fraction'])} of tokens)"),
         ("layer ids", summary["layer_ids"]),
         ("layer convention", summary["layer_convention"]),
-        ("dtype", summary["dtype"]),
+        ("stored dtype", summary["stored_dtype"]),
+        ("compute dtype", summary["compute_dtype"]),
         ("stored as", ", ".join(f"{k} {v}" for k, v in summary["encoding"].items())),
         ("hidden size", summary["hidden_size"]),
     ]:

@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from offline_extract.store import manifest
 from offline_extract.store.index import read_index, shard_paths
-from offline_extract.store.schema import FRAMES_SUFFIX, INDEX_NAME, SCALE_SUFFIX, Encoding, ShardError
+from offline_extract.store.schema import FRAMES_SUFFIX, IDENTITY_KEYS, INDEX_NAME, SCALE_SUFFIX, Encoding, ShardError
 from offline_extract.store.shard import ShardHeader, read_header
 from offline_extract.words import listing, plural
 
@@ -133,19 +133,19 @@ def _check_shard(path: Path, recorded: dict | None) -> tuple[ShardHeader | None,
         for t in tensors
         if dtypes.get(t.name) != t.safetensors_dtype
     ] + encoded
-    tokens, n, k = header.num_tokens, len(header.samples), len(run.get("layer_ids", []))
+    tokens, n = header.num_tokens, len(header.samples)
     for t in tensors:
-        shape, found = t.shape(tokens, n, k, run.get("hidden_size") or None), shapes[t.name]
+        shape, found = t.shape(tokens, n, run.num_aux_layers or 0, run.hidden_size or None), shapes[t.name]
         if len(found) != len(shape) or any(w is not None and w != s for w, s in zip(shape, found)):
             problems.append(f"{name}: {t.name} has shape {list(found)}, expected {list(shape)}")
     if offsets[:1] != [0] or offsets[-1:] != [tokens] or any(a > b for a, b in zip(offsets, offsets[1:])):
         problems.append(f"{name}: offsets do not rise from 0 to its {tokens} tokens")
     if sample_index != [s.index for s in header.samples]:
         problems.append(f"{name}: sample_index disagrees with the samples in its metadata")
-    identity = (recorded or {}).get("identity", {})
-    for key in manifest.IDENTITY_KEYS:
-        if key in identity and run.get(key) != identity[key]:
-            problems.append(f"{name}: run {key} {run.get(key)!r} differs from the manifest's {identity[key]!r}")
+    identity, facts = (recorded or {}).get("identity", {}), run.identity()
+    for key in IDENTITY_KEYS:
+        if key in identity and facts[key] != identity[key]:
+            problems.append(f"{name}: run {key} {facts[key]!r} differs from the manifest's {identity[key]!r}")
     return header, problems
 
 

@@ -22,36 +22,12 @@ from typing import Sequence
 from offline_extract.store.atomic import atomic_write
 from offline_extract.store.index import shard_paths
 from offline_extract.store.journal import load_json, read_journal
-from offline_extract.store.schema import FORMAT_VERSION, shard_number
+from offline_extract.store.schema import FORMAT_VERSION, IDENTITY_KEYS, RunInfo, shard_number
 from offline_extract.store.shard import read_header
 from offline_extract.words import listing, plural
 
 MANIFEST_NAME = "manifest.json"
 JOURNAL_GLOB = ".manifest.dp*.jsonl"
-# The run facts that decide every sample's bytes. Topology (DP, TP, batch budget, attention backend)
-# is left out on purpose: a run may finish on different hardware than it started on.
-IDENTITY_KEYS = (
-    "config_sha256",
-    "weights",
-    "tokenizer_sha256",
-    "chat_template_sha256",
-    "layer_ids",
-    "final_state",
-    "recipe",
-    "min_loss_run",
-    "store",
-    "compress",
-    "compute_dtype",
-    "quantization",
-    "max_length",
-    "overlong",
-    "trim_after_last_loss_token",
-)
-# Recorded with the identity but not compared: where the model came from. A hub id's commit tells a
-# reader which snapshot was used; whether two runs match is decided by the config and weights hashes,
-# so the same snapshot named by path and by hub id is one run. `tokenizer_files`
-# (tokenization.tokenizer_files) lets a rerun take the recorded tokenizer hashes without loading it.
-PROVENANCE_KEYS = ("model", "model_repo_id", "model_revision", "tokenizer_files")
 # A corpus file is identified by its name, size, and the sha256 of this many blocks spread evenly over
 # it (the whole file when that covers it): a few milliseconds at start-up for a terabyte corpus, where
 # a full hash would take an hour on every resume. Appending, truncating or replacing a file changes its
@@ -102,9 +78,12 @@ def _sampled_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def run_identity(run: dict, data: Sequence[str | os.PathLike]) -> dict:
-    """The identity of a run from its shard metadata (`extraction.run_metadata`) and corpus files."""
-    facts = {key: run.get(key) for key in IDENTITY_KEYS + PROVENANCE_KEYS}
+def run_identity(run: RunInfo, data: Sequence[str | os.PathLike]) -> dict:
+    """The identity of a run from its facts and corpus files (the identity facts: `RunInfo`'s fields so marked)."""
+    return identity_of(run.identity(), data)
+
+
+def identity_of(facts: dict, data: Sequence[str | os.PathLike]) -> dict:
     return {**facts, "corpus": [file_fingerprint(p) for p in data]}
 
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from offline_extract.store import manifest
 from offline_extract.store.index import describes, read_index, shard_paths, write_index
-from offline_extract.store.schema import INDEX_NAME, ShardError, shard_number
+from offline_extract.store.schema import INDEX_NAME, RunInfo, ShardError, shard_number
 from offline_extract.store.shard import read_header
 from offline_extract.words import listing, plural
 
@@ -127,11 +127,11 @@ def take_over(out: Path) -> tuple[OutputLock, Existing]:
         raise
 
 
-def finished(out: Path, known: dict, data: Sequence[str]) -> dict | None:
+def finished(out: Path, known: RunInfo, data: Sequence[str]) -> dict | None:
     """The manifest of `out` if it holds a complete run that this one would only repeat, else None.
 
-    `known` is the run metadata this run has before its model loads; what only SGLang decides (default
-    layer ids, an "auto" compute dtype) is taken as recorded, and so are the tokenizer's hashes when
+    `known` is the run's facts before its model loads; what only SGLang decides (default layer ids, an
+    "auto" compute dtype: None in `known`) is taken as recorded, and so are the tokenizer's hashes when
     `known` has none but names the same `tokenizer_files` as recorded. The corpus `data` must be the
     recorded one, and every recorded shard still on disk at its size.
     """
@@ -139,9 +139,14 @@ def finished(out: Path, known: dict, data: Sequence[str]) -> dict | None:
     if current is None or current.get("status") != "complete" or "identity" not in current:
         return None
     recorded = current["identity"]
-    if "tokenizer_sha256" not in known and known.get("tokenizer_files") != recorded.get("tokenizer_files"):
-        return None  # only the tokenizer itself can say whether it still tokenizes as recorded
-    expected = manifest.run_identity({**recorded, **known}, data)
+    undecided = ["layer_ids", "compute_dtype"]
+    if known.tokenizer_sha256 is None:
+        if known.tokenizer_files != recorded.get("tokenizer_files"):
+            return None  # only the tokenizer itself can say whether it still tokenizes as recorded
+        undecided += ["tokenizer_sha256", "chat_template_sha256"]
+    facts = known.identity()
+    facts.update({key: recorded.get(key) for key in undecided if facts[key] is None})
+    expected = manifest.identity_of(facts, data)
     if manifest.run_differences(recorded, expected) or manifest.corpus_differences(recorded, expected):
         return None
     for name, entry in current["shards"].items():
@@ -195,7 +200,7 @@ def check_identity(out: Path, identity: dict, force: bool) -> list[str]:
         notes = [f"taking over {out} from a different run: it holds no complete shard"] if taken else []
     else:
         # Without a manifest, the shards' own metadata tell which run wrote them, but not from which corpus.
-        recorded = current.get("identity") or read_header(paths[0]).run
+        recorded = current.get("identity") or read_header(paths[0]).run.identity()
         mixed = manifest.run_differences(recorded, identity)
         if mixed:
             raise TakeoverError(

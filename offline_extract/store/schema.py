@@ -8,24 +8,34 @@ A shard is one safetensors file holding many samples concatenated along the toke
 n samples, k EAGLE-3 layers, hidden size H). `TENSORS` is a sample as readers hand it out; an `Encoding`
 (`--store`, `--compress`, and whether the recipe keeps the final state) derives from it what a shard
 stores. The safetensors metadata key `METADATA_KEY` holds a JSON document with the format version, the
-encoding, the run dict given to the writer (stored verbatim), and one entry per sample (see
-`SampleInfo`).
+run's facts (`RunInfo`, whose store, compress and final state give the shard's encoding), and one entry
+per sample (see `SampleInfo`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from types import UnionType
+from typing import Literal, Union, get_args, get_origin, get_type_hints
 
 import torch
 
-from offline_extract.options import Compression, Store, check_choice, choices
+from offline_extract.options import Compression, FinalState, Overlong, RecipeName, Store, check_choice, choices
 from offline_extract.store.codecs import FP8_DTYPE, fp8_dequantize, fp8_quantize
 
 # Of shards, index.json and manifest.json alike: they are read together, so they change together.
-FORMAT_VERSION = 1
+# Version 2 records a shard's encoding once, in its run (version 1 also had it beside the run, and the
+# stored dtype as run["dtype"]); version 1 outputs are still read, resumed, verified and exported.
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, FORMAT_VERSION)
 METADATA_KEY = "offline_extract"
 INDEX_NAME = "index.json"
 SHARD_GLOB = "shard_*.safetensors"
+
+
+def check_format_version(version, path: Path) -> None:
+    if version not in READABLE_FORMAT_VERSIONS:
+        raise ShardError(f"{path} has format_version {version}, expected {' or '.join(map(str, READABLE_FORMAT_VERSIONS))}")
 
 
 def shard_name(number: int) -> str:
@@ -71,7 +81,7 @@ TENSORS = (
     TensorSpec("input_ids", torch.int32, "T"),
     TensorSpec("loss_mask", torch.uint8, "T"),
     TensorSpec("aux_hidden_states", torch.bfloat16, "T", "k*H"),
-    TensorSpec("hidden_states", torch.bfloat16, "T", "H"),  # the final state (run["final_state"] says which)
+    TensorSpec("hidden_states", torch.bfloat16, "T", "H"),  # the final state (RunInfo.final_state says which)
     TensorSpec("offsets", torch.int64, "n+1"),  # sample i is rows offsets[i]:offsets[i+1]
     TensorSpec("sample_index", torch.int64, "n"),  # the record index of each sample in the corpus
 )
@@ -91,7 +101,7 @@ SAFETENSORS_DTYPES = {
 SAMPLE_TENSORS = tuple(t.name for t in TENSORS if t.per_token)
 # The hidden states, (aux, last): the 2-D tensors, whose width depends on the model.
 STATE_TENSORS = tuple(t.name for t in TENSORS if t.cols is not None)
-# The dtype readers hand states out in, whatever the store, and what run["dtype"] records.
+# The dtype readers hand states out in, whatever the store.
 (STATE_DTYPE,) = {SPECS[name].dtype for name in STATE_TENSORS}
 FINAL_STATE = STATE_TENSORS[-1]
 
@@ -119,10 +129,8 @@ class Encoding:
         return {"store": self.store, "compress": self.compress, "final_state": self.keeps_final_state}
 
     @classmethod
-    def from_json(cls, document: dict | None) -> "Encoding":
-        """A shard's encoding; shards written before encodings existed hold plain bf16 states."""
-        if document is None:
-            return cls()
+    def from_json(cls, document: dict) -> "Encoding":
+        """The encoding a format version 1 shard document records beside its run."""
         return cls(document["store"], document["compress"], keeps_final_state=document["final_state"])
 
     @property
@@ -221,3 +229,159 @@ class SampleInfo:
     line: int
     source_len: int
     truncated: bool
+
+
+# A RunInfo field's role. An identity fact decides every sample's bytes: a run may resume in a directory
+# only with the same identity (store/manifest.py), since shards of two identities would not be one data set.
+# Topology (DP, TP, batch budget, attention backend) is left out on purpose: a run may finish on different
+# hardware than it started on. A provenance fact is recorded with the identity but not compared: where the
+# model came from. A hub id's commit tells a reader which snapshot was used; whether two runs match is
+# decided by the config and weights hashes, so the same snapshot named by path and by hub id is one run.
+IDENTITY = "identity"
+PROVENANCE = "provenance"
+
+
+def _identity(default=None):
+    return field(default=default, metadata={"role": IDENTITY})
+
+
+def _provenance(default=None):
+    return field(default=default, metadata={"role": PROVENANCE})
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """The facts of the run that wrote a shard, as every shard, index.json and (its identity) manifest.json
+    record them. A field's default is what a document written before that field existed meant, so every
+    earlier version's document reads (`from_json`); None is "not recorded" (or, before the model loads,
+    "not known yet": the layer ids and compute dtype SGLang decides, the tokenizer's hashes)."""
+
+    # The identity, in the order a refused resume lists its differences.
+    config_sha256: str | None = _identity()
+    weights: str | None = _identity()  # the weight files' fingerprint, or "dummy (random)"
+    tokenizer_sha256: str | None = _identity()
+    chat_template_sha256: str | None = _identity()
+    layer_ids: tuple[int, ...] | None = _identity()  # ascending; layer k = HF output_hidden_states[k + 1]
+    final_state: FinalState | None = _identity("post-norm")  # None: the recipe keeps no final state
+    recipe: RecipeName = _identity("eagle3")
+    min_loss_run: int = _identity(0)
+    store: Store = _identity("bf16")
+    compress: Compression = _identity("none")
+    compute_dtype: str | None = _identity()  # the dtype the model ran in; the stored one is `stored_dtype`
+    quantization: dict | None = _identity()  # the checkpoint's quantization_config
+    max_length: int | None = _identity()
+    overlong: Overlong | None = _identity()
+    trim_after_last_loss_token: bool = _identity(False)
+    # `tokenizer_files` (tokenization.tokenizer_files) lets a rerun take the recorded tokenizer hashes
+    # without loading the tokenizer.
+    model: str | None = _provenance()
+    model_repo_id: str | None = _provenance()
+    model_revision: str | None = _provenance()
+    tokenizer_files: str | None = _provenance()
+    tokenizer_path: str | None = None
+    architecture: str | None = None
+    layer_convention: str | None = None
+    sglang_capture_points: tuple[int, ...] | None = None
+    num_layers: int | None = None  # the model's depth
+    hidden_size: int | None = None
+    final_norm: dict | None = None  # final_norm.FinalNorm.to_json(): what an export converts the final state with
+    tp_size: int | None = None
+    attention_backend: str | None = None
+    sglang_version: str | None = None
+    torch_version: str | None = None
+    offline_extract_version: str | None = None
+    parity: tuple[dict, ...] = ()  # the parity gate's rows (--verify)
+    parity_routing: list | str | None = None  # on a MoE model, how HF was routed during the gate
+    # Keys this version does not know (a library caller's own), kept and written back as they were.
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def encoding(self) -> Encoding:
+        return Encoding(self.store, self.compress, keeps_final_state=self.final_state is not None)
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        """The dtype the states are stored in (`compute_dtype` is the one the model ran in)."""
+        return STORES[self.store]
+
+    @property
+    def num_aux_layers(self) -> int | None:
+        """k, the number of captured layers side by side in aux_hidden_states; None when not recorded."""
+        return None if self.layer_ids is None else len(self.layer_ids)
+
+    def to_json(self) -> dict:
+        document = dict(self.extra)
+        for f in fields(self):
+            if f.name != "extra":
+                value = getattr(self, f.name)
+                document[f.name] = list(value) if isinstance(value, tuple) else value
+        return document
+
+    def identity(self) -> dict:
+        """The identity and provenance facts, as JSON values (manifest.json's `identity` adds the corpus)."""
+        document = self.to_json()
+        return {name: document[name] for name in IDENTITY_KEYS + PROVENANCE_KEYS}
+
+    @classmethod
+    def from_json(cls, document: dict, where: str) -> "RunInfo":
+        """The run a document records, whichever version wrote it; a value of the wrong type is a ShardError
+        naming `where` (the file) and the key."""
+        if not isinstance(document, dict):
+            raise ShardError(f"{where}: the run is {type(document).__name__}, not a JSON object")
+        types = _field_types()
+        facts, extra = {}, {}
+        for key, value in document.items():
+            if key in RETIRED_KEYS:
+                continue
+            if key not in types:
+                extra[key] = value
+            elif not _fits(value, types[key]):
+                raise ShardError(f"{where}: run key {key!r} is {value!r}, expected {_described(types[key])}")
+            else:
+                facts[key] = tuple(value) if isinstance(value, list) and _options(types[key])[0] is not list else value
+        return cls(**facts, extra=extra)
+
+IDENTITY_KEYS = tuple(f.name for f in fields(RunInfo) if f.metadata.get("role") == IDENTITY)
+PROVENANCE_KEYS = tuple(f.name for f in fields(RunInfo) if f.metadata.get("role") == PROVENANCE)
+# Keys earlier versions wrote that a RunInfo no longer holds, and why reading can drop them.
+RETIRED_KEYS = {"dtype": "the stored dtype, which follows from store (RunInfo.stored_dtype)"}
+
+
+def _field_types() -> dict:
+    return {name: hint for name, hint in get_type_hints(RunInfo).items() if name != "extra"}
+
+
+def _options(hint) -> tuple:
+    """The types a field's value may take: `X | None` -> (X, NoneType)."""
+    return get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)
+
+
+def _fits(value, hint) -> bool:
+    """Whether a JSON value fits a field's type (a tuple field reads a JSON list)."""
+    for option in _options(hint):
+        origin = get_origin(option)
+        if origin is Literal:
+            fits = value in get_args(option)
+        elif origin is tuple:
+            fits = isinstance(value, list) and all(_fits(v, get_args(option)[0]) for v in value)
+        else:
+            kind = origin or option
+            fits = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        if fits:
+            return True
+    return False
+
+
+def _described(hint) -> str:
+    words = []
+    for option in _options(hint):
+        origin = get_origin(option)
+        if option is type(None):
+            words.append("null")
+        elif origin is Literal:
+            words.append(" or ".join(map(repr, get_args(option))))
+        elif origin is tuple:
+            words.append(f"a list of {get_args(option)[0].__name__}")
+        else:
+            words.append((origin or option).__name__)
+    return " or ".join(words)

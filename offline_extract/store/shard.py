@@ -19,8 +19,10 @@ from offline_extract.store.schema import (
     SCALE_SUFFIX,
     STATE_TENSORS,
     Encoding,
+    RunInfo,
     SampleInfo,
     ShardError,
+    check_format_version,
 )
 
 
@@ -29,7 +31,7 @@ class ShardHeader:
     """What a shard's header alone tells: enough to index a directory without reading tensor data."""
 
     path: Path
-    run: dict
+    run: RunInfo
     samples: list[SampleInfo]
     shapes: dict[str, tuple[int, ...]]
     encoding: Encoding
@@ -37,6 +39,16 @@ class ShardHeader:
     @property
     def num_tokens(self) -> int:
         return self.shapes["input_ids"][0]
+
+
+def _run_and_encoding(document: dict, path: Path) -> tuple[RunInfo, Encoding]:
+    """The run a shard document records and the shard's encoding: the run's, or (format version 1) the
+    encoding recorded beside it, or for a shard written before encodings existed plain bf16."""
+    check_format_version(document.get("format_version"), path)
+    run = RunInfo.from_json(document["run"], str(path))
+    if document["format_version"] == FORMAT_VERSION:
+        return run, run.encoding
+    return run, Encoding.from_json(document["encoding"]) if "encoding" in document else Encoding()
 
 
 def read_header(path: str | os.PathLike) -> ShardHeader:
@@ -51,11 +63,8 @@ def read_header(path: str | os.PathLike) -> ShardHeader:
         raise ShardError(f"{path} is not an offline_extract shard (no {METADATA_KEY!r} metadata)")
     try:
         document = json.loads(metadata[METADATA_KEY])
-        version = document.get("format_version")
-        if version != FORMAT_VERSION:
-            raise ShardError(f"{path} has format_version {version}, expected {FORMAT_VERSION}")
-        run, samples = document["run"], [SampleInfo(**s) for s in document["samples"]]
-        encoding = Encoding.from_json(document.get("encoding"))
+        run, encoding = _run_and_encoding(document, path)
+        samples = [SampleInfo(**s) for s in document["samples"]]
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         if isinstance(e, ShardError):
             raise
@@ -66,9 +75,9 @@ def read_header(path: str | os.PathLike) -> ShardHeader:
     return ShardHeader(path, run, samples, shapes, encoding)
 
 
-def encoding_of(f) -> Encoding:
-    """The encoding an open shard's metadata names."""
-    return Encoding.from_json(json.loads(f.metadata()[METADATA_KEY]).get("encoding"))
+def encoding_of(f, path: Path) -> Encoding:
+    """The encoding of the open shard `f` (at `path`)."""
+    return _run_and_encoding(json.loads(f.metadata()[METADATA_KEY]), path)[1]
 
 
 def sample_bounds(f, encoding: Encoding) -> dict[str, list[int]]:
@@ -112,7 +121,7 @@ class Shard:
     """A shard opened for reading; tensor data is read from disk only when asked for."""
 
     path: Path
-    run: dict
+    run: RunInfo
     samples: list[SampleInfo]
     shapes: dict[str, tuple[int, ...]]
     encoding: Encoding

@@ -26,6 +26,7 @@ from offline_extract.store.schema import (
     SPECS,
     STATE_TENSORS,
     Encoding,
+    RunInfo,
     SampleInfo,
     ShardError,
     shard_name,
@@ -270,9 +271,9 @@ class WrittenShard:
 class ShardWriter:
     """Assembles batches of extracted samples into shards of about `shard_bytes` and writes them.
 
-    A shard is closed as soon as its hidden-state bytes (aux + last as `encoding` stores them, before any
-    compression) reach `shard_bytes`, so it exceeds that size by less than one sample; samples are never
-    split across shards. What is still buffered at `close` is written by every thread at once, as up to
+    A shard is closed as soon as its hidden-state bytes (aux + last as the run's encoding stores them,
+    before any compression) reach `shard_bytes`, so it exceeds that size by less than one sample; samples
+    are never split across shards. What is still buffered at `close` is written by every thread at once, as up to
     `writers` smaller shards (LAST_SHARD_PART_BYTES), since the caller waits for it. `add_batch` copies
     its input into a shard buffer and returns, so callers may reuse their (pinned) staging memory at once.
     Complete shards are written by `writers` threads in parallel, each file sequentially; at most
@@ -290,13 +291,12 @@ class ShardWriter:
     def __init__(
         self,
         out_dir: str | os.PathLike,
-        run: dict,
+        run: RunInfo,
         *,
         shard_bytes: int = 512 << 20,
         shard_numbers: Iterator[int] | None = None,
         writers: int = WRITER_THREADS,
         on_written: Callable[[WrittenShard], None] | None = None,
-        encoding: Encoding = Encoding(),
         widths: dict[str, int] | None = None,
         buffers: list[_ShardBuffer] | None = None,
     ):
@@ -304,11 +304,15 @@ class ShardWriter:
             raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
         if writers < 1:
             raise ValueError(f"writers must be at least 1, got {writers}")
-        json.dumps(run)  # fail now, not after the first shard's worth of GPU work
+        if run.store == "fp8" and run.num_aux_layers is None:
+            raise ValueError("an fp8 run must record its layer_ids: each layer gets its own scales")
+        # Serialized now, not after the first shard's worth of GPU work.
+        self._run_document = run.to_json()
+        json.dumps(self._run_document)
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.run = run
-        self.encoding = encoding
+        self.encoding = run.encoding
         self.shard_bytes = shard_bytes
         self._numbers = shard_numbers if shard_numbers is not None else itertools.count()
         self._on_written = on_written
@@ -361,9 +365,8 @@ class ShardWriter:
         `lengths[i]` is the token count of `samples[i]`; the packed tensors must have sum(lengths) rows.
         `last` is the final state, None when the encoding keeps none.
         """
-        layers = len(self.run.get("layer_ids", ())) if self.encoding.store == "fp8" else 1
         aux, last = _as_tensor(aux), None if last is None else _as_tensor(last)
-        self.add_staged(samples, input_ids, loss_mask, self.encoding.encode(aux, last, layers), lengths=lengths)
+        self.add_staged(samples, input_ids, loss_mask, self.encoding.encode(aux, last, self.run.num_aux_layers), lengths=lengths)
 
     def add_staged(
         self,
@@ -514,8 +517,7 @@ class ShardWriter:
             tensors = {name: tensors[name] for name in self.encoding.file_order}
             document = {
                 "format_version": FORMAT_VERSION,
-                "encoding": self.encoding.to_json(),
-                "run": self.run,
+                "run": self._run_document,
                 "samples": [asdict(s) for s in samples],
             }
             metadata = {METADATA_KEY: json.dumps(document)}

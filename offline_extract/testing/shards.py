@@ -8,11 +8,19 @@ from pathlib import Path
 import torch
 
 from offline_extract.store.index import write_index
-from offline_extract.store.schema import Encoding, SampleInfo
+from offline_extract.store.schema import RunInfo, SampleInfo
 from offline_extract.store.writer import ShardWriter
 
 # Rows generated per add_batch call: bounds the float32 temporaries of random generation.
 _GENERATE_ROWS = 8192
+
+
+def synthetic_run(num_aux: int = 3, hidden_size: int | None = None, **facts) -> RunInfo:
+    """A run of a synthetic model with `num_aux` captured layers (ids 0..num_aux-1); `facts` set any other
+    RunInfo field, or override these."""
+    # The last layer is never an aux layer (validate_layer_ids).
+    made = dict(model="synthetic", layer_ids=tuple(range(num_aux)), num_layers=num_aux + 1, hidden_size=hidden_size)
+    return RunInfo(**{**made, **facts})
 
 
 def write_synthetic(
@@ -23,24 +31,13 @@ def write_synthetic(
     num_aux: int = 3,
     shard_bytes: int = 1 << 30,
     seed: int = 0,
-    run: dict | None = None,
-    encoding: Encoding = Encoding(),
+    **facts,
 ) -> list[Path]:
-    """Writes samples of the given lengths (ids "sample-{i}", random bf16 states, stored in `encoding`)
-    plus index.json; `run` adds to (or overrides) the run metadata."""
-    run = {
-        "store": encoding.store,
-        "compress": encoding.compress,
-        "model": "synthetic",
-        "layer_ids": list(range(num_aux)),
-        # The last layer is never an aux layer (validate_layer_ids).
-        "num_layers": num_aux + 1,
-        "hidden_size": hidden_size,
-        "dtype": "bfloat16",
-        **(run or {}),
-    }
+    """Writes samples of the given lengths (ids "sample-{i}", random bf16 states, stored as the run's
+    encoding says) plus index.json; `facts` set the run's fields (`synthetic_run`), e.g. store="fp8"."""
+    run = synthetic_run(num_aux, hidden_size, **facts)
     gen = torch.Generator().manual_seed(seed)
-    writer = ShardWriter(out_dir, run, shard_bytes=shard_bytes, encoding=encoding)
+    writer = ShardWriter(out_dir, run, shard_bytes=shard_bytes)
 
     def add(indices: list[int]) -> None:
         batch = [lengths[i] for i in indices]
@@ -51,7 +48,7 @@ def write_synthetic(
             torch.randint(0, 128_000, (total,), generator=gen, dtype=torch.int32),
             torch.rand(total, generator=gen) < 0.7,
             torch.randn(total, num_aux * hidden_size, generator=gen).to(torch.bfloat16),
-            torch.randn(total, hidden_size, generator=gen).to(torch.bfloat16),
+            torch.randn(total, hidden_size, generator=gen).to(torch.bfloat16) if run.encoding.keeps_final_state else None,
             lengths=batch,
         )
 

@@ -10,8 +10,8 @@ Each item is a dict:
     input_ids          int64    [T]       (widened from the shard's int32: nn.Embedding, cross-entropy
                                            targets and SpecForge all take int64)
     loss_mask          uint8    [T]       (0/1, as stored)
-    aux_hidden_states  bfloat16 [T, k*H]  (EAGLE-3 layers in run["layer_ids"] order)
-    hidden_states      bfloat16 [T, H]    (the final state, run["final_state"]; absent when the recipe
+    aux_hidden_states  bfloat16 [T, k*H]  (EAGLE-3 layers in run.layer_ids order)
+    hidden_states      bfloat16 [T, H]    (the final state, run.final_state; absent when the recipe
                                            keeps none)
     id                 str
 
@@ -38,8 +38,8 @@ from safetensors import safe_open
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from offline_extract.store import manifest
-from offline_extract.store.index import describes, read_index, scan, shard_paths
-from offline_extract.store.schema import INDEX_NAME, ShardError
+from offline_extract.store.index import describes, index_run, read_index, scan, shard_paths
+from offline_extract.store.schema import INDEX_NAME, RunInfo, ShardError
 from offline_extract.store.shard import encoding_of, read_samples, sample_bounds
 
 
@@ -48,7 +48,7 @@ class Catalog:
     """Where every sample of an output directory lives, in sample-index order."""
 
     out_dir: Path
-    run: dict
+    run: RunInfo | None  # None when the directory holds no shard
     shard_files: list[Path]
     ids: list[str]
     # numpy rather than lists of ints: forked DataLoader workers share these pages instead of copying
@@ -69,7 +69,7 @@ def _catalog_from_index(out_dir: Path, index: dict) -> Catalog | None:
     samples = index["samples"]
     return Catalog(
         out_dir=out_dir,
-        run=index["run"],
+        run=index_run(index, out_dir),
         shard_files=[on_disk[s["file"]] for s in listed],
         ids=list(samples["id"]),
         shard=np.asarray(samples["shard"], dtype=np.int64),
@@ -150,7 +150,7 @@ class _ShardHandles:
         entry = self._open.get(shard)
         if entry is None:
             handle = safe_open(self._files[shard], framework="pt")
-            encoding = encoding_of(handle)
+            encoding = encoding_of(handle, self._files[shard])
             entry = (handle, encoding, sample_bounds(handle, encoding))
             self._open[shard] = entry
         return entry
@@ -177,7 +177,7 @@ class HiddenStateDataset(Dataset):
         self._position_of_id: dict[str, int] | None = None
 
     @property
-    def run(self) -> dict:
+    def run(self) -> RunInfo:
         return self.catalog.run
 
     @property
@@ -282,7 +282,7 @@ class HiddenStateIterableDataset(IterableDataset):
         self._handles = _ShardHandles(self.catalog.shard_files)
 
     @property
-    def run(self) -> dict:
+    def run(self) -> RunInfo:
         return self.catalog.run
 
     def set_epoch(self, epoch: int) -> None:

@@ -81,7 +81,7 @@ from offline_extract import final_norm
 from offline_extract.progress import RunProgress
 from offline_extract.store.atomic import atomic_write
 from offline_extract.store.journal import load_json
-from offline_extract.store.schema import FINAL_STATE, SCALE_SUFFIX, STATE_DTYPE, STATE_TENSORS
+from offline_extract.store.schema import FINAL_STATE, SCALE_SUFFIX, STATE_DTYPE, STATE_TENSORS, RunInfo
 from offline_extract.training.datasets import HiddenStateDataset
 
 FORMATS = ("specforge", "speculators")
@@ -152,20 +152,20 @@ def speculators_path(dest: str | os.PathLike, i: int) -> Path:
     return Path(dest) / SPECULATORS_STATES_DIR / f"hs_{i}.safetensors"
 
 
-def speculators_layer_ids(run: dict, out_dir) -> list[int]:
+def speculators_layer_ids(run: RunInfo, out_dir) -> list[int]:
     """The layers stacked in speculators' hidden_states, in its convention (module docstring): the aux
     layers' HF indices, then num_layers for the final state."""
-    if run.get("num_layers") is None:
+    if run.num_layers is None:
         raise ExportError(f"{out_dir} does not record the model's num_layers, which names speculators' final layer")
-    return [k + 1 for k in run["layer_ids"]] + [run["num_layers"]]
+    return [k + 1 for k in run.layer_ids] + [run.num_layers]
 
 
-def speculators_train_config(run: dict, dest: Path, layer_ids: list[int], fp8: bool) -> str:
+def speculators_train_config(run: RunInfo, dest: Path, layer_ids: list[int], fp8: bool) -> str:
     """speculators' stage-shaped training config for this export; flags given to `speculators train`
     override it (e.g. --verifier-name-or-path where the model has moved)."""
     config = {"train": {
         "speculator_type": "eagle3",
-        "verifier": {"verifier_name_or_path": run["model"]},
+        "verifier": {"verifier_name_or_path": run.model},
         "draft": {"target_layer_ids": layer_ids[:-1]},
         "data": {"data_path": str(dest.resolve()), "hidden_states_backend": "fp8" if fp8 else "file"},
     }}
@@ -197,19 +197,18 @@ def speculators_fp8_record(stored: dict) -> dict[str, torch.Tensor]:
 Convert = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _final_state_conversion(format: str, run: dict, out_dir) -> Convert | None:
+def _final_state_conversion(format: str, run: RunInfo, out_dir) -> Convert | None:
     """None when the run holds the final state `format` trains on, else the float32 conversion to it from
     the run's final norm; refuses a run that cannot feed `format`."""
-    want, have = TRAINER_FINAL_STATE[format], run.get("final_state", "post-norm")
-    recipe = run.get("recipe", "eagle3")
-    if format == "speculators" and recipe != "eagle3":
-        raise ExportError(f"{out_dir} was extracted with --recipe {recipe}; speculators trains EAGLE-3 drafters "
+    want, have = TRAINER_FINAL_STATE[format], run.final_state
+    if format == "speculators" and run.recipe != "eagle3":
+        raise ExportError(f"{out_dir} was extracted with --recipe {run.recipe}; speculators trains EAGLE-3 drafters "
                           f"(export it with --format specforge)")
     if have is None and format == "speculators":
         raise ExportError(f"{out_dir} holds no final state, which speculators needs")
     if have is None or have == want:
         return None
-    norm = final_norm.from_run(run)
+    norm = final_norm.recorded(run.final_norm)
     if norm is None:
         raise ExportError(
             f"{out_dir} holds the {have} final state, but {format} trains on the {want} one, and the run recorded no "
@@ -226,24 +225,27 @@ def _converted(item: dict, convert: Convert | None) -> dict:
     return {**item, FINAL_STATE: convert(item[FINAL_STATE]).to(STATE_DTYPE)}
 
 
-def _final_state_manifest(format: str, run: dict, convert: Convert | None) -> dict:
-    have = run.get("final_state", "post-norm")
+def _final_state_manifest(format: str, run: RunInfo, convert: Convert | None) -> dict:
+    have = run.final_state
     return {"final_state": TRAINER_FINAL_STATE[format] if have else None,
             "final_state_converted_from": have if convert else None}
 
 
-def _conversion_note(format: str, run: dict, convert: Convert | None) -> list[str]:
+def _conversion_note(format: str, run: RunInfo, convert: Convert | None) -> list[str]:
     if convert is None:
         return []
-    have, want = run["final_state"], TRAINER_FINAL_STATE[format]
+    have, want = run.final_state, TRAINER_FINAL_STATE[format]
     how = ("exact" if want == "post-norm"
            else "each token's direction, scaled so the model's final norm gives the post-norm state back; "
                 "speculators' EAGLE-3 training reads it only through that norm")
     return [f"final state converted from {have} to {want} with the model's final norm ({how})"]
 
 
-def _without_source(manifest: dict) -> dict:
-    return {key: value for key, value in manifest.items() if key != "source"}
+def _comparable(manifest: dict, path: Path) -> dict:
+    """An export manifest without its source, the run as this version writes it (an export begun by an
+    earlier version resumes)."""
+    return {**{key: value for key, value in manifest.items() if key != "source"},
+            "run": RunInfo.from_json(manifest["run"], str(path)).to_json()}
 
 
 def _prepare_dest(dest: Path, manifest: dict) -> None:
@@ -252,7 +254,7 @@ def _prepare_dest(dest: Path, manifest: dict) -> None:
     if manifest_path.is_file():
         earlier = load_json(manifest_path)
         # The source may have been moved or copied since; the run and the ids identify the data.
-        if _without_source(earlier) == _without_source(manifest):
+        if _comparable(earlier, manifest_path) == _comparable(manifest, manifest_path):
             return
         raise ExportError(
             f"{dest} holds an export of different data, to another format or with other options "
@@ -306,7 +308,8 @@ def _write_samples(
 
 
 def _manifest(format: str, out_dir, dataset: HiddenStateDataset, **options) -> dict:
-    return {"format": format, "source": str(Path(out_dir).resolve()), "run": dataset.run, **options, "ids": dataset.ids}
+    return {"format": format, "source": str(Path(out_dir).resolve()), "run": dataset.run.to_json(), **options,
+            "ids": dataset.ids}
 
 
 def export_specforge(
@@ -327,16 +330,15 @@ def export_specforge(
     dataset = HiddenStateDataset(out_dir, allow_partial=allow_partial, verify_checksums=True)
     run = dataset.run
     convert = _final_state_conversion("specforge", run, out_dir)
-    recipe = run.get("recipe", "eagle3")
     if gzipped is None:
-        gzipped = run.get("store", "bf16") != "bf16" or run.get("compress", "none") != "none"
+        gzipped = run.store != "bf16" or run.compress != "none"
     dest = Path(dest)
     _prepare_dest(dest, _manifest("specforge", out_dir, dataset, rows_per_folder=rows_per_folder, gzip=gzipped,
                                   **_final_state_manifest("specforge", run, convert)))
     summary = ExportSummary(dest, 0, 0, 0, _conversion_note("specforge", run, convert))
     _write_samples(
         dataset, lambda i: specforge_path(dest, i, rows_per_folder, gzipped),
-        lambda i: dataset[i], lambda item, tmp: _save_specforge(specforge_record(_converted(item, convert), recipe), tmp, gzipped),
+        lambda i: dataset[i], lambda item, tmp: _save_specforge(specforge_record(_converted(item, convert), run.recipe), tmp, gzipped),
         progress, summary,
     )
     return summary
@@ -357,7 +359,7 @@ def export_speculators(
     # A converted final state is no longer the run's fp8 values: rounded to e4m3 a second time it would
     # drift from a direct run's (worst token cosine 0.9989 on the tiny model, where one rounding keeps
     # 0.999), and speculators' layout has one tensor for all layers. Such an export is bf16.
-    fp8 = run.get("store", "bf16") == "fp8" and convert is None
+    fp8 = run.store == "fp8" and convert is None
     dest = Path(dest)
     _prepare_dest(dest, _manifest("speculators", out_dir, dataset, layer_ids=layer_ids, target_layer_ids=layer_ids[:-1],
                                   store="fp8" if fp8 else "bf16", **_final_state_manifest("speculators", run, convert)))
@@ -365,7 +367,7 @@ def export_speculators(
              f"or --config {dest / SPECULATORS_TRAIN_CONFIG}"]
     if fp8:
         notes.append("states kept in fp8 with the run's scales: train with --hidden-states-backend fp8")
-    elif run.get("store") == "fp8":
+    elif run.store == "fp8":
         notes.append("states written as bf16, not fp8: the converted final state would be rounded to fp8 a second "
                      "time; extract with --final-state pre-norm for an fp8 export")
     summary = ExportSummary(dest, 0, 0, 0, [*notes, *_conversion_note("speculators", run, convert)])
