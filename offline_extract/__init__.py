@@ -7,6 +7,7 @@ The public API::
 
     from offline_extract import HiddenStateDataset, iter_samples, open_shard
     dataset = HiddenStateDataset("out")
+    dataset.run.layer_ids  # the run's facts: a RunInfo
 
 Everything else is internal and may change between versions.
 """
@@ -33,6 +34,7 @@ _EXPORTS = {
     "Shard": ("offline_extract.store.shard", "Shard"),
     "iter_samples": ("offline_extract.store.index", "iter_samples"),
     "SampleInfo": ("offline_extract.store.schema", "SampleInfo"),
+    "RunInfo": ("offline_extract.store.schema", "RunInfo"),
     "ShardError": ("offline_extract.store.schema", "ShardError"),
     "verify": ("offline_extract.store.integrity", "verify"),
     "export": ("offline_extract.training.export", "export"),
@@ -46,7 +48,7 @@ if TYPE_CHECKING:
     from offline_extract.options import ExtractOptions
     from offline_extract.store.index import iter_samples
     from offline_extract.store.integrity import verify
-    from offline_extract.store.schema import SampleInfo, ShardError
+    from offline_extract.store.schema import RunInfo, SampleInfo, ShardError
     from offline_extract.store.shard import Shard, open_shard
     from offline_extract.summary import Summary
     from offline_extract.training.datasets import HiddenStateDataset, HiddenStateIterableDataset, pad_collate

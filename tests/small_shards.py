@@ -6,8 +6,9 @@ from extract_runs import sha256
 from offline_extract.store.schema import SampleInfo
 from offline_extract.store.shard import read_header
 from offline_extract.store.writer import ShardWriter
+from offline_extract.testing.shards import synthetic_run
 
-RUN = {"model": "m", "config_sha256": "c", "weights": "w", "layer_ids": [1, 3], "hidden_size": 4}
+RUN = synthetic_run((1, 3), 4, config_sha256="c", weights="w")
 
 
 def write_shards(out, groups, numbers=None, on_written=None) -> list:

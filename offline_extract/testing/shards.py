@@ -15,12 +15,13 @@ from offline_extract.store.writer import ShardWriter
 _GENERATE_ROWS = 8192
 
 
-def synthetic_run(num_aux: int = 3, hidden_size: int | None = None, **facts) -> RunInfo:
-    """A run of a synthetic model with `num_aux` captured layers (ids 0..num_aux-1); `facts` set any other
-    RunInfo field, or override these."""
-    # The last layer is never an aux layer (validate_layer_ids).
-    made = dict(model="synthetic", layer_ids=tuple(range(num_aux)), num_layers=num_aux + 1, hidden_size=hidden_size)
-    return RunInfo(**{**made, **facts})
+def synthetic_run(layer_ids=(0, 1, 2), hidden_size: int | None = None, **facts) -> RunInfo:
+    """A run of a synthetic model that captured `layer_ids`; `facts` set any other RunInfo field (or
+    override num_layers, the model's depth: by default one past the last captured layer, which is never
+    an aux layer)."""
+    layer_ids = tuple(layer_ids)
+    made = {"model": "synthetic", "num_layers": max(layer_ids, default=0) + 2}
+    return RunInfo(**{**made, "layer_ids": layer_ids, "hidden_size": hidden_size, **facts})
 
 
 def write_synthetic(
@@ -35,7 +36,7 @@ def write_synthetic(
 ) -> list[Path]:
     """Writes samples of the given lengths (ids "sample-{i}", random bf16 states, stored as the run's
     encoding says) plus index.json; `facts` set the run's fields (`synthetic_run`), e.g. store="fp8"."""
-    run = synthetic_run(num_aux, hidden_size, **facts)
+    run = synthetic_run(facts.pop("layer_ids", range(num_aux)), hidden_size, **facts)
     gen = torch.Generator().manual_seed(seed)
     writer = ShardWriter(out_dir, run, shard_bytes=shard_bytes)
 

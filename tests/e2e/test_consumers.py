@@ -16,11 +16,11 @@ from consumers import read_exports
 from extract_runs import ROOT, extract_command
 
 from offline_extract.engine import parity
-from offline_extract.final_norm import RUN_KEY, from_run
+from offline_extract.final_norm import recorded
 from offline_extract.store.index import write_index
-from offline_extract.store.schema import Encoding, SampleInfo
+from offline_extract.store.schema import SampleInfo
 from offline_extract.store.writer import ShardWriter
-from offline_extract.testing.shards import write_synthetic
+from offline_extract.testing.shards import synthetic_run, write_synthetic
 from offline_extract.training.datasets import HiddenStateDataset
 from offline_extract.training.export import MANIFEST_NAME, export_specforge, export_speculators
 
@@ -40,12 +40,12 @@ def runs(tiny_engine, tiny_model_dir, tmp_path_factory):
     finally:
         tiny_engine.final_state = tiny_engine.cfg.final_state
     outs = {}
-    for state, encoding in (("post-norm", Encoding()), ("pre-norm", Encoding(store="fp8", compress="zstd"))):
+    for state, store, compress in (("post-norm", "bf16", "none"), ("pre-norm", "fp8", "zstd")):
         out = tmp_path_factory.mktemp(state) / "out"
-        run = {"model": str(tiny_model_dir), "layer_ids": list(tiny_engine.layer_ids), "num_layers": tiny_engine.num_layers,
-               "hidden_size": tiny_engine.hidden_size, "final_state": state, "store": encoding.store,
-               "compress": encoding.compress, RUN_KEY: tiny_engine.final_norm().to_json()}
-        writer = ShardWriter(out, run, shard_bytes=30 * 4 * 64 * 2, encoding=encoding)
+        run = synthetic_run(tiny_engine.layer_ids, tiny_engine.hidden_size, model=str(tiny_model_dir),
+                            num_layers=tiny_engine.num_layers, final_state=state, store=store, compress=compress,
+                            final_norm=tiny_engine.final_norm().to_json())
+        writer = ShardWriter(out, run, shard_bytes=30 * 4 * 64 * 2)
         writer.add_batch(
             [SampleInfo(i, f"s{i}", "engine", i + 1, n, False) for i, n in enumerate(LENGTHS)],
             np.concatenate(seqs), np.concatenate(masks), captured[state].aux.bfloat16(), captured[state].last.bfloat16(),
@@ -75,7 +75,7 @@ def read(runs, custom_run, tmp_path_factory):
     """Every export of the runs, and what the trainers' code read from each."""
     tmp = tmp_path_factory.mktemp("exports")
     dflash = tmp / "dflash-run"
-    write_synthetic(dflash, LENGTHS, hidden_size=64, num_aux=5, run={"recipe": "dflash", "final_state": None})
+    write_synthetic(dflash, LENGTHS, hidden_size=64, num_aux=5, recipe="dflash", final_state=None)
     exports = {
         ("speculators", "custom"): export_speculators(custom_run, tmp / "spec-custom", progress=False).dest,
         ("specforge", "post-norm"): export_specforge(runs["post-norm"], tmp / "sf-post", progress=False).dest,
@@ -99,7 +99,7 @@ def _ours(out):
 def test_specforge_reads_our_states_with_the_post_norm_final_state(runs, read, run_state):
     dest, result = read[0][("specforge", run_state)]
     dataset, items = _ours(runs[run_state])
-    norm = from_run(dataset.run)
+    norm = recorded(dataset.run.final_norm)
     gz = run_state == "pre-norm"  # stored as fp8 + zstd: exported gzipped
     assert result["files"] == len(items) and len(list(dest.rglob("*.ckpt.gz" if gz else "*.ckpt"))) == len(items)
     for i, item in enumerate(items):
@@ -118,12 +118,12 @@ def test_specforge_reads_our_states_with_the_post_norm_final_state(runs, read, r
 def test_speculators_reads_our_states_with_the_pre_norm_final_state_and_layer_ids(runs, read, run_state):
     dest, result = read[0][("speculators", run_state)]
     dataset, items = _ours(runs[run_state])
-    norm = from_run(dataset.run)
+    norm = recorded(dataset.run.final_norm)
     # Its own config resolver read our YAML: HF indices of our layers, and the fp8 backend for the fp8 run.
-    assert result["target_layer_ids"] == [k + 1 for k in dataset.run["layer_ids"]]
+    assert result["target_layer_ids"] == [k + 1 for k in dataset.run.layer_ids]
     fp8 = run_state == "pre-norm"
     assert (result["hidden_states_backend"], result["transfer"]) == (("fp8", "FP8Transfer") if fp8 else ("file", "FileTransfer"))
-    assert json.loads((dest / MANIFEST_NAME).read_text())["layer_ids"] == [*result["target_layer_ids"], dataset.run["num_layers"]]
+    assert json.loads((dest / MANIFEST_NAME).read_text())["layer_ids"] == [*result["target_layer_ids"], dataset.run.num_layers]
     for i, item in enumerate(items):
         got = result["samples"][i]
         assert torch.equal(got["input_ids"], item["input_ids"])
@@ -152,7 +152,7 @@ def test_a_custom_layer_run_trains_speculators_on_the_layers_it_names(custom_run
     store), the final one HF's final-norm input."""
     dest, result = read[0][("speculators", "custom")]
     dataset, items = _ours(custom_run)
-    assert dataset.run["layer_ids"] == [0, 2] and dataset.run["num_layers"] == 8
+    assert dataset.run.layer_ids == (0, 2) and dataset.run.num_layers == 8
     assert result["target_layer_ids"] == [1, 3]
     assert json.loads((dest / MANIFEST_NAME).read_text())["layer_ids"] == [1, 3, 8]
     hf = parity.load_hf_model(str(tiny_model_dir), "float32", "cpu")

@@ -77,15 +77,15 @@ def test_shards_carry_provenance_and_parity(single):
     paths = shard_paths(out)
     assert len(paths) > 1, "a 50 KiB shard size must cut several shards"
     run = open_shard(paths[0]).run
-    assert run["layer_ids"] == [1, 3, 4]
-    assert run["sglang_capture_points"] == [2, 4, 5]
-    assert "HF output_hidden_states[k+1]" in run["layer_convention"]
-    assert run["final_state"] == "post-norm" and "after the model's final norm" in run["layer_convention"]
-    assert run["dtype"] == "bfloat16" and run["compute_dtype"] == "float32" and run["quantization"] is None
-    assert run["sglang_version"] == "0.5.17"
+    assert run.layer_ids == (1, 3, 4)
+    assert run.sglang_capture_points == (2, 4, 5)
+    assert "HF output_hidden_states[k+1]" in run.layer_convention
+    assert run.final_state == "post-norm" and "after the model's final norm" in run.layer_convention
+    assert run.stored_dtype == torch.bfloat16 and run.compute_dtype == "float32" and run.quantization is None
+    assert run.sglang_version == "0.5.17"
     for key in ("config_sha256", "weights", "tokenizer_sha256", "chat_template_sha256"):
-        assert len(run[key]) == 64, key
-    rows = {r["layer"]: r for r in run["parity"]}
+        assert len(getattr(run, key)) == 64, key
+    rows = {r["layer"]: r for r in run.parity}
     assert set(rows) == {"aux 1", "aux 3", "aux 4", "last"}
     assert all(r["ok"] and r["max_rel"] <= 1e-5 for r in rows.values())
     index = json.loads((out / "index.json").read_text())
@@ -286,7 +286,7 @@ def test_trim_after_last_loss_token_is_applied_and_recorded(tmp_path, cache_env)
     _ok(_extract(out, "--data", str(corpus), "--trim-after-last-loss-token", env=cache_env))
     (info, t), = list(iter_samples(out))
     assert t["loss_mask"][-1] == 1 and info.source_len > t["input_ids"].shape[0]
-    assert open_shard(shard_paths(out)[0]).run["trim_after_last_loss_token"] is True
+    assert open_shard(shard_paths(out)[0]).run.trim_after_last_loss_token is True
 
 
 def test_pre_norm_final_state_passes_the_gate_and_is_recorded(single, tmp_path, cache_env):
@@ -294,8 +294,8 @@ def test_pre_norm_final_state_passes_the_gate_and_is_recorded(single, tmp_path, 
     _ok(_extract(out, "--data", str(CORPUS), "--verify", "2", "--final-state", "pre-norm", "--tokens-per-batch", "512",
                  "--max-length", "512", env=cache_env))
     run = open_shard(shard_paths(out)[0]).run
-    assert run["final_state"] == "pre-norm" and "before the model's final norm" in run["layer_convention"]
-    assert {r["layer"]: r["ok"] for r in run["parity"]}["last (pre-norm)"] is True
+    assert run.final_state == "pre-norm" and "before the model's final norm" in run.layer_convention
+    assert {r["layer"]: r["ok"] for r in run.parity}["last (pre-norm)"] is True
     post = {info.id: t for info, t in iter_samples(single[0])}
     for info, t in iter_samples(out):
         assert torch.equal(t["aux_hidden_states"], post[info.id]["aux_hidden_states"])
@@ -375,7 +375,7 @@ def test_extraction_round_trips_through_reader_export_and_verify(stored, store, 
                             capture_output=True, text=True, cwd=ROOT)
     assert verify.returncode == 0 and "no problems" in verify.stdout, verify.stdout + verify.stderr
     run = open_shard(shard_paths(out)[0]).run
-    assert run["store"] == store and run["compress"] == ("zstd" if store == "fp8" else "none")
+    assert run.store == store and run.compress == ("zstd" if store == "fp8" else "none")
     got, bf16 = HiddenStateDataset(out), HiddenStateDataset(stored["bf16"])
     export_specforge(out, tmp_path / "sf", progress=False)
     for i in range(len(got)):
@@ -407,8 +407,8 @@ def test_dflash_recipe_captures_spread_layers_without_final_state_and_skips_shor
     _ok(_extract(out, "--data", str(corpus), "--recipe", "dflash", "--store", "fp8", "--compress", "zstd",
                  "--verify", "1", env=cache_env))
     run = open_shard(shard_paths(out)[0]).run
-    assert run["recipe"] == "dflash" and run["layer_ids"] == [1, 2, 3, 4, 5] and run["final_state"] is None
-    assert run["min_loss_run"] == 2
+    assert run.recipe == "dflash" and run.layer_ids == (1, 2, 3, 4, 5) and run.final_state is None
+    assert run.min_loss_run == 2
     item = HiddenStateDataset(out)[0]
     assert "hidden_states" not in item and item["aux_hidden_states"].shape[1] == 5 * 64
     rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]

@@ -35,7 +35,7 @@ def _extract(out, *args, env=None):
 
 def _parity(out, architecture, name):
     run = open_shard(shard_paths(out)[0]).run
-    rows = [{"architecture": architecture, "backend": run["attention_backend"], **r} for r in run["parity"]]
+    rows = [{"architecture": architecture, "backend": run.attention_backend, **r} for r in run.parity]
     if os.environ.get("OFFLINE_EXTRACT_RESULTS"):
         d = Path(os.environ["OFFLINE_EXTRACT_RESULTS"])
         d.mkdir(parents=True, exist_ok=True)
@@ -59,7 +59,7 @@ def test_kimi_k25_passes_the_gate_against_hf_deepseek_v3_built_from_its_text_con
     out = tmp_path / "out"
     _extract(out, "--model", str(model), "--data", str(CORPUS), "--verify", "4", "--attention-backend", "triton")
     run, rows = _parity(out, "kimi_k25 (tiny, generated)", "gpu_parity_kimi_k25_tiny")
-    assert run["layer_ids"] == [1, 3, 4]
+    assert run.layer_ids == (1, 3, 4)
     assert [r["hf_index"] for r in rows] == [2, 4, 5, 8]
     # A MoE model in bf16 is judged by its median token (the product's rule); every layer passes it.
     assert all(r["ok"] and r["neighbour_cosine"] < r["median_cosine"] - 0.01 for r in rows), rows
@@ -75,8 +75,8 @@ def test_verify_passes_on_the_families_that_missed_it_as_users_run_them(arch, tm
     _extract(out, "--model", str(model), "--data", str(CORPUS), "--verify", "8")
     run, rows = _parity(out, f"{arch} (tiny, generated)", f"gpu_verify_{arch}_default_backend")
     assert all(r["ok"] and r["neighbour_cosine"] < r["median_cosine"] - 0.01 for r in rows), rows
-    assert [layer["layer"] for layer in run["parity_routing"]] == list(range(8)), run["parity_routing"]
-    assert all(layer["weight_max_abs_diff"] <= 1e-6 for layer in run["parity_routing"]), run["parity_routing"]
+    assert [layer["layer"] for layer in run.parity_routing] == list(range(8)), run.parity_routing
+    assert all(layer["weight_max_abs_diff"] <= 1e-6 for layer in run.parity_routing), run.parity_routing
 
 
 def test_small_llama_bf16_matches_hf(tmp_path):
@@ -84,8 +84,8 @@ def test_small_llama_bf16_matches_hf(tmp_path):
     out = tmp_path / "out"
     _extract(out, "--model", str(model), "--data", str(CORPUS), "--verify", "12", "--attention-backend", "triton")
     run, rows = _parity(out, "llama (tiny, generated)", "gpu_parity_llama_tiny")
-    assert run["compute_dtype"] == "bfloat16" and run["layer_ids"] == [1, 3, 4]
-    _check(rows, run["layer_ids"])
+    assert run.compute_dtype == "bfloat16" and run.layer_ids == (1, 3, 4)
+    _check(rows, run.layer_ids)
     assert len(list(iter_samples(out))) == 24
 
 
@@ -105,8 +105,8 @@ def test_llama3_8b_shaped_matches_hf_including_a_32k_chunked_sample(llama3_8b, t
     _extract(out, "--model", str(llama3_8b), "--data", str(corpus), "--verify", "4", "--max-length", "32768",
              "--tokens-per-batch", "8192", "--attention-backend", "triton")
     run, rows = _parity(out, "llama3_8b (generated)", "gpu_parity_llama3_8b")
-    assert run["layer_ids"] == [1, 15, 28]  # SGLang's default for 32 layers
-    _check(rows, run["layer_ids"])
+    assert run.layer_ids == (1, 15, 28)  # SGLang's default for 32 layers
+    _check(rows, run.layer_ids)
     samples = {info.id: t for info, t in iter_samples(out)}
     assert samples["long-32k"]["aux_hidden_states"].shape == (32768, 3 * 4096)
     assert len(samples) == 25
@@ -122,7 +122,7 @@ def test_llama3_8b_shaped_65k_and_131k_samples_match_hf_in_the_gate_and_in_the_s
     # The default backend (FA3 on Hopper) and batch budget: each long sample streams out in 16k-token chunks.
     _extract(out, "--model", str(llama3_8b), "--data", str(corpus), "--verify", "2", "--max-length", "131072")
     run, rows = _parity(out, "llama3_8b (generated), 65k and 131k samples", "gpu_parity_llama3_8b_long")
-    _check(rows, run["layer_ids"])
+    _check(rows, run.layer_ids)
     samples = {info.id: t for info, t in iter_samples(out)}
     assert len(samples) == 26
     for name, n in lengths.items():
@@ -133,7 +133,7 @@ def test_llama3_8b_shaped_65k_and_131k_samples_match_hf_in_the_gate_and_in_the_s
     t = samples["long-131k"]
     hs = parity.hf_hidden_states(hf, t["input_ids"].tolist(), "cuda")
     stored = parity.compare_states([(t["aux_hidden_states"].cuda(), t["hidden_states"].cuda(), hs)],
-                                   run["layer_ids"], "bfloat16")
+                                   run.layer_ids, "bfloat16")
     assert all(r.ok and r.cosine >= MIN_COSINE for r in stored), stored
 
 
@@ -150,7 +150,7 @@ def test_pre_norm_fp8_zstd_on_the_gpu_path(tmp_path):
         _extract(outs[store], "--model", str(model), "--data", str(CORPUS), "--verify", "6", "--final-state", "pre-norm",
                  "--attention-backend", "triton", "--store", store, *extra)
     run, rows = _parity(outs["fp8"], "llama (tiny, generated), pre-norm", "gpu_parity_llama_tiny_pre_norm")
-    assert run["final_state"] == "pre-norm" and rows[-1]["layer"] == "last (pre-norm)"
+    assert run.final_state == "pre-norm" and rows[-1]["layer"] == "last (pre-norm)"
     assert all(r["ok"] and r["cosine"] >= MIN_COSINE for r in rows), rows
     verify = subprocess.run([sys.executable, str(ROOT / "bin" / "inspect.py"), str(outs["fp8"]), "--verify"],
                             capture_output=True, text=True, cwd=ROOT)

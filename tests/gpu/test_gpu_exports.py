@@ -12,7 +12,7 @@ import torch
 from extract_runs import ROOT
 from safetensors.torch import load_file
 
-from offline_extract.final_norm import from_run
+from offline_extract.final_norm import recorded
 from offline_extract.store.index import iter_samples, shard_paths
 from offline_extract.store.shard import open_shard
 from offline_extract.testing.models import build_model
@@ -50,8 +50,8 @@ def _by_id(out):
 
 def test_the_run_records_the_models_final_norm(runs):
     run = open_shard(shard_paths(runs["bf16", "post-norm"])[0]).run
-    norm = from_run(run)
-    assert norm is not None and norm.weight.shape == (run["hidden_size"],) and norm.weight_offset == 0.0
+    norm = recorded(run.final_norm)
+    assert norm is not None and norm.weight.shape == (run.hidden_size,) and norm.weight_offset == 0.0
 
 
 # The converted state of a bf16 or fp8 run against the direct bf16 run of the other state: an fp8 run

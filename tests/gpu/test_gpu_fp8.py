@@ -80,11 +80,11 @@ def test_extract_verifies_an_fp8_moe_checkpoint_and_records_its_quantization(mod
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     run = open_shard(shard_paths(out)[0]).run
-    assert run["quantization"] == FP8_QUANTIZATION_CONFIG and run["compute_dtype"] == "bfloat16"
-    assert run["parity"] and all(r["ok"] for r in run["parity"]), run["parity"]
+    assert run.quantization == FP8_QUANTIZATION_CONFIG and run.compute_dtype == "bfloat16"
+    assert run.parity and all(r["ok"] for r in run.parity), run.parity
     # HF was sent to the engine's experts on every MoE layer (2..7), and where its own router agreed, the
     # weights it computed for them were its own.
-    routing = run["parity_routing"]
+    routing = run.parity_routing
     assert [layer["layer"] for layer in routing] == list(range(2, 8))
     assert all(layer["tokens"] > 0 and layer["weight_max_abs_diff"] <= 1e-6 for layer in routing), routing
     manifest = json.loads((out / "manifest.json").read_text())

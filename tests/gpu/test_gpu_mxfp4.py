@@ -73,8 +73,8 @@ def test_extract_verifies_the_mxfp4_checkpoint_and_records_its_quantization(mode
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     run = open_shard(shard_paths(out)[0]).run
-    assert run["quantization"] == MXFP4_QUANTIZATION_CONFIG and run["compute_dtype"] == "bfloat16"
-    assert run["parity"] and all(r["ok"] for r in run["parity"]), run["parity"]
-    assert [layer["layer"] for layer in run["parity_routing"]] == list(range(8)), run["parity_routing"]
+    assert run.quantization == MXFP4_QUANTIZATION_CONFIG and run.compute_dtype == "bfloat16"
+    assert run.parity and all(r["ok"] for r in run.parity), run.parity
+    assert [layer["layer"] for layer in run.parity_routing] == list(range(8)), run.parity_routing
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["identity"]["quantization"] == MXFP4_QUANTIZATION_CONFIG

@@ -55,7 +55,7 @@ def compare_runs(out_a, out_b) -> dict:
     a = {info.index: (info, t) for info, t in iter_samples(out_a)}
     b = {info.index: (info, t) for info, t in iter_samples(out_b)}
     assert a.keys() == b.keys()
-    width = open_shard(shard_paths(out_a)[0]).run["hidden_size"]
+    width = open_shard(shard_paths(out_a)[0]).run.hidden_size
     cosines = {"aux_hidden_states": [], "hidden_states": []}
     for index, (info, t) in a.items():
         info_b, t_b = b[index]
@@ -77,9 +77,9 @@ def assert_close_runs(out_a, out_b) -> dict:
 
 def assert_verified(out, tp):
     run = open_shard(shard_paths(out)[0]).run
-    assert run["tp_size"] == tp and run["compute_dtype"] == "bfloat16"
-    rows = run["parity"]
-    assert [r["layer"] for r in rows] == [f"aux {k}" for k in run["layer_ids"]] + ["last"]
+    assert run.tp_size == tp and run.compute_dtype == "bfloat16"
+    rows = run.parity
+    assert [r["layer"] for r in rows] == [f"aux {k}" for k in run.layer_ids] + ["last"]
     for r in rows:
         assert r["ok"] and r["cosine"] >= MIN_COSINE, r
         assert r["neighbour_cosine"] < r["cosine"] - 0.01, r

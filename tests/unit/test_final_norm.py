@@ -8,9 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from offline_extract.engine import parity
-from offline_extract.final_norm import RUN_KEY, FinalNorm, from_run
+from offline_extract.final_norm import FinalNorm, recorded
 from offline_extract.store.index import iter_samples
-from offline_extract.store.schema import Encoding
 from offline_extract.testing.shards import write_synthetic
 from offline_extract.training.export import (
     MANIFEST_NAME, ExportError, export_specforge, export_speculators, specforge_path, speculators_path,
@@ -102,7 +101,7 @@ def test_a_zero_gain_element_comes_back_as_zero():
     assert back[0, 1] == 0 and torch.isfinite(back).all() and torch.equal(back[1], torch.zeros(4))
     kept = [0, 2, 3]
     assert _cosine(back[0, kept], pre[0, kept]) >= 1 - 1e-6
-    assert from_run({}) is None
+    assert recorded(None) is None
 
 
 @pytest.fixture
@@ -111,13 +110,9 @@ def norm():
     return FinalNorm(1 + 0.2 * torch.randn(H, generator=g), 1e-5, 0.0)
 
 
-def _run(final_state, norm, **extra):
-    return {"final_state": final_state, RUN_KEY: norm.to_json(), **extra}
-
-
 def test_a_pre_norm_run_exports_to_specforge_with_the_post_norm_state(norm, tmp_path):
     out = tmp_path / "pre"
-    write_synthetic(out, [5, 9, 3], hidden_size=H, run=_run("pre-norm", norm))
+    write_synthetic(out, [5, 9, 3], hidden_size=H, final_state="pre-norm", final_norm=norm.to_json())
     summary = export_specforge(out, tmp_path / "sf", progress=False)
     assert "converted from pre-norm to post-norm" in summary.notes[0]
     manifest = json.loads((tmp_path / "sf" / MANIFEST_NAME).read_text())
@@ -131,7 +126,7 @@ def test_a_pre_norm_run_exports_to_specforge_with_the_post_norm_state(norm, tmp_
 @pytest.mark.parametrize("store", ["bf16", "fp8"])
 def test_a_post_norm_run_exports_to_speculators_with_a_pre_norm_state(norm, tmp_path, store):
     out = tmp_path / "post"
-    write_synthetic(out, [5, 9, 3], hidden_size=H, run=_run("post-norm", norm), encoding=Encoding(store=store))
+    write_synthetic(out, [5, 9, 3], hidden_size=H, final_norm=norm.to_json(), store=store)
     summary = export_speculators(out, tmp_path / "spec", progress=False)
     assert any("converted from post-norm to pre-norm" in note for note in summary.notes)
     # An fp8 run's converted final state is not rounded to fp8 a second time: that export is bf16, and says so.
@@ -149,7 +144,7 @@ def test_a_post_norm_run_exports_to_speculators_with_a_pre_norm_state(norm, tmp_
 
 def test_a_run_without_a_recorded_norm_is_still_refused(tmp_path):
     out = tmp_path / "old"
-    write_synthetic(out, [4], hidden_size=H, run={"final_state": "pre-norm"})
+    write_synthetic(out, [4], hidden_size=H, final_state="pre-norm")
     with pytest.raises(ExportError, match="recorded no final norm"):
         export_specforge(out, tmp_path / "sf", progress=False)
     assert not (tmp_path / "sf").exists()
@@ -157,7 +152,8 @@ def test_a_run_without_a_recorded_norm_is_still_refused(tmp_path):
 
 def test_a_pre_norm_dspark_run_exports_its_post_norm_target_state(norm, tmp_path):
     out = tmp_path / "dspark"
-    write_synthetic(out, [6, 4], hidden_size=H, num_aux=5, run=_run("pre-norm", norm, recipe="dspark"))
+    write_synthetic(out, [6, 4], hidden_size=H, num_aux=5, final_state="pre-norm", final_norm=norm.to_json(),
+                    recipe="dspark")
     export_specforge(out, tmp_path / "sf", progress=False)
     for i, (info, shard) in enumerate(iter_samples(out)):
         data = torch.load(specforge_path(tmp_path / "sf", i), weights_only=True)

@@ -21,6 +21,7 @@ from offline_extract.feed import extract_batches, staging_buffers
 from offline_extract.store.index import iter_samples
 from offline_extract.store.schema import Encoding
 from offline_extract.store.writer import ShardWriter
+from offline_extract.testing.shards import synthetic_run
 from offline_extract.data.tokenization import SampleTokenizer
 from offline_extract.engine.sglang_adapter import chunk_bounds
 
@@ -141,8 +142,8 @@ def test_the_timed_modes_run_through_the_real_engine(tiny_engine, bench_batches,
             discard = _DiscardWriter(encoding, longest, widths)
             assert _timed(coord, lambda: extract_batches(clock, bench_batches, discard, staging=staging), clock) > 0
         out = tmp_path / f"{encoding.store}-{encoding.compress}"
-        writer = ShardWriter(out, {"layer_ids": list(tiny_engine.layer_ids)}, shard_bytes=1 << 20, encoding=encoding,
-                             widths=widths)
+        run = synthetic_run(tiny_engine.layer_ids, store=encoding.store, compress=encoding.compress)
+        writer = ShardWriter(out, run, shard_bytes=1 << 20, widths=widths)
         _timed(coord, lambda: (extract_batches(clock, bench_batches, writer, staging=staging), writer.close()), clock)
         assert writer.bytes_written > 0
         written[encoding.store] = {info.index: t for info, t in iter_samples(out)}

@@ -68,14 +68,14 @@ def test_verify_passes_a_bf16_moe_model_and_records_why(tiny_model_dir, tmp_path
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     run = open_shard(shard_paths(out)[0]).run
-    rows = run["parity"]
+    rows = run.parity
     assert [r["layer"] for r in rows] == ["aux 1", "aux 3", "aux 4", "last"]
     for r in rows:
         assert r["ok"] and r["median_cosine"] >= MOE_HALF_MIN_MEDIAN_COSINE, json.dumps(r)
         assert r["neighbour_cosine"] < r["median_cosine"] - 0.01, "the match discriminates an off-by-one"
         # On the same experts, every token matches as on a dense model.
         assert r["cosine"] >= 0.999, json.dumps(r)
-    routing = run["parity_routing"]
+    routing = run.parity_routing
     assert [layer["layer"] for layer in routing] == list(range(8))
     for layer in routing:
         assert layer["tokens"] > 0 and layer["weight_max_abs_diff"] == 0.0 and layer["disagreement_rate"] <= 0.15

@@ -11,10 +11,11 @@ from offline_extract.store.codecs import fp8_dequantize, fp8_quantize
 from offline_extract.store.inspection import summarize
 from offline_extract.store.journal import Journal
 from offline_extract.options import choices
-from offline_extract.store.schema import METADATA_KEY, STORES, Encoding, SampleInfo, ShardError
+from offline_extract.store.schema import METADATA_KEY, STORES, Encoding, RunInfo, SampleInfo, ShardError
 from offline_extract.store.index import iter_samples, shard_paths, write_index
 from offline_extract.store.shard import open_shard
 from offline_extract.store.writer import ShardWriter
+from offline_extract.testing.shards import synthetic_run
 from offline_extract.training.datasets import HiddenStateDataset, HiddenStateIterableDataset
 from offline_extract.training.export import export_specforge, specforge_path
 
@@ -34,14 +35,18 @@ def states(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return x[:, :K].reshape(tokens, K * H), x[:, K]
 
 
+def run_of(encoding: Encoding) -> RunInfo:
+    return synthetic_run((1, 3, 4), H, store=encoding.store, compress=encoding.compress,
+                         final_state="post-norm" if encoding.keeps_final_state else None)
+
+
 def write(out, encoding: Encoding, shard_bytes: int = 20 * (K + 1) * H * 2) -> None:
     """Shards of LENGTHS samples (three batches) in `encoding`, with manifest and index, as a run leaves them."""
     out.mkdir(parents=True, exist_ok=True)
     aux, last = states()
-    run = {"model": "synthetic", "layer_ids": [1, 3, 4], "hidden_size": H, "final_state": "post-norm"}
     g = torch.Generator().manual_seed(1)
     with Journal(manifest.journal_path(out, 0)) as journal:
-        writer = ShardWriter(out, run, shard_bytes=shard_bytes, encoding=encoding, on_written=lambda w: journal.append(vars(w)))
+        writer = ShardWriter(out, run_of(encoding), shard_bytes=shard_bytes, on_written=lambda w: journal.append(vars(w)))
         row = 0
         for batch in ([0, 1], [2, 3, 4], [5, 6]):
             n = [LENGTHS[i] for i in batch]
@@ -104,7 +109,9 @@ def test_shards_stay_safetensors_and_name_their_encoding(written):
     with safe_open(path, framework="pt") as f:
         document = json.loads(f.metadata()[METADATA_KEY])
         dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
-    assert document["encoding"] == {"store": encoding.store, "compress": encoding.compress, "final_state": True}
+    assert "encoding" not in document, "a shard's encoding is recorded once, as its run's facts"
+    run = document["run"]
+    assert (run["store"], run["compress"], run["final_state"]) == (encoding.store, encoding.compress, "post-norm")
     state_dtype = {"bf16": "BF16", "fp8": "F8_E4M3"}[encoding.store]
     if encoding.compress == "zstd":
         assert dtypes["aux_hidden_states"] == "U8" and dtypes["aux_hidden_states_frames"] == "I64"
@@ -121,7 +128,7 @@ def test_export_inspect_and_verify_read_every_combination(written, tmp_path):
     summary = summarize(out)
     assert summary["encoding"] == encoding.to_json() and summary["num_aux_layers"] == K
     assert [layer["name"] for layer in summary["layers"]] == ["layer 1", "layer 3", "layer 4", "last (post-norm)"]
-    export_specforge(out, tmp_path / "sf", progress=False)
+    export_specforge(out, tmp_path / "sf", gzipped=False, progress=False)  # the plain files, to read them here
     want = expected(encoding)
     for i in range(len(LENGTHS)):
         data = torch.load(specforge_path(tmp_path / "sf", i), weights_only=True)
@@ -225,7 +232,7 @@ def test_a_long_sample_filled_in_pieces_is_stored_in_the_encoding(tmp_path, enco
     n = LENGTHS[3]
     a, b = sum(LENGTHS[:3]), sum(LENGTHS[:4])
     staged = encoding.encode(aux[a:b], last[a:b], K)
-    writer = ShardWriter(tmp_path, {"layer_ids": [1, 3, 4]}, shard_bytes=8 * (K + 1) * H * 2, encoding=encoding)
+    writer = ShardWriter(tmp_path, run_of(encoding), shard_bytes=8 * (K + 1) * H * 2)
     rows = writer.begin_sample(SampleInfo(3, "s3", "synthetic", 4, n, False), torch.arange(n, dtype=torch.int32),
                                torch.ones(n, dtype=torch.uint8), {k: t.shape[1] for k, t in staged.items()}, stream=True)
     assert sorted(rows) == sorted(staged)

@@ -3,6 +3,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,10 +15,11 @@ from offline_extract.store import inspection, manifest
 from offline_extract.store.index import write_index
 from offline_extract.store.schema import SampleInfo, ShardError
 from offline_extract.store.writer import ShardWriter
+from offline_extract.testing.shards import synthetic_run
 
 SCRIPT = ROOT / "bin" / "inspect.py"
 H = 4
-RUN = {"model": "tiny", "layer_ids": [2, 5], "layer_convention": "after_layer", "dtype": "bfloat16"}
+RUN = synthetic_run((2, 5), layer_convention="after_layer")
 LENGTHS = [3, 3, 4]
 
 
@@ -66,7 +68,7 @@ def check_summary(summary):
     assert summary["loss_fraction"] == pytest.approx(0.6)
     assert summary["layer_ids"] == [2, 5]
     assert summary["layer_convention"] == "after_layer"
-    assert summary["dtype"] == "bfloat16"
+    assert (summary["stored_dtype"], summary["compute_dtype"]) == ("bfloat16", None)
     assert summary["hidden_size"] == H
     assert [layer["name"] for layer in summary["layers"]] == ["layer 2", "layer 5", "last (post-norm)"]
     for layer, tensor in zip(summary["layers"], known_tensors()):
@@ -96,7 +98,7 @@ def test_summary_of_a_single_shard(tmp_path):
 
 
 def test_layer_ids_must_match_aux_width(tmp_path):
-    write_known(tmp_path, run={**RUN, "layer_ids": [1, 2, 3]})
+    write_known(tmp_path, run=replace(RUN, layer_ids=(1, 2, 3)))
     with pytest.raises(ShardError, match="3 layer_ids"):
         inspection.summarize(tmp_path)
 
@@ -157,7 +159,7 @@ def test_sample_view_splits_tokens_by_loss_mask(tmp_path):
 
 
 def test_missing_tokenizer_is_reported(tmp_path):
-    write_known(tmp_path, run={**RUN, "tokenizer_path": str(tmp_path / "gone")})
+    write_known(tmp_path, run=replace(RUN, tokenizer_path=str(tmp_path / "gone")))
     view = inspection.sample_view(tmp_path, "s0")
     assert view["tokenizer_note"] == f"tokenizer not found at {tmp_path / 'gone'}; showing token ids"
     assert [span["ids"] for span in view["spans"]] == [[100], [101, 102]]
@@ -172,7 +174,7 @@ def test_sample_is_decoded_with_loss_tokens_highlighted(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path / "tok")
 
-    writer = ShardWriter(tmp_path / "out", {**RUN, "tokenizer_path": str(tmp_path / "tok")})
+    writer = ShardWriter(tmp_path / "out", replace(RUN, tokenizer_path=str(tmp_path / "tok")))
     sample = SampleInfo(0, "greeting", "chat.jsonl", 1, 5, False)
     writer.add_batch([sample], np.array([1, 2, 3, 4, 5]), np.array([0, 0, 1, 1, 1]),
                      torch.zeros(5, 2 * H), torch.zeros(5, H), lengths=[5])

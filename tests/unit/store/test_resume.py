@@ -4,6 +4,7 @@ import fcntl
 import json
 import os
 import random
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,6 +17,7 @@ from offline_extract.engine.distributed import Coordinator, Layout
 from offline_extract.options import ExtractOptions
 from offline_extract.store import manifest, resume
 from offline_extract.store.journal import Journal, read_journal
+from offline_extract.store.schema import FORMAT_VERSION
 from offline_extract.store.shard import read_header
 
 def test_writer_threads_checksum_each_shard_as_they_write_it(tmp_path):
@@ -94,7 +96,7 @@ def test_consolidate_trusts_the_shards_on_disk(tmp_path):
     assert list(recorded["shards"]) == [p.name for p in paths[:3]]
     assert recorded["shards"] == {p.name: {k: v for k, v in journal_entry(p).items() if k != "name"} for p in paths[:3]}
     assert "shard_009.safetensors" in notes[0] and paths[2].name in notes[1]
-    assert manifest.load(tmp_path) == {"format_version": 1, **recorded}
+    assert manifest.load(tmp_path) == {"format_version": FORMAT_VERSION, **recorded}
     assert hidden_files(tmp_path) == []
 
 
@@ -121,7 +123,7 @@ def test_corpus_fingerprints_sample_big_files_and_ignore_where_they_live(tmp_pat
     b.write_bytes(data + b"{}\n")
     assert "bytes 1000 -> 1003" in manifest.corpus_differences(identity, manifest.run_identity(RUN, [b]))[0]
     (tmp_path / "c.jsonl").write_bytes(data)
-    other = manifest.run_identity({**RUN, "layer_ids": [2]}, [tmp_path / "c.jsonl"])
+    other = manifest.run_identity(replace(RUN, layer_ids=(2,)), [tmp_path / "c.jsonl"])
     assert manifest.run_differences(identity, other) == ["layer_ids: [1, 3] -> [2]"]
     (diff,) = manifest.corpus_differences(identity, other)
     assert "name 'corpus.jsonl' -> 'c.jsonl'" in diff
@@ -152,16 +154,16 @@ def test_force_never_mixes_shards_of_another_model_tokenizer_layers_or_length_po
     resume.check_identity(out, manifest.run_identity(RUN, [corpus]), force=True)
     resume.claim(out, manifest.run_identity(RUN, [corpus]))
     before = manifest.load(out)
-    for change in ({"layer_ids": [1, 2]}, {"max_length": 7}):
+    for change in ({"layer_ids": (1, 2)}, {"max_length": 7}):
         with pytest.raises(resume.TakeoverError, match="--force cannot mix") as refused:
-            resume.check_identity(out, manifest.run_identity({**RUN, **change}, [corpus]), force=True)
+            resume.check_identity(out, manifest.run_identity(replace(RUN, **change), [corpus]), force=True)
         assert f"{next(iter(change))}: " in str(refused.value)
         assert manifest.load(out) == before, "a refused run writes nothing"
 
     # Shards without a manifest are judged by their own run metadata.
     (out / manifest.MANIFEST_NAME).unlink()
     with pytest.raises(resume.TakeoverError, match="layer_ids: \\[1, 3\\] -> \\[1, 2\\]"):
-        resume.check_identity(out, manifest.run_identity({**RUN, "layer_ids": [1, 2]}, [corpus]), force=True)
+        resume.check_identity(out, manifest.run_identity(replace(RUN, layer_ids=(1, 2)), [corpus]), force=True)
 
     # A grown corpus is what --force is for: the shards stay one data set.
     corpus.write_text('{"text": "a"}\n{"text": "b"}\n')
@@ -190,7 +192,7 @@ def test_a_directory_holding_no_complete_shard_is_taken_over(tmp_path):
     lock.release()
 
     corpus.write_text('{"text": "fixed"}\n')
-    fixed = manifest.run_identity({**RUN, "layer_ids": [2]}, [corpus])
+    fixed = manifest.run_identity(replace(RUN, layer_ids=(2,)), [corpus])
     lock, _ = resume.take_over(out)
     (note,) = resume.check_identity(out, fixed, force=False)
     resume.claim(out, fixed)
@@ -207,7 +209,7 @@ def _claim_as_a_rerun(out, corpus, force=False) -> None:
         # The job's claim phase itself, on what it reads of a job whose model has loaded.
         job = SimpleNamespace(
             opts=ExtractOptions(data=(str(corpus),), out=str(out), force=force), out=out, layout=layout,
-            checked=SimpleNamespace(corpus_paths=[corpus]), coord=Coordinator(layout, "test"), meta=dict(RUN),
+            checked=SimpleNamespace(corpus_paths=[corpus]), coord=Coordinator(layout, "test"), meta=RUN,
         )
         extraction.Job._claim(job, existing)
     finally:
@@ -267,14 +269,15 @@ def test_finished_is_only_a_complete_run_of_the_same_identity_with_its_shards(tm
     out = tmp_path / "out"
     out.mkdir()
     (out / "shard_000.safetensors").write_bytes(b"x" * 10)
-    recorded = {**RUN, "layer_ids": [1, 3, 4], "compute_dtype": "bfloat16"}
+    recorded = replace(RUN, layer_ids=(1, 3, 4), compute_dtype="bfloat16")
     manifest.save(out, {"identity": manifest.run_identity(recorded, [corpus]), "status": "complete",
                         "shards": {"shard_000.safetensors": {"bytes": 10}}})
-    known = {key: value for key, value in RUN.items() if key not in ("layer_ids", "compute_dtype")}
+    known = replace(RUN, layer_ids=None, compute_dtype=None)
     assert resume.finished(out, known, [corpus])["status"] == "complete"  # SGLang's defaults taken as recorded
-    assert resume.finished(out, {**known, "layer_ids": [1, 3, 4]}, [corpus]) is not None
-    assert resume.finished(out, {**known, "layer_ids": [2]}, [corpus]) is None
-    assert resume.finished(out, {**known, "max_length": 7}, [corpus]) is None
+    assert resume.finished(out, replace(known, layer_ids=(1, 3, 4)), [corpus]) is not None
+    assert resume.finished(out, replace(known, layer_ids=(2,)), [corpus]) is None
+    assert resume.finished(out, replace(known, max_length=7), [corpus]) is None
+    assert resume.finished(out, replace(known, final_state=None), [corpus]) is None, "None is a value here"
     corpus.write_text('{"text": "b"}\n')
     assert resume.finished(out, known, [corpus]) is None
     corpus.write_text('{"text": "a"}\n')
@@ -290,11 +293,13 @@ def test_finished_takes_the_recorded_tokenizer_only_from_the_same_tokenizer_file
     corpus.write_text('{"text": "a"}\n')
     out = tmp_path / "out"
     out.mkdir()
-    recorded = {**RUN, "tokenizer_sha256": "t", "chat_template_sha256": "c", "tokenizer_files": "f1"}
+    recorded = replace(RUN, tokenizer_sha256="t", chat_template_sha256="c", tokenizer_files="f1")
     manifest.save(out, {"identity": manifest.run_identity(recorded, [corpus]), "status": "complete", "shards": {}})
-    known = {key: value for key, value in recorded.items() if key not in ("tokenizer_sha256", "chat_template_sha256")}
+    known = replace(recorded, tokenizer_sha256=None, chat_template_sha256=None)
     assert resume.finished(out, known, [corpus]) is not None
-    assert resume.finished(out, {**known, "tokenizer_files": "f2"}, [corpus]) is None
+    assert resume.finished(out, replace(known, tokenizer_files="f2"), [corpus]) is None
     # Loaded after all, the tokenizer decides: the same hashes from other files are the same run.
-    assert resume.finished(out, {**recorded, "tokenizer_files": "f2"}, [corpus]) is not None
-    assert resume.finished(out, {**recorded, "tokenizer_files": "f2", "tokenizer_sha256": "u"}, [corpus]) is None
+    assert resume.finished(out, replace(recorded, tokenizer_files="f2"), [corpus]) is not None
+    assert resume.finished(out, replace(recorded, tokenizer_files="f2", tokenizer_sha256="u"), [corpus]) is None
+    # A tokenizer without a chat template: its hash is None once loaded, and compared as such.
+    assert resume.finished(out, replace(recorded, chat_template_sha256=None), [corpus]) is None

@@ -3,27 +3,24 @@ import json
 import os
 import stat
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
 from offline_extract.store.index import iter_samples, shard_paths, write_index
-from offline_extract.store.schema import Encoding, SampleInfo, ShardError, shard_name
+from offline_extract.store.schema import FORMAT_VERSION, Encoding, SampleInfo, ShardError, shard_name
 from offline_extract.store.shard import open_shard, read_header
 from offline_extract.store import writer as writer_module
 from offline_extract.store.writer import ShardWriter
+from offline_extract.testing.shards import synthetic_run
 
 K, H = 3, 8
 ROW_BYTES = (K + 1) * H * 2
 WIDTHS = Encoding().widths(K, H)  # of the states a bf16 shard stores
-RUN = {
-    "model": "tiny",
-    "model_hash": "abc",
-    "layer_ids": [1, 2, 3],
-    "layer_convention": "after_layer",
-    "dtype": "bfloat16",
-}
+RUN = synthetic_run((1, 2, 3), layer_convention="after_layer")
+FP8_ZSTD = replace(RUN, store="fp8", compress="zstd")
 
 
 def make_batch(indices, lengths, seed=0):
@@ -154,8 +151,8 @@ def test_write_index_contents(tmp_path):
     path = write_index(tmp_path)
     assert path == tmp_path / "index.json"
     index = json.loads(path.read_text())
-    assert index["format_version"] == 1
-    assert index["run"] == RUN
+    assert index["format_version"] == FORMAT_VERSION
+    assert index["run"] == RUN.to_json()
     assert index["num_samples"] == 4
     assert index["num_tokens"] == 14
     assert [p.name for p in paths] == [shard_name(0), shard_name(1)]
@@ -170,9 +167,9 @@ def test_write_index_contents(tmp_path):
     }
 
 
-@pytest.mark.parametrize("encoding", [Encoding(), Encoding("fp8", "zstd")], ids=["bf16", "fp8-zstd"])
-def test_the_writer_knows_its_headers_so_the_index_reads_none_back(tmp_path, monkeypatch, encoding):
-    writer, paths = write(tmp_path, BATCHES, shard_bytes=12 * ROW_BYTES, encoding=encoding)
+@pytest.mark.parametrize("run", [RUN, FP8_ZSTD], ids=["bf16", "fp8-zstd"])
+def test_the_writer_knows_its_headers_so_the_index_reads_none_back(tmp_path, monkeypatch, run):
+    writer, paths = write(tmp_path, BATCHES, shard_bytes=12 * ROW_BYTES, run=run)
     assert len(paths) > 2
     assert sorted(writer.headers, key=lambda h: h.path.name) == [read_header(p) for p in paths]
     from_disk = write_index(tmp_path).read_text()
@@ -204,7 +201,7 @@ def test_write_index_rejects_a_sample_in_two_shards(tmp_path):
 
 def test_write_index_rejects_shards_of_different_runs(tmp_path):
     write(tmp_path, [([0], [2], 0)], shard_numbers=iter([0]))
-    write(tmp_path, [([1], [2], 1)], shard_numbers=iter([1]), run={**RUN, "layer_ids": [2, 5, 9]})
+    write(tmp_path, [([1], [2], 1)], shard_numbers=iter([1]), run=replace(RUN, layer_ids=(2, 5, 9)))
     with pytest.raises(ShardError, match="layer_ids"):
         write_index(tmp_path)
 
@@ -402,11 +399,11 @@ def test_nothing_else_goes_in_while_a_sample_is_begun(tmp_path):
     assert len(writer.close()) == 1
 
 
-@pytest.mark.parametrize("encoding", [Encoding(), Encoding("fp8", "zstd")], ids=["bf16", "fp8-zstd"])
-def test_the_shard_left_at_close_is_written_by_every_thread_in_whole_samples(tmp_path, monkeypatch, encoding):
+@pytest.mark.parametrize("run", [RUN, FP8_ZSTD], ids=["bf16", "fp8-zstd"])
+def test_the_shard_left_at_close_is_written_by_every_thread_in_whole_samples(tmp_path, monkeypatch, run):
     monkeypatch.setattr(writer_module, "LAST_SHARD_PART_BYTES", 10 * ROW_BYTES)
-    _, (whole,) = write(tmp_path / "whole", BATCHES, encoding=encoding, writers=1)
-    writer, paths = write(tmp_path / "parts", BATCHES, encoding=encoding, writers=3)
+    _, (whole,) = write(tmp_path / "whole", BATCHES, run=run, writers=1)
+    writer, paths = write(tmp_path / "parts", BATCHES, run=run, writers=3)
     # 42 tokens buffered (1 GiB target), 3 threads: three parts of about 14 tokens, each cut at the sample
     # boundary nearest to 14 and 28 (lengths 5 3 7 | 4 6 2 | 9 1 5).
     assert [read_header(p).num_tokens for p in paths] == [15, 12, 15]

@@ -206,7 +206,7 @@ def test_export_with_the_progress_bar(out_dir, tmp_path, capsys):
 @pytest.fixture
 def pre_norm_dir(tmp_path):
     out = tmp_path / "pre"
-    write_synthetic(out, LENGTHS, hidden_size=H, num_aux=K, shard_bytes=10 * (K + 1) * H * 2, run={"final_state": "pre-norm"})
+    write_synthetic(out, LENGTHS, hidden_size=H, num_aux=K, shard_bytes=10 * (K + 1) * H * 2, final_state="pre-norm")
     return out
 
 
@@ -263,7 +263,7 @@ def test_each_trainer_refuses_the_other_final_state(out_dir, pre_norm_dir, tmp_p
 ])
 def test_specforge_export_uses_each_recipes_keys(tmp_path, recipe, keys):
     out = tmp_path / recipe
-    write_synthetic(out, LENGTHS[:3], hidden_size=H, num_aux=5, run={"recipe": recipe})
+    write_synthetic(out, LENGTHS[:3], hidden_size=H, num_aux=5, recipe=recipe)
     export_specforge(out, tmp_path / "sf", progress=False)
     want = shard_samples(out)
     for i in range(3):
@@ -289,8 +289,7 @@ def test_speculators_export_names_custom_layers_in_its_convention(tmp_path):
 
     out = tmp_path / "custom"
     # A 6-layer model extracted with --layers 1,3,4 (our ids: decoder layer outputs).
-    write_synthetic(out, LENGTHS[:2], hidden_size=H, num_aux=3,
-                    run={"final_state": "pre-norm", "layer_ids": [1, 3, 4], "num_layers": 6})
+    write_synthetic(out, LENGTHS[:2], hidden_size=H, final_state="pre-norm", layer_ids=(1, 3, 4), num_layers=6)
     dest = tmp_path / "spec"
     export_speculators(out, dest, progress=False)
     manifest = json.loads((dest / MANIFEST_NAME).read_text())
@@ -304,7 +303,7 @@ def test_speculators_export_names_custom_layers_in_its_convention(tmp_path):
 
 def test_speculators_export_needs_the_models_layer_count(tmp_path):
     out = tmp_path / "old"
-    write_synthetic(out, LENGTHS[:2], hidden_size=H, num_aux=K, run={"final_state": "pre-norm", "num_layers": None})
+    write_synthetic(out, LENGTHS[:2], hidden_size=H, num_aux=K, final_state="pre-norm", num_layers=None)
     with pytest.raises(ExportError, match="num_layers"):
         export_speculators(out, tmp_path / "spec", progress=False)
 
@@ -314,11 +313,10 @@ def test_specforge_export_of_a_smaller_run_is_gzipped_by_default(tmp_path, store
     import gzip
     import io
 
-    from offline_extract.store.schema import Encoding
     from offline_extract.training.datasets import HiddenStateDataset
 
     out = tmp_path / "run"
-    write_synthetic(out, LENGTHS, hidden_size=H, num_aux=K, encoding=Encoding(store=store, compress=compress))
+    write_synthetic(out, LENGTHS, hidden_size=H, num_aux=K, store=store, compress=compress)
     export_specforge(out, tmp_path / "sf", progress=False)
     assert json.loads((tmp_path / "sf" / MANIFEST_NAME).read_text())["gzip"] is True
     ours = HiddenStateDataset(out)
@@ -335,12 +333,11 @@ def test_specforge_export_of_a_smaller_run_is_gzipped_by_default(tmp_path, store
 def test_speculators_export_of_an_fp8_run_keeps_its_bytes(tmp_path):
     from safetensors.torch import load_file
 
-    from offline_extract.store.schema import Encoding
     from offline_extract.training.datasets import HiddenStateDataset
 
     WIDE = 256  # wide enough that the states, not the file headers, make the size
     out = tmp_path / "run"
-    write_synthetic(out, LENGTHS, hidden_size=WIDE, num_aux=K, encoding=Encoding(store="fp8"), run={"final_state": "pre-norm"})
+    write_synthetic(out, LENGTHS, hidden_size=WIDE, num_aux=K, store="fp8", final_state="pre-norm")
     summary = export_speculators(out, tmp_path / "spec", progress=False)
     assert any("--hidden-states-backend fp8" in note for note in summary.notes)
     assert "hidden_states_backend: fp8" in (tmp_path / "spec" / SPECULATORS_TRAIN_CONFIG).read_text()
@@ -354,7 +351,7 @@ def test_speculators_export_of_an_fp8_run_keeps_its_bytes(tmp_path):
         assert torch.equal(hs["hidden_states_scales"][:, K], stored["hidden_states_scale"])
     fp8_bytes = sum(p.stat().st_size for p in (tmp_path / "spec" / "hidden_states").iterdir())
     bf16 = tmp_path / "bf16"
-    write_synthetic(bf16, LENGTHS, hidden_size=WIDE, num_aux=K, run={"final_state": "pre-norm"})
+    write_synthetic(bf16, LENGTHS, hidden_size=WIDE, num_aux=K, final_state="pre-norm")
     export_speculators(bf16, tmp_path / "spec16", progress=False)
     bf16_bytes = sum(p.stat().st_size for p in (tmp_path / "spec16" / "hidden_states").iterdir())
     assert fp8_bytes < 0.6 * bf16_bytes, (fp8_bytes, bf16_bytes)

@@ -12,11 +12,12 @@ from offline_extract.store.schema import SAMPLE_TENSORS, SampleInfo, ShardError
 from offline_extract.store.shard import open_shard
 from offline_extract.store.writer import ShardWriter
 from offline_extract.training import datasets
+from offline_extract.testing.shards import synthetic_run
 from offline_extract.training.datasets import HiddenStateDataset, HiddenStateIterableDataset, pad_collate
 
 K, H = 3, 8
 ROW_BYTES = (K + 1) * H * 2
-RUN = {"model": "tiny", "layer_ids": [1, 2, 3], "hidden_size": H}
+RUN = synthetic_run((1, 2, 3), H)
 LENGTHS = [5, 3, 7, 1, 9, 4, 6, 2, 8, 3, 5, 7, 4]
 N = len(LENGTHS)
 
