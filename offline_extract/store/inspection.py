@@ -97,14 +97,9 @@ class _RunningStats:
 
 
 def _layer_names(run: RunInfo, num_aux: int) -> list[tuple[str, int | None]]:
-    layer_ids = run.layer_ids
-    if layer_ids is None:
+    if run.layer_ids is None:
         return [(f"aux[{j}]", None) for j in range(num_aux)]
-    if len(layer_ids) != num_aux:
-        raise ShardError(
-            f"run lists {len(layer_ids)} layer_ids {list(layer_ids)} but aux_hidden_states holds {num_aux} layers"
-        )
-    return [(f"layer {lid}", lid) for lid in layer_ids]
+    return [(f"layer {lid}", lid) for lid in run.layer_ids]
 
 
 def _state_widths(shard: Shard) -> dict[str, int]:
@@ -131,10 +126,16 @@ def summarize(path: str | os.PathLike, allow_partial: bool = False) -> dict:
         if s.encoding.states != states or _state_widths(s) != widths:
             raise ShardError(f"{s.path} holds states {_state_widths(s)}, unlike {paths[0]}'s {widths}")
     aux_width = widths[STATE_TENSORS[0]]
-    hidden = widths.get(FINAL_STATE, run.hidden_size)
+    num_aux = run.num_aux_layers
+    hidden = widths.get(FINAL_STATE) or run.hidden_size or (num_aux and aux_width // num_aux)
     if not hidden or aux_width % hidden:
         raise ShardError(f"{paths[0]}: aux width {aux_width} is not a multiple of hidden size {hidden}")
-    num_aux = aux_width // hidden
+    if num_aux is None:  # a run that records no layer ids (shards written through the library): count them
+        num_aux = aux_width // hidden
+    elif aux_width != num_aux * hidden:
+        raise ShardError(
+            f"run lists {num_aux} layer_ids {list(run.layer_ids)} but aux_hidden_states holds {aux_width // hidden} layers"
+        )
     names = _layer_names(run, num_aux)
     if FINAL_STATE in states:
         names.append((f"last ({run.final_state})", None))

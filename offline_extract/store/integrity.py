@@ -135,7 +135,7 @@ def _check_shard(path: Path, recorded: dict | None) -> tuple[ShardHeader | None,
     ] + encoded
     tokens, n = header.num_tokens, len(header.samples)
     for t in tensors:
-        shape, found = t.shape(tokens, n, run.num_aux_layers or 0, run.hidden_size or None), shapes[t.name]
+        shape, found = t.shape(tokens, n, run.num_aux_layers, run.hidden_size), shapes[t.name]
         if len(found) != len(shape) or any(w is not None and w != s for w, s in zip(shape, found)):
             problems.append(f"{name}: {t.name} has shape {list(found)}, expected {list(shape)}")
     if offsets[:1] != [0] or offsets[-1:] != [tokens] or any(a > b for a, b in zip(offsets, offsets[1:])):

@@ -61,13 +61,13 @@ class TensorSpec:
     def per_token(self) -> bool:
         return self.rows == "T"
 
-    def width(self, num_aux_layers: int, hidden_size: int | None) -> int | None:
-        """Row width for a model; None for a 1-D tensor, or when the hidden size is unknown."""
-        if self.cols is None or (hidden_size is None and "H" in self.cols):
+    def width(self, num_aux_layers: int | None, hidden_size: int | None) -> int | None:
+        """Row width for a model; None for a 1-D tensor, or when the width depends on an unknown."""
+        if self.cols is None or (hidden_size is None and "H" in self.cols) or (num_aux_layers is None and "k" in self.cols):
             return None
         return {"k*H": num_aux_layers * (hidden_size or 0), "H": hidden_size, "k": num_aux_layers, "1": 1}[self.cols]
 
-    def shape(self, tokens: int, samples: int, num_aux_layers: int, hidden_size: int | None) -> tuple:
+    def shape(self, tokens: int, samples: int, num_aux_layers: int | None, hidden_size: int | None) -> tuple:
         """The expected shape; an unknown length or width is None."""
         rows = {"T": tokens, "n": samples, "n+1": samples + 1, "bytes": None}[self.rows]
         return (rows,) if self.cols is None else (rows, self.width(num_aux_layers, hidden_size))

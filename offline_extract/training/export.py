@@ -175,20 +175,20 @@ def speculators_train_config(run: RunInfo, dest: Path, layer_ids: list[int], fp8
     return header + yaml.safe_dump(config, sort_keys=False, default_flow_style=None)
 
 
-def speculators_record(item: dict) -> dict[str, torch.Tensor]:
+def speculators_record(item: dict, num_aux_layers: int) -> dict[str, torch.Tensor]:
     """A reader item as speculators' per-sample states: layers stacked, the final state last."""
     last = item["hidden_states"]
     rows, hidden = last.shape
-    layers = item["aux_hidden_states"].reshape(rows, -1, hidden)
+    layers = item["aux_hidden_states"].reshape(rows, num_aux_layers, hidden)
     return {"hidden_states": torch.cat([layers, last[:, None]], dim=1), "token_ids": item["input_ids"].to(torch.int64)}
 
 
-def speculators_fp8_record(stored: dict) -> dict[str, torch.Tensor]:
+def speculators_fp8_record(stored: dict, num_aux_layers: int) -> dict[str, torch.Tensor]:
     """A stored fp8 item (HiddenStateDataset.stored) in speculators' fp8 layout: the values and scales
     stacked as the states are, the scales broadcasting over each layer's row."""
     aux, last = (stored[name] for name in STATE_TENSORS)
     rows, hidden = last.shape
-    values = torch.cat([aux.reshape(rows, -1, hidden), last[:, None]], dim=1)
+    values = torch.cat([aux.reshape(rows, num_aux_layers, hidden), last[:, None]], dim=1)
     scales = torch.cat([stored[name + SCALE_SUFFIX] for name in STATE_TENSORS], dim=1)
     return {"hidden_states": values, SPECULATORS_SCALES: scales[:, :, None],
             "token_ids": stored["input_ids"].to(torch.int64)}
@@ -372,9 +372,9 @@ def export_speculators(
                      "time; extract with --final-state pre-norm for an fp8 export")
     summary = ExportSummary(dest, 0, 0, 0, [*notes, *_conversion_note("speculators", run, convert)])
     if fp8:
-        read, record = dataset.stored, speculators_fp8_record
+        read, record = dataset.stored, lambda stored: speculators_fp8_record(stored, run.num_aux_layers)
     else:
-        read, record = dataset.__getitem__, lambda item: speculators_record(_converted(item, convert))
+        read, record = dataset.__getitem__, lambda item: speculators_record(_converted(item, convert), run.num_aux_layers)
     _write_samples(dataset, lambda i: speculators_path(dest, i), read,
                    lambda item, tmp: _write_bytes(tmp, safetensors_bytes(record(item))),
                    progress, summary)

@@ -152,7 +152,7 @@ def test_verbose_shows_the_libraries_loading_a_hub_model_whose_commit_is_recorde
     assert [line for line in proc.stderr.splitlines() if not OUR_LINES.match(line)], "nothing but our own lines"
     provenance = {"model_repo_id": "tiny/llama", "model_revision": REVISION}
     assert provenance.items() <= json.loads((out / "manifest.json").read_text())["identity"].items()
-    assert provenance.items() <= open_shard(shard_paths(out)[0]).run.items()
+    assert provenance.items() <= open_shard(shard_paths(out)[0]).run.to_json().items()
 
 
 def test_bad_lines_are_recorded_and_good_ones_kept(tmp_path, cache_env):
