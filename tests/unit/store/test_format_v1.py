@@ -5,10 +5,10 @@ the shard and the key."""
 import json
 import shutil
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
+from extract_runs import ROOT
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -21,7 +21,7 @@ from offline_extract.store.writer import ShardWriter
 from offline_extract.training.datasets import HiddenStateDataset
 from offline_extract.training.export import export_specforge, export_speculators, speculators_path
 
-V1 = Path(__file__).parent / "data" / "format_v1"
+V1 = ROOT / "tests" / "data" / "format_v1"
 OUTPUTS = {"bf16": Encoding(), "fp8_zstd_pre": Encoding("fp8", "zstd")}
 
 
