@@ -35,7 +35,8 @@ SHARD_GLOB = "shard_*.safetensors"
 
 def check_format_version(version, path: Path) -> None:
     if version not in READABLE_FORMAT_VERSIONS:
-        raise ShardError(f"{path} has format_version {version}, expected {' or '.join(map(str, READABLE_FORMAT_VERSIONS))}")
+        readable = " or ".join(map(str, READABLE_FORMAT_VERSIONS))
+        raise ShardError(f"{path} has format_version {version}, expected {readable}")
 
 
 def shard_name(number: int) -> str:
@@ -63,7 +64,9 @@ class TensorSpec:
 
     def width(self, num_aux_layers: int | None, hidden_size: int | None) -> int | None:
         """Row width for a model; None for a 1-D tensor, or when the width depends on an unknown."""
-        if self.cols is None or (hidden_size is None and "H" in self.cols) or (num_aux_layers is None and "k" in self.cols):
+        if self.cols is None:
+            return None
+        if (hidden_size is None and "H" in self.cols) or (num_aux_layers is None and "k" in self.cols):
             return None
         return {"k*H": num_aux_layers * (hidden_size or 0), "H": hidden_size, "k": num_aux_layers, "1": 1}[self.cols]
 
