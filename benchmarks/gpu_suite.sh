@@ -2,7 +2,7 @@
 # The one-GPU files of the GPU suite (`pytest -m gpu`) in one device call on a machine of two H200s, SGLang 0.5.17 (+ FA3) on the path:
 #   bash benchmarks/gpu_suite.sh RESULTS_DIR [SECONDS]
 # Lanes side by side, each step under its own time limit (benchmarks/steps.sh): on GPU 0 the architecture suite,
-# one backend a process (each engine's KV pool is capped, so three fit one GPU), then the FP8 checkpoints; on
+# one backend a process (each engine's KV pool is capped, so three fit one GPU), then the FP8 checkpoints, exports and codecs; on
 # GPU 1 the engine file (its 8B-shaped 65k/131k test against HF alone takes minutes). The MoE part of the
 # architecture suite and the MXFP4 file are benchmarks/gpu_moe.sh's, the two-GPU file benchmarks/two_gpus.sh's
 # (a call of its own: it needs both GPUs). Each step's command, exit status and seconds go to
