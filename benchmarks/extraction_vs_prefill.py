@@ -42,7 +42,7 @@ from offline_extract.engine.sglang_adapter import JIT_CACHES, Engine
 from offline_extract.extraction import engine_config
 from offline_extract.feed import extract_batches, staging_buffers
 from offline_extract.options import ExtractOptions
-from offline_extract.store.schema import FINAL_STATE, STATE_TENSORS, Encoding, RunInfo
+from offline_extract.store.schema import FINAL_STATE_TENSOR, STATE_TENSORS, Encoding, RunInfo
 from offline_extract.store.writer import ShardWriter
 from offline_extract.testing.models import build_model
 from offline_extract.timeline import Timeline
@@ -576,9 +576,9 @@ def _fp8_error(engine: Engine, batches: list[Batch], max_tokens: int) -> dict:
             break
         captured = engine.capture([s.input_ids for s in batch.samples])
         seen += batch.num_tokens
-        bf16 = {STATE_TENSORS[0]: captured.aux.to(torch.bfloat16), FINAL_STATE: captured.last.to(torch.bfloat16)}
-        decoded = fp8.decode(fp8.encode(bf16[STATE_TENSORS[0]], bf16[FINAL_STATE], k))
-        for name, layers in ((STATE_TENSORS[0], [f"layer {i}" for i in engine.layer_ids]), (FINAL_STATE, ["last"])):
+        bf16 = {STATE_TENSORS[0]: captured.aux.to(torch.bfloat16), FINAL_STATE_TENSOR: captured.last.to(torch.bfloat16)}
+        decoded = fp8.decode(fp8.encode(bf16[STATE_TENSORS[0]], bf16[FINAL_STATE_TENSOR], k))
+        for name, layers in ((STATE_TENSORS[0], [f"layer {i}" for i in engine.layer_ids]), (FINAL_STATE_TENSOR, ["last"])):
             rows = bf16[name].shape[0]
             cos = torch.nn.functional.cosine_similarity(
                 decoded[name].float().reshape(rows, len(layers), -1), bf16[name].float().reshape(rows, len(layers), -1), dim=-1

@@ -18,7 +18,7 @@ from offline_extract.data.tokenization import Sample
 from offline_extract.engine.nonfinite import NonFiniteGuard, batch_flag
 from offline_extract.engine.offload import HostOffload, pinned_buffers
 from offline_extract.engine.sglang_adapter import Captured, Engine
-from offline_extract.store.schema import FINAL_STATE, STATE_TENSORS, Encoding, SampleInfo
+from offline_extract.store.schema import FINAL_STATE_TENSOR, STATE_TENSORS, Encoding, SampleInfo
 from offline_extract.store.writer import WRITER_THREADS, ShardWriter, shard_buffers
 
 
@@ -86,7 +86,7 @@ class _WriterFeed:
     def _screen(self, samples, staged: dict[str, torch.Tensor]):
         """The guard's verdict on the decoded states: kept samples and their rows (None: all)."""
         states = self.writer.encoding.decode(staged)
-        return self.guard.screen(samples, states[STATE_TENSORS[0]], states.get(FINAL_STATE))
+        return self.guard.screen(samples, states[STATE_TENSORS[0]], states.get(FINAL_STATE_TENSOR))
 
     def _batch(self, piece: _Piece, staged: dict[str, torch.Tensor]) -> None:
         samples = piece.batch.samples

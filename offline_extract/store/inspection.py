@@ -20,7 +20,7 @@ from rich.text import Text
 
 from offline_extract.store import manifest
 from offline_extract.store.index import read_index, shard_paths
-from offline_extract.store.schema import FINAL_STATE, INDEX_NAME, SHARD_GLOB, STATE_TENSORS, RunInfo, ShardError
+from offline_extract.store.schema import FINAL_STATE_TENSOR, INDEX_NAME, SHARD_GLOB, STATE_TENSORS, RunInfo, ShardError
 from offline_extract.store.shard import Shard, open_shard, read_header
 
 # Upper bound on the float32 copy of one chunk of rows; the float64 reduction temporaries double it.
@@ -127,7 +127,7 @@ def summarize(path: str | os.PathLike, allow_partial: bool = False) -> dict:
             raise ShardError(f"{s.path} holds states {_state_widths(s)}, unlike {paths[0]}'s {widths}")
     aux_width = widths[STATE_TENSORS[0]]
     num_aux = run.num_aux_layers
-    hidden = widths.get(FINAL_STATE) or run.hidden_size or (num_aux and aux_width // num_aux)
+    hidden = widths.get(FINAL_STATE_TENSOR) or run.hidden_size or (num_aux and aux_width // num_aux)
     if not hidden or aux_width % hidden:
         raise ShardError(f"{paths[0]}: aux width {aux_width} is not a multiple of hidden size {hidden}")
     if num_aux is None:  # a run that records no layer ids (shards written through the library): count them
@@ -137,7 +137,7 @@ def summarize(path: str | os.PathLike, allow_partial: bool = False) -> dict:
             f"run lists {num_aux} layer_ids {list(run.layer_ids)} but aux_hidden_states holds {aux_width // hidden} layers"
         )
     names = _layer_names(run, num_aux)
-    if FINAL_STATE in states:
+    if FINAL_STATE_TENSOR in states:
         names.append((f"last ({run.final_state})", None))
     stats = [_RunningStats() for _ in names]
 
@@ -155,8 +155,8 @@ def summarize(path: str | os.PathLike, allow_partial: bool = False) -> dict:
             aux = rows[STATE_TENSORS[0]].float()
             for j in range(num_aux):
                 stats[j].update(aux[:, j * hidden : (j + 1) * hidden])
-            if FINAL_STATE in states:
-                stats[-1].update(rows[FINAL_STATE].float())
+            if FINAL_STATE_TENSOR in states:
+                stats[-1].update(rows[FINAL_STATE_TENSOR].float())
             first = stop
 
     num_tokens = sum(s.num_tokens for s in shards)
@@ -174,7 +174,7 @@ def summarize(path: str | os.PathLike, allow_partial: bool = False) -> dict:
         "encoding": shards[0].encoding.to_json(),
         "hidden_size": hidden,
         "num_aux_layers": num_aux,
-        "layers": [st.result(name, lid) for st, (name, lid) in zip(stats, names)],
+        "layer_stats": [st.result(name, lid) for st, (name, lid) in zip(stats, names)],
     }
 
 
@@ -277,7 +277,7 @@ def render_summary(summary: dict, console: Console) -> None:
     layers = Table(title="captured layers (finite values, as decoded; float32)")
     for column in ("layer", "mean", "std", "absmax", "NaN", "Inf"):
         layers.add_column(column, justify="left" if column == "layer" else "right")
-    for layer in summary["layers"]:
+    for layer in summary["layer_stats"]:
         bad = "bold red" if layer["nan"] or layer["inf"] else None
         layers.add_row(
             layer["name"],

@@ -106,7 +106,8 @@ SAMPLE_TENSORS = tuple(t.name for t in TENSORS if t.per_token)
 STATE_TENSORS = tuple(t.name for t in TENSORS if t.cols is not None)
 # The dtype readers hand states out in, whatever the store.
 (STATE_DTYPE,) = {SPECS[name].dtype for name in STATE_TENSORS}
-FINAL_STATE = STATE_TENSORS[-1]
+# The tensor of the final state (which one, post- or pre-norm, is the run's final_state).
+FINAL_STATE_TENSOR = STATE_TENSORS[-1]
 
 # --store: the dtype a state is stored in, in the order of its choices. fp8 adds, per state, a float32 scale
 # per token per layer.

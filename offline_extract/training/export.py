@@ -81,7 +81,7 @@ from offline_extract import final_norm
 from offline_extract.progress import RunProgress
 from offline_extract.store.atomic import atomic_write
 from offline_extract.store.journal import load_json
-from offline_extract.store.schema import FINAL_STATE, SCALE_SUFFIX, STATE_DTYPE, STATE_TENSORS, RunInfo
+from offline_extract.store.schema import FINAL_STATE_TENSOR, SCALE_SUFFIX, STATE_DTYPE, STATE_TENSORS, RunInfo
 from offline_extract.training.datasets import HiddenStateDataset
 
 FORMATS = ("specforge", "speculators")
@@ -222,7 +222,7 @@ def _converted(item: dict, convert: Convert | None) -> dict:
     """A decoded item with its final state converted (bf16, as items are)."""
     if convert is None:
         return item
-    return {**item, FINAL_STATE: convert(item[FINAL_STATE]).to(STATE_DTYPE)}
+    return {**item, FINAL_STATE_TENSOR: convert(item[FINAL_STATE_TENSOR]).to(STATE_DTYPE)}
 
 
 def _final_state_manifest(format: str, run: RunInfo, convert: Convert | None) -> dict:

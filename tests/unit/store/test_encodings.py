@@ -127,7 +127,7 @@ def test_export_inspect_and_verify_read_every_combination(written, tmp_path):
     assert integrity.verify(out).problems == []
     summary = summarize(out)
     assert summary["encoding"] == encoding.to_json() and summary["num_aux_layers"] == K
-    assert [layer["name"] for layer in summary["layers"]] == ["layer 1", "layer 3", "layer 4", "last (post-norm)"]
+    assert [layer["name"] for layer in summary["layer_stats"]] == ["layer 1", "layer 3", "layer 4", "last (post-norm)"]
     export_specforge(out, tmp_path / "sf", gzipped=False, progress=False)  # the plain files, to read them here
     want = expected(encoding)
     for i in range(len(LENGTHS)):
@@ -169,7 +169,7 @@ def test_a_recipe_without_final_state_stores_none(tmp_path):
     with safe_open(shard_paths(tmp_path)[0], framework="pt") as f:
         assert not any(name.startswith("hidden_states") for name in f.keys())
     assert integrity.verify(tmp_path).problems == []
-    assert [layer["name"] for layer in summarize(tmp_path)["layers"]] == ["layer 1", "layer 3", "layer 4"]
+    assert [layer["name"] for layer in summarize(tmp_path)["layer_stats"]] == ["layer 1", "layer 3", "layer 4"]
 
 
 def _rewrite(path, name: str, change) -> None:

@@ -70,8 +70,8 @@ def check_summary(summary):
     assert summary["layer_convention"] == "after_layer"
     assert (summary["stored_dtype"], summary["compute_dtype"]) == ("bfloat16", None)
     assert summary["hidden_size"] == H
-    assert [layer["name"] for layer in summary["layers"]] == ["layer 2", "layer 5", "last (post-norm)"]
-    for layer, tensor in zip(summary["layers"], known_tensors()):
+    assert [layer["name"] for layer in summary["layer_stats"]] == ["layer 2", "layer 5", "last (post-norm)"]
+    for layer, tensor in zip(summary["layer_stats"], known_tensors()):
         want = expected_stats(tensor)
         assert layer["count"] == want["count"]
         assert layer["nan"] == want["nan"]
@@ -86,15 +86,15 @@ def test_summary_statistics_stream_over_shards_and_chunks(tmp_path, monkeypatch)
     monkeypatch.setattr(inspection, "CHUNK_BYTES", 3 * (3 * H) * 4)
     summary = inspection.summarize(tmp_path)
     check_summary(summary)
-    assert [layer["nan"] for layer in summary["layers"]] == [0, 1, 0]
-    assert [layer["inf"] for layer in summary["layers"]] == [0, 2, 0]
+    assert [layer["nan"] for layer in summary["layer_stats"]] == [0, 1, 0]
+    assert [layer["inf"] for layer in summary["layer_stats"]] == [0, 2, 0]
 
 
 def test_summary_of_a_single_shard(tmp_path):
     write_known(tmp_path)
     summary = inspection.summarize(tmp_path / "shard_001.safetensors")
     assert (summary["num_shards"], summary["num_samples"], summary["num_tokens"]) == (1, 1, 4)
-    assert summary["layers"][2]["mean"] == pytest.approx(expected_stats(known_tensors()[2][6:])["mean"])
+    assert summary["layer_stats"][2]["mean"] == pytest.approx(expected_stats(known_tensors()[2][6:])["mean"])
 
 
 def test_layer_ids_must_match_aux_width(tmp_path):
