@@ -347,8 +347,9 @@ class RunInfo:
 
 IDENTITY_KEYS = tuple(f.name for f in fields(RunInfo) if f.metadata.get("role") == IDENTITY)
 PROVENANCE_KEYS = tuple(f.name for f in fields(RunInfo) if f.metadata.get("role") == PROVENANCE)
-# Keys earlier versions wrote that a RunInfo no longer holds, and why reading can drop them.
-RETIRED_KEYS = {"dtype": "the stored dtype, which follows from store (RunInfo.stored_dtype)"}
+# Keys earlier versions wrote that a RunInfo no longer holds: "dtype" was the stored dtype, which follows
+# from store (RunInfo.stored_dtype).
+RETIRED_KEYS = ("dtype",)
 
 
 def _field_types() -> dict:

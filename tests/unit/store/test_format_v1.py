@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from offline_extract.store import integrity, manifest, resume
 from offline_extract.store.index import read_index, shard_paths, write_index
 from offline_extract.store.inspection import summarize
-from offline_extract.store.schema import FORMAT_VERSION, METADATA_KEY, Encoding, SampleInfo, ShardError
+from offline_extract.store.schema import FORMAT_VERSION, METADATA_KEY, Encoding, RunInfo, SampleInfo, ShardError
 from offline_extract.store.shard import read_header
 from offline_extract.store.writer import ShardWriter
 from offline_extract.training.datasets import HiddenStateDataset
@@ -111,3 +111,12 @@ def test_a_run_key_of_the_wrong_type_is_refused_naming_the_shard_and_the_key(tmp
     with pytest.raises(ShardError, match=rf"{path}: run key '{key}' is .*, expected {expected}"):
         read_header(path)
     assert str(path) in "\n".join(integrity.verify(tmp_path / "out").problems)
+
+
+def test_a_run_key_this_version_does_not_know_is_kept_as_written():
+    """A library caller's own key, in a document of any version: nothing it wrote is dropped."""
+    run = RunInfo.from_json({"layer_ids": [1, 2], "dtype": "bfloat16", "my_tag": {"a": 1}}, "shard_000.safetensors")
+    assert (run.layer_ids, run.extra) == ((1, 2), {"my_tag": {"a": 1}})
+    document = run.to_json()
+    assert document["my_tag"] == {"a": 1} and "dtype" not in document
+    assert RunInfo.from_json(document, "index.json") == run
