@@ -20,9 +20,7 @@ import torch
 
 from benchmarks import emit
 
-from offline_extract.store.index import write_index
-from offline_extract.store.schema import RunInfo, SampleInfo
-from offline_extract.store.writer import ShardWriter
+from offline_extract.testing.shards import synthetic_run, write_samples
 from offline_extract.training.export import export_specforge
 
 K = 3
@@ -50,13 +48,9 @@ def main(argv=None) -> dict:
     try:
         for store, compress in (("bf16", "none"), ("bf16", "zstd"), ("fp8", "none"), ("fp8", "zstd")):
             out = root / f"{store}-{compress}"
-            run = RunInfo(model="synthetic", layer_ids=(1, 3, 4), num_layers=8, store=store, compress=compress)
-            writer = ShardWriter(out, run)
-            writer.add_batch([SampleInfo(i, f"s{i}", "synthetic", i + 1, t, False) for i in range(n)],
-                             torch.zeros(n * t, dtype=torch.int32), torch.ones(n * t, dtype=torch.uint8),
-                             x[:, :K].reshape(n * t, -1), x[:, K], lengths=[t] * n)
-            writer.close()
-            write_index(out)
+            run = synthetic_run((1, 3, 4), num_layers=8, store=store, compress=compress)
+            write_samples(out, run, [t] * n, torch.zeros(n * t, dtype=torch.int32), torch.ones(n * t, dtype=torch.uint8),
+                          x[:, :K].reshape(n * t, -1), x[:, K])
             run_bytes = sum(p.stat().st_size for p in out.glob("shard_*"))
             for gzipped in (False, True):
                 start = time.perf_counter()

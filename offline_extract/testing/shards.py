@@ -1,15 +1,18 @@
-"""Synthetic output directories: shards of random states written through the real ShardWriter, for tests
-and benchmarks that need an output directory without running a model."""
+"""Synthetic output directories: shards of random or given states written through the real ShardWriter, the
+one way tests and benchmarks make an output directory without running a model."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from offline_extract.store.index import write_index
 from offline_extract.store.schema import RunInfo, SampleInfo
-from offline_extract.store.writer import ShardWriter
+from offline_extract.store.writer import ShardWriter, WrittenShard
 
 # Rows generated per add_batch call: bounds the float32 temporaries of random generation.
 _GENERATE_ROWS = 8192
@@ -26,41 +29,91 @@ def synthetic_run(layer_ids=(0, 1, 2), hidden_size: int | None = None, **facts) 
 
 def write_synthetic(
     out_dir: str | os.PathLike,
-    lengths: list[int],
+    lengths: Sequence[int],
     *,
     hidden_size: int,
     num_aux: int = 3,
     shard_bytes: int = 1 << 30,
     seed: int = 0,
+    indices: Sequence[int] | None = None,
+    index: bool = True,
+    shard_numbers: Iterator[int] | None = None,
+    on_written: Callable[[WrittenShard], None] | None = None,
     **facts,
 ) -> list[Path]:
-    """Writes samples of the given lengths (ids "sample-{i}", random bf16 states, stored as the run's
-    encoding says) plus index.json; `facts` set the run's fields (`synthetic_run`), e.g. store="fp8"."""
+    """`write_samples` of random tokens, loss mask and bf16 states, generated a few thousand rows at a time;
+    `facts` set the run's fields (`synthetic_run`), e.g. store="fp8"."""
     run = synthetic_run(facts.pop("layer_ids", range(num_aux)), hidden_size, **facts)
+    positions = list(range(len(lengths)))
+    indices = positions if indices is None else list(indices)
     gen = torch.Generator().manual_seed(seed)
-    writer = ShardWriter(out_dir, run, shard_bytes=shard_bytes)
 
-    def add(indices: list[int]) -> None:
-        batch = [lengths[i] for i in indices]
-        total = sum(batch)
-        samples = [SampleInfo(i, f"sample-{i}", "synthetic", i + 1, n, False) for i, n in zip(indices, batch)]
-        writer.add_batch(
-            samples,
+    def batch(group: list[int]) -> _Batch:
+        total = sum(lengths[i] for i in group)
+        return _Batch(
+            [indices[i] for i in group],
+            [lengths[i] for i in group],
             torch.randint(0, 128_000, (total,), generator=gen, dtype=torch.int32),
             torch.rand(total, generator=gen) < 0.7,
-            torch.randn(total, num_aux * hidden_size, generator=gen).to(torch.bfloat16),
+            torch.randn(total, run.num_aux_layers * hidden_size, generator=gen).to(torch.bfloat16),
             torch.randn(total, hidden_size, generator=gen).to(torch.bfloat16) if run.encoding.keeps_final_state else None,
-            lengths=batch,
         )
 
-    pending: list[int] = []
-    for i, n in enumerate(lengths):
-        if pending and sum(lengths[j] for j in pending) + n > _GENERATE_ROWS:
-            add(pending)
-            pending = []
-        pending.append(i)
-    if pending:
-        add(pending)
+    def groups() -> Iterator[list[int]]:
+        pending: list[int] = []
+        for i in positions:
+            if pending and sum(lengths[j] for j in pending) + lengths[i] > _GENERATE_ROWS:
+                yield pending
+                pending = []
+            pending.append(i)
+        if pending:
+            yield pending
+
+    return _write(out_dir, run, map(batch, groups()), shard_bytes, index, shard_numbers, on_written)
+
+
+def write_samples(
+    out_dir: str | os.PathLike,
+    run: RunInfo,
+    lengths: Sequence[int],
+    input_ids: np.ndarray | torch.Tensor,
+    loss_mask: np.ndarray | torch.Tensor,
+    aux: torch.Tensor,
+    last: torch.Tensor | None = None,
+    *,
+    shard_bytes: int = 1 << 30,
+    indices: Sequence[int] | None = None,
+    index: bool = True,
+    shard_numbers: Iterator[int] | None = None,
+    on_written: Callable[[WrittenShard], None] | None = None,
+) -> list[Path]:
+    """Writes the given rows as `run`'s output through the real ShardWriter: sample i has lengths[i] tokens,
+    packed in order along dim 0 of every tensor, and corpus index indices[i] (default i), which names it
+    (id "s{index}", line index + 1 of "synthetic"). The states are stored as the run's encoding says (`last`
+    is dropped where it keeps no final state). Then index.json, unless `index` is False: a run still
+    writing, or one rank of several. `shard_numbers` and `on_written` are the writer's."""
+    indices = range(len(lengths)) if indices is None else indices
+    rows = _Batch(list(indices), list(lengths), input_ids, loss_mask, aux, last)
+    return _write(out_dir, run, [rows], shard_bytes, index, shard_numbers, on_written)
+
+
+class _Batch(NamedTuple):
+    indices: list[int]
+    lengths: list[int]
+    input_ids: np.ndarray | torch.Tensor
+    loss_mask: np.ndarray | torch.Tensor
+    aux: torch.Tensor
+    last: torch.Tensor | None
+
+
+def _write(out_dir, run: RunInfo, batches: Iterable[_Batch], shard_bytes: int, index: bool, shard_numbers,
+           on_written) -> list[Path]:
+    writer = ShardWriter(out_dir, run, shard_bytes=shard_bytes, shard_numbers=shard_numbers, on_written=on_written)
+    for b in batches:
+        samples = [SampleInfo(i, f"s{i}", "synthetic", i + 1, n, False) for i, n in zip(b.indices, b.lengths)]
+        last = b.last if run.encoding.keeps_final_state else None
+        writer.add_batch(samples, b.input_ids, b.loss_mask, b.aux, last, lengths=b.lengths)
     paths = writer.close()
-    write_index(out_dir)
+    if index:
+        write_index(out_dir)
     return paths

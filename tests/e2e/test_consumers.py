@@ -17,10 +17,7 @@ from extract_runs import ROOT, extract_command
 
 from offline_extract.engine import parity
 from offline_extract.final_norm import recorded
-from offline_extract.store.index import write_index
-from offline_extract.store.schema import SampleInfo
-from offline_extract.store.writer import ShardWriter
-from offline_extract.testing.shards import synthetic_run, write_synthetic
+from offline_extract.testing.shards import synthetic_run, write_samples, write_synthetic
 from offline_extract.training.datasets import HiddenStateDataset
 from offline_extract.training.export import MANIFEST_NAME, export_specforge, export_speculators
 
@@ -45,14 +42,8 @@ def runs(tiny_engine, tiny_model_dir, tmp_path_factory):
         run = synthetic_run(tiny_engine.layer_ids, tiny_engine.hidden_size, model=str(tiny_model_dir),
                             num_layers=tiny_engine.num_layers, final_state=state, store=store, compress=compress,
                             final_norm=tiny_engine.final_norm().to_json())
-        writer = ShardWriter(out, run, shard_bytes=30 * 4 * 64 * 2)
-        writer.add_batch(
-            [SampleInfo(i, f"s{i}", "engine", i + 1, n, False) for i, n in enumerate(LENGTHS)],
-            np.concatenate(seqs), np.concatenate(masks), captured[state].aux.bfloat16(), captured[state].last.bfloat16(),
-            lengths=LENGTHS,
-        )
-        writer.close()
-        write_index(out)
+        write_samples(out, run, LENGTHS, np.concatenate(seqs), np.concatenate(masks), captured[state].aux.bfloat16(),
+                      captured[state].last.bfloat16(), shard_bytes=30 * 4 * 64 * 2)
         outs[state] = out
     return outs
 

@@ -12,10 +12,10 @@ from offline_extract.store.inspection import summarize
 from offline_extract.store.journal import Journal
 from offline_extract.options import choices
 from offline_extract.store.schema import METADATA_KEY, STORES, Encoding, RunInfo, SampleInfo, ShardError
-from offline_extract.store.index import iter_samples, shard_paths, write_index
+from offline_extract.store.index import iter_samples, shard_paths
 from offline_extract.store.shard import open_shard
 from offline_extract.store.writer import ShardWriter
-from offline_extract.testing.shards import synthetic_run
+from offline_extract.testing.shards import synthetic_run, write_samples
 from offline_extract.training.datasets import HiddenStateDataset, HiddenStateIterableDataset
 from offline_extract.training.export import export_specforge, specforge_path
 
@@ -41,28 +41,14 @@ def run_of(encoding: Encoding) -> RunInfo:
 
 
 def write(out, encoding: Encoding, shard_bytes: int = 20 * (K + 1) * H * 2) -> None:
-    """Shards of LENGTHS samples (three batches) in `encoding`, with manifest and index, as a run leaves them."""
+    """Shards of LENGTHS samples in `encoding`, with manifest and index, as a run leaves them."""
     out.mkdir(parents=True, exist_ok=True)
     aux, last = states()
-    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, 1000, (len(aux),), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
     with Journal(manifest.journal_path(out, 0)) as journal:
-        writer = ShardWriter(out, run_of(encoding), shard_bytes=shard_bytes, on_written=lambda w: journal.append(vars(w)))
-        row = 0
-        for batch in ([0, 1], [2, 3, 4], [5, 6]):
-            n = [LENGTHS[i] for i in batch]
-            rows = slice(row, row + sum(n))
-            row += sum(n)
-            writer.add_batch(
-                [SampleInfo(i, f"s{i}", "synthetic", i + 1, LENGTHS[i], False) for i in batch],
-                torch.randint(0, 1000, (sum(n),), generator=g, dtype=torch.int32),
-                torch.ones(sum(n), dtype=torch.uint8),
-                aux[rows],
-                last[rows] if encoding.keeps_final_state else None,
-                lengths=n,
-            )
-        writer.close()
+        write_samples(out, run_of(encoding), LENGTHS, input_ids, torch.ones(len(aux), dtype=torch.uint8), aux, last,
+                      shard_bytes=shard_bytes, on_written=lambda w: journal.append(vars(w)))
     manifest.consolidate(out, identity={"layer_ids": [1, 3, 4]}, status="complete")
-    write_index(out)
 
 
 def expected(encoding: Encoding) -> dict[str, dict[str, torch.Tensor]]:

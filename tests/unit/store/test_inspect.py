@@ -13,9 +13,8 @@ from rich.console import Console
 
 from offline_extract.store import inspection, manifest
 from offline_extract.store.index import write_index
-from offline_extract.store.schema import SampleInfo, ShardError
-from offline_extract.store.writer import ShardWriter
-from offline_extract.testing.shards import synthetic_run
+from offline_extract.store.schema import ShardError
+from offline_extract.testing.shards import synthetic_run, write_samples
 
 SCRIPT = ROOT / "bin" / "inspect.py"
 H = 4
@@ -37,13 +36,12 @@ def known_tensors():
 
 def write_known(out_dir, run=RUN):
     layer2, layer5, last = known_tensors()
-    samples = [SampleInfo(i, f"s{i}", "data.jsonl", i + 1, n, False) for i, n in enumerate(LENGTHS)]
     input_ids = np.concatenate([np.arange(n) + 100 * (i + 1) for i, n in enumerate(LENGTHS)])
     loss_mask = np.array([0, 1, 1, 0, 0, 1, 0, 1, 1, 1])
     # Two samples (24 hidden-state bytes per token) fill the first shard; the last goes to a second one.
-    writer = ShardWriter(out_dir, run, shard_bytes=6 * (3 * H * 2))
-    writer.add_batch(samples, input_ids, loss_mask, torch.cat([layer2, layer5], 1), last, lengths=LENGTHS)
-    assert len(writer.close()) == 2
+    paths = write_samples(out_dir, run, LENGTHS, input_ids, loss_mask, torch.cat([layer2, layer5], 1), last,
+                          shard_bytes=6 * (3 * H * 2), index=False)
+    assert len(paths) == 2
     return out_dir
 
 
@@ -174,13 +172,10 @@ def test_sample_is_decoded_with_loss_tokens_highlighted(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path / "tok")
 
-    writer = ShardWriter(tmp_path / "out", replace(RUN, tokenizer_path=str(tmp_path / "tok")))
-    sample = SampleInfo(0, "greeting", "chat.jsonl", 1, 5, False)
-    writer.add_batch([sample], np.array([1, 2, 3, 4, 5]), np.array([0, 0, 1, 1, 1]),
-                     torch.zeros(5, 2 * H), torch.zeros(5, H), lengths=[5])
-    writer.close()
+    write_samples(tmp_path / "out", replace(RUN, tokenizer_path=str(tmp_path / "tok")), [5], np.array([1, 2, 3, 4, 5]),
+                  np.array([0, 0, 1, 1, 1]), torch.zeros(5, 2 * H), torch.zeros(5, H), index=False)
 
-    view = inspection.sample_view(tmp_path / "out", "greeting")
+    view = inspection.sample_view(tmp_path / "out", "s0")
     assert view["tokenizer_note"] is None
     spans = [(span["loss"], span["text"]) for span in view["spans"]]
     assert spans == [(False, "hello world"), (True, "how are you")]
@@ -200,11 +195,9 @@ def test_sample_found_in_a_shard_the_index_does_not_list_yet(tmp_path):
     # A run still writing: index.json was written before shard_002 appeared.
     out = write_known(tmp_path)
     write_index(out)
-    writer = ShardWriter(out, RUN, shard_numbers=iter([2]))
     layer2, layer5, last = (t[:2] for t in known_tensors())
-    writer.add_batch([SampleInfo(3, "s3", "data.jsonl", 4, 2, False)], np.array([7, 8]), np.array([1, 1]),
-                     torch.cat([layer2, layer5], 1), last, lengths=[2])
-    writer.close()
+    write_samples(out, RUN, [2], np.array([7, 8]), np.array([1, 1]), torch.cat([layer2, layer5], 1), last,
+                  indices=[3], index=False, shard_numbers=iter([2]))
     assert inspection.sample_view(out, "s2")["shard"].endswith("shard_001.safetensors")  # through the index
     view = inspection.sample_view(out, "s3")
     assert view["shard"].endswith("shard_002.safetensors")

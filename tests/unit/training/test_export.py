@@ -54,7 +54,7 @@ def test_export_matches_the_shards(out_dir, tmp_path):
     assert summary.bytes_written == sum(p.stat().st_size for p in dest.rglob("*.ckpt"))
 
     manifest = json.loads((dest / MANIFEST_NAME).read_text())
-    assert manifest["ids"] == [f"sample-{i}" for i in range(len(LENGTHS))]
+    assert manifest["ids"] == [f"s{i}" for i in range(len(LENGTHS))]
     assert manifest["rows_per_folder"] == 3
     assert manifest["run"]["layer_ids"] == list(range(K))
 
@@ -269,9 +269,9 @@ def test_specforge_export_uses_each_recipes_keys(tmp_path, recipe, keys):
     for i in range(3):
         data = torch.load(specforge_path(tmp_path / "sf", i), weights_only=True)
         assert set(data) == keys
-        assert torch.equal(data["hidden_states"][0], want[f"sample-{i}"]["aux_hidden_states"])
+        assert torch.equal(data["hidden_states"][0], want[f"s{i}"]["aux_hidden_states"])
         if recipe == "dspark":
-            assert torch.equal(data["target_last_hidden_states"][0], want[f"sample-{i}"]["hidden_states"])
+            assert torch.equal(data["target_last_hidden_states"][0], want[f"s{i}"]["hidden_states"])
     with pytest.raises(ExportError, match=f"--recipe {recipe}; speculators trains EAGLE-3"):
         export_speculators(out, tmp_path / "spec", progress=False)
 

@@ -8,11 +8,10 @@ from torch.utils.data import DataLoader
 
 from offline_extract.store import manifest
 from offline_extract.store.index import iter_samples, shard_paths, write_index
-from offline_extract.store.schema import SAMPLE_TENSORS, SampleInfo, ShardError
+from offline_extract.store.schema import SAMPLE_TENSORS, ShardError
 from offline_extract.store.shard import open_shard
-from offline_extract.store.writer import ShardWriter
 from offline_extract.training import datasets
-from offline_extract.testing.shards import synthetic_run
+from offline_extract.testing.shards import synthetic_run, write_synthetic
 from offline_extract.training.datasets import HiddenStateDataset, HiddenStateIterableDataset, pad_collate
 
 K, H = 3, 8
@@ -24,19 +23,8 @@ N = len(LENGTHS)
 
 def write_rank(out_dir, indices, shard_numbers, seed, lengths=LENGTHS):
     """Samples `indices` as one data-parallel rank writes them, in shards of about 12 rows."""
-    gen = torch.Generator().manual_seed(seed)
-    writer = ShardWriter(out_dir, RUN, shard_bytes=12 * ROW_BYTES, shard_numbers=shard_numbers)
-    lengths = [lengths[i] for i in indices]
-    total = sum(lengths)
-    writer.add_batch(
-        [SampleInfo(i, f"s{i}", "data.jsonl", i + 1, n, False) for i, n in zip(indices, lengths)],
-        torch.randint(0, 50_000, (total,), generator=gen),
-        torch.rand(total, generator=gen) < 0.5,
-        torch.randn(total, K * H, generator=gen),
-        torch.randn(total, H, generator=gen),
-        lengths=lengths,
-    )
-    writer.close()
+    write_synthetic(out_dir, [lengths[i] for i in indices], hidden_size=H, layer_ids=RUN.layer_ids,
+                    shard_bytes=12 * ROW_BYTES, seed=seed, indices=indices, index=False, shard_numbers=shard_numbers)
 
 
 @pytest.fixture
