@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 from offline_extract.store import integrity, manifest, resume
 from offline_extract.store.index import read_index, shard_paths, write_index
 from offline_extract.store.inspection import summarize
-from offline_extract.store.schema import FORMAT_VERSION, METADATA_KEY, Encoding, RunInfo, SampleInfo, ShardError
+from offline_extract.store.schema import FORMAT_VERSION, METADATA_KEY, Encoding, RunInfo, ShardError
 from offline_extract.store.shard import read_header
-from offline_extract.store.writer import ShardWriter
+from offline_extract.testing.shards import write_samples
 from offline_extract.training.datasets import HiddenStateDataset
 from offline_extract.training.export import export_specforge, export_speculators, speculators_path
 
@@ -82,18 +82,16 @@ def test_a_version_2_run_resumes_a_version_1_output(v1):
     with pytest.raises(resume.TakeoverError, match="layer_ids"):
         resume.check_identity(out, manifest.run_identity(replace(run, layer_ids=(1, 2, 3)), [corpus]), force=True)
 
-    writer = ShardWriter(out, run, shard_numbers=iter([1]))
     rows = 5
-    writer.add_batch([SampleInfo(7, "new", "c.jsonl", 8, rows, False)], torch.arange(rows), torch.ones(rows),
-                     torch.randn(rows, 3 * run.hidden_size), torch.randn(rows, run.hidden_size), lengths=[rows])
-    (new,) = writer.close()
+    (new,) = write_samples(out, run, [rows], torch.arange(rows), torch.ones(rows), torch.randn(rows, 3 * run.hidden_size),
+                           torch.randn(rows, run.hidden_size), indices=[7], index=False, shard_numbers=iter([1]))
     assert _document(new)["format_version"] == FORMAT_VERSION and "encoding" not in _document(new)
     manifest.consolidate(out)
     write_index(out)
     assert read_index(out)["format_version"] == FORMAT_VERSION
     assert integrity.verify(out).problems == []
     dataset = HiddenStateDataset(out, verify_checksums=True)
-    assert dataset.ids == ["geo-1", "corpus.jsonl:3", "new"]
+    assert dataset.ids == ["geo-1", "corpus.jsonl:3", "s7"]
     assert dataset[2]["aux_hidden_states"].shape == (rows, 3 * run.hidden_size)
 
 
