@@ -194,6 +194,8 @@ class _ShardBuffer:
         self.samples: list[SampleInfo] = []
         self.lengths: list[int] = []
         self.tokens = 0
+        # Under zstd, each recorded sample's frames as they are being compressed: {state: Future[bytes]}
+        self.frames: list[dict[str, Future]] = []
 
     def reserve(self, n: int) -> dict[str, torch.Tensor]:
         """Views of the next `n` rows of every tensor, to be filled and then `record`ed."""
@@ -218,10 +220,10 @@ class _ShardBuffer:
 
     def contents(
         self, pending: tuple[SampleInfo, int] | None = None, parts: int = 1
-    ) -> list[tuple[list[SampleInfo], dict[str, torch.Tensor]]]:
-        """The samples and the shard's tensors (views of this buffer), with the `pending` (sample, tokens)
-        whose rows are reserved after the recorded ones, if given; cut into up to `parts` shards of about
-        equal tokens, whole samples each."""
+    ) -> list[tuple[list[SampleInfo], dict[str, torch.Tensor], list[dict[str, Future]]]]:
+        """The samples, the shard's tensors (views of this buffer) and the samples' frames (under zstd),
+        with the `pending` (sample, tokens) whose rows are reserved after the recorded ones, if given; cut
+        into up to `parts` shards of about equal tokens, whole samples each."""
         samples, lengths = list(self.samples), list(self.lengths)
         if pending is not None:
             samples.append(pending[0])
@@ -237,7 +239,7 @@ class _ShardBuffer:
             out = {name: t[rows] for name, t in self.tensors.items()}
             out["offsets"] = torch.tensor(bounds[first : stop + 1] - bounds[first], dtype=SPECS["offsets"].dtype)
             out["sample_index"] = torch.tensor([s.index for s in samples[first:stop]], dtype=SPECS["sample_index"].dtype)
-            shards.append((samples[first:stop], out))
+            shards.append((samples[first:stop], out, self.frames[first:stop]))
         return shards
 
 
@@ -284,8 +286,9 @@ class ShardWriter:
 
     A sample whose states arrive in pieces (a long sample, chunk by chunk) goes in with `begin_sample`,
     which hands out its rows in the shard buffer to fill, and `end_sample`: its states are then copied
-    into host memory once, never assembled elsewhere first. Under zstd the writer threads compress, one
-    frame per sample per state, so such a shard is written once complete, not while it fills.
+    into host memory once, never assembled elsewhere first. Under zstd the writer threads compress each
+    sample's states, one frame each, as soon as the sample is in its buffer; a sample's frame needs all of
+    its rows, so a long sample's shard is written once the sample is complete, not while it fills.
     """
 
     def __init__(
@@ -318,6 +321,7 @@ class ShardWriter:
         self._on_written = on_written
         self._writers = writers
         self._pool = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="shard-writer")
+        self._zstd = threading.local()
         self._free: queue.Queue[_ShardBuffer] = queue.Queue()
         self._buffers_left = writers + 1
         self._pending: list[Future] = []
@@ -399,11 +403,16 @@ class ShardWriter:
         for i, n in enumerate(lengths):
             row += n
             if (self._buffered_tokens() + row - first_row) * row_bytes >= self.shard_bytes:
-                self._buffer().append(samples[first_sample : i + 1], lengths[first_sample : i + 1], tensors, first_row, row)
+                self._append(samples[first_sample : i + 1], lengths[first_sample : i + 1], tensors, first_row, row)
                 self._flush()
                 first_sample, first_row = i + 1, row
         if first_sample < len(samples):
-            self._buffer().append(samples[first_sample:], lengths[first_sample:], tensors, first_row, row)
+            self._append(samples[first_sample:], lengths[first_sample:], tensors, first_row, row)
+
+    def _append(self, samples, lengths, tensors: dict[str, torch.Tensor], start: int, stop: int) -> None:
+        buf = self._buffer()
+        buf.append(samples, lengths, tensors, start, stop)
+        self._compress_recorded(buf)
 
     def begin_sample(
         self, sample: SampleInfo, input_ids: np.ndarray | torch.Tensor, loss_mask: np.ndarray | torch.Tensor,
@@ -454,6 +463,7 @@ class ShardWriter:
             return
         if keep:
             self._current.record([sample], [n])
+            self._compress_recorded(self._current)
             if self._current.tokens * row_bytes >= self.shard_bytes:
                 self._flush()
 
@@ -506,14 +516,14 @@ class ShardWriter:
             if path.exists():
                 raise FileExistsError(f"{path} already exists; refusing to overwrite another run's shard")
         buf.writes_left = len(shards)
-        for path, (samples, tensors) in zip(paths, shards):
-            self._pending.append(self._pool.submit(self._write, path, buf, samples, tensors, filling))
+        for path, (samples, tensors, frames) in zip(paths, shards):
+            self._pending.append(self._pool.submit(self._write, path, buf, samples, tensors, frames, filling))
 
     def _write(self, path: Path, buf: _ShardBuffer, samples: list[SampleInfo], tensors: dict[str, torch.Tensor],
-               filling: _Filling | None) -> Path:
+               frames: list[dict[str, Future]], filling: _Filling | None) -> Path:
         row_bytes = self.encoding.state_bytes(buf.widths)
         try:
-            tensors = self._compressed(tensors)
+            tensors = self._compressed(tensors, frames)
             tensors = {name: tensors[name] for name in self.encoding.file_order}
             document = {
                 "format_version": FORMAT_VERSION,
@@ -546,16 +556,39 @@ class ShardWriter:
                     buf = self._new_buffer()
                 self._free.put(buf)
 
-    def _compressed(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | _Frames]:
-        """Under zstd, each compressed state as its frames, one per sample, and their byte offsets."""
+    def _compressed(self, tensors: dict[str, torch.Tensor], frames: list[dict[str, Future]]) -> dict[str, torch.Tensor | _Frames]:
+        """Under zstd, each compressed state as its samples' `frames`, and their byte offsets."""
         if not self.encoding.compressed:
             return tensors
-        offsets, cctx, out = tensors["offsets"].tolist(), compressor(), dict(tensors)
+        out = dict(tensors)
         for name in self.encoding.compressed:
-            frames = [compress_frame(tensors[name][a:b], cctx) for a, b in zip(offsets, offsets[1:])]
-            out[name] = _Frames(frames)
-            out[name + FRAMES_SUFFIX] = torch.tensor(np.cumsum([0, *map(len, frames)]), dtype=torch.int64)
+            data = [sample[name].result() for sample in frames]
+            out[name] = _Frames(data)
+            out[name + FRAMES_SUFFIX] = torch.tensor(np.cumsum([0, *map(len, data)]), dtype=torch.int64)
         return out
+
+    def _compress_recorded(self, buf: _ShardBuffer) -> None:
+        """Under zstd, starts compressing the frames of the samples just recorded in `buf`, each state of
+        each sample a task of the writer threads. A shard's frames are then ready about when its last batch
+        arrives; compressed only once the shard was complete, by the one thread that writes it, the last
+        shard's took most of a second after the last forward. The write waits for them: submitted before
+        it, they are running or done by the time a thread takes the write (the pool is first in, first
+        out), so that wait cannot starve."""
+        if not self.encoding.compressed:
+            return
+        new = buf.lengths[len(buf.frames) :]
+        start = buf.tokens - sum(new)
+        for n in new:
+            buf.frames.append({
+                name: self._pool.submit(self._compress_frame, buf.tensors[name][start : start + n])
+                for name in self.encoding.compressed
+            })
+            start += n
+
+    def _compress_frame(self, rows: torch.Tensor) -> bytes:
+        if not hasattr(self._zstd, "cctx"):
+            self._zstd.cctx = compressor()  # a compression context serves one thread at a time
+        return compress_frame(rows, self._zstd.cctx)
 
     def _raise_failed_writes(self) -> None:
         done = [f for f in self._pending if f.done()]

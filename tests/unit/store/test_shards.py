@@ -418,3 +418,38 @@ def test_a_small_last_shard_stays_one_file(tmp_path):
     """Under LAST_SHARD_PART_BYTES a part would cost more in files than it saves in time."""
     _, paths = write(tmp_path, BATCHES, writers=4)
     assert len(paths) == 1
+
+
+def test_zstd_frames_are_compressed_as_their_samples_arrive(tmp_path, monkeypatch):
+    """Each sample's frames are compressed once its batch is in, not when its shard completes: at close
+    only the last batch's frames are left (the last shard's, in one thread, took most of a second)."""
+    started = []
+    compress = writer_module.compress_frame
+
+    def spy(rows, cctx):
+        started.append(rows.shape[0])
+        return compress(rows, cctx)
+
+    monkeypatch.setattr(writer_module, "compress_frame", spy)
+    writer = ShardWriter(tmp_path, RUN, encoding=Encoding("bf16", "zstd"), writers=2)
+    writer.add_batch(*make_batch([0, 1], [5, 3]), lengths=[5, 3])
+    deadline = time.monotonic() + 10
+    while len(started) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(started) == [3, 3, 5, 5]  # aux and final state of both samples, with the shard still open
+    assert not shard_paths(tmp_path)
+    (path,) = writer.close()
+    assert [info.index for info, _ in iter_samples(tmp_path)] == [0, 1]
+    assert len(started) == 4
+
+
+def test_a_failed_compression_fails_the_write_and_leaves_no_shard(tmp_path, monkeypatch):
+    def broken(rows, cctx):
+        raise MemoryError("no room for a frame")
+
+    monkeypatch.setattr(writer_module, "compress_frame", broken)
+    writer = ShardWriter(tmp_path, RUN, encoding=Encoding("bf16", "zstd"), writers=2)
+    writer.add_batch(*make_batch([0, 1], [5, 3]), lengths=[5, 3])
+    with pytest.raises(MemoryError, match="no room for a frame"):
+        writer.close()
+    assert not list(tmp_path.iterdir())
