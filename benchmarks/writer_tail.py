@@ -29,7 +29,7 @@ import torch
 
 from benchmarks import emit
 
-from offline_extract.store.schema import Encoding, SampleInfo
+from offline_extract.store.schema import Encoding, RunInfo, SampleInfo
 from offline_extract.store.writer import ShardWriter
 from offline_extract.testing.states import residual_like
 
@@ -76,8 +76,8 @@ def run(case: str, out: Path, store: str, compress: str, writers: int, pace: flo
     staged = encoding.encode(aux, last, K)
     ids = torch.arange(BATCH_TOKENS, dtype=torch.int32)
     mask = torch.ones(BATCH_TOKENS, dtype=torch.uint8)
-    writer = ShardWriter(out, {"benchmark": True, "layer_ids": list(range(K))}, encoding=encoding, writers=writers,
-                         widths=encoding.widths(K, H))
+    run = RunInfo(layer_ids=tuple(range(K)), store=store, compress=compress)
+    writer = ShardWriter(out, run, writers=writers, widths=encoding.widths(K, H))
     per = BATCH_TOKENS // 8
     if case == "batches":
         steps = []

@@ -431,7 +431,7 @@ def test_zstd_frames_are_compressed_as_their_samples_arrive(tmp_path, monkeypatc
         return compress(rows, cctx)
 
     monkeypatch.setattr(writer_module, "compress_frame", spy)
-    writer = ShardWriter(tmp_path, RUN, encoding=Encoding("bf16", "zstd"), writers=2)
+    writer = ShardWriter(tmp_path, replace(RUN, compress="zstd"), writers=2)
     writer.add_batch(*make_batch([0, 1], [5, 3]), lengths=[5, 3])
     deadline = time.monotonic() + 10
     while len(started) < 4 and time.monotonic() < deadline:
@@ -448,7 +448,7 @@ def test_a_failed_compression_fails_the_write_and_leaves_no_shard(tmp_path, monk
         raise MemoryError("no room for a frame")
 
     monkeypatch.setattr(writer_module, "compress_frame", broken)
-    writer = ShardWriter(tmp_path, RUN, encoding=Encoding("bf16", "zstd"), writers=2)
+    writer = ShardWriter(tmp_path, replace(RUN, compress="zstd"), writers=2)
     writer.add_batch(*make_batch([0, 1], [5, 3]), lengths=[5, 3])
     with pytest.raises(MemoryError, match="no room for a frame"):
         writer.close()
