@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +97,20 @@ def assert_only_complete_shards(out) -> None:
         read_header(path)  # every shard on disk is whole
 
 
+def paired_samples(out_a, out_b) -> Iterator[tuple[int, dict, dict]]:
+    """Two directories' samples paired by corpus index, each pair's (index, tensors of a, tensors of b),
+    once it is checked that both hold the same samples with the same metadata and tokens."""
+    a = {info.index: (info, t) for info, t in iter_samples(out_a)}
+    b = {info.index: (info, t) for info, t in iter_samples(out_b)}
+    assert a.keys() == b.keys()
+    for index, (info, t) in a.items():
+        info_b, t_b = b[index]
+        assert info == info_b
+        for name in ("input_ids", "loss_mask"):
+            assert torch.equal(t[name], t_b[name]), (index, name)
+        yield index, t, t_b
+
+
 def assert_same_samples(out_a, out_b) -> None:
     """Both directories hold the same samples: metadata and tokens exactly, states up to bf16 rounding.
 
@@ -106,14 +121,7 @@ def assert_same_samples(out_a, out_b) -> None:
     summation noise, which scales with the states' largest value (their scale, about 7 on the tiny model)
     and differs with the CPU's GEMM blocking: hence an absolute floor of 16 float32 steps of that scale.
     """
-    a = {info.index: (info, t) for info, t in iter_samples(out_a)}
-    b = {info.index: (info, t) for info, t in iter_samples(out_b)}
-    assert a.keys() == b.keys()
-    for index, (info, t) in a.items():
-        info_b, t_b = b[index]
-        assert info == info_b
-        for name in ("input_ids", "loss_mask"):
-            assert torch.equal(t[name], t_b[name]), (index, name)
+    for index, t, t_b in paired_samples(out_a, out_b):
         for name in ("aux_hidden_states", "hidden_states"):
             x, y = t[name].float(), t_b[name].float()
             floor = 16 * torch.finfo(torch.float32).eps * y.abs().max().item()

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from extract_runs import ROOT, assert_only_complete_shards, extract_command, kill_rank_when, start_nodes
+from extract_runs import ROOT, assert_only_complete_shards, extract_command, kill_rank_when, paired_samples, start_nodes
 
 from offline_extract.store import integrity
 from offline_extract.store.index import iter_samples, shard_paths
@@ -52,16 +52,9 @@ def per_token_cosine(a: torch.Tensor, b: torch.Tensor, width: int) -> torch.Tens
 
 def compare_runs(out_a, out_b) -> dict:
     """Same samples with the same tokens and metadata; returns the worst and median token cosine of each tensor."""
-    a = {info.index: (info, t) for info, t in iter_samples(out_a)}
-    b = {info.index: (info, t) for info, t in iter_samples(out_b)}
-    assert a.keys() == b.keys()
     width = open_shard(shard_paths(out_a)[0]).run.hidden_size
     cosines = {"aux_hidden_states": [], "hidden_states": []}
-    for index, (info, t) in a.items():
-        info_b, t_b = b[index]
-        assert info == info_b
-        for name in ("input_ids", "loss_mask"):
-            assert torch.equal(t[name], t_b[name]), (index, name)
+    for _, t, t_b in paired_samples(out_a, out_b):
         for name, found in cosines.items():
             found.append(per_token_cosine(t[name], t_b[name], width).flatten())
     return {name: {"worst": float(torch.cat(c).min()), "median": float(torch.cat(c).median())}
