@@ -10,18 +10,14 @@
 # seconds into RESULTS_DIR/steps.jsonl, its output into RESULTS_DIR/<step>.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-results=$(realpath -m "$1") budget=${2:-560}
-mkdir -p "$results"
-start=$(date +%s)
-
 source benchmarks/steps.sh
+begin "$1" "${2:-560}"
 export OFFLINE_EXTRACT_RESULTS=$results/parity
 
-moe="qwen3_moe or glm4_moe or gpt_oss or qwen3_next or minimax_m2 or qwen2_moe or deepseek_v3 or kimi_k25"
-suite="python -m pytest -m gpu tests/gpu/test_gpu_architectures.py -v -rA -p no:cacheprovider"
-step moe_triton 420 "$suite -k '($moe) and triton'" &
-step moe_flashinfer 420 "$suite -k '($moe) and flashinfer'" &
-step moe_fa3 420 "$suite -k '($moe) and fa3'" &
+suite="python -m pytest -m 'gpu and moe' tests/gpu/test_gpu_architectures.py -v -rA -p no:cacheprovider"
+step moe_triton 420 "$suite -k triton" &
+step moe_flashinfer 420 "$suite -k flashinfer" &
+step moe_fa3 420 "$suite -k fa3" &
 wait
 step verify_default_backend 150 "python -m pytest -m gpu tests/gpu/test_gpu.py -v -rA -p no:cacheprovider -k verify_passes_on_the_families" &
 step mxfp4 150 "python -m pytest -m gpu tests/gpu/test_gpu_mxfp4.py -v -rA -p no:cacheprovider" &

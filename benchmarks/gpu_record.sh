@@ -6,11 +6,8 @@
 # with its exit status and seconds, and its output into RESULTS_DIR/<step>.log (benchmarks/steps.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-results=$1 budget=$2
-mkdir -p "$results"
-start=$(date +%s)
-
 source benchmarks/steps.sh
+begin "$1" "$2"
 
 bench="python bin/bench.py --results-dir $results/bench --disk-probe-gb 1"
 lane0() {

@@ -9,24 +9,21 @@
 # RESULTS_DIR/steps.jsonl, its output to RESULTS_DIR/<step>.log, the parity JSONs to RESULTS_DIR/parity.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-results=$(realpath -m "$1") budget=${2:-560}
-mkdir -p "$results"
-start=$(date +%s)
 source benchmarks/steps.sh
+begin "$1" "${2:-560}"
 export OFFLINE_EXTRACT_RESULTS=$results/parity
-pytest="python -m pytest -m gpu -v -rA -p no:cacheprovider"
-moe="qwen3_moe or glm4_moe or gpt_oss or qwen3_next or minimax_m2 or qwen2_moe or deepseek_v3 or kimi_k25"
+pytest="python -m pytest -v -rA -p no:cacheprovider"
 lane0() {
   export CUDA_VISIBLE_DEVICES=0
   for backend in triton flashinfer fa3; do
-    step "dense_$backend" 330 "$pytest tests/gpu/test_gpu_architectures.py -k 'not ($moe) and $backend'" &
+    step "dense_$backend" 330 "$pytest -m 'gpu and not moe' tests/gpu/test_gpu_architectures.py -k $backend" &
   done
   wait
-  step fp8 150 "$pytest tests/gpu/test_gpu_fp8.py"
-  step exports_codecs 150 "$pytest tests/gpu/test_gpu_exports.py tests/gpu/test_gpu_codecs.py"
+  step fp8 150 "$pytest -m gpu tests/gpu/test_gpu_fp8.py"
+  step exports_codecs 150 "$pytest -m gpu tests/gpu/test_gpu_exports.py tests/gpu/test_gpu_codecs.py"
 }
 lane1() {
   export CUDA_VISIBLE_DEVICES=1
-  step engine 540 "$pytest tests/gpu/test_gpu.py"
+  step engine 540 "$pytest -m gpu tests/gpu/test_gpu.py"
 }
 lane0 & lane1 & wait

@@ -14,8 +14,8 @@
 # and what SGLang's JIT caches hold before and after the first run to caches.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-results=$1 budget=${MAIN_JOB_SECONDS:-590} start=$(date +%s)
-mkdir -p "$results"
+source benchmarks/steps.sh
+begin "$1" "${MAIN_JOB_SECONDS:-590}"
 model=/dev/shm/offline_extract_peers_llama3_8b
 work=/tmp/offline_extract_main_job
 logs=$work/logs
@@ -24,7 +24,6 @@ free=$(df --output=avail -B1 "$work" | tail -1)
 tokens=${2:-$(python3 -c "print(min(1_500_000, int($free * 0.7 / 32773) // 1000 * 1000))")}
 echo "free disk under $work: $free bytes; corpus of $tokens tokens" | tee "$results/plan.txt"
 
-source benchmarks/steps.sh
 logged() {  # a step, then the logs archived, so that a call cut short keeps them
   step "$@"
   tar -czf "$results/logs.tar.gz" -C "$logs" .

@@ -2,7 +2,8 @@
 #   step NAME LIMIT_SECONDS COMMAND...
 # runs COMMAND under `timeout`, cut to what is left of the call's budget so that a slow step leaves the others
 # their time, its output into $logs/NAME.log, and appends its command, exit status and seconds to
-# $results/steps.jsonl. The caller sets results, logs (default: results), budget and start (date +%s);
+# $results/steps.jsonl. The caller sets results, budget and start with `begin RESULTS_DIR SECONDS`, and logs
+# (default: results);
 # an environment assignment in front of `step` reaches the command; CUDA_VISIBLE_DEVICES is recorded too.
 step() {
   local name=$1 limit=$2; shift 2
@@ -18,4 +19,9 @@ step() {
   local rc=$?
   python3 -c 'import json,sys; print(json.dumps({"step": sys.argv[1], "command": sys.argv[2], "env": sys.argv[3], "rc": int(sys.argv[4]), "seconds": int(sys.argv[5])}))' \
     "$name" "$*" "${CUDA_VISIBLE_DEVICES:+CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES}" "$rc" "$(( $(date +%s) - t0 ))" >>"$results/steps.jsonl"
+}
+
+begin() {  # begin RESULTS_DIR SECONDS: the results folder (made), the call's budget, and its clock started
+  results=$(realpath -m "$1") budget=$2 start=$(date +%s)
+  mkdir -p "$results"
 }

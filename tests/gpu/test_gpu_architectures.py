@@ -100,14 +100,19 @@ def _report(arch, backend, models, tmp_path_factory) -> dict:
     return rep
 
 
-@pytest.fixture(scope="module", params=[(a, b) for a in GPU_ARCHS for b in backends(a)], ids=lambda p: f"{p[0]}-{p[1]}")
+def _params(archs):
+    """(architecture, backend) pairs, the MoE ones marked `moe` so that scripts pick either half with -m."""
+    return [pytest.param((a, b), id=f"{a}-{b}", marks=[pytest.mark.moe] if a in MOE_ARCHS else [])
+            for a in archs for b in backends(a)]
+
+
+@pytest.fixture(scope="module", params=_params(GPU_ARCHS))
 def report(request, models, tmp_path_factory):
     arch, backend = request.param
     return arch, backend, _report(arch, backend, models, tmp_path_factory)
 
 
-@pytest.fixture(scope="module", params=[(a, b) for a in GPU_ARCHS if a in MOE_ARCHS for b in backends(a)],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(scope="module", params=_params(sorted(MOE_ARCHS)))
 def moe_report(request, models, tmp_path_factory):
     arch, backend = request.param
     return arch, backend, _report(arch, backend, models, tmp_path_factory)
