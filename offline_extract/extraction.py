@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import _thread
 import json
 import os
+import signal
+import threading
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, replace
 from itertools import chain, islice
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -28,7 +31,7 @@ from offline_extract.data.tokenization import Sample, SampleTokenizer, tokenizer
 from offline_extract.engine import parity
 from offline_extract.engine.distributed import Coordinator, Layout, ReportedByLeader, layout_from_env
 from offline_extract.engine.nonfinite import NonFiniteError, NonFiniteGuard
-from offline_extract.engine.sglang_adapter import LAYER_CONVENTION, Engine, EngineConfig
+from offline_extract.engine.sglang_adapter import LAYER_CONVENTION, Engine, EngineConfig, import_sglang
 from offline_extract.feed import HostMemory, extract_batches
 from offline_extract.options import FINAL_STATES, ExtractOptions
 from offline_extract.progress import RunProgress, foreign_output_hidden, note
@@ -73,15 +76,18 @@ def timing_line(t: dict) -> str:
     """`Job.timings` in one line: what a user waited for before the first forward and after the last."""
     if "startup_s" not in t:
         return f"start-up: no forward ran ({t['marks'].get('checked', 0.0):.1f} s of imports and checks)"
-    gate = f", parity gate {t['parity_gate_s']:.1f} s" if t["parity_gate_s"] >= 0.05 else ""
+    gate = f"; parity gate {t['parity_gate_s']:.1f} s" if t["parity_gate_s"] >= 0.05 else ""
     prebuild = (f" (kernel prebuild {t['prebuild_s']:.1f} s, {t['prebuild_during_load_s']:.1f} s of it during "
                 f"the load)" if "prebuild_s" in t else "")
+    beside = " beside the load" if t["tokenizer_beside_load"] else ""
     return (
         f"start-up {t['startup_s']:.1f} s to the first forward: ours {t['ours_s']:.1f} s (imports and checks "
-        f"{t['imports_and_checks_s']:.1f} s, tokenizer {t['tokenizer_s']:.1f} s), SGLang's model load "
-        f"{t['model_load_s']:.1f} s, warm-up {t['warm_up_s']:.1f} s{prebuild}{gate}; tail {t['tail_s']:.2f} s after the last "
-        f"forward: states to host {t['to_host_s']:.2f} s, last shards {t['last_shards_s']:.2f} s, rejects and index "
-        f"{t['rejects_and_index_s']:.2f} s"
+        f"{t['imports_and_checks_s']:.1f} s, tokenizer {t['tokenizer_waited_s']:.1f} s waited of its "
+        f"{t['tokenizer_s']:.1f} s{beside}, output directory and first batch {t['ours_other_s']:.1f} s); SGLang's "
+        f"{t['sglang_s']:.1f} s (torch import {t['torch_import_s']:.1f} s, SGLang import {t['sglang_import_s']:.1f} s, "
+        f"model load {t['model_load_s']:.1f} s, warm-up {t['warm_up_s']:.1f} s{prebuild}){gate}; tail "
+        f"{t['tail_s']:.2f} s after the last forward: states to host {t['to_host_s']:.2f} s, last shards "
+        f"{t['last_shards_s']:.2f} s, rejects and index {t['rejects_and_index_s']:.2f} s"
     )
 
 
@@ -223,9 +229,10 @@ def run(opts: ExtractOptions) -> Summary | None:
     """
     job = Job(opts)
     finished = resume.finished(job.out, job.known, job.checked.corpus_paths)
-    if finished is None:
+    if finished is None and resume.tokenizer_decides(job.out, job.known):
+        # Other files may still make the recorded tokenizer (a copied model directory): it decides, so it
+        # loads now rather than beside the model.
         job.load_tokenizer()
-        # Other files may still make the recorded tokenizer (a copied model directory): it decides.
         finished = resume.finished(job.out, job.known, job.checked.corpus_paths)
     if finished is not None:
         return job.already_complete(finished)
@@ -234,8 +241,9 @@ def run(opts: ExtractOptions) -> Summary | None:
 
 class Job:
     """One process's part of one attempt. Built from the options, it holds what every phase reads: the
-    checked options, this rank's place in the layout, the tokenizer (`load_tokenizer`) and the run metadata
-    known before the model loads; `run` calls the phases in order, and `timeline` records when each began."""
+    checked options, this rank's place in the layout, the tokenizer (`load_tokenizer`, or beside the model
+    load: `_load`) and the run metadata known before the model loads; `run` calls the phases in order, and
+    `timeline` records when each began."""
 
     def __init__(self, opts: ExtractOptions):
         self.timeline = Timeline()
@@ -253,12 +261,17 @@ class Job:
         self.written: list = []  # headers of the shards this rank wrote (ShardWriter.headers)
 
     def load_tokenizer(self) -> None:
-        """Loaded only once the directory is known not to hold this run's finished output: transformers
-        alone takes seconds to import."""
+        """Before the model loads, where the tokenizer decides what happens next (--strict, a rerun into a
+        complete directory of another tokenizer's files): transformers alone takes seconds to import, which
+        a run that goes on to load the model pays inside SGLang's import instead (`_load`)."""
         with foreign_output_hidden(not self.opts.verbose):
-            self.tokenizer = _sample_tokenizer(self.opts, self.checked.model.path)
+            self._tokenizer_now()
+
+    def _tokenizer_now(self) -> None:
+        self.timeline.mark("tokenizer loading")
+        self.tokenizer = _sample_tokenizer(self.opts, self.checked.model.path)
         self.known = replace(self.known, **self.tokenizer.fingerprint())
-        self.timeline.mark("tokenizer")
+        self.timeline.mark("tokenizer loaded")
 
     def already_complete(self, finished: dict) -> Summary | None:
         """The directory holds this run's finished output. Every rank finds the same, and no rank loads the
@@ -275,6 +288,8 @@ class Job:
     def run(self) -> Summary | None:
         self.coord = Coordinator(self.layout, namespace=f"run-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
         if self.opts.strict:
+            if self.tokenizer is None:
+                self.load_tokenizer()
             self._stop_at_the_first_bad_record()
         locks = []
 
@@ -346,15 +361,34 @@ class Job:
         return HostMemory(enc, widths, forward_tokens, self.layout.local_rank, self.opts.shard_bytes)
 
     def _load(self) -> None:
+        """SGLang's imports, then its model load and the warm-up, with the tokenizer (unless it is loaded
+        already) on a thread of its own beside them: the run waits only for what of it they did not cover."""
         opts, checked, layout = self.opts, self.checked, self.layout
+        cfg = engine_config(opts, layout, checked.model.path, checked.device, checked.tokens_per_batch,
+                            checked.layer_ids)
         self.timeline.mark("loading")
         with foreign_output_hidden(not opts.verbose):
-            self.engine = Engine(engine_config(opts, layout, checked.model.path, checked.device,
-                                               checked.tokens_per_batch, checked.layer_ids))
-            self.timeline.mark("loaded")
-            if opts.warm_up and torch.device(checked.device).type == "cuda":  # nothing compiles on CPU
-                self.engine.warm_up()
-        self.timeline.mark("warm")
+            import_sglang(cfg.device, cfg.jit_cache)
+            self.timeline.mark("sglang imported")
+            beside = None if self.tokenizer is not None else _Beside(self._tokenizer_now)
+            try:
+                if beside is not None:
+                    beside.start()
+                self.engine = Engine(cfg)
+                self.timeline.mark("loaded")
+                if opts.warm_up and torch.device(checked.device).type == "cuda":  # nothing compiles on CPU
+                    self.engine.warm_up()
+                self.timeline.mark("warm")
+                if beside is not None:
+                    beside.wait()
+                    self.timeline.mark("tokenizer waited")
+            except KeyboardInterrupt:
+                if beside is not None and beside.error is not None:
+                    raise beside.error from None  # it stopped the load (_Beside)
+                raise
+            finally:
+                if beside is not None:
+                    beside.settle()
         for name, why in self.engine.prebuild_report().get("prebuild_failed", {}).items():
             note(f"kernel prebuild: {name} failed ({why}); SGLang builds it when the forward first needs it")
         self.meta = run_metadata(self.known, self.engine)
@@ -526,23 +560,39 @@ class Job:
         return total
 
     def timings(self) -> dict:
-        """Where this rank's start-up and tail went, in seconds: from the command to the first forward
-        (ours, SGLang's model load, the warm-up, the parity gate), and from the last forward enqueued to
-        the run's end (its states to the host, the last shards, rejects and index); `marks` holds every
-        point of the timeline, counted from the process's start."""
+        """Where this rank's start-up and tail went, in seconds: from the command to the first forward (ours;
+        SGLang's: the torch and SGLang imports, the model load and the warm-up; the parity gate), and from
+        the last forward enqueued to the run's end (its states to the host, the last shards, rejects and
+        index); `marks` holds every point of the timeline, counted from the process's start.
+
+        The tokenizer counts as ours only for the time the run waited for it: loaded beside SGLang's load
+        (`tokenizer_beside_load`), what that covered is SGLang's; loaded before it, all of it."""
         marks = self.timeline.marks
         if "first forward" not in marks:  # no sample to extract
             return {"marks": marks}
-        load, warm_up, verify = (self.timeline.between(a, b) for a, b in
-                                 (("loading", "loaded"), ("loaded", "warm"), ("verifying", "verified")))
-        startup = marks["first forward"]
+
+        def span(first: str, then: str) -> float:
+            return self.timeline.between(first, then) if first in marks and then in marks else 0.0
+
+        # torch's import is timed where the command imports it (commands/extract.py); SGLang cannot run without it.
+        sglang = {"torch_import_s": span("importing torch", "torch imported"),
+                  "sglang_import_s": span("loading", "sglang imported"), "model_load_s": span("sglang imported", "loaded"),
+                  "warm_up_s": span("loaded", "warm")}
+        beside = "tokenizer waited" in marks
+        tokenizer_waited = span("warm", "tokenizer waited") if beside else span("tokenizer loading", "tokenizer loaded")
+        startup, verify = marks["first forward"], span("verifying", "verified")
+        ours = startup - sum(sglang.values()) - verify
+        imports_and_checks = marks["checked"] - sglang["torch_import_s"]
         return {
             "startup_s": startup,
-            "ours_s": startup - load - warm_up - verify,
-            "imports_and_checks_s": marks["checked"],
-            "tokenizer_s": self.timeline.between("checked", "tokenizer"),
-            "model_load_s": load,
-            "warm_up_s": warm_up,
+            "ours_s": ours,
+            "imports_and_checks_s": imports_and_checks,
+            "tokenizer_s": span("tokenizer loading", "tokenizer loaded"),
+            "tokenizer_waited_s": tokenizer_waited,
+            "tokenizer_beside_load": beside,
+            "ours_other_s": ours - imports_and_checks - tokenizer_waited,
+            "sglang_s": sum(sglang.values()),
+            **sglang,
             "parity_gate_s": verify,
             "tail_s": self.timeline.between("last forward", "finished"),
             "to_host_s": self.timeline.between("last forward", "drained"),
@@ -551,6 +601,66 @@ class Job:
             **self.engine.prebuild_report(),
             "marks": marks,
         }
+
+
+class _Beside:
+    """`call` on a thread of its own (`start`), beside what the calling thread does meanwhile; `wait` joins
+    it and raises what it raised.
+
+    The tokenizer loads so beside SGLang's model load. Started once SGLang is imported (`import_sglang`),
+    it finds every module it needs imported already: the two threads never import the same modules at once,
+    and transformers' import, which SGLang needs anyway, counts as SGLang's. A failure should not cost a
+    whole model load to learn: where the caller is the main thread and Ctrl-C raises KeyboardInterrupt
+    there, the failure interrupts it at once, and the caller raises `error` in its place. `settle`, on the
+    way out, makes sure no such interrupt lands later."""
+
+    def __init__(self, call: Callable[[], None]):
+        self.error: BaseException | None = None
+        self._call = call
+        self._armed = (threading.current_thread() is threading.main_thread()
+                       and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        self._sent = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="beside-the-load", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._call()
+        except BaseException as e:
+            with self._lock:
+                self.error = e
+                if self._armed:
+                    _thread.interrupt_main()
+                    self._sent = True
+
+    def wait(self) -> None:
+        try:
+            self._thread.join()
+            _pending_signals_run()
+        except KeyboardInterrupt:
+            if self.error is None:
+                raise
+        if self.error is not None:
+            raise self.error
+
+    def settle(self) -> None:
+        """From here on the thread interrupts nothing; an interrupt it sent already is taken here."""
+        with self._lock:
+            self._armed = False
+            sent = self._sent
+        if sent:
+            try:
+                _pending_signals_run()
+            except KeyboardInterrupt:
+                pass
+
+
+def _pending_signals_run() -> None:
+    """Does nothing: the main thread runs a pending signal's handler on entering a Python function, so a
+    call to this one takes the signal where the caller catches what it raises."""
 
 
 def _count_owned(layout: Layout, sources: Sequence[Source]) -> int | None:

@@ -19,15 +19,28 @@ def process_age() -> float:
     return max(0.0, uptime - started / os.sysconf("SC_CLK_TCK"))
 
 
+# perf_counter's reading at the moment the process started (process_age: to 1/100 s).
+_ORIGIN = time.perf_counter() - process_age()
+
+# Points reached before any Timeline existed (mark_process), which every Timeline of the process starts with.
+_PROCESS_MARKS: dict[str, float] = {}
+
+
+def mark_process(name: str) -> None:
+    """Records a point of the process's own start-up (a command's imports), before the run's Timeline
+    exists; every Timeline made afterwards holds it."""
+    _PROCESS_MARKS[name] = time.perf_counter() - _ORIGIN
+
+
 class Timeline:
-    """Named points of a run in seconds since its process started, in the order they were reached."""
+    """Named points of a run in seconds since its process started, in the order they were reached (a
+    point may be marked from another thread)."""
 
     def __init__(self) -> None:
-        self._origin = time.perf_counter() - process_age()
-        self.marks: dict[str, float] = {}
+        self.marks: dict[str, float] = dict(_PROCESS_MARKS)
 
     def now(self) -> float:
-        return time.perf_counter() - self._origin
+        return time.perf_counter() - _ORIGIN
 
     def mark(self, name: str) -> float:
         self.marks[name] = self.now()

@@ -148,6 +148,13 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
          force, trust_remote_code, jit_cache, no_warm_up, no_progress, progress_every, verbose):
     # Here, not at the top: torch and transformers take seconds to import, which --help, --version and a
     # mistyped option need not wait for.
+    from offline_extract.timeline import mark_process
+
+    # torch first, and timed: SGLang cannot run without it, so its import is SGLang's share of the start-up
+    # (Job.timings), not ours.
+    mark_process("importing torch")
+    import torch  # noqa: F401
+    mark_process("torch imported")
     from offline_extract import extraction, planning
     from offline_extract.engine.distributed import LeaderFailed, PeerLost, ReportedByLeader
     from offline_extract.engine.parity import ParityError

@@ -83,6 +83,19 @@ def use_jit_cache(root: str | os.PathLike | None = None) -> dict[str, str]:
     return {key: os.environ[key] for key in JIT_CACHES}
 
 
+def import_sglang(device: str, jit_cache: str | os.PathLike | None = None) -> dict[str, str]:
+    """Everything `Engine` needs before it reads a model: the process environment and the compilers' caches
+    (both before sglang's first import: `prepare_process`, `use_jit_cache`), then SGLang's modules, which
+    import transformers, tokenizers and jinja2 too. Returns where the compilers keep their results.
+
+    A caller may call it first, on its own thread: once it returns, a tokenizer loads on another thread
+    beside the model without the two threads importing the same modules at once."""
+    prepare_process(device)
+    caches = use_jit_cache(jit_cache)
+    importlib.import_module("sglang.srt.model_executor.model_runner")  # the engine's modules all come with it
+    return caches
+
+
 # Head sizes for which SGLang's RotaryEmbedding on CUDA calls the fused RoPE module; any other takes its
 # fallback kernel, a module of its own (srt/layers/rotary_embedding/base.py, RotaryEmbedding.__init__).
 _FUSED_ROPE_HEAD_SIZES = (64, 128, 256, 512)
@@ -552,8 +565,7 @@ class Engine:
     """An in-process SGLang ModelRunner that returns hidden states for ragged prefill batches."""
 
     def __init__(self, cfg: EngineConfig):
-        prepare_process(cfg.device)
-        self.jit_caches = use_jit_cache(cfg.jit_cache)
+        self.jit_caches = import_sglang(cfg.device, cfg.jit_cache)
         from sglang.srt.configs.model_config import ModelConfig
         from sglang.srt.distributed.parallel_state_wrapper import ParallelState
         from sglang.srt.layers.moe.utils import initialize_moe_config

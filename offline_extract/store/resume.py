@@ -135,14 +135,12 @@ def finished(out: Path, known: RunInfo, data: Sequence[str]) -> dict | None:
     `known` has none but names the same `tokenizer_files` as recorded. The corpus `data` must be the
     recorded one, and every recorded shard still on disk at its size.
     """
-    current = manifest.load(out) if out.is_dir() else None
-    if current is None or current.get("status") != "complete" or "identity" not in current:
+    current = _complete(out)
+    if current is None or tokenizer_decides(out, known, current):
         return None
     recorded = current["identity"]
     undecided = ["layer_ids", "compute_dtype"]
     if known.tokenizer_sha256 is None:
-        if known.tokenizer_files != recorded.get("tokenizer_files"):
-            return None  # only the tokenizer itself can say whether it still tokenizes as recorded
         undecided += ["tokenizer_sha256", "chat_template_sha256"]
     facts = known.identity()
     facts.update({key: recorded.get(key) for key in undecided if facts[key] is None})
@@ -153,6 +151,21 @@ def finished(out: Path, known: RunInfo, data: Sequence[str]) -> dict | None:
         if not (out / name).is_file() or (out / name).stat().st_size != entry["bytes"]:
             return None
     return current
+
+
+def tokenizer_decides(out: Path, known: RunInfo, current: dict | None = None) -> bool:
+    """Whether only the tokenizer itself can tell if `out` holds a complete run that this one would repeat:
+    it does hold a complete run, and `known` has no tokenizer hashes and other `tokenizer_files` than the
+    recorded ones. `current`: the manifest of `out`, when read already."""
+    current = current or _complete(out)
+    return (current is not None and known.tokenizer_sha256 is None
+            and known.tokenizer_files != current["identity"].get("tokenizer_files"))
+
+
+def _complete(out: Path) -> dict | None:
+    """The manifest of `out` where it records a complete run and its identity."""
+    current = manifest.load(out) if out.is_dir() else None
+    return current if current is not None and current.get("status") == "complete" and "identity" in current else None
 
 
 def settle_finished(out: Path, recorded: dict) -> list[str]:

@@ -108,14 +108,24 @@ def test_start_up_and_tail_are_printed_and_kept_in_the_manifest(single):
     t = json.loads((out / "manifest.json").read_text())["timings"]
     marks = list(t["marks"].values())
     assert marks == sorted(marks) and marks[0] > 0, "every point counted from the command, in order"
-    assert list(t["marks"])[:3] == ["checked", "tokenizer", "loading"]
+    # torch imported first, then our checks; SGLang imported before the tokenizer starts on its thread.
+    assert list(t["marks"])[:6] == ["importing torch", "torch imported", "checked", "loading", "sglang imported",
+                                    "tokenizer loading"]
     assert t["startup_s"] == t["marks"]["first forward"]
-    # The parts add up: ours is what the model load, the warm-up and the parity gate (--verify) leave.
-    assert t["ours_s"] + t["model_load_s"] + t["warm_up_s"] + t["parity_gate_s"] == pytest.approx(t["startup_s"])
-    assert t["parity_gate_s"] > 0 and t["model_load_s"] > 0
+    # The parts add up: ours is what SGLang's imports, load and warm-up and the parity gate (--verify) leave.
+    sglang = ("torch_import_s", "sglang_import_s", "model_load_s", "warm_up_s")
+    assert sum(t[key] for key in sglang) == pytest.approx(t["sglang_s"])
+    assert t["ours_s"] + t["sglang_s"] + t["parity_gate_s"] == pytest.approx(t["startup_s"])
+    assert t["imports_and_checks_s"] + t["tokenizer_waited_s"] + t["ours_other_s"] == pytest.approx(t["ours_s"])
+    assert all(t[key] > 0 for key in (*sglang[:3], "parity_gate_s", "imports_and_checks_s", "tokenizer_s"))
+    # The tokenizer loaded beside the model: only the wait for it after the load is ours.
+    assert t["tokenizer_beside_load"] and t["marks"]["tokenizer loading"] < t["marks"]["loaded"]
+    assert t["tokenizer_waited_s"] == pytest.approx(t["marks"]["tokenizer waited"] - t["marks"]["warm"])
     assert t["to_host_s"] + t["last_shards_s"] + t["rejects_and_index_s"] == pytest.approx(t["tail_s"])
     (line,) = [line for line in proc.stderr.splitlines() if line.startswith("start-up ")]
     assert f"start-up {t['startup_s']:.1f} s to the first forward: ours {t['ours_s']:.1f} s" in line
+    assert f"tokenizer {t['tokenizer_waited_s']:.1f} s waited of its {t['tokenizer_s']:.1f} s beside the load" in line
+    assert f"SGLang's {t['sglang_s']:.1f} s (torch import {t['torch_import_s']:.1f} s" in line
     assert f"tail {t['tail_s']:.2f} s after the last forward" in line
 
 
