@@ -298,6 +298,11 @@ def test_finished_takes_the_recorded_tokenizer_only_from_the_same_tokenizer_file
     known = replace(recorded, tokenizer_sha256=None, chat_template_sha256=None)
     assert resume.finished(out, known, [corpus]) is not None
     assert resume.finished(out, replace(known, tokenizer_files="f2"), [corpus]) is None
+    # Then, and only then, the run loads the tokenizer before its model, to let it decide.
+    assert resume.tokenizer_decides(out, replace(known, tokenizer_files="f2"))
+    assert not resume.tokenizer_decides(out, known)
+    assert not resume.tokenizer_decides(out, replace(recorded, tokenizer_files="f2"))
+    assert not resume.tokenizer_decides(tmp_path / "elsewhere", replace(known, tokenizer_files="f2"))
     # Loaded after all, the tokenizer decides: the same hashes from other files are the same run.
     assert resume.finished(out, replace(recorded, tokenizer_files="f2"), [corpus]) is not None
     assert resume.finished(out, replace(recorded, tokenizer_files="f2", tokenizer_sha256="u"), [corpus]) is None
