@@ -206,4 +206,6 @@ def test_sglangs_nvcc_modules_build_side_by_side_while_the_model_loads(tmp_path)
     assert t["prebuild_cache_added"] == len(modules) == 3, ("all three built before the first forward", modules)
     assert t["forward_cache_added"] == 0, ("the forwards compiled a module the prebuild did not guess", modules)
     assert t["prebuild_s"] < 0.8 * t["prebuild_serial_s"], "the builds ran side by side"
+    # The tokenizer, too, loaded beside the model: none of its load was ours (docs/start-up.md).
+    assert t["tokenizer_beside_load"] and t["marks"]["tokenizer loaded"] < t["marks"]["loaded"], t["marks"]
     assert "kernel prebuild" in next(line for line in proc.stderr.splitlines() if line.startswith("start-up "))
