@@ -5,6 +5,8 @@ Both import this package before anything heavy (torch, SGLang), so Ctrl-C while 
 command with the shell's status for it and one word, not a traceback of the import; the command puts
 Python's own handler back when it starts (cli._Command.invoke), so that an interrupted run cleans up.
 """
+import atexit
+import gc
 import os
 import signal
 
@@ -15,3 +17,9 @@ def _interrupted_while_starting(signum, frame) -> None:
 
 
 signal.signal(signal.SIGINT, _interrupted_while_starting)
+
+# At exit, before the interpreter's own teardown, whose garbage collections would otherwise walk every object
+# that torch, transformers and SGLang made: 2.5-3 s on the 2-core development VM after a run, 0.5 s frozen.
+# Nothing waits on those collections: a command's files are closed by then, and Python promises no
+# finalizer at exit anyway.
+atexit.register(gc.freeze)
