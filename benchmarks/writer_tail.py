@@ -9,7 +9,7 @@ extraction feeds a long sample (`begin_sample(stream=True)`, `filled`, `end_samp
 
 The development VM has two cores, so the tail's wall time there says little about a host with dozens:
 the figures that carry over are the CPU seconds each thread spent after the last batch (sampled from
-/proc), the largest of which bounds the tail on a host with a core for every thread. The shards' sha256
+/proc, by thread name), the largest of which bounds the tail on a host with a core for every thread. The shards' sha256
 are listed, to show that a change to the writer left the bytes alone.
 
     python -m benchmarks.writer_tail --case batches --compress zstd --writers 12
@@ -42,7 +42,7 @@ class _ThreadCPU:
     counted up to the last sample, taken every few milliseconds)."""
 
     def __enter__(self):
-        self._proc, self._stop = psutil.Process(), threading.Event()
+        self._proc, self._stop, self.names = psutil.Process(), threading.Event(), {}
         self._start = self._times()
         self._last = dict(self._start)
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -50,6 +50,7 @@ class _ThreadCPU:
         return self
 
     def _times(self) -> dict[int, float]:
+        self.names.update({t.native_id: t.name for t in threading.enumerate()})
         return {t.id: t.user_time + t.system_time for t in self._proc.threads()}
 
     def _sample(self):
@@ -61,7 +62,8 @@ class _ThreadCPU:
         self._thread.join()
         self._last.update(self._times())
         self._last.pop(self._thread.native_id, None)
-        self.spent = sorted((v - self._start.get(tid, 0.0) for tid, v in self._last.items()), reverse=True)
+        spent = {tid: v - self._start.get(tid, 0.0) for tid, v in self._last.items()}
+        self.spent = sorted(((s, self.names.get(tid, "?")) for tid, s in spent.items()), reverse=True)
 
 
 def _info(i: int, tokens: int) -> SampleInfo:
@@ -119,8 +121,8 @@ def run(case: str, out: Path, store: str, compress: str, writers: int, pace: flo
         "last_batch_handover_s": handed - start,
         "close_s": done - handed,
         "tail_s": done - start,
-        "tail_cpu_s": sum(cpu.spent),
-        "tail_thread_cpu_s": [round(s, 3) for s in cpu.spent if s >= 0.005],
+        "tail_cpu_s": round(sum(s for s, _ in cpu.spent), 3),
+        "tail_thread_cpu_s": [[name, round(s, 3)] for s, name in cpu.spent if s >= 0.005],
         "shard_sha256": digests,
     }
 
