@@ -1,7 +1,7 @@
 """Small shards of exact values written through the real ShardWriter, for the store's in-process tests."""
 import torch
-from extract_runs import sha256
 
+from offline_extract.store import checksum
 from offline_extract.store.shard import read_header
 from offline_extract.testing.shards import synthetic_run, write_samples
 
@@ -22,5 +22,5 @@ def write_shards(out, groups, numbers=None, on_written=None) -> list:
 
 def journal_entry(path) -> dict:
     header = read_header(path)
-    return {"name": path.name, "sha256": sha256(path), "bytes": path.stat().st_size,
+    return {"name": path.name, checksum.KEY: checksum.file_checksum(path), "bytes": path.stat().st_size,
             "num_samples": len(header.samples), "num_tokens": header.num_tokens}

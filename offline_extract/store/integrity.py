@@ -110,7 +110,7 @@ def _check_checksums(
             )
     entries = {p: listed.get(p.name) or logged.get(p.name) for p in paths}
     checked = [p for p, entry in entries.items() if entry is not None]
-    for path, digest in zip(checked, manifest.sha256_files(checked, threads)):
+    for path, digest in zip(checked, manifest.checksums(checked, [entries[p] for p in checked], threads)):
         where = manifest.MANIFEST_NAME if path.name in listed else "the run's journal"
         report.damage(path.name, manifest.differences(path, digest, entries[path], where))
 

@@ -2,9 +2,9 @@
 
 The identity is written when a run takes a directory over; a later run may resume there only with the
 same identity (`run_differences`, `corpus_differences`), since shards of two identities would not be one
-data set. Each replica logs the shards it completes, with the sha256 its writer threads computed, to its own journal
-(`.manifest.dp{r}.jsonl`, fsynced per shard); the leader folds the journals into manifest.json at the
-start of a run (a crashed attempt's) and at its end. Every manifest.json update is an atomic replace.
+data set. Each replica logs the shards it completes, with the checksum its writer threads computed
+(`store/checksum.py`), to its own journal (`.manifest.dp{r}.jsonl`, fsynced per shard); the leader
+folds the journals into manifest.json at the start of a run (a crashed attempt's) and at its end. Every manifest.json update is an atomic replace.
 
 A shard file on disk is authoritative, since it only appears under its name once complete: one that
 no journal mentions (a crash between its rename and its journal line) has its checksum recomputed
@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
+from offline_extract.store import checksum
 from offline_extract.store.atomic import atomic_write
 from offline_extract.store.index import shard_paths
 from offline_extract.store.journal import load_json, read_journal
@@ -151,39 +152,34 @@ def journal_path(out: str | os.PathLike, dp_rank: int) -> Path:
     return Path(out) / f".manifest.dp{dp_rank}.jsonl"
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(64 * BLOCK_BYTES):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def sha256_files(paths: Sequence[Path], threads: int = 8) -> list[str]:
-    """Each file's sha256; hashlib releases the GIL, so threads hash several files at disk speed."""
+def checksums(paths: Sequence[Path], entries: Sequence[dict], threads: int = 8) -> list[str]:
+    """Each file's checksum, of the kind its entry records; hashlib releases the GIL, so threads hash
+    several files at disk speed."""
     with ThreadPoolExecutor(threads) as pool:
-        return list(pool.map(sha256_file, paths))
+        return list(pool.map(checksum.checksum, paths, entries))
 
 
 def damaged_shards(out: str | os.PathLike, recorded: dict) -> list[str]:
     """One line for each shard on disk that the manifest `recorded` lists and whose file differs from its
-    recorded size or sha256 (e.g. a flipped byte, which only the checksum tells). Missing ones are
+    recorded size or checksum (e.g. a flipped byte, which only the checksum tells). Missing ones are
     `unfinished`'s business."""
     out = Path(out)
     listed = recorded.get("shards", {})
     present = [out / name for name in listed if (out / name).is_file()]
     problems = []
-    for path, digest in zip(present, sha256_files(present)):
+    for path, digest in zip(present, checksums(present, [listed[p.name] for p in present])):
         problems += differences(path, digest, listed[path.name])
     return problems
 
 
 def differences(path: Path, digest: str, entry: dict, where: str = MANIFEST_NAME) -> list[str]:
-    """How a shard file of sha256 `digest` differs from its `entry` in `where` (size and checksum)."""
+    """How a shard file of checksum `digest` (of the kind `entry` records) differs from its `entry` in
+    `where` (size and checksum)."""
     size = path.stat().st_size
     found = [f"{path.name}: {size} bytes, but {where} says {entry['bytes']}"] if size != entry["bytes"] else []
-    if digest != entry["sha256"]:
-        found.append(f"{path.name}: sha256 {digest} differs from {where}'s {entry['sha256']}")
+    key, want = checksum.recorded(entry)
+    if digest != want:
+        found.append(f"{path.name}: {key} {digest} differs from {where}'s {want}")
     return found
 
 
@@ -213,7 +209,7 @@ def consolidate(out: str | os.PathLike, **updates) -> tuple[dict, list[str]]:
     for name in unrecorded:
         header = read_header(on_disk[name])
         recorded[name] = {
-            "sha256": sha256_file(on_disk[name]),
+            checksum.KEY: checksum.file_checksum(on_disk[name]),
             "bytes": on_disk[name].stat().st_size,
             "num_samples": len(header.samples),
             "num_tokens": header.num_tokens,

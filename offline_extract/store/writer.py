@@ -1,13 +1,14 @@
 """Writing shards: samples buffered into shards of about a target size, serialized by writer threads."""
 from __future__ import annotations
 
+import bisect
 import hashlib
 import itertools
 import json
 import os
 import queue
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from offline_extract.store.atomic import atomic_write
+from offline_extract.store import checksum
 from offline_extract.store.codecs import compress_frame, compressor
 from offline_extract.store.shard import ShardHeader
 from offline_extract.store.schema import (
@@ -35,15 +37,17 @@ from offline_extract.store.schema import (
 
 WRITER_THREADS = 4  # ShardWriter's default; it holds at most one more shard buffer than threads
 # The shard still buffered when a writer closes is written after the last forward, where nothing overlaps
-# it: it is cut into up to one shard a writer thread, each of at least this many state bytes (a part's
-# sha256 takes tens of milliseconds), so that all threads write and hash it at once.
+# it: it is cut into up to one shard a writer thread, each of at least this many state bytes (a part takes
+# tens of milliseconds), so that all threads write it at once (the blocks of one file are hashed side by
+# side, but written into it in turn: a write holds the file's inode lock).
 LAST_SHARD_PART_BYTES = 64 << 20
 
 
 class _Filling:
     """State rows of a shard still arriving while the shard is written: its last sample's, chunk by chunk.
 
-    The writing thread writes and hashes every row as soon as it is final and waits here for the rest;
+    The writing thread hands out each block of the file to be written and hashed as soon as its rows are
+    final, and waits here for the rest;
     the file becomes the shard only once the sample is `confirm`ed, after the caller has checked it whole
     (a NaN found then must not leave a complete shard behind). `abort` makes the thread give up, and the
     partial file goes like any failed write's."""
@@ -106,33 +110,23 @@ class _Frames:
         return 1
 
 
-def _pieces(tensors: dict[str, torch.Tensor | _Frames], filling: _Filling | None) -> Iterator[memoryview]:
-    """The tensors' bytes in the dict's (file) order; rows of the per-token state tensors (states, fp8
-    scales) still `filling` are handed out as they become final."""
-    for t in tensors.values():
-        if not t.numel():
-            continue
-        if isinstance(t, _Frames):
-            yield from map(memoryview, t.frames)
-            continue
-        if filling is None or t.dim() != 2:
-            yield _as_bytes(t.contiguous())
-            continue
-        done = 0
-        while done < t.shape[0]:
-            final = min(filling.wait(done), t.shape[0])
-            yield _as_bytes(t[done:final])  # row slices of the buffer: contiguous, no copy
-            done = final
+def _pwrite(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
 
-def _serialize(path: Path, tensors: dict[str, torch.Tensor | _Frames], metadata: dict[str, str], filling: _Filling | None = None) -> str:
+def _serialize(path: Path, tensors: dict[str, torch.Tensor | _Frames], metadata: dict[str, str], pool: ThreadPoolExecutor,
+               filling: _Filling | None = None) -> str:
     """Write a safetensors file straight from the tensors' memory, without an intermediate bytes copy,
-    and return the file's sha256, hashed from memory so the file is never read back. Hashing runs on its
-    own thread alongside the write (both release the GIL), so a shard costs the slower of the two, not
-    their sum: the last shard of a run is written after the last forward, where nothing else overlaps it.
+    and return its checksum (`store/checksum.py`), hashed from memory so the file is never read back.
 
-    With `filling`, the state rows from `filling.final` on are still arriving: each is written, hashed and
-    flushed to disk as soon as it is final, so that little is left to do once the last one is.
+    The file is written and hashed in blocks of checksum.BLOCK_BYTES by the `pool`'s threads, each block
+    at its offset: their hashes run side by side (their writes into one file take its inode lock in turn).
+    With `filling`, the state rows from `filling.final` on are still arriving: a block goes as soon as
+    every row it holds is final, and is flushed to disk, so that once the last row is, only the blocks it
+    lands in are left (with one sha256 over the file, its second state tensor, a gigabyte for a
+    131,072-token sample, could only be hashed after the last row).
 
     The layout is safetensors' own (u64 header length, JSON header padded to 8 bytes, raw data in the
     dict's order), so the reference reader opens it; the tests read every shard back through it.
@@ -145,31 +139,59 @@ def _serialize(path: Path, tensors: dict[str, torch.Tensor | _Frames], metadata:
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    digest = hashlib.sha256()
-    to_hash: queue.SimpleQueue = queue.SimpleQueue()
+    head = len(blob).to_bytes(8, "little") + blob
+    pieces = [(0, memoryview(head))]  # (file offset, bytes) in file order
+    rows = []  # (start, stop, row bytes) in the file of each tensor whose rows `filling` fills
+    offset = len(head)
+    for t in tensors.values():
+        data = list(map(memoryview, t.frames)) if isinstance(t, _Frames) else [_as_bytes(t.contiguous())] if t.numel() else []
+        if filling is not None and not isinstance(t, _Frames) and t.dim() == 2 and t.numel():
+            rows.append((offset, offset + len(data[0]), len(data[0]) // t.shape[0]))
+        for piece in data:
+            pieces.append((offset, piece))
+            offset += len(piece)
+    size, starts = offset, [start for start, _ in pieces]
+    blocks = [(a, min(a + checksum.BLOCK_BYTES, size)) for a in range(0, size, checksum.BLOCK_BYTES)]
+    # The rows that must be final before a block's bytes are.
+    needs = [max([(min(b, stop) - start - 1) // row + 1 for start, stop, row in rows if start < b and a < stop], default=0)
+             for a, b in blocks]
+    digests = [b""] * len(blocks)
 
-    def hash_in_order() -> None:
-        while (piece := to_hash.get()) is not None:
-            digest.update(piece)
+    def write_block(k: int, fd: int, sync: bool) -> None:
+        a, b = blocks[k]
+        digest = hashlib.sha256()
+        i = bisect.bisect_right(starts, a) - 1
+        while i < len(pieces) and pieces[i][0] < b:
+            start, data = pieces[i]
+            part = data[max(a, start) - start : min(b, start + len(data)) - start]
+            _pwrite(fd, part, max(a, start))
+            digest.update(part)
+            i += 1
+        if sync:
+            os.fdatasync(fd)  # on a disk, the final fsync would otherwise flush it all at once
+        digests[k] = digest.digest()
 
-    hasher = threading.Thread(target=hash_in_order, name="shard-hash")
-    hasher.start()
-    try:
-        # A file we create gets the mode the process umask allows (safetensors' own writer leaves 0600,
-        # which other users' training jobs could not read).
-        with open(path, "wb") as f:
-            for piece in itertools.chain([len(blob).to_bytes(8, "little"), blob], _pieces(tensors, filling)):
-                to_hash.put(piece)
-                f.write(piece)
-                if filling is not None and filling.final < filling.end:
-                    f.flush()
-                    os.fdatasync(f.fileno())  # on a disk, the final fsync would otherwise flush it all at once
-        if filling is not None:
-            filling.wait_confirmed()
-    finally:
-        to_hash.put(None)
-        hasher.join()
-    return digest.hexdigest()
+    order = sorted(range(len(blocks)), key=needs.__getitem__)
+    submitted: list[Future] = []
+    # A file we create gets the mode the process umask allows (safetensors' own writer leaves 0600, which
+    # other users' training jobs could not read).
+    with open(path, "wb") as f:
+        try:
+            final = filling.final if filling is not None else 0
+            while True:
+                while len(submitted) < len(order) and needs[order[len(submitted)]] <= final:
+                    sync = filling is not None and final < filling.end
+                    submitted.append(pool.submit(write_block, order[len(submitted)], f.fileno(), sync))
+                if len(submitted) == len(order):
+                    break
+                final = filling.wait(final)
+            for block in submitted:
+                block.result()
+            if filling is not None:
+                filling.wait_confirmed()
+        finally:
+            wait(submitted)  # no block may still be written once the file is closed
+    return checksum.combine(digests)
 
 
 def _as_tensor(x: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -264,7 +286,7 @@ class WrittenShard:
     """A shard that is complete under its final name, with the checksum of its bytes."""
 
     name: str
-    sha256: str
+    block_sha256: str  # checksum.KEY, the journal's and manifest's name for it
     bytes: int
     num_samples: int
     num_tokens: int
@@ -321,6 +343,9 @@ class ShardWriter:
         self._on_written = on_written
         self._writers = writers
         self._pool = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="shard-writer")
+        # The blocks of the files the writer threads write (_serialize): tasks that never wait, so a writer
+        # thread can wait for them.
+        self._blocks = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="shard-block")
         self._zstd = threading.local()
         self._free: queue.Queue[_ShardBuffer] = queue.Queue()
         self._buffers_left = writers + 1
@@ -531,7 +556,7 @@ class ShardWriter:
                 "samples": [asdict(s) for s in samples],
             }
             metadata = {METADATA_KEY: json.dumps(document)}
-            sha256 = atomic_write(path, lambda tmp: _serialize(tmp, tensors, metadata, filling))
+            digest = atomic_write(path, lambda tmp: _serialize(tmp, tensors, metadata, self._blocks, filling))
             size, tokens = path.stat().st_size, tensors["input_ids"].shape[0]
             header = ShardHeader(path, self.run, samples, {name: tuple(t.shape) for name, t in tensors.items()}, self.encoding)
             with self._lock:
@@ -540,7 +565,7 @@ class ShardWriter:
                 self.tokens_written += tokens
                 self.headers.append(header)
             if self._on_written is not None:
-                self._on_written(WrittenShard(path.name, sha256, size, len(samples), tokens))
+                self._on_written(WrittenShard(path.name, digest, size, len(samples), tokens))
             return path
         finally:
             with self._lock:
@@ -610,6 +635,7 @@ class ShardWriter:
                 self._raise_failed_writes()
             finally:
                 self._pool.shutdown(wait=True)
+                self._blocks.shutdown(wait=True)
         return sorted(self._paths, key=shard_number)
 
     def abort(self) -> None:
@@ -625,3 +651,4 @@ class ShardWriter:
             if self._filling is not None:
                 self._filling.abort()
             self._pool.shutdown(wait=True)
+            self._blocks.shutdown(wait=True)

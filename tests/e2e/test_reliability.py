@@ -24,7 +24,7 @@ from extract_runs import (
 )
 
 from offline_extract.default_model import TINY_VERSION
-from offline_extract.store import integrity, manifest, resume
+from offline_extract.store import checksum, integrity, manifest, resume
 from offline_extract.store.index import iter_samples, shard_paths
 from offline_extract.store.journal import read_journal
 from offline_extract.store.schema import shard_number
@@ -292,8 +292,8 @@ def assert_stopped_cleanly(proc, out) -> None:
     assert "re-running the same command resumes" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not list(out.glob(".*.tmp")), "no partial file is left"
-    journaled = {e["name"]: e["sha256"] for e in read_journal(manifest.journal_path(out, 0))}
-    assert {p.name: sha256(p) for p in shard_paths(out)} == journaled, "every shard is complete and recorded"
+    journaled = {e["name"]: e[checksum.KEY] for e in read_journal(manifest.journal_path(out, 0))}
+    assert {p.name: checksum.file_checksum(p) for p in shard_paths(out)} == journaled, "every shard is complete and recorded"
 
 
 @pytest.mark.slow

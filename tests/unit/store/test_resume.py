@@ -9,13 +9,13 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from extract_runs import hidden_files, sha256
+from extract_runs import hidden_files
 from small_shards import RUN, journal_entry, write_shards
 
 from offline_extract import extraction
 from offline_extract.engine.distributed import Coordinator, Layout
 from offline_extract.options import ExtractOptions
-from offline_extract.store import manifest, resume
+from offline_extract.store import checksum, manifest, resume
 from offline_extract.store.journal import Journal, read_journal
 from offline_extract.store.schema import FORMAT_VERSION
 from offline_extract.store.shard import read_header
@@ -26,7 +26,7 @@ def test_writer_threads_checksum_each_shard_as_they_write_it(tmp_path):
     assert sorted(w.name for w in written) == [p.name for p in paths]
     for w in written:
         path = tmp_path / w.name
-        assert (w.sha256, w.bytes) == (sha256(path), path.stat().st_size)
+        assert (w.block_sha256, w.bytes) == (checksum.file_checksum(path), path.stat().st_size)
         assert (w.num_samples, w.num_tokens) == (1, read_header(path).num_tokens)
 
 
@@ -257,7 +257,7 @@ def test_a_rerun_of_a_finished_run_rebuilds_a_lost_index_and_refuses_a_damaged_s
     data = bytearray(paths[1].read_bytes())
     data[-1] ^= 0x01  # a flipped bit in the states: same size, same header
     paths[1].write_bytes(bytes(data))
-    with pytest.raises(resume.TakeoverError, match=rf"{paths[1].name}: sha256 \w+ differs from manifest.json's") as e:
+    with pytest.raises(resume.TakeoverError, match=rf"{paths[1].name}: block_sha256 \w+ differs from manifest.json's") as e:
         resume.settle_finished(tmp_path, recorded)
     assert paths[0].name not in str(e.value) and "Delete the damaged shards and re-run" in str(e.value)
 

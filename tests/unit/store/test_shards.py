@@ -1,3 +1,4 @@
+import hashlib
 import itertools
 import json
 import os
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from offline_extract.store import checksum
 from offline_extract.store.index import iter_samples, shard_paths, write_index
 from offline_extract.store.schema import FORMAT_VERSION, Encoding, SampleInfo, ShardError, shard_name
 from offline_extract.store.shard import open_shard, read_header
@@ -220,7 +222,7 @@ def test_writes_leave_only_final_files(tmp_path):
 
 
 def test_crash_while_serializing_leaves_no_partial_shard(tmp_path, monkeypatch):
-    def crash_midway(path, tensors, metadata, filling=None):
+    def crash_midway(path, tensors, metadata, pool, filling=None):
         with open(path, "wb") as f:
             f.write(b"\x00" * 100)
         raise OSError("disk full")
@@ -453,3 +455,60 @@ def test_a_failed_compression_fails_the_write_and_leaves_no_shard(tmp_path, monk
     with pytest.raises(MemoryError, match="no room for a frame"):
         writer.close()
     assert not list(tmp_path.iterdir())
+
+
+def test_the_checksum_is_the_sha256_of_the_blocks_sha256s(tmp_path, monkeypatch):
+    monkeypatch.setattr(checksum, "BLOCK_BYTES", 1000)
+    data = np.random.default_rng(0).integers(0, 256, 3500, dtype=np.uint8).tobytes()
+    (tmp_path / "f").write_bytes(data)
+    blocks = [hashlib.sha256(data[a : a + 1000]).digest() for a in (0, 1000, 2000, 3000)]
+    assert checksum.file_checksum(tmp_path / "f") == hashlib.sha256(b"".join(blocks)).hexdigest()
+    flipped = data[:1700] + bytes([data[1700] ^ 1]) + data[1701:]
+    (tmp_path / "f").write_bytes(flipped)
+    assert checksum.file_checksum(tmp_path / "f") != hashlib.sha256(b"".join(blocks)).hexdigest()
+
+
+@pytest.mark.parametrize("run", [RUN, FP8_ZSTD], ids=["bf16", "fp8-zstd"])
+def test_shards_written_in_blocks_are_the_same_bytes_and_carry_their_checksum(tmp_path, monkeypatch, run):
+    """Blocks of any size (here 100 bytes, which no tensor boundary lines up with) write the same file; the
+    checksum the writer reports is the file's."""
+    _, whole = write(tmp_path / "whole", BATCHES, shard_bytes=12 * ROW_BYTES, run=run)
+    monkeypatch.setattr(checksum, "BLOCK_BYTES", 100)
+    written = []
+    _, blocks = write(tmp_path / "blocks", BATCHES, shard_bytes=12 * ROW_BYTES, run=run, on_written=written.append)
+    assert len(blocks) > 1 and [p.read_bytes() for p in blocks] == [p.read_bytes() for p in whole]
+    assert {w.name: w.block_sha256 for w in written} == {p.name: checksum.file_checksum(p) for p in blocks}
+
+
+def test_a_streamed_shard_writes_each_block_once_its_rows_are_final(tmp_path, monkeypatch):
+    """Rows of both states reach the file at their final offsets while the sample still fills: the second
+    state no longer waits for the first to be complete (in file order), so the end leaves only the blocks
+    of the last rows."""
+    monkeypatch.setattr(checksum, "BLOCK_BYTES", 8)  # the rows' bytes are 8-aligned: a block holds no half row
+    samples, ids, mask, aux, last = make_batch([0], [12])
+    written = []
+    writer = ShardWriter(tmp_path, RUN, shard_bytes=4 * ROW_BYTES, on_written=written.append)
+    rows = writer.begin_sample(samples[0], ids, mask, WIDTHS, stream=True)
+    rows["aux_hidden_states"][:6].copy_(aux[:6])
+    rows["hidden_states"][:6].copy_(last[:6])
+    writer.filled(6)
+    tmp = tmp_path / ".shard_000.safetensors.tmp"
+    want = last[:6].contiguous().view(torch.uint8).numpy().tobytes()
+    deadline, on_disk = time.monotonic() + 10, b""
+    while on_disk != want and time.monotonic() < deadline:
+        time.sleep(0.01)
+        head = tmp.read_bytes()
+        if len(head) >= 8:
+            n = int.from_bytes(head[:8], "little")
+            if len(head) >= 8 + n:
+                a, _ = json.loads(head[8 : 8 + n])["hidden_states"]["data_offsets"]
+                on_disk = head[8 + n + a : 8 + n + a + len(want)]
+    assert on_disk == want
+    rows["aux_hidden_states"][6:].copy_(aux[6:])
+    rows["hidden_states"][6:].copy_(last[6:])
+    writer.filled(12)
+    writer.end_sample()
+    (path,) = writer.close()
+    assert_tensors_equal(open_shard(path).sample(0), {"input_ids": torch.tensor(ids, dtype=torch.int32), "loss_mask": mask.to(torch.uint8),
+                                                      "aux_hidden_states": aux.to(torch.bfloat16), "hidden_states": last})
+    assert written[0].block_sha256 == checksum.file_checksum(path)

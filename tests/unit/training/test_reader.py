@@ -254,7 +254,7 @@ def test_a_checksum_check_on_request_refuses_a_flipped_byte(out_dir, dataset):
     damaged = shard_paths(out_dir)[2]
     _flip_last_byte(damaged)
     assert len(dataset(out_dir)) == N, "unchecked, the reader cannot tell"
-    with pytest.raises(ShardError, match=rf"{damaged.name}: sha256 \w+ differs from manifest.json's.*\nDelete them"):
+    with pytest.raises(ShardError, match=rf"{damaged.name}: block_sha256 \w+ differs from manifest.json's.*\nDelete them"):
         dataset(out_dir, verify_checksums=True)
 
 
