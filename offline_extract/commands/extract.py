@@ -23,7 +23,7 @@ on (--strict: it stops at the first).
 Output: OUT/shard_NNN.safetensors holding input_ids, loss_mask, aux_hidden_states [T, k*H],
 hidden_states [T, H] (the final state, after the final norm unless --final-state pre-norm), offsets
 and sample_index; OUT/index.json lists them, OUT/manifest.json records the run's identity and every
-shard's sha256.
+shard's checksum.
 Layer id k is the output of decoder layer k, i.e. HF output_hidden_states[k+1].
 
 \b

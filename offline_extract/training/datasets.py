@@ -82,7 +82,7 @@ def load_catalog(out_dir: str | os.PathLike, allow_partial: bool = False, verify
 
     An extraction that has not finished (or lost shards since) is refused: training on it as if it were
     whole would silently miss samples. allow_partial=True reads what is there, with a warning.
-    verify_checksums=True first reads every shard manifest.json lists against its sha256 there (the
+    verify_checksums=True first reads every shard manifest.json lists against its checksum there (the
     whole output once), and refuses damaged ones: a flipped byte in a state is otherwise served as is
     (zstd frames carry their own checksum). Without manifest.json there is nothing to check against.
     """
