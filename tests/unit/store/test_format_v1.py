@@ -69,6 +69,18 @@ def test_a_version_1_output_verifies_and_exports(v1, tmp_path):
     assert stacked.shape[:2] == (HiddenStateDataset(out)[0]["input_ids"].numel(), 4)
 
 
+def test_a_flipped_byte_in_a_version_1_shard_fails_its_plain_sha256(v1):
+    """Its manifest records the plain sha256 of each shard (before the block checksum), which verification
+    still computes for it."""
+    out, _ = v1
+    (path,) = shard_paths(out)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 1
+    path.write_bytes(bytes(data))
+    (problem,) = integrity.verify(out).problems
+    assert problem.startswith(f"{path.name}: sha256 ") and "differs from manifest.json's" in problem
+
+
 def test_a_version_2_run_resumes_a_version_1_output(v1):
     """The same run's facts, as this version records them, are the recorded identity; new shards join the
     old ones and the directory stays one data set."""
