@@ -300,7 +300,8 @@ class ShardWriter:
     are never split across shards. What is still buffered at `close` is written by every thread at once, as up to
     `writers` smaller shards (LAST_SHARD_PART_BYTES), since the caller waits for it. `add_batch` copies
     its input into a shard buffer and returns, so callers may reuse their (pinned) staging memory at once.
-    Complete shards are written by `writers` threads in parallel, each file sequentially; at most
+    Complete shards are written by `writers` threads in parallel, each file in blocks that `writers` more
+    threads write and checksum side by side (`_serialize`); at most
     `writers + 1` shard buffers exist, so host memory is bounded whatever the corpus size, and a caller
     that outpaces the disk blocks in `add_batch`. A failed write (disk full, I/O error) is raised from the
     next `add_batch` or from `close`, and leaves no file under a shard's final name. `on_written` is
