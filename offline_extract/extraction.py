@@ -343,7 +343,7 @@ class Job:
             rejects = journals.enter_context(Journal(self.out / f".rejects.dp{layout.dp_rank}.jsonl")) if layout.writes else None
             tally = Tally(rejects, opts.strict, opts.nonfinite)
             samples = self._pending(done, tally)
-            head = list(islice(samples, opts.verify))
+            head = list(islice(samples, opts.parity_samples))
             self.timeline.mark("verifying")
             tally.summary.parity = self._gate(head)
             self.timeline.mark("verified")
@@ -432,7 +432,7 @@ class Job:
     def _gate(self, head: list[Sample]) -> list[dict]:
         """--verify N: the parity gate on each replica's first N samples. Its rows (and, on a MoE model, how HF
         was routed) go into the run's metadata; the leader prints the rows."""
-        verified = self._parity_gate(head) if self.opts.verify else {"rows": []}
+        verified = self._parity_gate(head) if self.opts.parity_samples else {"rows": []}
         self.meta = replace(self.meta, parity=tuple(verified["rows"]), parity_routing=verified.get("routing"))
         if self.layout.leads:
             for line in parity_lines(verified["rows"]):

@@ -36,7 +36,7 @@ class ExtractOptions:
     load_format: str = "auto"
     mem_fraction_static: float = 0.85
     port_base: int | None = None
-    verify: int = 0
+    parity_samples: int = 0  # --verify N: the HF parity gate's samples a replica (integrity is store.integrity.verify)
     trim_after_last_loss: bool = False
     trust_remote_code: bool = False
     progress: bool = True

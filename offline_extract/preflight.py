@@ -68,7 +68,7 @@ def check(opts: ExtractOptions) -> Checked:
         ("--seqs-per-batch", opts.seqs_per_batch, 1),
         ("--tokens-per-batch", opts.tokens_per_batch, 1),
         ("--chunk-tokens", opts.chunk_tokens, 1),
-        ("--verify", opts.verify, 0),
+        ("--verify", opts.parity_samples, 0),
     ):
         if value is not None and value < least:
             raise ValueError(f"{name} must be at least {least}, got {value}")

@@ -85,7 +85,7 @@ from offline_extract.options import choices, default
 @click.option("--port-base", default=None, type=int,
               help="Each data-parallel replica's SGLang rendezvous uses port-base + dp_rank. "
                    "Default: a free port alone, 29600 under torchrun.")
-@click.option("--verify", default=default("verify"), show_default=True,
+@click.option("--verify", "parity_samples", default=default("parity_samples"), show_default=True,
               help="Before extracting, compare each replica's first N samples against HF transformers and stop "
                    "on mismatch. HF loads the whole model on the GPU of each replica's tp_rank 0, so for a model "
                    "that needs TP, verify a smaller sibling of the same architecture.")
@@ -143,7 +143,7 @@ from offline_extract.options import choices, default
               help="Also show what SGLang, torch and HF print while loading (warnings, log lines, loading bars); "
                    "without it they are shown only if loading fails.")
 def main(data, out, model, device, dtype, tp, layers, max_length, overlong, tokens_per_batch, chunk_tokens, seqs_per_batch,
-         shard_size_mb, attention_backend, load_format, mem_fraction_static, port_base, verify,
+         shard_size_mb, attention_backend, load_format, mem_fraction_static, port_base, parity_samples,
          trim_after_last_loss_token, dry_run, strict, nonfinite, final_state, recipe, min_loss_run, store, compress,
          force, trust_remote_code, jit_cache, no_warm_up, no_progress, progress_every, verbose):
     # Here, not at the top: torch and transformers take seconds to import, which --help, --version and a
@@ -170,7 +170,7 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
         data=tuple(data), out=out, model=model, device=device, dtype=dtype, tp=tp, layers=layer_ids,
         max_length=max_length, overlong=overlong, tokens_per_batch=tokens_per_batch, chunk_tokens=chunk_tokens,
         seqs_per_batch=seqs_per_batch, shard_bytes=int(shard_size_mb * (1 << 20)), attention_backend=attention_backend,
-        load_format=load_format, mem_fraction_static=mem_fraction_static, port_base=port_base, verify=verify,
+        load_format=load_format, mem_fraction_static=mem_fraction_static, port_base=port_base, parity_samples=parity_samples,
         trim_after_last_loss=trim_after_last_loss_token, trust_remote_code=trust_remote_code,
         progress=not no_progress, progress_every=progress_every, verbose=verbose, strict=strict, nonfinite=nonfinite,
         final_state=final_state, recipe=recipe, min_loss_run=min_loss_run, store=store, compress=compress, force=force,

@@ -35,7 +35,7 @@ def test_the_command_line_offers_the_options_choices_and_defaults():
     assert offered == {name: choices(name) for name in offered}
     assert set(offered) == {f.name for f in fields(ExtractOptions) if f.name in _choice_fields()}
     for name, p in params.items():
-        if name in offered or name in {"max_length", "tp", "seqs_per_batch", "verify", "progress_every"}:
+        if name in offered or name in {"max_length", "tp", "seqs_per_batch", "parity_samples", "progress_every"}:
             assert p.default == default(name), name
     assert params["shard_size_mb"].default * (1 << 20) == default("shard_bytes")
 

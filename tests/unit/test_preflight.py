@@ -27,7 +27,7 @@ REFUSED = {
     "no layers": ({"layers": ()}, "--layers needs at least one layer id"),
     "no sequences a batch": ({"seqs_per_batch": 0}, "--seqs-per-batch must be at least 1, got 0"),
     "no tokens a batch": ({"tokens_per_batch": 0}, "--tokens-per-batch must be at least 1, got 0"),
-    "negative verify": ({"verify": -3}, "--verify must be at least 0, got -3"),
+    "negative verify": ({"parity_samples": -3}, "--verify must be at least 0, got -3"),
     "longer than the context": ({"max_length": 5000}, "--max-length 5000 is longer than the model's context of 4096"),
     "a missing directory": ({"model": "/models/nope"}, "no model directory at /models/nope"),
 }

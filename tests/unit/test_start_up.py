@@ -19,7 +19,7 @@ CORPUS = str(ROOT / "examples" / "corpus.jsonl")
 
 
 def _run(tmp_path, model_dir, **changes):
-    opts = ExtractOptions(data=(CORPUS,), out=str(tmp_path / "out"), model=str(model_dir), device="cpu", verify=0,
+    opts = ExtractOptions(data=(CORPUS,), out=str(tmp_path / "out"), model=str(model_dir), device="cpu", parity_samples=0,
                           tokens_per_batch=1024, seqs_per_batch=16, max_length=1024, progress=False, progress_every=0, **changes)
     summary = extraction.run(opts)
     return summary, json.loads((tmp_path / "out" / "manifest.json").read_text())["timings"]
