@@ -6,6 +6,7 @@ In-process, with the session's engine handed out where the run builds its own (S
 second engine in one process), so that the test decides how long the "load" lasts; bin/extract.py runs the
 real load end to end in tests/e2e/test_extract_cli.py, whose start-up test checks the same marks."""
 import json
+import signal
 import threading
 import time
 
@@ -77,7 +78,17 @@ def test_under_strict_the_tokenizer_loads_before_the_model_and_counts_as_ours(
     assert t["tokenizer_waited_s"] == t["tokenizer_s"] > 0
 
 
-def test_a_tokenizer_that_fails_stops_the_model_load_at_once(tiny_model_dir, tmp_path, monkeypatch):
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT as a command runs with it (cli._Command.invoke): Python's handler, which raises
+    KeyboardInterrupt. Importing offline_extract.commands, as other tests of this session do, installs the
+    handler that ends a command still importing, under which the run rightly sends no interrupt."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_tokenizer_that_fails_stops_the_model_load_at_once(tiny_model_dir, tmp_path, monkeypatch, ctrl_c_raises):
     loads = []
 
     def tokenizer(opts, model_dir):
