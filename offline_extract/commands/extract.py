@@ -42,6 +42,11 @@ from offline_extract.cli import Interrupted, command
 from offline_extract.options import choices, default
 
 
+def _chosen(option: str) -> dict:
+    """click.option's type, default and show_default for an ExtractOptions field of fixed choices."""
+    return {"type": click.Choice(choices(option)), "default": default(option), "show_default": True}
+
+
 @command(help=__doc__)
 @click.option("--data", "data", multiple=True, required=True,
               help="Corpus: a .jsonl or .jsonl.gz file (JSONL also through a pipe, read once: not with --strict "
@@ -56,14 +61,14 @@ from offline_extract.options import choices, default
                    "random Llama, built locally, run on CPU.")
 @click.option("--device", type=click.Choice(choices("device")), default=None,
               help="Default: cuda when a GPU is visible, else cpu.")
-@click.option("--dtype", type=click.Choice(choices("dtype")), default=default("dtype"), show_default=True,
+@click.option("--dtype", **_chosen("dtype"),
               help="Compute dtype (auto = the checkpoint's). How the states are stored is --store's.")
 @click.option("--tp", default=default("tp"), show_default=True, help="Tensor-parallel size; world size / tp replicas run data-parallel.")
 @click.option("--layers", default=None,
               help="Comma-separated EAGLE-3 layer ids (id k = output of decoder layer k). "
                    "Default: SGLang's EAGLE-3 default for the model, e.g. [1, N/2-1, N-4] for Llama.")
 @click.option("--max-length", default=default("max_length"), show_default=True, help="Longest sample in tokens.")
-@click.option("--overlong", type=click.Choice(choices("overlong")), default=default("overlong"), show_default=True,
+@click.option("--overlong", **_chosen("overlong"),
               help="What to do with a sample longer than --max-length (recorded per sample either way). A "
                    "truncated sample whose loss tokens all lay past the cut is skipped, listed in rejects.jsonl "
                    "and counted as skipped: it has nothing left to train on.")
@@ -99,14 +104,14 @@ from offline_extract.options import choices, default
               help="Stop at the first bad record in corpus order (named by source and line) instead of listing it in "
                    "rejects.jsonl. Every record is read and tokenized first (each replica its share), so the run stops "
                    "before the model loads and writes nothing.")
-@click.option("--nonfinite", type=click.Choice(choices("nonfinite")), default=default("nonfinite"), show_default=True,
+@click.option("--nonfinite", **_chosen("nonfinite"),
               help="A sample whose hidden states hold NaN or Inf: stop the run, drop it (listed in rejects.jsonl "
                    "as dropped), or keep it with a warning.")
-@click.option("--final-state", type=click.Choice(choices("final_state")), default=default("final_state"), show_default=True,
+@click.option("--final-state", **_chosen("final_state"),
               help="Which final state to store as hidden_states: after the model's final norm (SGLang's EAGLE-3 and "
                    "SpecForge train on it) or before it (vLLM and speculators store this one and apply the "
                    "verifier's norm while training). A drafter trained on the other one is silently wrong.")
-@click.option("--recipe", type=click.Choice(choices("recipe")), default=default("recipe"), show_default=True,
+@click.option("--recipe", **_chosen("recipe"),
               help="Which drafter the states are for (SpecForge's data preparation). eagle3: SGLang's EAGLE-3 "
                    "layers plus the final state. dflash (also Domino): 5 layers spread evenly over 1..N-3, no final "
                    "state, and only samples with consecutive loss tokens. dspark: the dflash layers and rule plus "
@@ -114,11 +119,11 @@ from offline_extract.options import choices, default
 @click.option("--min-loss-run", default=None, type=click.IntRange(0),
               help="Skip samples without this many consecutive loss tokens (listed in rejects.jsonl as skipped). "
                    "Default: the recipe's (dflash, dspark: 2; eagle3: no rule).")
-@click.option("--store", type=click.Choice(choices("store")), default=default("store"), show_default=True,
+@click.option("--store", **_chosen("store"),
               help="How states are stored. fp8: float8 e4m3 with one float32 scale per token per layer "
                    "(absmax/448), quantized on the GPU before the copy to host: about half the bytes. Readers, "
                    "export and inspect decode to bf16.")
-@click.option("--compress", type=click.Choice(choices("compress")), default=default("compress"), show_default=True,
+@click.option("--compress", **_chosen("compress"),
               help="zstd: lossless, one frame per sample per state tensor with its bytes grouped by significance; "
                    "compressed by the writer threads. Saves most on bf16 states; costs CPU while writing.")
 @click.option("--force", is_flag=True,
