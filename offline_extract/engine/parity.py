@@ -77,7 +77,9 @@ def hf_hidden_states(model, input_ids: Sequence[int], device, final_state: str =
     hook = norm.register_forward_hook(lambda norm, args, out: seen.append(args[0]))
     try:
         with torch.no_grad():
-            out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+            # One position's logits, not every token's: a 131k-token sample's full-vocab logits would take
+            # 34 GB beside the engine on the GPU, and the gate reads only hidden states.
+            out = model(input_ids=ids, output_hidden_states=True, use_cache=False, logits_to_keep=1)
     finally:
         hook.remove()
     states = tuple(h[0] for h in out.hidden_states)

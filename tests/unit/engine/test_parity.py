@@ -79,3 +79,17 @@ def test_verify_passes_a_bf16_moe_model_and_records_why(tiny_model_dir, tmp_path
     assert [layer["layer"] for layer in routing] == list(range(8))
     for layer in routing:
         assert layer["tokens"] > 0 and layer["weight_max_abs_diff"] == 0.0 and layer["disagreement_rate"] <= 0.15
+
+
+def test_the_hf_reference_computes_no_full_vocab_logits(tiny_model_dir):
+    """The gate's HF forward reads hidden states only: the LM head sees one position, however long the sample
+    (a 131k-token sample's logits alone would be 34 GB on the GPU beside the engine)."""
+    from offline_extract.engine.parity import hf_hidden_states, load_hf_model
+
+    hf = load_hf_model(str(tiny_model_dir), "float32", "cpu")
+    seen = []
+    hf.lm_head.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+    ids = list(range(3, 40))
+    states = hf_hidden_states(hf, ids, "cpu")
+    assert seen == [(1, 1, hf.config.hidden_size)]
+    assert len(states) == hf.config.num_hidden_layers + 1 and states[-1].shape == (len(ids), hf.config.hidden_size)
