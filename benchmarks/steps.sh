@@ -1,13 +1,14 @@
 # Sourced by the device-call scripts (gpu_record.sh, gpu_moe.sh, main_job.sh):
 #   step NAME LIMIT_SECONDS COMMAND...
 # runs COMMAND under `timeout`, cut to what is left of the call's budget so that a slow step leaves the others
-# their time, its output into $logs/NAME.log, and appends its command, exit status and seconds to
+# their time, its output into $logs/NAME.log (a step out of time gets SIGINT first, so that pytest still prints
+# the failures it has seen and a bench its partial result, then SIGKILL 15 s later), and appends its command, exit status and seconds to
 # $results/steps.jsonl. The caller sets results, budget and start with `begin RESULTS_DIR SECONDS`, and logs
 # (default: results);
 # an environment assignment in front of `step` reaches the command; CUDA_VISIBLE_DEVICES is recorded too.
 step() {
   local name=$1 limit=$2; shift 2
-  local left=$(( budget - ($(date +%s) - start) - 10 ))
+  local left=$(( budget - ($(date +%s) - start) - 25 ))
   (( limit > left )) && limit=$left
   if (( limit < 30 )); then
     python3 -c 'import json,sys; print(json.dumps({"step": sys.argv[1], "command": sys.argv[2], "rc": None, "seconds": 0, "note": "no time left"}))' \
@@ -15,7 +16,7 @@ step() {
     return
   fi
   local t0=$(date +%s)
-  PYTHONUNBUFFERED=1 timeout "$limit" bash -c "$*" >"${logs:-$results}/$name.log" 2>&1
+  PYTHONUNBUFFERED=1 timeout -s INT -k 15 "$limit" bash -c "$*" >"${logs:-$results}/$name.log" 2>&1
   local rc=$?
   python3 -c 'import json,sys; print(json.dumps({"step": sys.argv[1], "command": sys.argv[2], "env": sys.argv[3], "rc": int(sys.argv[4]), "seconds": int(sys.argv[5])}))' \
     "$name" "$*" "${CUDA_VISIBLE_DEVICES:+CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES}" "$rc" "$(( $(date +%s) - t0 ))" >>"$results/steps.jsonl"
