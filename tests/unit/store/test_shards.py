@@ -3,6 +3,7 @@ import itertools
 import json
 import os
 import stat
+import threading
 import time
 from dataclasses import replace
 
@@ -512,3 +513,30 @@ def test_a_streamed_shard_writes_each_block_once_its_rows_are_final(tmp_path, mo
     assert_tensors_equal(open_shard(path).sample(0), {"input_ids": torch.tensor(ids, dtype=torch.int32), "loss_mask": mask.to(torch.uint8),
                                                       "aux_hidden_states": aux.to(torch.bfloat16), "hidden_states": last})
     assert written[0].block_sha256 == checksum.file_checksum(path)
+
+
+def test_shards_are_written_side_by_side_one_thread_a_file(tmp_path, monkeypatch):
+    """A write into a file holds the file's inode lock, so each file has one writing thread, and while one
+    shard's writes are held up the next shard is written (a shard's blocks spread over the block threads
+    had all waited on that one file, and every later shard behind them: shards went one file at a time)."""
+    monkeypatch.setattr(checksum, "BLOCK_BYTES", 64)
+    threads_of: dict[str, set[int]] = {}
+    second_started = threading.Event()
+    first_waited = []
+    pwrite = writer_module._pwrite
+
+    def spy(fd, data, offset):
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        threads_of.setdefault(name, set()).add(threading.get_ident())
+        if name.startswith(".shard_000"):
+            first_waited.append(second_started.wait(timeout=5))
+        else:
+            second_started.set()
+        pwrite(fd, data, offset)
+
+    monkeypatch.setattr(writer_module, "_pwrite", spy)
+    _, paths = write(tmp_path, BATCHES, shard_bytes=12 * ROW_BYTES, writers=2)
+    assert len(paths) > 2
+    assert first_waited and all(first_waited), "the second shard was written while the first one's writes waited"
+    assert len(threads_of) == len(paths) and all(len(t) == 1 for t in threads_of.values()), threads_of
+    assert [info.index for info, _ in iter_samples(tmp_path)] == list(range(9))
