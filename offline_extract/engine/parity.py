@@ -288,6 +288,9 @@ def compare_states(
             for j in (i - 1, i + 1):
                 if j < len(hs):
                     a["gap"] = min(a["gap"], (mine - hs[j].float().to(mine.device)).abs().max().item())
+        # Dropped before the next sample's HF forward, which the loop's next step runs while `hs` still holds
+        # this one's states (35 GB for a 131k-token sample of an 8B model).
+        del aux, last, hs, ours, mine, ref, below
     rows = []
     for name in names:
         a = acc[name]

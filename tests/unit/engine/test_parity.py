@@ -93,3 +93,31 @@ def test_the_hf_reference_computes_no_full_vocab_logits(tiny_model_dir):
     states = hf_hidden_states(hf, ids, "cpu")
     assert seen == [(1, 1, hf.config.hidden_size)]
     assert len(states) == hf.config.num_hidden_layers + 1 and states[-1].shape == (len(ids), hf.config.hidden_size)
+
+
+def test_one_samples_hf_states_are_dropped_before_the_next_samples_forward():
+    """compare_states folds one sample at a time: when the next sample's HF states are computed, the previous
+    sample's are gone (for a 131k-token sample of an 8B model they are 35 GB on the GPU)."""
+    import weakref
+
+    import torch
+
+    from offline_extract.engine.parity import compare_states
+
+    layer_ids, hidden, tokens = [0, 1], 8, 5
+    alive_when_next_made = []
+    previous = []
+
+    def sample():  # made in a frame of its own, as parity.compare's HF forward is
+        hs = tuple(torch.randn(tokens, hidden) for _ in range(4))
+        previous[:] = [weakref.ref(t) for t in hs]
+        return torch.cat([hs[k + 1] for k in layer_ids], dim=-1), hs[-1].clone(), hs
+
+    def pairs():
+        for _ in range(3):
+            alive_when_next_made.append([r() is not None for r in previous])
+            yield sample()
+
+    rows = compare_states(pairs(), layer_ids, "float32")
+    assert [r.ok for r in rows] == [True] * 3
+    assert alive_when_next_made == [[], [False] * 4, [False] * 4]
