@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import gzip
 import importlib.metadata
+import itertools
 import json
 import math
 import os
@@ -253,11 +254,18 @@ class _ForwardClock:
     """The engine, timed from both sides of every forward (each chunk of a long sample's `chunks` is one).
 
     On the host: the main thread's seconds inside forwards; the rest of a mode's wall time is what the host
-    adds around them (batch hand-off, waits for free staging buffers). On the GPU, from CUDA events on the
-    compute stream: how long after the start the first forward began (start-up), how long the GPU sat idle
-    between forwards because the host had not enqueued the next one, and what ran after the last forward
-    ended (the tail: copies, shard assembly and writes still in flight). An engine on CPU (the CPU tests)
-    gets the host side only.
+    adds around them (batch hand-off, waits for free staging buffers). The host's seconds inside a forward
+    are its GPU time only while the host is ahead of the GPU: a forward waits somewhere inside SGLang for
+    the GPU work before it (one H200's extract and bare host seconds in forwards both equal the bare GPU
+    time), so a host that keeps the GPU fed spends the GPU's time there; a host that is behind (waiting for
+    the writer, say) finds the GPU idle and spends only the forward's launch time there (TP=2 on
+    2026-12-01: 1.2 s of forwards in 4.9 s of extraction, against bare's 2.9 s).
+
+    On the GPU, from CUDA events on the compute stream: how long after the start the first forward began
+    (start-up), how long the GPU sat idle between forwards because the host had not enqueued the next one,
+    and what ran after the last forward ended (the tail: copies, shard assembly and writes still in
+    flight). `per_forward` gives the same forward by forward. An engine on CPU (the CPU tests) gets the
+    host side only.
     """
 
     def __init__(self, engine: Engine):
@@ -268,6 +276,8 @@ class _ForwardClock:
     def restart(self) -> None:
         self.seconds = 0.0
         self.wall_s = 0.0
+        self.started = time.perf_counter()
+        self._host: list[tuple[float, float]] = []  # (start, seconds) of each forward
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._origin = self._event()
 
@@ -284,7 +294,9 @@ class _ForwardClock:
         try:
             return step()
         finally:
-            self.seconds += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.seconds += seconds
+            self._host.append((start, seconds))
             self._events.append((before, self._event()))
 
     def capture(self, seqs):
@@ -311,6 +323,18 @@ class _ForwardClock:
             "gpu_idle_between_forwards_s": idle / 1e3,
             "after_last_forward_s": self.wall_s - self._origin.elapsed_time(last) / 1e3,
         }
+
+    def per_forward(self) -> dict:
+        """Forward by forward, of the last timed mode (after it synchronized): the host's seconds inside it
+        and before it outside any forward (the hand-off of the batch before: waits for staging, the
+        writer), and on a GPU its GPU seconds and the GPU's idle seconds before it."""
+        ends = [self.started] + [a + s for a, s in self._host]
+        out = {"host_s": [s for _, s in self._host], "host_before_s": [a - end for (a, _), end in zip(self._host, ends)]}
+        if self._on_gpu and self._events:
+            out["gpu_s"] = [begin.elapsed_time(end) / 1e3 for begin, end in self._events]
+            out["gpu_idle_before_s"] = [max(0.0, end.elapsed_time(begin)) / 1e3 for (_, end), (begin, _)
+                                        in zip([(None, self._origin)] + self._events, self._events)]
+        return {k: [round(x, 5) for x in v] for k, v in out.items()}
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -402,6 +426,7 @@ def run_bench(opts: BenchOptions) -> list[dict]:
     clock = _ForwardClock(engine)
     bare_s = _timed(coord, lambda: _bare(clock, timed), clock)
     bare_forward_s, bare_phases = clock.seconds, clock.phases()
+    bare_ranks = coord.all_gather(_rank_report(layout, clock))
     bare_by_chunk = _chunk_sweep(engine, coord, timed[0], opts.chunk_sweep) if opts.chunk_sweep else None
     longest = max(s.num_tokens for s in samples)
     # fp8's error against the bf16 states of the same forward passes, once for every fp8 encoding.
@@ -428,8 +453,10 @@ def run_bench(opts: BenchOptions) -> list[dict]:
                     return None
                 return ShardWriter(root / name, run, writers=opts.writers, widths=widths)
 
+            host_times = {}
+
             def extract(batches: list[Batch], w: ShardWriter | None) -> None:
-                extract_batches(clock, batches, w, staging=staging)
+                host_times.update(extract_batches(clock, batches, w, staging=staging))
                 if w is not None:
                     w.close()
 
@@ -441,6 +468,7 @@ def run_bench(opts: BenchOptions) -> list[dict]:
                 _profile(lambda: extract(profiled, w), Path(opts.profile), "extract")
             w = writer("shards")
             extract_s = _timed(coord, lambda: extract(timed, w), clock)
+            extract_ranks = coord.all_gather(_rank_report(layout, clock, host_times, w))
             total_tokens = sum(coord.all_gather(tokens))
             row_bytes = sum(encoding.bytes_per_token(len(engine.layer_ids), engine.hidden_size).values())
             written = sum(coord.all_gather(w.bytes_written if w is not None else 0))
@@ -474,6 +502,12 @@ def run_bench(opts: BenchOptions) -> list[dict]:
                 # Start-up and tail, from CUDA events (see _ForwardClock): this rank's, not the slowest's.
                 **{f"bare_{k}": v for k, v in bare_phases.items()},
                 **{f"extract_{k}": v for k, v in clock.phases().items()},
+                # Every rank's own (TP ranks that do not write included), forward by forward, and on writing
+                # ranks where the host's time went around the forwards: waits for staging (the consumer is
+                # behind), for the copies, in the consumer, for shard buffers (the writes are behind), and
+                # each shard's write (_rank_report).
+                "bare_ranks": bare_ranks,
+                "extract_ranks": extract_ranks,
                 # The cold start of this process: command -> model loaded -> first warm-up batches, timed
                 # as they ran (this rank's); `bare_prefill_tok_s` is the warm figure beside them.
                 **cold,
@@ -538,6 +572,36 @@ def run_bench(opts: BenchOptions) -> list[dict]:
     if layout.leads:
         _save(results, opts)
     return results
+
+
+def shard_writes(writes: list[tuple[float, float, int]], started: float) -> dict:
+    """A writer's shard writes (`ShardWriter.writes`) counted from `started`: each as [start s, seconds,
+    bytes], the most written at once, and the bytes/s while any was being written."""
+    spans = sorted((a - started, a - started + seconds, n) for a, seconds, n in writes)
+    busy, reach = 0.0, float("-inf")
+    for a, b, _ in spans:
+        if b > reach:
+            busy += b - max(a, reach)
+            reach = b
+    # At a tie an end sorts before a start: a write that starts as another ends is not beside it.
+    edges = sorted([(a, 1) for a, _, _ in spans] + [(b, -1) for _, b, _ in spans])
+    return {
+        "shard_writes": [[round(a, 4), round(b - a, 4), n] for a, b, n in spans],
+        "shards_written_at_once_max": max(itertools.accumulate(step for _, step in edges), default=0),
+        "write_bytes_s_while_writing": sum(n for _, _, n in spans) / busy if busy else None,
+    }
+
+
+def _rank_report(layout: Layout, clock: _ForwardClock, host_times: dict | None = None,
+                 writer: ShardWriter | None = None) -> dict:
+    """This rank's side of the last timed mode: its forwards (`_ForwardClock`), and on a writing rank where
+    the host's time went around them (`HostOffload.times`) and the writer's waits and writes."""
+    report = {"rank": layout.rank, "writes": layout.writes, "forward_s": clock.seconds, "wall_s": clock.wall_s,
+              **clock.phases(), **(host_times or {}), "per_forward": clock.per_forward()}
+    if writer is not None:
+        report["writer_buffer_wait_s"] = writer.buffer_wait_s
+        report.update(shard_writes(writer.writes, clock.started))
+    return report
 
 
 def _cold_start(engine: Engine, batches: list[Batch], timeline: Timeline) -> dict:

@@ -112,20 +112,21 @@ def extract_batches(
     on_batch=lambda b: None,
     staging=None,
     nonfinite: NonFiniteGuard | None = None,
-) -> None:
+) -> dict[str, float]:
     """The hot loop: forward each batch and hand its states to the writer without waiting for the host.
 
     A long sample's chunks are handed over one by one, so that copying the earlier ones overlaps the later
     ones' compute. `staging` (from `staging_buffers`) may be passed in to reuse pinned memory across
     calls. Ranks that do not write (tp_rank > 0) still take part in every forward: TP needs all of them.
     Batches with NaN or Inf go through `nonfinite` (default: fail on the first such sample).
+    Returns where the host's time went around the forwards (`HostOffload.times`; empty without a writer).
     """
     if writer is None:
         for batch in batches:
             for _ in _forwards(engine, batch):
                 pass
             on_batch(batch)
-        return
+        return {}
     feed = _WriterFeed(writer, nonfinite or NonFiniteGuard("fail", engine.layer_ids))
 
     def encode(aux: torch.Tensor, last: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -138,6 +139,7 @@ def extract_batches(
                 piece = _Piece(batch, start, stop, batch_flag(captured.aux, captured.last))
                 offload.submit(piece, captured.aux, captured.last)
             on_batch(batch)
+    return offload.times
 
 
 def staging_buffers(engine: Engine, encoding: Encoding) -> list:

@@ -8,6 +8,7 @@ import json
 import os
 import queue
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -369,6 +370,10 @@ class ShardWriter:
         self.samples_written = 0
         self.tokens_written = 0
         self.headers: list[ShardHeader] = []  # of the shards written, as read_header would read them back
+        # For the bench: the seconds add_batch waited for a shard buffer (the writes are behind), and each
+        # shard's write as (perf_counter at its start, seconds, bytes).
+        self.buffer_wait_s = 0.0
+        self.writes: list[tuple[float, float, int]] = []
         # All shard buffers up front, touched, so that first-touch copies stay off the hot path during the
         # first shards: given (`shard_buffers`, prepared ahead), or allocated now for `widths`.
         for buf in buffers or ():
@@ -532,7 +537,9 @@ class ShardWriter:
                 self._current = self._new_buffer()
             else:
                 # Back-pressure: wait for a writer to hand a buffer back.
+                start = time.perf_counter()
                 self._current = self._free.get()
+                self.buffer_wait_s += time.perf_counter() - start
                 self._raise_failed_writes()
         return self._current
 
@@ -554,6 +561,7 @@ class ShardWriter:
     def _write(self, path: Path, buf: _ShardBuffer, samples: list[SampleInfo], tensors: dict[str, torch.Tensor],
                frames: list[dict[str, Future]], filling: _Filling | None) -> Path:
         row_bytes = self.encoding.state_bytes(buf.widths)
+        start = time.perf_counter()
         try:
             tensors = self._compressed(tensors, frames)
             tensors = {name: tensors[name] for name in self.encoding.file_order}
@@ -571,6 +579,7 @@ class ShardWriter:
                 self.samples_written += len(samples)
                 self.tokens_written += tokens
                 self.headers.append(header)
+                self.writes.append((start, time.perf_counter() - start, size))
             if self._on_written is not None:
                 self._on_written(WrittenShard(path.name, digest, size, len(samples), tokens))
             return path

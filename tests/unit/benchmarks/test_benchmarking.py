@@ -13,8 +13,8 @@ from extract_runs import ROOT
 from transformers import AutoTokenizer
 
 from benchmarks.extraction_vs_prefill import (
-    BenchOptions, _bare, _chunk_sweep, _cold_start, _DiscardWriter, _ForwardClock, _fp8_error, _timed, attention_flops,
-    model_flops_per_token, out_kind, synthetic_corpus,
+    BenchOptions, _bare, _chunk_sweep, _cold_start, _DiscardWriter, _ForwardClock, _fp8_error, _rank_report, _timed,
+    attention_flops, model_flops_per_token, out_kind, shard_writes, synthetic_corpus,
 )
 from offline_extract.engine.distributed import Coordinator, Layout
 from offline_extract.feed import extract_batches, staging_buffers
@@ -144,8 +144,20 @@ def test_the_timed_modes_run_through_the_real_engine(tiny_engine, bench_batches,
         out = tmp_path / f"{encoding.store}-{encoding.compress}"
         run = synthetic_run(tiny_engine.layer_ids, store=encoding.store, compress=encoding.compress)
         writer = ShardWriter(out, run, shard_bytes=1 << 20, widths=widths)
-        _timed(coord, lambda: (extract_batches(clock, bench_batches, writer, staging=staging), writer.close()), clock)
+        host_times = {}
+        _timed(coord, lambda: (host_times.update(extract_batches(clock, bench_batches, writer, staging=staging)),
+                               writer.close()), clock)
         assert writer.bytes_written > 0
+        report = _rank_report(layout, clock, host_times, writer)
+        forwards = report["per_forward"]
+        # A long sample's chunks are a forward each.
+        assert len(forwards["host_s"]) == len(forwards["host_before_s"]) > len(bench_batches)
+        assert sum(forwards["host_s"]) == pytest.approx(clock.seconds, abs=1e-3)
+        assert 0 < report["forward_s"] < report["wall_s"]
+        assert report["consume_s"] > 0 and report["staging_wait_s"] >= 0 and report["writer_buffer_wait_s"] >= 0
+        assert len(report["shard_writes"]) == len(writer.headers) >= 1
+        assert sum(n for *_, n in report["shard_writes"]) == writer.bytes_written
+        assert all(0 <= start and start + seconds <= report["wall_s"] for start, seconds, _ in report["shard_writes"])
         written[encoding.store] = {info.index: t for info, t in iter_samples(out)}
     assert sum(len(t["input_ids"]) for t in written["bf16"].values()) == tokens
     assert written["fp8"].keys() == written["bf16"].keys()
@@ -155,6 +167,15 @@ def test_the_timed_modes_run_through_the_real_engine(tiny_engine, bench_batches,
             assert cos.min() > 0.999, (index, name)
     rates = _chunk_sweep(tiny_engine, coord, bench_batches[1], (1024,))
     assert list(rates) == ["1024"] and rates["1024"] > 0
+
+
+def test_shard_writes_count_overlaps_and_the_rate_while_writing():
+    # From t=10: writes of 1 s at 0 and 0.5 (beside each other), then one from 1.5 that starts after both ended.
+    report = shard_writes([(11.5, 1.0, 300), (10.0, 1.0, 100), (10.5, 1.0, 200)], started=10.0)
+    assert report["shard_writes"] == [[0.0, 1.0, 100], [0.5, 1.0, 200], [1.5, 1.0, 300]]
+    assert report["shards_written_at_once_max"] == 2, "the write starting as another ends is not beside it"
+    assert report["write_bytes_s_while_writing"] == pytest.approx(600 / 2.5)
+    assert shard_writes([], 0.0) == {"shard_writes": [], "shards_written_at_once_max": 0, "write_bytes_s_while_writing": None}
 
 
 def test_the_cold_start_times_each_first_batch_after_the_start_up(tiny_engine, tokenizer):

@@ -540,3 +540,20 @@ def test_shards_are_written_side_by_side_one_thread_a_file(tmp_path, monkeypatch
     assert first_waited and all(first_waited), "the second shard was written while the first one's writes waited"
     assert len(threads_of) == len(paths) and all(len(t) == 1 for t in threads_of.values()), threads_of
     assert [info.index for info, _ in iter_samples(tmp_path)] == list(range(9))
+
+
+def test_the_writer_counts_its_wait_for_buffers_and_times_each_shard(tmp_path, monkeypatch):
+    serialize = writer_module._serialize
+
+    def slow(*args, **kwargs):
+        time.sleep(0.2)
+        return serialize(*args, **kwargs)
+
+    monkeypatch.setattr(writer_module, "_serialize", slow)
+    before = time.perf_counter()
+    # One writer thread, two buffers: the third shard's batch waits for the first shard's write.
+    writer, paths = write(tmp_path, BATCHES, shard_bytes=10 * ROW_BYTES, writers=1)
+    assert len(paths) >= 3
+    assert writer.buffer_wait_s >= 0.1
+    assert sorted(n for _, _, n in writer.writes) == sorted(p.stat().st_size for p in paths)
+    assert all(start >= before and seconds >= 0.2 for start, seconds, _ in writer.writes)
