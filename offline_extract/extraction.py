@@ -158,6 +158,8 @@ def engine_config(
         mem_fraction_static=opts.mem_fraction_static,
         trust_remote_code=opts.trust_remote_code,
         jit_cache=opts.jit_cache,
+        # On CPU SGLang's own kernels are what the threads are for.
+        host_threads=layout.host_threads() if torch.device(device).type == "cuda" else None,
     )
 
 

@@ -73,6 +73,15 @@ class Layout:
         """The one process that writes the directory-wide files (index, rejects) at the end."""
         return self.rank == 0
 
+    def host_threads(self) -> int | None:
+        """Intra-op threads for a writing rank's host copies (None: leave torch's count alone). Under
+        torchrun every rank starts with one (it sets OMP_NUM_THREADS=1 for more than one process a node),
+        so a writing rank copied 0.5 GB a batch into its shard buffers on one core; it gets its share of
+        the node's cores instead."""
+        if not self.writes or self.local_world_size == 1:
+            return None
+        return max(1, len(os.sched_getaffinity(0)) // self.local_world_size)
+
     def owns(self, record_index: int) -> bool:
         return record_index % self.dp_size == self.dp_rank
 

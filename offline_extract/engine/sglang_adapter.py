@@ -315,6 +315,9 @@ class EngineConfig:
     mem_fraction_static: float = 0.85
     trust_remote_code: bool = False
     jit_cache: str | None = None  # where compiled kernels are kept between runs (use_jit_cache); None: its default
+    # torch's intra-op threads once the model is loaded, which copy each batch's states into the shard
+    # buffers; None: as many as torch had before the load.
+    host_threads: int | None = None
 
 
 @dataclass
@@ -639,9 +642,8 @@ class Engine:
         )
         # On a GPU, ModelRunner.load_model leaves torch with one intra-op thread (to load weights with fewer
         # thread conflicts); every batch's states would then be copied into the shard buffers on one core,
-        # and the last batches' copies add to the end of every run. Under torchrun, OMP_NUM_THREADS=1 had
-        # made it one thread anyway.
-        torch.set_num_threads(threads)
+        # and the last batches' copies add to the end of every run.
+        torch.set_num_threads(cfg.host_threads or threads)
         model = self.runner.model
         self.architecture = type(model).__name__
         # The decoder's own config: a multimodal wrapper's (Kimi-K2.5) nests it as text_config.

@@ -1,4 +1,5 @@
 """The options module: each choice stated once, checked once, and the tables keyed by it agree with it."""
+import os
 from dataclasses import fields
 from pathlib import Path
 
@@ -64,6 +65,21 @@ def test_the_engine_config_is_the_options_mapped_once():
     assert (cfg.max_tokens_per_batch, cfg.max_seqs_per_batch, cfg.chunk_tokens, cfg.context_length) == (8192, 64, 4096, 9000)
     assert (cfg.attention_backend, cfg.load_format, cfg.mem_fraction_static) == ("triton", "dummy", 0.5)
     assert (cfg.layer_ids, cfg.final_state, cfg.trust_remote_code, cfg.jit_cache) == ((1, 2), "pre-norm", True, "/cache")
+
+
+def test_a_writing_rank_under_torchrun_copies_with_its_share_of_the_cores(monkeypatch):
+    """torchrun leaves every rank one intra-op thread; the host copies into shard buffers then ran on one
+    core a rank. A writing rank gets the node's cores over its processes; a lone process keeps torch's
+    own count, as do TP ranks that write nothing and engines on CPU (whose forward the threads run)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))
+    opts = ExtractOptions(data=(), tp=2)
+    writing, silent = (Layout(rank=r, world_size=4, local_rank=r, local_world_size=4, tp_size=2) for r in (2, 3))
+    assert engine_config(opts, writing, Path("/m"), "cuda", 8192, None).host_threads == 8
+    assert engine_config(opts, silent, Path("/m"), "cuda", 8192, None).host_threads is None
+    assert engine_config(opts, writing, Path("/m"), "cpu", 8192, None).host_threads is None
+    assert engine_config(ExtractOptions(data=()), Layout(), Path("/m"), "cuda", 8192, None).host_threads is None
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert engine_config(opts, writing, Path("/m"), "cuda", 8192, None).host_threads == 1
 
 
 def test_the_embedded_model_on_cpu_computes_in_float32_under_auto():
