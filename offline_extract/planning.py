@@ -36,6 +36,8 @@ class Plan:
     writable: bool = True
     # The first rejected records, each with its source, line and reason (`rejected` counts them all).
     first_rejects: tuple[Reject, ...] = ()
+    # Of total_bytes, what --compress zstd compresses (the states), sized before compression.
+    compressible_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -43,7 +45,37 @@ class Plan:
 
     @property
     def fits(self) -> bool:
+        """Fits even if zstd saved nothing."""
         return self.total_bytes <= self.free_bytes
+
+    @property
+    def ratio_needed(self) -> float | None:
+        """For a compressed output that does not fit as it is before compression: how many times zstd must
+        shrink the states for it to fit (inf: the rest alone does not); None otherwise. How much it does
+        depends on the states, which only the run sees."""
+        if self.fits or not self.compressible_bytes:
+            return None
+        room = self.free_bytes - (self.total_bytes - self.compressible_bytes)
+        return self.compressible_bytes / room if room > 0 else float("inf")
+
+    def verdict(self) -> str:
+        ratio = self.ratio_needed
+        if self.fits:
+            return "fits"
+        if ratio is None or ratio == float("inf"):
+            return "DOES NOT FIT"
+        return f"fits only if zstd shrinks the states {ratio:.2f}x or more (unknown until they are written)"
+
+    def refusal(self, out: str | Path) -> str | None:
+        """Why the dry run says no to running into `out` as it stands (--force overrides); None: it fits."""
+        ratio = self.ratio_needed
+        if self.fits:
+            return None
+        if ratio is None or ratio == float("inf"):
+            return f"the output would not fit in {out}; free space first or pass --force"
+        return (f"the output fits in {out} only if zstd shrinks the states {ratio:.2f}x or more, which only the run "
+                f"can tell; free space first, or pass --force to try (a run that fills the disk stops with its "
+                f"complete shards kept, and re-running it resumes once there is room)")
 
 
 def plan(
@@ -71,10 +103,9 @@ def plan(
             if len(first_rejects) < REJECTS_SHOWN:
                 first_rejects.append(item)
     # The hidden states first (the encoding lists them first): they are nearly all of it.
-    sizes = {
-        name + (" (before zstd)" if name in encoding.compressed else ""): tokens * n
-        for name, n in encoding.bytes_per_token(num_aux_layers, hidden_size).items()
-    }
+    per_token = encoding.bytes_per_token(num_aux_layers, hidden_size)
+    sizes = {name + (" (before zstd)" if name in encoding.compressed else ""): tokens * n for name, n in per_token.items()}
+    compressible = tokens * sum(n for name, n in per_token.items() if name in encoding.compressed)
     per_sample = [t for t in encoding.tensors if t.rows in ("n", "n+1")]
     sample_bytes = sum(t.dtype.itemsize for t in per_sample) + _SAMPLE_METADATA_BYTES
     sizes[", ".join(t.name for t in per_sample) + ", metadata"] = samples * sample_bytes
@@ -82,7 +113,7 @@ def plan(
     while not existing.exists():
         existing = existing.parent
     return Plan(records, samples, skipped, rejected, tokens, loss_tokens, sizes, shutil.disk_usage(existing).free,
-                writable=os.access(existing, os.W_OK), first_rejects=tuple(first_rejects))
+                writable=os.access(existing, os.W_OK), first_rejects=tuple(first_rejects), compressible_bytes=compressible)
 
 
 def render(p: Plan, out: str | Path) -> str:
@@ -94,7 +125,7 @@ def render(p: Plan, out: str | Path) -> str:
     ]
     lines += [f"  {name:<32} {human_bytes(size):>12}" for name, size in p.bytes_by_tensor.items()]
     lines.append(f"  {'total':<32} {human_bytes(p.total_bytes):>12}")
-    lines.append(f"free at {out}: {human_bytes(p.free_bytes)} -> {'fits' if p.fits else 'DOES NOT FIT'}")
+    lines.append(f"free at {out}: {human_bytes(p.free_bytes)} -> {p.verdict()}")
     if not p.writable:
         lines.append(f"{out} cannot be written here (read-only, or no permission)")
     return "\n".join(lines)

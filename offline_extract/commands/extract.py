@@ -208,8 +208,9 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
             raise click.ClickException(verdict)
         if not plan.writable:
             raise click.ClickException(f"{out} cannot be written: its filesystem is read-only, or you lack permission")
-        if not plan.fits and not force:
-            raise click.ClickException(f"the output would not fit in {out}; free space first or pass --force")
+        refusal = plan.refusal(out)
+        if refusal and not force:
+            raise click.ClickException(refusal)
     elif summary is not None:
         click.echo(summary.report(out), err=True)
         verdict = summary.no_sample_verdict(data)

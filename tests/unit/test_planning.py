@@ -6,6 +6,7 @@ from transformers import AutoTokenizer
 
 from offline_extract import planning
 from offline_extract.data.tokenization import SampleTokenizer
+from offline_extract.store.schema import Encoding
 
 CORPUS = ROOT / "examples" / "corpus.jsonl"
 
@@ -43,3 +44,31 @@ def test_plan_names_the_first_rejects_and_an_output_it_cannot_write(tiny_model_d
     assert lines[1 + planning.REJECTS_SHOWN] == "  ... and 2 more"
     assert not p.writable and lines[-1] == "/proc/sys/offline_extract_out cannot be written here (read-only, or no permission)"
     assert planning.plan([corpus], tok, tmp_path / "out", hidden_size=64, num_aux_layers=3).writable
+
+
+def test_a_compressed_output_too_big_before_zstd_says_how_much_zstd_must_save(tiny_model_dir, tmp_path, monkeypatch):
+    tok = SampleTokenizer(AutoTokenizer.from_pretrained(tiny_model_dir), max_length=4096)
+    fp8_zstd = Encoding("fp8", "zstd")
+    roomy = planning.plan([CORPUS], tok, tmp_path, hidden_size=64, num_aux_layers=3, encoding=fp8_zstd)
+    # fp8 states, one byte a value, are what zstd compresses; their float32 scales stay raw.
+    assert roomy.compressible_bytes == 1381 * (3 * 64 + 64)
+    assert roomy.fits and roomy.ratio_needed is None and roomy.refusal(tmp_path) is None
+    rest = roomy.total_bytes - roomy.compressible_bytes
+    usage = namedtuple("usage", "total used free")
+
+    def free(n: int) -> planning.Plan:
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - n, n))
+        return planning.plan([CORPUS], tok, tmp_path, hidden_size=64, num_aux_layers=3, encoding=fp8_zstd)
+
+    # Room for the raw rest and half the states: it fits if zstd halves them, which only the run can tell.
+    half = free(rest + roomy.compressible_bytes // 2)
+    assert not half.fits and half.ratio_needed == 2.0
+    assert "-> fits only if zstd shrinks the states 2.00x or more" in planning.render(half, tmp_path)
+    assert "fits in" in half.refusal(tmp_path) and "2.00x" in half.refusal(tmp_path)
+    # Not even the raw rest fits: no ratio would do.
+    none = free(rest - 1)
+    assert none.ratio_needed == float("inf") and "DOES NOT FIT" in planning.render(none, tmp_path)
+    assert none.refusal(tmp_path) == f"the output would not fit in {tmp_path}; free space first or pass --force"
+    # Uncompressed, the same shortfall is a plain no.
+    bf16 = planning.plan([CORPUS], tok, tmp_path, hidden_size=64, num_aux_layers=3)
+    assert bf16.ratio_needed is None and "DOES NOT FIT" in planning.render(bf16, tmp_path)
