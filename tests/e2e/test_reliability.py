@@ -28,6 +28,7 @@ from offline_extract.store import checksum, integrity, manifest, resume
 from offline_extract.store.index import iter_samples, shard_paths
 from offline_extract.store.journal import read_journal
 from offline_extract.store.schema import shard_number
+from offline_extract.store.shard import read_header
 
 # Small shards and batches: a few hundred short records make about 80 shards and 120 batches.
 SMALL = ("--shard-size-mb", "0.15", "--tokens-per-batch", "256")
@@ -314,6 +315,33 @@ def test_a_full_disk_stops_cleanly_and_a_resume_completes(baseline, corpus, env,
 
     ok(run(out, "--data", corpus, *SMALL, env=env))
     assert_complete(out, baseline)
+
+
+@pytest.mark.slow
+def test_a_full_disk_under_zstd_stops_cleanly_and_a_resume_completes(corpus, env, tmp_path):
+    # Compressed states are written frame by frame (store/writer.py's _Frames), not from one buffer. One
+    # record midway is far longer than a shard, so that its shard alone outgrows the limit: twice the shard
+    # size, above any shard of the short records (the size plus one record, before zstd shrinks it) and
+    # under the long record's (about 2,000 tokens of 517 bytes, which zstd does not shrink 3x).
+    rng = random.Random(7)
+    lines = corpus.read_text().splitlines()
+    lines.insert(150, json.dumps({"id": "long", "text": " ".join(rng.choice(WORDS) for _ in range(700))}))
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    args = ("--data", mixed, *SMALL, "--compress", "zstd")
+    first = run(out, *args, env=env, preexec_fn=limit_file_size(2 * int(0.15 * (1 << 20))))
+    assert_stopped_cleanly(first, out)
+    kept = {p.name: sha256(p) for p in shard_paths(out)}
+    earlier = sum(len(read_header(p).samples) for p in shard_paths(out))
+    assert kept and earlier < 296, "the shards before the long record's are kept, and only those"
+
+    done = ok(run(out, *args, env=env))
+    assert counts(done.stderr) == dict(records=301, extracted=296, earlier=earlier, skipped=0, rejected=5, dropped=0)
+    assert {name: sha256(out / name) for name in kept} == kept, "the kept shards are untouched"
+    ids = [info.id for info, _ in iter_samples(out)]
+    assert sorted(ids) == sorted(json.loads(line)["id"] for line in lines if not line.startswith("{broken"))
+    assert hidden_files(out) == [] and integrity.verify(out).problems == []
 
 
 @pytest.mark.slow
