@@ -10,6 +10,8 @@ Modes, in this order, each after untimed warm-up batches:
 4. optionally the peers users would run instead (`--baseline`, benchmarks/peers/): SGLang's own
    return_hidden_states and SpecForge's generator run first, each with the whole GPU, and every peer's
    states are cross-checked against ours at the end.
+The result JSONs are rewritten as each of these parts finishes (`ResultFiles`): a run cut short keeps what
+it measured.
 Under torchrun every data-parallel replica runs its share and the figures are aggregated.
 """
 from __future__ import annotations
@@ -72,7 +74,7 @@ class BenchOptions:
     cold: bool = False  # compile into an empty JIT cache, as a fresh machine does
     jit_cache: str | None = None  # where compiled kernels are kept (EngineConfig.jit_cache)
     baselines: tuple[str, ...] = ()  # of peers.BASELINES
-    peer_options: peers.PeerOptions | None = None  # None: its defaults
+    peer_options: peers.PeerOptions = peers.PeerOptions()
     disk_probe_bytes: int = 4 << 30
     writers: int = 4
     encodings: tuple[tuple[str, str], ...] = (("bf16", "none"),)  # (--store, --compress) pairs, one model load
@@ -397,14 +399,9 @@ def run_bench(opts: BenchOptions) -> list[dict]:
     # Each replica's tokens count once, however many TP ranks computed them.
     tokens = sum(b.num_tokens for b in timed) if layout.writes else 0
     config = AutoConfig.from_pretrained(model_dir)
-    pending = []
-    if opts.baselines:
-        popts = opts.peer_options or peers.PeerOptions()
-        pending = peers.run_subprocess_peers(
-            opts.baselines, popts, model_dir=model_dir, tokenizer=tokenizer.tokenizer,
-            batches=[[s.input_ids for s in b.samples] for b in batches], warmup=opts.warmup_batches,
-            max_length=opts.longest, dtype=opts.dtype, num_layers=config.num_hidden_layers, load_format=opts.load_format,
-        )
+    files = ResultFiles(opts, layout)
+    pending = peers_first(opts, files, model_dir, tokenizer.tokenizer, [[s.input_ids for s in b.samples] for b in batches],
+                          config.num_hidden_layers)
     jit_cache = opts.jit_cache
     if opts.cold:
         jit_cache = tempfile.mkdtemp(prefix="offline_extract_cold_jit_")
@@ -538,23 +535,27 @@ def run_bench(opts: BenchOptions) -> list[dict]:
                 "host_torch_threads": torch.get_num_threads(),
                 "gpu_peak_bytes": max(coord.all_gather(torch.cuda.max_memory_allocated())),
             })
+            files.measured(len(results) - 1, results[-1])
             shutil.rmtree(root, ignore_errors=True)
 
     if "hf" in opts.baselines:
-        check = [s.input_ids for b in timed for s in b.samples][: popts.cross_check_samples]
+        check = [s.input_ids for b in timed for s in b.samples][: opts.peer_options.cross_check_samples]
         # Only the same weights make HF's states comparable with ours; the dummy loader draws its own.
         weights = model_dir if opts.load_format != "dummy" else None
+        start = time.perf_counter()
         hf_s, hf_states = _hf_baseline(config, engine, warm, timed, coord, weights,
                                        lambda model: peers.states_of(model, engine.layer_ids, check) if weights else None)
         for r in results:
             r["hf_tok_s"] = r["num_tokens"] / hf_s
             r["extract_over_hf"] = hf_s * r["extract_tok_s"] / r["num_tokens"]
         pending.append(peers.hf_row(results[0]["hf_tok_s"], opts.command, hf_states))
+        print(peers.summary(pending[-1].row, time.perf_counter() - start), file=sys.stderr, flush=True)
+        files.peer(pending[-1].row)
     if pending:
         ours = peers.our_states(engine)
-        rows = [peers.cross_check(p, ours).to_json() for p in pending]
-        for r in results:
-            r["peers"] = rows
+        for p in pending:
+            peers.cross_check(p, ours)
+            files.done(f"cross-check {p.row.name}")
     if opts.single_gpu_results:
         singles = {}
         for path in opts.single_gpu_results:
@@ -569,9 +570,22 @@ def run_bench(opts: BenchOptions) -> list[dict]:
             r["scaling"] = r["extract_tok_s"] / single["extract_tok_s"]
             r["bare_scaling"] = r["bare_prefill_tok_s"] / single["bare_prefill_tok_s"]
             r["single_gpu_result"] = path
-    if layout.leads:
-        _save(results, opts)
-    return results
+    return files.write(final=True)
+
+
+def peers_first(opts: BenchOptions, files: ResultFiles, model_dir: Path, tokenizer, batches: list[list[np.ndarray]],
+                num_layers: int) -> list[peers.Pending]:
+    """The peers of --baseline that run in their own processes, before our engine takes the GPU: each one's
+    row is saved as soon as it finishes."""
+    pending = []
+    for peer in peers.run_subprocess_peers(
+        opts.baselines, opts.peer_options, model_dir=model_dir, tokenizer=tokenizer,
+        batches=batches, warmup=opts.warmup_batches, max_length=opts.longest, dtype=opts.dtype, num_layers=num_layers,
+        load_format=opts.load_format,
+    ):
+        pending.append(peer)
+        files.peer(peer.row)
+    return pending
 
 
 def shard_writes(writes: list[tuple[float, float, int]], started: float) -> dict:
@@ -730,11 +744,67 @@ def _generated_config(shape: str, longest: int, layout: Layout, coord: Coordinat
     return path
 
 
-def _save(results: list[dict], opts: BenchOptions) -> None:
-    out = Path(opts.results_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for r in results:
-        name = f"bench_{opts.shape if not opts.model else Path(opts.model).name}_{opts.lengths}_{r['out_kind']}_{r['store']}_{r['compress']}_w{r['world_size']}_tp{r['tp_size']}_{stamp}.json"
-        (out / name).write_text(json.dumps(r, indent=2) + "\n")
-        print(json.dumps(r, indent=2), file=sys.stderr)
+class ResultFiles:
+    """The run's result JSONs, one per --store x --compress x --out, rewritten whole as each part of the run
+    finishes (each peer, ours, each cross-check), so that a run cut short (a device call's time limit)
+    leaves a valid JSON of what it measured. `parts` lists the parts done and those left; until ours is
+    measured a file holds the command, the peers and `parts` only."""
+
+    def __init__(self, opts: BenchOptions, layout: Layout):
+        self._dir = Path(opts.results_dir)
+        self._writes = layout.leads
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        model = opts.shape if not opts.model else Path(opts.model).name
+        self._names = [f"bench_{model}_{opts.lengths}_{out_kind(out)}_{store}_{compress}_w{layout.world_size}"
+                       f"_tp{layout.tp_size}_{stamp}.json" for store, compress in opts.encodings for out in opts.outs]
+        self._command = opts.command
+        self.ours: list[dict | None] = [None] * len(self._names)  # in the order run_bench measures them
+        self._peers = [] if opts.baselines else None
+        # The order run_bench takes them in: the peers in their own processes first (see peers/README.md).
+        own_process = [n for n in opts.baselines if n in peers.OWN_PROCESS]
+        in_process = [n for n in opts.baselines if n not in peers.OWN_PROCESS]
+        self._planned = [*(f"peer {n}" for n in own_process), "ours", *(f"peer {n}" for n in in_process),
+                         *(f"cross-check {n}" for n in own_process + in_process)]
+        self._done: set[str] = set()
+
+    def measured(self, index: int, result: dict) -> None:
+        """Ours, for the `index`-th file."""
+        self.ours[index] = result
+        self.write()
+
+    def peer(self, row: peers.PeerRow) -> None:
+        """A peer's row, before its cross-check (which fills the same row)."""
+        self._peers.append(row)
+        self.done(f"peer {row.name}")
+
+    def done(self, part: str) -> None:
+        self._done.add(part)
+        self.write()
+
+    def documents(self) -> list[dict]:
+        docs = []
+        for ours in self.ours:
+            done = [p for p in self._planned if p in self._done or (p == "ours" and ours is not None)]
+            docs.append({
+                **(ours or {"command": self._command}),
+                **({"peers": [row.to_json() for row in self._peers]} if self._peers is not None else {}),
+                "parts": {"done": done, "left": [p for p in self._planned if p not in done]},
+            })
+        return docs
+
+    def write(self, final: bool = False) -> list[dict]:
+        docs = self.documents()
+        if not self._writes:
+            return docs
+        self._dir.mkdir(parents=True, exist_ok=True)
+        for name, doc in zip(self._names, docs):
+            # A rename replaces the file whole: a run killed mid-write leaves the previous version.
+            tmp = self._dir / f".{name}.tmp"
+            tmp.write_text(json.dumps(doc, indent=2) + "\n")
+            os.replace(tmp, self._dir / name)
+            if final:
+                print(json.dumps(doc, indent=2), file=sys.stderr)
+        parts = docs[-1]["parts"]  # the last file's: ours is measured into the files in their order
+        print(f"bench: saved {len(docs)} result file(s) in {self._dir} (done: {', '.join(parts['done']) or 'nothing'}; "
+              f"left: {', '.join(parts['left']) or 'nothing'})", file=sys.stderr, flush=True)
+        return docs

@@ -13,7 +13,9 @@
 
 Samples longer than --tokens-per-batch are prefilled alone in chunks of --chunk-tokens, in both modes.
 Every --out is measured in the same run (tmpfs and a disk path are both fine); the disk's own parallel
-write rate is probed there first. Results (JSON, with this command) go to --results-dir.
+write rate is probed there first. Results (JSON, with this command) go to --results-dir, rewritten as each
+part of the run (each peer, ours, each cross-check) finishes; their `parts` says which are done, so a run
+cut short leaves what it measured.
 
 --baseline adds what users would run instead, on the same GPU, model and batches (benchmarks/peers/):
 `hf` (an HF transformers loop with output_hidden_states), `sglang-engine` (sglang.Engine with

@@ -18,6 +18,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -26,7 +27,8 @@ from . import sglang_engine, specforge
 from .accounting import LayerTally, PeerRow, split_layers
 from .corpus import save_batches
 
-BASELINES = ("hf", sglang_engine.NAME, specforge.NAME)
+OWN_PROCESS = (sglang_engine.NAME, specforge.NAME)  # run by run_subprocess_peers; hf runs in the bench process
+BASELINES = ("hf", *OWN_PROCESS)
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -61,28 +63,39 @@ def check_names(names) -> tuple[str, ...]:
 
 
 def run_subprocess_peers(names, popts: PeerOptions, *, model_dir: Path, tokenizer, batches: list[list[np.ndarray]],
-                         warmup: int, max_length: int, dtype: str, num_layers: int, load_format: str) -> list[Pending]:
-    """Run sglang-engine and specforge (those of `names`) on our batches, before our engine takes the GPU."""
+                         warmup: int, max_length: int, dtype: str, num_layers: int,
+                         load_format: str) -> Iterator[Pending]:
+    """Run sglang-engine and specforge (those of `names`) on our batches, before our engine takes the GPU;
+    each peer is yielded as soon as it finishes, so that its row can be saved before the next part starts."""
     work = Path(popts.workdir)
-    work.mkdir(parents=True, exist_ok=True)
     runs = {
         sglang_engine.NAME: lambda: _sglang_engine(popts, work, model_dir, batches, warmup, max_length, dtype),
         specforge.NAME: lambda: _specforge(popts, work, model_dir, tokenizer, batches, warmup, max_length,
                                            specforge.capture_layers(num_layers)),
     }
-    pending = []
-    for name in (n for n in names if n in runs):
+    for name in (n for n in names if n in OWN_PROCESS):
         _needs_weights(name, load_format)
+        work.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         try:
-            pending.append(runs[name]())
+            pending = runs[name]()
         except Exception:  # one peer that breaks must not cost the others' rows (nor ours) on a GPU lease
-            pending.append(Pending(PeerRow(name, "", "", None, None, None, None, error=traceback.format_exc()), []))
-        row = pending[-1].row
+            pending = Pending(PeerRow(name, "", "", None, None, None, None, error=traceback.format_exc()), [])
         # A GPU lease is short: say where its time goes while the run is still going.
-        print(f"peer {name}: {time.perf_counter() - start:.0f} s, tok/s {row.tok_s}, "
-              f"{'error: ' + row.error.splitlines()[-1] if row.error else 'ok'}", file=sys.stderr, flush=True)
-    return pending
+        print(summary(pending.row, time.perf_counter() - start), file=sys.stderr, flush=True)
+        yield pending
+
+
+def summary(row: PeerRow, seconds: float) -> str:
+    """The log line of a finished peer, readable alone: what its seconds include and what its tok/s counts."""
+    head = f"peer {row.name}: {seconds:.0f} s from its launch to its exit (start-up, model load and warm-up included)"
+    if row.error:
+        return f"{head}; error: {row.error.strip().splitlines()[-1]}"
+    rate = "none" if row.tok_s is None else f"{row.tok_s:,.0f}"
+    line = f"{head}; ok; tok/s {rate} = {row.notes['tok_s']}"
+    if "end_to_end_tok_s" in row.notes:
+        line += f"; {row.notes['end_to_end_tok_s']:,.0f} tok/s end to end, its start-up counted"
+    return line
 
 
 def _needs_weights(name: str, load_format: str) -> None:
@@ -107,18 +120,24 @@ def _sglang_engine(popts, work, model_dir, batches, warmup, max_length, dtype) -
         return Pending(PeerRow(sglang_engine.NAME, _version("sglang"), cmd, None, None, None, None,
                                error=proc.stderr[-4000:]), [])
     r = json.loads(result.read_text())
-    from safetensors.torch import load_file
-
-    dumped = load_file(str(dump))
-    states = [(f"sglang-engine #{i}", dumped[f"{i}.input_ids"].numpy(), {"final": dumped[f"{i}.final"]})
-              for i in range(len(dumped) // 2)]
     row = PeerRow(
         name=sglang_engine.NAME, version=r["version"], command=cmd, tok_s=r["tok_s"], bytes_per_token=r["bytes_per_token"],
         host_peak_rss_bytes=r["host_peak_rss_bytes"], cosine_vs_ours=None,
         notes={"stores": r["stores"], "num_tokens": r["num_tokens"], "wall_s": r["wall_s"],
+               "tok_s": f"prompt tokens a second over its {r['num_tokens']:,} timed tokens ({r['wall_s']:.0f} s), "
+                        "after its warm-up batches; start-up excluded",
                "bytes_per_token": "nothing is written: its returned state stored as bf16, plus an int32 id"},
     )
-    return Pending(row, states)
+    return Pending(row, dumped_states(dump))
+
+
+def dumped_states(dump: Path) -> list[tuple[str, np.ndarray, dict[str, torch.Tensor]]]:
+    """The states sglang-engine dumped for the cross-check, with their ids."""
+    from safetensors.torch import load_file
+
+    dumped = load_file(str(dump))
+    return [(f"sglang-engine #{i}", dumped[f"{i}.input_ids"].numpy(), {"final": dumped[f"{i}.final"]})
+            for i in range(len(dumped) // 2)]
 
 
 def _specforge(popts, work, model_dir, tokenizer, batches, warmup, max_length, layer_ids) -> Pending:
@@ -204,7 +223,9 @@ def hf_row(tok_s: float, command: str, states: list[tuple[str, np.ndarray, dict]
         PeerRow(
             name="hf", version=_version("transformers"), command=command, tok_s=tok_s, bytes_per_token=None,
             host_peak_rss_bytes=None, cosine_vs_ours=None,
-            notes={"bytes_per_token": "writes nothing: copies the layers to host memory and drops them",
+            notes={"tok_s": "tokens a second over the bench's timed batches, after its warm-up batches; "
+                            "model load excluded",
+                   "bytes_per_token": "writes nothing: copies the layers to host memory and drops them",
                    "host_peak_rss_bytes": "runs inside the bench process, so its memory is not told apart from ours",
                    "stores": {"layers": "output_hidden_states[k+1] and [-1]", "norm": "post-norm"}},
         ),

@@ -1,6 +1,9 @@
 """The CPU-checkable parts of the peer comparison (benchmarks/peers/): corpus hand-off, accounting, reading
-SpecForge's output layout, and SGLang's own return_hidden_states path against our engine."""
+SpecForge's output layout, SGLang's own return_hidden_states path against our engine, and the result files
+that a bench cut short leaves."""
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -9,14 +12,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from extract_runs import ROOT
 from transformers import AutoTokenizer
 
-from benchmarks.extraction_vs_prefill import BenchOptions, synthetic_corpus
+from benchmarks.extraction_vs_prefill import BenchOptions, ResultFiles, synthetic_corpus
 from benchmarks.peers import baselines, specforge
 from benchmarks.peers.accounting import LayerTally, PeerRow, TreePeakRss, split_layers
 from benchmarks.peers.corpus import chat_records, load_batches, save_batches
 from benchmarks.peers.sglang_engine import returned_states
+from benchmarks.peers.table import rows
 from offline_extract.data.tokenization import SampleTokenizer
+from offline_extract.engine.distributed import Layout
 
 
 
@@ -177,26 +183,109 @@ def test_cross_check_fills_the_row_and_unknown_baselines_are_refused():
         baselines.check_names(["hf", "vllm"])
 
 
+def test_result_files_hold_each_part_as_it_finishes(tmp_path):
+    """A run cut short between parts leaves, in every result file, a valid JSON of the parts done so far."""
+    opts = BenchOptions(model="/models/m", baselines=("sglang-engine", "hf"), outs=("/dev/shm/x", "/"),
+                        results_dir=str(tmp_path), command="python bin/bench.py --baseline sglang-engine --baseline hf")
+    files = ResultFiles(opts, Layout())
+    assert not list(tmp_path.iterdir()), "nothing is written before a part is done"
+
+    def saved() -> list[dict]:
+        assert not list(tmp_path.glob(".*")), "no temporary file is left"
+        return [json.loads(p.read_text()) for p in sorted(tmp_path.iterdir())]
+
+    peer = PeerRow("sglang-engine", "0.5.17", "c", 1400.0, 8196.0, 11 << 30, None, notes={"num_tokens": 9})
+    files.peer(peer)
+    disk, tmpfs = saved()
+    assert disk == tmpfs == {"command": opts.command, "peers": [peer.to_json()], "parts": {
+        "done": ["peer sglang-engine"], "left": ["ours", "peer hf", "cross-check sglang-engine", "cross-check hf"]}}
+    assert rows(tmpfs, "r.json")[0].startswith("| ours **not measured**: parts left ours, ")
+
+    files.measured(0, {"command": opts.command, "extract_tok_s": 30000.0, "out_kind": "tmpfs"})
+    disk, tmpfs = saved()
+    assert tmpfs["extract_tok_s"] == 30000.0 and "ours" in tmpfs["parts"]["done"]
+    assert "extract_tok_s" not in disk and "ours" in disk["parts"]["left"], "the other file's ours is not measured yet"
+    files.measured(1, {"command": opts.command, "extract_tok_s": 20000.0, "out_kind": "disk"})
+    files.peer(PeerRow("hf", "5", "c", 7000.0, None, None, None))
+    peer.cosine_vs_ours = {"final": {"cosine_min": 1.0}}  # what cross_check fills in
+    files.done("cross-check sglang-engine")
+    disk, tmpfs = saved()
+    assert tmpfs["peers"][0]["cosine_vs_ours"] == {"final": {"cosine_min": 1.0}} and tmpfs["peers"][1]["name"] == "hf"
+    assert tmpfs["parts"]["left"] == ["cross-check hf"]
+    files.done("cross-check hf")
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert [n.rsplit("_", 1)[0] for n in names] == ["bench_m_lognormal_disk_bf16_none_w1_tp1",
+                                                     "bench_m_lognormal_tmpfs_bf16_none_w1_tp1"]
+    assert [d["parts"]["left"] for d in saved()] == [[], []]
+    assert [d["extract_tok_s"] for d in files.write(final=True)] == [30000.0, 20000.0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == names, "rewritten in place, under the names of the first save"
+
+
+# The bench up to our engine, in a process of its own: run_bench's first part (the peers in their own
+# processes, each saved as it finishes), then where run_bench would load our engine it says so and waits.
+_PEERS_THEN_OURS = """
+import sys, time
+from pathlib import Path
+from transformers import AutoTokenizer
+from benchmarks.extraction_vs_prefill import BenchOptions, ResultFiles, peers_first
+from benchmarks.peers.baselines import PeerOptions
+from benchmarks.peers.corpus import load_batches
+from offline_extract.engine.distributed import Layout
+
+model, batches_file, work, results, moved_on = sys.argv[1:]
+batches, warmup = load_batches(Path(batches_file))
+popts = PeerOptions(workdir=work, cross_check_samples=3, device="cpu", sglang_attention_backend="torch_native",
+                    sglang_mem_fraction_static=0.5)
+opts = BenchOptions(model=model, load_format="auto", dtype="float32", max_length=2048, warmup_batches=warmup,
+                    baselines=("sglang-engine",), peer_options=popts, results_dir=results, command="the bench command")
+peers_first(opts, ResultFiles(opts, Layout()), Path(model), AutoTokenizer.from_pretrained(model), batches, num_layers=2)
+Path(moved_on).touch()
+time.sleep(600)
+"""
+
+
 @pytest.mark.slow
-def test_sglang_return_hidden_states_is_our_post_norm_final_state(tmp_path, tiny_model_dir, tiny_engine, hf_tokenizer,
-                                                                 seqs):
-    """The bench's sglang-engine peer, run on CPU in fp32: sglang.Engine(enable_return_hidden_states=True)
-    returns, per prompt token, the state after the final norm, equal to our engine's `last`."""
-    popts = baselines.PeerOptions(workdir=str(tmp_path), cross_check_samples=3, device="cpu",
-                                  sglang_attention_backend="torch_native", sglang_mem_fraction_static=0.5)
-    batches = [seqs[:2], seqs[2:5], seqs[5:6]]
-    [pending] = baselines.run_subprocess_peers(
-        ["sglang-engine"], popts, model_dir=tiny_model_dir, tokenizer=hf_tokenizer, batches=batches, warmup=1,
-        max_length=2048, dtype="float32", num_layers=2, load_format="auto",
-    )
-    assert pending.row.error is None, pending.row.error
+def test_sglang_return_hidden_states_is_our_post_norm_final_state(tmp_path, tiny_model_dir, tiny_engine, seqs):
+    """The bench's sglang-engine peer, run on CPU in fp32, in a bench stopped by SIGTERM (as `timeout` stops a
+    device call) once the peer has finished: the result JSON holds the peer's row, and the states it left
+    show that sglang.Engine(enable_return_hidden_states=True) returns, per prompt token, the state after
+    the final norm, equal to our engine's `last`."""
+    work, results, log = tmp_path / "work", tmp_path / "results", tmp_path / "bench.log"
+    save_batches(tmp_path / "batches.npz", [seqs[:2], seqs[2:5], seqs[5:6]], warmup=1)
+    with open(log, "w") as err:
+        bench = subprocess.Popen(
+            [sys.executable, "-c", _PEERS_THEN_OURS, str(tiny_model_dir), str(tmp_path / "batches.npz"), str(work),
+             str(results), str(tmp_path / "moved-on")], cwd=ROOT, stderr=err, start_new_session=True)
+    deadline = time.monotonic() + 600
+    try:
+        while not (tmp_path / "moved-on").exists():
+            assert bench.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, "the peer did not finish in 10 min"
+            time.sleep(0.2)
+    finally:
+        if bench.poll() is None:
+            os.killpg(bench.pid, signal.SIGTERM)
+    assert bench.wait(timeout=60) == -signal.SIGTERM
+
+    [doc] = [json.loads(p.read_text()) for p in results.iterdir()]
+    assert doc["command"] == "the bench command" and "extract_tok_s" not in doc
+    assert doc["parts"] == {"done": ["peer sglang-engine"], "left": ["ours", "cross-check sglang-engine"]}
+    [row] = doc["peers"]
+    assert row["error"] is None, row["error"]
+    assert row["notes"]["num_tokens"] == sum(len(s) for s in seqs[2:6]) and row["tok_s"] > 0
+    assert row["host_peak_rss_bytes"] > 100 << 20, "the engine's processes are counted"
+    [line] = [x for x in log.read_text().splitlines() if x.startswith("peer sglang-engine:")]
+    assert "start-up, model load and warm-up included" in line and f"tok/s {row['tok_s']:,.0f} = prompt tokens" in line
+    assert "start-up excluded" in line
+
+    # What the run would have cross-checked once ours was measured: the first timed samples' states.
+    own = json.loads((work / "sglang_engine.json").read_text())
+    pending = baselines.Pending(PeerRow(**row), baselines.dumped_states(Path(own["dump"])))
     assert [len(ids) for _, ids, _ in pending.states] == [len(s) for s in seqs[2:5]], "the first timed samples"
-    assert pending.row.notes["num_tokens"] == sum(len(s) for s in seqs[2:6]) and pending.row.tok_s > 0
-    assert pending.row.host_peak_rss_bytes > 100 << 20, "the engine's processes are counted"
-    row = baselines.cross_check(pending, baselines.our_states(tiny_engine))
-    assert row.error is None, row.error
-    final = row.cosine_vs_ours["final"]
-    assert set(row.cosine_vs_ours) == {"final"} and final["samples"] == 3
+    checked = baselines.cross_check(pending, baselines.our_states(tiny_engine))
+    assert checked.error is None, checked.error
+    final = checked.cosine_vs_ours["final"]
+    assert set(checked.cosine_vs_ours) == {"final"} and final["samples"] == 3
     # Stored as bf16 by the peer module, as a user would keep them.
     assert final["cosine_min"] > 0.9999 and final["norm_ratio_mean"] == pytest.approx(1.0, abs=1e-2)
 
@@ -274,8 +363,6 @@ def test_specforge_peer_glue_with_a_stand_in_script(tmp_path, tiny_model_dir, hf
 
 
 def test_table_rows_come_from_the_result():
-    from benchmarks.peers.table import rows
-
     stats = {"cosine_mean": 0.99991, "cosine_min": 0.9990, "norm_ratio_mean": 1.0, "samples": 32, "tokens": 9}
     result = {"extract_tok_s": 30000.0, "out_kind": "tmpfs", "bytes_per_token": 32773, "host_peak_rss_bytes": 9.5e9,
               "peers": [PeerRow("specforge", "0.2.0", "c", 10000.0, 110000.0, 2e10, {"1": stats, "final": stats}).to_json(),
