@@ -88,14 +88,14 @@ def run_subprocess_peers(names, popts: PeerOptions, *, model_dir: Path, tokenize
 
 def summary(row: PeerRow, seconds: float) -> str:
     """The log line of a finished peer, readable alone: what its seconds include and what its tok/s counts."""
-    head = f"peer {row.name}: {seconds:.0f} s from its launch to its exit (start-up, model load and warm-up included)"
+    took = f"{seconds:.0f} s from its launch to its exit (start-up, model load and warm-up included)"
     if row.error:
-        return f"{head}; error: {row.error.strip().splitlines()[-1]}"
+        return f"peer {row.name}: failed after {took}; error: {row.error.strip().splitlines()[-1]}"
     rate = "none" if row.tok_s is None else f"{row.tok_s:,.0f}"
-    line = f"{head}; ok; tok/s {rate} = {row.notes['tok_s']}"
+    line = f"peer {row.name}: finished in {took}; tok/s {rate} = {row.notes['tok_s']}"
     if "end_to_end_tok_s" in row.notes:
         line += f"; {row.notes['end_to_end_tok_s']:,.0f} tok/s end to end, its start-up counted"
-    return line
+    return line + "; its states are cross-checked against ours at the end"
 
 
 def _needs_weights(name: str, load_format: str) -> None:

@@ -275,8 +275,9 @@ def test_sglang_return_hidden_states_is_our_post_norm_final_state(tmp_path, tiny
     assert row["notes"]["num_tokens"] == sum(len(s) for s in seqs[2:6]) and row["tok_s"] > 0
     assert row["host_peak_rss_bytes"] > 100 << 20, "the engine's processes are counted"
     [line] = [x for x in log.read_text().splitlines() if x.startswith("peer sglang-engine:")]
-    assert "start-up, model load and warm-up included" in line and f"tok/s {row['tok_s']:,.0f} = prompt tokens" in line
-    assert "start-up excluded" in line
+    assert line.startswith("peer sglang-engine: finished in ") and "start-up, model load and warm-up included" in line
+    assert f"tok/s {row['tok_s']:,.0f} = prompt tokens" in line and "start-up excluded" in line
+    assert line.endswith("its states are cross-checked against ours at the end"), "not read as a cross-check done"
 
     # What the run would have cross-checked once ours was measured: the first timed samples' states.
     own = json.loads((work / "sglang_engine.json").read_text())
