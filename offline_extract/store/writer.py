@@ -304,8 +304,9 @@ class ShardWriter:
 
     A shard is closed as soon as its hidden-state bytes (aux + last as the run's encoding stores them,
     before any compression) reach `shard_bytes`, so it exceeds that size by less than one sample; samples
-    are never split across shards. What is still buffered at `close` is written by every thread at once, as up to
-    `writers` smaller shards (LAST_SHARD_PART_BYTES), since the caller waits for it. `add_batch` copies
+    are never split across shards. A full shard goes to a writer thread once more comes after it, so
+    that the last one is still buffered at `close`: what is buffered then is written by every thread at
+    once, as up to `writers` smaller shards each (LAST_SHARD_PART_BYTES), since the caller waits for it. `add_batch` copies
     its input into a shard buffer and returns, so callers may reuse their (pinned) staging memory at once.
     Complete shards are written by `writers` threads in parallel, one file each, whose blocks `writers` more
     threads checksum while they are written (`_serialize`); at most
@@ -362,6 +363,7 @@ class ShardWriter:
         self._closed = False
         self._widths: dict[str, int] | None = None  # of each staged tensor, given or fixed by the first batch
         self._current: _ShardBuffer | None = None
+        self._held: _ShardBuffer | None = None  # the last shard filled, until more comes (_hold)
         self._open: tuple[SampleInfo, int, int] | None = None  # (sample, tokens, row bytes): begun, not ended
         self._filling: _Filling | None = None  # the begun sample's rows, when its shard is already being written
         self._touch = widths is not None or bool(buffers)
@@ -435,13 +437,14 @@ class ShardWriter:
                     f"sum(lengths)={total} rows"
                 )
         row_bytes = self._fix_widths({name: t.shape[1] for name, t in staged.items()})
+        self._release()
 
         first_sample = first_row = row = 0
         for i, n in enumerate(lengths):
             row += n
             if (self._buffered_tokens() + row - first_row) * row_bytes >= self.shard_bytes:
                 self._append(samples[first_sample : i + 1], lengths[first_sample : i + 1], tensors, first_row, row)
-                self._flush()
+                self._hold()
                 first_sample, first_row = i + 1, row
         if first_sample < len(samples):
             self._append(samples[first_sample:], lengths[first_sample:], tensors, first_row, row)
@@ -468,6 +471,7 @@ class ShardWriter:
         n = ids.shape[0]
         if ids.dim() != 1 or mask.shape != ids.shape:
             raise ShardError(f"input_ids {tuple(ids.shape)} and loss_mask {tuple(mask.shape)} must be [T] alike")
+        self._release()
         buf = self._buffer()
         rows = buf.reserve(n)
         rows["input_ids"].copy_(ids)
@@ -475,7 +479,8 @@ class ShardWriter:
         self._open = (sample, n, row_bytes)
         if stream and not self.encoding.compressed and (buf.tokens + n) * row_bytes >= self.shard_bytes:
             self._filling = _Filling(buf.tokens, buf.tokens + n)
-            self._flush(pending=(sample, n), filling=self._filling)
+            self._current = None
+            self._flush(buf, pending=(sample, n), filling=self._filling)
         return {t.name: rows[t.name] for t in self.encoding.staged}
 
     def filled(self, rows: int) -> None:
@@ -502,7 +507,7 @@ class ShardWriter:
             self._current.record([sample], [n])
             self._compress_recorded(self._current)
             if self._current.tokens * row_bytes >= self.shard_bytes:
-                self._flush()
+                self._hold()
 
     def _check_open(self, call: str) -> None:
         if self._closed:
@@ -543,10 +548,29 @@ class ShardWriter:
                 self._raise_failed_writes()
         return self._current
 
-    def _flush(self, pending: tuple[SampleInfo, int] | None = None, filling: _Filling | None = None, parts: int = 1) -> None:
-        """Hands the current buffer to a writer thread, with the `pending` sample whose rows are `filling`;
-        or, cut into up to `parts` shards, to as many threads."""
-        buf, self._current = self._current, None
+    def _hold(self) -> None:
+        """The current buffer is a full shard: it waits for more to come (`_release`), and the one held
+        before it goes to a writer thread. The shard that a run's last batch fills is then still held at
+        `close`, which cuts it into parts for every writer thread at once, as it does the rest; handed over
+        whole as it filled, it was one file written at one stream's rate after the last forward (a write
+        into a file holds its inode lock), most of a short run's tail."""
+        self._release()
+        self._held, self._current = self._current, None
+
+    def _release(self) -> None:
+        """More came: the held full shard goes to a writer thread."""
+        held, self._held = self._held, None
+        self._flush(held)
+
+    def _tail_parts(self, buf: _ShardBuffer | None) -> int:
+        """Into how many shards `close` cuts `buf`: one a writer thread, each LAST_SHARD_PART_BYTES or more."""
+        size = buf.tokens * self.encoding.state_bytes(self._widths) if buf is not None else 0
+        return max(1, min(self._writers, size // LAST_SHARD_PART_BYTES))
+
+    def _flush(self, buf: _ShardBuffer | None, pending: tuple[SampleInfo, int] | None = None,
+               filling: _Filling | None = None, parts: int = 1) -> None:
+        """Hands `buf` to a writer thread, with the `pending` sample whose rows are `filling`; or, cut into
+        up to `parts` shards, to as many threads."""
         if buf is None or not (buf.samples or pending):
             return
         shards = buf.contents(pending, parts)
@@ -644,8 +668,9 @@ class ShardWriter:
         if not self._closed:
             self._closed = True
             try:
-                tail = self._current.tokens * self.encoding.state_bytes(self._widths) if self._current else 0
-                self._flush(parts=max(1, min(self._writers, tail // LAST_SHARD_PART_BYTES)))
+                for buf in (self._held, self._current):
+                    self._flush(buf, parts=self._tail_parts(buf))
+                self._held = self._current = None
                 for f in self._pending:
                     f.exception()  # wait for all, so no thread still writes when we raise
                 self._raise_failed_writes()
@@ -663,6 +688,10 @@ class ShardWriter:
         """
         if not self._closed:
             self._closed = True
+            try:
+                self._release()  # complete: handed over now, as it would have been with more to come
+            except Exception:
+                pass  # the caller reports its own failure (an existing file here would be the same shard's)
             self._current = self._open = None
             if self._filling is not None:
                 self._filling.abort()
