@@ -73,16 +73,16 @@ def held_out_loss(model, samples: list[torch.Tensor]) -> float:
 
 
 @torch.no_grad()
-def ratios(model, samples: list[torch.Tensor]) -> dict:
+def ratios(model, samples: list[torch.Tensor], layer_ids: tuple[int, ...] = LAYER_IDS) -> dict:
     """zstd ratios of the samples' states as the product stores them, bf16 and fp8."""
     cctx = compressor()
     raw = {"bf16": 0, "fp8": 0}
     packed = {"bf16": 0, "fp8": 0}
     for s in samples:
         hidden = model(input_ids=s[None], output_hidden_states=True).hidden_states
-        aux = torch.cat([hidden[k + 1][0] for k in LAYER_IDS], dim=-1).bfloat16()
+        aux = torch.cat([hidden[k + 1][0] for k in layer_ids], dim=-1).bfloat16()
         last = hidden[-1][0].bfloat16()
-        for state, layers in ((aux, len(LAYER_IDS)), (last, 1)):
+        for state, layers in ((aux, len(layer_ids)), (last, 1)):
             raw["bf16"] += state.numel() * 2
             packed["bf16"] += len(compress_frame(state, cctx))
             values, scales = fp8_quantize(state, layers)
