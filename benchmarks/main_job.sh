@@ -34,7 +34,8 @@ for name in $steps; do [[ " $all " == *" $name "* ]] || { echo "MAIN_JOB_STEPS: 
 rm -rf "$logs"; mkdir -p "$logs"
 free=$(df --output=avail -B1 "$work" | tail -1)
 tokens=${2:-$(python3 -c "print(min(1_500_000, int($free * 0.7 / 32773) // 1000 * 1000))")}
-echo "free disk under $work: $free bytes; steps: $steps; corpus of $tokens tokens" | tee "$results/plan.txt"
+corpus=""; [[ " $steps " == *" corpus "* ]] && corpus="; corpus of $tokens tokens"
+echo "free disk under $work: $free bytes; steps: $steps$corpus" | tee "$results/plan.txt"
 
 logged() {  # a step, then the logs archived, so that a call cut short keeps them
   step "$@"
