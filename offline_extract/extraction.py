@@ -507,10 +507,14 @@ class Job:
         show = layout.leads and (opts.progress or opts.progress_every > 0)
         label = f"dp {layout.dp_rank}/{layout.dp_size}" if layout.dp_size > 1 else "extract"
         heartbeat = None if opts.progress else opts.progress_every
+        # The leader's share stands for every replica's; its progress counts the records.
+        watch = planning.OutputWatch(self.out, layout.dp_size) if show and writer is not None else None
         with RunProgress(lambda: _count_owned(layout, self.checked.sources), label, enabled=show, heartbeat=heartbeat) as bar:
 
             def advance(batch) -> None:
                 bar.advance(tally.batch_done(batch), batch.num_tokens, writer.bytes_written if writer else 0)
+                if watch is not None:
+                    watch.check(bar.done, bar.total, bar.tokens, writer.tokens_written, writer.bytes_written)
 
             extract_start = time.perf_counter()
             batches = self._marked(batch_by_tokens(samples, self.checked.tokens_per_batch, opts.seqs_per_batch))

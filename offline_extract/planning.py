@@ -1,7 +1,8 @@
 """The dry run: what a corpus will cost before any GPU time is spent.
 
 It reads and tokenizes the whole corpus exactly as extraction would (same policies, same rejects) and
-turns the token count into bytes per output tensor, set against the free space at the output.
+turns the token count into bytes per output tensor, set against the free space at the output. During a
+run, `OutputWatch` sets the shards written so far (compressed, if so, as no dry run can know) against it.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from offline_extract.data.corpus import BadRecordError, Record, Reject, read_corpus
 from offline_extract.data.tokenization import Sample, SampleTokenizer
-from offline_extract.progress import human_bytes
+from offline_extract.progress import human_bytes, note
 from offline_extract.store.schema import Encoding
 
 # Rejected records listed by a dry run, with their reasons; the run itself lists every one in rejects.jsonl.
@@ -129,3 +130,29 @@ def render(p: Plan, out: str | Path) -> str:
     if not p.writable:
         lines.append(f"{out} cannot be written here (read-only, or no permission)")
     return "\n".join(lines)
+
+
+class OutputWatch:
+    """Warns once, during a run, when the output is on course to outgrow the free space at `out`: the bytes
+    a token of the shards written so far, times the tokens still to come (the records left, at the tokens a
+    record so far). `replicas` processes write their shares of the records into `out` alike. The run goes
+    on: a full disk stops it with its complete shards kept, and the space may be freed meanwhile."""
+
+    def __init__(self, out: str | Path, replicas: int = 1):
+        self.out, self.replicas = Path(out), replicas
+        self._bytes_seen = 0  # bytes written at the last look: one look a new shard
+        self.warned = False
+
+    def check(self, records_done: int, records_total: int | None, tokens_done: int, tokens_written: int,
+              bytes_written: int) -> None:
+        if self.warned or records_total is None or not records_done or not tokens_written or bytes_written == self._bytes_seen:
+            return
+        self._bytes_seen = bytes_written
+        tokens_left = max(tokens_done * records_total / records_done - tokens_written, 0)
+        needed = tokens_left * bytes_written / tokens_written * self.replicas
+        free = shutil.disk_usage(self.out).free
+        if needed > free:
+            self.warned = True
+            note(f"warning: at the {bytes_written / tokens_written:,.0f} bytes a token written so far, the output needs "
+                 f"about {human_bytes(needed)} more and {self.out} has {human_bytes(free)} free: the run will stop when "
+                 f"the disk is full, keeping its complete shards (free space, then re-run the same command to resume)")

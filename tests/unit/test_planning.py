@@ -1,5 +1,8 @@
+import re
 import shutil
 from collections import namedtuple
+
+import pytest
 
 from extract_runs import ROOT
 from transformers import AutoTokenizer
@@ -72,3 +75,32 @@ def test_a_compressed_output_too_big_before_zstd_says_how_much_zstd_must_save(ti
     # Uncompressed, the same shortfall is a plain no.
     bf16 = planning.plan([CORPUS], tok, tmp_path, hidden_size=64, num_aux_layers=3)
     assert bf16.ratio_needed is None and "DOES NOT FIT" in planning.render(bf16, tmp_path)
+
+
+def _extract(engine, model_dir, out, monkeypatch):
+    """The run in-process on the session's engine (SGLang starts one engine a process), in shards of about
+    60 tokens, with heartbeat progress: the leader's progress is what counts the records."""
+    from offline_extract import extraction
+    from offline_extract.options import ExtractOptions
+
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: engine)
+    opts = ExtractOptions(data=(str(CORPUS),), out=str(out), model=str(model_dir), device="cpu", parity_samples=0,
+                          tokens_per_batch=128, shard_bytes=32 << 10, progress=False, progress_every=1e-6)
+    return extraction.run(opts)
+
+
+def test_a_run_warns_once_when_its_output_is_on_course_to_outgrow_the_disk(tiny_engine, tiny_model_dir, tmp_path,
+                                                                             monkeypatch, capsys):
+    warning = re.compile(r"warning: at the ([\d,]+) bytes a token written so far, the output needs about .* more and "
+                         + re.escape(str(tmp_path / "tight")) + r" has 1.0 KB free: the run will stop when the disk is full")
+    _extract(tiny_engine, tiny_model_dir, tmp_path / "roomy", monkeypatch)
+    assert "warning:" not in capsys.readouterr().err
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    summary = _extract(tiny_engine, tiny_model_dir, tmp_path / "tight", monkeypatch)
+    found = warning.findall(capsys.readouterr().err)
+    assert len(found) == 1, "once, and the run goes on"
+    assert summary.extracted == 24
+    # The first shards' bytes a token are the whole output's, up to each shard's metadata.
+    assert int(found[0].replace(",", "")) == pytest.approx(summary.bytes_written / summary.tokens, rel=0.1)
