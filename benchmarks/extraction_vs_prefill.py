@@ -363,7 +363,7 @@ class _DiscardWriter:
     def filled(self, rows: int) -> None:
         pass
 
-    def end_sample(self, keep: bool = True) -> None:
+    def end_sample(self, keep: bool = True, ending: bool = False) -> None:
         pass
 
     def close(self) -> list:

@@ -512,6 +512,9 @@ class Job:
         with RunProgress(lambda: _count_owned(layout, self.checked.sources), label, enabled=show, heartbeat=heartbeat) as bar:
 
             def advance(batch) -> None:
+                # Every batch's forwards are enqueued by now: the last batch's mark stays. (The feed reads a
+                # batch ahead, so the batches running out says nothing of the last one's forwards.)
+                self.timeline.mark("last forward")
                 bar.advance(tally.batch_done(batch), batch.num_tokens, writer.bytes_written if writer else 0)
                 if watch is not None:
                     watch.check(bar.done, bar.total, bar.tokens, writer.tokens_written, writer.bytes_written)
@@ -535,13 +538,11 @@ class Job:
             tally.summary.extract_seconds = time.perf_counter() - extract_start
 
     def _marked(self, batches: Iterator) -> Iterator:
-        """`batches`, marking on the timeline when the first is handed to the engine and when the last
-        one's forwards have all been enqueued."""
+        """`batches`, marking on the timeline when the first is handed to the engine."""
         for i, batch in enumerate(batches):
             if not i:
                 self.timeline.mark("first forward")
             yield batch
-        self.timeline.mark("last forward")
 
     def _finish(self, summary: Summary) -> Summary | None:
         """Every replica has finished writing: the leader describes the whole directory (rejects.jsonl, the

@@ -35,6 +35,7 @@ class _Piece:
     start: int
     stop: int
     flag: torch.Tensor
+    ending: bool  # the run's last piece: its writes are waited for (ShardWriter.add_staged's `ending`)
 
     @property
     def whole(self) -> bool:
@@ -81,7 +82,7 @@ class _WriterFeed:
         if piece.stop == sample.num_tokens:
             kept = self._screen([sample], self._rows)[0] if self._flagged else [sample]
             self._rows = None
-            self.writer.end_sample(keep=bool(kept))
+            self.writer.end_sample(keep=bool(kept), ending=piece.ending)
 
     def _screen(self, samples, staged: dict[str, torch.Tensor]):
         """The guard's verdict on the decoded states: kept samples and their rows (None: all)."""
@@ -102,7 +103,11 @@ class _WriterFeed:
             np.concatenate([s.loss_mask for s in samples]),
             staged,
             lengths=[s.num_tokens for s in samples],
+            ending=piece.ending,
         )
+
+
+_UNREAD = object()
 
 
 def extract_batches(
@@ -133,12 +138,21 @@ def extract_batches(
         return writer.encoding.encode(aux, last, len(engine.layer_ids))
 
     buffers = staging or staging_buffers(engine, writer.encoding)
+    batches = iter(batches)
+    batch = next(batches, None)
     with HostOffload(feed, engine.device, buffers, encode) as offload:
-        for batch in batches:
+        while batch is not None:
+            following = _UNREAD
             for start, stop, captured in _forwards(engine, batch):
-                piece = _Piece(batch, start, stop, batch_flag(captured.aux, captured.last))
+                if following is _UNREAD:
+                    # Read while the batch's first forward computes: whether there is a next batch decides
+                    # how the last one is written.
+                    following = next(batches, None)
+                ending = following is None and stop == batch.num_tokens
+                piece = _Piece(batch, start, stop, batch_flag(captured.aux, captured.last), ending)
                 offload.submit(piece, captured.aux, captured.last)
             on_batch(batch)
+            batch = following
     return offload.times
 
 

@@ -43,6 +43,8 @@ class Timeline:
         return time.perf_counter() - _ORIGIN
 
     def mark(self, name: str) -> float:
+        """Records `name` as reached now; marked again, it moves to now (and to the end of the order)."""
+        self.marks.pop(name, None)
         self.marks[name] = self.now()
         return self.marks[name]
 

@@ -304,9 +304,9 @@ class ShardWriter:
 
     A shard is closed as soon as its hidden-state bytes (aux + last as the run's encoding stores them,
     before any compression) reach `shard_bytes`, so it exceeds that size by less than one sample; samples
-    are never split across shards. A full shard goes to a writer thread once more comes after it, so
-    that the last one is still buffered at `close`: what is buffered then is written by every thread at
-    once, as up to `writers` smaller shards each (LAST_SHARD_PART_BYTES), since the caller waits for it. `add_batch` copies
+    are never split across shards. What is still buffered at `close` is written by every thread at once, as up to
+    `writers` smaller shards (LAST_SHARD_PART_BYTES), since the caller waits for it; so is a shard that the
+    last batch completes, when the caller says it is the last (`ending`). `add_batch` copies
     its input into a shard buffer and returns, so callers may reuse their (pinned) staging memory at once.
     Complete shards are written by `writers` threads in parallel, one file each, whose blocks `writers` more
     threads checksum while they are written (`_serialize`); at most
@@ -363,7 +363,6 @@ class ShardWriter:
         self._closed = False
         self._widths: dict[str, int] | None = None  # of each staged tensor, given or fixed by the first batch
         self._current: _ShardBuffer | None = None
-        self._held: _ShardBuffer | None = None  # the last shard filled, until more comes (_hold)
         self._open: tuple[SampleInfo, int, int] | None = None  # (sample, tokens, row bytes): begun, not ended
         self._filling: _Filling | None = None  # the begun sample's rows, when its shard is already being written
         self._touch = widths is not None or bool(buffers)
@@ -401,6 +400,7 @@ class ShardWriter:
         last: torch.Tensor | None,
         *,
         lengths: Sequence[int],
+        ending: bool = False,
     ) -> None:
         """Adds `samples`, whose tokens are packed in order along dim 0 of every tensor, encoding their
         states here (the extraction encodes on the GPU instead and calls add_staged).
@@ -409,7 +409,8 @@ class ShardWriter:
         `last` is the final state, None when the encoding keeps none.
         """
         aux, last = _as_tensor(aux), None if last is None else _as_tensor(last)
-        self.add_staged(samples, input_ids, loss_mask, self.encoding.encode(aux, last, self.run.num_aux_layers), lengths=lengths)
+        self.add_staged(samples, input_ids, loss_mask, self.encoding.encode(aux, last, self.run.num_aux_layers), lengths=lengths,
+                        ending=ending)
 
     def add_staged(
         self,
@@ -419,8 +420,14 @@ class ShardWriter:
         staged: dict[str, torch.Tensor],
         *,
         lengths: Sequence[int],
+        ending: bool = False,
     ) -> None:
-        """add_batch for states already encoded: `staged` holds the encoding's staged tensors."""
+        """add_batch for states already encoded: `staged` holds the encoding's staged tensors.
+
+        ending=True says that nothing but `close` comes after: a shard these samples complete is cut into
+        parts for every writer thread at once, as what is left at `close` is, since the caller waits for it
+        (written whole, it was one file written at one stream's rate after the last forward: a write into a
+        file holds its inode lock)."""
         self._check_open("add_batch")
         lengths = [int(n) for n in lengths]
         if len(lengths) != len(samples):
@@ -437,14 +444,13 @@ class ShardWriter:
                     f"sum(lengths)={total} rows"
                 )
         row_bytes = self._fix_widths({name: t.shape[1] for name, t in staged.items()})
-        self._release()
 
         first_sample = first_row = row = 0
         for i, n in enumerate(lengths):
             row += n
             if (self._buffered_tokens() + row - first_row) * row_bytes >= self.shard_bytes:
                 self._append(samples[first_sample : i + 1], lengths[first_sample : i + 1], tensors, first_row, row)
-                self._hold()
+                self._flush(parts=self._tail_parts() if ending else 1)
                 first_sample, first_row = i + 1, row
         if first_sample < len(samples):
             self._append(samples[first_sample:], lengths[first_sample:], tensors, first_row, row)
@@ -471,7 +477,6 @@ class ShardWriter:
         n = ids.shape[0]
         if ids.dim() != 1 or mask.shape != ids.shape:
             raise ShardError(f"input_ids {tuple(ids.shape)} and loss_mask {tuple(mask.shape)} must be [T] alike")
-        self._release()
         buf = self._buffer()
         rows = buf.reserve(n)
         rows["input_ids"].copy_(ids)
@@ -479,8 +484,7 @@ class ShardWriter:
         self._open = (sample, n, row_bytes)
         if stream and not self.encoding.compressed and (buf.tokens + n) * row_bytes >= self.shard_bytes:
             self._filling = _Filling(buf.tokens, buf.tokens + n)
-            self._current = None
-            self._flush(buf, pending=(sample, n), filling=self._filling)
+            self._flush(pending=(sample, n), filling=self._filling)
         return {t.name: rows[t.name] for t in self.encoding.staged}
 
     def filled(self, rows: int) -> None:
@@ -488,8 +492,9 @@ class ShardWriter:
         if self._filling is not None:
             self._filling.advance(self._filling.end - self._open[1] + rows)
 
-    def end_sample(self, keep: bool = True) -> None:
-        """Completes the sample begun last, whose rows are now filled; keep=False leaves it out."""
+    def end_sample(self, keep: bool = True, ending: bool = False) -> None:
+        """Completes the sample begun last, whose rows are now filled; keep=False leaves it out. `ending` as
+        for add_staged."""
         if self._open is None:
             raise ShardError("end_sample called with no sample begun")
         (sample, n, row_bytes), self._open = self._open, None
@@ -507,7 +512,7 @@ class ShardWriter:
             self._current.record([sample], [n])
             self._compress_recorded(self._current)
             if self._current.tokens * row_bytes >= self.shard_bytes:
-                self._hold()
+                self._flush(parts=self._tail_parts() if ending else 1)
 
     def _check_open(self, call: str) -> None:
         if self._closed:
@@ -548,29 +553,16 @@ class ShardWriter:
                 self._raise_failed_writes()
         return self._current
 
-    def _hold(self) -> None:
-        """The current buffer is a full shard: it waits for more to come (`_release`), and the one held
-        before it goes to a writer thread. The shard that a run's last batch fills is then still held at
-        `close`, which cuts it into parts for every writer thread at once, as it does the rest; handed over
-        whole as it filled, it was one file written at one stream's rate after the last forward (a write
-        into a file holds its inode lock), most of a short run's tail."""
-        self._release()
-        self._held, self._current = self._current, None
-
-    def _release(self) -> None:
-        """More came: the held full shard goes to a writer thread."""
-        held, self._held = self._held, None
-        self._flush(held)
-
-    def _tail_parts(self, buf: _ShardBuffer | None) -> int:
-        """Into how many shards `close` cuts `buf`: one a writer thread, each LAST_SHARD_PART_BYTES or more."""
-        size = buf.tokens * self.encoding.state_bytes(self._widths) if buf is not None else 0
+    def _tail_parts(self) -> int:
+        """Into how many shards the current buffer is cut when the caller waits for its write: one a writer
+        thread, each LAST_SHARD_PART_BYTES or more."""
+        size = self._current.tokens * self.encoding.state_bytes(self._widths) if self._current is not None else 0
         return max(1, min(self._writers, size // LAST_SHARD_PART_BYTES))
 
-    def _flush(self, buf: _ShardBuffer | None, pending: tuple[SampleInfo, int] | None = None,
-               filling: _Filling | None = None, parts: int = 1) -> None:
-        """Hands `buf` to a writer thread, with the `pending` sample whose rows are `filling`; or, cut into
-        up to `parts` shards, to as many threads."""
+    def _flush(self, pending: tuple[SampleInfo, int] | None = None, filling: _Filling | None = None, parts: int = 1) -> None:
+        """Hands the current buffer to a writer thread, with the `pending` sample whose rows are `filling`;
+        or, cut into up to `parts` shards, to as many threads."""
+        buf, self._current = self._current, None
         if buf is None or not (buf.samples or pending):
             return
         shards = buf.contents(pending, parts)
@@ -668,9 +660,7 @@ class ShardWriter:
         if not self._closed:
             self._closed = True
             try:
-                for buf in (self._held, self._current):
-                    self._flush(buf, parts=self._tail_parts(buf))
-                self._held = self._current = None
+                self._flush(parts=self._tail_parts())
                 for f in self._pending:
                     f.exception()  # wait for all, so no thread still writes when we raise
                 self._raise_failed_writes()
@@ -688,10 +678,6 @@ class ShardWriter:
         """
         if not self._closed:
             self._closed = True
-            try:
-                self._release()  # complete: handed over now, as it would have been with more to come
-            except Exception:
-                pass  # the caller reports its own failure (an existing file here would be the same shard's)
             self._current = self._open = None
             if self._filling is not None:
                 self._filling.abort()

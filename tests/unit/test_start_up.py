@@ -20,8 +20,9 @@ CORPUS = str(ROOT / "examples" / "corpus.jsonl")
 
 
 def _run(tmp_path, model_dir, **changes):
-    opts = ExtractOptions(data=(CORPUS,), out=str(tmp_path / "out"), model=str(model_dir), device="cpu", parity_samples=0,
-                          tokens_per_batch=1024, seqs_per_batch=16, max_length=1024, progress=False, progress_every=0, **changes)
+    settings = dict(data=(CORPUS,), out=str(tmp_path / "out"), model=str(model_dir), device="cpu", parity_samples=0,
+                    tokens_per_batch=1024, seqs_per_batch=16, max_length=1024, progress=False, progress_every=0)
+    opts = ExtractOptions(**{**settings, **changes})
     summary = extraction.run(opts)
     return summary, json.loads((tmp_path / "out" / "manifest.json").read_text())["timings"]
 
@@ -126,3 +127,27 @@ def test_a_tokenizer_that_fails_after_the_load_is_raised_once_and_interrupts_not
         _run(tmp_path, tiny_model_dir)
     for _ in range(20):  # an interrupt sent by the failed thread and left pending would land here
         time.sleep(0.01)
+
+
+def test_the_last_forward_is_marked_after_a_long_last_samples_last_chunk(tiny_engine, tiny_model_dir, tmp_path, monkeypatch):
+    """The feed reads a batch ahead, so the batches run out during the last batch's first forward; the
+    tail is counted from its last (here the last chunk of a sample longer than the engine's budget)."""
+    from offline_extract.timeline import Timeline
+
+    corpus = tmp_path / "long_last.jsonl"
+    long = tiny_engine.cfg.max_tokens_per_batch + 500
+    records = [{"input_ids": [5 + i % 300 for i in range(n)]} for n in (40, 60, long)]  # within the vocabulary
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in records))
+    chunked_at = []
+    chunks = tiny_engine.chunks
+
+    def timed_chunks(ids, chunk):
+        for part in chunks(ids, chunk):
+            chunked_at.append(Timeline().now())
+            yield part
+
+    monkeypatch.setattr(tiny_engine, "chunks", timed_chunks)
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: tiny_engine)
+    summary, t = _run(tmp_path, tiny_model_dir, data=(str(corpus),), max_length=4096)
+    assert summary.extracted == 3 and len(chunked_at) == 2
+    assert chunked_at[-1] <= t["marks"]["last forward"] <= t["marks"]["drained"]

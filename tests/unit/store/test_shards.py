@@ -559,34 +559,16 @@ def test_the_writer_counts_its_wait_for_buffers_and_times_each_shard(tmp_path, m
     assert all(start >= before and seconds >= 0.2 for start, seconds, _ in writer.writes)
 
 
-def test_a_full_shard_waits_for_more_so_the_last_one_is_cut_for_every_thread(tmp_path, monkeypatch):
-    """A full shard goes to a writer once more comes; the one the last batch fills is still buffered at
-    close and is written in parts side by side, like the rest (whole, it was one file written at one
-    stream's rate after the last forward)."""
+def test_a_shard_that_the_last_batch_completes_is_cut_for_every_thread(tmp_path, monkeypatch):
+    """The caller waits for it as for what is left at close: written whole, it was one file written at
+    one stream's rate after the last forward."""
     monkeypatch.setattr(writer_module, "LAST_SHARD_PART_BYTES", 4 * ROW_BYTES)
-    batches = [([0, 1, 2, 3], [6, 6, 6, 6], 0), ([4, 5, 6], [8, 8, 8], 1)]
-    writer = ShardWriter(tmp_path, RUN, shard_bytes=20 * ROW_BYTES, writers=2)
-    writer.add_batch(*make_batch(*batches[0]), lengths=batches[0][1])
-    time.sleep(0.2)
-    assert not list(tmp_path.iterdir()), "held until more comes"
-    writer.add_batch(*make_batch(*batches[1]), lengths=batches[1][1])
-    deadline = time.monotonic() + 10
-    while not shard_paths(tmp_path) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert [p.name for p in shard_paths(tmp_path)] == [shard_name(0)], "the first, once the second batch came"
-    paths = writer.close()
-    # The second shard (24 tokens, 6 parts' worth) cut for the 2 threads at the sample boundary nearest 12.
-    assert [read_header(p).num_tokens for p in paths] == [24, 16, 8]
-    want = expected_samples(batches)
-    got = list(iter_samples(tmp_path))
-    assert [info for info, _ in got] == [want[i][0] for i in range(7)]
-    for info, tensors in got:
-        assert_tensors_equal(tensors, want[info.index][1])
-
-
-def test_an_aborted_writer_still_writes_the_full_shard_it_held(tmp_path):
-    writer = ShardWriter(tmp_path, RUN, shard_bytes=10 * ROW_BYTES)
-    writer.add_batch(*make_batch([0, 1, 2], [5, 5, 3]), lengths=[5, 5, 3])  # full at 10 tokens; 3 left over
-    writer.abort()
-    assert len(shard_paths(tmp_path)) == 1
-    assert [info.index for info, _ in iter_samples(tmp_path)] == [0, 1]
+    batch = ([0, 1, 2, 3, 4], [8, 8, 8, 8, 4], 0)  # completes a 32-token shard, 4 tokens left over
+    sizes = {}
+    for ending in (False, True):
+        writer = ShardWriter(tmp_path / str(ending), RUN, shard_bytes=32 * ROW_BYTES, writers=2)
+        writer.add_batch(*make_batch(*batch), lengths=batch[1], ending=ending)
+        sizes[ending] = [read_header(p).num_tokens for p in writer.close()]
+        want = expected_samples([batch])
+        assert [info for info, _ in iter_samples(tmp_path / str(ending))] == [want[i][0] for i in range(5)]
+    assert sizes == {False: [32, 4], True: [16, 16, 4]}
