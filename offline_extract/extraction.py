@@ -507,9 +507,10 @@ class Job:
         show = layout.leads and (opts.progress or opts.progress_every > 0)
         label = f"dp {layout.dp_rank}/{layout.dp_size}" if layout.dp_size > 1 else "extract"
         heartbeat = None if opts.progress else opts.progress_every
-        # The leader's share stands for every replica's; its progress counts the records.
-        watch = planning.OutputWatch(self.out, layout.dp_size) if show and writer is not None else None
-        with RunProgress(lambda: _count_owned(layout, self.checked.sources), label, enabled=show, heartbeat=heartbeat) as bar:
+        # The leader's share stands for every replica's; its progress counts the records, shown or not.
+        watch = planning.OutputWatch(self.out, layout.dp_size) if layout.leads and writer is not None else None
+        count = (lambda: _count_owned(layout, self.checked.sources)) if layout.leads else None
+        with RunProgress(count, label, enabled=show, heartbeat=heartbeat) as bar:
 
             def advance(batch) -> None:
                 # Every batch's forwards are enqueued by now: the last batch's mark stays. (The feed reads a

@@ -43,7 +43,8 @@ class RunProgress:
     With `heartbeat` (seconds) it prints a line that often instead of drawing a bar: a bar's redraws
     turn a log file or a cluster's captured output into noise. The total comes from `count_total`, run
     on a background thread: counting a terabyte corpus's lines takes minutes, and extraction need not
-    wait for it (no ETA until then).
+    wait for it (no ETA until then). It is counted whether or not the bar is shown: a run without progress
+    still sets its output's growth against the free space (planning.OutputWatch), which needs the total.
     """
 
     def __init__(
@@ -69,7 +70,7 @@ class RunProgress:
             disable=not enabled or heartbeat is not None,
         )
         self._task = self._progress.add_task(label, total=None, rate="0", written="0 B")
-        if enabled and count_total is not None:
+        if count_total is not None:
             threading.Thread(target=lambda: self._set_total(count_total()), daemon=True).start()
 
     def _set_total(self, total: int) -> None:

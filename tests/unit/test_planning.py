@@ -77,28 +77,29 @@ def test_a_compressed_output_too_big_before_zstd_says_how_much_zstd_must_save(ti
     assert bf16.ratio_needed is None and "DOES NOT FIT" in planning.render(bf16, tmp_path)
 
 
-def _extract(engine, model_dir, out, monkeypatch):
+def _extract(engine, model_dir, out, monkeypatch, progress_every):
     """The run in-process on the session's engine (SGLang starts one engine a process), in shards of about
-    60 tokens, with heartbeat progress: the leader's progress is what counts the records."""
+    60 tokens; the leader's progress counts the records, shown (a heartbeat) or not (progress_every=0)."""
     from offline_extract import extraction
     from offline_extract.options import ExtractOptions
 
     monkeypatch.setattr(extraction, "Engine", lambda cfg: engine)
     opts = ExtractOptions(data=(str(CORPUS),), out=str(out), model=str(model_dir), device="cpu", parity_samples=0,
-                          tokens_per_batch=128, shard_bytes=32 << 10, progress=False, progress_every=1e-6)
+                          tokens_per_batch=128, shard_bytes=32 << 10, progress=False, progress_every=progress_every)
     return extraction.run(opts)
 
 
+@pytest.mark.parametrize("progress_every", [1e-6, 0], ids=["heartbeat", "no-progress"])
 def test_a_run_warns_once_when_its_output_is_on_course_to_outgrow_the_disk(tiny_engine, tiny_model_dir, tmp_path,
-                                                                             monkeypatch, capsys):
+                                                                             monkeypatch, capsys, progress_every):
     warning = re.compile(r"warning: at the ([\d,]+) bytes a token written so far, the output needs about .* more and "
                          + re.escape(str(tmp_path / "tight")) + r" has 1.0 KB free: the run will stop when the disk is full")
-    _extract(tiny_engine, tiny_model_dir, tmp_path / "roomy", monkeypatch)
+    _extract(tiny_engine, tiny_model_dir, tmp_path / "roomy", monkeypatch, progress_every)
     assert "warning:" not in capsys.readouterr().err
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
-    summary = _extract(tiny_engine, tiny_model_dir, tmp_path / "tight", monkeypatch)
+    summary = _extract(tiny_engine, tiny_model_dir, tmp_path / "tight", monkeypatch, progress_every)
     found = warning.findall(capsys.readouterr().err)
     assert len(found) == 1, "once, and the run goes on"
     assert summary.extracted == 24
