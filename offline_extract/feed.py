@@ -19,7 +19,7 @@ from offline_extract.engine.nonfinite import NonFiniteGuard, batch_flag
 from offline_extract.engine.offload import HostOffload, pinned_buffers
 from offline_extract.engine.sglang_adapter import Captured, Engine
 from offline_extract.store.schema import FINAL_STATE_TENSOR, STATE_TENSORS, Encoding, SampleInfo
-from offline_extract.store.writer import WRITER_THREADS, ShardWriter, shard_buffers
+from offline_extract.store.writer import ShardWriter, shard_buffers
 
 
 def _info(s: Sample) -> SampleInfo:
@@ -172,18 +172,19 @@ class HostMemory:
     the prepared memory is dropped and allocated anew.
     """
 
-    def __init__(self, encoding: Encoding, widths: dict[str, int], forward_tokens: int, gpu: int, shard_bytes: int):
+    def __init__(self, encoding: Encoding, widths: dict[str, int], forward_tokens: int, gpu: int, shard_bytes: int,
+                 writers: int):
         self.encoding = encoding
         self.widths = widths
         self.forward_tokens = forward_tokens
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-memory")
-        self._prepared = pool.submit(self._allocate, gpu, shard_bytes)
+        self._prepared = pool.submit(self._allocate, gpu, shard_bytes, writers)
         pool.shutdown(wait=False)
 
-    def _allocate(self, gpu: int, shard_bytes: int) -> tuple[list, list]:
+    def _allocate(self, gpu: int, shard_bytes: int, writers: int) -> tuple[list, list]:
         torch.cuda.set_device(gpu)  # pinned memory belongs to the current device's context, per thread
         staging = pinned_buffers("cuda", self.forward_tokens, self.encoding, self.widths)
-        return staging, shard_buffers(self.encoding, self.widths, shard_bytes, WRITER_THREADS + 1)
+        return staging, shard_buffers(self.encoding, self.widths, shard_bytes, writers + 1)
 
     def take(self, engine: Engine) -> tuple[list, list]:
         """(staging, shard buffers) for `engine`'s widths and forwards."""

@@ -32,6 +32,7 @@ class ExtractOptions:
     chunk_tokens: int | None = None  # for samples longer than tokens_per_batch; None: tokens_per_batch
     seqs_per_batch: int = 256
     shard_bytes: int = 512 << 20
+    writers: int = 4  # shard-writing threads (one file each) and so shard buffers in flight, writers + 1
     attention_backend: str | None = None
     load_format: str = "auto"
     mem_fraction_static: float = 0.85

@@ -81,6 +81,10 @@ def _chosen(option: str) -> dict:
 @click.option("--seqs-per-batch", default=default("seqs_per_batch"), show_default=True, help="Most sequences in one forward.")
 @click.option("--shard-size-mb", default=default("shard_bytes") / (1 << 20), show_default=True, type=click.FloatRange(0, min_open=True),
               help="Target hidden-state MiB per shard (a shard closes once it reaches this).")
+@click.option("--writers", default=default("writers"), show_default=True, type=click.IntRange(1),
+              help="Threads writing shards, one file each, side by side; host memory holds writers + 1 shard "
+                   "buffers. Raise it when one writing rank stores faster than 4 files at once can take (TP on "
+                   "many GPUs, a fast array) or zstd's compression, which these threads also run, falls behind.")
 @click.option("--attention-backend", default=None,
               help="SGLang attention backend. Default: fa3 on Hopper when installed, else triton; torch_native on CPU.")
 @click.option("--load-format", default=default("load_format"), show_default=True,
@@ -148,7 +152,7 @@ def _chosen(option: str) -> dict:
               help="Also show what SGLang, torch and HF print while loading (warnings, log lines, loading bars); "
                    "without it they are shown only if loading fails.")
 def main(data, out, model, device, dtype, tp, layers, max_length, overlong, tokens_per_batch, chunk_tokens, seqs_per_batch,
-         shard_size_mb, attention_backend, load_format, mem_fraction_static, port_base, parity_samples,
+         shard_size_mb, writers, attention_backend, load_format, mem_fraction_static, port_base, parity_samples,
          trim_after_last_loss_token, dry_run, strict, nonfinite, final_state, recipe, min_loss_run, store, compress,
          force, trust_remote_code, jit_cache, no_warm_up, no_progress, progress_every, verbose):
     # Here, not at the top: torch and transformers take seconds to import, which --help, --version and a
@@ -174,7 +178,7 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
     opts = ExtractOptions(
         data=tuple(data), out=out, model=model, device=device, dtype=dtype, tp=tp, layers=layer_ids,
         max_length=max_length, overlong=overlong, tokens_per_batch=tokens_per_batch, chunk_tokens=chunk_tokens,
-        seqs_per_batch=seqs_per_batch, shard_bytes=int(shard_size_mb * (1 << 20)), attention_backend=attention_backend,
+        seqs_per_batch=seqs_per_batch, shard_bytes=int(shard_size_mb * (1 << 20)), writers=writers, attention_backend=attention_backend,
         load_format=load_format, mem_fraction_static=mem_fraction_static, port_base=port_base, parity_samples=parity_samples,
         trim_after_last_loss=trim_after_last_loss_token, trust_remote_code=trust_remote_code,
         progress=not no_progress, progress_every=progress_every, verbose=verbose, strict=strict, nonfinite=nonfinite,

@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from offline_extract.options import default
 from offline_extract.store.atomic import atomic_write
 from offline_extract.store import checksum
 from offline_extract.store.codecs import compress_frame, compressor
@@ -36,7 +37,7 @@ from offline_extract.store.schema import (
     shard_number,
 )
 
-WRITER_THREADS = 4  # ShardWriter's default; it holds at most one more shard buffer than threads
+WRITER_THREADS = default("writers")  # ShardWriter's default (--writers); it holds at most one more shard buffer than threads
 # The shard still buffered when a writer closes is written after the last forward, where nothing overlaps
 # it: it is cut into up to one shard a writer thread, each of at least this many state bytes (a part takes
 # tens of milliseconds), so that all threads write it at once (a file is written by one thread: a write

@@ -77,7 +77,7 @@ def test_a_compressed_output_too_big_before_zstd_says_how_much_zstd_must_save(ti
     assert bf16.ratio_needed is None and "DOES NOT FIT" in planning.render(bf16, tmp_path)
 
 
-def _extract(engine, model_dir, out, monkeypatch, progress_every):
+def _extract(engine, model_dir, out, monkeypatch, progress_every, **options):
     """The run in-process on the session's engine (SGLang starts one engine a process), in shards of about
     60 tokens; the leader's progress counts the records, shown (a heartbeat) or not (progress_every=0)."""
     from offline_extract import extraction
@@ -85,7 +85,8 @@ def _extract(engine, model_dir, out, monkeypatch, progress_every):
 
     monkeypatch.setattr(extraction, "Engine", lambda cfg: engine)
     opts = ExtractOptions(data=(str(CORPUS),), out=str(out), model=str(model_dir), device="cpu", parity_samples=0,
-                          tokens_per_batch=128, shard_bytes=32 << 10, progress=False, progress_every=progress_every)
+                          tokens_per_batch=128, shard_bytes=32 << 10, progress=False, progress_every=progress_every,
+                          **options)
     return extraction.run(opts)
 
 
@@ -105,3 +106,20 @@ def test_a_run_warns_once_when_its_output_is_on_course_to_outgrow_the_disk(tiny_
     assert summary.extracted == 24
     # The first shards' bytes a token are the whole output's, up to each shard's metadata.
     assert int(found[0].replace(",", "")) == pytest.approx(summary.bytes_written / summary.tokens, rel=0.1)
+
+
+def test_writers_sets_the_shard_writer_threads_of_a_run(tiny_engine, tiny_model_dir, tmp_path, monkeypatch):
+    """--writers reaches the run's ShardWriter (one file a thread, writers + 1 shard buffers), and the run
+    writes every sample with it."""
+    from offline_extract import extraction
+
+    made = []
+
+    class Recorded(extraction.ShardWriter):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self._writers)
+
+    monkeypatch.setattr(extraction, "ShardWriter", Recorded)
+    summary = _extract(tiny_engine, tiny_model_dir, tmp_path / "out", monkeypatch, 0, writers=2)
+    assert made == [2] and summary.extracted == 24 and len(summary.shards) > 1
