@@ -46,7 +46,7 @@ from offline_extract.extraction import engine_config
 from offline_extract.feed import extract_batches, staging_buffers
 from offline_extract.options import ExtractOptions
 from offline_extract.store.schema import FINAL_STATE_TENSOR, STATE_TENSORS, Encoding, RunInfo
-from offline_extract.store.writer import ShardWriter
+from offline_extract.store.writer import WRITER_THREADS, ShardWriter
 from offline_extract.testing.models import build_model
 from offline_extract.timeline import Timeline
 
@@ -76,7 +76,7 @@ class BenchOptions:
     baselines: tuple[str, ...] = ()  # of peers.BASELINES
     peer_options: peers.PeerOptions = peers.PeerOptions()
     disk_probe_bytes: int = 4 << 30
-    writers: int = 4
+    writers: int = WRITER_THREADS
     encodings: tuple[tuple[str, str], ...] = (("bf16", "none"),)  # (--store, --compress) pairs, one model load
     fp8_error_tokens: int = 131072  # tokens over which fp8's decoded states are compared with bf16's
     seed: int = 0

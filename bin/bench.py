@@ -34,7 +34,7 @@ import click
 from benchmarks.peers.baselines import BASELINES, PeerOptions
 from benchmarks.extraction_vs_prefill import BenchOptions, run_bench
 from offline_extract.cli import command
-from offline_extract.options import choices
+from offline_extract.options import choices, default
 
 
 def _command() -> str:
@@ -84,7 +84,7 @@ def _command() -> str:
 @click.option("--specforge-attention-backend", default=PeerOptions.specforge_attention_backend, show_default=True,
               help="SpecForge's --sglang-attention-backend (its own default is flashinfer).")
 @click.option("--disk-probe-gb", default=4.0, show_default=True, help="Bytes written to measure each --out's write rate.")
-@click.option("--writers", default=4, show_default=True, help="Shard writer threads (they also compress under zstd).")
+@click.option("--writers", default=default("writers"), show_default=True, help="Shard writer threads, one file each (they also compress under zstd); bin/extract.py --writers.")
 @click.option("--store", "stores", multiple=True, type=click.Choice(choices("store")), default=["bf16"], show_default=True,
               help="How states are stored (as extract.py --store); repeat to measure several with one model load. "
                    "fp8 also records the per-token cosine of the decoded states against the bf16 ones of the same "
