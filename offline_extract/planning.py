@@ -59,24 +59,27 @@ class Plan:
         room = self.free_bytes - (self.total_bytes - self.compressible_bytes)
         return self.compressible_bytes / room if room > 0 else float("inf")
 
-    def verdict(self) -> str:
+    def _zstd_condition(self) -> str | None:
+        """What fitting takes of zstd, when compression could make it fit; None when it fits anyway or cannot."""
         ratio = self.ratio_needed
+        return None if ratio is None or ratio == float("inf") else f"zstd shrinks the states {ratio:.2f}x or more"
+
+    def verdict(self) -> str:
         if self.fits:
             return "fits"
-        if ratio is None or ratio == float("inf"):
-            return "DOES NOT FIT"
-        return f"fits only if zstd shrinks the states {ratio:.2f}x or more (unknown until they are written)"
+        condition = self._zstd_condition()
+        return f"fits only if {condition} (unknown until they are written)" if condition else "DOES NOT FIT"
 
     def refusal(self, out: str | Path) -> str | None:
         """Why the dry run says no to running into `out` as it stands (--force overrides); None: it fits."""
-        ratio = self.ratio_needed
         if self.fits:
             return None
-        if ratio is None or ratio == float("inf"):
+        condition = self._zstd_condition()
+        if condition is None:
             return f"the output would not fit in {out}; free space first or pass --force"
-        return (f"the output fits in {out} only if zstd shrinks the states {ratio:.2f}x or more, which only the run "
-                f"can tell; free space first, or pass --force to try (a run that fills the disk stops with its "
-                f"complete shards kept, and re-running it resumes once there is room)")
+        return (f"the output fits in {out} only if {condition}, which only the run can tell; free space first, or "
+                f"pass --force to try (a run that fills the disk stops with its complete shards kept, and re-running "
+                f"it resumes once there is room)")
 
 
 def plan(
