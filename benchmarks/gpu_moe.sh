@@ -8,18 +8,15 @@
 # (benchmarks/bf16_floor.py). Each family's parity JSON goes to
 # RESULTS_DIR/parity/<architecture>-<backend>.json with its command; every step's command, exit status and
 # seconds into RESULTS_DIR/steps.jsonl, its output into RESULTS_DIR/<step>.log.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-source benchmarks/steps.sh
-begin "$1" "${2:-560}"
-export OFFLINE_EXTRACT_RESULTS=$results/parity
+source "$(dirname "$0")/steps.sh"
+begin_gpu_suite "$1" "${2:-560}"
 
-suite="python -m pytest -m 'gpu and moe' tests/gpu/test_gpu_architectures.py -v -rA -p no:cacheprovider"
+suite="$pytest -m 'gpu and moe' tests/gpu/test_gpu_architectures.py"
 step moe_triton 420 "$suite -k triton" &
 step moe_flashinfer 420 "$suite -k flashinfer" &
 step moe_fa3 420 "$suite -k fa3" &
 wait
-step verify_default_backend 150 "python -m pytest -m gpu tests/gpu/test_gpu.py -v -rA -p no:cacheprovider -k verify_passes_on_the_families" &
-step mxfp4 150 "python -m pytest -m gpu tests/gpu/test_gpu_mxfp4.py -v -rA -p no:cacheprovider" &
+step verify_default_backend 150 "$pytest -m gpu tests/gpu/test_gpu.py -k verify_passes_on_the_families" &
+step mxfp4 150 "$pytest -m gpu tests/gpu/test_gpu_mxfp4.py" &
 step bf16_floor 150 "python benchmarks/bf16_floor.py --device cuda --out $results/bf16_floor_h200.json" &
 wait

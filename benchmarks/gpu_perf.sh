@@ -9,9 +9,7 @@
 # first); then, both GPUs free, TP=2 on 250k tokens. The two lanes share the host's cores: compare ratios taken
 # within one run, as each JSON gives them. On a machine of one GPU the lanes run one after the other on it (lane 1
 # first: its steps re-check issue 26's targets; the storage steps get what time is left) and TP=2 is skipped.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-source benchmarks/steps.sh
+source "$(dirname "$0")/steps.sh"
 begin "$1" "${2:-560}"
 bench="python bin/bench.py --disk-probe-gb 1 --results-dir $results"
 lane0() {

@@ -4,9 +4,7 @@
 # Two lanes run side by side, one a GPU, each step under its own time limit so that a slow step leaves
 # the others their time; then the two-GPU steps. Every step's command goes into RESULTS_DIR/steps.jsonl
 # with its exit status and seconds, and its output into RESULTS_DIR/<step>.log (benchmarks/steps.sh).
-set -uo pipefail
-cd "$(dirname "$0")/.."
-source benchmarks/steps.sh
+source "$(dirname "$0")/steps.sh"
 begin "$1" "$2"
 
 bench="python bin/bench.py --results-dir $results/bench --disk-probe-gb 1"

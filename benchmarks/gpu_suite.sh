@@ -7,12 +7,8 @@
 # architecture suite and the MXFP4 file are benchmarks/gpu_moe.sh's, the two-GPU file benchmarks/two_gpus.sh's
 # (a call of its own: it needs both GPUs). Each step's command, exit status and seconds go to
 # RESULTS_DIR/steps.jsonl, its output to RESULTS_DIR/<step>.log, the parity JSONs to RESULTS_DIR/parity.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-source benchmarks/steps.sh
-begin "$1" "${2:-560}"
-export OFFLINE_EXTRACT_RESULTS=$results/parity
-pytest="python -m pytest -v -rA -p no:cacheprovider"
+source "$(dirname "$0")/steps.sh"
+begin_gpu_suite "$1" "${2:-560}"
 lane0() {
   export CUDA_VISIBLE_DEVICES=0
   for backend in triton flashinfer fa3; do

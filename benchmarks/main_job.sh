@@ -20,9 +20,7 @@
 #                          and each step may take what is left of this call;
 #   MAIN_JOB_EXTRACT_ARGS  options added to both extractions (e.g. --store fp8 --compress zstd);
 #   MAIN_JOB_BENCH_ARGS    options added to the bench's (e.g. the same encoding, --num-tokens 1000000).
-set -uo pipefail
-cd "$(dirname "$0")/.."
-source benchmarks/steps.sh
+source "$(dirname "$0")/steps.sh"
 begin "$1" "${MAIN_JOB_SECONDS:-590}"
 model=/dev/shm/offline_extract_peers_llama3_8b
 work=/tmp/offline_extract_main_job

@@ -1,11 +1,16 @@
-# Sourced by the device-call scripts (gpu_record.sh, gpu_moe.sh, main_job.sh):
+# Sourced first by the device-call scripts (gpu_suite.sh, gpu_moe.sh, gpu_perf.sh, gpu_record.sh, main_job.sh) as
+# `source "$(dirname "$0")/steps.sh"`: it sets -uo pipefail and moves to the checkout's root, which each of them
+# needs for its relative paths, and gives them
 #   step NAME LIMIT_SECONDS COMMAND...
-# runs COMMAND under `timeout`, cut to what is left of the call's budget so that a slow step leaves the others
+# which runs COMMAND under `timeout`, cut to what is left of the call's budget so that a slow step leaves the others
 # their time, its output into $logs/NAME.log (a step out of time gets SIGINT first, so that pytest still prints
 # the failures it has seen and a bench its partial result, then SIGKILL 15 s later), and appends its command, exit status and seconds to
-# $results/steps.jsonl. The caller sets results, budget and start with `begin RESULTS_DIR SECONDS`, and logs
-# (default: results);
+# $results/steps.jsonl. The caller sets results, budget and start with `begin RESULTS_DIR SECONDS` (or
+# `begin_gpu_suite`), and logs (default: results);
 # an environment assignment in front of `step` reaches the command; CUDA_VISIBLE_DEVICES is recorded too.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
 step() {
   local name=$1 limit=$2; shift 2
   local left=$(( budget - ($(date +%s) - start) - 25 ))
@@ -25,4 +30,11 @@ step() {
 begin() {  # begin RESULTS_DIR SECONDS: the results folder (made), the call's budget, and its clock started
   results=$(realpath -m "$1") budget=$2 start=$(date +%s)
   mkdir -p "$results"
+}
+
+begin_gpu_suite() {  # begin, for the scripts that run the GPU suite: the tests' parity JSONs into RESULTS_DIR/parity,
+  # and $pytest, the suite as they run it (no .pytest_cache left in the checkout)
+  begin "$@"
+  export OFFLINE_EXTRACT_RESULTS=$results/parity
+  pytest="python -m pytest -v -rA -p no:cacheprovider"
 }
