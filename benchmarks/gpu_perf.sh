@@ -24,7 +24,7 @@ lane0() {
 lane1() {
   export CUDA_VISIBLE_DEVICES=$1
   step cold_250k 90 "$bench --cold --num-tokens 250000 --out /dev/shm/oe_cold"
-  step one_131k 100 "$bench --lengths fixed --mean-length 131072 --num-tokens 262144 --warmup-batches 1 --out /dev/shm/oe_long"
+  step one_131k 130 "$bench --lengths fixed --mean-length 131072 --num-tokens 262144 --warmup-batches 1 --out /dev/shm/oe_long"
   step three_131k 150 "$bench --lengths fixed --mean-length 131072 --num-tokens 524288 --warmup-batches 1 --out /dev/shm/oe_long"
 }
 if (( $(nvidia-smi -L | wc -l) < 2 )); then
