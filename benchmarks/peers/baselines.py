@@ -114,7 +114,9 @@ def _sglang_engine(popts, work, model_dir, batches, warmup, max_length, dtype) -
                         ("--mem-fraction-static", popts.sglang_mem_fraction_static)):
         if value is not None:
             argv += [flag, str(value)]
+    launched = time.perf_counter()
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True)
+    launch_to_exit_s = time.perf_counter() - launched
     cmd = shlex.join(["python", *argv[1:]])
     if proc.returncode != 0:
         return Pending(PeerRow(sglang_engine.NAME, _version("sglang"), cmd, None, None, None, None,
@@ -126,6 +128,8 @@ def _sglang_engine(popts, work, model_dir, batches, warmup, max_length, dtype) -
         notes={"stores": r["stores"], "num_tokens": r["num_tokens"], "wall_s": r["wall_s"],
                "tok_s": f"prompt tokens a second over its {r['num_tokens']:,} timed tokens ({r['wall_s']:.0f} s), "
                         "after its warm-up batches; start-up excluded",
+               # As SpecForge's: every token it was given (warm-up batches too) over its launch-to-exit seconds.
+               "end_to_end_tok_s": sum(len(ids) for batch in batches for ids in batch) / launch_to_exit_s,
                "bytes_per_token": "nothing is written: its returned state stored as bf16, plus an int32 id"},
     )
     return Pending(row, dumped_states(dump))

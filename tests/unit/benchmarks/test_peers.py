@@ -278,6 +278,10 @@ def test_sglang_return_hidden_states_is_our_post_norm_final_state(tmp_path, tiny
     assert line.startswith("peer sglang-engine: finished in ") and "start-up, model load and warm-up included" in line
     assert f"tok/s {row['tok_s']:,.0f} = prompt tokens" in line and "start-up excluded" in line
     assert line.endswith("its states are cross-checked against ours at the end"), "not read as a cross-check done"
+    # End to end, as SpecForge's: every token it was given, the warm-up batch too, over launch to exit, which
+    # counts its start-up, so it is below the steady rate.
+    end_to_end = row["notes"]["end_to_end_tok_s"]
+    assert 0 < end_to_end < row["tok_s"] and f"{end_to_end:,.0f} tok/s end to end, its start-up counted" in line
 
     # What the run would have cross-checked once ours was measured: the first timed samples' states.
     own = json.loads((work / "sglang_engine.json").read_text())
