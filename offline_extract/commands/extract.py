@@ -54,7 +54,7 @@ def _chosen(option: str) -> dict:
                    "data set id (org/name, or org/name:split; the local hub cache first, HF_HUB_OFFLINE honoured). "
                    "Repeat for several (records are numbered across them in order).")
 @click.option("--out", default=default("out"), show_default=True, type=click.Path(file_okay=False),
-              help="Output directory for shards, index.json and rejects.jsonl.")
+              help="Output directory for shards, index.json, manifest.json and rejects.jsonl.")
 @click.option("--model", default=None,
               help="HF model directory, or a hub id (org/name) taken from the local hub cache, else downloaded "
                    "unless HF_HUB_OFFLINE is set; the commit it resolved to is recorded. Default: the embedded tiny "
@@ -62,12 +62,15 @@ def _chosen(option: str) -> dict:
 @click.option("--device", type=click.Choice(choices("device")), default=None,
               help="Default: cuda when a GPU is visible, else cpu.")
 @click.option("--dtype", **_chosen("dtype"),
-              help="Compute dtype (auto = the checkpoint's). How the states are stored is --store's.")
+              help="Compute dtype (auto = the checkpoint's; float32 on CPU only, SGLang's CUDA kernels take half "
+                   "precision). How the states are stored is --store's.")
 @click.option("--tp", default=default("tp"), show_default=True, help="Tensor-parallel size; world size / tp replicas run data-parallel.")
 @click.option("--layers", default=None,
-              help="Comma-separated EAGLE-3 layer ids (id k = output of decoder layer k). "
-                   "Default: SGLang's EAGLE-3 default for the model, e.g. [1, N/2-1, N-4] for Llama.")
-@click.option("--max-length", default=default("max_length"), show_default=True, help="Longest sample in tokens.")
+              help="Comma-separated layer ids stored as aux_hidden_states (id k = output of decoder layer k). "
+                   "Default: the --recipe's: SGLang's EAGLE-3 default for the model under eagle3, e.g. "
+                   "[1, N/2-1, N-4] for Llama; 5 layers spread over 1..N-3 under dflash and dspark.")
+@click.option("--max-length", default=default("max_length"), show_default=True,
+              help="Longest sample in tokens, at most the model's context length; a longer one is cut or skipped (--overlong).")
 @click.option("--overlong", **_chosen("overlong"),
               help="What to do with a sample longer than --max-length (recorded per sample either way). A "
                    "truncated sample whose loss tokens all lay past the cut is skipped, listed in rejects.jsonl "
@@ -83,8 +86,9 @@ def _chosen(option: str) -> dict:
               help="Target hidden-state MiB per shard (a shard closes once it reaches this).")
 @click.option("--writers", default=default("writers"), show_default=True, type=click.IntRange(1),
               help="Threads writing shards, one file each, side by side; host memory holds writers + 1 shard "
-                   "buffers. Raise it when one writing rank stores faster than 4 files at once can take (TP on "
-                   "many GPUs, a fast array) or zstd's compression, which these threads also run, falls behind.")
+                   "buffers. Raise it when one writing rank produces states faster than that many files at once "
+                   "can take (TP on many GPUs, a fast array) or zstd's compression, which these threads also run, "
+                   "falls behind.")
 @click.option("--attention-backend", default=None,
               help="SGLang attention backend. Default: fa3 on Hopper when installed, else triton; torch_native on CPU.")
 @click.option("--load-format", default=default("load_format"), show_default=True,
@@ -97,7 +101,7 @@ def _chosen(option: str) -> dict:
 @click.option("--verify", "parity_samples", default=default("parity_samples"), show_default=True,
               help="Before extracting, compare each replica's first N samples against HF transformers and stop "
                    "on mismatch. HF loads the whole model on the GPU of each replica's tp_rank 0, so for a model "
-                   "that needs TP, verify a smaller sibling of the same architecture.")
+                   "that needs TP, verify a smaller sibling of the same architecture. 0: no gate.")
 @click.option("--trim-after-last-loss-token", is_flag=True,
               help="Drop each sample's tokens after its last loss token (they carry no training signal).")
 @click.option("--dry-run", is_flag=True,
