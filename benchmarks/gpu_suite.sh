@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # The one-GPU files of the GPU suite (`pytest -m gpu`) in one device call on a machine of two H200s, SGLang 0.5.17 (+ FA3) on the path:
-#   bash benchmarks/gpu_suite.sh RESULTS_DIR [SECONDS]
+#   bash benchmarks/gpu_suite.sh RESULTS_DIR [SECONDS] [LANE...]
 # Lanes side by side, each step under its own time limit (benchmarks/steps.sh): on GPU 0 the architecture suite,
 # one backend a process (each engine's KV pool is capped, so three fit one GPU), then the FP8 checkpoints, exports and codecs; on
 # GPU 1 the engine file (its 8B-shaped 65k/131k test against HF alone takes minutes). The MoE part of the
 # architecture suite and the MXFP4 file are benchmarks/gpu_moe.sh's, the two-GPU file benchmarks/two_gpus.sh's
 # (a call of its own: it needs both GPUs). Each step's command, exit status and seconds go to
 # RESULTS_DIR/steps.jsonl, its output to RESULTS_DIR/<step>.log, the parity JSONs to RESULTS_DIR/parity.
+# On a machine of one GPU the lanes named (lane0, lane1; both if none) run one after the other on it: both
+# take longer than one call there, so name one a call.
 source "$(dirname "$0")/steps.sh"
 begin_gpu_suite "$1" "${2:-560}"
 lane0() {
-  export CUDA_VISIBLE_DEVICES=0
+  export CUDA_VISIBLE_DEVICES=$1
   for backend in triton flashinfer fa3; do
     step "dense_$backend" 330 "$pytest -m 'gpu and not moe' tests/gpu/test_gpu_architectures.py -k $backend" &
   done
@@ -19,7 +21,12 @@ lane0() {
   step exports_codecs 150 "$pytest -m gpu tests/gpu/test_gpu_exports.py tests/gpu/test_gpu_codecs.py"
 }
 lane1() {
-  export CUDA_VISIBLE_DEVICES=1
+  export CUDA_VISIBLE_DEVICES=$1
   step engine 540 "$pytest -m gpu tests/gpu/test_gpu.py"
 }
-lane0 & lane1 & wait
+if (( $(nvidia-smi -L | wc -l) < 2 )); then
+  for lane in "${@:3}"; do "$lane" 0; done
+  (( $# > 2 )) || { lane0 0; lane1 0; }
+  exit
+fi
+lane0 0 & lane1 1 & wait
