@@ -34,7 +34,7 @@ import click
 from benchmarks.peers.baselines import BASELINES, PeerOptions
 from benchmarks.extraction_vs_prefill import BenchOptions, run_bench
 from offline_extract.cli import command
-from offline_extract.options import choices, default
+from offline_extract.options import choices
 
 
 def _command() -> str:
@@ -47,23 +47,27 @@ def _command() -> str:
 
 @command(help=__doc__)
 @click.option("--model", default=None, help="HF model directory. Default: a generated config of --shape.")
-@click.option("--shape", default="llama3_8b", show_default=True, help="Generated model shape (see offline_extract.testing.models.ARCHITECTURES).")
-@click.option("--load-format", default="dummy", show_default=True, help="'dummy': random weights, no files needed.")
-@click.option("--dtype", default="bfloat16", show_default=True)
-@click.option("--tp", default=1, show_default=True, help="Tensor-parallel size; under torchrun the rest is data-parallel.")
+@click.option("--shape", default=BenchOptions.shape, show_default=True, help="Generated model shape (see offline_extract.testing.models.ARCHITECTURES).")
+@click.option("--load-format", default=BenchOptions.load_format, show_default=True, help="'dummy': random weights, no files needed.")
+@click.option("--dtype", type=click.Choice(choices("dtype")), default=BenchOptions.dtype, show_default=True,
+              help="Compute dtype (as extract.py --dtype).")
+@click.option("--tp", default=BenchOptions.tp, show_default=True, help="Tensor-parallel size; under torchrun the rest is data-parallel.")
 @click.option("--attention-backend", default=None, help="Default: fa3 on Hopper when installed, else triton.")
-@click.option("--out", "outs", multiple=True, default=["/dev/shm/offline_extract_bench"], show_default=True,
+@click.option("--out", "outs", multiple=True, default=BenchOptions.outs, show_default=True,
               help="Where extraction writes shards; repeat to measure several targets in one run.")
-@click.option("--lengths", type=click.Choice(["lognormal", "fixed"]), default="lognormal", show_default=True)
-@click.option("--mean-length", default=1700, show_default=True, help="Mean (lognormal) or exact (fixed) tokens a sample.")
-@click.option("--max-length", default=8192, show_default=True, help="Cap of the lognormal lengths.")
-@click.option("--num-tokens", default=1_000_000, show_default=True, help="Synthetic corpus size in tokens.")
-@click.option("--tokens-per-batch", default=16384, show_default=True)
+@click.option("--lengths", type=click.Choice(["lognormal", "fixed"]), default=BenchOptions.lengths, show_default=True,
+              help="Sample lengths of the synthetic corpus: log-normal of mean --mean-length, capped at --max-length, "
+                   "or all exactly --mean-length.")
+@click.option("--mean-length", default=BenchOptions.mean_length, show_default=True, help="Mean (lognormal) or exact (fixed) tokens a sample.")
+@click.option("--max-length", default=BenchOptions.max_length, show_default=True, help="Cap of the lognormal lengths.")
+@click.option("--num-tokens", default=BenchOptions.num_tokens, show_default=True, help="Synthetic corpus size in tokens.")
+@click.option("--tokens-per-batch", default=BenchOptions.tokens_per_batch, show_default=True,
+              help="Token budget of one forward (as extract.py --tokens-per-batch).")
 @click.option("--chunk-tokens", default=None, type=int,
               help="Tokens a forward for samples longer than --tokens-per-batch (chunked prefill). Default: --tokens-per-batch.")
 @click.option("--chunk-sweep", default="", help="Comma-separated chunk sizes: also time bare chunked prefill of the "
               "first timed batch at each (`bare_tok_s_by_chunk`), to choose --chunk-tokens.")
-@click.option("--warmup-batches", default=2, show_default=True,
+@click.option("--warmup-batches", default=BenchOptions.warmup_batches, show_default=True,
               help="Batches run first, each timed on its own: the cold start (`cold_batch_s`, `cold_tok_s`, beside "
                    "the command-to-first-forward `startup_to_first_forward_s`), then untimed before each mode.")
 @click.option("--cold", is_flag=True,
@@ -83,8 +87,9 @@ def _command() -> str:
               help="SGLang 0.5.14 + SpecForge 0.2.0, installed by the peer bundle (benchmarks/peers/make_peer_bundle.sh).")
 @click.option("--specforge-attention-backend", default=PeerOptions.specforge_attention_backend, show_default=True,
               help="SpecForge's --sglang-attention-backend (its own default is flashinfer).")
-@click.option("--disk-probe-gb", default=4.0, show_default=True, help="Bytes written to measure each --out's write rate.")
-@click.option("--writers", default=default("writers"), show_default=True, help="Shard writer threads, one file each (they also compress under zstd); bin/extract.py --writers.")
+@click.option("--disk-probe-gb", default=BenchOptions.disk_probe_bytes / (1 << 30), show_default=True,
+              help="GiB written to each --out to measure its write rate.")
+@click.option("--writers", default=BenchOptions.writers, show_default=True, help="Shard writer threads, one file each (they also compress under zstd); bin/extract.py --writers.")
 @click.option("--store", "stores", multiple=True, type=click.Choice(choices("store")), default=["bf16"], show_default=True,
               help="How states are stored (as extract.py --store); repeat to measure several with one model load. "
                    "fp8 also records the per-token cosine of the decoded states against the bf16 ones of the same "
@@ -93,10 +98,12 @@ def _command() -> str:
               show_default=True, help="As extract.py --compress; repeat for several (every --store is measured with "
                                       "every --compress). Results record the compression ratio and bytes written per "
                                       "second.")
-@click.option("--results-dir", default="benchmarks/results", show_default=True)
+@click.option("--results-dir", default=BenchOptions.results_dir, show_default=True,
+              help="Where the result JSONs go (a relative path: from the current directory).")
 @click.option("--profile", default=None, help="Write torch-profiler tables and traces of bare prefill and of "
               "extraction of the first --profile-batches timed batches to this directory.")
-@click.option("--profile-batches", default=4, show_default=True)
+@click.option("--profile-batches", default=BenchOptions.profile_batches, show_default=True,
+              help="Timed batches that --profile records.")
 @click.option("--single-gpu-result", "single_gpu_results", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="A one-GPU result JSON from the same session: adds `scaling` (aggregate / one GPU) to the "
                    "results of the same out kind (tmpfs, disk); repeat for each kind.")
