@@ -14,7 +14,8 @@ from offline_extract.store.schema import ShardError
 
 @command()
 @click.argument("path", type=click.Path(path_type=str))
-@click.option("--sample", "sample_id", help="Show this sample's text, loss-masked tokens highlighted.")
+@click.option("--sample", "sample_id", help="Show the sample of this id (the record's \"id\", else SOURCE:LINE): its text, the tokens in the loss "
+              "highlighted.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of tables.")
 @click.option("--verify", is_flag=True,
               help="Re-hash every shard against manifest.json and check shapes, dtypes, offsets and index.json; "
@@ -25,7 +26,10 @@ from offline_extract.store.schema import ShardError
               help="Summarize an extraction that has not finished (or has lost shards) as it is; without this "
                    "it is refused, saying how many samples are missing. --sample works on it either way.")
 def main(path: str, sample_id: str | None, as_json: bool, verify: bool, allow_partial: bool) -> None:
-    """PATH is a shard file or an output directory of shards (a directory for --verify)."""
+    """Summarize extracted shards: sample and token counts, the run's facts, and each stored layer's mean,
+    std, absmax and NaN/Inf counts; or show one sample (--sample), or verify an output directory (--verify).
+
+    PATH is a shard file or an output directory of shards (a directory for --verify)."""
     if verify:
         if not Path(path).is_dir():
             raise click.BadParameter("--verify checks an output directory", param_hint="PATH")
