@@ -37,7 +37,8 @@ from offline_extract.training.export import DEFAULT_ROWS_PER_FOLDER, FORMATS, Ex
 @click.argument("out_dir", type=click.Path(path_type=str))
 @click.option("--to", "dest", required=True, type=click.Path(file_okay=False, path_type=str),
               help="Destination directory: new, empty, or an interrupted export of the same data.")
-@click.option("--format", "format_", type=click.Choice(FORMATS), default="specforge", show_default=True)
+@click.option("--format", "format_", type=click.Choice(FORMATS), default="specforge", show_default=True,
+              help="Which trainer's layout to write (each described above).")
 @click.option("--rows-per-folder", default=DEFAULT_ROWS_PER_FOLDER, show_default=True, type=click.IntRange(min=1),
               help="Samples per rows_{start}-{end} folder (specforge).")
 @click.option("--gzip/--no-gzip", "gzipped", default=None,
