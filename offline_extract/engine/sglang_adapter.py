@@ -2,7 +2,7 @@
 
 It loads a model with SGLang's own loader into an in-process `ModelRunner`, builds EXTEND (prefill-only)
 batches from token lists, and returns per token the EAGLE-3 auxiliary states and the final state (after
-the model's final norm, or before it: see FINAL_STATES).
+the model's final norm, or before it: see options.FINAL_STATES).
 Full-vocab logits are never computed: the model's logits processor is replaced by one that only keeps the
 hidden states it is handed.
 """
@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from offline_extract.options import FINAL_STATES, FinalState, check_choice
+from offline_extract.options import FinalState, check_choice
 from offline_extract.final_norm import FinalNorm
 
 SGLANG_VERSION = "0.5.17"
