@@ -23,6 +23,7 @@ import click
 import psutil
 import torch
 
+from offline_extract.options import choices, default
 from offline_extract.store.schema import Encoding, RunInfo, SampleInfo
 from offline_extract.store.writer import WRITER_THREADS, ShardWriter
 
@@ -110,30 +111,33 @@ def _writer_rate(out: Path, total_bytes: int, preallocate: bool, shard_bytes: in
     }
 
 
-@click.command()
-@click.option("--out", default="/dev/shm/oe-writer", show_default=True)
-@click.option("--gb", default=4.0, show_default=True, help="Hidden-state bytes to push through each writer.")
-@click.option("--store", type=click.Choice(["bf16", "fp8"]), default=None,
-              help="Measure this store only (with --compress), at 512 MB shards, preallocated.")
-@click.option("--compress", type=click.Choice(["none", "zstd"]), default="none", show_default=True)
-@click.option("--writers", default=WRITER_THREADS, show_default=True)
-def main(out: str, gb: float, store: str | None, compress: str, writers: int) -> None:
-    total = int(gb * (1 << 30))
-    if store is not None:
-        result = {
-            "command": "python " + " ".join(["benchmarks/writer_throughput.py", *sys.argv[1:]]),
-            "host": platform.node(),
-            "cpus": os.cpu_count(),
-            "writer": _writer_rate(Path(out), total, True, 512 << 20, Encoding(store=store, compress=compress), writers),
-        }
-        name = f"writer_throughput_{platform.node() or 'host'}_{store}_{compress}.json"
-        (ROOT / "benchmarks" / "results" / name).write_text(json.dumps(result, indent=2) + "\n")
-        print(json.dumps(result, indent=2))
-        return
+def _record(suffix: str, measured: dict) -> None:
+    """Writes benchmarks/results/writer_throughput_<host><suffix>.json, the command and machine first."""
     result = {
         "command": "python " + " ".join(["benchmarks/writer_throughput.py", *sys.argv[1:]]),
         "host": platform.node(),
         "cpus": os.cpu_count(),
+        **measured,
+    }
+    path = ROOT / "benchmarks" / "results" / f"writer_throughput_{platform.node() or 'host'}{suffix}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+@click.command()
+@click.option("--out", default="/dev/shm/oe-writer", show_default=True)
+@click.option("--gb", default=4.0, show_default=True, help="Hidden-state bytes to push through each writer.")
+@click.option("--store", type=click.Choice(choices("store")), default=None,
+              help="Measure this store only (with --compress), at 512 MB shards, preallocated.")
+@click.option("--compress", type=click.Choice(choices("compress")), default=default("compress"), show_default=True)
+@click.option("--writers", default=WRITER_THREADS, show_default=True)
+def main(out: str, gb: float, store: str | None, compress: str, writers: int) -> None:
+    total = int(gb * (1 << 30))
+    if store is not None:
+        encoding = Encoding(store=store, compress=compress)
+        _record(f"_{store}_{compress}", {"writer": _writer_rate(Path(out), total, True, 512 << 20, encoding, writers)})
+        return
+    _record("", {
         "torch_threads": torch.get_num_threads(),
         "first_touch_copy_bytes_s": _copy_rate(1 << 30, warm=False),
         "resident_copy_bytes_s": _copy_rate(1 << 30, warm=True),
@@ -142,10 +146,7 @@ def main(out: str, gb: float, store: str | None, compress: str, writers: int) ->
             for shard_bytes in (1 << 30, 512 << 20)
             for preallocate in (False, True)
         ],
-    }
-    path = ROOT / "benchmarks" / "results" / f"writer_throughput_{platform.node() or 'host'}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    })
 
 
 if __name__ == "__main__":
