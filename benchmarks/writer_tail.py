@@ -29,6 +29,7 @@ import torch
 
 from benchmarks import emit
 
+from offline_extract.options import choices, default
 from offline_extract.store.schema import Encoding, RunInfo, SampleInfo
 from offline_extract.store.writer import ShardWriter
 from offline_extract.testing.states import residual_like
@@ -131,8 +132,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--case", choices=("batches", "long"), default="batches")
     p.add_argument("--out", default="/dev/shm/oe-writer-tail")
-    p.add_argument("--store", choices=("bf16", "fp8"), default="bf16")
-    p.add_argument("--compress", choices=("none", "zstd"), default="none")
+    p.add_argument("--store", choices=choices("store"), default=default("store"))
+    p.add_argument("--compress", choices=choices("compress"), default=default("compress"))
     p.add_argument("--writers", type=int, default=12)
     p.add_argument("--pace", type=float, default=1.0, help="seconds between batches (chunks), as forwards take")
     p.add_argument("--batches", type=int, default=6, help="batches of 16,384 tokens (--case batches)")
