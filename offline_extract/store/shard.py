@@ -117,23 +117,15 @@ def read_samples(
 
 
 @dataclass
-class Shard:
-    """A shard opened for reading; tensor data is read from disk only when asked for."""
+class Shard(ShardHeader):
+    """A shard opened for reading: its header and its samples' bounds (`sample_bounds`); tensor data is
+    read from disk only when asked for."""
 
-    path: Path
-    run: RunInfo
-    samples: list[SampleInfo]
-    shapes: dict[str, tuple[int, ...]]
-    encoding: Encoding
     bounds: dict[str, list[int]]
 
     @property
     def offsets(self) -> list[int]:
         return self.bounds["offsets"]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.offsets[-1]
 
     def position(self, i_or_id: int | str) -> int:
         """The row of a sample in this shard, given its position (int) or its id (str)."""
@@ -168,4 +160,4 @@ def open_shard(path: str | os.PathLike) -> Shard:
     offsets = bounds["offsets"]
     if len(offsets) != len(header.samples) + 1 or offsets[-1] != header.num_tokens:
         raise ShardError(f"{header.path}: offsets do not match its {len(header.samples)} samples")
-    return Shard(header.path, header.run, header.samples, header.shapes, header.encoding, bounds)
+    return Shard(**vars(header), bounds=bounds)
