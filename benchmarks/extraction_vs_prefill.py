@@ -408,7 +408,7 @@ def run_bench(opts: BenchOptions) -> list[dict]:
         for key in JIT_CACHES:
             os.environ.pop(key, None)  # even a cache the environment names would not be cold
     timeline.mark("engine")
-    # The engine a run with these options gets.
+    # Through extract's own options and engine_config, so that the engine measured is the one a run gets.
     run = ExtractOptions(
         data=(), model=str(model_dir), dtype=opts.dtype, tp=opts.tp, max_length=opts.longest,
         tokens_per_batch=opts.tokens_per_batch, chunk_tokens=opts.chunk_tokens,
