@@ -20,7 +20,8 @@ from offline_extract.testing.models import build_model
 pytestmark = pytest.mark.gpu
 
 # Models built, with their config overrides: the tiny Llama's head dim 16 has no FlashInfer kernel, so it
-# gets 64 (test_gpu.py covers the 8B shape through the CLI).
+# gets 64 (test_gpu.py covers the 8B shape through the CLI). HF loads each from the same checkpoint SGLang
+# runs (Llama 4's wrapped one as its Llama4ForCausalLM, as the product's --verify does).
 GPU_MODELS = {
     "llama": {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64},
     "qwen3": {},
@@ -35,23 +36,6 @@ GPU_MODELS = {
     "qwen2_moe": {},
     "deepseek_v3": {},
     "kimi_k25": {},
-}
-# Architecture -> (the model run by SGLang, the HF-loadable model with the same weights).
-GPU_ARCHS = {
-    "llama": ("llama", "llama"),
-    "qwen3": ("qwen3", "qwen3"),
-    "qwen2": ("qwen2", "qwen2"),
-    "mistral": ("mistral", "mistral"),
-    "qwen3_moe": ("qwen3_moe", "qwen3_moe"),
-    "glm4_moe": ("glm4_moe", "glm4_moe"),
-    "gpt_oss": ("gpt_oss", "gpt_oss"),
-    # HF loads the wrapped checkpoint as its Llama4ForCausalLM, as the product's --verify does.
-    "llama4": ("llama4", "llama4"),
-    "qwen3_next": ("qwen3_next", "qwen3_next"),
-    "minimax_m2": ("minimax_m2", "minimax_m2"),
-    "qwen2_moe": ("qwen2_moe", "qwen2_moe"),
-    "deepseek_v3": ("deepseek_v3", "deepseek_v3"),
-    "kimi_k25": ("kimi_k25", "kimi_k25"),
 }
 # Every mixture-of-experts family (Llama 4's top-1 MoE runs without a forceable HF block and is held to the
 # dense rule, which it passes).
@@ -91,8 +75,7 @@ def _report(arch, backend, models, tmp_path_factory) -> dict:
     if (arch, backend) in _REPORTS:
         return _REPORTS[arch, backend]
     out = tmp_path_factory.mktemp(f"{arch}-{backend}") / "report.json"
-    model, reference = GPU_ARCHS[arch]
-    rep = run_report(models(model), out, "--hf-reference", str(models(reference)), "--device", "cuda",
+    rep = run_report(models(arch), out, "--hf-reference", str(models(arch)), "--device", "cuda",
                      "--dtype", "bfloat16", "--attention-backend", backend, "--layer-sets", LAYER_SETS,
                      *(["--forced-routing", "--fp32-reference"] if arch in MOE_ARCHS else []))
     write_result(rep, arch, backend)
@@ -106,7 +89,7 @@ def _params(archs):
             for a in archs for b in backends(a)]
 
 
-@pytest.fixture(scope="module", params=_params(GPU_ARCHS))
+@pytest.fixture(scope="module", params=_params(GPU_MODELS))
 def report(request, models, tmp_path_factory):
     arch, backend = request.param
     return arch, backend, _report(arch, backend, models, tmp_path_factory)
