@@ -16,6 +16,9 @@ RecipeName = Literal["eagle3", "dflash", "dspark"]  # recipes.RECIPES
 Store = Literal["bf16", "fp8"]  # the stored dtype of the states (store/schema.py STORES)
 Compression = Literal["none", "zstd"]  # store/codecs.py
 
+# One forward's token budget when tokens_per_batch is not given, by device type.
+DEFAULT_TOKENS_PER_BATCH = {"cuda": 16384, "cpu": 4096}
+
 
 @dataclass(frozen=True)
 class ExtractOptions:
@@ -28,7 +31,7 @@ class ExtractOptions:
     layers: tuple[int, ...] | None = None
     max_length: int = 4096
     overlong: Overlong = "truncate"
-    tokens_per_batch: int | None = None
+    tokens_per_batch: int | None = None  # None: DEFAULT_TOKENS_PER_BATCH of the device
     chunk_tokens: int | None = None  # for samples longer than tokens_per_batch; None: tokens_per_batch
     seqs_per_batch: int = 256
     shard_bytes: int = 512 << 20

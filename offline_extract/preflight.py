@@ -18,12 +18,9 @@ from offline_extract.data.sources import Source, open_sources
 from offline_extract.default_model import ensure_tiny_model
 from offline_extract.engine.parity import wrapped_text_config
 from offline_extract.engine.sglang_adapter import CONTEXT_KEYS, capture_rule, context_length, validate_layer_ids
-from offline_extract.options import ExtractOptions
+from offline_extract.options import DEFAULT_TOKENS_PER_BATCH, ExtractOptions
 from offline_extract.recipes import RECIPES
 from offline_extract.store.journal import load_json
-
-# One forward's token budget when --tokens-per-batch is not given.
-DEFAULT_TOKENS_PER_BATCH = {"cuda": 16384, "cpu": 4096}
 
 
 @dataclass(frozen=True)

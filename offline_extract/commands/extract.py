@@ -39,7 +39,7 @@ from pathlib import Path
 import click
 
 from offline_extract.cli import Interrupted, command
-from offline_extract.options import choices, default
+from offline_extract.options import DEFAULT_TOKENS_PER_BATCH, choices, default
 
 
 def _chosen(option: str) -> dict:
@@ -76,8 +76,9 @@ def _chosen(option: str) -> dict:
                    "truncated sample whose loss tokens all lay past the cut is skipped, listed in rejects.jsonl "
                    "and counted as skipped: it has nothing left to train on.")
 @click.option("--tokens-per-batch", default=None, type=int,
-              help="Token budget of one forward. Default: 16384 on GPU, 4096 on CPU. A longer sample is "
-                   "prefilled alone, in chunks of --chunk-tokens.")
+              help=f"Token budget of one forward. Default: {DEFAULT_TOKENS_PER_BATCH['cuda']} on GPU, "
+                   f"{DEFAULT_TOKENS_PER_BATCH['cpu']} on CPU. A longer sample is prefilled alone, in chunks of "
+                   "--chunk-tokens.")
 @click.option("--chunk-tokens", default=None, type=int,
               help="Tokens a forward when a sample longer than --tokens-per-batch is prefilled in chunks. "
                    "Default: --tokens-per-batch.")

@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from offline_extract.options import FinalState, check_choice
+from offline_extract.options import DEFAULT_TOKENS_PER_BATCH, FinalState, check_choice
 from offline_extract.final_norm import FinalNorm
 
 SGLANG_VERSION = "0.5.17"
@@ -301,7 +301,7 @@ class EngineConfig:
     gpu_id: int = 0
     nccl_port: int = 29600
     attention_backend: str | None = None  # None: fa3 on Hopper when installed, else triton
-    max_tokens_per_batch: int = 16384
+    max_tokens_per_batch: int = DEFAULT_TOKENS_PER_BATCH["cuda"]
     max_seqs_per_batch: int = 256
     # Tokens a forward for a sequence longer than max_tokens_per_batch, prefilled alone in chunks. None:
     # max_tokens_per_batch. It may exceed a ragged batch's budget: the KV pool is sized for the whole
