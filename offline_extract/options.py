@@ -18,6 +18,8 @@ Compression = Literal["none", "zstd"]  # store/codecs.py
 
 # One forward's token budget when tokens_per_batch is not given, by device type.
 DEFAULT_TOKENS_PER_BATCH = {"cuda": 16384, "cpu": 4096}
+# port_base when not given, under torchrun (alone, any free port serves; engine/distributed.py).
+DEFAULT_PORT_BASE = 29600
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class ExtractOptions:
     attention_backend: str | None = None
     load_format: str = "auto"
     mem_fraction_static: float = 0.85
-    port_base: int | None = None
+    port_base: int | None = None  # None: DEFAULT_PORT_BASE under torchrun, else a free port
     parity_samples: int = 0  # --verify N: the HF parity gate's samples a replica (integrity is store.integrity.verify)
     trim_after_last_loss: bool = False
     trust_remote_code: bool = False

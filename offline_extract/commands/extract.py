@@ -39,7 +39,7 @@ from pathlib import Path
 import click
 
 from offline_extract.cli import Interrupted, command
-from offline_extract.options import DEFAULT_TOKENS_PER_BATCH, choices, default
+from offline_extract.options import DEFAULT_PORT_BASE, DEFAULT_TOKENS_PER_BATCH, choices, default
 
 
 def _chosen(option: str) -> dict:
@@ -98,7 +98,7 @@ def _chosen(option: str) -> dict:
               help="GPU memory fraction for weights plus the (prefill-sized) KV pool.")
 @click.option("--port-base", default=None, type=int,
               help="Each data-parallel replica's SGLang rendezvous uses port-base + dp_rank. "
-                   "Default: a free port alone, 29600 under torchrun.")
+                   f"Default: a free port alone, {DEFAULT_PORT_BASE} under torchrun.")
 @click.option("--verify", "parity_samples", default=default("parity_samples"), show_default=True,
               help="Before extracting, compare each replica's first N samples against HF transformers and stop "
                    "on mismatch. HF loads the whole model on the GPU of each replica's tp_rank 0, so for a model "

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, TypeVar
 
+from offline_extract.options import DEFAULT_PORT_BASE
 
-DEFAULT_PORT_BASE = 29600
 # Every rank bumps a counter this often; a rank waited for whose counter stands still for PEER_TIMEOUT
 # is gone. Counters, not timestamps, so that nodes need no synchronised clocks.
 HEARTBEAT = timedelta(seconds=2)

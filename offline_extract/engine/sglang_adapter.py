@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from offline_extract.options import DEFAULT_TOKENS_PER_BATCH, FinalState, check_choice
+from offline_extract.options import DEFAULT_PORT_BASE, DEFAULT_TOKENS_PER_BATCH, FinalState, check_choice
 from offline_extract.final_norm import FinalNorm
 
 SGLANG_VERSION = "0.5.17"
@@ -299,7 +299,7 @@ class EngineConfig:
     tp_size: int = 1
     tp_rank: int = 0
     gpu_id: int = 0
-    nccl_port: int = 29600
+    nccl_port: int = DEFAULT_PORT_BASE
     attention_backend: str | None = None  # None: fa3 on Hopper when installed, else triton
     max_tokens_per_batch: int = DEFAULT_TOKENS_PER_BATCH["cuda"]
     max_seqs_per_batch: int = 256
