@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from offline_extract.options import DEFAULT_PORT_BASE, DEFAULT_TOKENS_PER_BATCH, FinalState, check_choice
+from offline_extract.options import DEFAULT_PORT_BASE, DEFAULT_TOKENS_PER_BATCH, FinalState, check_choice, default
 from offline_extract.final_norm import FinalNorm
 
 SGLANG_VERSION = "0.5.17"
@@ -295,14 +295,14 @@ def _shim_sgl_kernel_if_missing() -> None:
 class EngineConfig:
     model_path: str
     device: str = "cuda"  # "cuda" or "cpu"
-    dtype: str = "auto"  # "auto" (the checkpoint's), "bfloat16", "float16", "float32"
-    tp_size: int = 1
+    dtype: str = default("dtype")  # options.ComputeDtype
+    tp_size: int = default("tp")
     tp_rank: int = 0
     gpu_id: int = 0
     nccl_port: int = DEFAULT_PORT_BASE
     attention_backend: str | None = None  # None: fa3 on Hopper when installed, else triton
     max_tokens_per_batch: int = DEFAULT_TOKENS_PER_BATCH["cuda"]
-    max_seqs_per_batch: int = 256
+    max_seqs_per_batch: int = default("seqs_per_batch")
     # Tokens a forward for a sequence longer than max_tokens_per_batch, prefilled alone in chunks. None:
     # max_tokens_per_batch. It may exceed a ragged batch's budget: the KV pool is sized for the whole
     # sequence anyway, and each chunk pays a forward's fixed costs (host-side batch set-up, launches, the
@@ -310,9 +310,9 @@ class EngineConfig:
     chunk_tokens: int | None = None
     context_length: int | None = None
     layer_ids: tuple[int, ...] | None = None  # None: SGLang's EAGLE-3 default for the model
-    final_state: FinalState = "post-norm"
-    load_format: str = "auto"
-    mem_fraction_static: float = 0.85
+    final_state: FinalState = default("final_state")
+    load_format: str = default("load_format")
+    mem_fraction_static: float = default("mem_fraction_static")
     trust_remote_code: bool = False
     jit_cache: str | None = None  # where compiled kernels are kept between runs (use_jit_cache); None: its default
     # torch's intra-op threads once the model is loaded, which copy each batch's states into the shard
