@@ -328,7 +328,7 @@ class ShardWriter:
         out_dir: str | os.PathLike,
         run: RunInfo,
         *,
-        shard_bytes: int = 512 << 20,
+        shard_bytes: int = default("shard_bytes"),
         shard_numbers: Iterator[int] | None = None,
         writers: int = WRITER_THREADS,
         on_written: Callable[[WrittenShard], None] | None = None,
