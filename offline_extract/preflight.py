@@ -18,7 +18,7 @@ from offline_extract.data.sources import Source, open_sources
 from offline_extract.default_model import ensure_tiny_model
 from offline_extract.engine.parity import wrapped_text_config
 from offline_extract.engine.sglang_adapter import CONTEXT_KEYS, capture_rule, context_length, validate_layer_ids
-from offline_extract.options import DEFAULT_TOKENS_PER_BATCH, ExtractOptions
+from offline_extract.options import DEFAULT_TOKENS_PER_BATCH, ExtractOptions, default
 from offline_extract.recipes import RECIPES
 from offline_extract.store.journal import load_json
 
@@ -69,13 +69,16 @@ def check(opts: ExtractOptions) -> Checked:
     ):
         if value is not None and value < least:
             raise ValueError(f"{name} must be at least {least}, got {value}")
+    if not 0 < opts.mem_fraction_static <= 1:
+        # SGLang would take it and fail only once the model is loaded, with a message about its KV pool.
+        raise ValueError(f"--mem-fraction-static is a fraction of the GPU's memory, above 0 and at most 1, got {opts.mem_fraction_static}")
     sources = open_sources(opts.data)
     _check_pipes(sources, opts.strict)
     device = resolve_device(opts.device)
     check_dtype(device, opts.dtype)
     model = resolve_model(opts.model, opts.trust_remote_code)
     recipe = RECIPES[opts.recipe]
-    if not recipe.keeps_final_state and opts.final_state != "post-norm":
+    if not recipe.keeps_final_state and opts.final_state != default("final_state"):
         raise ValueError(f"--recipe {opts.recipe} stores no final state, so --final-state {opts.final_state} has no effect")
     layer_ids = opts.layers if opts.layers is not None else recipe.layer_ids(model.num_layers)
     if layer_ids is not None:

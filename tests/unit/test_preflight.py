@@ -28,6 +28,8 @@ REFUSED = {
     "no sequences a batch": ({"seqs_per_batch": 0}, "--seqs-per-batch must be at least 1, got 0"),
     "no tokens a batch": ({"tokens_per_batch": 0}, "--tokens-per-batch must be at least 1, got 0"),
     "negative verify": ({"parity_samples": -3}, "--verify must be at least 0, got -3"),
+    "no memory for the engine": ({"mem_fraction_static": 0.0}, "--mem-fraction-static is a fraction of the GPU's memory, above 0 and at most 1, got 0.0"),
+    "a percentage for a fraction": ({"mem_fraction_static": 85.0}, "above 0 and at most 1, got 85.0"),
     "longer than the context": ({"max_length": 5000}, "--max-length 5000 is longer than the model's context of 4096"),
     "a missing directory": ({"model": "/models/nope"}, "no model directory at /models/nope"),
 }
