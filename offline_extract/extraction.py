@@ -76,7 +76,7 @@ def timing_line(t: dict) -> str:
     """`Job.timings` in one line: what a user waited for before the first forward and after the last."""
     if "startup_s" not in t:
         return f"start-up: no forward ran ({t['marks'].get('checked', 0.0):.1f} s of imports and checks)"
-    gate = f"; parity gate {t['parity_gate_s']:.1f} s" if t["parity_gate_s"] >= 0.05 else ""
+    gate = f"; parity gate {t['parity_gate_s']:.1f} s{_gate_words(t)}" if t["parity_gate_s"] >= 0.05 else ""
     prebuild = (f" (kernel prebuild {t['prebuild_s']:.1f} s, {t['prebuild_during_load_s']:.1f} s of it during "
                 f"the load)" if "prebuild_s" in t else "")
     beside = " beside the load" if t["tokenizer_beside_load"] else ""
@@ -89,6 +89,33 @@ def timing_line(t: dict) -> str:
         f"{t['tail_s']:.2f} s after the last forward: states to host {t['to_host_s']:.2f} s, last shards "
         f"{t['last_shards_s']:.2f} s, rejects and index {t['rejects_and_index_s']:.2f} s"
     )
+
+
+def _gate_words(t: dict) -> str:
+    """The parity gate's split (`Job._gate_timings`), where this rank ran HF's reference."""
+    if "gate_hf_to_device_s" not in t:
+        return ""
+    if "gate_preload_s" in t:
+        weights = (f"waited {t['gate_preload_waited_s']:.1f} s for its weights read beside the load in "
+                   f"{t['gate_preload_s']:.1f} s, ")
+    else:
+        weights = f"weights not read ahead ({t.get('gate_preload', 'no preload')}), "
+    return (f" (engine {t['gate_engine_s']:.1f} s; HF: {weights}model class and config {t['gate_hf_config_s']:.1f} s, "
+            f"weights to host {t['gate_hf_to_host_s']:.1f} s, to the device {t['gate_hf_to_device_s']:.1f} s, "
+            f"forwards {t['gate_hf_forwards_s']:.1f} s, comparison {t['gate_compare_s']:.1f} s)")
+
+
+def _available_host_memory() -> int | None:
+    """The host memory available to new allocations without swapping (Linux's MemAvailable), in bytes; None
+    where the system does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _weights_fingerprint(model_dir: Path) -> str:
@@ -261,6 +288,11 @@ class Job:
         self.engine: Engine | None = None
         self.meta: RunInfo | None = None
         self.written: list = []  # headers of the shards this rank wrote (ShardWriter.headers)
+        # --verify: the HF reference's weights read beside the load (`_start_preload`), and what was decided
+        # about it and what the gate's HF forwards took, for `timings`.
+        self.preload: parity.ReferencePreload | None = None
+        self.preload_figures: dict = {}
+        self.hf_forwards_s = 0.0
 
     def load_tokenizer(self) -> None:
         """Before the model loads, where the tokenizer decides what happens next (--strict, a rerun into a
@@ -339,6 +371,7 @@ class Job:
                 note(line)
         on_gpu = torch.device(self.checked.device).type == "cuda"
         host = self._host_memory() if on_gpu and layout.writes else None
+        self._start_preload()
         self._load()
         done = self._claim(existing)
         with _resumable(self.out), ExitStack() as journals:
@@ -361,6 +394,25 @@ class Job:
         widths = enc.widths(_num_aux_layers(self.checked), self.checked.model.hidden_size)
         forward_tokens = max(self.checked.tokens_per_batch, self.opts.chunk_tokens or 0)
         return HostMemory(enc, widths, forward_tokens, self.layout.local_rank, self.opts.shard_bytes, self.opts.writers)
+
+    def _start_preload(self) -> None:
+        """--verify on a rank that runs HF (the writing one): the reference's weights start to be read into host
+        memory now, beside SGLang's import, load and warm-up (`parity.ReferencePreload`), where the host has
+        room for every such rank's copy; otherwise HF reads the files at the gate."""
+        if not (self.opts.parity_samples and self.layout.writes):
+            return
+        model = str(self.checked.model.path)
+        files = parity.checkpoint_files(model)
+        if not files:
+            self.preload_figures = {"gate_preload": "none: no safetensors files, HF reads the checkpoint at the gate"}
+            return
+        nbytes = sum(f.stat().st_size for f in files)
+        readers = self.layout.local_world_size // self.layout.tp_size  # the writing ranks on this host
+        refusal = parity.preload_refusal(nbytes, readers, _available_host_memory())
+        self.preload_figures = {"gate_preload": f"skipped: {refusal}" if refusal else "beside the load",
+                                "gate_preload_bytes": nbytes}
+        if refusal is None:
+            self.preload = parity.ReferencePreload(model, mark=self.timeline.mark).start()
 
     def _load(self) -> None:
         """SGLang's imports, then its model load and the warm-up, with the tokenizer (unless it is loaded
@@ -449,7 +501,8 @@ class Job:
         them and HF's MoE block is one that can be forced, so that near-tied router scores, which bf16 and FP8
         rounding resolve differently in the two stacks, do not compare a token on two different experts; how
         often HF's own router would have chosen otherwise is recorded."""
-        engine, layout = self.engine, self.layout
+        engine, layout, mark = self.engine, self.layout, self.timeline.mark
+        preload, self.preload = self.preload, None
         states = []
         for s in head:
             if engine.is_moe:
@@ -460,19 +513,27 @@ class Job:
             else:
                 c, experts = engine.capture([s.input_ids]), {}
             states.append((s.input_ids.tolist(), c.aux.cpu(), c.last.cpu(), experts))
+        mark("gate captured")
         fp8 = parity.is_fp8_block(engine.quantization)
         result, failure = {"rows": []}, None
         if layout.writes and head:
+            tensors = preload.take() if preload is not None else None
+            mark("hf loading")
             with foreign_output_hidden(not self.opts.verbose):
-                hf = parity.load_hf_model(str(self.checked.model.path), engine.dtype, str(engine.device))
+                hf = parity.load_hf_model(str(self.checked.model.path), engine.dtype, str(engine.device),
+                                          tensors=tensors, mark=mark)
+            del tensors  # the host's copy goes once HF's model is on the device
             exposed = all(experts and all(ids is not None for ids in experts.values()) for _, _, _, experts in states)
             forcing = parity.ForcedRouting(hf) if engine.is_moe and exposed and parity.ForcedRouting.supports(hf) else None
+            forwards: list[float] = []
             try:
                 rows = parity.compare(states, hf, engine.layer_ids, engine.dtype, moe=engine.is_moe,
-                                      final_state=engine.final_state, fp8=fp8, forcing=forcing)
+                                      final_state=engine.final_state, fp8=fp8, forcing=forcing, timed=forwards.append)
             finally:
                 if forcing is not None:
                     forcing.remove()
+            mark("hf compared")
+            self.hf_forwards_s = sum(forwards)
             del hf
             if torch.device(engine.device).type == "cuda":
                 torch.cuda.empty_cache()  # once, so HF's weights do not shrink the extraction's activation room
@@ -483,6 +544,8 @@ class Job:
                 parity.check(rows, engine.dtype, len(head), moe=engine.is_moe, fp8=fp8)
             except parity.ParityError as e:
                 failure = f"dp replica {layout.dp_rank}: {e}"
+        elif preload is not None:
+            preload.drop()
         failures = [f for f in self.coord.all_gather(failure) if f]
         if failures:
             raise parity.ParityError(failures[0])
@@ -603,6 +666,7 @@ class Job:
             "sglang_s": sum(sglang.values()),
             **sglang,
             "parity_gate_s": verify,
+            **self._gate_timings(span),
             "tail_s": self.timeline.between("last forward", "finished"),
             "to_host_s": self.timeline.between("last forward", "drained"),
             "last_shards_s": self.timeline.between("drained", "written"),
@@ -610,6 +674,32 @@ class Job:
             **self.engine.prebuild_report(),
             "marks": marks,
         }
+
+    def _gate_timings(self, span: Callable[[str, str], float]) -> dict:
+        """Where the parity gate's seconds went on this rank (nothing without --verify): the engine's forwards
+        of the samples, the wait for the reference's weights read beside the load (`gate_preload`: whether
+        they were, and why not; `gate_preload_s` that read's own seconds), HF's model class and config, its
+        weights to the host and to the device, its forwards and the comparison; the rest (freeing HF, the
+        verdicts of every replica) is `gate_other_s`."""
+        marks = self.timeline.marks
+        if "gate captured" not in marks:
+            return {}
+        gate = {"gate_engine_s": span("verifying", "gate captured"), **self.preload_figures}
+        if "parity preload read" in marks:
+            gate["gate_preload_s"] = span("parity preload started", "parity preload read")
+        last = "gate captured"
+        if "hf compared" in marks:  # this rank ran HF's reference
+            gate.update(
+                gate_preload_waited_s=span("gate captured", "hf loading"),
+                gate_hf_config_s=span("hf loading", "hf configured"),
+                gate_hf_to_host_s=span("hf configured", "hf on host"),
+                gate_hf_to_device_s=span("hf on host", "hf on device"),
+                gate_hf_forwards_s=self.hf_forwards_s,
+                gate_compare_s=span("hf on device", "hf compared") - self.hf_forwards_s,
+            )
+            last = "hf compared"
+        gate["gate_other_s"] = span(last, "verified")
+        return gate
 
 
 class _Beside:

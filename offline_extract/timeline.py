@@ -3,6 +3,7 @@ user waits for (interpreter start-up and imports included) is on record, not onl
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 
@@ -38,15 +39,17 @@ class Timeline:
 
     def __init__(self) -> None:
         self.marks: dict[str, float] = dict(_PROCESS_MARKS)
+        self._lock = threading.Lock()  # points marked from two threads stay in the order they were reached
 
     def now(self) -> float:
         return time.perf_counter() - _ORIGIN
 
     def mark(self, name: str) -> float:
         """Records `name` as reached now; marked again, it moves to now (and to the end of the order)."""
-        self.marks.pop(name, None)
-        self.marks[name] = self.now()
-        return self.marks[name]
+        with self._lock:
+            self.marks.pop(name, None)
+            self.marks[name] = now = self.now()
+        return now
 
     def between(self, first: str, then: str) -> float:
         return self.marks[then] - self.marks[first]

@@ -20,6 +20,10 @@ from offline_extract.store.shard import read_header
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The parts of a run's parity gate (manifest timings) that add up to its parity_gate_s on a rank that ran HF.
+GATE_PARTS = ("gate_engine_s", "gate_preload_waited_s", "gate_hf_config_s", "gate_hf_to_host_s", "gate_hf_to_device_s",
+              "gate_hf_forwards_s", "gate_compare_s", "gate_other_s")
+
 
 def extract_command(out, *args, torchrun: int | None = None) -> list[str]:
     cmd = [sys.executable, str(ROOT / "bin" / "extract.py"), "--out", str(out), "--no-progress", *map(str, args)]

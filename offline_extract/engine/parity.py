@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
@@ -99,11 +101,19 @@ def wrapped_text_config(raw: dict):
 WRAPPED_DECODER_PREFIX = "language_model."
 
 
-def load_hf_model(model_path: str, dtype: str, device: str):
+def load_hf_model(
+    model_path: str, dtype: str, device: str, tensors: dict[str, torch.Tensor] | None = None,
+    mark: Callable[[str], object] = lambda point: None,
+):
     """HF transformers' model of the checkpoint, the gate's reference. A wrapper transformers has no class
     for is loaded as its decoder: the HF class of its text_config, on the weights under
-    WRAPPED_DECODER_PREFIX (any vision weights are left unread), which is the model SGLang runs for text."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    WRAPPED_DECODER_PREFIX (any vision weights are left unread), which is the model SGLang runs for text.
+
+    `tensors`: the checkpoint's tensors already read into host memory (`ReferencePreload`), which HF then
+    loads (renaming and fusing them as from the files) instead of reading the files. `mark` is told each
+    point reached: "hf configured" (transformers' model class and the config), "hf on host" (the weights
+    read and converted to `dtype`), "hf on device"."""
+    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     raw = json.loads((Path(model_path) / "config.json").read_text())
@@ -117,47 +127,137 @@ def load_hf_model(model_path: str, dtype: str, device: str):
         if "text_config" not in raw:
             raise ValueError(f"HF transformers has no causal LM for {model_path} (model type {raw.get('model_type')})")
         config, key_mapping = wrapped_text_config(raw), {f"^{re.escape(WRAPPED_DECODER_PREFIX)}": ""}
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    # A multimodal config whose causal LM is its text model's (Llama-4) is built on its text config, as
+    # AutoModelForCausalLM builds it.
+    config = config if model_class.config_class is type(config) else config.get_text_config()
     # SDPA where transformers has it; GPT-OSS's attention sinks exist only in its eager attention.
-    attention = "sdpa" if MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._supports_sdpa else "eager"
+    attention = "sdpa" if model_class._supports_sdpa else "eager"
     # A wrapper's quantization is stated for its text model.
     quantization = raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config")
-    if quantization is None:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_path, config=config, key_mapping=key_mapping, dtype=getattr(torch, dtype),
-            attn_implementation=attention,
-        )
-    elif is_fp8_block(quantization):
-        tensors, _ = dequantized_fp8_tensors(model_path, getattr(torch, dtype))
-        model = _load_dequantized(tensors, config, key_mapping, getattr(torch, dtype), attention)
-    elif is_mxfp4(quantization):
-        tensors, _ = dequantized_mxfp4_tensors(model_path, getattr(torch, dtype))
-        model = _load_dequantized(tensors, config, key_mapping, getattr(torch, dtype), attention)
-    else:
+    if quantization is not None and not (is_fp8_block(quantization) or is_mxfp4(quantization)):
         raise NotImplementedError(
             f"{model_path}: the parity gate has no HF reference for quantization {quantization}; it supports FP8 "
             f"block-quantized checkpoints (quant_method fp8 with weight_block_size) and MXFP4 experts "
             f"(quant_method mxfp4)"
         )
-    return model.to(device).eval()
+    mark("hf configured")
+    if quantization is not None:
+        # transformers' own quantized layers would compute as SGLang does, but fetch their kernels from the
+        # Hugging Face Hub at run time (offline: unavailable), and its dequantize modes need accelerate; the
+        # weights are dequantized here instead, exactly.
+        del config.quantization_config  # what HF is handed is dequantized
+        dequantized = dequantized_fp8_tensors if is_fp8_block(quantization) else dequantized_mxfp4_tensors
+        tensors, _ = dequantized(model_path, getattr(torch, dtype), tensors)
+    # Given tensors, HF reads no weight file: it loads them as it would the files' (renamed, split and fused
+    # alike).
+    model = model_class.from_pretrained(
+        model_path if tensors is None else None, config=config, state_dict=tensors, key_mapping=key_mapping,
+        dtype=getattr(torch, dtype), attn_implementation=attention,
+    )
+    mark("hf on host")
+    model = model.to(device).eval()
+    mark("hf on device")
+    return model
 
 
 def is_fp8_block(quantization: dict | None) -> bool:
     return bool(quantization and quantization.get("quant_method") == "fp8" and quantization.get("weight_block_size"))
 
 
-def _checkpoint_tensors(model_path: str) -> dict[str, torch.Tensor]:
+def checkpoint_files(model_path: str) -> list[Path]:
+    """The safetensors files HF transformers loads the checkpoint from: those its index names, else its
+    model.safetensors; none where its weights are in another format (HF reads those itself)."""
+    root = Path(model_path)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted({root / name for name in json.loads(index.read_text())["weight_map"].values()})
+    single = root / "model.safetensors"
+    return [single] if single.is_file() else []
+
+
+def checkpoint_tensors(model_path: str, resident: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint's safetensors files, as safetensors maps them from the files, or with
+    `resident` copied into host memory of their own: a mapped tensor is read from the file (page by page,
+    on one thread) only when something first reads it, such as the copy to the GPU."""
     from safetensors.torch import load_file
 
+    files = checkpoint_files(model_path)
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights (model.safetensors or an index of them) in {model_path}")
     raw: dict[str, torch.Tensor] = {}
-    for path in sorted(Path(model_path).glob("*.safetensors")):
-        raw.update(load_file(path))
+    for path in files:
+        raw.update((name, t.clone() if resident else t) for name, t in load_file(path).items())
     return raw
 
 
-def dequantized_fp8_tensors(model_path: str, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], set[str]]:
+# The share of a host's available memory that the preloads of its ranks may take together; the rest stays for
+# SGLang's load, the shard buffers and the page cache.
+PRELOAD_MEMORY_SHARE = 0.5
+
+
+def preload_refusal(nbytes: int, readers: int, available: int | None) -> str | None:
+    """Why `readers` ranks of a host may not each preload a checkpoint of `nbytes` while `available` bytes of
+    host memory are available (None: unknown); None when they may."""
+    if available is None:
+        return "the host's available memory is unknown"
+    if nbytes * readers > PRELOAD_MEMORY_SHARE * available:
+        return (f"{readers} x {nbytes / 1e9:.1f} GB of weights exceed {PRELOAD_MEMORY_SHARE:.0%} of the host's "
+                f"{available / 1e9:.1f} GB available")
+    return None
+
+
+class ReferencePreload:
+    """The gate's HF reference weights read from the checkpoint's files into host memory on a thread of its own
+    (`start`), while SGLang imports and loads its model, so that at the gate only HF's model has to be built
+    on them and moved to the device (`take`). The read is HF's own, independent of SGLang's load, as the
+    gate requires. The thread touches no GPU: SGLang sizes its KV pool from the GPU memory free while it
+    loads."""
+
+    def __init__(self, model_path: str, mark: Callable[[str], object] = lambda point: None):
+        self.model_path = model_path
+        self._mark = mark
+        self._tensors: dict[str, torch.Tensor] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._read, name="parity-preload", daemon=True)
+
+    def start(self) -> "ReferencePreload":
+        self._thread.start()
+        return self
+
+    def _read(self) -> None:
+        self._mark("parity preload started")
+        try:
+            self._tensors = checkpoint_tensors(self.model_path, resident=True)
+        except BaseException as e:  # raised by take, on the thread that runs the gate
+            self._error = e
+        self._mark("parity preload read")
+
+    def take(self) -> dict[str, torch.Tensor]:
+        """Waits for the read to end and hands its tensors over, keeping none (they go with the HF model built
+        on them), or raises its failure, naming the checkpoint."""
+        self._thread.join()
+        if self._error is not None:
+            raise ParityError(
+                f"parity gate: reading HF's reference weights from {self.model_path} failed: "
+                f"{type(self._error).__name__}: {self._error}"
+            ) from self._error
+        tensors, self._tensors = self._tensors, None
+        return tensors
+
+    def drop(self) -> None:
+        """Where the gate runs no HF model after all (no sample to check): the read is waited for and freed."""
+        self._thread.join()
+        self._tensors = self._error = None
+
+
+def dequantized_fp8_tensors(
+    model_path: str, dtype: torch.dtype, raw: dict[str, torch.Tensor] | None = None,
+) -> tuple[dict[str, torch.Tensor], set[str]]:
     """Every tensor of an FP8 block-quantized checkpoint, each e4m3 weight multiplied by its block's
-    `weight_scale_inv` and rounded once to `dtype`; and the names of those weights."""
-    raw = _checkpoint_tensors(model_path)
+    `weight_scale_inv` and rounded once to `dtype`; and the names of those weights. `raw`: the checkpoint's
+    tensors already read (`checkpoint_tensors`)."""
+    raw = checkpoint_tensors(model_path) if raw is None else raw
     tensors, quantized = {}, set()
     for name, t in raw.items():
         if name.endswith("_scale_inv"):
@@ -191,11 +291,14 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return torch.ldexp(values[codes], exponents[..., None]).flatten(-2).to(dtype)
 
 
-def dequantized_mxfp4_tensors(model_path: str, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], set[str]]:
+def dequantized_mxfp4_tensors(
+    model_path: str, dtype: torch.dtype, raw: dict[str, torch.Tensor] | None = None,
+) -> tuple[dict[str, torch.Tensor], set[str]]:
     """Every tensor of an MXFP4 checkpoint (GPT-OSS as released), each expert projection's `<name>_blocks` and
     `<name>_scales` ([experts, out, in/32, 16] and [experts, out, in/32]) dequantized into `<name>` in HF's
-    layout ([experts, in, out]); and the names of those projections."""
-    raw = _checkpoint_tensors(model_path)
+    layout ([experts, in, out]); and the names of those projections. `raw`: the checkpoint's tensors already
+    read (`checkpoint_tensors`)."""
+    raw = checkpoint_tensors(model_path) if raw is None else raw
     tensors, quantized = {}, set()
     for name, t in raw.items():
         if name.endswith("_scales"):
@@ -206,20 +309,6 @@ def dequantized_mxfp4_tensors(model_path: str, dtype: torch.dtype) -> tuple[dict
             quantized.add(name)
         tensors[name] = t
     return tensors, quantized
-
-
-def _load_dequantized(tensors: dict, config, key_mapping: dict | None, dtype: torch.dtype, attention: str):
-    """HF's model on dequantized weights. transformers' own quantized layers would compute as SGLang does, but
-    fetch their kernels from the Hugging Face Hub at run time (offline: unavailable), and its dequantize modes
-    need accelerate; the weights are dequantized here instead, exactly, and handed over as a state dict, so
-    HF's own loading still renames, splits and fuses them."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # what is handed over is already dequantized
-    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
-        None, config=config, state_dict=tensors, key_mapping=key_mapping, dtype=dtype, attn_implementation=attention
-    )
 
 
 def criterion(dtype: str, moe: bool, fp8: bool = False) -> str:
@@ -245,15 +334,22 @@ def compare(
     final_state: str = "post-norm",
     fp8: bool = False,
     forcing: "ForcedRouting | None" = None,
+    timed: Callable[[float], object] = lambda seconds: None,
 ) -> list[LayerParity]:
     """engine_states: (input_ids, aux [T, k*H], last [T, H]) per sample, in the engine's compute dtype, and with
-    `forcing` (set up on hf_model) a fourth item, the engine's experts {MoE layer: [T, k]}, which HF then takes."""
+    `forcing` (set up on hf_model) a fourth item, the engine's experts {MoE layer: [T, k]}, which HF then takes.
+    `timed` is given each HF forward's seconds (to its end on the device)."""
     device = next(hf_model.parameters()).device
 
     def reference(ids, experts):
         if forcing is not None:
             forcing.set(experts[0])
-        return hf_hidden_states(hf_model, ids, device, final_state)
+        started = time.perf_counter()
+        states = hf_hidden_states(hf_model, ids, device, final_state)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        timed(time.perf_counter() - started)
+        return states
 
     pairs = ((aux, last, reference(ids, experts)) for ids, aux, last, *experts in engine_states)
     return compare_states(pairs, layer_ids, dtype, moe, final_state, fp8)

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from extract_runs import REVISION, ROOT, assert_same_samples, extract_command, hub_cache
+from extract_runs import GATE_PARTS, REVISION, ROOT, assert_same_samples, extract_command, hub_cache
 from transformers import AutoTokenizer
 
 from offline_extract.data.corpus import Record, read_corpus
@@ -108,9 +108,13 @@ def test_start_up_and_tail_are_printed_and_kept_in_the_manifest(single):
     t = json.loads((out / "manifest.json").read_text())["timings"]
     marks = list(t["marks"].values())
     assert marks == sorted(marks) and marks[0] > 0, "every point counted from the command, in order"
-    # torch imported first, then our checks; SGLang imported before the tokenizer starts on its thread.
-    assert list(t["marks"])[:6] == ["importing torch", "torch imported", "checked", "loading", "sglang imported",
-                                    "tokenizer loading"]
+    # torch imported first, then our checks; SGLang imported before the tokenizer starts on its thread. The
+    # parity gate's reference weights (--verify) are read on a thread of their own from before SGLang's import.
+    preload = ("parity preload started", "parity preload read")
+    assert [mark for mark in t["marks"] if mark not in preload][:6] == [
+        "importing torch", "torch imported", "checked", "loading", "sglang imported", "tokenizer loading"]
+    assert t["marks"]["checked"] <= t["marks"]["parity preload started"] <= t["marks"]["loading"]
+    assert t["marks"]["parity preload read"] <= t["marks"]["verifying"] and t["gate_preload"] == "beside the load"
     assert t["startup_s"] == t["marks"]["first forward"]
     # The parts add up: ours is what SGLang's imports, load and warm-up and the parity gate (--verify) leave.
     sglang = ("torch_import_s", "sglang_import_s", "model_load_s", "warm_up_s")
@@ -122,7 +126,10 @@ def test_start_up_and_tail_are_printed_and_kept_in_the_manifest(single):
     assert t["tokenizer_beside_load"] and t["marks"]["tokenizer loading"] < t["marks"]["loaded"]
     assert t["tokenizer_waited_s"] == pytest.approx(t["marks"]["tokenizer waited"] - t["marks"]["warm"])
     assert t["to_host_s"] + t["last_shards_s"] + t["rejects_and_index_s"] == pytest.approx(t["tail_s"])
+    assert sum(t[key] for key in GATE_PARTS) == pytest.approx(t["parity_gate_s"])
     (line,) = [line for line in proc.stderr.splitlines() if line.startswith("start-up ")]
+    assert (f"parity gate {t['parity_gate_s']:.1f} s (engine {t['gate_engine_s']:.1f} s; HF: waited "
+            f"{t['gate_preload_waited_s']:.1f} s for its weights read beside the load") in line
     assert f"start-up {t['startup_s']:.1f} s to the first forward: ours {t['ours_s']:.1f} s" in line
     assert f"tokenizer {t['tokenizer_waited_s']:.1f} s waited of its {t['tokenizer_s']:.1f} s beside the load" in line
     assert f"SGLang's {t['sglang_s']:.1f} s (torch import {t['torch_import_s']:.1f} s" in line

@@ -1,6 +1,7 @@
 """The start-up's order (docs/start-up.md, issue 26): the tokenizer loads on a thread of its own beside
 SGLang's model load, a tokenizer that fails stops that load at once, and the timings count as ours only
-the part of the tokenizer's load that the run waited for.
+the part of the tokenizer's load that the run waited for; under --verify the parity gate's reference
+weights are read beside the load too, and the gate's seconds are split into their parts.
 
 In-process, with the session's engine handed out where the run builds its own (SGLang cannot start a
 second engine in one process), so that the test decides how long the "load" lasts; bin/extract.py runs the
@@ -11,7 +12,7 @@ import threading
 import time
 
 import pytest
-from extract_runs import ROOT
+from extract_runs import GATE_PARTS, ROOT
 
 from offline_extract import extraction
 from offline_extract.options import ExtractOptions
@@ -60,6 +61,102 @@ def test_the_tokenizer_loads_while_the_model_does_and_only_the_wait_for_it_is_ou
     assert t["tokenizer_waited_s"] == pytest.approx(m["tokenizer waited"] - m["warm"]) and t["tokenizer_waited_s"] < 0.05
     assert t["ours_s"] + t["sglang_s"] + t["parity_gate_s"] == pytest.approx(t["startup_s"])
     assert t["ours_s"] == pytest.approx(t["imports_and_checks_s"] + t["tokenizer_waited_s"] + t["ours_other_s"])
+    # Without --verify nothing of HF's is read or timed.
+    assert "parity preload started" not in m and not [key for key in t if key.startswith("gate_")]
+
+
+@pytest.fixture
+def gate_spies(monkeypatch):
+    """What the preload read, on which thread, once done; and what the gate built HF's model on."""
+    from offline_extract.engine import parity
+
+    seen = {"read": threading.Event()}
+    read, load = parity.checkpoint_tensors, parity.load_hf_model
+
+    def reading(model_path, resident=False):
+        tensors = read(model_path, resident)
+        seen.update(preloaded=tensors, thread=threading.current_thread().name, resident=resident)
+        seen["read"].set()
+        return tensors
+
+    def loading(model_path, dtype, device, tensors=None, **kwargs):
+        seen.update(given=tensors, hf=load(model_path, dtype, device, tensors=tensors, **kwargs))
+        return seen["hf"]
+
+    monkeypatch.setattr(parity, "checkpoint_tensors", reading)
+    monkeypatch.setattr(parity, "load_hf_model", loading)
+    return seen
+
+
+def test_verify_reads_the_reference_weights_beside_the_load_and_the_gate_builds_hf_on_them(
+        tiny_engine, tiny_model_dir, tmp_path, monkeypatch, gate_spies):
+    def engine(cfg):
+        # A load that ends only once the reference's weights are in host memory: read at the gate, or before
+        # the load, they would not be.
+        assert gate_spies["read"].wait(120), "the reference's weights were not read while the model loaded"
+        return tiny_engine
+
+    monkeypatch.setattr(extraction, "Engine", engine)
+    summary, t = _run(tmp_path, tiny_model_dir, parity_samples=4)
+    assert summary.extracted == 24 and len(summary.parity) == 4 and all(row["ok"] for row in summary.parity)
+    m = t["marks"]
+    assert m["checked"] <= m["parity preload started"] <= m["loading"]
+    assert m["parity preload read"] < m["loaded"] <= m["verifying"] < m["hf loading"]
+    assert gate_spies["thread"] == "parity-preload" and gate_spies["resident"]
+    # HF's model is the preloaded tensors themselves (here, on CPU in the checkpoint's dtype, not even copied):
+    # the gate read no file again.
+    preloaded, hf = gate_spies["preloaded"], gate_spies["hf"]
+    assert gate_spies["given"] is preloaded
+    assert hf.model.embed_tokens.weight.data_ptr() == preloaded["model.embed_tokens.weight"].data_ptr()
+    files = sorted(tiny_model_dir.glob("*.safetensors"))
+    assert t["gate_preload"] == "beside the load" and t["gate_preload_bytes"] == sum(f.stat().st_size for f in files)
+    assert t["gate_preload_s"] == pytest.approx(m["parity preload read"] - m["parity preload started"])
+    # The gate's seconds, split into its parts, add up.
+    assert sum(t[key] for key in GATE_PARTS) == pytest.approx(t["parity_gate_s"])
+    assert t["gate_hf_forwards_s"] > 0 and t["gate_engine_s"] > 0
+    line = extraction.timing_line(t)
+    assert (f"parity gate {t['parity_gate_s']:.1f} s (engine {t['gate_engine_s']:.1f} s; HF: waited "
+            f"{t['gate_preload_waited_s']:.1f} s for its weights read beside the load in {t['gate_preload_s']:.1f} s, ") in line
+
+
+def test_verify_without_room_for_the_preload_reads_the_files_at_the_gate(
+        tiny_engine, tiny_model_dir, tmp_path, monkeypatch, gate_spies):
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: tiny_engine)
+    monkeypatch.setattr(extraction, "_available_host_memory", lambda: 1 << 20)
+    summary, t = _run(tmp_path, tiny_model_dir, parity_samples=2)
+    assert summary.extracted == 24 and all(row["ok"] for row in summary.parity)
+    assert not gate_spies["read"].is_set() and gate_spies["given"] is None
+    assert t["gate_preload"].startswith("skipped: 1 x ") and "exceed 50% of the host's 0.0 GB available" in t["gate_preload"]
+    assert "parity preload started" not in t["marks"] and "gate_preload_s" not in t
+    assert sum(t[key] for key in GATE_PARTS) == pytest.approx(t["parity_gate_s"])
+    assert f"HF: weights not read ahead ({t['gate_preload']}), " in extraction.timing_line(t)
+
+
+def test_a_preload_that_fails_is_reported_at_the_gate_naming_the_checkpoint_and_why(
+        tiny_engine, tiny_model_dir, tmp_path, monkeypatch):
+    """A checkpoint whose weights HF cannot read: the failure waits for the gate (the model load goes on, it does
+    not hang) and says which checkpoint and why."""
+    import shutil
+
+    from offline_extract.engine.parity import ParityError
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    weights = model / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[8] = ord("X")  # the header's JSON no longer parses; its length still reads
+    weights.write_bytes(bytes(data))
+    loads = []
+
+    def engine(cfg):
+        loads.append(cfg)
+        return tiny_engine
+
+    monkeypatch.setattr(extraction, "Engine", engine)
+    with pytest.raises(ParityError, match=rf"parity gate: reading HF's reference weights from {model} failed: "
+                                          r"SafetensorError: .*header"):
+        _run(tmp_path, model, parity_samples=2)
+    assert len(loads) == 1
 
 
 def test_under_strict_the_tokenizer_loads_before_the_model_and_counts_as_ours(
