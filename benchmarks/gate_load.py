@@ -1,0 +1,150 @@
+"""The parity gate's HF side alone (no SGLang): where `bin/extract.py --verify` spends its seconds once SGLang is
+up, and what each way of getting HF's weights onto the device costs.
+
+1. HF's model of the checkpoint from the files, as the gate loaded it before its weights were read ahead, and
+   from the tensors read ahead (`parity.checkpoint_tensors(resident=True)`, what `ReferencePreload` reads
+   beside SGLang's start-up), each split as the run's `timings` split it: model class and config, the load on
+   the host, the move to the device.
+2. The copy to the device alone, tensor by tensor, from the files' mapped pages, from resident pageable memory
+   and from pinned memory (the pinning timed apart): what pinning the read-ahead weights would still gain.
+3. HF's forwards over `--samples` samples of `--length` tokens, and the comparison against states held on the
+   host, as the gate holds the engine's (here HF's own, so every row passes).
+
+    python benchmarks/gate_load.py --model /dev/shm/offline_extract_peers_llama3_8b --json gate_load.json
+
+Seconds are wall time, the device synchronized at each end.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import emit  # noqa: E402
+
+from offline_extract.engine import parity  # noqa: E402
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _import_model_class(model: str) -> None:
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model))]
+
+
+def _load(model: str, dtype: str, device: torch.device, tensors=None) -> tuple[torch.nn.Module, dict]:
+    """load_hf_model, split at the points it marks."""
+    at = {}
+    start = time.perf_counter()
+    hf = parity.load_hf_model(model, dtype, str(device), tensors=tensors,
+                              mark=lambda point: at.__setitem__(point, time.perf_counter()))
+    _sync(device)
+    end = time.perf_counter()
+    return hf, {"config_s": at["hf configured"] - start, "to_host_s": at["hf on host"] - at["hf configured"],
+                "to_device_s": end - at["hf on host"]}
+
+
+def _copy_to_device(tensors: dict, device: torch.device) -> float:
+    start = time.perf_counter()
+    on_device = [t.to(device, non_blocking=True) for t in tensors.values()]
+    _sync(device)
+    seconds = time.perf_counter() - start
+    del on_device
+    _free(device)
+    return seconds
+
+
+def _copies(model: str, device: torch.device) -> dict:
+    """Every weight to the device, tensor by tensor, from three kinds of host memory."""
+    result = {"mapped_to_device_s": _copy_to_device(parity.checkpoint_tensors(model), device)}
+    start = time.perf_counter()
+    resident = parity.checkpoint_tensors(model, resident=True)
+    result["read_resident_s"] = time.perf_counter() - start
+    result["resident_to_device_s"] = _copy_to_device(resident, device)
+    if device.type == "cuda":
+        start = time.perf_counter()
+        pinned = {name: t.pin_memory() for name, t in resident.items()}
+        result["pin_s"] = time.perf_counter() - start
+        del resident
+        result["pinned_to_device_s"] = _copy_to_device(pinned, device)
+    return result
+
+
+def _forwards_and_comparison(hf, device: torch.device, dtype: str, samples: int, length: int) -> dict:
+    layers = hf.config.num_hidden_layers
+    layer_ids = sorted({1, layers // 2 - 1, layers - 4} & set(range(layers - 1))) or [0]
+    generator = torch.Generator().manual_seed(0)
+    forwards, references = [], []
+    for _ in range(samples):
+        ids = torch.randint(0, hf.config.vocab_size, (length,), generator=generator).tolist()
+        start = time.perf_counter()
+        hs = parity.hf_hidden_states(hf, ids, device)
+        _sync(device)
+        forwards.append(time.perf_counter() - start)
+        references.append(hs)
+    # The engine's states as the gate holds them: on the host, in the compute dtype.
+    held = [(torch.cat([hs[k + 1] for k in layer_ids], dim=-1).cpu(), hs[-1].cpu()) for hs in references]
+    start = time.perf_counter()
+    rows = parity.compare_states(((aux, last, hs) for (aux, last), hs in zip(held, references)), layer_ids, dtype)
+    comparison = time.perf_counter() - start
+    return {"forwards_s": sum(forwards), "first_forward_s": forwards[0], "compare_s": comparison,
+            "rows_ok": all(row.ok for row in rows)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="a checkpoint directory (safetensors)")
+    ap.add_argument("--dtype", default="bfloat16", choices=sorted(parity.TOLERANCES))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--samples", type=int, default=8, help="the gate's samples (bin/extract.py --verify N)")
+    ap.add_argument("--length", type=int, default=2000, help="tokens a sample")
+    ap.add_argument("--json", help="also write the result to this file")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    files = parity.checkpoint_files(args.model)
+    result = {"model": args.model, "dtype": args.dtype, "device": str(device),
+              "checkpoint_bytes": sum(f.stat().st_size for f in files), "samples": args.samples, "length": args.length}
+    # In a run SGLang has imported transformers' modeling code by the gate; here it is imported first, apart.
+    start = time.perf_counter()
+    _import_model_class(args.model)
+    result["transformers_import_s"] = time.perf_counter() - start
+
+    hf, result["from_files"] = _load(args.model, args.dtype, device)
+    del hf
+    _free(device)
+
+    start = time.perf_counter()
+    tensors = parity.checkpoint_tensors(args.model, resident=True)
+    read = time.perf_counter() - start
+    hf, result["read_ahead"] = _load(args.model, args.dtype, device, tensors)
+    result["read_ahead"]["read_s"] = read
+    del tensors
+    result.update(_forwards_and_comparison(hf, device, args.dtype, args.samples, args.length))
+    del hf
+    _free(device)
+
+    result["copies"] = _copies(args.model, device)
+    emit(result, args.json)
+
+
+if __name__ == "__main__":
+    main()
