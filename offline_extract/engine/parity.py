@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
+from safetensors.torch import load_file  # here, so that ReferencePreload's thread imports nothing
 
 # fp32 runs the same math in both stacks and must agree to rounding, and rounding scales with the values:
 # the same states differ by a few float32 steps of their largest value (about 3e-7 of it), by how much
@@ -180,8 +181,6 @@ def checkpoint_tensors(model_path: str, resident: bool = False) -> dict[str, tor
     """Every tensor of the checkpoint's safetensors files, as safetensors maps them from the files, or with
     `resident` copied into host memory of their own: a mapped tensor is read from the file (page by page,
     on one thread) only when something first reads it, such as the copy to the GPU."""
-    from safetensors.torch import load_file
-
     files = checkpoint_files(model_path)
     if not files:
         raise FileNotFoundError(f"no safetensors weights (model.safetensors or an index of them) in {model_path}")
@@ -212,7 +211,8 @@ class ReferencePreload:
     (`start`), while SGLang imports and loads its model, so that at the gate only HF's model has to be built
     on them and moved to the device (`take`). The read is HF's own, independent of SGLang's load, as the
     gate requires. The thread touches no GPU: SGLang sizes its KV pool from the GPU memory free while it
-    loads."""
+    loads. Nor does it import anything, so it may start before SGLang's import without the two threads
+    importing one module at once."""
 
     def __init__(self, model_path: str, mark: Callable[[str], object] = lambda point: None):
         self.model_path = model_path
