@@ -90,6 +90,11 @@ class _Filling:
             return self.final
 
 
+# A sample of no tokens has no states to train on (the tokenizer rejects such records), and under zstd its
+# empty frame would not say its width: it would read back as [0, 0] and break a read of several samples.
+_NO_TOKENS = "samples {ids} have no tokens (lengths {lengths}): every sample needs at least one"
+
+
 def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).reshape(-1).numpy())
 
@@ -433,8 +438,9 @@ class ShardWriter:
         lengths = [int(n) for n in lengths]
         if len(lengths) != len(samples):
             raise ShardError(f"{len(samples)} samples but {len(lengths)} lengths")
-        if any(n < 0 for n in lengths):
-            raise ShardError(f"negative sample length in {lengths}")
+        empty = [s.id for s, n in zip(samples, lengths) if n <= 0]
+        if empty:
+            raise ShardError(_NO_TOKENS.format(ids=empty, lengths=lengths))
         total = sum(lengths)
         tensors = {"input_ids": _as_tensor(input_ids), "loss_mask": _as_tensor(loss_mask), **staged}
         for name, t in tensors.items():
@@ -478,6 +484,8 @@ class ShardWriter:
         n = ids.shape[0]
         if ids.dim() != 1 or mask.shape != ids.shape:
             raise ShardError(f"input_ids {tuple(ids.shape)} and loss_mask {tuple(mask.shape)} must be [T] alike")
+        if not n:
+            raise ShardError(_NO_TOKENS.format(ids=[sample.id], lengths=[n]))
         buf = self._buffer()
         rows = buf.reserve(n)
         rows["input_ids"].copy_(ids)

@@ -275,6 +275,18 @@ def test_add_batch_checks_shapes(tmp_path):
         writer.add_batch(samples, ids, mask, aux, last, lengths=[3, 4])
 
 
+def test_a_sample_of_no_tokens_is_refused_naming_it(tmp_path):
+    """It has no states to train on, and under zstd its empty frame does not say its width: written, it
+    read back as [0, 0] states and broke a read of several samples (Shard.read, torch.cat)."""
+    writer = ShardWriter(tmp_path, replace(RUN, compress="zstd"))
+    samples, ids, mask, aux, last = make_batch([0, 1, 2], [3, 0, 2])
+    with pytest.raises(ShardError, match=r"samples \['s1'\] have no tokens \(lengths \[3, 0, 2\]\)"):
+        writer.add_batch(samples, ids, mask, aux, last, lengths=[3, 0, 2])
+    with pytest.raises(ShardError, match=r"samples \['s1'\] have no tokens"):
+        writer.begin_sample(samples[1], ids[3:3], mask[3:3], WIDTHS)
+    assert writer.close() == [] and os.listdir(tmp_path) == []
+
+
 def test_unknown_sample_in_a_shard(tmp_path):
     _, (path,) = write(tmp_path, [([0], [2], 0)])
     with pytest.raises(KeyError, match="nope"):
