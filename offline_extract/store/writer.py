@@ -614,13 +614,17 @@ class ShardWriter:
                 last = buf.writes_left == 0
             if last:
                 buf.clear()
-                # A buffer grown for a sample longer than a shard would stay that size for the rest of the
-                # run, and up to writers+1 of them could: swap it for a standard one, touched here, off the
-                # hot path. Once closed, no buffer is needed any more, and touching one would only delay
-                # the end.
-                if buf.capacity * row_bytes > self.shard_bytes + row_bytes and not self._closed:
-                    buf = self._new_buffer()
-                self._free.put(buf)
+                try:
+                    # A buffer grown for a sample longer than a shard would stay that size for the rest of
+                    # the run, and up to writers+1 of them could: swap it for a standard one, touched here,
+                    # off the hot path. Once closed, no buffer is needed any more, and touching one would
+                    # only delay the end.
+                    if buf.capacity * row_bytes > self.shard_bytes + row_bytes and not self._closed:
+                        buf = self._new_buffer()
+                finally:
+                    # The grown one goes back when no standard one could be had (out of memory): the
+                    # error is this write's, and a caller waiting for a buffer would otherwise wait for ever.
+                    self._free.put(buf)
 
     def _compressed(self, tensors: dict[str, torch.Tensor], frames: list[dict[str, Future]]) -> dict[str, torch.Tensor | _Frames]:
         """Under zstd, each compressed state as its samples' `frames`, and their byte offsets."""

@@ -470,6 +470,41 @@ def test_a_failed_compression_fails_the_write_and_leaves_no_shard(tmp_path, monk
     assert not list(tmp_path.iterdir())
 
 
+def test_a_grown_buffer_goes_back_when_no_standard_one_can_be_allocated(tmp_path, monkeypatch):
+    """Each sample longer than a shard grows its buffer, which a writer thread swaps for a standard one
+    once written. When that allocation fails (out of memory), the grown one goes back and the error comes
+    out of the writer: the buffer had been lost, and with every buffer lost so, the next batch waited for
+    one for ever."""
+    allocate = ShardWriter._new_buffer
+
+    def no_memory_in_writer_threads(self):
+        if threading.current_thread().name.startswith("shard-writer"):
+            raise MemoryError("no room for a shard buffer")
+        return allocate(self)
+
+    monkeypatch.setattr(ShardWriter, "_new_buffer", no_memory_in_writer_threads)
+    writer = ShardWriter(tmp_path, RUN, shard_bytes=4 * ROW_BYTES, writers=1)  # two buffers
+    raised = []
+
+    def run():
+        try:
+            for i in range(4):
+                writer.add_batch(*make_batch([i], [10], i), lengths=[10])
+            writer.close()
+        except MemoryError as e:
+            raised.append(e)
+
+    feeding = threading.Thread(target=run, daemon=True)
+    feeding.start()
+    feeding.join(timeout=30)
+    assert not feeding.is_alive(), "add_batch waited for ever for a shard buffer"
+    assert [str(e) for e in raised] == ["no room for a shard buffer"]
+    writer.abort()
+    for path in shard_paths(tmp_path):  # the shards written are whole
+        (info,) = open_shard(path).samples
+        assert_tensors_equal(open_shard(path).sample(0), expected_samples([([info.index], [10], info.index)])[info.index][1])
+
+
 def test_the_checksum_is_the_sha256_of_the_blocks_sha256s(tmp_path, monkeypatch):
     monkeypatch.setattr(checksum, "BLOCK_BYTES", 1000)
     data = np.random.default_rng(0).integers(0, 256, 3500, dtype=np.uint8).tobytes()
