@@ -149,3 +149,32 @@ def test_hf_built_on_the_read_tensors_is_hf_built_from_the_files(arch, tiny_mode
     ours, theirs = read.state_dict(), files.state_dict()
     assert ours.keys() == theirs.keys()
     assert all(ours[k].dtype == theirs[k].dtype and torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_the_comparison_by_chunks_of_tokens_is_the_comparison_of_whole_samples(monkeypatch):
+    """compare_states takes COMPARE_TOKENS tokens at a time (bounded memory on the device): cut into chunks of 7
+    tokens, with a worst token and a worst gap in the last chunk only, every row is that of whole samples."""
+    import dataclasses
+
+    import torch
+
+    from offline_extract.engine import parity
+
+    generator = torch.Generator().manual_seed(0)
+    layer_ids, samples = [0, 2], []
+    for tokens in (5, 30):
+        hs = tuple(torch.randn(tokens, 16, generator=generator) * (1 + layer) for layer in range(5))
+        aux = torch.cat([hs[k + 1] for k in layer_ids], dim=-1) + 1e-3 * torch.randn(tokens, 32, generator=generator)
+        aux[-1] += 0.5  # the last token, in the last chunk, is the worst
+        samples.append((aux, hs[-1].clone(), hs))
+
+    def rows(chunk):
+        monkeypatch.setattr(parity, "COMPARE_TOKENS", chunk)
+        return parity.compare_states(iter(samples), layer_ids, "float32")
+
+    whole, chunked = rows(1 << 20), rows(7)
+    for a, b in zip(whole, chunked):
+        # a mean of float32 cosines, summed by chunks: apart by float32 rounding
+        assert b.neighbour_cosine == pytest.approx(a.neighbour_cosine, rel=1e-5)
+        assert dataclasses.replace(b, neighbour_cosine=a.neighbour_cosine) == a
+    assert not whole[0].ok and whole[0].max_abs > 0.4
