@@ -1,10 +1,18 @@
-"""The feed through the real engine on CPU: which piece of a run it tells the writer is the last."""
+"""The feed through the real engine on CPU: which piece of a run it tells the writer is the last, and
+that the shards hold every byte it handed over."""
+from dataclasses import asdict
+
 import numpy as np
 import pytest
+import torch
+from shard_checks import Fed, check_finished, check_in_order, check_journal
 
-from offline_extract.data.batching import Batch
+from offline_extract.data.batching import Batch, batch_by_tokens
 from offline_extract.data.tokenization import Sample
 from offline_extract.feed import extract_batches
+from offline_extract.store import checksum, manifest
+from offline_extract.store import writer as writer_module
+from offline_extract.store.journal import Journal
 from offline_extract.store.writer import ShardWriter
 from offline_extract.testing.shards import synthetic_run
 
@@ -46,3 +54,61 @@ def test_only_the_runs_last_piece_is_handed_over_as_the_last(tiny_engine, tmp_pa
     writer.close()
     want = [([0, 1], False), ([2], True)] if long_last else [([2], False), ([0, 1], True)]
     assert writer.calls == want
+
+
+class _Keeping(ShardWriter):
+    """A writer that keeps a copy of every sample it is handed, as handed (the feed reuses its staging
+    memory at once), to hold the shards against."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.handed: list[Fed] = []
+        self._begun = None
+
+    def add_staged(self, samples, input_ids, loss_mask, staged, *, lengths, ending=False):
+        start = 0
+        for s, n in zip(samples, lengths):
+            rows = slice(start, start + n)
+            self.handed.append(Fed(s, torch.as_tensor(input_ids[rows]).to(torch.int32), torch.as_tensor(loss_mask[rows]).to(torch.uint8),
+                                   {name: t[rows].clone() for name, t in staged.items()}))
+            start += n
+        super().add_staged(samples, input_ids, loss_mask, staged, lengths=lengths, ending=ending)
+
+    def begin_sample(self, sample, input_ids, loss_mask, widths, **kwargs):
+        rows = super().begin_sample(sample, input_ids, loss_mask, widths, **kwargs)
+        self._begun = (sample, input_ids, loss_mask, rows)
+        return rows
+
+    def end_sample(self, keep=True, ending=False):
+        sample, ids, mask, rows = self._begun
+        if keep:  # every row is filled by now
+            self.handed.append(Fed(sample, torch.as_tensor(ids).to(torch.int32), torch.as_tensor(mask).to(torch.uint8),
+                                   {name: t.clone() for name, t in rows.items()}))
+        super().end_sample(keep, ending)
+
+
+@pytest.mark.parametrize("store, compress", [("bf16", "none"), ("fp8", "zstd")])
+def test_the_shards_hold_every_byte_the_feed_handed_over(tiny_engine, tmp_path, monkeypatch, store, compress):
+    """The engine's states through the feed (batches, a long sample in chunks, streamed, the last piece
+    `ending`) into four writer threads: shards, index, training reader and inspect --verify's check give
+    back every sample as handed over, in order, bit for bit; small checksum blocks and tail parts make
+    many of both from a few hundred tokens."""
+    budget = tiny_engine.cfg.max_tokens_per_batch
+    rng = np.random.default_rng(7)
+    lengths = [*rng.integers(1, 300, 30), budget + 700, *rng.integers(1, 300, 12), budget // 2 + 1]
+    samples = [_sample(i, int(n)) for i, n in enumerate(lengths)]
+    run = synthetic_run(tiny_engine.layer_ids, tiny_engine.hidden_size, store=store, compress=compress)
+    row_bytes = run.encoding.state_bytes_per_token(run.num_aux_layers, run.hidden_size)
+    monkeypatch.setattr(checksum, "BLOCK_BYTES", 4096 + 8)
+    monkeypatch.setattr(writer_module, "LAST_SHARD_PART_BYTES", 40 * row_bytes)
+    shard_bytes = 500 * row_bytes
+    with Journal(manifest.journal_path(tmp_path, 0)) as journal:
+        writer = _Keeping(tmp_path, run, shard_bytes=shard_bytes, writers=4, on_written=lambda s: journal.append(asdict(s)))
+        extract_batches(tiny_engine, batch_by_tokens(samples, budget, 8), writer)
+        paths = writer.close()
+    assert [f.info.index for f in writer.handed] == list(range(len(samples)))
+    assert [f.input_ids.tolist() for f in writer.handed] == [s.input_ids.tolist() for s in samples]
+    assert len(paths) > 4
+    check_in_order(run, writer.handed, paths, shard_bytes)
+    check_journal(tmp_path, paths)
+    check_finished(tmp_path, run, writer.handed, writer.headers)

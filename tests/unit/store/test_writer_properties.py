@@ -17,19 +17,17 @@ import random
 import threading
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import pytest
 import torch
+from shard_checks import Fed, check_finished, check_in_order, check_journal, check_shard
 
-from offline_extract.store import checksum, integrity, manifest, resume
+from offline_extract.store import checksum, manifest, resume
 from offline_extract.store import writer as writer_module
-from offline_extract.store.index import iter_samples, write_index
 from offline_extract.store.journal import Journal
 from offline_extract.store.schema import SampleInfo
-from offline_extract.store.shard import open_shard, read_header
+from offline_extract.store.shard import read_header
 from offline_extract.store.writer import ShardWriter
 from offline_extract.testing.shards import synthetic_run
-from offline_extract.training.datasets import HiddenStateDataset
 
 ENCODINGS = [("bf16", "none"), ("fp8", "none"), ("bf16", "zstd"), ("fp8", "zstd")]
 
@@ -38,16 +36,6 @@ def _seeds() -> range:
     spec = os.environ.get("WRITER_PROPERTY_SEEDS", "40")
     first, _, stop = spec.rpartition(":")
     return range(int(first or 0), int(stop))
-
-
-@dataclass
-class Fed:
-    """A sample as the writer was given it: its entry and the tensors a shard must hold for it."""
-
-    info: SampleInfo
-    input_ids: torch.Tensor  # int32, as stored
-    loss_mask: torch.Tensor  # uint8, as stored
-    staged: dict[str, torch.Tensor]  # the encoding's staged tensors, as stored (before any compression)
 
 
 class Source:
@@ -173,96 +161,14 @@ def feed(writer: ShardWriter, source: Source, rng: random.Random, shard_rows: in
             writer.end_sample(keep=keep, ending=ending)
 
 
-def same(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """Equal bit for bit, dtype and shape included (NaN bit patterns and -0.0 too)."""
-    if got.dtype != want.dtype or got.shape != want.shape:
-        return False
-    return torch.equal(got.contiguous().reshape(-1).view(torch.uint8), want.contiguous().reshape(-1).view(torch.uint8))
-
-
-def expected(want: Fed, decode) -> dict[str, torch.Tensor]:
-    """The sample's tensors as a reader returns them: states decoded by `decode`, or as stored (None)."""
-    states = decode(want.staged) if decode is not None else want.staged
-    return {"input_ids": want.input_ids, "loss_mask": want.loss_mask, **states}
-
-
-def assert_sample(got: dict, want: Fed, decode, where: str) -> None:
-    wanted = expected(want, decode)
-    if got["input_ids"].dtype == torch.int64:  # the training reader widens them
-        wanted["input_ids"] = want.input_ids.long()
-    assert sorted(k for k in got if k != "id") == sorted(wanted), where
-    for name, t in wanted.items():
-        assert same(got[name], t), f"{where}: {name} of sample {want.info.index} differs"
-
-
-def check_shard(path, run, want: list[Fed], shard_bytes: int) -> None:
-    """The shard holds the samples `want`, in that order, whole and bit for bit, read one by one and all
-    at once; closed as soon as it was full, it holds less than shard_bytes of states without its last."""
-    decode = run.encoding.decode
-    shard = open_shard(path)
-    assert shard.run == run
-    assert shard.samples == [f.info for f in want], path.name
-    lengths = [len(f.input_ids) for f in want]
-    assert shard.offsets == np.cumsum([0, *lengths]).tolist(), path.name
-    assert shard.tensor("sample_index").tolist() == [f.info.index for f in want]
-    assert (shard.num_tokens - lengths[-1]) * run.encoding.state_bytes_per_token(run.num_aux_layers, run.hidden_size) < shard_bytes
-    packed = shard.read(0, len(want))
-    for name in packed:
-        assert same(packed[name], torch.cat([expected(f, decode)[name] for f in want])), f"{path.name}: {name} read whole differs"
-    for pos, f in enumerate(want):
-        assert_sample(shard.sample(pos), f, decode, f"{path.name} position {pos}")
-
-
-def check_journal(out, paths) -> None:
-    """The writer journaled exactly the shards on disk, each with its file's checksum, size and counts."""
-    journaled = manifest.journal_entries(out)
-    assert sorted(journaled) == sorted(p.name for p in paths)
-    for name, entry in journaled.items():
-        path, header = out / name, read_header(out / name)
-        assert entry[checksum.KEY] == checksum.file_checksum(path), name
-        assert (entry["bytes"], entry["num_samples"], entry["num_tokens"]) == (
-            path.stat().st_size, len(header.samples), header.num_tokens)
-
-
-def check_finished(out, run, kept: list[Fed], headers=()) -> None:
-    """The run's end as the extraction makes it (journals folded into manifest.json, then index.json), and
-    the directory read back through inspect --verify's check, the index's and the training reader."""
-    decode = run.encoding.decode
-    _, notes = manifest.consolidate(out, identity=manifest.identity_of(run.identity(), []), status="complete")
-    assert notes == [], "every shard was journaled, none is gone"
-    write_index(out, headers)
-    report = integrity.verify(out, threads=2)
-    assert (report.problems, report.unfinished, report.samples) == ([], [], len(kept))
-
-    if not kept:  # every sample was left out: no shard, which the readers refuse as holding nothing
-        return
-    by_index = {f.info.index: f for f in kept}
-    assert [info.index for info, _ in iter_samples(out)] == sorted(by_index)
-    for info, tensors in iter_samples(out):
-        assert info == by_index[info.index].info
-        assert_sample(tensors, by_index[info.index], decode, f"iter_samples {info.id}")
-    data = HiddenStateDataset(out, verify_checksums=True)
-    assert data.ids == [by_index[i].info.id for i in sorted(by_index)]
-    for i, index in enumerate(sorted(by_index)):
-        assert data[i]["id"] == by_index[index].info.id
-        assert_sample(data[i], by_index[index], decode, f"dataset item {i}")
-        assert_sample(data.stored(i), by_index[index], None, f"dataset stored item {i}")
-
-
 def check_output(out, run, kept: list[Fed], paths, writer: ShardWriter, shard_bytes: int, seen: Seen) -> None:
-    row_bytes = run.encoding.state_bytes_per_token(run.num_aux_layers, run.hidden_size)
     assert sorted(os.listdir(out)) == sorted([p.name for p in paths] + [manifest.journal_path(out, 0).name])
-    # The shards, in shard-number order, hold the samples kept, in the order fed.
-    at = 0
-    for path in paths:
-        n = len(read_header(path).samples)
-        check_shard(path, run, kept[at : at + n], shard_bytes)
-        tokens = sum(len(f.input_ids) for f in kept[at : at + n])
-        seen.exact += tokens * row_bytes == shard_bytes
-        seen.oversized += n == 1 and tokens * row_bytes > shard_bytes
-        seen.single += n == 1
-        at += n
-    assert at == len(kept), f"{len(kept) - at} samples fed are in no shard"
+    check_in_order(run, kept, paths, shard_bytes)
+    row_bytes = run.encoding.state_bytes_per_token(run.num_aux_layers, run.hidden_size)
+    for header in map(read_header, paths):
+        seen.exact += header.num_tokens * row_bytes == shard_bytes
+        seen.oversized += len(header.samples) == 1 and header.num_tokens * row_bytes > shard_bytes
+        seen.single += len(header.samples) == 1
     assert (writer.samples_written, writer.tokens_written) == (len(kept), sum(len(f.input_ids) for f in kept))
     assert writer.bytes_written == sum(p.stat().st_size for p in paths)
     assert sorted(writer.headers, key=lambda h: h.path.name) == [read_header(p) for p in sorted(paths)]
