@@ -12,6 +12,7 @@ from offline_extract.store import checksum, integrity, manifest
 from offline_extract.store.index import iter_samples, write_index
 from offline_extract.store.schema import SampleInfo
 from offline_extract.store.shard import open_shard, read_header
+from offline_extract.store.writer import ShardWriter
 from offline_extract.training.datasets import HiddenStateDataset
 
 
@@ -111,3 +112,42 @@ def check_in_order(run, handed: list[Fed], paths, shard_bytes: int) -> None:
         check_shard(path, run, handed[at : at + n], shard_bytes)
         at += n
     assert at == len(handed), f"{len(handed) - at} samples handed over are in no shard"
+
+
+def check_written(out, run, writer: "KeepingWriter", paths, shard_bytes: int) -> None:
+    """Everything `writer` was handed is in its shards `paths` (journaled, in order, bit for bit), and the
+    finished directory reads back whole."""
+    check_in_order(run, writer.handed, paths, shard_bytes)
+    check_journal(out, paths)
+    check_finished(out, run, writer.handed, writer.headers)
+
+
+class KeepingWriter(ShardWriter):
+    """A writer that keeps a copy of every sample it is handed, as handed (the feed reuses its staging
+    memory at once), to hold the shards against."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.handed: list[Fed] = []
+        self._begun = None
+
+    def add_staged(self, samples, input_ids, loss_mask, staged, *, lengths, ending=False):
+        start = 0
+        for s, n in zip(samples, lengths):
+            rows = slice(start, start + n)
+            self.handed.append(Fed(s, torch.as_tensor(input_ids[rows]).to(torch.int32), torch.as_tensor(loss_mask[rows]).to(torch.uint8),
+                                   {name: t[rows].clone() for name, t in staged.items()}))
+            start += n
+        super().add_staged(samples, input_ids, loss_mask, staged, lengths=lengths, ending=ending)
+
+    def begin_sample(self, sample, input_ids, loss_mask, widths, **kwargs):
+        rows = super().begin_sample(sample, input_ids, loss_mask, widths, **kwargs)
+        self._begun = (sample, input_ids, loss_mask, rows)
+        return rows
+
+    def end_sample(self, keep=True, ending=False):
+        sample, ids, mask, rows = self._begun
+        if keep:  # every row is filled by now
+            self.handed.append(Fed(sample, torch.as_tensor(ids).to(torch.int32), torch.as_tensor(mask).to(torch.uint8),
+                                   {name: t.clone() for name, t in rows.items()}))
+        super().end_sample(keep, ending)

@@ -4,8 +4,7 @@ from dataclasses import asdict
 
 import numpy as np
 import pytest
-import torch
-from shard_checks import Fed, check_finished, check_in_order, check_journal
+from shard_checks import KeepingWriter, check_written
 
 from offline_extract.data.batching import Batch, batch_by_tokens
 from offline_extract.data.tokenization import Sample
@@ -56,37 +55,6 @@ def test_only_the_runs_last_piece_is_handed_over_as_the_last(tiny_engine, tmp_pa
     assert writer.calls == want
 
 
-class _Keeping(ShardWriter):
-    """A writer that keeps a copy of every sample it is handed, as handed (the feed reuses its staging
-    memory at once), to hold the shards against."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.handed: list[Fed] = []
-        self._begun = None
-
-    def add_staged(self, samples, input_ids, loss_mask, staged, *, lengths, ending=False):
-        start = 0
-        for s, n in zip(samples, lengths):
-            rows = slice(start, start + n)
-            self.handed.append(Fed(s, torch.as_tensor(input_ids[rows]).to(torch.int32), torch.as_tensor(loss_mask[rows]).to(torch.uint8),
-                                   {name: t[rows].clone() for name, t in staged.items()}))
-            start += n
-        super().add_staged(samples, input_ids, loss_mask, staged, lengths=lengths, ending=ending)
-
-    def begin_sample(self, sample, input_ids, loss_mask, widths, **kwargs):
-        rows = super().begin_sample(sample, input_ids, loss_mask, widths, **kwargs)
-        self._begun = (sample, input_ids, loss_mask, rows)
-        return rows
-
-    def end_sample(self, keep=True, ending=False):
-        sample, ids, mask, rows = self._begun
-        if keep:  # every row is filled by now
-            self.handed.append(Fed(sample, torch.as_tensor(ids).to(torch.int32), torch.as_tensor(mask).to(torch.uint8),
-                                   {name: t.clone() for name, t in rows.items()}))
-        super().end_sample(keep, ending)
-
-
 @pytest.mark.parametrize("store, compress", [("bf16", "none"), ("fp8", "zstd")])
 def test_the_shards_hold_every_byte_the_feed_handed_over(tiny_engine, tmp_path, monkeypatch, store, compress):
     """The engine's states through the feed (batches, a long sample in chunks, streamed, the last piece
@@ -103,12 +71,10 @@ def test_the_shards_hold_every_byte_the_feed_handed_over(tiny_engine, tmp_path, 
     monkeypatch.setattr(writer_module, "LAST_SHARD_PART_BYTES", 40 * row_bytes)
     shard_bytes = 500 * row_bytes
     with Journal(manifest.journal_path(tmp_path, 0)) as journal:
-        writer = _Keeping(tmp_path, run, shard_bytes=shard_bytes, writers=4, on_written=lambda s: journal.append(asdict(s)))
+        writer = KeepingWriter(tmp_path, run, shard_bytes=shard_bytes, writers=4, on_written=lambda s: journal.append(asdict(s)))
         extract_batches(tiny_engine, batch_by_tokens(samples, budget, 8), writer)
         paths = writer.close()
     assert [f.info.index for f in writer.handed] == list(range(len(samples)))
     assert [f.input_ids.tolist() for f in writer.handed] == [s.input_ids.tolist() for s in samples]
     assert len(paths) > 4
-    check_in_order(run, writer.handed, paths, shard_bytes)
-    check_journal(tmp_path, paths)
-    check_finished(tmp_path, run, writer.handed, writer.headers)
+    check_written(tmp_path, run, writer, paths, shard_bytes)
