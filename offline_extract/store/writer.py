@@ -366,6 +366,7 @@ class ShardWriter:
         self._buffers_left = writers + 1
         self._pending: list[Future] = []
         self._paths: list[Path] = []
+        self._failed: BaseException | None = None  # the first write that failed, raised again by close()
         self._closed = False
         self._widths: dict[str, int] | None = None  # of each staged tensor, given or fixed by the first batch
         self._current: _ShardBuffer | None = None
@@ -664,6 +665,8 @@ class ShardWriter:
         done = [f for f in self._pending if f.done()]
         for f in done:
             self._pending.remove(f)
+            if f.exception() is not None:
+                self._failed = self._failed or f.exception()
             self._paths.append(f.result())  # re-raises a writer thread's error here
 
     def close(self) -> list[Path]:
@@ -680,6 +683,11 @@ class ShardWriter:
             finally:
                 self._pool.shutdown(wait=True)
                 self._blocks.shutdown(wait=True)
+            # A caller that caught a failed write from add_batch and closes (rather than abort) would otherwise
+            # get the shards written as if they were all: the failed shard's samples are on no disk.
+            if self._failed is not None:
+                raise ShardError(f"a shard write failed earlier ({self._failed!r}): its samples are not in {self.out_dir}") \
+                    from self._failed
         return sorted(self._paths, key=shard_number)
 
     def abort(self) -> None:

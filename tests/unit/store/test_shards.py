@@ -236,6 +236,28 @@ def test_crash_while_serializing_leaves_no_partial_shard(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
+def test_close_after_a_failed_write_was_caught_still_says_so(tmp_path, monkeypatch):
+    """A library caller that catches the failed write add_batch raises and then closes, rather than aborts,
+    must not get the shards written as if they were all."""
+    serialize, calls = writer_module._serialize, itertools.count()
+
+    def first_shard_fails(*args, **kwargs):
+        if next(calls) == 0:
+            raise OSError("disk full")
+        return serialize(*args, **kwargs)
+
+    monkeypatch.setattr(writer_module, "_serialize", first_shard_fails)
+    writer = ShardWriter(tmp_path, RUN, shard_bytes=ROW_BYTES, writers=1)
+    writer.add_batch(*make_batch([0], [4]), lengths=[4])
+    with pytest.raises(OSError, match="disk full"):
+        for i in range(1, 50):  # the failure comes out of a later call, once the writer thread has met it
+            time.sleep(0.01)
+            writer.add_batch(*make_batch([i], [4], i), lengths=[4])
+    with pytest.raises(ShardError, match=f"a shard write failed earlier .*disk full.*not in {tmp_path}"):
+        writer.close()
+    assert shard_name(0) not in os.listdir(tmp_path)
+
+
 def test_shard_files_get_the_umask_mode(tmp_path):
     old = os.umask(0o027)
     try:
