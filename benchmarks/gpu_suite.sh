@@ -8,7 +8,9 @@
 # (a call of its own: it needs both GPUs). Each step's command, exit status and seconds go to
 # RESULTS_DIR/steps.jsonl, its output to RESULTS_DIR/<step>.log, the parity JSONs to RESULTS_DIR/parity.
 # On a machine of one GPU the lanes named (lane0, lane1; both if none) run one after the other on it: both
-# take longer than one call there, so name one a call.
+# take longer than one call there, so name one a call. The lane `writer` (tests/gpu/test_gpu_writer.py: the
+# writer at a real run's scale, read back byte for byte; minutes a case) runs only when named, on GPU 0, a
+# call of its own on either machine.
 source "$(dirname "$0")/steps.sh"
 begin_gpu_suite "$1" "${2:-560}"
 lane0() {
@@ -24,6 +26,15 @@ lane1() {
   export CUDA_VISIBLE_DEVICES=$1
   step engine 540 "$pytest -m gpu tests/gpu/test_gpu.py"
 }
+writer() {
+  export CUDA_VISIBLE_DEVICES=$1
+  step writer_bf16 270 "$pytest -m gpu tests/gpu/test_gpu_writer.py -k bf16"
+  step writer_fp8 270 "$pytest -m gpu tests/gpu/test_gpu_writer.py -k fp8"
+}
+if [[ " ${*:3} " == *" writer "* ]]; then
+  writer 0
+  exit
+fi
 if (( $(nvidia-smi -L | wc -l) < 2 )); then
   for lane in "${@:3}"; do "$lane" 0; done
   (( $# > 2 )) || { lane0 0; lane1 0; }
