@@ -16,6 +16,7 @@ import torch
 
 from offline_extract.engine.distributed import free_port
 from offline_extract.store.index import iter_samples, shard_paths
+from offline_extract.store.schema import shard_number
 from offline_extract.store.shard import read_header
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,9 +95,15 @@ def kill_rank_when(launcher: subprocess.Popen, rank: int, until) -> float:
     return time.monotonic()
 
 
-def assert_only_complete_shards(out) -> None:
-    """What a stopped run leaves: complete shards only (a resume's journals may remain, no half file)."""
-    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")], "no unfinished file"
+def assert_only_complete_shards(out, killed: tuple[int, int] | None = None) -> None:
+    """What a stopped run leaves: complete shards only (a resume's journals may remain, no half file).
+    `killed` = (dp_rank, dp_size) of a replica stopped by SIGKILL: it may leave the temp files of the shards
+    its writer threads were writing (nothing can clean up after SIGKILL; the rerun removes them), numbered as
+    its shards are in a fresh run; every other replica leaves none."""
+    unfinished = sorted(p.name for p in out.iterdir() if p.name.endswith(".tmp"))
+    its = [n for n in unfinished if killed and n.startswith(".shard_")
+               and shard_number(Path(n[1:-len(".tmp")])) % killed[1] == killed[0]]
+    assert unfinished == its, f"no unfinished file but the killed replica's: {unfinished}"
     for path in shard_paths(out):
         read_header(path)  # every shard on disk is whole
 

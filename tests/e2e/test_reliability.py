@@ -182,7 +182,7 @@ def test_a_killed_dp_rank_stops_the_other_and_a_rerun_completes(baseline, corpus
     assert launcher.returncode != 0
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", stderr) and "SIGKILL" in stderr, stderr[-3000:]
     assert "rank 0: stopped by SIGTERM" in stderr, stderr[-3000:]
-    assert_only_complete_shards(out)
+    assert_only_complete_shards(out, killed=(1, 2))  # rank 1 of DP=2 is replica 1
 
     ok(run(out, "--data", corpus, *SMALL, env=env, torchrun=2))
     assert_complete(out, baseline)
@@ -201,7 +201,7 @@ def test_a_node_whose_rank_dies_does_not_leave_the_other_node_waiting(baseline, 
     assert nodes[0].proc.returncode != 0 and nodes[1].proc.returncode != 0
     assert "rank 1 stopped answering" in survivor, survivor[-3000:]
     assert time.monotonic() - killed < 300
-    assert_only_complete_shards(out)
+    assert_only_complete_shards(out, killed=(1, 2))  # rank 1 of DP=2 is replica 1
 
     (tmp_path / "rerun").mkdir()
     for node in start_nodes(out, "--data", corpus, *SMALL, env=env, logs=tmp_path / "rerun"):
