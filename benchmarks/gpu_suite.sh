@@ -2,8 +2,9 @@
 # The one-GPU files of the GPU suite (`pytest -m gpu`) in one device call on a machine of two H200s, SGLang 0.5.17 (+ FA3) on the path:
 #   bash benchmarks/gpu_suite.sh RESULTS_DIR [SECONDS] [LANE...]
 # Lanes side by side, each step under its own time limit (benchmarks/steps.sh): on GPU 0 the architecture suite,
-# one backend a process (each engine's KV pool is capped, so three fit one GPU), then the FP8 checkpoints, exports and codecs; on
-# GPU 1 the engine file (its 8B-shaped 65k/131k test against HF alone takes minutes). The MoE part of the
+# one backend a process, beside the FP8 checkpoints and the exports and codecs (tiny models, and each engine's
+# KV pool is capped, so five fit one GPU); on GPU 1 the engine file, its two 8B-shaped tests (one model, built
+# once; the 65k/131k test against HF alone takes minutes) beside the rest, whose models are tiny. The MoE part of the
 # architecture suite and the MXFP4 file are benchmarks/gpu_moe.sh's, the two-GPU file benchmarks/two_gpus.sh's
 # (a call of its own: it needs both GPUs). Each step's command, exit status and seconds go to
 # RESULTS_DIR/steps.jsonl, its output to RESULTS_DIR/<step>.log, the parity JSONs to RESULTS_DIR/parity.
@@ -18,13 +19,15 @@ lane0() {
   for backend in triton flashinfer fa3; do
     step "dense_$backend" 330 "$pytest -m 'gpu and not moe' tests/gpu/test_gpu_architectures.py -k $backend" &
   done
+  step fp8 330 "$pytest -m gpu tests/gpu/test_gpu_fp8.py" &
+  step exports_codecs 330 "$pytest -m gpu tests/gpu/test_gpu_exports.py tests/gpu/test_gpu_codecs.py" &
   wait
-  step fp8 150 "$pytest -m gpu tests/gpu/test_gpu_fp8.py"
-  step exports_codecs 150 "$pytest -m gpu tests/gpu/test_gpu_exports.py tests/gpu/test_gpu_codecs.py"
 }
 lane1() {
   export CUDA_VISIBLE_DEVICES=$1
-  step engine 540 "$pytest -m gpu tests/gpu/test_gpu.py"
+  step engine_8b 540 "$pytest -m gpu tests/gpu/test_gpu.py -k llama3_8b" &
+  step engine 540 "$pytest -m gpu tests/gpu/test_gpu.py -k 'not llama3_8b'" &
+  wait
 }
 writer() {
   export CUDA_VISIBLE_DEVICES=$1
