@@ -72,6 +72,7 @@ def check(opts: ExtractOptions) -> Checked:
     if not 0 < opts.mem_fraction_static <= 1:
         # SGLang would take it and fail only once the model is loaded, with a message about its KV pool.
         raise ValueError(f"--mem-fraction-static is a fraction of the GPU's memory, above 0 and at most 1, got {opts.mem_fraction_static}")
+    check_out(opts.out)
     sources = open_sources(opts.data)
     _check_pipes(sources, opts.strict)
     device = resolve_device(opts.device)
@@ -91,6 +92,19 @@ def check(opts: ExtractOptions) -> Checked:
         )
     tokens_per_batch = opts.tokens_per_batch or DEFAULT_TOKENS_PER_BATCH[torch.device(device).type]
     return Checked(model, device, tokens_per_batch, sources, layer_ids)
+
+
+def check_out(out: str) -> None:
+    """--out names a directory that can be made there. An empty name would put the run's files into the
+    current directory, and a file on its path would fail the run at its first write, after the model load."""
+    if not str(out).strip():
+        raise ValueError("--out is empty: name the output directory (it is made if it does not exist)")
+    existing = Path(out)
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "is a file" if existing == Path(out) else f"cannot be made: {existing} is a file"
+        raise ValueError(f"--out {out} {where}, not a directory")
 
 
 def _check_pipes(sources: list[Source], strict: bool) -> None:

@@ -60,6 +60,26 @@ def test_the_real_run_and_the_dry_run_refuse_alike_before_touching_the_output(ca
     assert not (tmp_path / "out").exists()  # no .lock, no running manifest
 
 
+@pytest.mark.parametrize("out, needle", [
+    ("", "--out is empty: name the output directory (it is made if it does not exist)"),
+    ("{file}", "--out {file} is a file, not a directory"),
+    ("{file}/sub/out", "--out {file}/sub/out cannot be made: {file} is a file, not a directory"),
+])
+def test_an_out_that_cannot_be_a_directory_is_refused_by_the_real_and_the_dry_run(out, needle, tmp_path, monkeypatch):
+    # An empty --out once wrote the whole run into the current directory; a file on its path failed the
+    # real run only after the model load, while --dry-run said it fits.
+    file = tmp_path / "notes.txt"
+    file.write_text("a file, not a directory")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
+    opts = ExtractOptions(data=(CORPUS,), out=out.format(file=file))
+    for attempt in (extraction.run, extraction.dry_run):
+        with pytest.raises(ValueError) as refused:
+            attempt(opts)
+        assert str(refused.value) == needle.format(file=file)
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
 def test_refusals_come_before_sglang_or_transformers_is_imported(tmp_path):
     # A fresh interpreter, since this one may have imported SGLang for other tests.
     script = f"""
