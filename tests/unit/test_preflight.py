@@ -67,7 +67,7 @@ def test_the_real_run_and_the_dry_run_refuse_alike_before_touching_the_output(ca
 ])
 def test_an_out_that_cannot_be_a_directory_is_refused_by_the_real_and_the_dry_run(out, needle, tmp_path, monkeypatch):
     # An empty --out once wrote the whole run into the current directory; a file on its path failed the
-    # real run only after the model load, while --dry-run said it fits.
+    # real run with a bare errno, while --dry-run said it fits.
     file = tmp_path / "notes.txt"
     file.write_text("a file, not a directory")
     monkeypatch.chdir(tmp_path)
