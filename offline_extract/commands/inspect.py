@@ -8,7 +8,8 @@ from rich.console import Console
 
 from offline_extract.cli import command
 from offline_extract.words import plural
-from offline_extract.store import inspection, integrity
+from offline_extract.store import inspection, integrity, manifest
+from offline_extract.store.index import shard_paths
 from offline_extract.store.schema import ShardError
 
 
@@ -32,7 +33,12 @@ def main(path: str, sample_id: str | None, as_json: bool, verify: bool, allow_pa
     PATH is a shard file or an output directory of shards (a directory for --verify)."""
     if verify:
         if not Path(path).is_dir():
-            raise click.BadParameter("--verify checks an output directory", param_hint="PATH")
+            raise click.BadParameter("--verify checks an output directory" if Path(path).exists() else
+                                     f"{path} does not exist", param_hint="PATH")
+        if not (Path(path) / manifest.MANIFEST_NAME).exists() and not shard_paths(path):
+            # Else verify would list what such a run lacks and advise re-running an extraction that never was.
+            raise click.ClickException(f"{path} is not an extraction's output: it holds neither "
+                                       f"{manifest.MANIFEST_NAME} nor shard files")
         report = integrity.verify(path)
         for line in report.problems + [f"unfinished: {note}" for note in report.unfinished]:
             click.echo(line)

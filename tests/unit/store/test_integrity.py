@@ -90,3 +90,15 @@ def test_verify_counts_one_shard_as_one(tmp_path):
     proc = verify_script(tmp_path)
     assert proc.returncode == 0
     assert f"verified 1 shard holding 2 samples in {tmp_path}: no problems" in proc.stdout
+
+
+def test_verify_refuses_a_directory_that_no_extraction_wrote(tmp_path):
+    # It once listed a missing manifest.json and index.json as two problems, and advised re-running the
+    # extraction to repair them.
+    (tmp_path / "corpus.jsonl").write_text('{"text": "a corpus, not an output"}\n')
+    proc = verify_script(tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout == ""
+    assert proc.stderr.strip() == f"Error: {tmp_path} is not an extraction's output: it holds neither manifest.json nor shard files"
+    missing = verify_script(tmp_path / "nope")
+    assert missing.returncode == 2 and f"{tmp_path / 'nope'} does not exist" in missing.stderr, missing.stderr
