@@ -255,6 +255,13 @@ def _percent(x: float | None) -> str:
     return "-" if x is None else f"{x:.1%}"
 
 
+def _stored_as(encoding: dict) -> str:
+    """An Encoding's JSON in words: its keys and raw values read as "final_state True"."""
+    store = encoding["store"] + (" (a float32 scale per token per layer)" if encoding["store"] == "fp8" else "")
+    words = [store, "uncompressed" if encoding["compress"] == "none" else encoding["compress"]]
+    return ", ".join(words + ([] if encoding["final_state"] else ["no final state"]))
+
+
 def render_summary(summary: dict, console: Console) -> None:
     overview = Table(title=f"offline_extract: {summary['path']}", show_header=False)
     overview.add_column(style="bold")
@@ -268,7 +275,7 @@ def render_summary(summary: dict, console: Console) -> None:
         ("layer convention", summary["layer_convention"]),
         ("stored dtype", summary["stored_dtype"]),
         ("compute dtype", summary["compute_dtype"]),
-        ("stored as", ", ".join(f"{k} {v}" for k, v in summary["encoding"].items())),
+        ("stored as", _stored_as(summary["encoding"])),
         ("hidden size", summary["hidden_size"]),
     ]:
         overview.add_row(label, Text("-" if value is None else str(value)))

@@ -95,6 +95,20 @@ def test_summary_of_a_single_shard(tmp_path):
     assert summary["layer_stats"][2]["mean"] == pytest.approx(expected_stats(known_tensors()[2][6:])["mean"])
 
 
+@pytest.mark.parametrize("encoding, shown", [
+    ({"store": "bf16", "compress": "none", "final_state": True}, "bf16, uncompressed"),
+    ({"store": "fp8", "compress": "zstd", "final_state": False},
+     "fp8 (a float32 scale per token per layer), zstd, no final state"),
+])
+def test_the_summary_says_in_words_how_the_states_are_stored(tmp_path, encoding, shown):
+    # It once printed the encoding's JSON keys and values: "store bf16, compress none, final_state True".
+    write_known(tmp_path)
+    out = io.StringIO()
+    inspection.render_summary({**inspection.summarize(tmp_path), "encoding": encoding}, Console(file=out, width=200))
+    row = next(line for line in out.getvalue().splitlines() if "stored as" in line)
+    assert row.split("│")[2].strip() == shown
+
+
 def test_layer_ids_must_match_aux_width(tmp_path):
     write_known(tmp_path, run=replace(RUN, layer_ids=(1, 2, 3)))
     with pytest.raises(ShardError, match="3 layer_ids"):
