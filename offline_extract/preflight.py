@@ -17,7 +17,9 @@ from offline_extract import hub
 from offline_extract.data.sources import Source, open_sources
 from offline_extract.default_model import ensure_tiny_model
 from offline_extract.engine.parity import wrapped_text_config
-from offline_extract.engine.sglang_adapter import CONTEXT_KEYS, capture_rule, context_length, validate_layer_ids
+from offline_extract.engine.sglang_adapter import (
+    CONTEXT_KEYS, capture_rule, check_engine_choices, context_length, validate_layer_ids,
+)
 from offline_extract.options import DEFAULT_TOKENS_PER_BATCH, ExtractOptions, default
 from offline_extract.recipes import RECIPES
 from offline_extract.store.journal import load_json
@@ -73,6 +75,7 @@ def check(opts: ExtractOptions) -> Checked:
         # SGLang would take it and fail only once the model is loaded, with a message about its KV pool.
         raise ValueError(f"--mem-fraction-static is a fraction of the GPU's memory, above 0 and at most 1, got {opts.mem_fraction_static}")
     check_out(opts.out)
+    check_engine_choices(opts.attention_backend, opts.load_format)
     sources = open_sources(opts.data)
     _check_pipes(sources, opts.strict)
     device = resolve_device(opts.device)

@@ -547,6 +547,29 @@ def _refuse_on_cpu(architecture: str, device: str, model_path: str) -> None:
         )
 
 
+# What SGLang 0.5.17 accepts (server_args.py's ATTENTION_BACKEND_CHOICES and LOAD_FORMAT_CHOICES, held to them
+# by tests/unit/engine/test_attention_backend.py), stated here so that a mistyped value is refused in the first
+# seconds: importing server_args takes seconds, and SGLang refuses an attention backend only once the model is
+# loaded.
+ATTENTION_BACKENDS = (
+    "triton", "torch_native", "flex_attention", "dsa", "nsa", "dsv4", "compressed", "cutlass_mla", "fa3", "fa4",
+    "flashinfer", "flashmla", "trtllm_mla", "cutedsl_mla", "tokenspeed_mla", "trtllm_mha", "dual_chunk_flash_attn",
+    "hpc_ops", "aiter", "wave", "intel_amx", "ascend", "intel_xpu",
+)
+LOAD_FORMATS = (
+    "auto", "pt", "safetensors", "npcache", "dummy", "sharded_state", "presharded", "gguf", "bitsandbytes", "mistral",
+    "layered", "flash_rl", "remote", "remote_instance", "fastsafetensors", "private", "runai_streamer",
+)
+
+
+def check_engine_choices(attention_backend: str | None, load_format: str) -> None:
+    """Raises ValueError naming the option and SGLang's values when either is not one SGLang takes."""
+    for option, value, allowed in (("--attention-backend", attention_backend, ATTENTION_BACKENDS),
+                                   ("--load-format", load_format, LOAD_FORMATS)):
+        if value is not None and value not in allowed:
+            raise ValueError(f"{option} {value} is not one of SGLang {SGLANG_VERSION}'s: {', '.join(allowed)}")
+
+
 def validate_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
     ids = tuple(int(i) for i in ids)
     if not ids:

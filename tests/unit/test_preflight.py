@@ -32,6 +32,8 @@ REFUSED = {
     "a percentage for a fraction": ({"mem_fraction_static": 85.0}, "above 0 and at most 1, got 85.0"),
     "longer than the context": ({"max_length": 5000}, "--max-length 5000 is longer than the model's context of 4096"),
     "a missing directory": ({"model": "/models/nope"}, "no model directory at /models/nope"),
+    "an unknown attention backend": ({"attention_backend": "flash"}, "--attention-backend flash is not one of SGLang 0.5.17's: triton, "),
+    "an unknown load format": ({"load_format": "safetensor"}, "--load-format safetensor is not one of SGLang 0.5.17's: auto, "),
 }
 if not torch.cuda.is_available():
     REFUSED["cuda without a GPU"] = ({"device": "cuda"}, "--device cuda, but torch sees no CUDA GPU")

@@ -49,3 +49,11 @@ def test_a_driver_that_cannot_answer_means_triton(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", no_driver)
     assert default_attention_backend("cuda") == "triton"
+
+
+def test_the_values_refused_before_the_model_loads_are_sglangs_own():
+    sglang_adapter.import_sglang("cpu")
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, LOAD_FORMAT_CHOICES
+
+    assert sglang_adapter.ATTENTION_BACKENDS == tuple(ATTENTION_BACKEND_CHOICES)
+    assert sglang_adapter.LOAD_FORMATS == tuple(LOAD_FORMAT_CHOICES)
