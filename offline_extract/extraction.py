@@ -38,7 +38,7 @@ from offline_extract.progress import RunProgress, foreign_output_hidden, note
 from offline_extract.recipes import RECIPES
 from offline_extract.store import manifest, resume
 from offline_extract.store.atomic import atomic_write
-from offline_extract.store.index import write_index
+from offline_extract.store.index import shard_paths, write_index
 from offline_extract.store.journal import Journal, read_journal
 from offline_extract.store.schema import Encoding, RunInfo
 from offline_extract.store.writer import ShardWriter
@@ -240,6 +240,9 @@ def dry_run(opts: ExtractOptions) -> planning.Plan:
     """The real run's checks, then the whole corpus tokenized as the run would and its output sized,
     without loading the model."""
     checked = preflight.check(opts)
+    out = Path(opts.out)
+    if out.is_dir() and shard_paths(out):  # only then: the run's facts include the weights', which a dry run may lack
+        resume.check_before_loading(out, _known_before_loading(opts, checked), checked.corpus_paths, opts.force)
     model = checked.model
     return planning.plan(opts.data, _sample_tokenizer(opts, model.path), opts.out, model.hidden_size,
                          _num_aux_layers(checked), encoding(opts), strict=opts.strict)

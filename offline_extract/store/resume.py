@@ -139,18 +139,32 @@ def finished(out: Path, known: RunInfo, data: Sequence[str]) -> dict | None:
     if current is None or tokenizer_decides(out, known, current):
         return None
     recorded = current["identity"]
-    undecided = ["layer_ids", "compute_dtype"]
-    if known.tokenizer_sha256 is None:
-        undecided += ["tokenizer_sha256", "chat_template_sha256"]
-    facts = known.identity()
-    facts.update({key: recorded.get(key) for key in undecided if facts[key] is None})
-    expected = manifest.identity_of(facts, data)
+    expected = manifest.identity_of(_taken_as_recorded(known, recorded), data)
     if manifest.run_differences(recorded, expected) or manifest.corpus_differences(recorded, expected):
         return None
     for name, entry in current["shards"].items():
         if not (out / name).is_file() or (out / name).stat().st_size != entry["bytes"]:
             return None
     return current
+
+
+def _taken_as_recorded(known: RunInfo, recorded: dict) -> dict:
+    """`known`'s identity facts, those that only the engine or the tokenizer decide (None in `known`) taken as
+    `recorded` has them. The quantization is the config's (config_sha256 covers it), read only as the model loads."""
+    undecided = ["layer_ids", "compute_dtype", "quantization"]
+    if known.tokenizer_sha256 is None:
+        undecided += ["tokenizer_sha256", "chat_template_sha256"]
+    facts = known.identity()
+    facts.update({key: recorded.get(key) for key in undecided if facts[key] is None})
+    return facts
+
+
+def check_before_loading(out: Path, known: RunInfo, data: Sequence[str], force: bool) -> None:
+    """`check_identity` as far as a run's facts are known before its model loads (`known`; the rest taken as
+    recorded), for --dry-run into a directory holding shards: raises as the real run will once its model is loaded."""
+    current = manifest.load(out) or {}
+    recorded = current.get("identity") or read_header(shard_paths(out)[0]).run.identity()
+    check_identity(out, manifest.identity_of(_taken_as_recorded(known, recorded), data), force)
 
 
 def tokenizer_decides(out: Path, known: RunInfo, current: dict | None = None) -> bool:

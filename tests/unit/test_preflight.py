@@ -5,16 +5,19 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 from extract_runs import REVISION, ROOT, hub_cache
+from small_shards import write_shards
 
 from offline_extract import extraction, hub, preflight
 from offline_extract.data.corpus import BadRecordError, Reject, read_corpus
 from offline_extract.default_model import TINY_VERSION
 from offline_extract.testing.models import ARCHITECTURES, build_model
 from offline_extract.options import ExtractOptions
+from offline_extract.store import manifest, resume
 
 CORPUS = str(ROOT / "examples" / "corpus.jsonl")
 
@@ -80,6 +83,30 @@ def test_an_out_that_cannot_be_a_directory_is_refused_by_the_real_and_the_dry_ru
             attempt(opts)
         assert str(refused.value) == needle.format(file=file)
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_a_dry_run_refuses_an_out_holding_another_runs_shards_as_the_real_run_will(tmp_path, monkeypatch):
+    # It said "fits", exit 0, where the real run refuses once its model has loaded.
+    out = tmp_path / "out"
+    opts = ExtractOptions(data=(CORPUS,), out=str(out), layers=(0, 2))
+    checked = preflight.check(opts)
+    # What the run records once loaded: the facts known before, and those the engine and tokenizer decide.
+    ran = replace(extraction._known_before_loading(opts, checked), compute_dtype="float32", tokenizer_sha256="t",
+                  chat_template_sha256="c")
+    write_shards(out, [[(0, 2)]])
+    resume.claim(out, manifest.run_identity(ran, checked.corpus_paths))
+    recorded = manifest.load(out)
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
+
+    assert extraction.dry_run(opts).samples == 24
+    assert extraction.dry_run(replace(opts, layers=None)).samples == 24  # SGLang's default: known only once loaded
+    for change, line in (({"layers": (1, 3, 4)}, "layer_ids: [0, 2] -> [1, 3, 4]"),
+                         ({"max_length": 1024}, "max_length: 4096 -> 1024"),
+                         ({"store": "fp8", "force": True}, "store: 'bf16' -> 'fp8'")):
+        with pytest.raises(resume.TakeoverError) as refused:
+            extraction.dry_run(replace(opts, **change))
+        assert f"{out} holds shards of a different run" in str(refused.value) and line in str(refused.value)
+    assert manifest.load(out) == recorded
 
 
 def test_refusals_come_before_sglang_or_transformers_is_imported(tmp_path):
