@@ -27,7 +27,7 @@ DEST/export_manifest.json maps i to sample ids. Rerunning the same export into D
 """
 import click
 
-from offline_extract.cli import command
+from offline_extract.cli import Interrupted, command
 from offline_extract.words import plural
 from offline_extract.store.schema import ShardError
 from offline_extract.training.export import DEFAULT_ROWS_PER_FOLDER, FORMATS, ExportError, export
@@ -56,6 +56,8 @@ def main(out_dir, dest, format_, rows_per_folder, gzipped, allow_partial, no_pro
         raise click.ClickException(str(e)) from e
     except OSError as e:  # a full disk, say: the message names the errno and the file
         raise click.ClickException(f"{e}\nOnce the cause is fixed, rerunning the same export resumes into {dest}") from e
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted; rerunning the same export resumes into {dest}") from None
     skipped = f", {summary.samples_skipped} already there" if summary.samples_skipped else ""
     click.echo(
         f"wrote {plural(summary.samples_written, 'sample')} ({summary.bytes_written / 1e9:.2f} GB) to {summary.dest}"

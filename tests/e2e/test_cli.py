@@ -60,6 +60,19 @@ def test_ctrl_c_exits_130():
     assert result.exit_code == 130 and "interrupted" in result.output
 
 
+def test_ctrl_c_stops_an_export_with_130_and_says_how_to_resume(tmp_path, monkeypatch):
+    # It said only "interrupted", though a rerun resumes an export as it does an extraction.
+    from offline_extract.commands import export
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export, "export", interrupted)
+    result = CliRunner().invoke(export.main, [str(tmp_path / "out"), "--to", str(tmp_path / "dest")])
+    assert result.exit_code == 130
+    assert f"interrupted; rerunning the same export resumes into {tmp_path / 'dest'}" in result.output
+
+
 @pytest.mark.parametrize("first", ["import offline_extract.commands", "sys.path.insert(0, 'bin'); import _bin_path, offline_extract.commands.extract"])
 def test_ctrl_c_while_a_command_still_imports_exits_130_without_a_traceback(first):
     # What an installed command and a bin/ script do first, then Ctrl-C while the heavy imports would run.
