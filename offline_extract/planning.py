@@ -15,6 +15,7 @@ from offline_extract.data.corpus import BadRecordError, Record, Reject, read_cor
 from offline_extract.data.tokenization import Sample, SampleTokenizer
 from offline_extract.progress import human_bytes, note
 from offline_extract.store.schema import Encoding
+from offline_extract.words import plural
 
 # Rejected records listed by a dry run, with their reasons; the run itself lists every one in rejects.jsonl.
 REJECTS_SHOWN = 10
@@ -122,7 +123,7 @@ def plan(
 
 def render(p: Plan, out: str | Path) -> str:
     lines = [
-        f"records {p.records}: {p.samples} samples, {p.skipped} skipped, {p.rejected} rejected",
+        f"records {p.records}: {plural(p.samples, 'sample')}, {p.skipped} skipped, {p.rejected} rejected",
         *(f"  rejected {r.source}:{r.line}{f' (id {r.id!r})' if r.id else ''}: {r.reason}" for r in p.first_rejects),
         *([f"  ... and {p.rejected - len(p.first_rejects)} more"] if p.rejected > len(p.first_rejects) else []),
         f"tokens {p.tokens:,} ({p.loss_tokens:,} in the loss, {p.loss_tokens / max(p.tokens, 1):.1%})",

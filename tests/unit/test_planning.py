@@ -123,3 +123,11 @@ def test_writers_sets_the_shard_writer_threads_of_a_run(tiny_engine, tiny_model_
     monkeypatch.setattr(extraction, "ShardWriter", Recorded)
     summary = _extract(tiny_engine, tiny_model_dir, tmp_path / "out", monkeypatch, 0, writers=2)
     assert made == [2] and summary.extracted == 24 and len(summary.shards) > 1
+
+
+def test_a_plan_of_one_sample_says_one_sample(tiny_model_dir, tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "fine"}\n{broken\n')
+    tok = SampleTokenizer(AutoTokenizer.from_pretrained(tiny_model_dir), max_length=4096)
+    p = planning.plan([corpus], tok, tmp_path / "out", hidden_size=64, num_aux_layers=3)
+    assert planning.render(p, tmp_path / "out").splitlines()[0] == "records 2: 1 sample, 0 skipped, 1 rejected"
