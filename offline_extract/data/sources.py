@@ -182,6 +182,10 @@ def open_source(name: str) -> Source:
         if magic == _PARQUET_MAGIC:
             _check_parquet_footer(name, path)
             return Source(name, path, "parquet")
+        if path.suffix == ".parquet":
+            # Read as JSONL, its every line would be rejected as invalid JSON, far from the cause.
+            raise CorpusReadError(f"{name} is not a parquet file: it does not begin with parquet's magic bytes PAR1 "
+                                  f"(a Git LFS pointer, or a file of another format?)")
         return Source(name, path, "jsonl")
     repo_id, _, split = name.partition(":")
     if "/" not in repo_id or name.endswith(_FILE_SUFFIXES) or not hub.looks_like_repo_id(repo_id):

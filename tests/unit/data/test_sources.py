@@ -148,3 +148,11 @@ def test_a_truncated_parquet_file_is_named_before_anything_is_read(tmp_path):
     path.write_bytes(path.read_bytes()[:-20])
     with pytest.raises(CorpusReadError, match=rf"^{path} is not a readable parquet file: .*magic bytes"):
         open_source(str(path))
+
+
+def test_a_parquet_name_on_other_bytes_is_named_before_anything_is_read(tmp_path):
+    # A Git LFS pointer checked out in place of the data: it was read as JSONL, every line rejected as invalid JSON.
+    path = tmp_path / "train.parquet"
+    path.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 42\n")
+    with pytest.raises(CorpusReadError, match=rf"^{path} is not a parquet file: it does not begin with .*PAR1"):
+        open_source(str(path))
