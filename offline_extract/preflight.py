@@ -74,6 +74,13 @@ def check(opts: ExtractOptions) -> Checked:
     if not 0 < opts.mem_fraction_static <= 1:
         # SGLang would take it and fail only once the model is loaded, with a message about its KV pool.
         raise ValueError(f"--mem-fraction-static is a fraction of the GPU's memory, above 0 and at most 1, got {opts.mem_fraction_static}")
+    if opts.port_base is not None:
+        # SGLang takes any integer and refuses it only once the model is loaded, without naming the option.
+        replicas = max(int(os.environ.get("WORLD_SIZE", "1")) // opts.tp, 1)
+        last = 65536 - replicas
+        if not 1 <= opts.port_base <= last:
+            each = f" for {replicas} data-parallel replicas (each uses port-base + its rank)" if replicas > 1 else ""
+            raise ValueError(f"--port-base is a TCP port, from 1 to {last}{each}, got {opts.port_base}")
     check_out(opts.out)
     check_engine_choices(opts.attention_backend, opts.load_format)
     sources = open_sources(opts.data)

@@ -35,6 +35,8 @@ REFUSED = {
     "a percentage for a fraction": ({"mem_fraction_static": 85.0}, "above 0 and at most 1, got 85.0"),
     "longer than the context": ({"max_length": 5000}, "--max-length 5000 is longer than the model's context of 4096"),
     "a missing directory": ({"model": "/models/nope"}, "no model directory at /models/nope"),
+    "a port past the last": ({"port_base": 70000}, "--port-base is a TCP port, from 1 to 65535, got 70000"),
+    "a negative port": ({"port_base": -5}, "--port-base is a TCP port, from 1 to 65535, got -5"),
     "an unknown attention backend": ({"attention_backend": "flash"}, "--attention-backend flash is not one of SGLang 0.5.17's: triton, "),
     "an unknown load format": ({"load_format": "safetensor"}, "--load-format safetensor is not one of SGLang 0.5.17's: auto, "),
 }
@@ -107,6 +109,14 @@ def test_a_dry_run_refuses_an_out_holding_another_runs_shards_as_the_real_run_wi
             extraction.dry_run(replace(opts, **change))
         assert f"{out} holds shards of a different run" in str(refused.value) and line in str(refused.value)
     assert manifest.load(out) == recorded
+
+
+def test_every_replicas_port_must_be_a_tcp_port(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(ValueError, match=r"^--port-base is a TCP port, from 1 to 65532 for 4 data-parallel replicas "
+                                         r"\(each uses port-base \+ its rank\), got 65533$"):
+        preflight.check(ExtractOptions(data=(CORPUS,), tp=2, port_base=65533))
+    preflight.check(ExtractOptions(data=(CORPUS,), tp=2, port_base=65532))
 
 
 def test_refusals_come_before_sglang_or_transformers_is_imported(tmp_path):
