@@ -1,6 +1,7 @@
 """Summarize offline_extract shards: counts, run facts, per-layer statistics, or one sample's tokens;
 or verify an output directory."""
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import click
@@ -17,7 +18,8 @@ from offline_extract.store.schema import ShardError
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--sample", "sample_id", help="Show the sample of this id (the record's \"id\", else SOURCE:LINE): its text, the tokens in the loss "
               "highlighted.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of tables.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the result (the summary, the sample, or --verify's report) as JSON instead of tables.")
 @click.option("--verify", is_flag=True,
               help="Re-hash every shard against manifest.json and check shapes, dtypes, offsets and index.json; "
                    "list every problem and say which shards are damaged (delete those and re-run the extraction). "
@@ -31,6 +33,8 @@ def main(path: str, sample_id: str | None, as_json: bool, verify: bool, allow_pa
     std, absmax and NaN/Inf counts; or show one sample (--sample), or verify an output directory (--verify).
 
     PATH is a shard file or an output directory of shards (a directory for --verify)."""
+    if verify and sample_id is not None:
+        raise click.UsageError("--verify checks the whole output and --sample shows one sample: give one of them")
     if verify:
         if not Path(path).is_dir():
             raise click.BadParameter("--verify checks an output directory" if Path(path).exists() else
@@ -40,6 +44,10 @@ def main(path: str, sample_id: str | None, as_json: bool, verify: bool, allow_pa
             raise click.ClickException(f"{path} is not an extraction's output: it holds neither "
                                        f"{manifest.MANIFEST_NAME} nor shard files")
         report = integrity.verify(path)
+        status = 1 if report.problems else 3 if report.unfinished else 0
+        if as_json:
+            click.echo(json.dumps({"path": path, **asdict(report), "exit_status": status}, indent=2))
+            raise SystemExit(status)
         for line in report.problems + [f"unfinished: {note}" for note in report.unfinished]:
             click.echo(line)
         verdict = plural(len(report.problems), "problem") if report.problems else "no problems"
@@ -54,7 +62,7 @@ def main(path: str, sample_id: str | None, as_json: bool, verify: bool, allow_pa
         if report.unfinished:
             click.echo("the run was interrupted: the shards marked unfinished are sound and kept (delete nothing for "
                        "them); re-running the same extraction command finishes it")
-        raise SystemExit(1 if report.problems else 3 if report.unfinished else 0)
+        raise SystemExit(status)
     try:
         if sample_id is not None:
             result = inspection.sample_view(path, sample_id)

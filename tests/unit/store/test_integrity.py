@@ -44,8 +44,8 @@ def test_verify_reports_a_flipped_byte_a_truncated_shard_and_a_stale_index(tmp_p
         assert any(re.search(pattern, line) for line in problems), (pattern, problems)
 
 
-def verify_script(out) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "bin" / "inspect.py"), str(out), "--verify"],
+def verify_script(out, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "bin" / "inspect.py"), str(out), "--verify", *args],
                           capture_output=True, text=True)
 
 
@@ -102,3 +102,21 @@ def test_verify_refuses_a_directory_that_no_extraction_wrote(tmp_path):
     assert proc.stderr.strip() == f"Error: {tmp_path} is not an extraction's output: it holds neither manifest.json nor shard files"
     missing = verify_script(tmp_path / "nope")
     assert missing.returncode == 2 and f"{tmp_path / 'nope'} does not exist" in missing.stderr, missing.stderr
+
+
+def test_verify_answers_in_json_when_asked_and_refuses_a_sample_beside_it(tmp_path):
+    # --json and --sample were silently ignored beside --verify: a script parsing its output got text.
+    manifest.save(tmp_path, {"identity": {"layer_ids": [1, 3]}, "status": "running", "shards": {}})
+    with Journal(manifest.journal_path(tmp_path, 0)) as journal:
+        paths = write_shards(tmp_path, [[(i, 3)] for i in range(2)], on_written=lambda w: journal.append(vars(w)))
+    proc = verify_script(tmp_path, "--json")
+    report = json.loads(proc.stdout)
+    assert proc.returncode == report["exit_status"] == 3
+    assert (report["path"], report["shards"], report["samples"], report["problems"], report["damaged"]) == (
+        str(tmp_path), 2, 2, [], [])
+    assert report["unfinished"][0] == "the run has not finished (manifest.json status 'running')"
+    paths[1].write_bytes(b"not a shard")
+    damaged = json.loads(verify_script(tmp_path, "--json").stdout)
+    assert damaged["exit_status"] == 1 and damaged["damaged"] == [paths[1].name]
+    both = verify_script(tmp_path, "--sample", "s0")
+    assert both.returncode == 2 and "give one of them" in both.stderr, both.stderr
