@@ -49,6 +49,12 @@ from offline_extract.training.export import DEFAULT_ROWS_PER_FOLDER, FORMATS, Ex
                    "without this it is refused, saying how many samples are missing.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (e.g. for logs).")
 def main(out_dir, dest, format_, rows_per_folder, gzipped, allow_partial, no_progress):
+    ctx = click.get_current_context()
+    given = [option for name, option in (("rows_per_folder", "--rows-per-folder"), ("gzipped", "--gzip/--no-gzip"))
+             if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+    if format_ != "specforge" and given:
+        # Dropped silently, they would leave an export other than the one asked for.
+        raise click.UsageError(f"{' and '.join(given)}: for --format specforge only, not {format_}")
     try:
         options = {"rows_per_folder": rows_per_folder, "gzipped": gzipped} if format_ == "specforge" else {}
         summary = export(format_, out_dir, dest, progress=not no_progress, allow_partial=allow_partial, **options)

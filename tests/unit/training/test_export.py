@@ -276,6 +276,15 @@ def test_specforge_export_uses_each_recipes_keys(tmp_path, recipe, keys):
         export_speculators(out, tmp_path / "spec", progress=False)
 
 
+@pytest.mark.parametrize("options, named", [(["--gzip"], "--gzip/--no-gzip"), (["--no-gzip"], "--gzip/--no-gzip"),
+                                             (["--rows-per-folder", "10"], "--rows-per-folder")])
+def test_specforge_options_are_refused_for_speculators(pre_norm_dir, tmp_path, options, named):
+    # They were dropped silently.
+    refused = run_script("--format", "speculators", pre_norm_dir, "--to", tmp_path / "spec", *options)
+    assert refused.returncode == 2 and f"Error: {named}: for --format specforge only, not speculators" in refused.stderr
+    assert not (tmp_path / "spec").exists()
+
+
 def test_script_exports_to_speculators(pre_norm_dir, tmp_path):
     done = run_script("--format", "speculators", pre_norm_dir, "--to", tmp_path / "spec", "--no-progress")
     assert done.returncode == 0, done.stderr
