@@ -89,8 +89,13 @@ def identity_of(facts: dict, data: Sequence[str | os.PathLike]) -> dict:
 
 
 def run_differences(old: dict, new: dict) -> list[str]:
-    """How two identities' shards differ, one line per run fact; shards that differ are never one data set."""
-    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in IDENTITY_KEYS if old.get(key) != new.get(key)]
+    """How two identities' shards differ, one line per run fact; shards that differ are never one data set.
+    Where they differ, the two model paths lead when they differ too: the hashes alone do not say which is
+    which (a model copied elsewhere, same hashes, is no difference)."""
+    diffs = [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in IDENTITY_KEYS if old.get(key) != new.get(key)]
+    if diffs and old.get("model") != new.get("model"):
+        diffs.insert(0, f"model: {old.get('model')!r} -> {new.get('model')!r}")
+    return diffs
 
 
 def corpus_differences(old: dict, new: dict) -> list[str]:

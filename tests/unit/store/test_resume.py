@@ -176,6 +176,22 @@ def test_force_never_mixes_shards_of_another_model_tokenizer_layers_or_length_po
     assert manifest.load(out)["identity"] == manifest.run_identity(RUN, [corpus])
 
 
+def test_shards_of_another_model_are_refused_naming_both_models(tmp_path):
+    # The refusal listed only config_sha256 and weights hashes, which do not say which model wrote the shards.
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "a"}\n')
+    out = tmp_path / "out"
+    write_shards(out, [[(0, 2)]])
+    resume.claim(out, manifest.run_identity(RUN, [corpus]))
+    other = replace(RUN, model="/models/other", config_sha256="c2", weights="w2")
+    with pytest.raises(resume.TakeoverError) as refused:
+        resume.check_identity(out, manifest.run_identity(other, [corpus]), force=True)
+    assert str(refused.value).splitlines()[1:4] == [
+        "  model: 'synthetic' -> '/models/other'", "  config_sha256: 'c' -> 'c2'", "  weights: 'w' -> 'w2'"]
+    # The same model copied elsewhere is the same run.
+    assert resume.check_identity(out, manifest.run_identity(replace(RUN, model="/copy"), [corpus]), force=False) == []
+
+
 def test_a_directory_holding_no_complete_shard_is_taken_over(tmp_path):
     """A --strict run that stopped at a bad line wrote no shard; the fixed corpus simply starts again."""
     corpus = tmp_path / "c.jsonl"
