@@ -60,7 +60,8 @@ def _chosen(option: str) -> dict:
                    "unless HF_HUB_OFFLINE is set; the commit it resolved to is recorded. Default: the embedded tiny "
                    "random Llama, built locally, run on CPU.")
 @click.option("--device", type=click.Choice(choices("device")), default=None,
-              help="Default: cuda when a GPU is visible, else cpu.")
+              help="Default: cpu for the embedded tiny model (no --model); otherwise cuda when a GPU is visible, else "
+                   "cpu.")
 @click.option("--dtype", **_chosen("dtype"),
               help="Compute dtype (auto = the checkpoint's; float32 on CPU only, SGLang's CUDA kernels take half "
                    "precision). How the states are stored is --store's.")

@@ -119,6 +119,14 @@ def test_every_replicas_port_must_be_a_tcp_port(monkeypatch):
     preflight.check(ExtractOptions(data=(CORPUS,), tp=2, port_base=65532))
 
 
+def test_the_embedded_model_runs_on_the_cpu_unless_told_otherwise(tiny_model_dir, monkeypatch):
+    # As the README's main command and --model's help say; on a GPU machine it went to CUDA.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert preflight.check(ExtractOptions(data=(CORPUS,))).device == "cpu"
+    assert preflight.check(ExtractOptions(data=(CORPUS,), model=str(tiny_model_dir))).device == "cuda"
+    assert preflight.check(ExtractOptions(data=(CORPUS,), device="cuda")).device == "cuda"
+
+
 def test_refusals_come_before_sglang_or_transformers_is_imported(tmp_path):
     # A fresh interpreter, since this one may have imported SGLang for other tests.
     script = f"""
