@@ -219,8 +219,18 @@ def run_metadata(known: RunInfo, engine: Engine) -> RunInfo:
 def _sample_tokenizer(opts: ExtractOptions, model_dir: Path) -> SampleTokenizer:
     from transformers import AutoTokenizer
 
+    where = f"put the model's tokenizer files (tokenizer.json, or tokenizer.model) beside {model_dir / 'config.json'}"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=opts.trust_remote_code)
+    except (OSError, ValueError) as e:  # its words name neither the directory nor, often, the cause
+        raise ValueError(f"no tokenizer loads from {model_dir} ({where}): {e}") from e
+    if len(tokenizer) <= len(tokenizer.all_special_tokens):
+        # transformers 5 builds this for some model types (Qwen) from a directory without tokenizer files: text
+        # would tokenize to nothing, and every chat record would fail for want of a chat template.
+        raise ValueError(f"{model_dir} holds no tokenizer: transformers built one of special tokens alone "
+                         f"({', '.join(tokenizer.all_special_tokens) or 'none'}); {where}")
     return SampleTokenizer(
-        AutoTokenizer.from_pretrained(model_dir, trust_remote_code=opts.trust_remote_code),
+        tokenizer,
         max_length=opts.max_length,
         overlong=opts.overlong,
         trim_after_last_loss=opts.trim_after_last_loss,

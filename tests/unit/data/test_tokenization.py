@@ -328,3 +328,21 @@ def test_tokenizer_files_change_with_any_file_but_the_weights(tmp_path, monkeypa
     assert third != second
     monkeypatch.setattr("importlib.metadata.version", lambda name: "0.0.1")  # another transformers
     assert tokenizer_files(tmp_path) != third
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
+def test_a_model_directory_without_tokenizer_files_is_named(tiny_model_dir, tmp_path, model_type):
+    # Qwen: transformers built an empty tokenizer, so every chat record failed with "the tokenizer has no chat
+    # template" and every text record "tokenizes to zero tokens"; Llama: it raised its own words, naming no
+    # directory and advising to install sentencepiece.
+    from offline_extract import extraction
+    from offline_extract.options import ExtractOptions
+
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    with pytest.raises(ValueError) as refused:
+        extraction._sample_tokenizer(ExtractOptions(data=("c.jsonl",)), tmp_path)
+    message = str(refused.value)
+    assert str(tmp_path) in message.splitlines()[0]
+    assert f"put the model's tokenizer files (tokenizer.json, or tokenizer.model) beside {tmp_path / 'config.json'}" in message
+    assert extraction._sample_tokenizer(ExtractOptions(data=("c.jsonl",)), tiny_model_dir).vocab_size == config["vocab_size"]
