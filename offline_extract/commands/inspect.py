@@ -69,7 +69,8 @@ def main(path: str, sample_id: str | None, as_json: bool, verify: bool, allow_pa
         else:
             result = inspection.summarize(path, allow_partial)
     except ShardError as e:
-        raise click.ClickException(str(e)) from e
+        why = _left_out(Path(path), sample_id) if sample_id is not None else None
+        raise click.ClickException(f"{e}; {why}" if why else str(e)) from e
     if as_json:
         click.echo(json.dumps(result, indent=2))
     elif sample_id is not None:
@@ -77,3 +78,21 @@ def main(path: str, sample_id: str | None, as_json: bool, verify: bool, allow_pa
     else:
         inspection.render_summary(result, Console())
 
+
+
+def _left_out(out: Path, sample_id: str) -> str | None:
+    """Why the run holds no sample of this id, where its rejects.jsonl says (rejected, skipped or dropped)."""
+    from offline_extract.summary import REJECTS_FILE
+
+    rejects = out / REJECTS_FILE
+    if not rejects.is_file():
+        return None
+    for line in rejects.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a damaged line is not this command's to judge; the sample is still not there
+            continue
+        # A record too broken to give its id (invalid JSON) is known by the id it would have had: NAME:LINE.
+        if sample_id in (row["id"], f"{Path(row['source']).name}:{row['line']}"):
+            return f"{REJECTS_FILE} lists it as {row['kind']} ({row['source']}:{row['line']}): {row['reason']}"
+    return None

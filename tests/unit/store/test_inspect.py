@@ -159,6 +159,23 @@ def test_script_errors_name_what_is_wrong(tmp_path):
     assert f"{missing} is neither a shard file nor an output directory" in result.stderr
 
 
+def test_a_sample_the_run_left_out_is_said_why(tmp_path):
+    # It said only "no sample with id ...", though rejects.jsonl says why.
+    write_known(tmp_path)
+    rows = [{"source": "/data/c.jsonl", "line": 7, "index": 6, "id": "too-long", "kind": "skipped",
+             "reason": "5000 tokens > --max-length 4096"},
+            {"source": "/data/c.jsonl", "line": 9, "index": 8, "id": None, "kind": "rejected", "reason": "invalid JSON"}]
+    (tmp_path / "rejects.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows) + "{damaged\n")
+    skipped = run_script(tmp_path, "--sample", "too-long", cwd=tmp_path)
+    assert skipped.returncode == 1 and "Traceback" not in skipped.stderr
+    assert skipped.stderr.strip() == (f"Error: no sample with id 'too-long' in {tmp_path}; rejects.jsonl lists it as "
+                                      f"skipped (/data/c.jsonl:7): 5000 tokens > --max-length 4096")
+    unnamed = run_script(tmp_path, "--sample", "c.jsonl:9", cwd=tmp_path)
+    assert unnamed.stderr.strip().endswith("rejects.jsonl lists it as rejected (/data/c.jsonl:9): invalid JSON")
+    nowhere = run_script(tmp_path, "--sample", "nope", cwd=tmp_path)
+    assert nowhere.returncode == 1 and nowhere.stderr.strip() == f"Error: no sample with id 'nope' in {tmp_path}"
+
+
 def test_sample_view_splits_tokens_by_loss_mask(tmp_path):
     write_known(tmp_path)
     write_index(tmp_path)
