@@ -62,7 +62,9 @@ class Summary:
         ]
         if self.tokens or self.shards:
             lines += [
-                f"tokens {self.tokens:,}: {self.tokens / max(self.extract_seconds, 1e-9):,.0f} tok/s over "
+                # A resumed run's count is of this attempt's samples alone, not of the corpus.
+                f"tokens {self.tokens:,}{' extracted now' if self.resumed else ''}: "
+                f"{self.tokens / max(self.extract_seconds, 1e-9):,.0f} tok/s over "
                 f"{self.extract_seconds:.1f} s of extraction ({self.seconds:.1f} s with start-up)",
                 f"{plural(len(self.shards), 'new shard')}, {self.bytes_written / 1e9:.3f} GB -> {out}",
             ]

@@ -127,3 +127,14 @@ def test_records_after_the_last_batch_still_reach_the_bar():
     tally.resumed()  # a fully resumed run: records read, no batch ever formed
     tally.resumed()
     assert tally.records_read() == 2 and tally.records_read() == 0
+
+
+def test_a_resumed_runs_token_count_says_it_is_this_attempts():
+    # "records 3000: extracted 3000 (2008 by earlier attempts)" was followed by "tokens 538,879: ...", the
+    # tokens of the 992 samples extracted now, read as the corpus's.
+    from offline_extract.summary import Summary
+
+    resumed = Summary(records=3, extracted=1, resumed=2, tokens=500, extract_seconds=2.0, seconds=3.0, shards=["s"])
+    assert resumed.report("out").splitlines()[1] == "tokens 500 extracted now: 250 tok/s over 2.0 s of extraction (3.0 s with start-up)"
+    whole = Summary(records=3, extracted=3, tokens=500, extract_seconds=2.0, seconds=3.0, shards=["s"])
+    assert whole.report("out").splitlines()[1].startswith("tokens 500: 250 tok/s")
