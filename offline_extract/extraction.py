@@ -251,11 +251,18 @@ def dry_run(opts: ExtractOptions) -> planning.Plan:
     without loading the model."""
     checked = preflight.check(opts)
     out = Path(opts.out)
+    known = None
     if out.is_dir() and shard_paths(out):  # only then: the run's facts include the weights', which a dry run may lack
-        resume.check_before_loading(out, _known_before_loading(opts, checked), checked.corpus_paths, opts.force)
+        known = _known_before_loading(opts, checked)
+        resume.check_before_loading(out, known, checked.corpus_paths, opts.force)
     model = checked.model
-    return planning.plan(opts.data, _sample_tokenizer(opts, model.path), opts.out, model.hidden_size,
-                         _num_aux_layers(checked), encoding(opts), strict=opts.strict)
+    tokenizer = _sample_tokenizer(opts, model.path)
+    plan = planning.plan(opts.data, tokenizer, opts.out, model.hidden_size, _num_aux_layers(checked), encoding(opts),
+                         strict=opts.strict)
+    if known is None:
+        return plan
+    finished = resume.finished(out, replace(known, **tokenizer.fingerprint()), checked.corpus_paths)
+    return replace(plan, finished=finished is not None)
 
 
 def _num_aux_layers(checked: preflight.Checked) -> int:

@@ -40,6 +40,8 @@ class Plan:
     first_rejects: tuple[Reject, ...] = ()
     # Of total_bytes, what --compress zstd compresses (the states), sized before compression.
     compressible_bytes: int = 0
+    # --out already holds this run's finished output: the run says "already complete" and extracts nothing.
+    finished: bool = False
 
     @property
     def total_bytes(self) -> int:
@@ -72,8 +74,9 @@ class Plan:
         return f"fits only if {condition} (unknown until they are written)" if condition else "DOES NOT FIT"
 
     def refusal(self, out: str | Path) -> str | None:
-        """Why the dry run says no to running into `out` as it stands (--force overrides); None: it fits."""
-        if self.fits:
+        """Why the dry run says no to running into `out` as it stands (--force overrides); None: it fits, or
+        the run has nothing left to write."""
+        if self.fits or self.finished:
             return None
         condition = self._zstd_condition()
         if condition is None:
@@ -133,6 +136,8 @@ def render(p: Plan, out: str | Path) -> str:
     lines.append(f"free at {out}: {human_bytes(p.free_bytes)} -> {p.verdict()}")
     if not p.writable:
         lines.append(f"{out} cannot be written here (read-only, or no permission)")
+    if p.finished:
+        lines.append(f"{out} already holds this run's finished output: running it extracts nothing")
     return "\n".join(lines)
 
 

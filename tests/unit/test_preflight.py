@@ -6,13 +6,14 @@ import shutil
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 from extract_runs import REVISION, ROOT, hub_cache
 from small_shards import write_shards
 
-from offline_extract import extraction, hub, preflight
+from offline_extract import extraction, hub, planning, preflight
 from offline_extract.data.corpus import BadRecordError, Reject, read_corpus
 from offline_extract.default_model import TINY_VERSION
 from offline_extract.testing.models import ARCHITECTURES, build_model
@@ -109,6 +110,27 @@ def test_a_dry_run_refuses_an_out_holding_another_runs_shards_as_the_real_run_wi
             extraction.dry_run(replace(opts, **change))
         assert f"{out} holds shards of a different run" in str(refused.value) and line in str(refused.value)
     assert manifest.load(out) == recorded
+
+
+def test_a_dry_run_into_this_runs_finished_output_says_the_run_would_extract_nothing(tmp_path):
+    # It sized the whole corpus and said "fits", as if the run would extract it again.
+    out = tmp_path / "out"
+    opts = ExtractOptions(data=(CORPUS,), out=str(out))
+    checked = preflight.check(opts)
+    fingerprint = extraction._sample_tokenizer(opts, checked.model.path).fingerprint()
+    ran = replace(extraction._known_before_loading(opts, checked), layer_ids=(1, 3, 4), compute_dtype="float32",
+                  **fingerprint)
+    write_shards(out, [[(0, 2)]])
+    resume.claim(out, manifest.run_identity(ran, checked.corpus_paths))
+    assert not extraction.dry_run(opts).finished, "an unfinished run is resumed, not complete"
+    manifest.consolidate(out, identity=manifest.run_identity(ran, checked.corpus_paths), status="complete")
+    plan = extraction.dry_run(opts)
+    assert plan.finished and plan.refusal(out) is None
+    assert planning.render(plan, out).splitlines()[-1] == (
+        f"{out} already holds this run's finished output: running it extracts nothing")
+    grown = tmp_path / "grown.jsonl"
+    grown.write_text(Path(CORPUS).read_text() + '{"text": "one more"}\n')
+    assert not extraction.dry_run(replace(opts, data=(str(grown),), force=True)).finished, "records to add"
 
 
 def test_every_replicas_port_must_be_a_tcp_port(monkeypatch):
