@@ -16,6 +16,7 @@ import torch
 from offline_extract import hub
 from offline_extract.data.sources import Source, open_sources
 from offline_extract.default_model import ensure_tiny_model
+from offline_extract.engine.distributed import layout_from_env
 from offline_extract.engine.parity import wrapped_text_config
 from offline_extract.engine.sglang_adapter import (
     CONTEXT_KEYS, capture_rule, check_engine_choices, context_length, validate_layer_ids,
@@ -76,7 +77,7 @@ def check(opts: ExtractOptions) -> Checked:
         raise ValueError(f"--mem-fraction-static is a fraction of the GPU's memory, above 0 and at most 1, got {opts.mem_fraction_static}")
     if opts.port_base is not None:
         # SGLang takes any integer and refuses it only once the model is loaded, without naming the option.
-        replicas = max(int(os.environ.get("WORLD_SIZE", "1")) // opts.tp, 1)
+        replicas = layout_from_env(opts.tp).dp_size
         last = 65536 - replicas
         if not 1 <= opts.port_base <= last:
             each = f" for {replicas} data-parallel replicas (each uses port-base + its rank)" if replicas > 1 else ""

@@ -79,7 +79,6 @@ def main(path: str, sample_id: str | None, as_json: bool, verify: bool, allow_pa
         inspection.render_summary(result, Console())
 
 
-
 def _left_out(out: Path, sample_id: str) -> str | None:
     """Why the run holds no sample of this id, where its rejects.jsonl says (rejected, skipped or dropped)."""
     from offline_extract.summary import REJECTS_FILE
