@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
 from offline_extract.engine.parity import MOE_HALF_MIN_MEDIAN_COSINE
@@ -36,6 +37,8 @@ FAMILIES = {
     "Kimi-K2.5 (text)": ("kimi_k25", True, None),
 }
 GPU_BACKENDS = ("flashinfer", "fa3")
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
+from test_gpu_architectures import ARCH_BACKENDS  # noqa: E402  the backends SGLang runs a family on, where not all
 START, END = "<!-- parity-table -->", "<!-- /parity-table -->"
 
 
@@ -66,10 +69,11 @@ def _cpu(result: dict | None) -> str:
     return f"{verdict}, {result['dtype']}: max rel {rel:.1e} (max abs {max(r['max_abs'] for r in rows):.1e})"
 
 
-def _gpu(result: dict | None, moe: bool) -> str:
+def _gpu(result: dict | None, moe: bool, arch: str, backend: str) -> str:
     """The product's gate as --verify applies it: on a MoE model, against HF on the engine's experts."""
     if result is None:
-        return "pending"
+        runs_on = ARCH_BACKENDS.get(arch, [backend])
+        return "pending" if backend in runs_on else f"— (SGLang runs it on {' and '.join(runs_on)} only)"
     if moe and "forced_routing" in result:
         return _states(result["forced_routing"]["rows"], moe=True) + " (HF on the engine's experts)"
     return _states(result["rows"], moe=moe) + (" (unforced)" if moe else "")
@@ -116,9 +120,9 @@ def table(results: Path) -> str:
         "|---|---|---|---|---|---|",
     ]
     for family, (arch, moe, fmt) in FAMILIES.items():
-        others = [f"{b}: {_gpu(r, moe)}" for b in GPU_BACKENDS if (r := _load(results, f"{arch}-{b}"))]
+        others = [f"{b}: {_gpu(r, moe, arch, b)}" for b in GPU_BACKENDS if (r := _load(results, f"{arch}-{b}"))]
         lines.append(
-            f"| {family} | {_cpu(_load(results, f'{arch}-cpu'))} | {_gpu(_load(results, f'{arch}-triton'), moe)} | "
+            f"| {family} | {_cpu(_load(results, f'{arch}-cpu'))} | {_gpu(_load(results, f'{arch}-triton'), moe, arch, 'triton')} | "
             f"{'; '.join(others) or 'pending'} | {_forced(results, arch, moe)} | {_quantized(results, arch, fmt)} |"
         )
     return "\n".join(lines)
