@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue 21's end-to-end target within one device call: ours and SpecForge 0.2.0, each on its first run on a fresh
+# machine of two H200s (the SGLang 0.5.17 bundle and the peer bundle staged, README.md here), side by side on the
+# same lognormal records, each on a GPU of its own:
+#   bash benchmarks/peers/end_to_end.sh RESULTS_DIR
+# GPU 0: bin/extract.py --verify 8 as users type it, then the same command again (benchmarks/main_job.sh into
+# RESULTS_DIR/ours: each run's seconds from launch to exit in steps.jsonl, its start-up and token lines in its log).
+# GPU 1: SpecForge through run_peers.sh into RESULTS_DIR/specforge (its row's notes: wall_s from launch to exit,
+# end_to_end_tok_s), whose bench then measures ours in steady state and cross-checks the states. main_job.py draws
+# the bench's records with the same generator and seed, so both read the same samples. The two share the host's
+# cores and disk, as two jobs on one node would; neither has compiled anything before (run nothing of ours on the
+# machine first). E2E_SECONDS (default 540) bounds both sides.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+results=$(realpath -m "$1") seconds=${E2E_SECONDS:-540}
+mkdir -p "$results"
+model=/dev/shm/offline_extract_peers_llama3_8b
+bash benchmarks/make_8b_model.sh "$model" >"$results/model.log" 2>&1 || { tail "$results/model.log"; exit 1; }
+(
+  export CUDA_VISIBLE_DEVICES=0 MAIN_JOB_SECONDS=$seconds MAIN_JOB_STEPS="corpus extract_cold extract_warm"
+  bash benchmarks/main_job.sh "$results/ours" 240000
+) &
+(
+  export CUDA_VISIBLE_DEVICES=1 OUT=$results/specforge PEERS_BASELINES=specforge
+  timeout -s TERM "$seconds" bash benchmarks/peers/run_peers.sh >"$results/specforge.out" 2>&1
+) &
+wait
