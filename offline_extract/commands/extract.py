@@ -8,15 +8,15 @@ A node (data parallel, tensor parallel, or both; any number of nodes with --nnod
     torchrun --nproc-per-node 8 bin/extract.py --model /models/big --tp 4 --data corpus.jsonl --out /data/hs
 
 \b
-Input: JSONL (plain or gzip), parquet, a datasets.save_to_disk folder or a hub data set; records
-(lines or rows) of any mix of
+Input: JSONL (plain or gzip), a .json file of one JSON array, parquet, a datasets.save_to_disk folder
+or a hub data set; records (lines, array elements or rows) of any mix of
     {"conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}]}   (ShareGPT)
     {"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]} (OpenAI)
     {"text": ...}                                     (plain text, every token in the loss)
     {"input_ids": [...], "loss_mask": [...]}          (pre-tokenized; loss_mask optional)
 with an optional "id". OpenAI content may be a list of {"type": "text", "text": ...} parts (joined
 with newlines). Chats are rendered with the model's own chat template; the loss mask covers assistant
-tokens only. Bad records go to OUT/rejects.jsonl with source, line (or row) and reason; the run goes
+tokens only. Bad records go to OUT/rejects.jsonl with source, line (element, row) and reason; the run goes
 on (--strict: it stops at the first).
 
 \b
@@ -50,7 +50,8 @@ def _chosen(option: str) -> dict:
 @command(help=__doc__)
 @click.option("--data", "data", multiple=True, required=True,
               help="Corpus: a .jsonl or .jsonl.gz file (JSONL also through a pipe, read once: not with --strict "
-                   "or torchrun), a .parquet file, a datasets.save_to_disk folder, or a hub "
+                   "or torchrun), a .json file of one JSON array (read whole into memory: convert a large one to "
+                   "JSONL), a .parquet file, a datasets.save_to_disk folder, or a hub "
                    "data set id (org/name, or org/name:split; the local hub cache first, HF_HUB_OFFLINE honoured). "
                    "Repeat for several (records are numbered across them in order).")
 @click.option("--out", default=default("out"), show_default=True, type=click.Path(file_okay=False),

@@ -1,8 +1,8 @@
 """Streaming reader for corpora in the ShareGPT, OpenAI, plain-text and pre-tokenized formats, from any
-of the sources in `sources` (JSONL, gzip JSONL, parquet, saved or hub data sets).
+of the sources in `sources` (JSONL, gzip JSONL, a JSON array, parquet, saved or hub data sets).
 
-Every record (a non-blank line, or a row) becomes either a `Record` or a `Reject`; nothing is dropped
-silently, and a bad record never stops the ones after it from being read.
+Every record (a non-blank line, an array's element, or a row) becomes either a `Record` or a `Reject`;
+nothing is dropped silently, and a bad record never stops the ones after it from being read.
 """
 from __future__ import annotations
 

@@ -1,14 +1,18 @@
-"""Where a corpus's records come from: JSONL (plain or gzip), parquet, a `datasets.save_to_disk` folder,
-or a data set on the hub named "org/name" (or "org/name:split").
+"""Where a corpus's records come from: JSONL (plain or gzip), a `.json` file holding one JSON array of
+records, parquet, a `datasets.save_to_disk` folder, or a data set on the hub named "org/name" (or
+"org/name:split").
 
 Each source yields its records in a fixed order with a 1-based position: the line for JSONL (blank lines
-keep their number), the row for the tabular kinds. Records are numbered across sources in the order given,
-and a reject names its source and that position, whatever the kind.
+keep their number), the element for a JSON array, the row for the tabular kinds. Records are numbered
+across sources in the order given, and a reject names its source and that position, whatever the kind.
 """
 from __future__ import annotations
 
+import array
 import gzip
 import json
+import os
+import re
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -17,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from offline_extract import hub
+from offline_extract.words import plural
 
 _GZIP_MAGIC = b"\x1f\x8b"
 _PARQUET_MAGIC = b"PAR1"
@@ -25,6 +30,9 @@ _SAVED_DATASET = ("state.json", "dataset_dict.json")
 # File names that say "a local file", never a hub id, when nothing is found at them.
 _FILE_SUFFIXES = (".jsonl", ".json", ".gz", ".parquet", ".arrow")
 _ROWS_PER_BATCH = 1024
+_BLANK = b" \t\r\n"  # JSON's whitespace
+_BLANKS = re.compile(r"[ \t\r\n]*")
+_BOM = b"\xef\xbb\xbf"
 
 
 class CorpusReadError(ValueError):
@@ -34,7 +42,8 @@ class CorpusReadError(ValueError):
 @dataclass(frozen=True)
 class Source:
     """One --data entry. `path` is what lies on disk (a hub data set's cached snapshot), `name` the entry
-    as given, which rejects and derived ids use; `kind` is one of jsonl, jsonl.gz, parquet, saved, hub."""
+    as given, which rejects and derived ids use; `kind` is one of jsonl, jsonl.gz, json (one JSON array),
+    parquet, saved, hub."""
 
     name: str
     path: Path
@@ -53,12 +62,15 @@ class Source:
         return self.name if self.kind == "hub" else self.path.name
 
     def rows(self) -> Iterator[tuple[int, bytes | dict]]:
-        """(position, raw JSONL line) for JSONL, (position, row) for the tabular kinds. A file that breaks
-        off part-way (a truncated or damaged gzip, an I/O error) raises CorpusReadError naming it."""
+        """(position, raw JSONL line) for JSONL, (position, the element's JSON text) for a JSON array,
+        (position, row) for the tabular kinds. A file that breaks off part-way (a truncated or damaged gzip,
+        an I/O error) raises CorpusReadError naming it; a damaged JSON array does before its first record."""
         position = 0
         try:
             for position, row in self._rows():
                 yield position, row
+        except CorpusReadError:
+            raise
         except (OSError, EOFError, zlib.error, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
             past = f" past {'line' if self.kind.startswith('jsonl') else 'row'} {position}" if position else ""
             raise CorpusReadError(
@@ -69,6 +81,14 @@ class Source:
         if self.kind in ("jsonl", "jsonl.gz"):
             with (gzip.open if self.kind == "jsonl.gz" else open)(self.path, "rb") as f:
                 yield from ((line, raw) for line, raw in enumerate(f, start=1) if raw.strip())
+            return
+        if self.kind == "json":
+            text = _json_text(self.path)
+            # Every element's place first, so that a damaged array is named before any of its records is used.
+            bounds = self._elements(text)
+            # Each element's own bytes, which the corpus validates as it does a JSONL line: one rule for both.
+            yield from ((i + 1, text[bounds[2 * i]:bounds[2 * i + 1]].encode("utf-8", "surrogateescape"))
+                        for i in range(len(bounds) // 2))
             return
         yield from enumerate((_present(row) for batch in self._batches() for row in batch), start=1)
 
@@ -94,6 +114,37 @@ class Source:
                     batch = []
             yield batch
 
+    def _elements(self, text: str) -> array.array:
+        """Start and end of each element of the JSON array `text`, flat; CorpusReadError naming the file and
+        the line and column where it stops being one."""
+        decoder = json.JSONDecoder()
+        bounds = array.array("q")
+        at = _BLANKS.match(text, _BLANKS.match(text).end() + 1).end()  # past the "[" open_source found
+        closed = text.startswith("]", at)
+        try:
+            while not closed:
+                try:
+                    _, end = decoder.raw_decode(text, at)
+                except json.JSONDecodeError:
+                    raise
+                except (ValueError, RecursionError) as e:  # integers past Python's digit limit, absurd nesting
+                    raise json.JSONDecodeError(f"{e}, in the element starting", text, at) from None
+                bounds.extend((at, end))
+                at = _BLANKS.match(text, end).end()
+                closed = text.startswith("]", at)
+                if not closed:
+                    if not text.startswith(",", at):
+                        raise json.JSONDecodeError("Expecting ',' or ']' after an element", text, at)
+                    at = _BLANKS.match(text, at + 1).end()
+            if (after := _BLANKS.match(text, at + 1).end()) < len(text):
+                raise json.JSONDecodeError("Extra data after the array's closing ']'", text, after)
+        except json.JSONDecodeError as e:
+            raise CorpusReadError(
+                f"{self.name} is not a valid JSON array: {e.msg} at line {e.lineno} column {e.colno} "
+                f"(after {plural(len(bounds) // 2, 'element')}; a truncated or damaged file?)"
+            ) from e
+        return bounds
+
     def _saved(self):
         import datasets
 
@@ -111,6 +162,11 @@ class Source:
                 return _count_lines(self.path, gzip.open)
             except (OSError, EOFError, zlib.error):
                 return None  # a damaged file: the reader names it when it gets there
+        if self.kind == "json":
+            try:
+                return len(self._elements(_json_text(self.path))) // 2
+            except (OSError, CorpusReadError):
+                return None  # the reader names it
         if self.kind == "parquet":
             import pyarrow.parquet as pq
 
@@ -137,6 +193,31 @@ def _count_lines(path: Path, opener=open) -> int:
             n += int(after_newline and not newline[0]) + int((newline[:-1] & ~newline[1:]).sum())
             after_newline = bool(newline[-1])
     return n
+
+
+def _json_text(path: Path) -> str:
+    """A JSON file's text, whole. Bytes that are not UTF-8 are kept (as surrogate escapes) for the element
+    that holds them to be rejected as a JSONL line with them is; any other place makes the array invalid."""
+    return path.read_bytes().removeprefix(_BOM).decode("utf-8", "surrogateescape")
+
+
+def _outer_byte(path: Path, last: bool = False) -> bytes:
+    """The file's first (last: last) byte that is not JSON whitespace, nor the BOM at its start; b"" for a
+    blank file. Reads only as far as it has to."""
+    block = 1 << 16
+    with open(path, "rb") as f:
+        if not last:
+            chunk = f.read(block).removeprefix(_BOM).lstrip(_BLANK)
+            while not chunk and (more := f.read(block)):
+                chunk = more.lstrip(_BLANK)
+            return chunk[:1]
+        end = f.seek(0, os.SEEK_END)
+        while end > 0:
+            f.seek(start := max(end - block, 0))
+            if chunk := f.read(end - start).rstrip(_BLANK):
+                return chunk[-1:]
+            end = start
+    return b""
 
 
 def _check_parquet_footer(name: str, path: Path) -> None:
@@ -182,6 +263,11 @@ def open_source(name: str) -> Source:
         if magic == _PARQUET_MAGIC:
             _check_parquet_footer(name, path)
             return Source(name, path, "parquet")
+        if path.suffix == ".json" and _outer_byte(path) == b"[":
+            # The usual truncation (a copy cut short) leaves the array open: named now, not once the model has loaded.
+            if _outer_byte(path, last=True) != b"]":
+                raise CorpusReadError(f"{name} is a JSON array that does not end with its closing ']' (a truncated file?)")
+            return Source(name, path, "json")
         if path.suffix == ".parquet":
             # Read as JSONL, its every line would be rejected as invalid JSON, far from the cause.
             raise CorpusReadError(f"{name} is not a parquet file: it does not begin with parquet's magic bytes PAR1 "

@@ -1,3 +1,4 @@
+import json
 import re
 import shutil
 from collections import namedtuple
@@ -8,6 +9,7 @@ from extract_runs import ROOT
 from transformers import AutoTokenizer
 
 from offline_extract import planning
+from offline_extract.data.corpus import BadRecordError
 from offline_extract.data.tokenization import SampleTokenizer
 from offline_extract.store.schema import Encoding
 
@@ -23,6 +25,20 @@ def test_plan_counts_what_extraction_would_write(tiny_model_dir, tmp_path):
     assert p.bytes_by_tensor["aux_hidden_states"] == tokens * 3 * 64 * 2
     assert p.bytes_by_tensor["hidden_states"] == tokens * 64 * 2
     assert p.fits and "fits" in planning.render(p, tmp_path)
+
+
+def test_a_json_array_corpus_plans_as_its_jsonl_does_and_names_a_bad_element_by_its_place(tiny_model_dir, tmp_path):
+    records = [json.loads(line) for line in CORPUS.read_text().splitlines()]
+    corpus = tmp_path / "corpus.json"
+    corpus.write_text(json.dumps(records[:5] + [{"text": ""}] + records[5:], indent=2))
+    tok = SampleTokenizer(AutoTokenizer.from_pretrained(tiny_model_dir), max_length=4096)
+    p = planning.plan([corpus], tok, tmp_path / "out", hidden_size=64, num_aux_layers=3)
+    assert (p.records, p.samples, p.rejected, p.tokens, p.loss_tokens) == (25, 24, 1, 1381, 842)
+    assert planning.render(p, tmp_path / "out").splitlines()[1] == (
+        f"  rejected {corpus}:6 (id 'corpus.json:6'): text is empty"
+    )
+    with pytest.raises(BadRecordError, match=rf"^{corpus}:6 \(id 'corpus.json:6'\): text is empty \(--strict stops"):
+        planning.plan([corpus], tok, tmp_path / "out", hidden_size=64, num_aux_layers=3, strict=True)
 
 
 def test_plan_says_when_output_does_not_fit(tiny_model_dir, tmp_path, monkeypatch):

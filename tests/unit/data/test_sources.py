@@ -1,5 +1,5 @@
-"""Corpora in the forms people keep them: JSONL, gzip JSONL, parquet, a datasets.save_to_disk folder and a
-hub data set (from the local cache, offline), read into the same records and rejects."""
+"""Corpora in the forms people keep them: JSONL, gzip JSONL, a .json file of one JSON array, parquet, a
+datasets.save_to_disk folder and a hub data set (from the local cache, offline), read into the same records and rejects."""
 import gzip
 import json
 import shutil
@@ -36,6 +36,8 @@ def forms(tmp_path, offline_hub):
 
     text = "".join(json.dumps(row) + "\n" for row in ROWS)
     (tmp_path / "c.jsonl").write_text(text)
+    # Pretty-printed, as ShareGPT-style files are: an element spans many lines.
+    (tmp_path / "c.json").write_text(json.dumps(ROWS, indent=2))
     with gzip.open(tmp_path / "c.jsonl.gz", "wt") as f:
         f.write(text)
     pq.write_table(pa.Table.from_pylist(_table(ROWS)), tmp_path / "c.parquet")
@@ -43,7 +45,7 @@ def forms(tmp_path, offline_hub):
     (tmp_path / "chats" / "data").mkdir(parents=True)
     (tmp_path / "chats" / "data" / "train.jsonl").write_text(text)
     hub_cache(offline_hub, "org/chats", tmp_path / "chats", kind="datasets")
-    return {name: str(tmp_path / name) for name in ("c.jsonl", "c.jsonl.gz", "c.parquet", "saved")} | {
+    return {name: str(tmp_path / name) for name in ("c.jsonl", "c.jsonl.gz", "c.json", "c.parquet", "saved")} | {
         "hub": "org/chats"
     }
 
@@ -65,6 +67,7 @@ def test_every_form_gives_the_same_records_numbering_and_rejects(forms):
         assert [_outcome(item) for item in items] == expected, name
         assert {item.source for item in items} == {data}, name
     assert next(r for r in read_corpus([forms["c.parquet"]]) if r.index == 3).id == "c.parquet:4"
+    assert next(r for r in read_corpus([forms["c.json"]]) if r.index == 3).id == "c.json:4"
     assert next(r for r in read_corpus([forms["hub"]]) if r.index == 3).id == "org/chats:4"
 
 
@@ -78,7 +81,7 @@ def test_records_are_numbered_across_sources_of_different_kinds(forms):
 
 def test_sources_say_how_many_records_they_hold_where_they_can(forms):
     counts = {name: open_source(data).count() for name, data in forms.items()}
-    assert counts == {"c.jsonl": 5, "c.jsonl.gz": 5, "c.parquet": 5, "saved": 5, "hub": None}
+    assert counts == {"c.jsonl": 5, "c.jsonl.gz": 5, "c.json": 5, "c.parquet": 5, "saved": 5, "hub": None}
 
 
 def test_a_saved_dataset_dict_needs_its_split_named(tmp_path):
@@ -156,3 +159,57 @@ def test_a_parquet_name_on_other_bytes_is_named_before_anything_is_read(tmp_path
     path.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 42\n")
     with pytest.raises(CorpusReadError, match=rf"^{path} is not a parquet file: it does not begin with .*PAR1"):
         open_source(str(path))
+
+
+def test_a_json_array_is_read_element_by_element_and_each_is_judged_as_a_jsonl_line_is(tmp_path):
+    path = tmp_path / "chats.json"
+    # A BOM and blank lines around the array, an element that is not an object, bytes that are not UTF-8 and an
+    # unpaired surrogate escape, each inside one element: that element alone is rejected, as its line would be.
+    path.write_bytes(b"\xef\xbb\xbf\n  [\n" + b",\n".join([
+        json.dumps(ROWS[0], indent=2).encode(), b"[1, 2]", b'{"text": "caf\xe9"}', b'{"text": "\\ud800"}',
+        json.dumps(ROWS[1]).encode(),
+    ]) + b"\n]\n\n")
+    items = list(read_corpus([path]))
+    assert [(item.line, item.index) for item in items] == [(i, i - 1) for i in range(1, 6)]
+    assert [item.reason if not isinstance(item, Record) else item.id for item in items] == [
+        "a",
+        "expected a JSON object, got array",
+        "not valid UTF-8: invalid continuation byte at byte 14",
+        "contains an unpaired surrogate escape \\ud800, which is not valid text",
+        "b",
+    ]
+    assert [item.id for item in items[1:4]] == [None, None, "chats.json:4"]
+    assert open_source(str(path)).count() == 5
+    path.write_text(" [ ] ")
+    assert list(read_corpus([path])) == [] and open_source(str(path)).count() == 0
+
+
+def test_a_json_file_of_jsonl_is_still_read_line_by_line(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    assert open_source(str(path)).kind == "jsonl"
+    assert [(item.line, item.index) for item in read_corpus([path])] == [(i, i - 1) for i in range(1, 6)]
+
+
+def test_a_damaged_json_array_is_named_with_its_line_and_column_before_any_record_is_read(tmp_path):
+    path = tmp_path / "c.json"
+    text = json.dumps(ROWS, indent=2)
+    path.write_text(text[: len(text) // 2] + "\n\n")
+    with pytest.raises(CorpusReadError, match=rf"^{path} is a JSON array that does not end with its closing '\]' "
+                                              rf"\(a truncated file\?\)$"):
+        open_source(str(path))
+
+    # Damage that leaves the closing bracket: a missing comma between the second and third elements.
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line == "  },") + 1
+    lines[at - 1] = "  }"
+    path.write_text("\n".join(lines))
+    read = read_corpus([path])
+    with pytest.raises(CorpusReadError, match=rf"^{path} is not a valid JSON array: Expecting ',' or '\]' after an "
+                                              rf"element at line {at + 1} column 3 \(after 1 element; a truncated"):
+        next(read)  # the first record is not handed out before the damage after it is found
+    assert open_source(str(path)).count() is None, "counting for the ETA leaves the error to the reader"
+
+    path.write_text(text + "\n[]")
+    with pytest.raises(CorpusReadError, match=r"Extra data after the array's closing '\]' at line \d+ column 1 "):
+        list(read_corpus([path]))
