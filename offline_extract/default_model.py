@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from offline_extract.options import cache_root
+
 TINY_VERSION = "1"
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -172,7 +174,9 @@ def random_checkpoint(
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get("OFFLINE_EXTRACT_CACHE") or Path.home() / ".cache" / "offline_extract"
+    """Where the embedded model is built: under OFFLINE_EXTRACT_CACHE if set (the tests point it at a temporary
+    folder), else under `options.cache_root()` beside the compiled kernels."""
+    root = os.environ.get("OFFLINE_EXTRACT_CACHE") or cache_root()
     return Path(root) / f"tiny-llama-v{TINY_VERSION}"
 
 

@@ -4,7 +4,9 @@ On the bottom floor, where importing it costs neither torch nor SGLang, so that 
 option answer at once. The command line takes its choices and defaults from here; the modules that
 implement a choice key their tables by these names and check a value with `check_choice`.
 """
+import os
 from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
 from typing import Literal, get_args, get_origin, get_type_hints
 
 Device = Literal["cuda", "cpu"]
@@ -20,6 +22,12 @@ Compression = Literal["none", "zstd"]  # store/codecs.py
 DEFAULT_TOKENS_PER_BATCH = {"cuda": 16384, "cpu": 4096}
 # port_base when not given, under torchrun (alone, any free port serves; engine/distributed.py).
 DEFAULT_PORT_BASE = 29600
+
+
+def cache_root() -> Path:
+    """Where what is built once per machine is kept (the embedded model; compiled kernels, --jit-cache's
+    default): $XDG_CACHE_HOME/offline_extract, else ~/.cache/offline_extract, as other tools keep theirs."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "offline_extract"
 
 
 @dataclass(frozen=True)

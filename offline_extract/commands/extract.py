@@ -59,7 +59,8 @@ def _chosen(option: str) -> dict:
 @click.option("--model", default=None,
               help="HF model directory, or a hub id (org/name) taken from the local hub cache, else downloaded "
                    "unless HF_HUB_OFFLINE is set; the commit it resolved to is recorded. Default: the embedded tiny "
-                   "random Llama, built locally, run on CPU.")
+                   "random Llama, built once into $XDG_CACHE_HOME/offline_extract (~/.cache/offline_extract), run "
+                   "on CPU.")
 @click.option("--device", type=click.Choice(choices("device")), default=None,
               help="Default: cpu for the embedded tiny model (no --model); otherwise cuda when a GPU is visible, else "
                    "cpu.")

@@ -9,7 +9,9 @@ import pytest
 from offline_extract.commands.extract import main as extract_command
 from offline_extract.engine.distributed import Layout
 from offline_extract.extraction import engine_config
-from offline_extract.options import FINAL_STATES, ExtractOptions, choices, default
+from offline_extract.default_model import TINY_VERSION, default_cache_dir
+from offline_extract.engine.sglang_adapter import default_jit_cache
+from offline_extract.options import FINAL_STATES, ExtractOptions, cache_root, choices, default
 from offline_extract.recipes import RECIPES
 from offline_extract.store.schema import STORES
 
@@ -86,3 +88,15 @@ def test_the_embedded_model_on_cpu_computes_in_float32_under_auto():
     cfg = engine_config(ExtractOptions(data=()), Layout(), Path("/tiny"), "cpu", 4096, None)
     assert cfg.dtype == "float32"
     assert engine_config(ExtractOptions(data=(), model="m"), Layout(), Path("/m"), "cpu", 4096, None).dtype == "auto"
+
+
+def test_the_embedded_model_and_the_compiled_kernels_are_kept_under_xdg_cache_home(tmp_path, monkeypatch):
+    monkeypatch.delenv("OFFLINE_EXTRACT_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    tiny = f"tiny-llama-v{TINY_VERSION}"
+    for xdg, root in ((str(tmp_path / "xdg"), tmp_path / "xdg"), ("", tmp_path / "home" / ".cache")):
+        monkeypatch.setenv("XDG_CACHE_HOME", xdg)  # empty: unset, as the XDG spec reads it
+        assert cache_root() == root / "offline_extract"
+        assert (default_cache_dir(), default_jit_cache()) == (root / "offline_extract" / tiny, cache_root())
+    monkeypatch.setenv("OFFLINE_EXTRACT_CACHE", str(tmp_path / "mine"))
+    assert default_cache_dir() == tmp_path / "mine" / tiny
