@@ -19,7 +19,7 @@ from offline_extract.default_model import ensure_tiny_model
 from offline_extract.engine.distributed import layout_from_env
 from offline_extract.engine.parity import wrapped_text_config
 from offline_extract.engine.sglang_adapter import (
-    CONTEXT_KEYS, capture_rule, check_engine_choices, context_length, validate_layer_ids,
+    CONTEXT_KEYS, capture_rule, check_engine_choices, context_length, hide_gpus, validate_layer_ids,
 )
 from offline_extract.options import DEFAULT_TOKENS_PER_BATCH, ExtractOptions, default
 from offline_extract.recipes import RECIPES
@@ -87,6 +87,8 @@ def check(opts: ExtractOptions) -> Checked:
     sources = open_sources(opts.data)
     _check_pipes(sources, opts.strict)
     device = resolve_device(opts.device, embedded_model=opts.model is None)
+    if torch.device(device).type == "cpu":
+        hide_gpus()  # now, before resolve_model may import transformers, which asks the CUDA driver
     check_dtype(device, opts.dtype)
     model = resolve_model(opts.model, opts.trust_remote_code)
     recipe = RECIPES[opts.recipe]
@@ -147,9 +149,10 @@ def check_dtype(device: str, dtype: str) -> None:
 def resolve_device(device: str | None, embedded_model: bool = False) -> str:
     """--device, or its default: the CPU for the embedded tiny model, as documented (it exists to run the main
     command in seconds and prove parity in float32 there; on a GPU its head dim, 16, has no FlashInfer kernel,
-    tests/gpu/test_gpu_architectures.py); else a GPU if one is visible."""
+    tests/gpu/test_gpu_architectures.py); else a GPU if one is visible. The embedded model's run and a --device cpu
+    run never ask the CUDA driver anything here, so that they can still hide the GPUs from SGLang (`hide_gpus`)."""
     if device is None:
-        return "cuda" if torch.cuda.is_available() and not embedded_model else "cpu"
+        return "cpu" if embedded_model or not torch.cuda.is_available() else "cuda"
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}, but torch sees no CUDA GPU here; use --device cpu, or leave it out")
     return device

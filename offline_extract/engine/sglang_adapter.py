@@ -36,6 +36,14 @@ LAYER_CONVENTION = "id k = output of decoder layer k (0-based) = HF output_hidde
 def prepare_process(device: str) -> None:
     """Environment that must be in place before sglang is first imported."""
     if device == "cpu":
+        hide_gpus()  # a run did already (preflight); tests and benchmarks come here first
+        if torch.cuda.is_available():
+            raise ValueError(
+                "this run is on the CPU, where SGLang must not see the machine's GPUs (it would call its CUDA "
+                "kernels on the CPU's tensors), but CUDA had already started in this process, so hiding them "
+                "through CUDA_VISIBLE_DEVICES came too late. Start the process with them hidden: "
+                "CUDA_VISIBLE_DEVICES= python bin/extract.py ... --device cpu"
+            )
         # Many sglang modules snapshot the platform at import time.
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
         _shim_sgl_kernel_if_missing()
@@ -47,6 +55,16 @@ def prepare_process(device: str) -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "8")
     os.environ.setdefault("CUDA_MODULE_LOADING", "AUTO")
+
+
+def hide_gpus() -> None:
+    """Hides the GPUs from this process, for a run on the CPU. SGLang 0.5.17 chooses its kernels at import from
+    whether torch sees a GPU (utils/common.py `is_cuda`, kept as `_is_cuda` by layernorm.py and many more), not
+    from the run's device: on a GPU machine a CPU run would call sgl_kernel's CUDA-only operators on CPU tensors.
+    The CUDA driver reads CUDA_VISIBLE_DEVICES once, when it starts, so a run calls this as soon as it knows its
+    device (preflight), before anything can ask the driver about its GPUs (transformers does, when it imports a
+    model's configuration module)."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 # What SGLang 0.5.17 compiles on first use, by the environment variable that says where each compiler keeps

@@ -202,3 +202,37 @@ def test_sglangs_nvcc_modules_build_side_by_side_while_the_model_loads(tmp_path)
     # The tokenizer, too, loaded beside the model: none of its load was ours (docs/start-up.md).
     assert t["tokenizer_beside_load"] and t["marks"]["tokenizer loaded"] < t["marks"]["loaded"], t["marks"]
     assert "kernel prebuild" in next(line for line in proc.stderr.splitlines() if line.startswith("start-up "))
+
+
+def _cpu_run_passed(out):
+    """The run took SGLang's CPU path (torch_native, float32), and its parity gate passed."""
+    run = open_shard(shard_paths(out)[0]).run
+    assert (run.attention_backend, run.compute_dtype) == ("torch_native", "float32"), run
+    assert run.parity and all(r["ok"] for r in run.parity), run.parity
+
+
+def test_the_readme_main_command_runs_on_the_cpu_of_a_gpu_machine(tmp_path):
+    # The embedded model runs on the CPU: before the run hid the GPUs from SGLang, which chooses its kernels from
+    # whether torch sees one, it called sgl_kernel's CUDA RMSNorm on CPU tensors here (e828d60).
+    line = next(line for line in (ROOT / "README.md").read_text().splitlines() if "&& python bin/extract.py" in line)
+    args = line.split("&& python ")[1].split()
+    args[args.index("--out") + 1] = str(tmp_path / "out")
+    assert "--device" not in args and "--verify" in args, args
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    _cpu_run_passed(tmp_path / "out")
+
+
+def test_device_cpu_in_float32_runs_on_a_gpu_machine_as_the_float32_refusal_advises(tmp_path):
+    model = build_model("llama", tmp_path / "m", dtype=torch.float32, device="cpu")
+    _extract(tmp_path / "out", "--model", str(model), "--data", str(CORPUS), "--device", "cpu", "--dtype", "float32",
+             "--verify", "4")
+    _cpu_run_passed(tmp_path / "out")
+
+
+def test_a_cpu_engine_in_a_process_that_already_started_cuda_is_refused_with_the_way_out():
+    # The driver read CUDA_VISIBLE_DEVICES when it started: hiding the GPUs afterwards changes nothing.
+    script = ("import torch; assert torch.cuda.is_available()\n"
+              "from offline_extract.engine.sglang_adapter import prepare_process; prepare_process('cpu')")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 1 and "CUDA_VISIBLE_DEVICES= python bin/extract.py ... --device cpu" in proc.stderr, proc.stderr

@@ -2,6 +2,7 @@
 first seconds, before SGLang is imported or the output directory is touched, and --dry-run refuses
 exactly what the real run refuses, in the same words."""
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -147,6 +148,25 @@ def test_the_embedded_model_runs_on_the_cpu_unless_told_otherwise(tiny_model_dir
     assert preflight.check(ExtractOptions(data=(CORPUS,))).device == "cpu"
     assert preflight.check(ExtractOptions(data=(CORPUS,), model=str(tiny_model_dir))).device == "cuda"
     assert preflight.check(ExtractOptions(data=(CORPUS,), device="cuda")).device == "cuda"
+
+
+def test_a_cpu_run_never_asks_the_cuda_driver_and_hides_the_gpus_in_its_checks(tiny_model_dir, monkeypatch):
+    # The driver reads CUDA_VISIBLE_DEVICES once, when first asked: a CPU run that asked it first could no longer
+    # hide the GPUs from SGLang (sglang_adapter.hide_gpus).
+    def asked():
+        raise AssertionError("a CPU run asked the CUDA driver")
+
+    monkeypatch.setattr(torch.cuda, "is_available", asked)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert preflight.resolve_device(None, embedded_model=True) == "cpu"
+    assert preflight.resolve_device("cpu") == "cpu"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+    assert preflight.check(ExtractOptions(data=(CORPUS,))).device == "cpu"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert preflight.check(ExtractOptions(data=(CORPUS,), model=str(tiny_model_dir))).device == "cuda"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0", "a GPU run keeps its GPUs"
 
 
 def test_refusals_come_before_sglang_or_transformers_is_imported(tmp_path):

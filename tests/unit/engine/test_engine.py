@@ -3,10 +3,13 @@
 SGLang allows one ModelRunner per process, so every test here shares one engine.
 """
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
+from extract_runs import ROOT
 
 from offline_extract.engine import parity
 from offline_extract.engine.sglang_adapter import Engine, EngineConfig, capture_rule, validate_layer_ids
@@ -218,6 +221,31 @@ def test_jit_caches_go_under_one_folder_unless_the_environment_says_otherwise(mo
     monkeypatch.setattr(os, "environ", dict(env))
     where = sglang_adapter.use_jit_cache(tmp_path / "kept")
     assert sorted(where.values()) == sorted(str(tmp_path / "kept" / folder) for folder in sglang_adapter.JIT_CACHES.values())
+
+
+def test_a_cpu_engine_hides_the_gpus_before_torch_first_asks_the_driver():
+    """SGLang chooses its kernels at import from whether torch sees a GPU, so on a GPU machine a CPU engine's
+    process must see none: started with a GPU named visible, it sees none once prepared (a fresh interpreter,
+    since the driver reads CUDA_VISIBLE_DEVICES once)."""
+    script = ("import os, torch\n"
+              "from offline_extract.engine.sglang_adapter import prepare_process\n"
+              "prepare_process('cpu')\n"
+              "print(repr(os.environ['CUDA_VISIBLE_DEVICES']), torch.cuda.is_available())")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["''", "False"]
+
+
+def test_a_cpu_engine_where_cuda_already_started_is_refused_with_the_way_out(monkeypatch):
+    from offline_extract.engine.sglang_adapter import prepare_process
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the driver started before the GPUs were hidden
+    with pytest.raises(ValueError, match=r"CUDA had already started in this process, so hiding them through "
+                                         r"CUDA_VISIBLE_DEVICES came too late\. Start the process with them hidden: "
+                                         r"CUDA_VISIBLE_DEVICES= python bin/extract\.py \.\.\. --device cpu$"):
+        prepare_process("cpu")
 
 
 def test_the_kernel_prebuild_specializes_as_the_loaded_model_calls_sglangs_modules(engine):
