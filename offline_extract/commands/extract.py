@@ -62,8 +62,9 @@ def _chosen(option: str) -> dict:
                    "random Llama, built once into $XDG_CACHE_HOME/offline_extract (~/.cache/offline_extract), run "
                    "on CPU.")
 @click.option("--device", type=click.Choice(choices("device")), default=None,
-              help="Default: cpu for the embedded tiny model (no --model); otherwise cuda when a GPU is visible, else "
-                   "cpu.")
+              help="Default: cpu for the embedded tiny model (no --model), also on a GPU machine; otherwise cuda when a "
+                   "GPU is visible, else cpu. A cpu run hides the GPUs from its own process (SGLang chooses its kernels "
+                   "from whether torch sees a GPU).")
 @click.option("--dtype", **_chosen("dtype"),
               help="Compute dtype (auto = the checkpoint's; float32 on CPU only, SGLang's CUDA kernels take half "
                    "precision). How the states are stored is --store's.")
