@@ -259,10 +259,10 @@ def dry_run(opts: ExtractOptions) -> planning.Plan:
     tokenizer = _sample_tokenizer(opts, model.path)
     plan = planning.plan(opts.data, tokenizer, opts.out, model.hidden_size, _num_aux_layers(checked), encoding(opts),
                          strict=opts.strict)
-    if known is None:
-        return plan
-    finished = resume.finished(out, replace(known, **tokenizer.fingerprint()), checked.corpus_paths)
-    return replace(plan, finished=finished is not None)
+    if known is not None and resume.finished(out, replace(known, **tokenizer.fingerprint()), checked.corpus_paths):
+        return replace(plan, finished=True)  # the run says "already complete" without taking the directory
+    # Looked at last: the state the run would meet if started now, after a dry run that may have taken minutes.
+    return replace(plan, in_use=resume.in_use(out))
 
 
 def _num_aux_layers(checked: preflight.Checked) -> int:

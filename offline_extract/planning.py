@@ -42,6 +42,8 @@ class Plan:
     compressible_bytes: int = 0
     # --out already holds this run's finished output: the run says "already complete" and extracts nothing.
     finished: bool = False
+    # Otherwise, the real run's words refusing --out while another live run holds it (--force does not help).
+    in_use: str | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -138,6 +140,8 @@ def render(p: Plan, out: str | Path) -> str:
         lines.append(f"{out} cannot be written here (read-only, or no permission)")
     if p.finished:
         lines.append(f"{out} already holds this run's finished output: running it extracts nothing")
+    if p.in_use:
+        lines.append(f"{out} is in use by another extraction now: the run would be refused")
     return "\n".join(lines)
 
 

@@ -112,7 +112,8 @@ def _chosen(option: str) -> dict:
 @click.option("--dry-run", is_flag=True,
               help="Tokenize the corpus, print samples, tokens, the first rejected records (line and reason), bytes "
                    "per output tensor and free space at --out, and stop; exits non-zero if the output would not fit "
-                   "(unless --force) or --out cannot be written.")
+                   "(unless --force), --out cannot be written, or another extraction is running into --out (it names "
+                   "it, as the run would).")
 @click.option("--strict", is_flag=True,
               help="Stop at the first bad record in corpus order (named by source and line) instead of listing it in "
                    "rejects.jsonl. Every record is read and tokenized first (each replica its share), so the run stops "
@@ -221,6 +222,8 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
             raise click.ClickException(verdict)
         if not plan.writable:
             raise click.ClickException(f"{out} cannot be written: its filesystem is read-only, or you lack permission")
+        if plan.in_use:
+            raise click.ClickException(plan.in_use)
         refusal = plan.refusal(out)
         if refusal and not force:
             raise click.ClickException(refusal)

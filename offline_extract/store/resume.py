@@ -55,15 +55,12 @@ class OutputLock:
                 fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 self._file.seek(0)
-                holder = self._file.read().strip() or "unknown holder"
+                holder = self._file.read()
                 self._file.close()
-                raise TakeoverError(
-                    f"{out} is in use by another extraction ({holder}); two runs writing one directory would "
-                    f"interleave their shards. Wait for it to end, or choose another --out"
-                ) from None
+                raise TakeoverError(_in_use(out, holder)) from None
             except OSError as e:
                 self._file.close()
-                raise TakeoverError(f"cannot lock {self.path} ({e}); this filesystem may not support flock") from e
+                raise TakeoverError(_cannot_lock(self.path, e)) from e
             # A holder that ended between our open and our flock removed the file we opened: a lock on that
             # orphan would exclude no one, so lock the file now at the path instead.
             if self._holds_the_file_at_path():
@@ -94,6 +91,34 @@ class OutputLock:
         # Removed while still locked, so no one can lock this file after us and think they hold the directory.
         self.path.unlink(missing_ok=True)
         self._file.close()  # closing the only descriptor drops the flock
+
+
+def _in_use(out: Path, holder: str) -> str:
+    return (f"{out} is in use by another extraction ({holder.strip() or 'unknown holder'}); two runs writing one "
+            f"directory would interleave their shards. Wait for it to end, or choose another --out")
+
+
+def _cannot_lock(path: Path, e: OSError) -> str:
+    return f"cannot lock {path} ({e}); this filesystem may not support flock"
+
+
+def in_use(out: Path) -> str | None:
+    """The words a run taking `out` now would be refused with because another live run holds its lock;
+    None when none does (no lock file, or one that a killed run left unheld). It only looks: the dry run's
+    check, which writes nothing. (Its shared lock, held for the look, would turn away a run that tried to
+    take the directory in that same instant, naming the last holder.)"""
+    try:
+        f = open(out / LOCK_NAME)
+    except OSError:  # none, or unreadable: the real run names the latter itself
+        return None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _in_use(out, f.read())
+        except OSError as e:
+            return _cannot_lock(out / LOCK_NAME, e)
+    return None
 
 
 @dataclass(frozen=True)

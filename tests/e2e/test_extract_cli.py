@@ -257,6 +257,21 @@ def test_a_dry_run_refuses_an_out_it_cannot_write(tmp_path, cache_env):
     assert "Error: /proc/sys/offline_extract_out cannot be written: its filesystem is read-only" in dry.stderr
 
 
+def test_a_dry_run_refuses_an_out_another_run_holds_whatever_force_says(tmp_path, cache_env):
+    from offline_extract.store import resume
+
+    out = tmp_path / "out"
+    out.mkdir()
+    held = resume.OutputLock(out)
+    try:
+        dry = _extract(out, "--data", str(CORPUS), "--dry-run", "--force", env=cache_env)
+    finally:
+        held.release()
+    assert dry.returncode == 1 and "Traceback" not in dry.stderr, dry.stderr[-3000:]
+    assert dry.stdout.splitlines()[-1] == f"{out} is in use by another extraction now: the run would be refused"
+    assert f'Error: {out} is in use by another extraction ({{"pid": {os.getpid()}, ' in dry.stderr
+
+
 @pytest.mark.parametrize(
     "lines, verdict, result",
     [

@@ -134,6 +134,29 @@ def test_a_dry_run_into_this_runs_finished_output_says_the_run_would_extract_not
     assert not extraction.dry_run(replace(opts, data=(str(grown),), force=True)).finished, "records to add"
 
 
+def test_a_dry_run_refuses_an_out_another_live_run_holds_in_the_real_runs_words(tmp_path, monkeypatch):
+    # It said "fits", exit 0, where the real run is turned away at once.
+    out = tmp_path / "out"
+    out.mkdir()
+    opts = ExtractOptions(data=(CORPUS,), out=str(out))
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
+    held = resume.OutputLock(out)  # another open file description: to flock, another holder
+    try:
+        with pytest.raises(resume.TakeoverError) as real:
+            extraction.run(opts)
+        plan = extraction.dry_run(opts)
+        assert plan.in_use == str(real.value) and f'"pid": {os.getpid()}' in plan.in_use
+        assert planning.render(plan, out).splitlines()[-1] == (
+            f"{out} is in use by another extraction now: the run would be refused")
+    finally:
+        held.release()
+    assert extraction.dry_run(opts).in_use is None
+    # Left by a run killed with SIGKILL: the kernel dropped its lock, and the real run takes the directory.
+    (out / resume.LOCK_NAME).write_text('{"pid": 1}')
+    assert extraction.dry_run(opts).in_use is None
+    assert [(p.name, p.read_text()) for p in out.iterdir()] == [(resume.LOCK_NAME, '{"pid": 1}')], "writes nothing"
+
+
 def test_every_replicas_port_must_be_a_tcp_port(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
     with pytest.raises(ValueError, match=r"^--port-base is a TCP port, from 1 to 65532 for 4 data-parallel replicas "
