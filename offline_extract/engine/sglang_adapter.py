@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from offline_extract.options import DEFAULT_PORT_BASE, DEFAULT_TOKENS_PER_BATCH, FinalState, check_choice, default
+from offline_extract.options import DEFAULT_PORT_BASE, DEFAULT_TOKENS_PER_BATCH, FinalState, cache_root, check_choice, default
 from offline_extract.final_norm import FinalNorm
 
 SGLANG_VERSION = "0.5.17"
@@ -86,16 +86,11 @@ JIT_CACHES = {
 }
 
 
-def default_jit_cache() -> Path:
-    """$XDG_CACHE_HOME/offline_extract, else ~/.cache/offline_extract."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "offline_extract"
-
-
 def use_jit_cache(root: str | os.PathLike | None = None) -> dict[str, str]:
-    """Points every compiler in JIT_CACHES at its own folder under `root` (None: `default_jit_cache()`),
+    """Points every compiler in JIT_CACHES at its own folder under `root` (None: `options.cache_root()`),
     except those the environment already points somewhere, and returns where each one keeps its results.
     Call before sglang is imported."""
-    root = Path(root) if root is not None else default_jit_cache()
+    root = Path(root) if root is not None else cache_root()
     for key, folder in JIT_CACHES.items():
         os.environ.setdefault(key, str(root / folder))
     return {key: os.environ[key] for key in JIT_CACHES}

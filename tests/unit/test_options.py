@@ -10,7 +10,7 @@ from offline_extract.commands.extract import main as extract_command
 from offline_extract.engine.distributed import Layout
 from offline_extract.extraction import engine_config
 from offline_extract.default_model import TINY_VERSION, default_cache_dir
-from offline_extract.engine.sglang_adapter import default_jit_cache
+from offline_extract.engine.sglang_adapter import JIT_CACHES, use_jit_cache
 from offline_extract.options import FINAL_STATES, ExtractOptions, cache_root, choices, default
 from offline_extract.recipes import RECIPES
 from offline_extract.store.schema import STORES
@@ -97,6 +97,10 @@ def test_the_embedded_model_and_the_compiled_kernels_are_kept_under_xdg_cache_ho
     for xdg, root in ((str(tmp_path / "xdg"), tmp_path / "xdg"), ("", tmp_path / "home" / ".cache")):
         monkeypatch.setenv("XDG_CACHE_HOME", xdg)  # empty: unset, as the XDG spec reads it
         assert cache_root() == root / "offline_extract"
-        assert (default_cache_dir(), default_jit_cache()) == (root / "offline_extract" / tiny, cache_root())
+        for key in JIT_CACHES:  # set, then removed: monkeypatch restores what use_jit_cache sets
+            monkeypatch.setenv(key, "elsewhere")
+            monkeypatch.delenv(key)
+        assert default_cache_dir() == root / "offline_extract" / tiny
+        assert use_jit_cache()["TRITON_CACHE_DIR"] == str(root / "offline_extract" / "triton")
     monkeypatch.setenv("OFFLINE_EXTRACT_CACHE", str(tmp_path / "mine"))
     assert default_cache_dir() == tmp_path / "mine" / tiny
