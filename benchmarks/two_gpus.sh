@@ -9,7 +9,12 @@ what=$1 results=$2
 mkdir -p "$results"
 case $what in
 tests)
-  python -m pytest -m gpu tests/gpu/test_gpu_two.py -v -rA -p no:cacheprovider 2>&1 | tee "$results/two_gpu_tests.log"
+  # Each test's body under 170 s (pytest-timeout; its fixtures' runs have their own limits), so that one that
+  # hangs costs that and the others still run; the two-node test's nodes write their logs into RESULTS_DIR/two_nodes.
+  # A SIGINT from the device call's limit stops pytest, which then prints what it has seen: tee -i ignores
+  # the SIGINT, so that it goes on writing the log. --durations: what each test took, to fit the call.
+  OFFLINE_EXTRACT_RESULTS=$results python -m pytest -m gpu tests/gpu/test_gpu_two.py -v -rA -p no:cacheprovider \
+    --timeout 170 -o timeout_func_only=true --durations=0 2>&1 | tee -i "$results/two_gpu_tests.log"
   ;;
 bench)
   disk=/tmp/offline_extract_bench_disk

@@ -1,4 +1,7 @@
+import warnings
+
 import pytest
+from extract_runs import kill_left_behind
 
 from offline_extract.default_model import ensure_tiny_model
 
@@ -31,3 +34,13 @@ def offline_hub(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     return tmp_path / "hf"
+
+
+@pytest.fixture
+def processes_end_with_the_test():
+    """For tests that start extractions: whatever of them still runs when the test ends (a time limit cut
+    it, or a failure left it) is killed, so that it holds no GPU or rendezvous port of the next test."""
+    yield
+    left = kill_left_behind()
+    if left:
+        warnings.warn(f"killed {len(left)} processes the test left running: {left}")

@@ -51,15 +51,12 @@ class Node:
     proc: subprocess.Popen
     log: Path
 
-    def wait(self, timeout: float) -> str:
-        self.proc.wait(timeout=timeout)
-        return self.log.read_text()
-
 
 def start_nodes(out, *args, env, logs: Path, node_env=None, nproc_per_node: int = 1) -> list[Node]:
     """Starts every node's torchrun; `node_env[i]` adds to node i's environment (e.g. its GPU)."""
     commands = node_commands(out, *args, nproc_per_node=nproc_per_node)
     node_env = node_env or [{}] * len(commands)
+    Path(logs).mkdir(parents=True, exist_ok=True)
     nodes = []
     for i, (cmd, extra) in enumerate(zip(commands, node_env)):
         log = Path(logs) / f"node{i}.log"
@@ -67,6 +64,63 @@ def start_nodes(out, *args, env, logs: Path, node_env=None, nproc_per_node: int 
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env={**env, **extra})
         nodes.append(Node(proc, log))
     return nodes
+
+
+def wait_nodes(nodes: list[Node], timeout: float) -> list[str]:
+    """Every node's output once all have exited, waiting `timeout` seconds for all of them together. Nodes
+    still running then are killed (workers too) and the test fails with every node's log: a node that
+    waits for a peer prints nothing, and the test's own time limit would kill it without a word."""
+    deadline = time.monotonic() + timeout
+    for node in nodes:
+        try:
+            node.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            running = [i for i, n in enumerate(nodes) if n.proc.poll() is None]
+            for n in nodes:
+                kill_tree(n.proc.pid)
+            logs = "\n".join(f"--- node {i} (exit status {n.proc.wait()}), {n.log}:\n{n.log.read_text()[-4000:]}"
+                              for i, n in enumerate(nodes))
+            raise AssertionError(f"node(s) {running} still running after {timeout:.0f} s, killed\n{logs}") from None
+    return [node.log.read_text() for node in nodes]
+
+
+# Every process a test starts inherits this (the test process's id): processes a test left behind (a run a
+# time limit cut, torchrun's workers once torchrun itself was killed: each worker leads its own session, so
+# they outlive it) are found by it and killed, instead of holding the GPUs and the rendezvous ports of the
+# tests after it.
+TEST_PROCESS = "OFFLINE_EXTRACT_TEST_PROCESS"
+os.environ[TEST_PROCESS] = str(os.getpid())
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILLs `pid` and every process below it."""
+    try:
+        parent = psutil.Process(pid)
+        victims = [parent, *parent.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in victims:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def kill_left_behind() -> list[str]:
+    """Kills the extractions and torchruns this test process started that still run; returns their command
+    lines."""
+    ours, killed = str(os.getpid()), []
+    for p in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(p.info["cmdline"] or ())
+        if p.pid == os.getpid() or not (str(ROOT / "bin") in cmdline or "torch.distributed.run" in cmdline):
+            continue
+        try:
+            if p.environ().get(TEST_PROCESS) == ours:
+                p.kill()
+                killed.append(cmdline)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return killed
 
 
 def worker_of_rank(launcher: subprocess.Popen, rank: int) -> psutil.Process:

@@ -18,9 +18,12 @@ from extract_runs import (
     assert_same_samples,
     extract_command,
     hidden_files,
+    kill_left_behind,
     kill_rank_when,
     sha256,
     start_nodes,
+    wait_nodes,
+    worker_of_rank,
 )
 
 from offline_extract.default_model import TINY_VERSION
@@ -29,6 +32,8 @@ from offline_extract.store.index import iter_samples, shard_paths
 from offline_extract.store.journal import read_journal
 from offline_extract.store.schema import shard_number
 from offline_extract.store.shard import read_header
+
+pytestmark = pytest.mark.usefixtures("processes_end_with_the_test")
 
 # Small shards and batches: a few hundred short records make about 80 shards and 120 batches.
 SMALL = ("--shard-size-mb", "0.15", "--tokens-per-batch", "256")
@@ -153,8 +158,8 @@ def test_resume_with_another_dp_size_gives_the_same_samples(baseline, corpus, en
 @pytest.mark.slow
 def test_two_nodes_on_localhost_give_the_same_samples_as_one_process(baseline, corpus, env, tmp_path):
     out = tmp_path / "out"
-    for node in start_nodes(out, "--data", corpus, *SMALL, env=env, logs=tmp_path):
-        output = node.wait(timeout=600)
+    nodes = start_nodes(out, "--data", corpus, *SMALL, env=env, logs=tmp_path)
+    for node, output in zip(nodes, wait_nodes(nodes, timeout=600)):
         assert node.proc.returncode == 0, output[-6000:]
     assert_complete(out, baseline)
 
@@ -162,11 +167,39 @@ def test_two_nodes_on_localhost_give_the_same_samples_as_one_process(baseline, c
 @pytest.mark.slow
 def test_tp_wider_than_a_node_is_refused_before_anything_starts(corpus, env, tmp_path):
     out = tmp_path / "out"
-    for node in start_nodes(out, "--data", corpus, "--tp", "2", env=env, logs=tmp_path):
-        output = node.wait(timeout=120)
+    nodes = start_nodes(out, "--data", corpus, "--tp", "2", env=env, logs=tmp_path)
+    for node, output in zip(nodes, wait_nodes(nodes, timeout=120)):
         assert node.proc.returncode != 0
         assert "--tp 2 must divide the processes per node (1): a TP group has to stay inside one node" in output
     assert not out.exists(), "refused before the output directory was touched"
+
+
+@pytest.mark.slow
+def test_nodes_still_running_at_the_deadline_are_killed_and_reported_with_their_logs(corpus, env, tmp_path):
+    """Node 1 dies before it joins: node 0's torchrun waits for it (600 s by default), printing nothing."""
+    nodes = start_nodes(tmp_path / "out", "--data", corpus, env=env, logs=tmp_path)
+    nodes[1].proc.kill()
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as failed:
+        wait_nodes(nodes, timeout=10)
+    assert time.monotonic() - start < 30
+    assert "node(s) [0] still running after 10 s, killed" in str(failed.value)
+    assert f"--- node 0 (exit status -9), {nodes[0].log}" in str(failed.value)
+    assert f"--- node 1 (exit status -9), {nodes[1].log}" in str(failed.value)
+    assert kill_left_behind() == []
+
+
+@pytest.mark.slow
+def test_workers_that_outlive_a_killed_torchrun_are_found_and_killed(corpus, env, tmp_path):
+    launcher = subprocess.Popen(extract_command(tmp_path / "out", "--data", corpus, torchrun=1), cwd=ROOT, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = worker_of_rank(launcher, 0)
+    launcher.kill()
+    launcher.wait()
+    assert worker.is_running(), "torchrun's worker outlives it"
+    left = kill_left_behind()
+    assert len(left) == 1 and "bin/extract.py" in left[0]
+    worker.wait(timeout=10)
 
 
 @pytest.mark.slow
@@ -196,16 +229,14 @@ def test_a_node_whose_rank_dies_does_not_leave_the_other_node_waiting(baseline, 
     total = len(shard_paths(baseline))
     nodes = start_nodes(out, "--data", corpus, *SMALL, env=env, logs=tmp_path)
     killed = kill_rank_when(nodes[1].proc, 1, until=lambda: len(shard_paths(out)) >= total // 4)
-    survivor = nodes[0].wait(timeout=600)
-    nodes[1].wait(timeout=120)
+    survivor, _ = wait_nodes(nodes, timeout=600)
     assert nodes[0].proc.returncode != 0 and nodes[1].proc.returncode != 0
     assert "rank 1 stopped answering" in survivor, survivor[-3000:]
     assert time.monotonic() - killed < 300
     assert_only_complete_shards(out, killed=(1, 2))  # rank 1 of DP=2 is replica 1
 
-    (tmp_path / "rerun").mkdir()
-    for node in start_nodes(out, "--data", corpus, *SMALL, env=env, logs=tmp_path / "rerun"):
-        output = node.wait(timeout=600)
+    nodes = start_nodes(out, "--data", corpus, *SMALL, env=env, logs=tmp_path / "rerun")
+    for node, output in zip(nodes, wait_nodes(nodes, timeout=600)):
         assert node.proc.returncode == 0, output[-6000:]
     assert_complete(out, baseline)
 

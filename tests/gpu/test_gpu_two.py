@@ -1,5 +1,8 @@
-"""Two GPUs through bin/extract.py in bf16: TP=2 against HF, TP=2 and DP=2 against one GPU, resumes that
-switch between them, a killed rank, and two one-GPU "nodes" (run with `-m gpu` on a two-GPU machine).
+"""Two GPUs through bin/extract.py in bf16: TP=2 against HF, TP=2, DP=2 and two one-GPU "nodes" against one
+GPU, and killed runs that resume under the other topology (run with `-m gpu` on a two-GPU machine).
+
+Every extraction start costs about 50 s on the H200 (SGLang's imports alone 27 s), so the file starts as few
+as its checks need: `benchmarks/two_gpus.sh tests` runs it in one device call, each test under a time limit.
 
 States computed with TP=2 sum their all-reduced partial products in another order than one GPU does, so
 across topologies the tests compare each token's cosine (as the parity gate does in bf16), and tokens,
@@ -10,11 +13,20 @@ import os
 import random
 import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from extract_runs import ROOT, assert_only_complete_shards, extract_command, kill_rank_when, paired_samples, start_nodes
+from extract_runs import (
+    ROOT,
+    assert_only_complete_shards,
+    extract_command,
+    kill_rank_when,
+    paired_samples,
+    start_nodes,
+    wait_nodes,
+)
 
 from offline_extract.store import integrity
 from offline_extract.store.index import iter_samples, shard_paths
@@ -25,16 +37,19 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.two_gpus,
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"),
+    pytest.mark.usefixtures("processes_end_with_the_test"),
 ]
 
 CORPUS = ROOT / "examples" / "corpus.jsonl"
 MIN_COSINE = 0.999
 WORDS = "the quick brown fox jumps over a lazy dog while hidden states of every layer are saved".split()
-# Small shards and forwards, so that a run is still writing when a test kills part of it.
+# Small shards and forwards, so that a run is still writing when a test kills part of it (after 20 of its
+# about 500 shards).
 SMALL = ("--shard-size-mb", "0.1", "--tokens-per-batch", "128")
+CHATS = 500
 
 
-def _run(cmd, env=None, timeout=900):
+def _run(cmd, env=None, timeout=300):
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
@@ -86,10 +101,10 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """A long pre-tokenized sample first (so that --verify covers a chunked prefill), then 1,500 short chats."""
+    """A long pre-tokenized sample first (so that --verify covers a chunked prefill), then CHATS short chats."""
     rng = random.Random(7)
     lines = [json.dumps({"id": "long", "input_ids": np.random.default_rng(0).integers(10, 380, 1500).tolist()})]
-    for i in range(1500):
+    for i in range(CHATS):
         words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 80)))
         lines.append(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": "say it"},
                                                              {"role": "assistant", "content": words}]}))
@@ -105,42 +120,42 @@ def one_gpu(tiny, corpus, tmp_path_factory):
     return out
 
 
-def test_tp2_tiny_llama_matches_hf_including_a_chunked_sample(tiny, corpus, tmp_path):
+def test_tp2_tiny_llama_matches_hf_including_a_chunked_sample_and_gives_the_samples_of_one_gpu(
+        tiny, corpus, one_gpu, tmp_path):
     out = tmp_path / "out"
     # The 1,500-token sample is longer than a 512-token forward: prefilled in 3 chunks on prefix KV, under TP.
     extract(out, "--model", tiny, "--data", corpus, "--tp", "2", "--verify", "8", "--tokens-per-batch", "512",
             torchrun=2)
     assert_verified(out, tp=2)
-    assert len(list(iter_samples(out))) == 1501
+    assert len(list(iter_samples(out))) == CHATS + 1
+    print(json.dumps(assert_close_runs(one_gpu, out)))
+    assert integrity.verify(out).problems == []
 
 
-def test_tp2_and_dp2_give_the_samples_of_one_gpu(tiny, corpus, one_gpu, tmp_path):
-    tp2, dp2 = tmp_path / "tp2", tmp_path / "dp2"
-    extract(tp2, "--model", tiny, "--data", corpus, *SMALL, "--tp", "2", torchrun=2)
-    extract(dp2, "--model", tiny, "--data", corpus, *SMALL, torchrun=2)
-    found = {"tp2": assert_close_runs(one_gpu, tp2), "dp2": assert_close_runs(one_gpu, dp2)}
-    print(json.dumps(found))
-    assert integrity.verify(tp2).problems == [] and integrity.verify(dp2).problems == []
-
-
-def _killed_then_resumed(tiny, corpus, out, first: list[str], then: list[str]) -> None:
-    launcher = subprocess.Popen(extract_command(out, "--model", tiny, "--data", corpus, *SMALL, *first, torchrun=2),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-    kill_rank_when(launcher, 0, until=lambda: len(shard_paths(out)) >= 20)
-    launcher.wait(timeout=120)
-    proc = extract(out, "--model", tiny, "--data", corpus, *SMALL, *then, torchrun=2)
-    assert "by earlier attempts" in proc.stderr
-
-
-@pytest.mark.parametrize("first, then", [([], ["--tp", "2"]), (["--tp", "2"], [])], ids=["dp2-to-tp2", "tp2-to-dp2"])
-def test_a_run_killed_under_one_topology_resumes_under_the_other(tiny, corpus, one_gpu, tmp_path, first, then):
+def test_dp2_gives_the_samples_of_one_gpu(tiny, corpus, one_gpu, tmp_path):
     out = tmp_path / "out"
-    _killed_then_resumed(tiny, corpus, out, first, then)
+    extract(out, "--model", tiny, "--data", corpus, *SMALL, torchrun=2)
+    print(json.dumps(assert_close_runs(one_gpu, out)))
+    assert integrity.verify(out).problems == []
+
+
+def test_two_one_gpu_nodes_give_the_samples_of_one_gpu(tiny, corpus, one_gpu, tmp_path):
+    out = tmp_path / "out"
+    # Kept where the device call's results go: a failed run's node logs are its only account.
+    results = os.environ.get("OFFLINE_EXTRACT_RESULTS")
+    logs = Path(results) / "two_nodes" if results else tmp_path
+    nodes = start_nodes(out, "--model", tiny, "--data", corpus, *SMALL, env=dict(os.environ), logs=logs,
+                        node_env=[{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}])
+    # One run's start and its share of the corpus take about a minute.
+    outputs = wait_nodes(nodes, timeout=120)
+    for node, output in zip(nodes, outputs):
+        assert node.proc.returncode == 0, output[-6000:]
     assert_close_runs(one_gpu, out)
     assert integrity.verify(out).problems == []
 
 
-def test_a_killed_dp_rank_stops_the_other_within_seconds_and_a_rerun_completes(tiny, corpus, one_gpu, tmp_path):
+def test_a_killed_dp_rank_stops_the_other_within_seconds_and_the_run_resumes_under_tp2(tiny, corpus, one_gpu,
+                                                                                        tmp_path):
     out = tmp_path / "out"
     launcher = subprocess.Popen(extract_command(out, "--model", tiny, "--data", corpus, *SMALL, torchrun=2),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
@@ -150,17 +165,21 @@ def test_a_killed_dp_rank_stops_the_other_within_seconds_and_a_rerun_completes(t
     assert launcher.returncode != 0 and stopped_after < 45, stopped_after
     assert "rank 0: stopped by SIGTERM" in stderr and "SIGKILL" in stderr, stderr[-3000:]
     assert_only_complete_shards(out, killed=(1, 2))  # rank 1 of DP=2 is replica 1
-    extract(out, "--model", tiny, "--data", corpus, *SMALL, torchrun=2)
+    proc = extract(out, "--model", tiny, "--data", corpus, *SMALL, "--tp", "2", torchrun=2)
+    assert "by earlier attempts" in proc.stderr
     assert_close_runs(one_gpu, out)
+    assert integrity.verify(out).problems == []
 
 
-def test_two_one_gpu_nodes_give_the_samples_of_one_gpu(tiny, corpus, one_gpu, tmp_path):
+def test_a_run_killed_under_tp2_resumes_under_dp2(tiny, corpus, one_gpu, tmp_path):
     out = tmp_path / "out"
-    nodes = start_nodes(out, "--model", tiny, "--data", corpus, *SMALL, env=dict(os.environ), logs=tmp_path,
-                        node_env=[{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}])
-    for node in nodes:
-        output = node.wait(timeout=600)
-        assert node.proc.returncode == 0, output[-6000:]
+    launcher = subprocess.Popen(extract_command(out, "--model", tiny, "--data", corpus, *SMALL, "--tp", "2",
+                                                torchrun=2),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    kill_rank_when(launcher, 0, until=lambda: len(shard_paths(out)) >= 20)
+    launcher.wait(timeout=120)
+    proc = extract(out, "--model", tiny, "--data", corpus, *SMALL, torchrun=2)
+    assert "by earlier attempts" in proc.stderr
     assert_close_runs(one_gpu, out)
     assert integrity.verify(out).problems == []
 
