@@ -31,7 +31,7 @@ from offline_extract.data.tokenization import Sample, SampleTokenizer, tokenizer
 from offline_extract.engine import parity
 from offline_extract.engine.distributed import Coordinator, Layout, ReportedByLeader, layout_from_env
 from offline_extract.engine.nonfinite import NonFiniteError, NonFiniteGuard
-from offline_extract.engine.sglang_adapter import LAYER_CONVENTION, Engine, EngineConfig, import_sglang
+from offline_extract.engine.sglang_adapter import LAYER_CONVENTION, Engine, EngineConfig, PortTaken, import_sglang
 from offline_extract.feed import HostMemory, extract_batches
 from offline_extract.options import FINAL_STATES, ExtractOptions
 from offline_extract.progress import RunProgress, foreign_output_hidden, note
@@ -448,7 +448,13 @@ class Job:
             try:
                 if beside is not None:
                     beside.start()
-                self.engine = Engine(cfg)
+                try:
+                    self.engine = Engine(cfg)
+                except PortTaken as e:
+                    raise PortTaken(
+                        f"{e} (another extraction on this machine, or one still exiting?): --port-base P gives "
+                        f"this run others, P + r for replica r (now P = {cfg.nccl_port - layout.dp_rank})"
+                    ) from None
                 self.timeline.mark("loaded")
                 if opts.warm_up and torch.device(checked.device).type == "cuda":  # nothing compiles on CPU
                     self.engine.warm_up()

@@ -600,6 +600,10 @@ def validate_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+class PortTaken(OSError):
+    """EngineConfig.nccl_port is another process's."""
+
+
 class Engine:
     """An in-process SGLang ModelRunner that returns hidden states for ragged prefill batches."""
 
@@ -672,10 +676,17 @@ class Engine:
             dcp_size=1, gpu_id=cfg.gpu_id,
         )
         threads = torch.get_num_threads()
-        self.runner = ModelRunner(
-            model_config=mc, mem_fraction_static=sa.mem_fraction_static, gpu_id=cfg.gpu_id, ps=ps,
-            nccl_port=cfg.nccl_port, server_args=sa,
-        )
+        try:
+            self.runner = ModelRunner(
+                model_config=mc, mem_fraction_static=sa.mem_fraction_static, gpu_id=cfg.gpu_id, ps=ps,
+                nccl_port=cfg.nccl_port, server_args=sa,
+            )
+        except torch.distributed.DistNetworkError as e:
+            # The replica's TP rank 0 serves its process group's store on that port; torch says only EADDRINUSE.
+            if "EADDRINUSE" not in str(e):
+                raise
+            raise PortTaken(f"port {cfg.nccl_port}, where SGLang's ranks of this replica meet, is taken by another "
+                            f"process") from None
         # On a GPU, ModelRunner.load_model leaves torch with one intra-op thread (to load weights with fewer
         # thread conflicts); every batch's states would then be copied into the shard buffers on one core,
         # and the last batches' copies add to the end of every run.

@@ -4,6 +4,7 @@ import io
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -333,6 +334,18 @@ def test_pre_norm_final_state_passes_the_gate_and_is_recorded(single, tmp_path, 
         assert torch.equal(t["aux_hidden_states"], post[info.id]["aux_hidden_states"])
         # Same model, same batches: only the final state differs, by the norm.
         assert not torch.allclose(t["hidden_states"].float(), post[info.id]["hidden_states"].float(), atol=1e-2)
+
+
+def test_a_taken_rendezvous_port_is_named_with_the_option_that_moves_it(tmp_path, cache_env):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = _extract(tmp_path / "out", "--data", CORPUS, "--port-base", port, env=cache_env)
+    assert proc.returncode == 1
+    assert f"Error: port {port}, where SGLang's ranks of this replica meet, is taken by another process" in proc.stderr
+    assert f"--port-base P gives this run others, P + r for replica r (now P = {port})" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_float32_on_cuda_is_refused_with_what_to_use_instead():
