@@ -23,6 +23,7 @@ from offline_extract.engine.sglang_adapter import (
 )
 from offline_extract.options import DEFAULT_TOKENS_PER_BATCH, ExtractOptions, default
 from offline_extract.recipes import RECIPES
+from offline_extract.store import manifest
 from offline_extract.store.journal import load_json
 
 
@@ -108,8 +109,10 @@ def check(opts: ExtractOptions) -> Checked:
 
 
 def check_out(out: str) -> None:
-    """--out names a directory that can be made there. An empty name would put the run's files into the
-    current directory, and a file on its path would fail the run at its first write, after the model load."""
+    """--out names a directory that can be made there, and holds no manifest.json that a run did not write. An
+    empty name would put the run's files into the current directory, a file on its path would fail the run at its
+    first write, after the model load, and another tool's manifest.json (an existing folder named by mistake)
+    would be merged into this run's."""
     if not str(out).strip():
         raise ValueError("--out is empty: name the output directory (it is made if it does not exist)")
     existing = Path(out)
@@ -118,6 +121,14 @@ def check_out(out: str) -> None:
     if not existing.is_dir():
         where = "is a file" if existing == Path(out) else f"cannot be made: {existing} is a file"
         raise ValueError(f"--out {out} {where}, not a directory")
+    try:
+        manifest.load(out)
+    except manifest.ForeignManifest as e:
+        raise ValueError(
+            f"--out {out}: {e}. A run neither builds on nor overwrites a manifest it did not write, so nothing there "
+            f"was touched: choose a new or empty directory for --out (if this is an extraction whose manifest.json "
+            f"was damaged, move that file away and re-run with --force: the shards name their run themselves)"
+        ) from None
 
 
 def _check_pipes(sources: list[Source], strict: bool) -> None:

@@ -43,7 +43,10 @@ def main(path: str, sample_id: str | None, as_json: bool, verify: bool, allow_pa
             # Else verify would list what such a run lacks and advise re-running an extraction that never was.
             raise click.ClickException(f"{path} is not an extraction's output: it holds neither "
                                        f"{manifest.MANIFEST_NAME} nor shard files")
-        report = integrity.verify(path)
+        try:
+            report = integrity.verify(path)
+        except ShardError as e:  # e.g. another tool's manifest.json: named, as --verify cannot judge the folder
+            raise click.ClickException(str(e)) from e
         status = 1 if report.problems else 3 if report.unfinished else 0
         if as_json:
             click.echo(json.dumps({"path": path, **asdict(report), "exit_status": status}, indent=2))

@@ -23,7 +23,9 @@ from offline_extract.store import checksum
 from offline_extract.store.atomic import atomic_write
 from offline_extract.store.index import shard_paths
 from offline_extract.store.journal import load_json, read_journal
-from offline_extract.store.schema import FORMAT_VERSION, IDENTITY_KEYS, RunInfo, shard_number
+from offline_extract.store.schema import (
+    FORMAT_VERSION, IDENTITY_KEYS, READABLE_FORMAT_VERSIONS, RunInfo, ShardError, shard_number,
+)
 from offline_extract.store.shard import read_header
 from offline_extract.words import listing, plural
 
@@ -114,11 +116,42 @@ def corpus_differences(old: dict, new: dict) -> list[str]:
     return diffs
 
 
+class ForeignManifest(ShardError):
+    """OUT/manifest.json is not one offline_extract wrote: another tool's file, or a damaged one."""
+
+
 def load(out: str | os.PathLike) -> dict | None:
+    """manifest.json of `out`, or None where there is none. One that offline_extract did not write (another
+    tool's, where --out named an existing folder by mistake, or a damaged one: ours is always replaced
+    whole) is refused, naming it and why: nothing may build on it, merge into it or overwrite it."""
     path = Path(out) / MANIFEST_NAME
     if not path.exists():
         return None
-    return load_json(path)
+    try:
+        document = load_json(path)
+    except ValueError as e:  # invalid JSON, or not UTF-8 text
+        why = f"it is not valid JSON ({e.__cause__ or e})"
+    else:
+        why = _not_ours(document)
+    if why:
+        raise ForeignManifest(f"{path} is not a manifest offline_extract wrote: {why}")
+    return document
+
+
+def _not_ours(document) -> str | None:
+    """Why `document` is not a manifest that a run wrote (`consolidate`), or None when it is: every one holds a
+    format_version and its shards."""
+    if not isinstance(document, dict):
+        return f"it holds a JSON {type(document).__name__}, not an object"
+    missing = [key for key in ("format_version", "shards") if key not in document]
+    if missing:
+        return f"it has no {' and no '.join(missing)} key"
+    if document["format_version"] not in READABLE_FORMAT_VERSIONS:
+        readable = " or ".join(map(str, READABLE_FORMAT_VERSIONS))
+        return f"its format_version is {document['format_version']!r}, where this version reads {readable}"
+    if not isinstance(document["shards"], dict):
+        return f"its shards are a JSON {type(document['shards']).__name__}, not an object"
+    return None
 
 
 def unfinished(out: str | os.PathLike) -> str | None:

@@ -104,6 +104,15 @@ def test_verify_refuses_a_directory_that_no_extraction_wrote(tmp_path):
     assert missing.returncode == 2 and f"{tmp_path / 'nope'} does not exist" in missing.stderr, missing.stderr
 
 
+def test_verify_names_a_manifest_no_extraction_wrote(tmp_path):
+    # It judged another tool's manifest.json as an interrupted run's, advising to re-run the extraction to finish it.
+    (tmp_path / "manifest.json").write_text('{"name": "my-site", "files": []}')
+    proc = verify_script(tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip() == (f"Error: {tmp_path / 'manifest.json'} is not a manifest offline_extract wrote: it "
+                                   f"has no format_version and no shards key")
+
+
 def test_verify_answers_in_json_when_asked_and_refuses_a_sample_beside_it(tmp_path):
     # --json and --sample were silently ignored beside --verify: a script parsing its output got text.
     manifest.save(tmp_path, {"identity": {"layer_ids": [1, 3]}, "status": "running", "shards": {}})
