@@ -120,7 +120,9 @@ def _available_host_memory() -> int | None:
 
 def _weights_fingerprint(model_dir: Path) -> str:
     """Names and sizes of the weight files, plus each safetensors file's header: cheap even for a 1 TB
-    checkpoint, and it changes whenever the set of tensors, their shapes or their files change."""
+    checkpoint, and it changes whenever the set of tensors, their shapes or their files change. A safetensors
+    file that safetensors cannot open (cut short by an interrupted download, say) is refused here, naming it,
+    where SGLang's load would fail on it with a traceback that names no file."""
     files = sorted(f for pattern in ("*.safetensors", "*.bin", "*.pt", "*.pth") for f in model_dir.glob(pattern))
     if not files:
         raise FileNotFoundError(f"no weight files (*.safetensors, *.bin, *.pt) in {model_dir}")
@@ -128,6 +130,7 @@ def _weights_fingerprint(model_dir: Path) -> str:
     for f in files:
         h.update(f.name.encode() + f.stat().st_size.to_bytes(8, "little"))
         if f.suffix == ".safetensors":
+            parity.check_safetensors(f)
             with open(f, "rb") as fh:
                 h.update(fh.read(int.from_bytes(fh.read(8), "little")))
     return h.hexdigest()

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file  # here, so that ReferencePreload's thread imports nothing
 
 # fp32 runs the same math in both stacks and must agree to rounding, and rounding scales with the values:
@@ -177,6 +178,28 @@ def checkpoint_files(model_path: str) -> list[Path]:
     return [single] if single.is_file() else []
 
 
+class WeightsUnreadable(ValueError):
+    """A checkpoint's weight file that cannot be read: named, with what was wrong and what to do."""
+
+    def __init__(self, path: Path, error: Exception):
+        if isinstance(error, OSError):
+            what = f"cannot be read ({error.strerror or error}): check its permissions and its disk, or copy it again"
+        else:  # safetensors' own error, which names no file
+            what = (f"is not a whole safetensors file ({error}): it is damaged, or was cut short by an interrupted "
+                    f"download or copy. Download or copy it again")
+        super().__init__(f"{path} {what}, then re-run")
+
+
+def check_safetensors(path: Path) -> None:
+    """Raises WeightsUnreadable where safetensors cannot open `path`: its header is damaged, or the file is
+    shorter or longer than the header says. Reads the header only, so it costs milliseconds on any checkpoint."""
+    try:
+        with safe_open(path, framework="pt"):
+            pass
+    except Exception as e:  # safetensors raises its own SafetensorError
+        raise WeightsUnreadable(path, e) from e
+
+
 def checkpoint_tensors(model_path: str, resident: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint's safetensors files, as safetensors maps them from the files, or with
     `resident` copied into host memory of their own: a mapped tensor is read from the file (page by page,
@@ -186,7 +209,11 @@ def checkpoint_tensors(model_path: str, resident: bool = False) -> dict[str, tor
         raise FileNotFoundError(f"no safetensors weights (model.safetensors or an index of them) in {model_path}")
     raw: dict[str, torch.Tensor] = {}
     for path in files:
-        raw.update((name, t.clone() if resident else t) for name, t in load_file(path).items())
+        try:
+            tensors = load_file(path)
+        except Exception as e:  # an I/O error mid-read, or a file damaged since the run's checks
+            raise WeightsUnreadable(path, e) from e
+        raw.update((name, t.clone() if resident else t) for name, t in tensors.items())
     return raw
 
 
@@ -238,10 +265,9 @@ class ReferencePreload:
         on them), or raises its failure, naming the checkpoint."""
         self._thread.join()
         if self._error is not None:
-            raise ParityError(
-                f"parity gate: reading HF's reference weights from {self.model_path} failed: "
-                f"{type(self._error).__name__}: {self._error}"
-            ) from self._error
+            e = self._error
+            why = str(e) if isinstance(e, WeightsUnreadable) else f"{type(e).__name__}: {e}"
+            raise ParityError(f"parity gate: reading HF's reference weights from {self.model_path} failed: {why}") from e
         tensors, self._tensors = self._tensors, None
         return tensors
 

@@ -6,7 +6,9 @@ weights are read beside the load too, and the gate's seconds are split into thei
 In-process, with the session's engine handed out where the run builds its own (SGLang cannot start a
 second engine in one process), so that the test decides how long the "load" lasts; bin/extract.py runs the
 real load end to end in tests/e2e/test_extract_cli.py, whose start-up test checks the same marks."""
+import errno
 import json
+import os
 import signal
 import threading
 import time
@@ -132,31 +134,55 @@ def test_verify_without_room_for_the_preload_reads_the_files_at_the_gate(
     assert f"HF: weights not read ahead ({t['gate_preload']}), " in extraction.timing_line(t)
 
 
-def test_a_preload_that_fails_is_reported_at_the_gate_naming_the_checkpoint_and_why(
-        tiny_engine, tiny_model_dir, tmp_path, monkeypatch):
-    """A checkpoint whose weights HF cannot read: the failure waits for the gate (the model load goes on, it does
-    not hang) and says which checkpoint and why."""
+@pytest.fixture
+def model_copy(tiny_model_dir, tmp_path):
     import shutil
 
-    from offline_extract.engine.parity import ParityError
+    shutil.copytree(tiny_model_dir, tmp_path / "model")
+    return tmp_path / "model"
 
-    model = tmp_path / "model"
-    shutil.copytree(tiny_model_dir, model)
-    weights = model / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[8] = ord("X")  # the header's JSON no longer parses; its length still reads
-    weights.write_bytes(bytes(data))
+
+def test_a_damaged_weights_file_is_refused_naming_it_before_the_model_loads(model_copy, tmp_path, monkeypatch):
+    # SGLang's load failed on it with a traceback naming no file (safetensors' "incomplete metadata, file not fully
+    # covered"); the preload's failure, which waited for the gate, named only the model's folder.
+    weights = model_copy / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)  # an interrupted download
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
+    with pytest.raises(ValueError) as refused:
+        _run(tmp_path, model_copy, parity_samples=2)
+    assert str(refused.value) == (
+        f"{weights} is not a whole safetensors file (Error while deserializing header: incomplete metadata, file not "
+        f"fully covered): it is damaged, or was cut short by an interrupted download or copy. Download or copy it "
+        f"again, then re-run")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_preload_that_fails_is_reported_at_the_gate_naming_the_file_and_claims_nothing_verified(
+        tiny_engine, model_copy, tmp_path, monkeypatch):
+    """A read that fails after the run's checks (here a disk's I/O error): the failure waits for the gate (the model
+    load goes on, it does not hang), names the file, what was wrong and what to do, and no shard is written."""
+    from offline_extract.engine import parity
+
+    def failing_read(path, *args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")  # as a failing disk reports it: no file named
+
     loads = []
 
     def engine(cfg):
         loads.append(cfg)
         return tiny_engine
 
+    monkeypatch.setattr(parity, "load_file", failing_read)
     monkeypatch.setattr(extraction, "Engine", engine)
-    with pytest.raises(ParityError, match=rf"parity gate: reading HF's reference weights from {model} failed: "
-                                          r"SafetensorError: .*header"):
-        _run(tmp_path, model, parity_samples=2)
+    with pytest.raises(parity.ParityError) as stopped:
+        _run(tmp_path, model_copy, parity_samples=2)
+    assert str(stopped.value) == (
+        f"parity gate: reading HF's reference weights from {model_copy} failed: {model_copy / 'model.safetensors'} "
+        f"cannot be read (Input/output error): check its permissions and its disk, or copy it again, then re-run")
     assert len(loads) == 1
+    out = tmp_path / "out"
+    assert not list(out.glob("*.safetensors")) and not (out / "index.json").exists()
+    assert json.loads((out / "manifest.json").read_text())["status"] == "running"  # re-running resumes
 
 
 def test_under_strict_the_tokenizer_loads_before_the_model_and_counts_as_ours(
