@@ -159,7 +159,7 @@ class _Diverted(io.TextIOBase):
 def foreign_output_hidden(hide: bool = True) -> Iterator[None]:
     """What SGLang, torch and HF print while a model loads (warnings, log lines, loading bars), sent to
     a temporary file instead of the terminal. It is redirected at the file-descriptor level, since part
-    of it comes from C++ and from threads. If the block raises, it is printed after all: it may say why.
+    of it comes from C++ and from threads. If the block fails, it is printed after all: it may say why.
     """
     if not hide:
         yield
@@ -188,9 +188,12 @@ def foreign_output_hidden(hide: bool = True) -> Iterator[None]:
         sys.stdout, sys.stderr = diverted
         try:
             yield
-        except BaseException:
+        except Exception:
             restore()
             sink.seek(0)
             os.write(2, sink.read())
+            raise
+        except BaseException:  # a stop (Ctrl-C, SIGTERM): no failure the output could explain; the caller says it
+            restore()
             raise
         restore()

@@ -96,6 +96,16 @@ def test_library_output_is_shown_when_loading_fails(capfd):
     assert "from C: loading shards 100%" in err and "a library warning" in err and "to stdout" in err
 
 
+def test_library_output_stays_hidden_when_the_run_is_stopped(capfd):
+    # Ctrl-C (or SIGTERM) during the load replayed it all before the one line that says the run stopped.
+    with pytest.raises(KeyboardInterrupt):
+        with foreign_output_hidden():
+            _chatter()
+            raise KeyboardInterrupt
+    print("ours")
+    assert capfd.readouterr() == ("ours\n", "")
+
+
 def test_verbose_shows_library_output_as_it_comes(capfd):
     with foreign_output_hidden(hide=False):
         _chatter()

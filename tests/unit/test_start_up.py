@@ -252,6 +252,37 @@ def test_a_tokenizer_that_fails_after_the_load_is_raised_once_and_interrupts_not
         time.sleep(0.01)
 
 
+def test_ctrl_c_while_the_tokenizer_loads_beside_the_model_says_one_line(tiny_model_dir, tmp_path, monkeypatch,
+                                                                          capfd, ctrl_c_raises):
+    # It replayed everything SGLang, torch and HF had printed while hidden (a screenful, tracebacks included where a
+    # library logged one) before the line that every other Ctrl-C prints alone.
+    from offline_extract.commands import extract as command
+
+    release = threading.Event()
+
+    def tokenizer(opts, model_dir):
+        assert release.wait(120)  # still loading when Ctrl-C comes
+
+    def engine(cfg):
+        os.write(2, b"a library's line while the model loads\n")
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, on the main thread as the terminal sends it
+        started = time.monotonic()
+        while time.monotonic() - started < 60:  # a long load, in Python as SGLang's is
+            time.sleep(0.01)
+
+    monkeypatch.setattr(extraction, "_sample_tokenizer", tokenizer)
+    monkeypatch.setattr(extraction, "Engine", engine)
+    out = tmp_path / "out"
+    try:
+        with pytest.raises(SystemExit) as exited:
+            command.main(["--data", CORPUS, "--out", str(out), "--model", str(tiny_model_dir), "--device", "cpu",
+                          "--no-progress"], standalone_mode=True)
+    finally:
+        release.set()
+    assert exited.value.code == 130
+    assert capfd.readouterr().err == f"Error: interrupted; re-running the same command resumes into {out}\n"
+
+
 def test_the_last_forward_is_marked_after_a_long_last_samples_last_chunk(tiny_engine, tiny_model_dir, tmp_path, monkeypatch):
     """The feed reads a batch ahead, so the batches run out during the last batch's first forward; the
     tail is counted from its last (here the last chunk of a sample longer than the engine's budget)."""
