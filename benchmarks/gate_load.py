@@ -120,9 +120,8 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    files = parity.checkpoint_files(args.model)
     result = {"model": args.model, "dtype": args.dtype, "device": str(device),
-              "checkpoint_bytes": sum(f.stat().st_size for f in files), "samples": args.samples, "length": args.length}
+              "checkpoint_bytes": parity.checkpoint_bytes(args.model), "samples": args.samples, "length": args.length}
     # In a run SGLang has imported transformers' modeling code by the gate; here it is imported first, apart.
     start = time.perf_counter()
     _import_model_class(args.model)

@@ -425,11 +425,10 @@ class Job:
         if not (self.opts.parity_samples and self.layout.writes):
             return
         model = str(self.checked.model.path)
-        files = parity.checkpoint_files(model)
-        if not files:
+        if not parity.checkpoint_files(model):
             self.preload_figures = {"gate_preload": "none: no safetensors files, HF reads the checkpoint at the gate"}
             return
-        nbytes = sum(f.stat().st_size for f in files)
+        nbytes = parity.checkpoint_bytes(model)
         readers = self.layout.local_world_size // self.layout.tp_size  # the writing ranks on this host
         refusal = parity.preload_refusal(nbytes, readers, _available_host_memory())
         self.preload_figures = {"gate_preload": f"skipped: {refusal}" if refusal else "beside the load",

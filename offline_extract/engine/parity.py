@@ -178,6 +178,12 @@ def checkpoint_files(model_path: str) -> list[Path]:
     return [single] if single.is_file() else []
 
 
+def checkpoint_bytes(model_path: str) -> int:
+    """The size of the checkpoint HF transformers loads (`checkpoint_files`): what the gate's read-ahead holds
+    in host memory."""
+    return sum(f.stat().st_size for f in checkpoint_files(model_path))
+
+
 class WeightsUnreadable(ValueError):
     """A checkpoint's weight file that cannot be read: named, with what was wrong and what to do."""
 

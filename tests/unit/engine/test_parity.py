@@ -1,5 +1,7 @@
 """The parity gate's criteria, on rows with known numbers (the comparisons themselves are in test_engine
 and, per architecture, test_architectures)."""
+import json
+
 import pytest
 
 from offline_extract.engine.parity import MOE_HALF_MIN_MEDIAN_COSINE, LayerParity, ParityError, _passes, check, criterion
@@ -121,6 +123,22 @@ def test_one_samples_hf_states_are_dropped_before_the_next_samples_forward():
     rows = compare_states(pairs(), layer_ids, "float32")
     assert [r.ok for r in rows] == [True] * 3
     assert alive_when_next_made == [[], [False] * 4, [False] * 4]
+
+
+def test_a_checkpoints_size_is_that_of_the_files_hf_loads(tmp_path):
+    # The read-ahead's memory check (extraction) and the gate-load benchmark each summed it themselves.
+    from offline_extract.engine.parity import checkpoint_bytes
+
+    for name, size in (("model-00001-of-00002.safetensors", 300), ("model-00002-of-00002.safetensors", 200),
+                       ("consolidated.safetensors", 5000)):  # the last a copy no index names, which HF does not load
+        (tmp_path / name).write_bytes(b"\0" * size)
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors",
+                  "c": "model-00001-of-00002.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert checkpoint_bytes(str(tmp_path)) == 500
+    (tmp_path / "model.safetensors.index.json").unlink()
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 70)
+    assert checkpoint_bytes(str(tmp_path)) == 70
 
 
 def test_the_preload_takes_at_most_half_the_available_memory_for_all_the_hosts_readers():
