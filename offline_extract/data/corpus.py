@@ -12,9 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from offline_extract.data.sources import open_sources
-
-FORMAT_KEYS = {"conversations": "sharegpt", "messages": "openai", "text": "text", "input_ids": "tokens"}
+from offline_extract.data.sources import FORMAT_KEYS, open_sources
 
 SHAREGPT_ROLES = {
     "system": "system",

@@ -24,6 +24,8 @@ from offline_extract import hub
 from offline_extract.words import plural
 
 _GZIP_MAGIC = b"\x1f\x8b"
+# A record's fields that say its format (data/corpus.py reads them); an object with none is no record.
+FORMAT_KEYS = {"conversations": "sharegpt", "messages": "openai", "text": "text", "input_ids": "tokens"}
 _PARQUET_MAGIC = b"PAR1"
 # What datasets.save_to_disk writes beside the arrow files: a Dataset, or a DatasetDict of several.
 _SAVED_DATASET = ("state.json", "dataset_dict.json")
@@ -207,10 +209,7 @@ def _outer_byte(path: Path, last: bool = False) -> bytes:
     block = 1 << 16
     with open(path, "rb") as f:
         if not last:
-            chunk = f.read(block).removeprefix(_BOM).lstrip(_BLANK)
-            while not chunk and (more := f.read(block)):
-                chunk = more.lstrip(_BLANK)
-            return chunk[:1]
+            return _first_byte(f)
         end = f.seek(0, os.SEEK_END)
         while end > 0:
             f.seek(start := max(end - block, 0))
@@ -218,6 +217,64 @@ def _outer_byte(path: Path, last: bool = False) -> bytes:
                 return chunk[-1:]
             end = start
     return b""
+
+
+def _first_byte(f, block: int = 1 << 16) -> bytes:
+    """The first byte of the binary file `f`, from where it is, that is not JSON whitespace nor a BOM at the start."""
+    chunk = f.read(block).removeprefix(_BOM).lstrip(_BLANK)
+    while not chunk and (more := f.read(block)):
+        chunk = more.lstrip(_BLANK)
+    return chunk[:1]
+
+
+def _gzipped_first_byte(path: Path) -> bytes | None:
+    """`_first_byte` of a gzip file's content; None where its start does not decompress (the reader names that)."""
+    try:
+        with gzip.open(path, "rb") as f:
+            return _first_byte(f)
+    except (OSError, EOFError, zlib.error):
+        return None
+
+
+def _one_object(name: str, path: Path) -> CorpusReadError | None:
+    """Why the .json file `path`, which begins with '{', is not JSON lines but one JSON object (a wrapper such as
+    {"data": [...]}, or one record spread over lines), whose every line, read as JSONL, would be rejected on its
+    own; None where it is JSON lines (a one-line object that holds no list is left to be judged as a record). Only a
+    file whose first line is a JSON value cut off at its end is parsed whole."""
+    with open(path, "rb") as f:
+        first = next(line for line in f if line.strip(_BLANK)).removeprefix(_BOM).decode("utf-8", "surrogateescape")
+        alone = not _first_byte(f)
+    try:
+        value = json.loads(first)
+    except ValueError as e:
+        if not isinstance(e, json.JSONDecodeError) or e.pos < len(first.rstrip()):
+            return None  # a damaged first line of JSONL: judged with the other lines
+        try:
+            value = json.loads(_json_text(path))
+        except (ValueError, RecursionError):
+            return None  # damaged as a whole: its lines are judged one by one
+        return _object_advice(name, value, spread=True) if isinstance(value, dict) else None
+    wrapper = isinstance(value, dict) and not FORMAT_KEYS.keys() & value.keys() and any(
+        isinstance(field, list) for field in value.values())
+    return _object_advice(name, value, spread=False) if wrapper and alone else None
+
+
+def _object_advice(name: str, value: dict, spread: bool) -> CorpusReadError:
+    what = f"{name} holds one JSON object{' spread over lines' if spread else ''}, not records"
+    if FORMAT_KEYS.keys() & value.keys():
+        return CorpusReadError(f"{what} one per line (JSONL) or in a JSON array: it is one record; put it on one "
+                               f"line (jq -c . {name} > corpus.jsonl)")
+    lists = [key for key, field in value.items() if isinstance(field, list)]
+    if not lists:
+        return CorpusReadError(f"{what}: it has no list of records ({', '.join(map(repr, value)) or 'no keys'}). "
+                               f"A corpus is JSON lines, one record per line, or a .json file of one JSON array of records")
+    path = [f".{key}[]" if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key) else f".[{json.dumps(key)}][]" for key in lists]
+    if len(lists) == 1:
+        held = plural(len(value[lists[0]]), "element")
+        return CorpusReadError(f"{what}: the records are presumably its list under {lists[0]!r} ({held}). Convert "
+                               f"them to JSONL: jq -c '{path[0]}' {name} > corpus.jsonl")
+    return CorpusReadError(f"{what}: it holds lists under {', '.join(map(repr, lists))}. Convert the one of records "
+                           f"to JSONL, e.g. jq -c '{path[0]}' {name} > corpus.jsonl")
 
 
 def _check_parquet_footer(name: str, path: Path) -> None:
@@ -259,19 +316,33 @@ def open_source(name: str) -> Source:
         with open(path, "rb") as f:
             magic = f.read(4)
         if magic[:2] == _GZIP_MAGIC:
+            if _gzipped_first_byte(path) == b"[":
+                # Read as JSONL, each line of the array would be rejected on its own.
+                raise CorpusReadError(
+                    f"{name} is a gzipped JSON array; gzipped, only JSON lines are read. Convert it to JSONL, which "
+                    f"streams: zcat {name} | jq -c '.[]' | gzip > corpus.jsonl.gz (or decompress it into a .json "
+                    f"file, read as one array)"
+                )
             return Source(name, path, "jsonl.gz")
         if magic == _PARQUET_MAGIC:
             _check_parquet_footer(name, path)
             return Source(name, path, "parquet")
-        if path.suffix == ".json" and _outer_byte(path) == b"[":
+        outer = _outer_byte(path)
+        if path.suffix == ".json" and outer == b"[":
             # The usual truncation (a copy cut short) leaves the array open: named now, not once the model has loaded.
             if _outer_byte(path, last=True) != b"]":
                 raise CorpusReadError(f"{name} is a JSON array that does not end with its closing ']' (a truncated file?)")
             return Source(name, path, "json")
+        # Read as JSONL, each of these would have its every line rejected, far from the cause.
         if path.suffix == ".parquet":
-            # Read as JSONL, its every line would be rejected as invalid JSON, far from the cause.
             raise CorpusReadError(f"{name} is not a parquet file: it does not begin with parquet's magic bytes PAR1 "
                                   f"(a Git LFS pointer, or a file of another format?)")
+        if outer == b"[":
+            raise CorpusReadError(f"{name} holds a JSON array, not JSON lines (it begins with '['): name it .json to "
+                                  f"read it as one array of records, or convert it to JSONL: jq -c '.[]' {name} > "
+                                  f"corpus.jsonl")
+        if path.suffix == ".json" and outer == b"{" and (refusal := _one_object(name, path)):
+            raise refusal
         return Source(name, path, "jsonl")
     repo_id, _, split = name.partition(":")
     if "/" not in repo_id or name.endswith(_FILE_SUFFIXES) or not hub.looks_like_repo_id(repo_id):

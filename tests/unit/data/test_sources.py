@@ -191,6 +191,48 @@ def test_a_json_file_of_jsonl_is_still_read_line_by_line(tmp_path):
     assert [(item.line, item.index) for item in read_corpus([path])] == [(i, i - 1) for i in range(1, 6)]
 
 
+ARRAY = json.dumps(ROWS[:2], indent=2)
+NOT_LINES = {
+    # name: (content, the refusal after the name)
+    "c.json.gz": (gzip.compress(ARRAY.encode()), " is a gzipped JSON array; gzipped, only JSON lines are read. Convert "
+                  "it to JSONL, which streams: zcat {path} | jq -c '.[]' | gzip > corpus.jsonl.gz (or decompress it "
+                  "into a .json file, read as one array)"),
+    "c.jsonl": (ARRAY, " holds a JSON array, not JSON lines (it begins with '['): name it .json to read it as one array "
+                "of records, or convert it to JSONL: jq -c '.[]' {path} > corpus.jsonl"),
+    "wrapped.json": (json.dumps({"version": 1, "data": ROWS}, indent=2), " holds one JSON object spread over lines, "
+                     "not records: the records are presumably its list under 'data' (5 elements). Convert them to "
+                     "JSONL: jq -c '.data[]' {path} > corpus.jsonl"),
+    "compact.json": (json.dumps({"my data": ROWS}) + "\n", " holds one JSON object, not records: the records are "
+                     "presumably its list under 'my data' (5 elements). Convert them to JSONL: jq -c "
+                     "'.[\"my data\"][]' {path} > corpus.jsonl"),
+    "splits.json": (json.dumps({"train": ROWS, "test": ROWS}, indent=1), " holds one JSON object spread over lines, not "
+                    "records: it holds lists under 'train', 'test'. Convert the one of records to JSONL, e.g. jq -c "
+                    "'.train[]' {path} > corpus.jsonl"),
+    "record.json": (json.dumps(ROWS[1], indent=1), " holds one JSON object spread over lines, not records one per line "
+                    "(JSONL) or in a JSON array: it is one record; put it on one line (jq -c . {path} > corpus.jsonl)"),
+}
+
+
+@pytest.mark.parametrize("name", NOT_LINES)
+def test_json_that_is_not_json_lines_is_named_with_how_to_convert_it_before_anything_is_read(name, tmp_path):
+    # Each was read as JSONL, every line of it rejected on its own (or, on one line, the wrapper as one bad record).
+    content, refusal = NOT_LINES[name]
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(CorpusReadError) as refused:
+        open_source(str(path))
+    assert str(refused.value) == f"{path}{refusal.format(path=path)}"
+
+
+def test_json_lines_with_a_damaged_or_unknown_first_record_are_still_read_line_by_line(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text('{"text": "cut off"\n' + "".join(json.dumps(row) + "\n" for row in ROWS))
+    items = list(read_corpus([path]))
+    assert [isinstance(item, Record) for item in items] == [False, True, True, False, True, False]
+    path.write_text(json.dumps({"prompt": "a field no format has", "tags": ["x"]}) + "\n" + json.dumps(ROWS[0]) + "\n")
+    assert open_source(str(path)).kind == "jsonl", "one object per line, whatever its fields, is JSON lines"
+
+
 def test_a_damaged_json_array_is_named_with_its_line_and_column_before_any_record_is_read(tmp_path):
     path = tmp_path / "c.json"
     text = json.dumps(ROWS, indent=2)
