@@ -24,7 +24,10 @@ from offline_extract.engine.sglang_adapter import (
 from offline_extract.options import DEFAULT_TOKENS_PER_BATCH, ExtractOptions, default
 from offline_extract.recipes import RECIPES
 from offline_extract.store import manifest
+from offline_extract.store.index import shard_paths
 from offline_extract.store.journal import load_json
+from offline_extract.store.schema import INDEX_NAME
+from offline_extract.summary import REJECTS_FILE
 
 
 @dataclass(frozen=True)
@@ -122,13 +125,21 @@ def check_out(out: str) -> None:
         where = "is a file" if existing == Path(out) else f"cannot be made: {existing} is a file"
         raise ValueError(f"--out {out} {where}, not a directory")
     try:
-        manifest.load(out)
+        recorded = manifest.load(out)
     except manifest.ForeignManifest as e:
         raise ValueError(
             f"--out {out}: {e}. A run neither builds on nor overwrites a manifest it did not write, so nothing there "
             f"was touched: choose a new or empty directory for --out (if this is an extraction whose manifest.json "
             f"was damaged, move that file away and re-run with --force: the shards name their run themselves)"
         ) from None
+    # A run writes its manifest before any of these, so without it and without shards they are someone else's.
+    theirs = [name for name in (INDEX_NAME, REJECTS_FILE) if (Path(out) / name).exists()]
+    if recorded is None and theirs and not shard_paths(out):
+        raise ValueError(
+            f"--out {out} holds {' and '.join(theirs)} but neither {manifest.MANIFEST_NAME} nor shards: no run wrote "
+            f"{'it' if len(theirs) == 1 else 'them'}, and this one would overwrite {'it' if len(theirs) == 1 else 'them'}. "
+            f"Choose a new or empty directory for --out"
+        )
 
 
 def _check_pipes(sources: list[Source], strict: bool) -> None:

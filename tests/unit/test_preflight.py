@@ -114,6 +114,26 @@ def test_an_out_holding_a_manifest_no_run_wrote_is_refused_by_the_real_and_the_d
     assert [(p.name, p.read_text()) for p in out.iterdir()] == [("manifest.json", text)]
 
 
+@pytest.mark.parametrize("names", [("index.json",), ("rejects.jsonl",), ("index.json", "rejects.jsonl")])
+def test_an_out_holding_an_index_or_rejects_that_no_run_wrote_is_refused_by_the_real_and_the_dry_run(
+        names, tmp_path, monkeypatch):
+    # A run overwrote them at its end: a folder named by mistake lost its own index.json.
+    out = tmp_path / "site"
+    out.mkdir()
+    for name in names:
+        (out / name).write_text('{"pages": ["home"]}\n')
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
+    opts = ExtractOptions(data=(CORPUS,), out=str(out))
+    it = "it" if len(names) == 1 else "them"
+    for attempt in (extraction.run, extraction.dry_run):
+        with pytest.raises(ValueError) as refused:
+            attempt(opts)
+        assert str(refused.value) == (
+            f"--out {out} holds {' and '.join(names)} but neither manifest.json nor shards: no run wrote {it}, and "
+            f"this one would overwrite {it}. Choose a new or empty directory for --out")
+    assert sorted((p.name, p.read_text()) for p in out.iterdir()) == [(name, '{"pages": ["home"]}\n') for name in names]
+
+
 def test_a_dry_run_refuses_an_out_holding_another_runs_shards_as_the_real_run_will(tmp_path, monkeypatch):
     # It said "fits", exit 0, where the real run refuses once its model has loaded.
     out = tmp_path / "out"
