@@ -300,13 +300,15 @@ class Job:
     def __init__(self, opts: ExtractOptions):
         self.timeline = Timeline()
         self.opts = opts
-        self.checked = preflight.check(opts)
         self.layout = layout_from_env(opts.tp)
+        # Beating before the checks: a rank whose checks take long (a model still downloading to its node, a
+        # slow filesystem) is waited for at the first meeting, where it would otherwise be taken for lost.
+        self.coord = Coordinator(self.layout, namespace=f"run-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
+        self.checked = preflight.check(opts)
         self.out = Path(opts.out)
         self.known = _known_before_loading(opts, self.checked)
         self.timeline.mark("checked")
         self.tokenizer: SampleTokenizer | None = None
-        self.coord: Coordinator | None = None
         # Set by _load: the engine, and the run's facts that every shard carries.
         self.engine: Engine | None = None
         self.meta: RunInfo | None = None
@@ -343,7 +345,6 @@ class Job:
                        rejected=counts["rejected"], dropped=counts["dropped"])
 
     def run(self) -> Summary | None:
-        self.coord = Coordinator(self.layout, namespace=f"run-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
         if self.opts.strict:
             if self.tokenizer is None:
                 self.load_tokenizer()

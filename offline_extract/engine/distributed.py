@@ -22,6 +22,9 @@ from offline_extract.options import DEFAULT_PORT_BASE
 # is gone. Counters, not timestamps, so that nodes need no synchronised clocks.
 HEARTBEAT = timedelta(seconds=2)
 PEER_TIMEOUT = timedelta(seconds=30)
+# Torchrun's agent on node 0 serves its store from before any rank starts until the run ends: a rank that
+# cannot reach it for this long will not (torch's own client would retry for as long as the store timeout).
+STORE_CONNECT = timedelta(seconds=60)
 T = TypeVar("T")
 
 
@@ -34,7 +37,17 @@ class ReportedByLeader(RuntimeError):
 
 
 class PeerLost(RuntimeError):
-    """A rank this one waits for stopped answering: killed, out of memory, or its node went down."""
+    """A rank this one waits for stopped answering (killed, out of memory, or its node went down), or
+    torchrun's store that the ranks meet through did."""
+
+
+def _store_lost(what: str) -> PeerLost:
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    return PeerLost(
+        f"torchrun's store at {address} (MASTER_ADDR:MASTER_PORT, served by node 0's torchrun) {what}: node 0 has "
+        f"stopped (its log says why) or this node cannot reach it. This rank stops; complete shards are kept and "
+        f"re-running the same command resumes."
+    )
 
 
 def free_port() -> int:
@@ -119,28 +132,33 @@ class Coordinator:
     With one process there is nobody to wait for, and every call returns at once. A wait has no deadline
     (a replica may legitimately take hours longer than another), but it ends with PeerLost naming the
     rank once a rank it waits for stops beating: torchrun stops the ranks of a failed worker's own node,
-    not those of other nodes, which would otherwise wait forever.
+    not those of other nodes, which would otherwise wait forever. It also ends, saying so, once the store
+    stops answering (node 0's torchrun is gone), and connecting to it gives up after `connect_timeout`.
     """
 
-    def __init__(self, layout: Layout, namespace: str, peer_timeout: timedelta = PEER_TIMEOUT):
+    def __init__(self, layout: Layout, namespace: str, peer_timeout: timedelta = PEER_TIMEOUT,
+                 connect_timeout: timedelta = STORE_CONNECT):
         self.layout = layout
         self.store = None
         self._peer_timeout = peer_timeout.total_seconds()
         if layout.world_size > 1:
-            self.store = self._connect(namespace)
+            self.store = self._connect(namespace, connect_timeout)
             # Its own connection: the waits of the main thread hold theirs for seconds at a time.
-            threading.Thread(target=self._beat, args=(self._connect(namespace),), daemon=True,
+            threading.Thread(target=self._beat, args=(self._connect(namespace, connect_timeout),), daemon=True,
                              name="offline_extract-heartbeat").start()
         self._rounds = 0
 
     @staticmethod
-    def _connect(namespace: str):
+    def _connect(namespace: str, timeout: timedelta):
         import torch.distributed as dist
 
         # Torchrun's agent already serves a store on MASTER_ADDR:MASTER_PORT; a prefix keeps our keys
         # apart from torch's own.
-        base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                             timeout=timedelta(minutes=5))
+        try:
+            base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                 timeout=timeout)
+        except dist.DistNetworkError:
+            raise _store_lost(f"did not answer within {timeout.total_seconds():.0f} s") from None
         return dist.PrefixStore(f"offline_extract/{namespace}/", base)
 
     def _beat(self, store) -> None:
@@ -153,6 +171,14 @@ class Coordinator:
 
     def _wait(self, keys: list[str]) -> None:
         """store.wait(keys), in slices, checking between them that the ranks still missing are alive."""
+        from torch.distributed import DistNetworkError
+
+        try:
+            self._wait_alive(keys)
+        except DistNetworkError:
+            raise _store_lost("stopped answering") from None
+
+    def _wait_alive(self, keys: list[str]) -> None:
         from torch.distributed import DistStoreError
 
         last_beat: dict[int, tuple[int, float]] = {}
@@ -172,11 +198,13 @@ class Coordinator:
                 if seen is None or seen[0] != beats:
                     last_beat[rank] = (beats, now)
                 elif now - seen[1] > self._peer_timeout:
-                    raise PeerLost(
-                        f"rank {rank} stopped answering (no heartbeat for {self._peer_timeout:.0f} s): it was "
-                        f"killed or its node went down; its own log says why. This rank stops; complete shards "
-                        f"are kept and re-running the same command resumes."
-                    )
+                    # Every rank beats from its start (extraction.Job), so one that never did did not start.
+                    what = (f"stopped answering (no heartbeat for {self._peer_timeout:.0f} s): it was killed or its "
+                            f"node went down" if beats else
+                            f"never answered (no heartbeat in {self._peer_timeout:.0f} s): it did not start, or "
+                            f"died starting")
+                    raise PeerLost(f"rank {rank} {what}; its own log says why. This rank stops; complete shards are "
+                                   f"kept and re-running the same command resumes.")
 
     def all_gather(self, value) -> list:
         """Every rank's JSON-serializable `value`, in rank order; also a barrier."""

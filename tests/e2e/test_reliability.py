@@ -27,6 +27,7 @@ from extract_runs import (
 )
 
 from offline_extract.default_model import TINY_VERSION
+from offline_extract.engine.distributed import HEARTBEAT, PEER_TIMEOUT
 from offline_extract.store import checksum, integrity, manifest, resume
 from offline_extract.store.index import iter_samples, shard_paths
 from offline_extract.store.journal import read_journal
@@ -159,6 +160,35 @@ def test_resume_with_another_dp_size_gives_the_same_samples(baseline, corpus, en
 def test_two_nodes_on_localhost_give_the_same_samples_as_one_process(baseline, corpus, env, tmp_path):
     out = tmp_path / "out"
     nodes = start_nodes(out, "--data", corpus, *SMALL, env=env, logs=tmp_path)
+    for node, output in zip(nodes, wait_nodes(nodes, timeout=600)):
+        assert node.proc.returncode == 0, output[-6000:]
+    assert_complete(out, baseline)
+
+
+# Loaded by node 1's processes (PYTHONPATH): the first open of a config.json waits SLOW_CHECKS seconds, as a
+# model on a slow filesystem, or still downloading to that node, would.
+LATE_CONFIG = """
+import sys, time
+def _late(event, args, waited=[]):
+    if event == "open" and not waited and str(args[0]).endswith("config.json"):
+        waited.append(True)
+        time.sleep({seconds})
+sys.addaudithook(_late)
+"""
+SLOW_CHECKS = 45
+
+
+@pytest.mark.slow
+def test_a_rank_still_in_its_checks_is_waited_for_not_taken_for_lost(baseline, corpus, env, tmp_path):
+    """Node 1 reads its model's config.json SLOW_CHECKS s late, longer than a rank that stops answering is
+    given; it is not lost, and the run completes."""
+    assert SLOW_CHECKS > (PEER_TIMEOUT + 2 * HEARTBEAT).total_seconds()
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(LATE_CONFIG.format(seconds=SLOW_CHECKS))
+    out = tmp_path / "out"
+    nodes = start_nodes(out, "--data", corpus, *SMALL, env=env, logs=tmp_path,
+                        node_env=[{}, {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))}])
     for node, output in zip(nodes, wait_nodes(nodes, timeout=600)):
         assert node.proc.returncode == 0, output[-6000:]
     assert_complete(out, baseline)
