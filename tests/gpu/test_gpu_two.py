@@ -1,8 +1,9 @@
 """Two GPUs through bin/extract.py in bf16: TP=2 against HF, TP=2, DP=2 and two one-GPU "nodes" against one
 GPU, and killed runs that resume under the other topology (run with `-m gpu` on a two-GPU machine).
 
-Every extraction start costs about 50 s on the H200 (SGLang's imports alone 27 s), so the file starts as few
-as its checks need: `benchmarks/two_gpus.sh tests` runs it in one device call, each test under a time limit.
+Every extraction start costs about 50 s on the H200 (SGLang's imports alone 27 s; 50 s is where the 11-30 and
+12-01 calls' time limits cut the file), so the file starts as few as its checks need, for
+`benchmarks/two_gpus.sh tests` to run it in one device call, each test under a time limit.
 
 States computed with TP=2 sum their all-reduced partial products in another order than one GPU does, so
 across topologies the tests compare each token's cosine (as the parity gate does in bf16), and tokens,
@@ -44,7 +45,7 @@ CORPUS = ROOT / "examples" / "corpus.jsonl"
 MIN_COSINE = 0.999
 WORDS = "the quick brown fox jumps over a lazy dog while hidden states of every layer are saved".split()
 # Small shards and forwards, so that a run is still writing when a test kills part of it (after 20 of its
-# about 500 shards).
+# hundreds of shards).
 SMALL = ("--shard-size-mb", "0.1", "--tokens-per-batch", "128")
 CHATS = 500
 
