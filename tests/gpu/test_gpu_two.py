@@ -1,8 +1,8 @@
 """Two GPUs through bin/extract.py in bf16: TP=2 against HF, TP=2, DP=2 and two one-GPU "nodes" against one
 GPU, and killed runs that resume under the other topology (run with `-m gpu` on a two-GPU machine).
 
-Every extraction start costs about 50 s on the H200 (SGLang's imports alone 27 s; 50 s is where the 11-30 and
-12-01 calls' time limits cut the file), so the file starts as few as its checks need, for
+Every extraction start costs about 50 s on the H200 (SGLang's imports alone 27 s; 50 s is where two earlier
+calls' time limits cut the file, on 12-01), so the file starts as few as its checks need, for
 `benchmarks/two_gpus.sh tests` to run it in one device call, each test under a time limit.
 
 States computed with TP=2 sum their all-reduced partial products in another order than one GPU does, so
