@@ -88,6 +88,13 @@ def check(opts: ExtractOptions) -> Checked:
             raise ValueError(f"--port-base is a TCP port, from 1 to {last}{each}, got {opts.port_base}")
     check_out(opts.out)
     check_engine_choices(opts.attention_backend, opts.load_format)
+    if opts.load_format == "dummy" and opts.parity_samples:
+        # The gate runs HF on the checkpoint's weights, and SGLang's dummy loader draws its own: it would fail
+        # after the model load, on every layer.
+        raise ValueError(
+            f"--verify {opts.parity_samples} compares the states with HF on the model's own weights, but "
+            "--load-format dummy gives SGLang random ones, so the gate cannot pass: leave out --verify, or load the weights"
+        )
     sources = open_sources(opts.data)
     _check_pipes(sources, opts.strict)
     device = resolve_device(opts.device, embedded_model=opts.model is None)

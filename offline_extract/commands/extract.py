@@ -97,7 +97,7 @@ def _chosen(option: str) -> dict:
 @click.option("--attention-backend", default=None,
               help="SGLang attention backend. Default: fa3 on Hopper when installed, else triton; torch_native on CPU.")
 @click.option("--load-format", default=default("load_format"), show_default=True,
-              help="SGLang load format; 'dummy' gives random weights (benchmarks only).")
+              help="SGLang load format; 'dummy' gives random weights (benchmarks only; refused with --verify, whose HF reference reads the real ones).")
 @click.option("--mem-fraction-static", default=default("mem_fraction_static"), show_default=True,
               help="GPU memory fraction for weights plus the (prefill-sized) KV pool.")
 @click.option("--port-base", default=None, type=int,

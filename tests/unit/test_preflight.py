@@ -41,6 +41,8 @@ REFUSED = {
     "a negative port": ({"port_base": -5}, "--port-base is a TCP port, from 1 to 65535, got -5"),
     "an unknown attention backend": ({"attention_backend": "flash"}, "--attention-backend flash is not one of SGLang 0.5.17's: triton, "),
     "an unknown load format": ({"load_format": "safetensor"}, "--load-format safetensor is not one of SGLang 0.5.17's: auto, "),
+    "a gate on random weights": ({"load_format": "dummy", "parity_samples": 2},
+                                 "--verify 2 compares the states with HF on the model's own weights, but --load-format dummy"),
 }
 if not torch.cuda.is_available():
     REFUSED["cuda without a GPU"] = ({"device": "cuda"}, "--device cuda, but torch sees no CUDA GPU")
