@@ -121,8 +121,10 @@ def _available_host_memory() -> int | None:
 def _weights_fingerprint(model_dir: Path) -> str:
     """Names and sizes of the weight files, plus each safetensors file's header: cheap even for a 1 TB
     checkpoint, and it changes whenever the set of tensors, their shapes or their files change. A safetensors
-    file that safetensors cannot open (cut short by an interrupted download, say) is refused here, naming it,
-    where SGLang's load would fail on it with a traceback that names no file."""
+    file that safetensors cannot open (cut short by an interrupted download, say), or one that the checkpoint's
+    index names and that is not there, is refused here, naming it, where SGLang's load would fail on it with a
+    traceback."""
+    parity.check_checkpoint_complete(model_dir)
     files = sorted(f for pattern in ("*.safetensors", "*.bin", "*.pt", "*.pth") for f in model_dir.glob(pattern))
     if not files:
         raise FileNotFoundError(f"no weight files (*.safetensors, *.bin, *.pt) in {model_dir}")

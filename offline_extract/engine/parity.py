@@ -167,15 +167,41 @@ def is_fp8_block(quantization: dict | None) -> bool:
     return bool(quantization and quantization.get("quant_method") == "fp8" and quantization.get("weight_block_size"))
 
 
+CHECKPOINT_INDEX = "model.safetensors.index.json"  # maps each tensor to the file that holds it
+
+
 def checkpoint_files(model_path: str) -> list[Path]:
     """The safetensors files HF transformers loads the checkpoint from: those its index names, else its
     model.safetensors; none where its weights are in another format (HF reads those itself)."""
     root = Path(model_path)
-    index = root / "model.safetensors.index.json"
+    index = root / CHECKPOINT_INDEX
     if index.is_file():
         return sorted({root / name for name in json.loads(index.read_text())["weight_map"].values()})
     single = root / "model.safetensors"
     return [single] if single.is_file() else []
+
+
+class WeightsMissing(FileNotFoundError):
+    """Weight files that the checkpoint's index names and that are not there: an interrupted download or copy."""
+
+    SHOWN = 5  # names listed; a checkpoint of hundreds of files missing most of them would fill the screen
+
+    def __init__(self, index: Path, missing: list[Path]):
+        names = ", ".join(f.name for f in missing[:self.SHOWN])
+        if len(missing) > self.SHOWN:
+            names += f" and {len(missing) - self.SHOWN} more"
+        super().__init__(
+            f"{index} lists {len(missing)} weight file{'s' if len(missing) > 1 else ''} that {index.parent} lacks: "
+            f"{names}. The download or copy did not finish: download or copy the model again (a Hugging Face "
+            f"download fetches only what is missing), then re-run")
+
+
+def check_checkpoint_complete(model_dir: Path) -> None:
+    """Raises WeightsMissing where the index names files that are not there (SGLang's load refuses them too,
+    but with a RuntimeError's traceback, once the model is built and the load begins)."""
+    missing = [f for f in checkpoint_files(str(model_dir)) if not f.is_file()]
+    if missing:
+        raise WeightsMissing(model_dir / CHECKPOINT_INDEX, missing)
 
 
 def checkpoint_bytes(model_path: str) -> int:

@@ -136,6 +136,46 @@ def test_an_out_holding_an_index_or_rejects_that_no_run_wrote_is_refused_by_the_
     assert sorted((p.name, p.read_text()) for p in out.iterdir()) == [(name, '{"pages": ["home"]}\n') for name in names]
 
 
+def test_weight_files_the_index_lists_but_lacks_are_refused_all_named_before_the_model_loads(
+        tiny_model_dir, tmp_path, monkeypatch):
+    # An interrupted download of a sharded checkpoint: every check passed, then SGLang's load failed on the
+    # first missing file with a raw traceback.
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    tensors = sorted(load_file(model / "model.safetensors").items())
+    (model / "model.safetensors").unlink()
+    names = [f"model-{i:05d}-of-00008.safetensors" for i in range(1, 9)]
+    weight_map = {}
+    for i, name in enumerate(names):
+        part = dict(tensors[i::8])
+        save_file(part, str(model / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+    index = model / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for name in names[1:]:
+        (model / name).unlink()
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
+    out = tmp_path / "out"
+    opts = ExtractOptions(data=(CORPUS,), out=str(out), model=str(model))
+    refusal = (f"{index} lists 7 weight files that {model} lacks: {', '.join(names[1:6])} and 2 more. The download "
+               f"or copy did not finish: download or copy the model again (a Hugging Face download fetches only what "
+               f"is missing), then re-run")
+    with pytest.raises(FileNotFoundError) as refused:
+        extraction.run(opts)
+    assert str(refused.value) == refusal
+    assert not out.exists()
+    # A dry run reads the weights only where --out holds shards, to tell whether they are this run's.
+    assert extraction.dry_run(opts).samples == 24
+    write_shards(out, [[(0, 2)]])
+    held = sorted(p.name for p in out.iterdir())
+    with pytest.raises(FileNotFoundError) as refused:
+        extraction.dry_run(opts)
+    assert str(refused.value) == refusal
+    assert sorted(p.name for p in out.iterdir()) == held
+
+
 def test_a_dry_run_refuses_an_out_holding_another_runs_shards_as_the_real_run_will(tmp_path, monkeypatch):
     # It said "fits", exit 0, where the real run refuses once its model has loaded.
     out = tmp_path / "out"
