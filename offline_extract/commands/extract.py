@@ -113,7 +113,7 @@ def _chosen(option: str) -> dict:
               help="Tokenize the corpus, print samples, tokens, the first rejected records (line and reason), bytes "
                    "per output tensor and free space at --out, and stop; exits non-zero if the output would not fit "
                    "(unless --force), --out cannot be written, or another extraction is running into --out (it names "
-                   "it, as the run would).")
+                   "it, as the run would). It writes nothing into --out.")
 @click.option("--strict", is_flag=True,
               help="Stop at the first bad record in corpus order (named by source and line) instead of listing it in "
                    "rejects.jsonl. Every record is read and tokenized first (each replica its share), so the run stops "
@@ -198,6 +198,9 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
     # Torchrun stops every rank with SIGTERM once one fails, and schedulers preempt with it: stop as on an
     # error (the unfinished shard dropped, the lock released) instead of dying mid-write.
     signal.signal(signal.SIGTERM, raise_terminated)
+    # What a stop leaves: a dry run writes nothing into --out, so it has nothing to resume.
+    resumes = f"re-running the same command resumes into {out}"
+    untouched = f"a dry run writes nothing, so {out} is as it was"
     try:
         if dry_run:
             plan = extraction.dry_run(opts)
@@ -209,11 +212,11 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
     except ReportedByLeader:
         sys.exit(1)  # rank 0 printed why, once for the whole run
     except KeyboardInterrupt:
-        raise Interrupted(f"interrupted; re-running the same command resumes into {out}") from None
+        raise Interrupted(f"interrupted; {untouched if dry_run else resumes}") from None
     except Terminated:
-        rank = f"rank {os.environ['RANK']}" if "RANK" in os.environ else "extraction"
+        rank = f"rank {os.environ['RANK']}" if "RANK" in os.environ else "dry run" if dry_run else "extraction"
         click.echo(f"{rank}: stopped by SIGTERM (under torchrun: another rank failed, and torchrun's report names "
-                   f"it); complete shards are kept and re-running the same command resumes into {out}", err=True)
+                   f"it); {untouched if dry_run else 'complete shards are kept and ' + resumes}", err=True)
         sys.exit(128 + signal.SIGTERM)
     if dry_run:
         click.echo(planning.render(plan, out))

@@ -15,6 +15,7 @@ from extract_runs import ROOT, extract_command
 from offline_extract import __version__
 from offline_extract.cli import command
 from offline_extract.default_model import TINY_VERSION
+from offline_extract.extraction import Terminated
 from offline_extract.store import resume
 
 
@@ -71,6 +72,31 @@ def test_ctrl_c_stops_an_export_with_130_and_says_how_to_resume(tmp_path, monkey
     result = CliRunner().invoke(export.main, [str(tmp_path / "out"), "--to", str(tmp_path / "dest")])
     assert result.exit_code == 130
     assert f"interrupted; rerunning the same export resumes into {tmp_path / 'dest'}" in result.output
+
+
+@pytest.mark.parametrize("stop, status, said", [
+    (KeyboardInterrupt, 130, "Error: interrupted; "),
+    (Terminated, 143, "dry run: stopped by SIGTERM (under torchrun: another rank failed, and torchrun's report names it); "),
+])
+def test_a_stopped_dry_run_says_it_wrote_nothing(stop, status, said, tmp_path, monkeypatch):
+    # It said "re-running the same command resumes into OUT", as the real run does, though it writes nothing there.
+    from offline_extract import extraction
+    from offline_extract.commands import extract
+
+    def stopped(opts):
+        raise stop
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(extraction, "dry_run", stopped)
+    out = tmp_path / "out"
+    sigterm = signal.getsignal(signal.SIGTERM)  # the command installs its own, in this process
+    try:
+        result = CliRunner().invoke(extract.main, ["--data", str(ROOT / "examples" / "corpus.jsonl"), "--out",
+                                                   str(out), "--dry-run"])
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    assert (result.exit_code, result.output) == (status, f"{said}a dry run writes nothing, so {out} is as it was\n")
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("first", ["import offline_extract.commands", "sys.path.insert(0, 'bin'); import _bin_path, offline_extract.commands.extract"])
