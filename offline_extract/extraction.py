@@ -401,7 +401,7 @@ class Job:
         self._load()
         done = self._claim(existing)
         with _resumable(self.out), ExitStack() as journals:
-            rejects = journals.enter_context(Journal(self.out / f".rejects.dp{layout.dp_rank}.jsonl")) if layout.writes else None
+            rejects = journals.enter_context(Journal(self.out / resume.REJECTS_PART.format(layout.dp_rank))) if layout.writes else None
             tally = Tally(rejects, opts.strict, opts.nonfinite)
             samples = self._pending(done, tally)
             head = list(islice(samples, opts.parity_samples))
@@ -813,7 +813,7 @@ def _resumable(out: Path) -> Iterator[None]:
 
 def _merge_rejects(out: Path) -> None:
     """One rejects.jsonl in record order from the replicas' parts; the parts go."""
-    parts = sorted(out.glob(resume.REJECTS_PARTS))
+    parts = sorted(out.glob(resume.REJECTS_PART.format("*")))
     rows = sorted((row for part in parts for row in read_journal(part)), key=lambda row: row["index"])
     atomic_write(out / REJECTS_FILE, lambda tmp: tmp.write_text("".join(json.dumps(row) + "\n" for row in rows)))
     for part in parts:

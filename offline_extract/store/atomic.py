@@ -16,6 +16,12 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def temporary_name(name: str) -> str:
+    """The name `atomic_write` writes `name` under before renaming it into place, beside it and hidden; given a
+    glob, the glob of those temporaries (a crashed run's leftovers: resume.LEFTOVER_GLOBS)."""
+    return f".{name}.tmp"
+
+
 def atomic_write(final: Path, write, *, durable: bool = True):
     """Calls write(tmp_path), makes the bytes durable, then renames into place; returns what write returned.
 
@@ -23,7 +29,7 @@ def atomic_write(final: Path, write, *, durable: bool = True):
     `durable=False` skips the fsyncs, for many small files that can be rewritten after a power loss: the
     rename alone still keeps a partial file from ever appearing under `final`.
     """
-    tmp = final.with_name(f".{final.name}.tmp")
+    tmp = final.with_name(temporary_name(final.name))
     try:
         with naming_errors(tmp):
             result = write(tmp)

@@ -22,15 +22,20 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from offline_extract.store import manifest
+from offline_extract.store.atomic import temporary_name
 from offline_extract.store.index import describes, read_index, shard_paths, write_index
-from offline_extract.store.schema import INDEX_NAME, RunInfo, ShardError, shard_number
+from offline_extract.store.schema import INDEX_NAME, SHARD_GLOB, RunInfo, ShardError, shard_number
 from offline_extract.store.shard import read_header
+from offline_extract.summary import REJECTS_FILE
 from offline_extract.words import listing, plural
 
 LOCK_NAME = ".lock"
-REJECTS_PARTS = ".rejects.dp*.jsonl"
-# Files only a live run owns: half-written shards, index or manifest, and per-replica reject lists.
-LEFTOVER_GLOBS = (".*.tmp", REJECTS_PARTS)
+REJECTS_PART = ".rejects.dp{}.jsonl"  # a replica's rejects, by its DP rank, merged into REJECTS_FILE at the end
+# Files only a live run owns: the temporaries of the files it writes into --out (half-written shards, index,
+# manifest or merged rejects) and the replicas' reject lists. These names only: a hidden file of the user's
+# in --out (a .notes.tmp) is not ours to delete. A new file written into --out through atomic_write joins the tuple.
+LEFTOVER_GLOBS = (*(temporary_name(name) for name in (SHARD_GLOB, INDEX_NAME, manifest.MANIFEST_NAME, REJECTS_FILE)),
+                  REJECTS_PART.format("*"))
 
 
 class TakeoverError(ValueError):

@@ -30,17 +30,21 @@ def test_writer_threads_checksum_each_shard_as_they_write_it(tmp_path):
         assert (w.num_samples, w.num_tokens) == (1, read_header(path).num_tokens)
 
 
-def test_take_over_clears_leftovers_and_numbers_new_shards_above_existing(tmp_path):
+def test_take_over_clears_our_leftovers_only_and_numbers_new_shards_above_existing(tmp_path):
     write_shards(tmp_path, [[(0, 2), (2, 2)], [(5, 3)]], numbers=[3, 10])
-    leftovers = [".shard_011.safetensors.tmp", ".rejects.dp1.jsonl", ".index.json.tmp"]
-    for name in leftovers:
+    # Every temporary our writers leave in --out when killed mid-write (store.atomic), and a replica's rejects.
+    leftovers = [".shard_011.safetensors.tmp", ".rejects.dp1.jsonl", ".index.json.tmp", ".manifest.json.tmp",
+                 ".rejects.jsonl.tmp"]
+    # The user's own: take-over deleted every hidden .tmp file in --out.
+    theirs = [".notes.tmp", ".shard_011.safetensors.tmp.bak", ".shard_notes.tmp"]
+    for name in leftovers + theirs:
         (tmp_path / name).write_text("partial")
     lock, existing = resume.take_over(tmp_path)
     lock.release()
     assert existing.shards == ["shard_003.safetensors", "shard_010.safetensors"]
     assert existing.first_number == 11
-    assert existing.notes[0] == f"removed 3 files left by an interrupted run: {', '.join(sorted(leftovers))}"
-    assert hidden_files(tmp_path) == []
+    assert existing.notes[0] == f"removed 5 files left by an interrupted run: {', '.join(sorted(leftovers))}"
+    assert hidden_files(tmp_path) == sorted(theirs)
 
     mask = resume.done_mask(tmp_path, existing.shards)
     assert np.flatnonzero(mask).tolist() == [0, 2, 5]
