@@ -236,14 +236,32 @@ def _gzipped_first_byte(path: Path) -> bytes | None:
         return None
 
 
+def _first_line(path: Path) -> tuple[str, bool]:
+    """The file's first line that is not blank (without the BOM), and whether only blanks follow it."""
+    with open(path, "rb") as f:
+        first = next(line for line in f if line.strip(_BLANK)).removeprefix(_BOM).decode("utf-8", "surrogateescape")
+        return first, not _first_byte(f)
+
+
+def _one_array(path: Path) -> bool:
+    """Whether the file `path`, which begins with '[', is one JSON array rather than JSON lines whose first record
+    is an array: its first line is the whole file, or a value cut off at the line's end (spread over lines)."""
+    first, alone = _first_line(path)
+    try:
+        json.loads(first)
+    except json.JSONDecodeError as e:
+        return e.pos >= len(first.rstrip())
+    except ValueError:
+        return False
+    return alone
+
+
 def _one_object(name: str, path: Path) -> CorpusReadError | None:
     """Why the .json file `path`, which begins with '{', is not JSON lines but one JSON object (a wrapper such as
     {"data": [...]}, or one record spread over lines), whose every line, read as JSONL, would be rejected on its
     own; None where it is JSON lines (a one-line object that holds no list is left to be judged as a record). Only a
     file whose first line is a JSON value cut off at its end is parsed whole."""
-    with open(path, "rb") as f:
-        first = next(line for line in f if line.strip(_BLANK)).removeprefix(_BOM).decode("utf-8", "surrogateescape")
-        alone = not _first_byte(f)
+    first, alone = _first_line(path)
     try:
         value = json.loads(first)
     except ValueError as e:
@@ -337,7 +355,7 @@ def open_source(name: str) -> Source:
         if path.suffix == ".parquet":
             raise CorpusReadError(f"{name} is not a parquet file: it does not begin with parquet's magic bytes PAR1 "
                                   f"(a Git LFS pointer, or a file of another format?)")
-        if outer == b"[":
+        if outer == b"[" and _one_array(path):
             raise CorpusReadError(f"{name} holds a JSON array, not JSON lines (it begins with '['): name it .json to "
                                   f"read it as one array of records, or convert it to JSONL: jq -c '.[]' {name} > "
                                   f"corpus.jsonl")

@@ -199,6 +199,8 @@ NOT_LINES = {
                   "into a .json file, read as one array)"),
     "c.jsonl": (ARRAY, " holds a JSON array, not JSON lines (it begins with '['): name it .json to read it as one array "
                 "of records, or convert it to JSONL: jq -c '.[]' {path} > corpus.jsonl"),
+    "one_line.jsonl": (json.dumps(ROWS) + "\n", " holds a JSON array, not JSON lines (it begins with '['): name it .json "
+                       "to read it as one array of records, or convert it to JSONL: jq -c '.[]' {path} > corpus.jsonl"),
     "wrapped.json": (json.dumps({"version": 1, "data": ROWS}, indent=2), " holds one JSON object spread over lines, "
                      "not records: the records are presumably its list under 'data' (5 elements). Convert them to "
                      "JSONL: jq -c '.data[]' {path} > corpus.jsonl"),
@@ -231,6 +233,9 @@ def test_json_lines_with_a_damaged_or_unknown_first_record_are_still_read_line_b
     assert [isinstance(item, Record) for item in items] == [False, True, True, False, True, False]
     path.write_text(json.dumps({"prompt": "a field no format has", "tags": ["x"]}) + "\n" + json.dumps(ROWS[0]) + "\n")
     assert open_source(str(path)).kind == "jsonl", "one object per line, whatever its fields, is JSON lines"
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps(ROWS[:2]) + "\n" + json.dumps(ROWS[0]) + "\n")  # a first record that is an array
+    assert [isinstance(item, Record) for item in read_corpus([path])] == [False, True]
 
 
 def test_a_damaged_json_array_is_named_with_its_line_and_column_before_any_record_is_read(tmp_path):
