@@ -40,9 +40,9 @@ from offline_extract.store import manifest, resume
 from offline_extract.store.atomic import atomic_write
 from offline_extract.store.index import shard_paths, write_index
 from offline_extract.store.journal import Journal, read_journal
-from offline_extract.store.schema import Encoding, RunInfo
+from offline_extract.store.schema import REJECTS_FILE, Encoding, RunInfo
 from offline_extract.store.writer import ShardWriter
-from offline_extract.summary import REJECTS_FILE, Summary, Tally
+from offline_extract.summary import Summary, Tally
 from offline_extract.timeline import Timeline
 from offline_extract.version import __version__
 from offline_extract.words import plural

@@ -26,8 +26,7 @@ from offline_extract.recipes import RECIPES
 from offline_extract.store import manifest
 from offline_extract.store.index import shard_paths
 from offline_extract.store.journal import load_json
-from offline_extract.store.schema import INDEX_NAME
-from offline_extract.summary import REJECTS_FILE
+from offline_extract.store.schema import INDEX_NAME, REJECTS_FILE
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,9 @@ from offline_extract.data.corpus import BadRecordError, Reject
 from offline_extract.data.tokenization import Sample
 from offline_extract.progress import note
 from offline_extract.store.journal import Journal
+from offline_extract.store.schema import REJECTS_FILE
 from offline_extract.store.writer import ShardWriter
 from offline_extract.words import plural
-
-REJECTS_FILE = "rejects.jsonl"
-
 
 @dataclass
 class Summary:

@@ -179,7 +179,8 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
     from offline_extract.engine.parity import ParityError
     from offline_extract.extraction import StoppedError, Terminated, raise_terminated
     from offline_extract.options import ExtractOptions
-    from offline_extract.summary import REJECTS_FILE, no_sample_verdict
+    from offline_extract.store.schema import REJECTS_FILE
+    from offline_extract.summary import no_sample_verdict
 
     try:
         layer_ids = None if layers is None else tuple(int(x) for x in layers.split(",")) if layers.strip() else ()

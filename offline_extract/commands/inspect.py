@@ -84,7 +84,7 @@ def main(path: str, sample_id: str | None, as_json: bool, verify: bool, allow_pa
 
 def _left_out(out: Path, sample_id: str) -> str | None:
     """Why the run holds no sample of this id, where its rejects.jsonl says (rejected, skipped or dropped)."""
-    from offline_extract.summary import REJECTS_FILE
+    from offline_extract.store.schema import REJECTS_FILE
 
     rejects = out / REJECTS_FILE
     if not rejects.is_file():

@@ -24,9 +24,8 @@ import numpy as np
 from offline_extract.store import manifest
 from offline_extract.store.atomic import temporary_name
 from offline_extract.store.index import describes, read_index, shard_paths, write_index
-from offline_extract.store.schema import INDEX_NAME, SHARD_GLOB, RunInfo, ShardError, shard_number
+from offline_extract.store.schema import INDEX_NAME, REJECTS_FILE, SHARD_GLOB, RunInfo, ShardError, shard_number
 from offline_extract.store.shard import read_header
-from offline_extract.summary import REJECTS_FILE
 from offline_extract.words import listing, plural
 
 LOCK_NAME = ".lock"

@@ -30,6 +30,7 @@ FORMAT_VERSION = 2
 READABLE_FORMAT_VERSIONS = (1, FORMAT_VERSION)
 METADATA_KEY = "offline_extract"
 INDEX_NAME = "index.json"
+REJECTS_FILE = "rejects.jsonl"  # the records a run left out, with why: its replicas' lists, merged at its end
 SHARD_GLOB = "shard_*.safetensors"
 
 
