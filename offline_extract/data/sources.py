@@ -249,11 +249,15 @@ def _one_array(path: Path) -> bool:
     first, alone = _first_line(path)
     try:
         json.loads(first)
-    except json.JSONDecodeError as e:
-        return e.pos >= len(first.rstrip())
-    except ValueError:
-        return False
+    except ValueError as e:
+        return _cut_at_line_end(first, e)
     return alone
+
+
+def _cut_at_line_end(line: str, error: ValueError) -> bool:
+    """Whether `line` failed to parse only because its JSON value goes on past the line's end (a value spread
+    over lines), not because it is damaged within the line."""
+    return isinstance(error, json.JSONDecodeError) and error.pos >= len(line.rstrip())
 
 
 def _one_object(name: str, path: Path) -> CorpusReadError | None:
@@ -265,7 +269,7 @@ def _one_object(name: str, path: Path) -> CorpusReadError | None:
     try:
         value = json.loads(first)
     except ValueError as e:
-        if not isinstance(e, json.JSONDecodeError) or e.pos < len(first.rstrip()):
+        if not _cut_at_line_end(first, e):
             return None  # a damaged first line of JSONL: judged with the other lines
         try:
             value = json.loads(_json_text(path))
