@@ -2,7 +2,21 @@
 `python benchmarks/NAME.py` or, for extraction_vs_prefill, through bin/bench.py."""
 
 import json
+import sys
 from pathlib import Path
+
+import click
+
+
+def program(help: str):
+    """`click.command` for a benchmark program: `help` is its --help, which -h answers too."""
+    return click.command(help=help, context_settings={"help_option_names": ["-h", "--help"]})
+
+
+def command_line(launcher: str) -> str:
+    """The command that ran this process, as a result records it: `launcher` (how the program was started,
+    `python -m benchmarks.NAME`) and the options as typed."""
+    return " ".join([launcher, *sys.argv[1:]])
 
 
 def emit(result: dict, json_path: str | None) -> dict:

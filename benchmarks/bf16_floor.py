@@ -3,22 +3,25 @@ states on the same generated weights, with HF's bf16 MoE blocks sent to the expe
 (`parity.ForcedRouting`), and unforced (each routing itself). No SGLang: this is the floor under any bf16
 implementation's parity, the engine's included (docs/moe-bf16-investigation.md).
 
+\b
     python benchmarks/bf16_floor.py [--device cuda] [--archs qwen3,gpt_oss,...] [--out FILE.json]
 
 Per architecture and layer: the worst and the median token's cosine, over sequences of 5, 37 and 64 tokens.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
 from pathlib import Path
 
+import click
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import program  # noqa: E402
 
 from offline_extract.default_model import ensure_tiny_model  # noqa: E402
 from offline_extract.engine import parity  # noqa: E402
@@ -65,17 +68,17 @@ def measure(arch: str, root: Path, device: str) -> dict:
     return result
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--archs", default=",".join(ARCHS))
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "bf16_floor_cpu.json")
-    args = ap.parse_args()
+@program(__doc__)
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--archs", default=",".join(ARCHS), show_default=True, help="Comma-separated architectures.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), show_default="benchmarks/results/bf16_floor_cpu.json",
+              default=Path(__file__).resolve().parent / "results" / "bf16_floor_cpu.json")
+def main(device: str, archs: str, out: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        results = {arch: measure(arch, Path(tmp), args.device) for arch in args.archs.split(",")}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "device": args.device,
-                                    "architectures": results}, indent=2) + "\n")
+        results = {arch: measure(arch, Path(tmp), device) for arch in archs.split(",")}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "device": device,
+                               "architectures": results}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

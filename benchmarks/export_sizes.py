@@ -9,16 +9,15 @@ are activation-like (Gaussian, a few large channels, tokens of varied norm), 3 a
 """
 from __future__ import annotations
 
-import argparse
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import click
 import torch
 
-from benchmarks import emit
+from benchmarks import command_line, emit, program
 
 from offline_extract.testing.shards import synthetic_run, write_samples
 from offline_extract.training.export import export_specforge
@@ -34,15 +33,14 @@ def states(tokens: int, hidden: int, seed: int) -> torch.Tensor:
     return x.bfloat16()
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--samples", type=int, default=6)
-    ap.add_argument("--sample-tokens", type=int, default=1500)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
-    n, t = args.samples, args.sample_tokens
-    x = states(n * t, args.hidden, seed=0)
+@program(__doc__.split("\n\n")[0])
+@click.option("--hidden", default=1024, show_default=True)
+@click.option("--samples", default=6, show_default=True)
+@click.option("--sample-tokens", default=1500, show_default=True)
+@click.option("--json", "json_path", default=None, help="Also write the result to this file.")
+def main(hidden: int, samples: int, sample_tokens: int, json_path: str | None) -> dict:
+    n, t = samples, sample_tokens
+    x = states(n * t, hidden, seed=0)
     rows = []
     root = Path(tempfile.mkdtemp(prefix="export-sizes-"))
     try:
@@ -60,9 +58,8 @@ def main(argv=None) -> dict:
                              "export_s": round(time.perf_counter() - start, 2)})
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    result = {"command": " ".join(["python -m benchmarks.export_sizes", *(argv if argv is not None else sys.argv[1:])]),
-              "hidden": args.hidden, "tokens": n * t, "rows": rows}
-    return emit(result, args.json)
+    result = {"command": command_line("python -m benchmarks.export_sizes"), "hidden": hidden, "tokens": n * t, "rows": rows}
+    return emit(result, json_path)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The parity gate's HF side alone (no SGLang): where `bin/extract.py --verify` spends its seconds once SGLang is
 up, and what each way of getting HF's weights onto the device costs.
 
+\b
 1. HF's model of the checkpoint from the files, as the gate loaded it before its weights were read ahead, and
    from the tensors read ahead (`parity.checkpoint_tensors(resident=True)`, what `ReferencePreload` reads
    beside SGLang's start-up), each split as the run's `timings` split it: model class and config, the load on
@@ -10,23 +11,24 @@ up, and what each way of getting HF's weights onto the device costs.
 3. HF's forwards over `--samples` samples of `--length` tokens, and the comparison against states held on the
    host, as the gate holds the engine's (here HF's own, so every row passes).
 
+\b
     python benchmarks/gate_load.py --model /dev/shm/offline_extract_peers_llama3_8b --json gate_load.json
 
 Seconds are wall time, the device synchronized at each end.
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 import time
 from pathlib import Path
 
+import click
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import emit  # noqa: E402
+from benchmarks import emit, program  # noqa: E402
 
 from offline_extract.engine import parity  # noqa: E402
 
@@ -108,41 +110,40 @@ def _forwards_and_comparison(hf, device: torch.device, dtype: str, samples: int,
             "rows_ok": all(row.ok for row in rows)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="a checkpoint directory (safetensors)")
-    ap.add_argument("--dtype", default="bfloat16", choices=sorted(parity.TOLERANCES))
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--samples", type=int, default=8, help="the gate's samples (bin/extract.py --verify N)")
-    ap.add_argument("--length", type=int, default=2000, help="tokens a sample")
-    ap.add_argument("--json", help="also write the result to this file")
-    args = ap.parse_args()
-    device = torch.device(args.device)
+@program(__doc__)
+@click.option("--model", required=True, help="A checkpoint directory (safetensors).")
+@click.option("--dtype", type=click.Choice(sorted(parity.TOLERANCES)), default="bfloat16", show_default=True)
+@click.option("--device", "device_name", default="cuda", show_default=True)
+@click.option("--samples", default=8, show_default=True, help="The gate's samples (bin/extract.py --verify N).")
+@click.option("--length", default=2000, show_default=True, help="Tokens a sample.")
+@click.option("--json", "json_path", default=None, help="Also write the result to this file.")
+def main(model: str, dtype: str, device_name: str, samples: int, length: int, json_path: str | None) -> None:
+    device = torch.device(device_name)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    result = {"model": args.model, "dtype": args.dtype, "device": str(device),
-              "checkpoint_bytes": parity.checkpoint_bytes(args.model), "samples": args.samples, "length": args.length}
+    result = {"model": model, "dtype": dtype, "device": str(device),
+              "checkpoint_bytes": parity.checkpoint_bytes(model), "samples": samples, "length": length}
     # In a run SGLang has imported transformers' modeling code by the gate; here it is imported first, apart.
     start = time.perf_counter()
-    _import_model_class(args.model)
+    _import_model_class(model)
     result["transformers_import_s"] = time.perf_counter() - start
 
-    hf, result["from_files"] = _load(args.model, args.dtype, device)
+    hf, result["from_files"] = _load(model, dtype, device)
     del hf
     _free(device)
 
     start = time.perf_counter()
-    tensors = parity.checkpoint_tensors(args.model, resident=True)
+    tensors = parity.checkpoint_tensors(model, resident=True)
     read = time.perf_counter() - start
-    hf, result["read_ahead"] = _load(args.model, args.dtype, device, tensors)
+    hf, result["read_ahead"] = _load(model, dtype, device, tensors)
     result["read_ahead"]["read_s"] = read
     del tensors
-    result.update(_forwards_and_comparison(hf, device, args.dtype, args.samples, args.length))
+    result.update(_forwards_and_comparison(hf, device, dtype, samples, length))
     del hf
     _free(device)
 
-    result["copies"] = _copies(args.model, device)
-    emit(result, args.json)
+    result["copies"] = _copies(model, device)
+    emit(result, json_path)
 
 
 if __name__ == "__main__":

@@ -2,22 +2,30 @@
 (`OFFLINE_EXTRACT_RESULTS=DIR`: tests/unit/engine/test_architectures.py on CPU, tests/gpu/test_gpu_architectures.py,
 tests/gpu/test_gpu_fp8.py and tests/gpu/test_gpu_mxfp4.py on the GPU; `benchmarks/gpu_moe.sh` writes the MoE ones).
 
+\b
     python benchmarks/parity_table.py [RESULTS_DIR] [--readme README.md]
 
-prints the table, or with --readme replaces the one between its parity-table markers. A family whose run has
-no file yet reads "pending".
+prints the table, or with --readme replaces the one between its parity-table markers. RESULTS_DIR defaults to
+benchmarks/results/parity. A family whose run has no file yet reads "pending".
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
 from pathlib import Path
 
-from offline_extract.engine.parity import MOE_HALF_MIN_MEDIAN_COSINE
+import click
 
 ROOT = Path(__file__).resolve().parents[1]
+# The checkout first, as bin/ scripts put it (run as a file, this imports its own benchmarks and offline_extract),
+# then the test helpers that state which backends the GPU suite runs each family on.
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
+
+from benchmarks import program  # noqa: E402
+from offline_extract.engine.parity import MOE_HALF_MIN_MEDIAN_COSINE  # noqa: E402
+from test_gpu_architectures import ARCH_BACKENDS  # noqa: E402  the backends SGLang runs a family on, where not all
+
 RESULTS = ROOT / "benchmarks" / "results" / "parity"
 # Family -> the architecture key its results are filed under, whether --verify forces its routing (a MoE family
 # with a forceable HF block), and its quantized release format, if any.
@@ -37,8 +45,6 @@ FAMILIES = {
     "Kimi-K2.5 (text)": ("kimi_k25", True, None),
 }
 GPU_BACKENDS = ("flashinfer", "fa3")
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
-from test_gpu_architectures import ARCH_BACKENDS  # noqa: E402  the backends SGLang runs a family on, where not all
 START, END = "<!-- parity-table -->", "<!-- /parity-table -->"
 
 
@@ -128,20 +134,20 @@ def table(results: Path) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", nargs="?", type=Path, default=RESULTS, help=f"default: {RESULTS.relative_to(ROOT)}")
-    ap.add_argument("--readme", type=Path, help="replace the table between the parity-table markers in this file")
-    args = ap.parse_args()
-    text = table(args.results)
-    if args.readme is None:
-        print(text)
+@program(__doc__)
+@click.argument("results", metavar="[RESULTS_DIR]", required=False, default=RESULTS, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--readme", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Replace the table between the parity-table markers in this file.")
+def main(results: Path, readme: Path | None) -> None:
+    text = table(results)
+    if readme is None:
+        click.echo(text)
         return
-    readme = args.readme.read_text()
-    if START not in readme or END not in readme:
-        raise SystemExit(f"{args.readme} has no {START} ... {END} markers")
-    args.readme.write_text(re.sub(f"{re.escape(START)}.*?{re.escape(END)}", lambda m: f"{START}\n{text}\n{END}",
-                                  readme, flags=re.S))
+    current = readme.read_text()
+    if START not in current or END not in current:
+        raise click.ClickException(f"{readme} has no {START} ... {END} markers")
+    readme.write_text(re.sub(f"{re.escape(START)}.*?{re.escape(END)}", lambda m: f"{START}\n{text}\n{END}",
+                             current, flags=re.S))
 
 
 if __name__ == "__main__":

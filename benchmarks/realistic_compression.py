@@ -18,14 +18,13 @@ weights as the source of the ratio, it does not predict a large model's to the p
 """
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 
+import click
 import numpy as np
 import torch
 
-from benchmarks import emit
+from benchmarks import command_line, emit, program
 
 from offline_extract.default_model import ensure_tiny_model
 from offline_extract.engine import parity
@@ -96,24 +95,24 @@ def ratios(model, samples: list[torch.Tensor], layer_ids: tuple[int, ...] = LAYE
     }
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--train-seconds", type=float, default=150.0)
-    ap.add_argument("--seq", type=int, default=256, help="training window, tokens")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--samples", type=int, default=48, help="held-out samples measured")
-    ap.add_argument("--sample-tokens", type=int, default=512)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model-dir", default=None, help="where the tiny model is built (default: the user cache)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads (a model this small runs 4-5x slower on 2 threads of a busy 2-core machine)")
-    ap.add_argument("--json", default=None, help="write the result here")
-    args = ap.parse_args(argv)
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
+@program(__doc__.split("\n\n")[0])
+@click.option("--train-seconds", default=150.0, show_default=True)
+@click.option("--seq", default=256, show_default=True, help="Training window, tokens.")
+@click.option("--batch", default=16, show_default=True)
+@click.option("--lr", default=3e-3, show_default=True)
+@click.option("--samples", default=48, show_default=True, help="Held-out samples measured.")
+@click.option("--sample-tokens", default=512, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--model-dir", default=None, help="Where the tiny model is built (default: the user cache).")
+@click.option("--threads", default=1, show_default=True,
+              help="Torch threads (a model this small runs 4-5x slower on 2 threads of a busy 2-core machine).")
+@click.option("--json", "json_path", default=None, help="Write the result here.")
+def main(train_seconds: float, seq: int, batch: int, lr: float, samples: int, sample_tokens: int, seed: int,
+         model_dir: str | None, threads: int, json_path: str | None) -> dict:
+    torch.manual_seed(seed)
+    torch.set_num_threads(threads)
 
-    model_dir = ensure_tiny_model(args.model_dir)
+    model_dir = ensure_tiny_model(model_dir)
     model = parity.load_hf_model(str(model_dir), "float32", "cpu")
     from transformers import AutoTokenizer
 
@@ -121,18 +120,18 @@ def main(argv=None) -> dict:
     docs = documentation()
     cut = int(len(docs) * 0.85)
     train_stream, test_stream = token_stream(tokenizer, docs[:cut]), token_stream(tokenizer, docs[cut:])
-    n = args.sample_tokens
-    samples = [test_stream[i * n : (i + 1) * n] for i in range(min(args.samples, len(test_stream) // n))]
+    n = sample_tokens
+    held_out = [test_stream[i * n : (i + 1) * n] for i in range(min(samples, len(test_stream) // n))]
 
-    result = {"command": " ".join(["python -m benchmarks.realistic_compression", *(argv if argv is not None else sys.argv[1:])]),
+    result = {"command": command_line("python -m benchmarks.realistic_compression"),
               "model": "offline_extract tiny Llama (hidden 64, 8 layers, vocab 384)",
               "text": "pydoc_data.topics (Python reference documentation): 85% of topics train, the rest held out",
-              "train_tokens": len(train_stream), "measured_tokens": sum(len(s) for s in samples),
+              "train_tokens": len(train_stream), "measured_tokens": sum(len(s) for s in held_out),
               "layer_ids": list(LAYER_IDS), "final_state": "post-norm"}
-    result["random_weights"] = {"held_out_loss": round(held_out_loss(model, samples), 3), **ratios(model, samples)}
-    result["training"] = train(model, train_stream, args.train_seconds, args.seq, args.batch, args.lr, args.seed)
-    result["trained"] = {"held_out_loss": round(held_out_loss(model, samples), 3), **ratios(model, samples)}
-    return emit(result, args.json)
+    result["random_weights"] = {"held_out_loss": round(held_out_loss(model, held_out), 3), **ratios(model, held_out)}
+    result["training"] = train(model, train_stream, train_seconds, seq, batch, lr, seed)
+    result["trained"] = {"held_out_loss": round(held_out_loss(model, held_out), 3), **ratios(model, held_out)}
+    return emit(result, json_path)
 
 
 if __name__ == "__main__":

@@ -21,13 +21,11 @@ separate tensors where SGLang merges them; each is drawn alike, which does not m
 """
 from __future__ import annotations
 
-import argparse
-import sys
-
+import click
 import numpy as np
 import torch
 
-from benchmarks import emit
+from benchmarks import command_line, emit, program
 from benchmarks.extraction_vs_prefill import BenchOptions, synthetic_corpus
 from benchmarks.realistic_compression import ratios
 from offline_extract.default_model import _random_tensor, ensure_tiny_model
@@ -57,31 +55,30 @@ def cosine_to_embedding(model, samples: list[torch.Tensor], layer_ids: tuple[int
     return {k: round(float(np.mean(v)), 4) for k, v in found.items()}
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hidden", type=int, default=1024, help="width (the 8B shape's is 4096; intermediate 3.5x)")
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--num-tokens", type=int, default=8000, help="of the bench's lognormal corpus (mean 1,700)")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", default=None, help="write the result here")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+@program(__doc__.split("\n\n")[0])
+@click.option("--hidden", default=1024, show_default=True, help="Width (the 8B shape's is 4096; intermediate 3.5x).")
+@click.option("--layers", default=32, show_default=True)
+@click.option("--num-tokens", default=8000, show_default=True, help="Of the bench's lognormal corpus (mean 1,700).")
+@click.option("--threads", default=1, show_default=True)
+@click.option("--json", "json_path", default=None, help="Write the result here.")
+def main(hidden: int, layers: int, num_tokens: int, threads: int, json_path: str | None) -> dict:
+    torch.set_num_threads(threads)
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
     from offline_extract.data.tokenization import SampleTokenizer
 
     tiny = ensure_tiny_model()
     tokenizer = SampleTokenizer(AutoTokenizer.from_pretrained(tiny), max_length=8192)
-    samples = [torch.as_tensor(np.asarray(s.input_ids)) for s in synthetic_corpus(tokenizer, BenchOptions(num_tokens=args.num_tokens))]
-    shape = {**ARCHITECTURES["llama3_8b"](0), "hidden_size": args.hidden, "intermediate_size": args.hidden * 7 // 2,
-             "num_hidden_layers": args.layers, "num_attention_heads": args.hidden // 128,
-             "num_key_value_heads": max(1, args.hidden // 512), "max_position_embeddings": 16384,
+    samples = [torch.as_tensor(np.asarray(s.input_ids)) for s in synthetic_corpus(tokenizer, BenchOptions(num_tokens=num_tokens))]
+    shape = {**ARCHITECTURES["llama3_8b"](0), "hidden_size": hidden, "intermediate_size": hidden * 7 // 2,
+             "num_hidden_layers": layers, "num_attention_heads": hidden // 128,
+             "num_key_value_heads": max(1, hidden // 512), "max_position_embeddings": 16384,
              "torch_dtype": "float32"}
     config = AutoConfig.for_model(**{k: v for k, v in shape.items() if k != "architectures"})
     model = AutoModel.from_config(config).eval()  # the decoder and its final norm; no LM head
     # SGLang's EAGLE-3 default for this depth, as for the 8B shape: [1, N/2 - 1, N - 4].
-    layer_ids = (1, args.layers // 2 - 1, args.layers - 4)
-    result = {"command": " ".join(["python -m benchmarks.weights_compression", *(argv if argv is not None else sys.argv[1:])]),
+    layer_ids = (1, layers // 2 - 1, layers - 4)
+    result = {"command": command_line("python -m benchmarks.weights_compression"),
               "shape": {k: shape[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                                "num_attention_heads", "num_key_value_heads", "head_dim")},
               "layer_ids": list(layer_ids), "final_state": "post-norm",
@@ -90,7 +87,7 @@ def main(argv=None) -> dict:
         initialise(model, kind)
         result[kind] = {**ratios(model, samples, layer_ids),
                         "cosine_to_embedding": cosine_to_embedding(model, samples, layer_ids)}
-    return emit(result, args.json)
+    return emit(result, json_path)
 
 
 if __name__ == "__main__":

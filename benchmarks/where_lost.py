@@ -1,5 +1,6 @@
 """Where extraction loses time against bare prefill, read from bin/bench.py result JSONs (one GPU rank).
 
+\b
     python benchmarks/where_lost.py RESULT.json ... [--json OUT]
 
 Each side's wall clock (the writing rank's, from the first forward's launch to the last byte stored) is the
@@ -10,10 +11,15 @@ seconds went; prints a markdown table, and with --json writes the split with the
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
+
+import click
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import command_line, program  # noqa: E402
 
 PARTS = ("forwards", "before_first", "between", "tail")
 
@@ -34,21 +40,21 @@ def where_lost(result: dict) -> dict:
             "lost_by_part_s": {p: extract[p] - bare[p] for p in PARTS}}
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("results", nargs="+", type=Path, help="bin/bench.py result JSONs")
-    ap.add_argument("--json", type=Path, help="write the split here, with this command")
-    args = ap.parse_args(argv)
-    runs = {p.name: where_lost(json.loads(p.read_text())) for p in args.results}
-    print("| run | extract ÷ bare | lost | in forwards | before the first | between forwards | tail |")
-    print("|---|---|---|---|---|---|---|")
+@program(__doc__.split("\n\n")[0])
+@click.argument("results", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the split here, with this command.")
+def main(results: tuple[Path, ...], json_path: Path | None) -> None:
+    runs = {p.name: where_lost(json.loads(p.read_text())) for p in results}
+    click.echo("| run | extract ÷ bare | lost | in forwards | before the first | between forwards | tail |")
+    click.echo("|---|---|---|---|---|---|---|")
     for name, r in runs.items():
         by = r["lost_by_part_s"]
-        print(f"| {name} | {r['extract_over_bare']:.3f} | {r['lost_s']:.3f} s | "
-              + " | ".join(f"{by[p]:+.3f} s" for p in PARTS) + " |")
-    if args.json:
-        command = " ".join(["python benchmarks/where_lost.py", *(sys.argv[1:] if argv is None else argv)])
-        args.json.write_text(json.dumps({"command": command, "runs": runs}, indent=1) + "\n")
+        click.echo(f"| {name} | {r['extract_over_bare']:.3f} | {r['lost_s']:.3f} s | "
+                   + " | ".join(f"{by[p]:+.3f} s" for p in PARTS) + " |")
+    if json_path:
+        command = command_line("python benchmarks/where_lost.py")
+        json_path.write_text(json.dumps({"command": command, "runs": runs}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -12,22 +12,23 @@ the figures that carry over are the CPU seconds each thread spent after the last
 /proc, by thread name), the largest of which bounds the tail on a host with a core for every thread. The shards' sha256
 are listed, to show that a change to the writer left the bytes alone.
 
+\b
     python -m benchmarks.writer_tail --case batches --compress zstd --writers 12
     python -m benchmarks.writer_tail --case long --tokens 131072
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import shutil
 import threading
 import time
 from pathlib import Path
 
+import click
 import psutil
 import torch
 
-from benchmarks import emit
+from benchmarks import emit, program
 
 from offline_extract.options import choices, default
 from offline_extract.store.schema import Encoding, RunInfo, SampleInfo
@@ -128,19 +129,19 @@ def run(case: str, out: Path, store: str, compress: str, writers: int, pace: flo
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--case", choices=("batches", "long"), default="batches")
-    p.add_argument("--out", default="/dev/shm/oe-writer-tail")
-    p.add_argument("--store", choices=choices("store"), default=default("store"))
-    p.add_argument("--compress", choices=choices("compress"), default=default("compress"))
-    p.add_argument("--writers", type=int, default=12)
-    p.add_argument("--pace", type=float, default=1.0, help="seconds between batches (chunks), as forwards take")
-    p.add_argument("--batches", type=int, default=6, help="batches of 16,384 tokens (--case batches)")
-    p.add_argument("--tokens", type=int, default=131072, help="the long sample's length (--case long)")
-    p.add_argument("--json", help="also save the result to this file")
-    a = p.parse_args()
-    emit(run(a.case, Path(a.out), a.store, a.compress, a.writers, a.pace, a.batches, a.tokens), a.json)
+@program(__doc__)
+@click.option("--case", type=click.Choice(("batches", "long")), default="batches", show_default=True)
+@click.option("--out", default="/dev/shm/oe-writer-tail", show_default=True)
+@click.option("--store", type=click.Choice(choices("store")), default=default("store"), show_default=True)
+@click.option("--compress", type=click.Choice(choices("compress")), default=default("compress"), show_default=True)
+@click.option("--writers", default=12, show_default=True)
+@click.option("--pace", default=1.0, show_default=True, help="Seconds between batches (chunks), as forwards take.")
+@click.option("--batches", default=6, show_default=True, help="Batches of 16,384 tokens (--case batches).")
+@click.option("--tokens", default=131072, show_default=True, help="The long sample's length (--case long).")
+@click.option("--json", "json_path", default=None, help="Also save the result to this file.")
+def main(case: str, out: str, store: str, compress: str, writers: int, pace: float, batches: int, tokens: int,
+         json_path: str | None) -> None:
+    emit(run(case, Path(out), store, compress, writers, pace, batches, tokens), json_path)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Which zstd layout for `--compress zstd`: ratio and single-thread speed on CPU, per candidate.
 
+\b
 Candidates, each over the same samples' hidden states (aux + final, bf16 or fp8 values):
   shard        one frame over the shard's concatenated tensor bytes (the whole file compressed)
   tensor       one frame per tensor, bytes as they lie
@@ -11,20 +12,21 @@ The states come from a randomly initialised Llama (HF transformers, on CPU) run 
 random-weight activations are not a trained model's, so the ratios are indicative only; what this
 decides is the relative order of the layouts, and their speed.
 
+\b
     python -m benchmarks.zstd_layouts --hidden 2048 --layers 8 --tokens 8192 --repeat 2 \
         --json benchmarks/results/zstd_layouts_cpu.json
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
+import click
 import torch
 import zstandard
 
+from benchmarks import command_line, program
 from offline_extract.store.codecs import (
     ZSTD_LEVEL, compress_frame, compressor, decompress_frame, decompressor, fp8_quantize,
 )
@@ -76,19 +78,19 @@ def measure(name: str, tensors: list[torch.Tensor], frames_of, repeat: int) -> d
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--sample-tokens", type=int, default=1700)
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None)
-    a = p.parse_args()
+@program(__doc__)
+@click.option("--hidden", default=2048, show_default=True)
+@click.option("--layers", default=8, show_default=True)
+@click.option("--tokens", default=16384, show_default=True)
+@click.option("--sample-tokens", default=1700, show_default=True)
+@click.option("--repeat", default=3, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the result to this file.")
+def main(hidden: int, layers: int, tokens: int, sample_tokens: int, repeat: int, seed: int, json_path: Path | None) -> None:
     torch.set_num_threads(1)
-    aux, last = activations(a.hidden, a.layers, a.tokens, a.sample_tokens, a.seed)
-    bounds = list(range(0, a.tokens, a.sample_tokens)) + [a.tokens]
+    aux, last = activations(hidden, layers, tokens, sample_tokens, seed)
+    bounds = list(range(0, tokens, sample_tokens)) + [tokens]
     stores = {
         "bf16": [aux, last],
         "fp8": [fp8_quantize(aux, 3)[0], fp8_quantize(last, 1)[0]],
@@ -104,16 +106,19 @@ def main() -> None:
         for name, frames_of in layouts.items():
             if name == "shard":
                 whole = torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for t in tensors])
-                row = measure(name, [whole], frames_of, a.repeat)
+                row = measure(name, [whole], frames_of, repeat)
             else:
-                row = measure(name, tensors, frames_of, a.repeat)
+                row = measure(name, tensors, frames_of, repeat)
             rows.append({"store": store, **row})
             print(f"{store:5} {name:14} ratio {row['ratio']:.3f}  compress {row['compress_MBps']:7.0f} MB/s  "
                   f"decompress {row['decompress_MBps']:7.0f} MB/s  ({row['frames']} frames)", flush=True)
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps({"command": " ".join(["python -m benchmarks.zstd_layouts", *sys.argv[1:]]), "args": vars(a) | {"json": str(a.json)}, "zstd_level": ZSTD_LEVEL,
-                                      "zstandard": zstandard.__version__, "rows": rows}, indent=1))
+    if json_path:
+        args = {"hidden": hidden, "layers": layers, "tokens": tokens, "sample_tokens": sample_tokens, "repeat": repeat,
+                "seed": seed, "json": str(json_path)}
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({"command": command_line("python -m benchmarks.zstd_layouts"), "args": args,
+                                         "zstd_level": ZSTD_LEVEL, "zstandard": zstandard.__version__, "rows": rows},
+                                        indent=1))
 
 
 if __name__ == "__main__":

@@ -8,14 +8,13 @@ single-thread speed as the best of a few runs.
 """
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 
+import click
 import torch
-
-from benchmarks import emit
 import zstandard
+
+from benchmarks import command_line, emit, program
 
 from offline_extract.store.codecs import ZSTD_LEVEL, compress_frame, compressor, fp8_quantize
 
@@ -38,26 +37,25 @@ def _measure(tensor: torch.Tensor, cctx, repeat: int) -> dict:
     return {"ratio": round(nbytes / len(frame), 3), "mb_s": round(nbytes / best / 1e6, 1)}
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=1700)
-    ap.add_argument("--width", type=int, default=3 * 4096)
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--seeds", type=int, default=2)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
+@program(__doc__.split("\n\n")[0])
+@click.option("--tokens", default=1700, show_default=True)
+@click.option("--width", default=3 * 4096, show_default=True)
+@click.option("--repeat", default=5, show_default=True)
+@click.option("--seeds", default=2, show_default=True)
+@click.option("--json", "json_path", default=None, help="Also write the result to this file.")
+def main(tokens: int, width: int, repeat: int, seeds: int, json_path: str | None) -> dict:
     torch.set_num_threads(1)
     plain = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True, write_checksum=True)
     rows = []
-    for seed in range(args.seeds):
-        bf16 = _states(args.tokens, args.width, seed)
+    for seed in range(seeds):
+        bf16 = _states(tokens, width, seed)
         fp8, _ = fp8_quantize(bf16, 3)
         for store, tensor in (("bf16", bf16), ("fp8", fp8)):
-            rows.append({"seed": seed, "store": store, "level_1": _measure(tensor, plain, args.repeat),
-                         "ours": _measure(tensor, compressor(), args.repeat)})
-    result = {"command": " ".join(["python -m benchmarks.zstd_params", *(argv if argv is not None else sys.argv[1:])]),
-              "tokens": args.tokens, "width": args.width, "threads": 1, "rows": rows}
-    return emit(result, args.json)
+            rows.append({"seed": seed, "store": store, "level_1": _measure(tensor, plain, repeat),
+                         "ours": _measure(tensor, compressor(), repeat)})
+    result = {"command": command_line("python -m benchmarks.zstd_params"), "tokens": tokens, "width": width, "threads": 1,
+              "rows": rows}
+    return emit(result, json_path)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: make `benchmarks` importable from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks import command_line
 from benchmarks.peers.accounting import TreePeakRss
 from benchmarks.peers.corpus import load_batches
 
@@ -147,7 +148,7 @@ def run(model: str, batches_path: Path, result: Path, dump: Path | None, dump_sa
 @click.option("--max-length", default=8192, show_default=True, help="Longest sample in tokens.")
 def main(model, batches_path, result, dump, dump_samples, dtype, device, attention_backend, mem_fraction_static,
          max_length):
-    command = " ".join(["python -m benchmarks.peers.sglang_engine", *sys.argv[1:]])
+    command = command_line("python -m benchmarks.peers.sglang_engine")
     row = run(model, batches_path, result, dump, dump_samples, dtype, device, attention_backend, mem_fraction_static,
               max_length, command)
     print(json.dumps(row, indent=2))

@@ -10,7 +10,7 @@ def test_gate_load_times_every_part_of_the_gates_hf_side(tiny_model_dir, tmp_pat
     out = tmp_path / "gate_load.json"
     monkeypatch.setattr(sys, "argv", ["gate_load.py", "--model", str(tiny_model_dir), "--dtype", "float32",
                                       "--device", "cpu", "--samples", "2", "--length", "24", "--json", str(out)])
-    gate_load.main()
+    gate_load.main(standalone_mode=False)
     result = json.loads(out.read_text())
     files = sorted(tiny_model_dir.glob("*.safetensors"))
     assert result["checkpoint_bytes"] == sum(f.stat().st_size for f in files)
