@@ -1,4 +1,4 @@
-# Sourced first by the device-call scripts (gpu_suite.sh, gpu_moe.sh, gpu_perf.sh, gpu_record.sh, main_job.sh) as
+# Sourced first by the device-call scripts (gpu_suite.sh, gpu_moe.sh, gpu_perf.sh, main_job.sh) as
 # `source "$(dirname "$0")/steps.sh"`: it sets -uo pipefail and moves to the checkout's root, which each of them
 # needs for its relative paths, and gives them
 #   step NAME LIMIT_SECONDS COMMAND...
