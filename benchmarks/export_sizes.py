@@ -20,17 +20,10 @@ import torch
 from benchmarks import command_line, emit, program
 
 from offline_extract.testing.shards import synthetic_run, write_samples
+from offline_extract.testing.states import activation_like
 from offline_extract.training.export import export_specforge
 
 K = 3
-
-
-def states(tokens: int, hidden: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, K + 1, hidden, generator=g)
-    x[:, :, :8] *= 30
-    x *= torch.rand(tokens, K + 1, 1, generator=g) * 4 + 0.5
-    return x.bfloat16()
 
 
 @program(__doc__.split("\n\n")[0])
@@ -40,7 +33,7 @@ def states(tokens: int, hidden: int, seed: int) -> torch.Tensor:
 @click.option("--json", "json_path", default=None, help="Also write the result to this file.")
 def main(hidden: int, samples: int, sample_tokens: int, json_path: str | None) -> dict:
     n, t = samples, sample_tokens
-    x = states(n * t, hidden, seed=0)
+    x = activation_like(n * t, K + 1, hidden)
     rows = []
     root = Path(tempfile.mkdtemp(prefix="export-sizes-"))
     try:

@@ -26,6 +26,7 @@ import torch
 from offline_extract.options import choices, default
 from offline_extract.store.schema import Encoding, RunInfo, SampleInfo
 from offline_extract.store.writer import WRITER_THREADS, ShardWriter
+from offline_extract.testing.states import activation_like
 
 ROOT = Path(__file__).resolve().parents[1]
 K, H = 3, 4096  # the 8B shape: 3 aux layers + the last state
@@ -42,13 +43,9 @@ def _copy_rate(nbytes: int, warm: bool) -> float:
     return nbytes / (time.perf_counter() - start)
 
 
-def _states(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """One batch of activation-like bf16 states: Gaussian, a few outlier channels, tokens of varied norm."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(BATCH_TOKENS, K + 1, H, generator=g)
-    x[:, :, :8] *= 30
-    x *= torch.rand(BATCH_TOKENS, K + 1, 1, generator=g) * 4 + 0.5
-    x = x.bfloat16()
+def _states() -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch of activation-like bf16 states (aux, last)."""
+    x = activation_like(BATCH_TOKENS, K + 1, H)
     return x[:, :K].reshape(BATCH_TOKENS, K * H).contiguous(), x[:, K].contiguous()
 
 

@@ -17,14 +17,7 @@ import zstandard
 from benchmarks import command_line, emit, program
 
 from offline_extract.store.codecs import ZSTD_LEVEL, compress_frame, compressor, fp8_quantize
-
-
-def _states(tokens: int, width: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, width, generator=g)
-    x[:, :8] *= 30
-    x *= torch.rand(tokens, 1, generator=g) * 4 + 0.5
-    return x.bfloat16()
+from offline_extract.testing.states import activation_like
 
 
 def _measure(tensor: torch.Tensor, cctx, repeat: int) -> dict:
@@ -48,7 +41,7 @@ def main(tokens: int, width: int, repeat: int, seeds: int, json_path: str | None
     plain = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True, write_checksum=True)
     rows = []
     for seed in range(seeds):
-        bf16 = _states(tokens, width, seed)
+        bf16 = activation_like(tokens, 1, width, seed).reshape(tokens, width)
         fp8, _ = fp8_quantize(bf16, 3)
         for store, tensor in (("bf16", bf16), ("fp8", fp8)):
             rows.append({"seed": seed, "store": store, "level_1": _measure(tensor, plain, repeat),

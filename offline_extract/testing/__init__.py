@@ -1,2 +1,2 @@
 """The test rig, shipped for the test suites and benchmarks (as torch.testing is): seeded random checkpoints
-of every supported architecture, and synthetic shard directories."""
+of every supported architecture, synthetic shard directories, and residual-stream-like states."""
