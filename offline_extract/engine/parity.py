@@ -176,9 +176,23 @@ def checkpoint_files(model_path: str) -> list[Path]:
     root = Path(model_path)
     index = root / CHECKPOINT_INDEX
     if index.is_file():
-        return sorted({root / name for name in json.loads(index.read_text())["weight_map"].values()})
+        return sorted({root / name for name in _weight_map(index).values()})
     single = root / "model.safetensors"
     return [single] if single.is_file() else []
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's map of each tensor to the file holding it. A damaged index is refused naming it (and where
+    its JSON breaks), where json's bare error named no file and SGLang's load would fail on it with a traceback."""
+    advice = "it is damaged, or was cut short by an interrupted download or copy. Download or copy it again, then re-run"
+    try:
+        document = json.loads(index.read_bytes())
+    except ValueError as e:  # json's error says the line and column; a byte that is not UTF-8, its position
+        raise ValueError(f"{index} is not valid JSON ({e}): {advice}") from None
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not (isinstance(weight_map, dict) and weight_map and all(isinstance(f, str) for f in weight_map.values())):
+        raise ValueError(f'{index} has no "weight_map" object naming the file of each tensor: {advice}')
+    return weight_map
 
 
 class WeightsMissing(FileNotFoundError):

@@ -141,6 +141,33 @@ def test_a_checkpoints_size_is_that_of_the_files_hf_loads(tmp_path):
     assert checkpoint_bytes(str(tmp_path)) == 70
 
 
+ADVICE = "it is damaged, or was cut short by an interrupted download or copy. Download or copy it again, then re-run"
+
+
+@pytest.mark.parametrize("content, why", [
+    # Cut short mid-download: the string that opens at line 5, column 26 never ends.
+    ('{\n  "metadata": {},\n  "weight_map": {\n    "lm_head.weight": "model.safetensors",\n    "model.norm.weight": '
+     '"model.safe', "is not valid JSON (Unterminated string starting at: line 5 column 26 (char 106))"),
+    ("", "is not valid JSON (Expecting value: line 1 column 1 (char 0))"),
+    (b"\xff\xd8\xff\xe0", "is not valid JSON ('utf-8' codec can't decode byte 0xff in position 0: invalid start byte)"),
+    ('{"metadata": {"total_size": 12}}', 'has no "weight_map" object naming the file of each tensor'),
+    ('[{"weight_map": {"a": "model.safetensors"}}]', 'has no "weight_map" object naming the file of each tensor'),
+    ('{"weight_map": ["model.safetensors"]}', 'has no "weight_map" object naming the file of each tensor'),
+    ('{"weight_map": {"a": 1}}', 'has no "weight_map" object naming the file of each tensor'),
+    ('{"weight_map": {}}', 'has no "weight_map" object naming the file of each tensor'),
+])
+def test_a_damaged_checkpoint_index_is_refused_naming_it_where_it_breaks_and_what_to_do(content, why, tmp_path):
+    # json's bare "Expecting value: line 1 column 1 (char 0)" named no file; one without a weight_map, a KeyError.
+    from offline_extract.engine.parity import CHECKPOINT_INDEX, checkpoint_files
+
+    index = tmp_path / CHECKPOINT_INDEX
+    index.write_bytes(content if isinstance(content, bytes) else content.encode())
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 70)  # the index is read, not passed over for it
+    with pytest.raises(ValueError) as refused:
+        checkpoint_files(str(tmp_path))
+    assert str(refused.value) == f"{index} {why}: {ADVICE}"
+
+
 def test_the_preload_takes_at_most_half_the_available_memory_for_all_the_hosts_readers():
     from offline_extract.engine.parity import preload_refusal
 
