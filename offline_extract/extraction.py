@@ -256,15 +256,14 @@ def dry_run(opts: ExtractOptions) -> planning.Plan:
     without loading the model."""
     checked = preflight.check(opts)
     out = Path(opts.out)
-    known = None
-    if out.is_dir() and shard_paths(out):  # only then: the run's facts include the weights', which a dry run may lack
-        known = _known_before_loading(opts, checked)
+    known = _known_before_loading(opts, checked)  # the weights' checks too: they read only names and headers
+    if out.is_dir() and shard_paths(out):
         resume.check_before_loading(out, known, checked.corpus_paths, opts.force)
     model = checked.model
     tokenizer = _sample_tokenizer(opts, model.path)
     plan = planning.plan(opts.data, tokenizer, opts.out, model.hidden_size, _num_aux_layers(checked), encoding(opts),
                          strict=opts.strict)
-    if known is not None and resume.finished(out, replace(known, **tokenizer.fingerprint()), checked.corpus_paths):
+    if resume.finished(out, replace(known, **tokenizer.fingerprint()), checked.corpus_paths):
         return replace(plan, finished=True)  # the run says "already complete" without taking the directory
     # Looked at last: the state the run would meet if started now, after a dry run that may have taken minutes.
     return replace(plan, in_use=resume.in_use(out))

@@ -4,6 +4,7 @@ import io
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -212,6 +213,23 @@ def test_dry_run_sizes_the_output_and_writes_nothing(tmp_path, cache_env):
     assert "aux_hidden_states" in proc.stdout and "fits" in proc.stdout
     assert not out.exists()
 
+
+def test_a_damaged_checkpoint_index_is_named_with_where_it_breaks_by_the_run_and_the_dry_run(tiny_model_dir, tmp_path):
+    # The run stopped on json's bare "Expecting ',' delimiter: line 4 column 5 (char 66)", naming no file; the dry
+    # run, which read no weights, said "fits".
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    index = model / "model.safetensors.index.json"
+    index.write_text('{\n  "weight_map": {\n    "lm_head.weight": "model.safetensors"\n'
+                     '    "model.norm.weight": "model.safetensors"\n  }\n}\n')  # a comma left out
+    out = tmp_path / "out"
+    for dry in ((), ("--dry-run",)):
+        proc = _extract(out, "--model", str(model), "--device", "cpu", "--data", str(CORPUS), *dry)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert proc.stderr.splitlines()[-1] == (
+            f"Error: {index} is not valid JSON (Expecting ',' delimiter: line 4 column 5 (char 66)): it is damaged, "
+            f"or was cut short by an interrupted download or copy. Download or copy it again, then re-run")
+        assert not out.exists()
 
 def test_a_pipe_holding_a_record_longer_than_the_tokenizers_maximum_is_extracted_whole(tmp_path, cache_env):
     # Both were lost: the corpus fingerprint read the pipe before the reader did, and transformers'

@@ -162,18 +162,33 @@ def test_weight_files_the_index_lists_but_lacks_are_refused_all_named_before_the
     refusal = (f"{index} lists 7 weight files that {model} lacks: {', '.join(names[1:6])} and 2 more. The download "
                f"or copy did not finish: download or copy the model again (a Hugging Face download fetches only what "
                f"is missing), then re-run")
-    with pytest.raises(FileNotFoundError) as refused:
-        extraction.run(opts)
-    assert str(refused.value) == refusal
+    for attempt in (extraction.run, extraction.dry_run):
+        with pytest.raises(FileNotFoundError) as refused:
+            attempt(opts)
+        assert str(refused.value) == refusal
     assert not out.exists()
-    # A dry run reads the weights only where --out holds shards, to tell whether they are this run's.
-    assert extraction.dry_run(opts).samples == 24
-    write_shards(out, [[(0, 2)]])
-    held = sorted(p.name for p in out.iterdir())
-    with pytest.raises(FileNotFoundError) as refused:
+
+
+@pytest.mark.parametrize("damage", ["weights cut short", "index cut short"])
+def test_damaged_weights_are_refused_by_the_dry_run_as_by_the_real_run(damage, tiny_model_dir, tmp_path, monkeypatch):
+    # The dry run read the weights only where --out held shards: it said "fits" for a checkpoint the real run refuses.
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    if damage == "weights cut short":
+        damaged = model / "model.safetensors"
+        os.truncate(damaged, damaged.stat().st_size - 1000)
+    else:
+        damaged = model / "model.safetensors.index.json"
+        damaged.write_text('{"metadata": {}, "weight_map": {"lm_head.weight": "model.saf')
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
+    opts = ExtractOptions(data=(CORPUS,), out=str(tmp_path / "out"), model=str(model))
+    with pytest.raises(ValueError) as real:
+        extraction.run(opts)
+    with pytest.raises(ValueError) as dry:
         extraction.dry_run(opts)
-    assert str(refused.value) == refusal
-    assert sorted(p.name for p in out.iterdir()) == held
+    assert str(real.value).startswith(f"{damaged} ")
+    assert (type(dry.value), str(dry.value)) == (type(real.value), str(real.value))
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_dry_run_refuses_an_out_holding_another_runs_shards_as_the_real_run_will(tmp_path, monkeypatch):
