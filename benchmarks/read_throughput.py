@@ -29,12 +29,16 @@ import click
 import numpy as np
 import torch
 
-from offline_extract import __version__
-from offline_extract.store.index import shard_paths
-from offline_extract.store.schema import Encoding
-from offline_extract.testing.shards import write_synthetic
-from offline_extract.training.datasets import HiddenStateDataset
-from offline_extract.training.export import DEFAULT_ROWS_PER_FOLDER, export_specforge, specforge_path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: this checkout's benchmarks and offline_extract
+
+from benchmarks import program  # noqa: E402
+
+from offline_extract import __version__  # noqa: E402
+from offline_extract.store.index import shard_paths  # noqa: E402
+from offline_extract.store.schema import Encoding  # noqa: E402
+from offline_extract.testing.shards import write_synthetic  # noqa: E402
+from offline_extract.training.datasets import HiddenStateDataset  # noqa: E402
+from offline_extract.training.export import DEFAULT_ROWS_PER_FOLDER, export_specforge, specforge_path  # noqa: E402
 
 # DataLoader workers run with one intra-op thread; with more, each sample's copy pays a thread handoff
 # that can cost more than the copy itself (100x on a 2-vCPU VM).
@@ -223,7 +227,7 @@ DEFAULTS = BenchConfig()
 RESULTS = Path(__file__).resolve().parent / "results" / "read_throughput_cpu.json"
 
 
-@click.command(help=__doc__)
+@program(__doc__)
 @click.option("--samples", default=DEFAULTS.num_samples, show_default=True)
 @click.option("--hidden-size", default=DEFAULTS.hidden_size, show_default=True)
 @click.option("--num-aux", default=DEFAULTS.num_aux, show_default=True, help="EAGLE-3 layers (k).")

@@ -3,6 +3,7 @@
 buffers preallocated, and what a first-touch copy costs against a copy into resident memory; with
 --store/--compress, in that encoding, with the process's peak resident memory above its baseline.
 
+\b
     python benchmarks/writer_throughput.py [--out /dev/shm/oe-writer] [--gb 4]
     python benchmarks/writer_throughput.py --store fp8 --compress zstd --writers 4 --gb 2
 
@@ -23,12 +24,15 @@ import click
 import psutil
 import torch
 
-from offline_extract.options import choices, default
-from offline_extract.store.schema import Encoding, RunInfo, SampleInfo
-from offline_extract.store.writer import WRITER_THREADS, ShardWriter
-from offline_extract.testing.states import activation_like
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a file: this checkout's benchmarks and offline_extract
+
+from benchmarks import command_line, program  # noqa: E402
+
+from offline_extract.options import choices, default  # noqa: E402
+from offline_extract.store.schema import Encoding, RunInfo, SampleInfo  # noqa: E402
+from offline_extract.store.writer import WRITER_THREADS, ShardWriter  # noqa: E402
+from offline_extract.testing.states import activation_like  # noqa: E402
 K, H = 3, 4096  # the 8B shape: 3 aux layers + the last state
 BATCH_TOKENS = 16384
 
@@ -111,7 +115,7 @@ def _writer_rate(out: Path, total_bytes: int, preallocate: bool, shard_bytes: in
 def _record(suffix: str, measured: dict) -> None:
     """Writes benchmarks/results/writer_throughput_<host><suffix>.json, the command and machine first."""
     result = {
-        "command": "python " + " ".join(["benchmarks/writer_throughput.py", *sys.argv[1:]]),
+        "command": command_line("python benchmarks/writer_throughput.py"),
         "host": platform.node(),
         "cpus": os.cpu_count(),
         **measured,
@@ -121,7 +125,7 @@ def _record(suffix: str, measured: dict) -> None:
     print(json.dumps(result, indent=2))
 
 
-@click.command()
+@program(__doc__)
 @click.option("--out", default="/dev/shm/oe-writer", show_default=True)
 @click.option("--gb", default=4.0, show_default=True, help="Hidden-state bytes to push through each writer.")
 @click.option("--store", type=click.Choice(choices("store")), default=None,

@@ -13,7 +13,7 @@ random-weight activations are not a trained model's, so the ratios are indicativ
 decides is the relative order of the layouts, and their speed.
 
 \b
-    python -m benchmarks.zstd_layouts --hidden 2048 --layers 8 --tokens 8192 --repeat 2 \
+    python -m benchmarks.zstd_layouts --hidden 2048 --layers 8 --tokens 8192 --repeat 2 \\
         --json benchmarks/results/zstd_layouts_cpu.json
 """
 from __future__ import annotations

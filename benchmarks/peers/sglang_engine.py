@@ -37,7 +37,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: make `benchmarks` importable from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks import command_line
+from benchmarks import command_line, program
 from benchmarks.peers.accounting import TreePeakRss
 from benchmarks.peers.corpus import load_batches
 
@@ -133,7 +133,7 @@ def run(model: str, batches_path: Path, result: Path, dump: Path | None, dump_sa
     return row
 
 
-@click.command(help=__doc__)
+@program(__doc__)
 @click.option("--model", required=True, help="HF model directory with weights.")
 @click.option("--batches", "batches_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Token batches written by benchmarks.peers.corpus.save_batches.")

@@ -15,6 +15,8 @@ import click
 if __package__ in (None, ""):  # run as a file: make `benchmarks` importable from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks import program  # noqa: E402
+
 
 def _num(x, digits: int = 0) -> str:
     return "" if x is None else f"{x:,.{digits}f}"
@@ -47,7 +49,7 @@ def rows(result: dict, name: str) -> list[str]:
     return out
 
 
-@click.command(help=__doc__)
+@program(__doc__)
 @click.argument("results", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 def main(results):
     for path in results:
