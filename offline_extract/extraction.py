@@ -545,41 +545,58 @@ class Job:
             states.append((s.input_ids.tolist(), c.aux.cpu(), c.last.cpu(), experts))
         mark("gate captured")
         fp8 = parity.is_fp8_block(engine.quantization)
-        result, failure = {"rows": []}, None
+        result, failure, error = {"rows": []}, None, None
         if layout.writes and head:
-            tensors = preload.take() if preload is not None else None
-            mark("hf loading")
-            with foreign_output_hidden(not self.opts.verbose):
-                hf = parity.load_hf_model(str(self.checked.model.path), engine.dtype, str(engine.device),
-                                          tensors=tensors, mark=mark)
-            del tensors  # the host's copy goes once HF's model is on the device
-            exposed = all(experts and all(ids is not None for ids in experts.values()) for _, _, _, experts in states)
-            forcing = parity.ForcedRouting(hf) if engine.is_moe and exposed and parity.ForcedRouting.supports(hf) else None
-            forwards: list[float] = []
+            # Whatever stops this rank here is told to every rank at the meeting below, where they wait: they
+            # would otherwise learn of its exit, without the cause, from torchrun's SIGTERM on its node and
+            # from its missing heartbeat, 30 s later, on the others.
             try:
-                rows = parity.compare(states, hf, engine.layer_ids, engine.dtype, moe=engine.is_moe,
-                                      final_state=engine.final_state, fp8=fp8, forcing=forcing, timed=forwards.append)
-            finally:
-                if forcing is not None:
-                    forcing.remove()
-            mark("hf compared")
-            self.hf_forwards_s = sum(forwards)
-            del hf
-            if torch.device(engine.device).type == "cuda":
-                torch.cuda.empty_cache()  # once, so HF's weights do not shrink the extraction's activation room
-            result["rows"] = [r.to_json() for r in rows]
-            if engine.is_moe:
-                result["routing"] = [layer.to_json() for layer in forcing.layers.values()] if forcing else "not forced"
-            try:
-                parity.check(rows, engine.dtype, len(head), moe=engine.is_moe, fp8=fp8)
-            except parity.ParityError as e:
-                failure = f"dp replica {layout.dp_rank}: {e}"
+                rows, result = self._reference(states, preload, fp8)
+            except Exception as e:  # the reference's weights unreadable, HF failing to load or run them
+                said = str(e) if isinstance(e, parity.ParityError) else f"{type(e).__name__}: {e}"
+                failure, error = f"dp replica {layout.dp_rank}: {said}", e
+            else:
+                try:
+                    parity.check(rows, engine.dtype, len(head), moe=engine.is_moe, fp8=fp8)
+                except parity.ParityError as e:
+                    failure = f"dp replica {layout.dp_rank}: {e}"
         elif preload is not None:
             preload.drop()
         failures = [f for f in self.coord.all_gather(failure) if f]
+        if error is not None:
+            raise error  # this rank's own, as it was raised
         if failures:
             raise parity.ParityError(failures[0])
         return result
+
+    def _reference(self, states: list, preload: parity.ReferencePreload | None, fp8: bool) -> tuple[list, dict]:
+        """HF's model of the checkpoint (on the weights read beside the load, where they were) run on the gate's
+        samples and held against the engine's `states`: the rows, and the gate's result for the metadata."""
+        engine, mark = self.engine, self.timeline.mark
+        tensors = preload.take() if preload is not None else None
+        mark("hf loading")
+        with foreign_output_hidden(not self.opts.verbose):
+            hf = parity.load_hf_model(str(self.checked.model.path), engine.dtype, str(engine.device),
+                                      tensors=tensors, mark=mark)
+        del tensors  # the host's copy goes once HF's model is on the device
+        exposed = all(experts and all(ids is not None for ids in experts.values()) for _, _, _, experts in states)
+        forcing = parity.ForcedRouting(hf) if engine.is_moe and exposed and parity.ForcedRouting.supports(hf) else None
+        forwards: list[float] = []
+        try:
+            rows = parity.compare(states, hf, engine.layer_ids, engine.dtype, moe=engine.is_moe,
+                                  final_state=engine.final_state, fp8=fp8, forcing=forcing, timed=forwards.append)
+        finally:
+            if forcing is not None:
+                forcing.remove()
+        mark("hf compared")
+        self.hf_forwards_s = sum(forwards)
+        del hf
+        if torch.device(engine.device).type == "cuda":
+            torch.cuda.empty_cache()  # once, so HF's weights do not shrink the extraction's activation room
+        result = {"rows": [r.to_json() for r in rows]}
+        if engine.is_moe:
+            result["routing"] = [layer.to_json() for layer in forcing.layers.values()] if forcing else "not forced"
+        return rows, result
 
     def _writer(self, existing: resume.Existing, journals: ExitStack, buffers: list, on_gpu: bool) -> ShardWriter:
         shard_log = journals.enter_context(Journal(manifest.journal_path(self.out, self.layout.dp_rank), durable=True))

@@ -12,7 +12,9 @@ import os
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from extract_runs import GATE_PARTS, ROOT
 
@@ -183,6 +185,75 @@ def test_a_preload_that_fails_is_reported_at_the_gate_naming_the_file_and_claims
     out = tmp_path / "out"
     assert not list(out.glob("*.safetensors")) and not (out / "index.json").exists()
     assert json.loads((out / "manifest.json").read_text())["status"] == "running"  # re-running resumes
+
+
+def test_a_preload_that_fails_on_the_writing_rank_stops_its_tp_peer_at_once_naming_the_cause(
+        tiny_engine, model_copy, monkeypatch):
+    """Both ranks of a TP=2 replica at the parity gate, meeting over a TCPStore served here as torchrun's agent
+    serves it. The writing rank's read of the reference's weights fails: its peer, waiting at the gate's meeting,
+    stopped only once the writer's heartbeat had been missing for 30 s, saying only that rank 0 stopped answering
+    (here, where the writer's process lives on, it waited for ever)."""
+    import torch.distributed as dist
+
+    from offline_extract.data.tokenization import Sample
+    from offline_extract.engine import parity
+    from offline_extract.engine.distributed import Coordinator, Layout, free_port
+    from offline_extract.timeline import Timeline
+
+    def failing_read(path, *args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(parity, "load_file", failing_read)
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    ids = [np.arange(5, 5 + n) for n in (7, 12)]
+    head = [Sample(i, str(i), "c.jsonl", i + 1, x, np.ones_like(x, dtype=np.uint8), len(x), False) for i, x in enumerate(ids)]
+
+    def job(rank: int) -> extraction.Job:
+        """A loaded job at the gate (the phases before it are not this test's), one per rank."""
+        j = extraction.Job.__new__(extraction.Job)
+        layout = Layout(rank=rank, world_size=2, local_world_size=2, tp_size=2)
+        j.__dict__.update(
+            opts=ExtractOptions(data=(CORPUS,), model=str(model_copy), device="cpu", parity_samples=len(head)),
+            layout=layout, coord=Coordinator(layout, "gate"), checked=SimpleNamespace(model=SimpleNamespace(path=model_copy)),
+            engine=tiny_engine, timeline=Timeline(), hf_forwards_s=0.0,
+            preload=parity.ReferencePreload(str(model_copy)).start() if layout.writes else None,
+        )
+        return j
+
+    writer, peer = job(0), job(1)
+    stopped = {}
+
+    def peer_gate() -> None:
+        # The peer's own forwards of the samples are collective under real TP; here one engine serves both
+        # ranks, so the peer brings none and goes straight to the meeting, as it would after them.
+        try:
+            peer._parity_gate([])
+        except Exception as e:
+            stopped["peer"] = (e, time.monotonic())
+
+    waiting = threading.Thread(target=peer_gate, daemon=True)
+    waiting.start()
+    with pytest.raises(parity.ParityError) as failed:
+        writer._parity_gate(head)
+    writer_stopped = time.monotonic()
+    waiting.join(timeout=10)
+    try:
+        assert not waiting.is_alive(), "the peer still waits at the gate"
+    finally:
+        del server  # a peer left waiting stops (the store is gone), and so do the heartbeats, within the test
+        for _ in range(100):  # torch's warnings of the heartbeats' last beat are kept with the test's output
+            if not any(t.name == "offline_extract-heartbeat" for t in threading.enumerate()):
+                break
+            time.sleep(0.05)
+    cause = (f"parity gate: reading HF's reference weights from {model_copy} failed: {model_copy / 'model.safetensors'} "
+             f"cannot be read (Input/output error)")
+    assert str(failed.value).startswith(cause)
+    error, when = stopped["peer"]
+    assert isinstance(error, parity.ParityError) and str(error).startswith(f"dp replica 0: {cause}")
+    assert when - writer_stopped < 10
 
 
 def test_under_strict_the_tokenizer_loads_before_the_model_and_counts_as_ours(
