@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import os
 import re
 import threading
 import time
@@ -18,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file  # here, so that ReferencePreload's thread imports nothing
 
 # fp32 runs the same math in both stacks and must agree to rounding, and rounding scales with the values:
@@ -237,58 +236,14 @@ class WeightsUnreadable(ValueError):
         super().__init__(f"{path} {what}, then re-run")
 
 
-SAFETENSORS_MAX_HEADER = 100_000_000  # bytes: safetensors refuses a longer header, and so do we before reading it
-
-
-def safetensors_header(path: Path) -> bytes:
-    """The JSON header of the safetensors file at `path` (the bytes after its 8-byte length), read once. Raises
-    WeightsUnreadable where it is no whole safetensors file: its header is damaged, or the file is shorter or
-    longer than the header says. Reads the header only, so it costs milliseconds on any checkpoint."""
+def check_safetensors(path: Path) -> None:
+    """Raises WeightsUnreadable where safetensors cannot open `path`: its header is damaged, or the file is
+    shorter or longer than the header says. Reads the header only, so it costs milliseconds on any checkpoint."""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            length = int.from_bytes(f.read(8), "little")
-            if size < 8 or length > min(size - 8, SAFETENSORS_MAX_HEADER):
-                raise WeightsUnreadable(path, ValueError(f"a header of {length:,} bytes in a file of {size:,}"))
-            header = f.read(length)
-    except OSError as e:
+        with safe_open(path, framework="pt"):
+            pass
+    except Exception as e:  # safetensors raises its own SafetensorError
         raise WeightsUnreadable(path, e) from e
-    try:
-        needed = _tensor_bytes(header)
-    except (ValueError, TypeError, KeyError) as e:
-        why = f"a tensor without {e}" if isinstance(e, KeyError) else e
-        raise WeightsUnreadable(path, ValueError(f"its header is not safetensors' JSON of tensors: {why}")) from e
-    if needed != size - 8 - length:
-        raise WeightsUnreadable(path, ValueError(
-            f"its tensors take {needed:,} bytes after its header, where the file holds {size - 8 - length:,}"))
-    return header
-
-
-# Bits per element of each safetensors dtype (the format's own table). A dtype missing here has its tensors' offsets
-# checked, not their sizes: a dtype that a later safetensors brings is never refused.
-SAFETENSORS_BITS = {
-    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
-    "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64,
-    "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
-}
-
-
-def _tensor_bytes(header: bytes) -> int:
-    """The bytes that the tensors of a safetensors header take after it. Raises ValueError (or TypeError, KeyError)
-    where the header breaks safetensors' rules: each tensor's bytes begin where the previous one's end and are
-    as many as its dtype and shape need."""
-    tensors = json.loads(header)
-    if not isinstance(tensors, dict):
-        raise ValueError("not a JSON object")
-    end = 0
-    for (start, stop), name, dtype, shape in sorted(
-            (t["data_offsets"], name, t["dtype"], t["shape"]) for name, t in tensors.items() if name != "__metadata__"):
-        bits = SAFETENSORS_BITS.get(dtype)
-        if start != end or stop < start or (bits is not None and (stop - start) * 8 != math.prod(shape) * bits):
-            raise ValueError(f"the bytes of {name} ({dtype} {shape}), {start} to {stop}, do not fit its shape or do "
-                             f"not begin where the tensor before it ends ({end})")
-        end = stop
-    return end
 
 
 def checkpoint_tensors(model_path: str, resident: bool = False) -> dict[str, torch.Tensor]:

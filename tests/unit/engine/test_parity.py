@@ -3,7 +3,6 @@ and, per architecture, test_architectures)."""
 import json
 
 import pytest
-import torch
 
 from offline_extract.engine.parity import MOE_HALF_MIN_MEDIAN_COSINE, LayerParity, ParityError, _passes, check, criterion
 
@@ -167,55 +166,6 @@ def test_a_damaged_checkpoint_index_is_refused_naming_it_where_it_breaks_and_wha
     with pytest.raises(ValueError) as refused:
         checkpoint_files(str(tmp_path))
     assert str(refused.value) == f"{index} {why}: {ADVICE}"
-
-
-
-def _header_edited(edit):
-    """A damage to a safetensors file's header that keeps it JSON: `edit` changes the parsed header."""
-    def damage(raw: bytes) -> bytes:
-        length = int.from_bytes(raw[:8], "little")
-        header = json.loads(raw[8:8 + length])
-        edit(header)
-        text = json.dumps(header).encode()
-        return len(text).to_bytes(8, "little") + text + raw[8 + length:]
-    return damage
-
-
-DAMAGES = {
-    "cut short in its tensors": lambda raw: raw[:len(raw) // 2],
-    "cut short in its header": lambda raw: raw[:20],
-    "cut short in its length": lambda raw: raw[:5],
-    "a byte past its tensors": lambda raw: raw + b"\0",
-    "zeroed": lambda raw: bytes(len(raw)),
-    "a length past the file's end": lambda raw: (len(raw)).to_bytes(8, "little") + raw[8:],
-    "a header that is not JSON": lambda raw: raw[:8] + b"#" + raw[9:],
-    "a shape that does not fit": _header_edited(lambda h: h["b"].update(shape=[3])),
-    "a tensor without a dtype": _header_edited(lambda h: h["a"].pop("dtype")),
-    "overlapping tensors": _header_edited(lambda h: h["b"].update(data_offsets=[h["b"]["data_offsets"][0] - 2,
-                                                                               h["b"]["data_offsets"][1] - 2])),
-}
-
-
-@pytest.mark.parametrize("damage", DAMAGES)
-def test_a_safetensors_header_is_refused_naming_its_file_where_safetensors_refuses_it(damage, tmp_path):
-    # Read once for both the check and the fingerprint: the check is ours, and must refuse what safetensors does.
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from offline_extract.engine.parity import WeightsUnreadable, safetensors_header
-
-    path = tmp_path / "model.safetensors"
-    save_file({"a": torch.zeros(3, 5), "b": torch.ones(4, dtype=torch.bfloat16)}, str(path), metadata={"format": "pt"})
-    raw = path.read_bytes()
-    assert safetensors_header(path) == raw[8:8 + int.from_bytes(raw[:8], "little")]
-    path.write_bytes(DAMAGES[damage](raw))
-    with pytest.raises(Exception):
-        safe_open(path, framework="pt")
-    with pytest.raises(WeightsUnreadable) as refused:
-        safetensors_header(path)
-    assert str(refused.value).startswith(f"{path} is not a whole safetensors file (")
-    assert str(refused.value).endswith("): it is damaged, or was cut short by an interrupted download or copy. "
-                                       "Download or copy it again, then re-run")
 
 
 def test_the_preload_takes_at_most_half_the_available_memory_for_all_the_hosts_readers():
