@@ -119,11 +119,12 @@ def _available_host_memory() -> int | None:
 
 
 def _weights_fingerprint(model_dir: Path) -> str:
-    """Names and sizes of the weight files, plus each safetensors file's header: cheap even for a 1 TB
-    checkpoint, and it changes whenever the set of tensors, their shapes or their files change. A safetensors
-    file that safetensors cannot open (cut short by an interrupted download, say), or one that the checkpoint's
-    index names and that is not there, is refused here, naming it, where SGLang's load would fail on it with a
-    traceback."""
+    """The sha256 of the weight files (*.safetensors, *.bin, *.pt, *.pth) in name order: each one's name (UTF-8),
+    its size (8 bytes, little-endian) and, for a safetensors file, its JSON header (the bytes after its 8-byte
+    length). Cheap even for a 1 TB checkpoint, and it changes whenever the set of tensors, their shapes or their
+    files change. A safetensors file whose header is damaged or that is cut short (an interrupted download, say),
+    or one that the checkpoint's index names and that is not there, is refused here, naming it, where SGLang's
+    load would fail on it with a traceback."""
     parity.check_checkpoint_complete(model_dir)
     files = sorted(f for pattern in ("*.safetensors", "*.bin", "*.pt", "*.pth") for f in model_dir.glob(pattern))
     if not files:

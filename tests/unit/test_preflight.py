@@ -191,6 +191,34 @@ def test_damaged_weights_are_refused_by_the_dry_run_as_by_the_real_run(damage, t
     assert not (tmp_path / "out").exists()
 
 
+def test_the_weights_fingerprint_hashes_each_files_name_size_and_safetensors_header(tiny_model_dir, tmp_path):
+    # Recomputed here from the files' bytes as _weights_fingerprint's docstring defines it: every recorded run's
+    # manifest identity holds this value, so a change to how it is computed must leave it as it was.
+    import hashlib
+
+    from safetensors.torch import load_file, save_file
+
+    def fingerprint(model: Path) -> str:
+        h = hashlib.sha256()
+        for f in sorted(p for p in model.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth")):
+            raw = f.read_bytes()
+            h.update(f.name.encode() + len(raw).to_bytes(8, "little"))
+            if f.suffix == ".safetensors":
+                h.update(raw[8:8 + int.from_bytes(raw[:8], "little")])
+        return h.hexdigest()
+
+    assert extraction._weights_fingerprint(tiny_model_dir) == fingerprint(tiny_model_dir)
+    sharded = tmp_path / "model"  # two safetensors files and a .bin beside them
+    shutil.copytree(tiny_model_dir, sharded)
+    tensors = sorted(load_file(sharded / "model.safetensors").items())
+    (sharded / "model.safetensors").unlink()
+    for i in range(2):
+        save_file(dict(tensors[i::2]), str(sharded / f"model-{i + 1:05d}-of-00002.safetensors"))
+    (sharded / "training_args.bin").write_bytes(b"pickled options")
+    assert extraction._weights_fingerprint(sharded) == fingerprint(sharded)
+    assert fingerprint(sharded) != fingerprint(tiny_model_dir)
+
+
 def test_a_dry_run_refuses_an_out_holding_another_runs_shards_as_the_real_run_will(tmp_path, monkeypatch):
     # It said "fits", exit 0, where the real run refuses once its model has loaded.
     out = tmp_path / "out"
