@@ -2,7 +2,10 @@
 one line of their own words."""
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import sys
 import warnings
 
 import click
@@ -17,11 +20,34 @@ class Interrupted(click.ClickException):
     exit_code = 130
 
 
+# The shell's status for a command stopped by SIGTERM (torchrun stopping the survivors of a failed rank, a
+# scheduler preempting the job).
+TERMINATED = 128 + signal.SIGTERM
+
+
 def _one_line(message, category, filename, lineno, line=None) -> str:
     return f"warning: {message}\n"
 
 
 class _Command(click.Command):
+    def __call__(self, *args, **kwargs):
+        """The command as its process's entry point: console scripts and bin/ scripts call it (tests, and
+        click's CliRunner, call `main`). A stop (Ctrl-C, SIGTERM) ends the process with os._exit once its
+        words are out. The command's own cleanup has run by then (an extraction's unfinished shard dropped,
+        the complete ones and their journal written, the lock released); the interpreter's teardown would
+        only race the threads that the stop cut short, still in C code (the tokenizer loading beside the
+        model, the parity reference's read, SGLang's and torch's own), which is the likeliest reason why a
+        run interrupted on a loaded machine once died of SIGSEGV instead of exiting 130."""
+        try:
+            return self.main(*args, **kwargs)
+        except SystemExit as e:
+            if e.code in (Interrupted.exit_code, TERMINATED):
+                for stream in (sys.stdout, sys.stderr):
+                    with contextlib.suppress(Exception):  # a closed pipe takes nothing more
+                        stream.flush()
+                os._exit(e.code)
+            raise
+
     def invoke(self, ctx: click.Context):
         # A warning is for the person at the terminal: its words, not Python's file, line and source line.
         warnings.formatwarning = _one_line

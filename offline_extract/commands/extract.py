@@ -38,7 +38,7 @@ from pathlib import Path
 
 import click
 
-from offline_extract.cli import Interrupted, command
+from offline_extract.cli import TERMINATED, Interrupted, command
 from offline_extract.options import DEFAULT_PORT_BASE, DEFAULT_TOKENS_PER_BATCH, choices, default
 
 
@@ -218,7 +218,7 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
         rank = f"rank {os.environ['RANK']}" if "RANK" in os.environ else "dry run" if dry_run else "extraction"
         click.echo(f"{rank}: stopped by SIGTERM (under torchrun: another rank failed, and torchrun's report names "
                    f"it); {untouched if dry_run else 'complete shards are kept and ' + resumes}", err=True)
-        sys.exit(128 + signal.SIGTERM)
+        sys.exit(TERMINATED)
     if dry_run:
         click.echo(planning.render(plan, out))
         verdict = no_sample_verdict(data, plan.records, {"rejected": plan.rejected, "skipped": plan.skipped})

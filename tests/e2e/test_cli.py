@@ -124,6 +124,50 @@ def test_ctrl_c_stops_an_extraction_with_130_and_says_how_to_resume(tmp_path, ti
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 130, stderr[-3000:]
     assert f"interrupted; re-running the same command resumes into {out}" in stderr
+    assert not (out / resume.LOCK_NAME).exists(), "the run ended before its own cleanup"
+
+
+# A command's process stopped with a thread still at work, as an extraction's stop can leave the tokenizer loading
+# beside the model or the parity reference's weights still being read (here a thread that the interpreter's
+# teardown would wait for), and a handler that the teardown would run.
+_STOPPED_WITH_A_THREAD_AT_WORK = """
+import atexit, os, sys, threading
+sys.path.insert(0, "bin")
+import _bin_path
+from offline_extract import extraction
+from offline_extract.commands.extract import main
+
+def stopped(opts):
+    threading.Thread(target=threading.Event().wait, name="at work").start()
+    raise {stop}
+
+atexit.register(lambda: os.write(2, b"teardown ran\\n"))
+extraction.run = stopped
+main(["--data", {corpus!r}, "--out", {out!r}])
+"""
+
+
+@pytest.mark.parametrize("stop, status, said", [
+    ("KeyboardInterrupt", 130, "Error: interrupted; "),
+    ("extraction.Terminated", 143, "extraction: stopped by SIGTERM (under torchrun: another rank failed, and torchrun's report "
+                        "names it); complete shards are kept and "),
+])
+def test_a_stopped_command_exits_with_its_status_without_the_interpreters_teardown(stop, status, said, tmp_path):
+    """Once the command's own cleanup has run and its words are out, a stop ends the process (cli._Command):
+    the teardown raced threads still in C code, the likeliest reason why an extraction interrupted on a loaded
+    machine once died of SIGSEGV instead of exiting 130. Here the teardown would wait for the thread for ever."""
+    out = tmp_path / "out"
+    code = _STOPPED_WITH_A_THREAD_AT_WORK.format(stop=stop, corpus=str(ROOT / "examples" / "corpus.jsonl"), out=str(out))
+    env = {key: value for key, value in os.environ.items() if key != "RANK"}
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"still running 60 s after the stop: {stderr[-2000:]}")
+    assert (proc.returncode, stdout, stderr) == (status, "", f"{said}re-running the same command resumes into {out}\n")
 
 
 def test_a_command_leaves_the_interpreters_teardown_no_objects_to_collect():
