@@ -31,15 +31,18 @@ def _one_line(message, category, filename, lineno, line=None) -> str:
 
 class _Command(click.Command):
     def __call__(self, *args, **kwargs):
-        """The command as its process's entry point: console scripts and bin/ scripts call it (tests, and
-        click's CliRunner, call `main`). A stop (Ctrl-C, SIGTERM) ends the process with os._exit once its
-        words are out. The command's own cleanup has run by then (an extraction's unfinished shard dropped,
-        the complete ones and their journal written, the lock released); the interpreter's teardown would
-        only race the threads that the stop cut short, still in C code (the tokenizer loading beside the
-        model, the parity reference's read, SGLang's and torch's own), which is the likeliest reason why a
-        run interrupted on a loaded machine once died of SIGSEGV instead of exiting 130."""
-        try:
+        """Run as the program, on sys.argv, as console scripts and bin/ scripts call it (called with arguments
+        of its own, from Python or a test, it is click's `main`, and the caller's process goes on): a stop
+        (Ctrl-C, SIGTERM) ends the process with os._exit once its words are out. The command's own cleanup
+        has run by then (an extraction's unfinished shard dropped, the complete ones and their journal
+        written, the lock released); the interpreter's teardown would only race the threads that the stop
+        cut short, still in C code (the tokenizer loading beside the model, the parity reference's read,
+        SGLang's and torch's own), which is the likeliest reason why a run interrupted on a loaded machine
+        once died of SIGSEGV instead of exiting 130."""
+        if args or kwargs:
             return self.main(*args, **kwargs)
+        try:
+            return self.main()
         except SystemExit as e:
             if e.code in (Interrupted.exit_code, TERMINATED):
                 for stream in (sys.stdout, sys.stderr):

@@ -143,7 +143,8 @@ def stopped(opts):
 
 atexit.register(lambda: os.write(2, b"teardown ran\\n"))
 extraction.run = stopped
-main(["--data", {corpus!r}, "--out", {out!r}])
+sys.argv = ["extract.py", "--data", {corpus!r}, "--out", {out!r}]
+main()  # as bin/extract.py and the console script run it
 """
 
 
