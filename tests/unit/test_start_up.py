@@ -1,7 +1,8 @@
 """The start-up's order (docs/start-up.md, issue 26): the tokenizer loads on a thread of its own beside
 SGLang's model load, a tokenizer that fails stops that load at once, and the timings count as ours only
 the part of the tokenizer's load that the run waited for; under --verify the parity gate's reference
-weights are read beside the load too, and the gate's seconds are split into their parts.
+weights are read beside the load too, and the gate's seconds are split into their parts; a gate that fails
+(its reference unreadable, or a mismatch) stops the run before any shard, on every rank, naming why.
 
 In-process, with the session's engine handed out where the run builds its own (SGLang cannot start a
 second engine in one process), so that the test decides how long the "load" lasts; bin/extract.py runs the
@@ -9,6 +10,7 @@ real load end to end in tests/e2e/test_extract_cli.py, whose start-up test check
 import errno
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -16,6 +18,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from extract_runs import GATE_PARTS, ROOT
 
 from offline_extract import extraction
@@ -187,12 +190,11 @@ def test_a_preload_that_fails_is_reported_at_the_gate_naming_the_file_and_claims
     assert json.loads((out / "manifest.json").read_text())["status"] == "running"  # re-running resumes
 
 
-def test_a_preload_that_fails_on_the_writing_rank_stops_its_tp_peer_at_once_naming_the_cause(
-        tiny_engine, model_copy, monkeypatch):
+@pytest.fixture
+def two_rank_gate(tiny_engine, model_copy, monkeypatch):
     """Both ranks of a TP=2 replica at the parity gate, meeting over a TCPStore served here as torchrun's agent
-    serves it. The writing rank's read of the reference's weights fails: its peer, waiting at the gate's meeting,
-    stopped only once the writer's heartbeat had been missing for 30 s, saying only that rank 0 stopped answering
-    (here, where the writer's process lives on, it waited for ever)."""
+    serves it, on two samples. Runs the gate on both: the writing rank's error, the peer's, and how many seconds
+    after the writer's the peer's came."""
     import torch.distributed as dist
 
     from offline_extract.data.tokenization import Sample
@@ -200,14 +202,9 @@ def test_a_preload_that_fails_on_the_writing_rank_stops_its_tp_peer_at_once_nami
     from offline_extract.engine.distributed import Coordinator, Layout, free_port
     from offline_extract.timeline import Timeline
 
-    def failing_read(path, *args, **kwargs):
-        raise OSError(errno.EIO, "Input/output error")
-
-    monkeypatch.setattr(parity, "load_file", failing_read)
     port = free_port()
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     ids = [np.arange(5, 5 + n) for n in (7, 12)]
     head = [Sample(i, str(i), "c.jsonl", i + 1, x, np.ones_like(x, dtype=np.uint8), len(x), False) for i, x in enumerate(ids)]
 
@@ -223,37 +220,152 @@ def test_a_preload_that_fails_on_the_writing_rank_stops_its_tp_peer_at_once_nami
         )
         return j
 
-    writer, peer = job(0), job(1)
-    stopped = {}
+    def gate() -> tuple[Exception | None, Exception | None, float]:
+        server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+        writer, peer = job(0), job(1)
+        stopped = {}
 
-    def peer_gate() -> None:
-        # The peer's own forwards of the samples are collective under real TP; here one engine serves both
-        # ranks, so the peer brings none and goes straight to the meeting, as it would after them.
+        def peer_gate() -> None:
+            # The peer's own forwards of the samples are collective under real TP; here one engine serves both
+            # ranks, so the peer brings none and goes straight to the meeting, as it would after them.
+            try:
+                peer._parity_gate([])
+            except Exception as e:
+                stopped["peer"] = (e, time.monotonic())
+
+        waiting = threading.Thread(target=peer_gate, daemon=True)
+        waiting.start()
+        failed = None
         try:
-            peer._parity_gate([])
+            writer._parity_gate(head)
         except Exception as e:
-            stopped["peer"] = (e, time.monotonic())
+            failed = e
+        writer_stopped = time.monotonic()
+        waiting.join(timeout=10)
+        try:
+            assert not waiting.is_alive(), "the peer still waits at the gate"
+        finally:
+            del server  # a peer left waiting stops (the store is gone), and so do the heartbeats, within the test
+            for _ in range(100):  # torch's warnings of the heartbeats' last beat are kept with the test's output
+                if not any(t.name == "offline_extract-heartbeat" for t in threading.enumerate()):
+                    break
+                time.sleep(0.05)
+        error, when = stopped.get("peer", (None, writer_stopped))
+        return failed, error, when - writer_stopped
 
-    waiting = threading.Thread(target=peer_gate, daemon=True)
-    waiting.start()
-    with pytest.raises(parity.ParityError) as failed:
-        writer._parity_gate(head)
-    writer_stopped = time.monotonic()
-    waiting.join(timeout=10)
-    try:
-        assert not waiting.is_alive(), "the peer still waits at the gate"
-    finally:
-        del server  # a peer left waiting stops (the store is gone), and so do the heartbeats, within the test
-        for _ in range(100):  # torch's warnings of the heartbeats' last beat are kept with the test's output
-            if not any(t.name == "offline_extract-heartbeat" for t in threading.enumerate()):
-                break
-            time.sleep(0.05)
+    return gate
+
+
+def test_a_preload_that_fails_on_the_writing_rank_stops_its_tp_peer_at_once_naming_the_cause(
+        two_rank_gate, model_copy, monkeypatch):
+    """The writing rank's read of the reference's weights fails: its peer, waiting at the gate's meeting,
+    stopped only once the writer's heartbeat had been missing for 30 s, saying only that rank 0 stopped answering
+    (here, where the writer's process lives on, it waited for ever)."""
+    from offline_extract.engine import parity
+
+    def failing_read(path, *args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(parity, "load_file", failing_read)
+    failed, error, delay = two_rank_gate()
     cause = (f"parity gate: reading HF's reference weights from {model_copy} failed: {model_copy / 'model.safetensors'} "
              f"cannot be read (Input/output error)")
-    assert str(failed.value).startswith(cause)
-    error, when = stopped["peer"]
+    assert isinstance(failed, parity.ParityError) and str(failed).startswith(cause)
     assert isinstance(error, parity.ParityError) and str(error).startswith(f"dp replica 0: {cause}")
-    assert when - writer_stopped < 10
+    assert delay < 10
+
+
+# The decoder layer from whose output on HF's reference disagrees with the engine (`wrong_reference`): the tiny
+# Llama's layer ids, SGLang's default [1, 3, 4] of its 8 layers, then hold one aux layer before it, which must
+# pass and go unnamed, and two at or after it.
+WRONG_LAYER = 3
+
+
+@pytest.fixture
+def wrong_reference(monkeypatch):
+    """HF's reference, as the gate loads it, with decoder layer WRONG_LAYER's MLP output doubled (in HF's model
+    alone: the engine and the checkpoint are untouched), as a reference on other weights or a convention gone
+    wrong in one stack would disagree. Holds the rows the gate computed, whose figures its verdict must give."""
+    from offline_extract.engine import parity
+
+    load, compare = parity.load_hf_model, parity.compare
+    seen = {}
+
+    def loading(*args, **kwargs):
+        hf = load(*args, **kwargs)
+        mlp = hf.get_decoder().layers[WRONG_LAYER].mlp
+        # A new tensor: HF's weights are the preload's own, which nothing else should see changed.
+        mlp.down_proj.weight = torch.nn.Parameter(mlp.down_proj.weight.detach() * 2, requires_grad=False)
+        return hf
+
+    def comparing(*args, **kwargs):
+        seen["rows"] = compare(*args, **kwargs)
+        return seen["rows"]
+
+    monkeypatch.setattr(parity, "load_hf_model", loading)
+    monkeypatch.setattr(parity, "compare", comparing)
+    return seen
+
+
+def _names_the_failing_layers(verdict: str, rows: list, layer_ids) -> None:
+    """The gate's verdict lists exactly the layers from WRONG_LAYER on, each with the figures computed for it
+    (printed to 3 significant figures or 6 decimals), and the rule they broke."""
+    from offline_extract.engine import parity
+
+    assert 1 in layer_ids and WRONG_LAYER in layer_ids, "the tiny Llama's default layers changed: re-pick WRONG_LAYER"
+    failing = [r for r in rows if not r.ok]
+    assert [r.layer for r in failing] == [f"aux {k}" for k in layer_ids if k >= WRONG_LAYER] + ["last"]
+    assert f"(required: {parity.criterion('float32', False)})" in verdict
+    listed = re.findall(r"^ *(aux \d+|last) \(HF hidden_states\[(\d+)\]\): max_abs=(\S+) max_rel=(\S+) "
+                        r"cosine worst=(\S+) median=(\S+)$", verdict, re.MULTILINE)
+    assert [(layer, int(i)) for layer, i, *_ in listed] == [(r.layer, r.hf_index) for r in failing]
+    for (*_, max_abs, max_rel, worst, median), r in zip(listed, failing):
+        assert [float(max_abs), float(max_rel)] == pytest.approx([r.max_abs, r.max_rel], rel=5e-3)
+        assert [float(worst), float(median)] == pytest.approx([r.cosine, r.median_cosine], abs=1e-6)
+        assert r.max_rel > parity.TOLERANCES["float32"]["max_rel"]  # failed by its figures, not by a label
+
+
+@pytest.fixture
+def signals_kept():
+    """A command run in-process installs its own SIGINT and SIGTERM handlers: the test process gets its back."""
+    kept = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for number, handler in kept.items():
+        signal.signal(number, handler)
+
+
+def test_a_mismatch_at_the_gate_stops_the_run_before_any_shard_naming_the_failing_layers(
+        tiny_engine, tiny_model_dir, tmp_path, monkeypatch, capfd, wrong_reference, signals_kept):
+    """Through the command, as a user runs it: exit status 1, the gate's verdict its one error, and nothing of the
+    extraction in --out."""
+    from offline_extract.commands import extract as command
+
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: tiny_engine)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exited:
+        command.main(["--data", CORPUS, "--out", str(out), "--model", str(tiny_model_dir), "--device", "cpu",
+                      "--verify", "2", "--tokens-per-batch", "1024", "--seqs-per-batch", "16", "--max-length", "1024",
+                      "--no-progress"], standalone_mode=True)
+    written = sorted(p.name for p in out.iterdir())
+    assert not [name for name in written if "shard" in name or name == "index.json"], written
+    assert exited.value.code == 1
+    err = capfd.readouterr().err
+    assert err.startswith("Error: dp replica 0: parity gate failed on 2 samples in float32 ")
+    assert err.endswith("The extracted states do not match HF transformers; refusing to write training data.\n")
+    _names_the_failing_layers(err, wrong_reference["rows"], tiny_engine.layer_ids)
+    assert json.loads((out / "manifest.json").read_text())["status"] == "running"  # claimed, never finished
+
+
+def test_a_mismatch_on_the_writing_rank_stops_its_tp_peer_at_once_naming_the_layers(
+        two_rank_gate, tiny_engine, wrong_reference):
+    from offline_extract.engine import parity
+
+    failed, error, delay = two_rank_gate()
+    assert isinstance(failed, parity.ParityError) and isinstance(error, parity.ParityError)
+    assert str(error) == str(failed)  # the writer's verdict, to the letter
+    assert str(error).startswith("dp replica 0: parity gate failed on 2 samples in float32 ")
+    _names_the_failing_layers(str(error), wrong_reference["rows"], tiny_engine.layer_ids)
+    assert delay < 10
 
 
 def test_under_strict_the_tokenizer_loads_before_the_model_and_counts_as_ours(
