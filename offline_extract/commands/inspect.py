@@ -89,7 +89,8 @@ def _left_out(out: Path, sample_id: str) -> str | None:
     rejects = out / REJECTS_FILE
     if not rejects.is_file():
         return None
-    for line in rejects.read_text().splitlines():
+    # Our rejects are ASCII (json.dumps), so a byte that is not UTF-8 is damage, which is skipped like a line cut short.
+    for line in rejects.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             row = json.loads(line)
         except ValueError:  # a damaged line is not this command's to judge; the sample is still not there

@@ -122,7 +122,10 @@ def read_index(out_dir: str | os.PathLike) -> dict | None:
     path = Path(out_dir) / INDEX_NAME
     if not path.is_file():
         return None
-    index = load_json(path)
+    try:
+        index = load_json(path)
+    except ValueError as e:  # invalid JSON, or not UTF-8: refused as the directory's other faults are, in one line
+        raise ShardError(str(e)) from e
     check_format_version(index.get("format_version"), path)
     return index
 

@@ -68,10 +68,12 @@ def naming_errors(path: str | os.PathLike) -> Iterator[None]:
 
 
 def load_json(path: str | os.PathLike):
-    """A JSON document; a missing, unreadable or damaged file is an error that names it."""
+    """A JSON document; a missing, unreadable or damaged file (invalid JSON, or not UTF-8 text) is an error
+    that names it."""
     with naming_errors(Path(path)):
-        text = Path(path).read_text(encoding="utf-8")
+        data = Path(path).read_bytes()
     try:
-        return json.loads(text)
-    except ValueError as e:
+        # Decoded here, not by read_text, whose UnicodeDecodeError would name no file.
+        return json.loads(data.decode("utf-8"))
+    except ValueError as e:  # json's error gives the line and column; the decoder's, the byte that is not UTF-8
         raise ValueError(f"{path} is not valid JSON ({e}); delete or restore it") from e

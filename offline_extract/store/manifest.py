@@ -130,7 +130,7 @@ def load(out: str | os.PathLike) -> dict | None:
     try:
         document = load_json(path)
     except ValueError as e:  # invalid JSON, or not UTF-8 text
-        why = f"it is not valid JSON ({e.__cause__ or e})"
+        why = f"it is not valid JSON ({e.__cause__})"
     else:
         why = _not_ours(document)
     if why:

@@ -92,18 +92,20 @@ def test_an_out_that_cannot_be_a_directory_is_refused_by_the_real_and_the_dry_ru
 
 
 @pytest.mark.parametrize("text, why", [
-    ('{"name": "my-site", "files": ["index.html"]}', "it has no format_version and no shards key"),
-    ('{"format_version": 9, "shards": {}}', "its format_version is 9, where this version reads 1 or 2"),
-    ('{"format_version": 2, "shards": ["a"]}', "its shards are a JSON list, not an object"),
-    ('["a", "b"]', "it holds a JSON list, not an object"),
-    ('{"format_version": 2, "sha', "it is not valid JSON (Unterminated string starting at: line 1 column 23 (char 22))"),
+    (b'{"name": "my-site", "files": ["index.html"]}', "it has no format_version and no shards key"),
+    (b'{"format_version": 9, "shards": {}}', "its format_version is 9, where this version reads 1 or 2"),
+    (b'{"format_version": 2, "shards": ["a"]}', "its shards are a JSON list, not an object"),
+    (b'["a", "b"]', "it holds a JSON list, not an object"),
+    (b'{"format_version": 2, "sha', "it is not valid JSON (Unterminated string starting at: line 1 column 23 (char 22))"),
+    (b'{"name": "caf\xe9"}', "it is not valid JSON ('utf-8' codec can't decode byte 0xe9 in position 13: invalid "
+                           "continuation byte)"),  # Latin-1
 ])
 def test_an_out_holding_a_manifest_no_run_wrote_is_refused_by_the_real_and_the_dry_run(text, why, tmp_path, monkeypatch):
     # Another tool's manifest.json (an existing folder named by mistake) was merged into the run's: its keys kept,
     # the run's added, the file overwritten; --dry-run said it fits.
     out = tmp_path / "site"
     out.mkdir()
-    (out / "manifest.json").write_text(text)
+    (out / "manifest.json").write_bytes(text)
     monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
     opts = ExtractOptions(data=(CORPUS,), out=str(out))
     for attempt in (extraction.run, extraction.dry_run):
@@ -113,7 +115,7 @@ def test_an_out_holding_a_manifest_no_run_wrote_is_refused_by_the_real_and_the_d
             f"--out {out}: {out / 'manifest.json'} is not a manifest offline_extract wrote: {why}. A run neither builds "
             f"on nor overwrites a manifest it did not write, so nothing there was touched: choose a new or empty "
             f"directory for --out")
-    assert [(p.name, p.read_text()) for p in out.iterdir()] == [("manifest.json", text)]
+    assert [(p.name, p.read_bytes()) for p in out.iterdir()] == [("manifest.json", text)]
 
 
 @pytest.mark.parametrize("names", [("index.json",), ("rejects.jsonl",), ("index.json", "rejects.jsonl")])

@@ -165,7 +165,10 @@ def test_a_sample_the_run_left_out_is_said_why(tmp_path):
     rows = [{"source": "/data/c.jsonl", "line": 7, "index": 6, "id": "too-long", "kind": "skipped",
              "reason": "5000 tokens > --max-length 4096"},
             {"source": "/data/c.jsonl", "line": 9, "index": 8, "id": None, "kind": "rejected", "reason": "invalid JSON"}]
-    (tmp_path / "rejects.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows) + "{damaged\n")
+    # A line cut short, and one holding a byte that is not UTF-8 (the whole file's read stopped on it, naming no file).
+    damaged = (b'{damaged\n'
+               b'{"source": "/data/c.jsonl", "line": 11, "index": 10, "id": "caf\xe9", "kind": "rejected", "reason": ""}\n')
+    (tmp_path / "rejects.jsonl").write_bytes("".join(json.dumps(row) + "\n" for row in rows).encode() + damaged)
     skipped = run_script(tmp_path, "--sample", "too-long", cwd=tmp_path)
     assert skipped.returncode == 1 and "Traceback" not in skipped.stderr
     assert skipped.stderr.strip() == (f"Error: no sample with id 'too-long' in {tmp_path}; rejects.jsonl lists it as "
@@ -174,6 +177,16 @@ def test_a_sample_the_run_left_out_is_said_why(tmp_path):
     assert unnamed.stderr.strip().endswith("rejects.jsonl lists it as rejected (/data/c.jsonl:9): invalid JSON")
     nowhere = run_script(tmp_path, "--sample", "nope", cwd=tmp_path)
     assert nowhere.returncode == 1 and nowhere.stderr.strip() == f"Error: no sample with id 'nope' in {tmp_path}"
+
+
+def test_a_damaged_index_is_said_in_one_line(tmp_path):
+    # A traceback ending in the index's name, or (text not UTF-8) in the decoder's bare "can't decode byte".
+    write_known(tmp_path)
+    (tmp_path / "index.json").write_bytes(b'{"format_version": 2, "run": "caf\xe9"}')
+    result = run_script(tmp_path, cwd=tmp_path)
+    assert result.returncode == 1 and result.stderr == (
+        f"Error: {tmp_path / 'index.json'} is not valid JSON ('utf-8' codec can't decode byte 0xe9 in position 33: "
+        f"invalid continuation byte); delete or restore it\n")
 
 
 def test_sample_view_splits_tokens_by_loss_mask(tmp_path):

@@ -104,10 +104,11 @@ def test_consolidate_trusts_the_shards_on_disk(tmp_path):
     assert hidden_files(tmp_path) == []
 
 
-def test_a_corrupt_journal_line_that_is_not_the_last_is_an_error(tmp_path):
+@pytest.mark.parametrize("line", [b'{"a": \n', b'{"a": "\xe9"}\n'])  # cut short; Latin-1, not UTF-8
+def test_a_corrupt_journal_line_that_is_not_the_last_is_an_error(line, tmp_path):
     path = tmp_path / "j.jsonl"
-    path.write_text('{"a": 1}\n{"a": \n{"a": 3}\n')
-    with pytest.raises(ValueError, match="corrupt line 2"):
+    path.write_bytes(b'{"a": 1}\n' + line + b'{"a": 3}\n')
+    with pytest.raises(ValueError, match=f"^{path}: corrupt line 2: "):
         read_journal(path)
 
 

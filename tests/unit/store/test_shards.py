@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from offline_extract.store import checksum
-from offline_extract.store.index import iter_samples, shard_paths, write_index
+from offline_extract.store.index import iter_samples, read_index, shard_paths, write_index
 from offline_extract.store.schema import FORMAT_VERSION, Encoding, SampleInfo, ShardError, shard_name
 from offline_extract.store.shard import open_shard, read_header
 from offline_extract.store import writer as writer_module
@@ -146,6 +146,21 @@ def test_data_parallel_shard_numbers_interleave(tmp_path):
     assert [info.index for info, _ in got] == list(range(8))
     for info, tensors in got:
         assert_tensors_equal(tensors, want[info.index][1])
+
+
+@pytest.mark.parametrize("data, why", [
+    (b'{"format_version": 2, "run": "caf\xe9"}', "'utf-8' codec can't decode byte 0xe9 in position 33: invalid "
+                                                 "continuation byte"),  # Latin-1
+    ('{"format_version": 2}'.encode("utf-16"), "'utf-8' codec can't decode byte 0xff in position 0: invalid start byte"),
+    (b'{"format_version": 2, "run', "Unterminated string starting at: line 1 column 23 (char 22)"),
+])
+def test_an_index_that_is_not_utf8_json_is_named_with_where_it_breaks(data, why, tmp_path):
+    # Text in another encoding (an editor's save) stopped inspect and export on the decoder's bare "'utf-8' codec
+    # can't decode byte ...", naming no file; and any damaged index stopped them with a traceback.
+    (tmp_path / "index.json").write_bytes(data)
+    with pytest.raises(ShardError) as refused:  # which the commands say in one line
+        read_index(tmp_path)
+    assert str(refused.value) == f"{tmp_path / 'index.json'} is not valid JSON ({why}); delete or restore it"
 
 
 def test_write_index_contents(tmp_path):
