@@ -17,7 +17,7 @@ from offline_extract.store.schema import ShardError
 @command()
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--sample", "sample_id", help="Show the sample of this id (the record's \"id\", else SOURCE:LINE): its text, the tokens in the loss "
-              "highlighted.")
+              "highlighted (in [[ ]] where the output takes no colours: a pipe, a file).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the result (the summary, the sample, or --verify's report) as JSON instead of tables.")
 @click.option("--verify", is_flag=True,

@@ -27,6 +27,9 @@ from offline_extract.store.shard import Shard, open_shard, read_header
 CHUNK_BYTES = 256 << 20
 LOSS_STYLE = "bold green"
 CONTEXT_STYLE = "dim"
+# Where the output takes no styles (a pipe, a file, TERM=dumb), the loss spans are bracketed instead:
+# unstyled, they would look like the context around them.
+LOSS_MARKS = ("[[", "]]")
 
 
 def resolve_shards(path: str | os.PathLike) -> list[Path]:
@@ -307,9 +310,14 @@ def render_sample(view: dict, console: Console) -> None:
     console.print(meta)
     if view["tokenizer_note"]:
         console.print(f"[yellow]{view['tokenizer_note']}[/yellow]")
+    opening, closing = ("", "") if console.color_system else LOSS_MARKS
     body = Text()
     for span in view["spans"]:
         piece = span["text"] if span["text"] is not None else " ".join(map(str, span["ids"])) + " "
-        body.append(piece, style=LOSS_STYLE if span["loss"] else CONTEXT_STYLE)
-    console.print(Text.assemble("legend: ", ("loss tokens", LOSS_STYLE), " / ", ("context", CONTEXT_STYLE)))
+        if span["loss"]:
+            words = piece.rstrip()  # the marks close before the span's trailing space or line break
+            body.append(f"{opening}{words}{closing}{piece[len(words):]}", style=LOSS_STYLE)
+        else:
+            body.append(piece, style=CONTEXT_STYLE)
+    console.print(Text.assemble("legend: ", (f"{opening}loss tokens{closing}", LOSS_STYLE), " / ", ("context", CONTEXT_STYLE)))
     console.print(body)

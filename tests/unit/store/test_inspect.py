@@ -144,7 +144,7 @@ def test_script_shows_a_sample_as_ids_without_tokenizer(tmp_path):
     result = run_script(tmp_path, "--sample", "s1", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "no tokenizer_path" in result.stdout
-    assert "200 201 202" in result.stdout
+    assert "200 201 [[202]]" in result.stdout  # piped: the loss token bracketed
     assert "300" not in result.stdout
 
 
@@ -227,6 +227,11 @@ def test_sample_is_decoded_with_loss_tokens_highlighted(tmp_path):
     inspection.render_sample(view, Console(file=out, force_terminal=True, color_system="standard", width=200))
     assert "\x1b[1;32mhow are you" in out.getvalue()
     assert "\x1b[2mhello world" in out.getvalue()
+    # Piped or redirected, the output takes no styles: the loss span is bracketed instead of lost.
+    piped = io.StringIO()
+    inspection.render_sample(view, Console(file=piped, width=200))
+    assert "\x1b" not in piped.getvalue()
+    assert "legend: [[loss tokens]] / context\nhello world[[how are you]]\n" in piped.getvalue()
 
 
 def test_a_file_that_is_not_a_shard_is_rejected(tmp_path):
