@@ -107,7 +107,7 @@ def _messages(obj: dict, key: str, role_key: str, content_key: str, roles: dict[
                 raise _BadRecord(f"{where} has no {k!r}")
         role = turn[role_key]
         if not isinstance(role, str) or role not in roles:
-            raise _BadRecord(f"unknown role {role!r} in {where}")
+            raise _BadRecord(f"unknown role {role!r} in {where} ({key} takes the roles {', '.join(roles)})")
         out.append((roles[role], _content(turn[content_key], f"{where}.{content_key}")))
     if not any(role == "assistant" for role, _ in out):
         raise _BadRecord("no assistant turn")
@@ -159,6 +159,19 @@ def _tokens(obj: dict) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
         i = next(i for i, v in enumerate(mask) if v > 1)
         raise _BadRecord(f"loss_mask[{i}] is {mask[i]}, expected 0 or 1")
     return ids, mask
+
+
+def _check_mask_fields(obj: dict, key: str) -> None:
+    """Refuses a field that says which tokens are in the loss where it would not be read: the record's loss
+    mask would silently be another than its author meant (every token, or the assistant turns)."""
+    if key == "input_ids":
+        if obj.get("labels") is not None and obj.get("loss_mask") is None:
+            raise _BadRecord("has labels but no loss_mask, and labels are not read: give loss_mask (1 where labels "
+                             "is not -100), or leave labels out to put every token in the loss")
+    elif obj.get("loss_mask") is not None:
+        kept = "every token" if key == "text" else "the assistant turns"
+        raise _BadRecord(f"loss_mask is read with input_ids only: a {key} record's loss mask covers {kept}; leave loss_mask "
+                         "out, or give the record as input_ids with its loss_mask")
 
 
 def _check_surrogates(raw: bytes, obj: dict, key: str) -> None:
@@ -216,6 +229,7 @@ def _record(obj: dict, raw: bytes, source: str, line: int, index: int, id_: str)
         raise _BadRecord(f"record has more than one of conversations/messages/text/input_ids: {', '.join(present)}")
     key = present[0]
     fmt = FORMAT_KEYS[key]
+    _check_mask_fields(obj, key)
     _check_surrogates(raw, obj, key)
     common = dict(source=source, line=line, index=index, id=id_, format=fmt)
     if fmt == "sharegpt":

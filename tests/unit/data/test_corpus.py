@@ -60,13 +60,18 @@ def test_each_format(tmp_path):
             {"text": "plain words", "id": 7},
             {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]},
             {"input_ids": [5, 6], "loss_mask": None},
+            # labels beside a loss_mask (as a trainer's table may hold), and a null one as a table gives it: read
+            {"input_ids": [5, 6], "loss_mask": [0, 1], "labels": [-100, 6]},
+            {"text": "more words", "loss_mask": None, "labels": None},
         ],
     )
-    chat, text, toks, toks_nomask = read_corpus([path])
+    chat, text, toks, toks_nomask, toks_labels, text_nulls = read_corpus([path])
     assert (chat.format, chat.messages, chat.id) == ("openai", (("user", "q"), ("assistant", "a")), "m")
     assert (text.format, text.text, text.id) == ("text", "plain words", "7")
     assert (toks.format, toks.input_ids, toks.loss_mask, toks.id) == ("tokens", (5, 6, 7), (0, 1, 1), "c.jsonl:3")
     assert (toks_nomask.input_ids, toks_nomask.loss_mask) == ((5, 6), None)
+    assert (toks_labels.input_ids, toks_labels.loss_mask) == ((5, 6), (0, 1))
+    assert (text_nulls.format, text_nulls.text) == ("text", "more words")
 
 
 def test_openai_content_parts_are_joined_text(tmp_path):
@@ -124,7 +129,8 @@ BAD_LINES = [
     (
         b'{"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"},'
         b' {"from": "bot", "value": "c"}]}',
-        "unknown role 'bot' in conversations[2]",
+        "unknown role 'bot' in conversations[2] (conversations takes the roles system, human, user, gpt, assistant, "
+        "chatgpt)",
         "bad.jsonl:2",
     ),
     (b'{"conversations": [{"from": "human", "value": "a"}]}', "no assistant turn", "bad.jsonl:2"),
@@ -137,7 +143,7 @@ BAD_LINES = [
     ),
     (
         b'{"messages": [{"role": "tool", "content": "a"}, {"role": "assistant", "content": "b"}]}',
-        "unknown role 'tool' in messages[0]",
+        "unknown role 'tool' in messages[0] (messages takes the roles system, user, assistant)",
         "bad.jsonl:2",
     ),
     (
@@ -169,6 +175,25 @@ BAD_LINES = [
         "bad.jsonl:2",
     ),
     (b'{"input_ids": [1, 2], "loss_mask": [0, 2]}', "loss_mask[1] is 2, expected 0 or 1", "bad.jsonl:2"),
+    # A field that says which tokens are in the loss, where it would not be read: never silently another mask.
+    (
+        b'{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}',
+        "has labels but no loss_mask, and labels are not read: give loss_mask (1 where labels is not -100), or "
+        "leave labels out to put every token in the loss",
+        "bad.jsonl:2",
+    ),
+    (
+        b'{"text": "a b", "loss_mask": [0, 1]}',
+        "loss_mask is read with input_ids only: a text record's loss mask covers every token; leave loss_mask out, "
+        "or give the record as input_ids with its loss_mask",
+        "bad.jsonl:2",
+    ),
+    (
+        b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "loss_mask": [1]}',
+        "loss_mask is read with input_ids only: a messages record's loss mask covers the assistant turns; leave "
+        "loss_mask out, or give the record as input_ids with its loss_mask",
+        "bad.jsonl:2",
+    ),
     (b'{"text": "a", "id": 1.5}', "id must be a string or an integer (got number)", None),
     (b'{"text": "a", "id": ""}', "id is an empty string", None),
 ]
