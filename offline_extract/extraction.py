@@ -547,6 +547,8 @@ class Job:
         mark("gate captured")
         fp8 = parity.is_fp8_block(engine.quantization)
         result, failure, error = {"rows": []}, None, None
+        # Which replica failed, where there are several to tell apart; a run of one has no replicas to its user.
+        where = f"dp replica {layout.dp_rank}: " if layout.dp_size > 1 else ""
         if layout.writes and head:
             # Whatever stops this rank here is told to every rank at the meeting below, where they wait: they
             # would otherwise learn of its exit, without the cause, from torchrun's SIGTERM on its node and
@@ -555,12 +557,12 @@ class Job:
                 rows, result = self._reference(states, preload, fp8)
             except Exception as e:  # the reference's weights unreadable, HF failing to load or run them
                 said = str(e) if isinstance(e, parity.ParityError) else f"{type(e).__name__}: {e}"
-                failure, error = f"dp replica {layout.dp_rank}: {said}", e
+                failure, error = f"{where}{said}", e
             else:
                 try:
                     parity.check(rows, engine.dtype, len(head), moe=engine.is_moe, fp8=fp8)
                 except parity.ParityError as e:
-                    failure = f"dp replica {layout.dp_rank}: {e}"
+                    failure = f"{where}{e}"
         elif preload is not None:
             preload.drop()
         failures = [f for f in self.coord.all_gather(failure) if f]

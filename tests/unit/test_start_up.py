@@ -192,9 +192,9 @@ def test_a_preload_that_fails_is_reported_at_the_gate_naming_the_file_and_claims
 
 @pytest.fixture
 def two_rank_gate(tiny_engine, model_copy, monkeypatch):
-    """Both ranks of a TP=2 replica at the parity gate, meeting over a TCPStore served here as torchrun's agent
-    serves it, on two samples. Runs the gate on both: the writing rank's error, the peer's, and how many seconds
-    after the writer's the peer's came."""
+    """Two ranks at the parity gate, meeting over a TCPStore served here as torchrun's agent serves it: the two of
+    a TP=2 replica, or (tp=1) two replicas of one rank each. Runs the gate on both, rank 0 on two samples: its
+    error, the peer's, and how many seconds after rank 0's the peer's came."""
     import torch.distributed as dist
 
     from offline_extract.data.tokenization import Sample
@@ -208,10 +208,10 @@ def two_rank_gate(tiny_engine, model_copy, monkeypatch):
     ids = [np.arange(5, 5 + n) for n in (7, 12)]
     head = [Sample(i, str(i), "c.jsonl", i + 1, x, np.ones_like(x, dtype=np.uint8), len(x), False) for i, x in enumerate(ids)]
 
-    def job(rank: int) -> extraction.Job:
+    def job(rank: int, tp: int) -> extraction.Job:
         """A loaded job at the gate (the phases before it are not this test's), one per rank."""
         j = extraction.Job.__new__(extraction.Job)
-        layout = Layout(rank=rank, world_size=2, local_world_size=2, tp_size=2)
+        layout = Layout(rank=rank, world_size=2, local_world_size=2, tp_size=tp)
         j.__dict__.update(
             opts=ExtractOptions(data=(CORPUS,), model=str(model_copy), device="cpu", parity_samples=len(head)),
             layout=layout, coord=Coordinator(layout, "gate"), checked=SimpleNamespace(model=SimpleNamespace(path=model_copy)),
@@ -220,14 +220,15 @@ def two_rank_gate(tiny_engine, model_copy, monkeypatch):
         )
         return j
 
-    def gate() -> tuple[Exception | None, Exception | None, float]:
+    def gate(tp: int = 2) -> tuple[Exception | None, Exception | None, float]:
         server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-        writer, peer = job(0), job(1)
+        writer, peer = job(0, tp), job(1, tp)
         stopped = {}
 
         def peer_gate() -> None:
-            # The peer's own forwards of the samples are collective under real TP; here one engine serves both
-            # ranks, so the peer brings none and goes straight to the meeting, as it would after them.
+            # A TP peer's own forwards of the samples are collective under real TP, and another replica's are its
+            # own samples; here one engine serves both ranks, so the peer brings none and goes straight to the
+            # meeting, as it would after them.
             try:
                 peer._parity_gate([])
             except Exception as e:
@@ -256,22 +257,24 @@ def two_rank_gate(tiny_engine, model_copy, monkeypatch):
     return gate
 
 
-def test_a_preload_that_fails_on_the_writing_rank_stops_its_tp_peer_at_once_naming_the_cause(
-        two_rank_gate, model_copy, monkeypatch):
+@pytest.mark.parametrize("tp, replica", [(2, ""), (1, "dp replica 0: ")], ids=["tp-peer", "other-replica"])
+def test_a_preload_that_fails_on_the_writing_rank_stops_the_other_rank_at_once_naming_the_cause(
+        two_rank_gate, model_copy, monkeypatch, tp, replica):
     """The writing rank's read of the reference's weights fails: its peer, waiting at the gate's meeting,
     stopped only once the writer's heartbeat had been missing for 30 s, saying only that rank 0 stopped answering
-    (here, where the writer's process lives on, it waited for ever)."""
+    (here, where the writer's process lives on, it waited for ever). The replica that failed is named only where
+    the run has several: a run of one replica has none to its user."""
     from offline_extract.engine import parity
 
     def failing_read(path, *args, **kwargs):
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(parity, "load_file", failing_read)
-    failed, error, delay = two_rank_gate()
+    failed, error, delay = two_rank_gate(tp)
     cause = (f"parity gate: reading HF's reference weights from {model_copy} failed: {model_copy / 'model.safetensors'} "
              f"cannot be read (Input/output error)")
     assert isinstance(failed, parity.ParityError) and str(failed).startswith(cause)
-    assert isinstance(error, parity.ParityError) and str(error).startswith(f"dp replica 0: {cause}")
+    assert isinstance(error, parity.ParityError) and str(error).startswith(f"{replica}{cause}")
     assert delay < 10
 
 
@@ -350,7 +353,7 @@ def test_a_mismatch_at_the_gate_stops_the_run_before_any_shard_naming_the_failin
     assert not [name for name in written if "shard" in name or name == "index.json"], written
     assert exited.value.code == 1
     err = capfd.readouterr().err
-    assert err.startswith("Error: dp replica 0: parity gate failed on 2 samples in float32 ")
+    assert err.startswith("Error: parity gate failed on 2 samples in float32 ")  # one replica: none named
     assert err.endswith("The extracted states do not match HF transformers; refusing to write training data.\n")
     _names_the_failing_layers(err, wrong_reference["rows"], tiny_engine.layer_ids)
     assert json.loads((out / "manifest.json").read_text())["status"] == "running"  # claimed, never finished
@@ -363,7 +366,7 @@ def test_a_mismatch_on_the_writing_rank_stops_its_tp_peer_at_once_naming_the_lay
     failed, error, delay = two_rank_gate()
     assert isinstance(failed, parity.ParityError) and isinstance(error, parity.ParityError)
     assert str(error) == str(failed)  # the writer's verdict, to the letter
-    assert str(error).startswith("dp replica 0: parity gate failed on 2 samples in float32 ")
+    assert str(error).startswith("parity gate failed on 2 samples in float32 ")
     _names_the_failing_layers(str(error), wrong_reference["rows"], tiny_engine.layer_ids)
     assert delay < 10
 
