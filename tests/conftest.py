@@ -1,3 +1,4 @@
+import signal
 import warnings
 
 import pytest
@@ -44,3 +45,13 @@ def processes_end_with_the_test():
     left = kill_left_behind()
     if left:
         warnings.warn(f"killed {len(left)} processes the test left running: {left}")
+
+
+@pytest.fixture
+def signals_kept():
+    """For tests that run a command in-process: it installs its own SIGINT and SIGTERM handlers (cli._Command,
+    the extract command), which would otherwise stay for every later test; the test process gets its own back."""
+    kept = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for number, handler in kept.items():
+        signal.signal(number, handler)

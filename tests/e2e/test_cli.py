@@ -52,7 +52,7 @@ def test_extract_answers_help_and_a_mistyped_option_without_importing_torch():
     assert run.returncode == 2 and "'fp16' is not one of 'bf16', 'fp8'" in run.stderr
 
 
-def test_ctrl_c_exits_130():
+def test_ctrl_c_exits_130(signals_kept):
     @command()
     def stopped():
         raise KeyboardInterrupt
@@ -61,7 +61,7 @@ def test_ctrl_c_exits_130():
     assert result.exit_code == 130 and "interrupted" in result.output
 
 
-def test_ctrl_c_stops_an_export_with_130_and_says_how_to_resume(tmp_path, monkeypatch):
+def test_ctrl_c_stops_an_export_with_130_and_says_how_to_resume(tmp_path, monkeypatch, signals_kept):
     # It said only "interrupted", though a rerun resumes an export as it does an extraction.
     from offline_extract.commands import export
 
@@ -78,7 +78,7 @@ def test_ctrl_c_stops_an_export_with_130_and_says_how_to_resume(tmp_path, monkey
     (KeyboardInterrupt, 130, "Error: interrupted; "),
     (Terminated, 143, "dry run: stopped by SIGTERM (under torchrun: another rank failed, and torchrun's report names it); "),
 ])
-def test_a_stopped_dry_run_says_it_wrote_nothing(stop, status, said, tmp_path, monkeypatch):
+def test_a_stopped_dry_run_says_it_wrote_nothing(stop, status, said, tmp_path, monkeypatch, signals_kept):
     # It said "re-running the same command resumes into OUT", as the real run does, though it writes nothing there.
     from offline_extract import extraction
     from offline_extract.commands import extract
@@ -89,12 +89,8 @@ def test_a_stopped_dry_run_says_it_wrote_nothing(stop, status, said, tmp_path, m
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setattr(extraction, "dry_run", stopped)
     out = tmp_path / "out"
-    sigterm = signal.getsignal(signal.SIGTERM)  # the command installs its own, in this process
-    try:
-        result = CliRunner().invoke(extract.main, ["--data", str(ROOT / "examples" / "corpus.jsonl"), "--out",
-                                                   str(out), "--dry-run"])
-    finally:
-        signal.signal(signal.SIGTERM, sigterm)
+    result = CliRunner().invoke(extract.main, ["--data", str(ROOT / "examples" / "corpus.jsonl"), "--out",
+                                               str(out), "--dry-run"])
     assert (result.exit_code, result.output) == (status, f"{said}a dry run writes nothing, so {out} is as it was\n")
     assert not out.exists()
 

@@ -328,15 +328,6 @@ def _names_the_failing_layers(verdict: str, rows: list, layer_ids) -> None:
         assert r.max_rel > parity.TOLERANCES["float32"]["max_rel"]  # failed by its figures, not by a label
 
 
-@pytest.fixture
-def signals_kept():
-    """A command run in-process installs its own SIGINT and SIGTERM handlers: the test process gets its back."""
-    kept = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for number, handler in kept.items():
-        signal.signal(number, handler)
-
-
 def test_a_mismatch_at_the_gate_stops_the_run_before_any_shard_naming_the_failing_layers(
         tiny_engine, tiny_model_dir, tmp_path, monkeypatch, capfd, wrong_reference, signals_kept):
     """Through the command, as a user runs it: exit status 1, the gate's verdict its one error, and nothing of the
@@ -439,7 +430,7 @@ def test_a_tokenizer_that_fails_after_the_load_is_raised_once_and_interrupts_not
 
 
 def test_ctrl_c_while_the_tokenizer_loads_beside_the_model_says_one_line(tiny_model_dir, tmp_path, monkeypatch,
-                                                                          capfd, ctrl_c_raises):
+                                                                          capfd, signals_kept):
     # It replayed everything SGLang, torch and HF had printed while hidden (a screenful, tracebacks included where a
     # library logged one) before the line that every other Ctrl-C prints alone.
     from offline_extract.commands import extract as command
