@@ -84,6 +84,7 @@ def main(path: str, sample_id: str | None, as_json: bool, verify: bool, allow_pa
 
 def _left_out(out: Path, sample_id: str) -> str | None:
     """Why the run holds no sample of this id, where its rejects.jsonl says (rejected, skipped or dropped)."""
+    from offline_extract.data.corpus import Reject
     from offline_extract.store.schema import REJECTS_FILE
 
     rejects = out / REJECTS_FILE
@@ -92,10 +93,12 @@ def _left_out(out: Path, sample_id: str) -> str | None:
     # Our rejects are ASCII (json.dumps), so a byte that is not UTF-8 is damage, which is skipped like a line cut short.
     for line in rejects.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
-            row = json.loads(line)
-        except ValueError:  # a damaged line is not this command's to judge; the sample is still not there
+            r = Reject(**json.loads(line))
+            # A record too broken to give its id (invalid JSON) is known by the id it would have had: NAME:LINE.
+            known_as = (r.id, f"{Path(r.source).name}:{r.line}")
+        except (ValueError, TypeError):
+            # Damaged (not JSON, or not a reject's fields): not this command's to judge; the sample is still not there.
             continue
-        # A record too broken to give its id (invalid JSON) is known by the id it would have had: NAME:LINE.
-        if sample_id in (row["id"], f"{Path(row['source']).name}:{row['line']}"):
-            return f"{REJECTS_FILE} lists it as {row['kind']} ({row['source']}:{row['line']}): {row['reason']}"
+        if sample_id in known_as:
+            return f"{REJECTS_FILE} lists it as {r.kind} ({r.source}:{r.line}): {r.reason}"
     return None

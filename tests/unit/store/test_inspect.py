@@ -165,9 +165,12 @@ def test_a_sample_the_run_left_out_is_said_why(tmp_path):
     rows = [{"source": "/data/c.jsonl", "line": 7, "index": 6, "id": "too-long", "kind": "skipped",
              "reason": "5000 tokens > --max-length 4096"},
             {"source": "/data/c.jsonl", "line": 9, "index": 8, "id": None, "kind": "rejected", "reason": "invalid JSON"}]
-    # A line cut short, and one holding a byte that is not UTF-8 (the whole file's read stopped on it, naming no file).
+    # A line cut short, one holding a byte that is not UTF-8 (the whole file's read stopped on it, naming no file),
+    # and lines that are JSON but not a reject's fields (each stopped the search with a traceback).
     damaged = (b'{damaged\n'
-               b'{"source": "/data/c.jsonl", "line": 11, "index": 10, "id": "caf\xe9", "kind": "rejected", "reason": ""}\n')
+               b'{"source": "/data/c.jsonl", "line": 11, "index": 10, "id": "caf\xe9", "kind": "rejected", "reason": ""}\n'
+               b'{"source": "/data/c.jsonl", "line": 12}\n[1, 2]\n7\nnull\n'
+               b'{"source": 3, "line": 13, "index": 12, "id": "x", "kind": "rejected", "reason": ""}\n')
     (tmp_path / "rejects.jsonl").write_bytes("".join(json.dumps(row) + "\n" for row in rows).encode() + damaged)
     skipped = run_script(tmp_path, "--sample", "too-long", cwd=tmp_path)
     assert skipped.returncode == 1 and "Traceback" not in skipped.stderr
