@@ -17,7 +17,7 @@ from offline_extract import hub
 from offline_extract.data.sources import Source, open_sources
 from offline_extract.default_model import ensure_tiny_model
 from offline_extract.engine.distributed import layout_from_env
-from offline_extract.engine.parity import wrapped_text_config
+from offline_extract.engine.parity import DAMAGED_MODEL_FILE, wrapped_text_config
 from offline_extract.engine.sglang_adapter import (
     CONTEXT_KEYS, capture_rule, check_engine_choices, context_length, hide_gpus, validate_layer_ids,
 )
@@ -213,7 +213,7 @@ def read_model(path: Path, trust_remote_code: bool = False) -> Model:
     config_file = path / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"{path} holds no config.json, so it is not a Hugging Face model directory")
-    raw = load_json(config_file)  # damaged, it is named
+    raw = load_json(config_file, DAMAGED_MODEL_FILE)  # damaged, it is named
     architectures = raw.get("architectures") or []
     if not architectures:
         raise ValueError(f"{config_file} names no architectures, so the model cannot be identified")

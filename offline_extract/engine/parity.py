@@ -19,6 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file  # here, so that ReferencePreload's thread imports nothing
 
+from offline_extract.store.journal import load_json
+
 # fp32 runs the same math in both stacks and must agree to rounding, and rounding scales with the values:
 # the same states differ by a few float32 steps of their largest value (about 3e-7 of it), by how much
 # depends on the CPU's GEMM blocking (an AMD EPYC's differs from an Intel Xeon's), so the bound is 1e-5 of
@@ -168,6 +170,9 @@ def is_fp8_block(quantization: dict | None) -> bool:
 
 
 CHECKPOINT_INDEX = "model.safetensors.index.json"  # maps each tensor to the file that holds it
+# What to do about a damaged file of the model's (its config.json, its index): the user's to fetch again, where a
+# damaged file of ours is deleted or restored (store.journal.load_json).
+DAMAGED_MODEL_FILE = "it is damaged, or was cut short by an interrupted download or copy. Download or copy it again, then re-run"
 
 
 def checkpoint_files(model_path: str) -> list[Path]:
@@ -184,14 +189,10 @@ def checkpoint_files(model_path: str) -> list[Path]:
 def _weight_map(index: Path) -> dict[str, str]:
     """The index's map of each tensor to the file holding it. A damaged index is refused naming it (and where
     its JSON breaks), where json's bare error named no file and SGLang's load would fail on it with a traceback."""
-    advice = "it is damaged, or was cut short by an interrupted download or copy. Download or copy it again, then re-run"
-    try:
-        document = json.loads(index.read_bytes())
-    except ValueError as e:  # json's error says the line and column; a byte that is not UTF-8, its position
-        raise ValueError(f"{index} is not valid JSON ({e}): {advice}") from None
+    document = load_json(index, DAMAGED_MODEL_FILE)
     weight_map = document.get("weight_map") if isinstance(document, dict) else None
     if not (isinstance(weight_map, dict) and weight_map and all(isinstance(f, str) for f in weight_map.values())):
-        raise ValueError(f'{index} has no "weight_map" object naming the file of each tensor: {advice}')
+        raise ValueError(f'{index} has no "weight_map" object naming the file of each tensor: {DAMAGED_MODEL_FILE}')
     return weight_map
 
 

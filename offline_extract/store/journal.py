@@ -67,13 +67,14 @@ def naming_errors(path: str | os.PathLike) -> Iterator[None]:
         raise OSError(e.errno, e.strerror or str(e), str(path)) from e
 
 
-def load_json(path: str | os.PathLike):
+def load_json(path: str | os.PathLike, advice: str = "delete or restore it"):
     """A JSON document; a missing, unreadable or damaged file (invalid JSON, or not UTF-8 text) is an error
-    that names it."""
+    that names it. `advice` says what to do about a damaged one: the default fits the files we write, which a
+    re-run writes again; a file of the user's own (a model's) says otherwise."""
     with naming_errors(Path(path)):
         data = Path(path).read_bytes()
     try:
         # Decoded here, not by read_text, whose UnicodeDecodeError would name no file.
         return json.loads(data.decode("utf-8"))
     except ValueError as e:  # json's error gives the line and column; the decoder's, the byte that is not UTF-8
-        raise ValueError(f"{path} is not valid JSON ({e}); delete or restore it") from e
+        raise ValueError(f"{path} is not valid JSON ({e}): {advice}") from e

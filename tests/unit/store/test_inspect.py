@@ -189,7 +189,7 @@ def test_a_damaged_index_is_said_in_one_line(tmp_path):
     result = run_script(tmp_path, cwd=tmp_path)
     assert result.returncode == 1 and result.stderr == (
         f"Error: {tmp_path / 'index.json'} is not valid JSON ('utf-8' codec can't decode byte 0xe9 in position 33: "
-        f"invalid continuation byte); delete or restore it\n")
+        f"invalid continuation byte): delete or restore it\n")
 
 
 def test_sample_view_splits_tokens_by_loss_mask(tmp_path):

@@ -160,7 +160,7 @@ def test_an_index_that_is_not_utf8_json_is_named_with_where_it_breaks(data, why,
     (tmp_path / "index.json").write_bytes(data)
     with pytest.raises(ShardError) as refused:  # which the commands say in one line
         read_index(tmp_path)
-    assert str(refused.value) == f"{tmp_path / 'index.json'} is not valid JSON ({why}); delete or restore it"
+    assert str(refused.value) == f"{tmp_path / 'index.json'} is not valid JSON ({why}): delete or restore it"
 
 
 def test_write_index_contents(tmp_path):
