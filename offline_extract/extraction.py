@@ -262,8 +262,9 @@ def dry_run(opts: ExtractOptions) -> planning.Plan:
         resume.check_before_loading(out, known, checked.corpus_paths, opts.force)
     model = checked.model
     tokenizer = _sample_tokenizer(opts, model.path)
-    plan = planning.plan(opts.data, tokenizer, opts.out, model.hidden_size, _num_aux_layers(checked), encoding(opts),
-                         strict=opts.strict)
+    with _progress(opts, "dry run", lambda: _count_records(checked.sources)) as bar:
+        plan = planning.plan(opts.data, tokenizer, opts.out, model.hidden_size, _num_aux_layers(checked),
+                             encoding(opts), strict=opts.strict, advance=lambda tokens: bar.advance(1, tokens, 0))
     if resume.finished(out, replace(known, **tokenizer.fingerprint()), checked.corpus_paths):
         return replace(plan, finished=True)  # the run says "already complete" without taking the directory
     # Looked at last: the state the run would meet if started now, after a dry run that may have taken minutes.
@@ -370,12 +371,16 @@ class Job:
         """--strict: each replica reads and tokenizes its share before the model loads, and the run stops at
         the first bad record in corpus order, whichever replica holds it, reported once."""
         first = None
-        for item in read_corpus(self.opts.data, owns=self.layout.owns):
-            if isinstance(item, Record):
-                item = self.tokenizer(item)
-            if isinstance(item, Reject) and item.kind != "skipped":
-                first = item.to_json()
-                break
+        layout = self.layout
+        count = (lambda: _count_owned(layout, self.checked.sources)) if layout.leads else None
+        with _progress(self.opts, "--strict check", count, shown=layout.leads) as bar:
+            for item in read_corpus(self.opts.data, owns=layout.owns):
+                if isinstance(item, Record):
+                    item = self.tokenizer(item)
+                bar.advance(1, item.num_tokens if isinstance(item, Sample) else 0, 0)
+                if isinstance(item, Reject) and item.kind != "skipped":
+                    first = item.to_json()
+                    break
         found = [reject for reject in self.coord.all_gather(first) if reject]
         if not found:
             return
@@ -618,13 +623,11 @@ class Job:
 
     def _extract(self, samples: Iterator[Sample], writer: ShardWriter | None, staging: list | None, tally: Tally) -> None:
         opts, layout = self.opts, self.layout
-        show = layout.leads and (opts.progress or opts.progress_every > 0)
         label = f"dp {layout.dp_rank}/{layout.dp_size}" if layout.dp_size > 1 else "extract"
-        heartbeat = None if opts.progress else opts.progress_every
         # The leader's share stands for every replica's; its progress counts the records, shown or not.
         watch = planning.OutputWatch(self.out, layout.dp_size) if layout.leads and writer is not None else None
         count = (lambda: _count_owned(layout, self.checked.sources)) if layout.leads else None
-        with RunProgress(count, label, enabled=show, heartbeat=heartbeat) as bar:
+        with _progress(opts, label, count, shown=layout.leads) as bar:
 
             def advance(batch) -> None:
                 # Every batch's forwards are enqueued by now: the last batch's mark stays. (The feed reads a
@@ -812,10 +815,24 @@ def _pending_signals_run() -> None:
     call to this one takes the signal where the caller catches what it raises."""
 
 
+def _progress(opts: ExtractOptions, label: str, count: Callable[[], int | None] | None, shown: bool = True) -> RunProgress:
+    """The bar, or with --no-progress a line every --progress-every seconds, over a pass through the records:
+    the extraction, and the reading and tokenizing of the whole corpus that --dry-run and --strict make before
+    any forward, which on a large corpus takes minutes that would otherwise pass in silence."""
+    return RunProgress(count, label, enabled=shown and (opts.progress or opts.progress_every > 0),
+                       heartbeat=None if opts.progress else opts.progress_every)
+
+
+def _count_records(sources: Sequence[Source]) -> int | None:
+    """The records of the whole corpus, for the progress ETA; None when a source cannot say."""
+    counts = [source.count() for source in sources]
+    return None if None in counts else sum(counts)
+
+
 def _count_owned(layout: Layout, sources: Sequence[Source]) -> int | None:
     """This replica's share of the records, for the progress ETA; None when a source cannot say."""
-    counts = [source.count() for source in sources]
-    return None if None in counts else len(range(layout.dp_rank, sum(counts), layout.dp_size))
+    total = _count_records(sources)
+    return None if total is None else len(range(layout.dp_rank, total, layout.dp_size))
 
 
 @contextmanager

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,16 +91,19 @@ class Plan:
 
 def plan(
     data, tokenizer: SampleTokenizer, out: str | Path, hidden_size: int, num_aux_layers: int,
-    encoding: Encoding = Encoding(), strict: bool = False,
+    encoding: Encoding = Encoding(), strict: bool = False, advance: Callable[[int], None] | None = None,
 ) -> Plan:
     """Under `strict`, the first bad record raises BadRecordError, as it stops the real run. Compressed
-    states are sized as they are before compression: how much zstd saves depends on the states."""
+    states are sized as they are before compression: how much zstd saves depends on the states. `advance`
+    is told of each record read, with its sample's tokens (0 for one left out)."""
     records = samples = skipped = rejected = tokens = loss_tokens = 0
     first_rejects = []
     for item in read_corpus(data):
         records += 1
         if isinstance(item, Record):
             item = tokenizer(item)
+        if advance is not None:
+            advance(item.num_tokens if isinstance(item, Sample) else 0)
         if isinstance(item, Sample):
             samples += 1
             tokens += item.num_tokens

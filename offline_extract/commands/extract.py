@@ -154,7 +154,7 @@ def _chosen(option: str) -> dict:
 @click.option("--no-warm-up", is_flag=True,
               help="Skip the throwaway batch that compiles those kernels right after the model loads (then the "
                    "first real batch compiles them; start-up and tail are printed and kept in manifest.json either way).")
-@click.option("--no-progress", is_flag=True, help="No progress bar (e.g. for logs): a line every --progress-every seconds instead.")
+@click.option("--no-progress", is_flag=True, help="No progress bar (e.g. for logs): a line every --progress-every seconds instead. The bar or lines also follow --dry-run's and --strict's pass through the corpus.")
 @click.option("--progress-every", default=default("progress_every"), show_default=True, type=click.FloatRange(min=0),
               help="With --no-progress, seconds between progress lines (samples, tokens, tok/s, GB written, ETA); "
                    "0: none.")

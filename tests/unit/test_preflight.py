@@ -3,6 +3,7 @@ first seconds, before SGLang is imported or the output directory is touched, and
 exactly what the real run refuses, in the same words."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -396,6 +397,27 @@ def test_strict_dry_run_stops_at_the_first_bad_record_like_the_real_run(tmp_path
     assert str(e.value).startswith(f"{corpus}:2 (id 'c.jsonl:2'): text is empty")
     plan = extraction.dry_run(ExtractOptions(data=(str(corpus),), out=str(tmp_path / "out")))
     assert (plan.samples, plan.rejected) == (1, 2)
+
+
+def test_the_passes_through_the_corpus_before_any_forward_show_their_progress(tmp_path, capsys, monkeypatch):
+    """--dry-run and --strict read and tokenize the whole corpus before any forward: minutes on a large one, shown
+    as the extraction's progress is (a line every --progress-every seconds here), not passed in silence."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "one two"}\n{"text": "three"}\n{"text": ""}\n{"text": "four"}\n')
+    beat = re.compile(r"^(dry run|--strict check): (\d)(?:/4)? samples, (\d+) tokens, ", re.M)
+    shown = {"progress": False, "progress_every": 1e-9}
+    plan = extraction.dry_run(ExtractOptions(data=(str(corpus),), out=str(tmp_path / "out"), **shown))
+    beats = beat.findall(capsys.readouterr().err)
+    assert beats[-1] == ("dry run", "4", str(plan.tokens))
+    assert [done for _, done, _ in beats] == sorted(done for _, done, _ in beats)
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
+    with pytest.raises(BadRecordError):
+        extraction.run(ExtractOptions(data=(str(corpus),), out=str(tmp_path / "out"), strict=True, **shown))
+    beats = beat.findall(capsys.readouterr().err)
+    assert beats and beats[-1][:2] == ("--strict check", "3")  # up to the bad record, where it stops
+    # --no-progress with --progress-every 0: none.
+    extraction.dry_run(ExtractOptions(data=(str(corpus),), out=str(tmp_path / "out"), progress=False, progress_every=0))
+    assert not beat.findall(capsys.readouterr().err)
 
 
 def test_a_hub_id_resolves_through_the_local_cache_to_its_commit(offline_hub, tiny_model_dir):
