@@ -320,9 +320,12 @@ def open_source(name: str) -> Source:
     path = Path(name)
     if path.is_dir():
         if not any((path / marker).exists() for marker in _SAVED_DATASET):
+            files = sorted(p.name for p in path.iterdir() if p.name.endswith(_FILE_SUFFIXES))
             raise IsADirectoryError(
                 f"corpus path is a directory that datasets.save_to_disk did not write (no state.json or "
-                f"dataset_dict.json): {name}"
+                f"dataset_dict.json): {name}; to read the files in it, give each its own --data"
+                + (f" (it holds {plural(len(files), 'corpus-like file')}: {', '.join(files[:3])}"
+                   f"{', ...' if len(files) > 3 else ''})" if files else "")
             )
         if (path / "dataset_dict.json").exists():
             try:

@@ -37,6 +37,8 @@ def resolve_shards(path: str | os.PathLike) -> list[Path]:
     path = Path(path)
     if path.is_file():
         return [path]
+    if not path.exists():
+        raise ShardError(f"{path} does not exist: give an extraction's output directory (its --out) or one of its shards")
     if not path.is_dir():
         raise ShardError(f"{path} is neither a shard file nor an output directory")
     index = read_index(path)

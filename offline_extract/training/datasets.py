@@ -88,7 +88,8 @@ def load_catalog(out_dir: str | os.PathLike, allow_partial: bool = False, verify
     """
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
-        raise ShardError(f"{out_dir} is not a directory of offline_extract shards")
+        what = "is a file" if out_dir.exists() else "does not exist"
+        raise ShardError(f"{out_dir} {what}: give an extraction's output directory (its --out)")
     reason = manifest.unfinished(out_dir)
     if reason and not allow_partial:
         raise ShardError(f"{reason}, or allow a partial read (allow_partial=True, --allow-partial)")

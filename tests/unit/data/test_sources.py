@@ -99,6 +99,12 @@ def test_what_is_not_a_corpus_is_named(tmp_path, offline_hub):
         open_source("missing.jsonl")
     with pytest.raises(IsADirectoryError, match="did not write"):
         open_source(str(tmp_path))
+    for name in ("b.jsonl", "a.jsonl", "notes.txt"):
+        (tmp_path / "jsonl" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "jsonl" / name).write_text("")
+    with pytest.raises(IsADirectoryError, match=r"jsonl; to read the files in it, give each its own --data \(it holds 2 "
+                                                r"corpus-like files: a.jsonl, b.jsonl\)$"):
+        open_source(str(tmp_path / "jsonl"))
     with pytest.raises(hub.HubError) as e:
         open_source("nobody/nothing:train")
     message = str(e.value)

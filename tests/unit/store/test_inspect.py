@@ -156,7 +156,7 @@ def test_script_errors_name_what_is_wrong(tmp_path):
     missing = tmp_path / "missing"
     result = run_script(missing, cwd=tmp_path)
     assert result.returncode != 0
-    assert f"{missing} is neither a shard file nor an output directory" in result.stderr
+    assert f"{missing} does not exist: give an extraction's output directory (its --out) or one of its shards" in result.stderr
 
 
 def test_a_sample_the_run_left_out_is_said_why(tmp_path):

@@ -159,8 +159,12 @@ def test_stale_index_falls_back_to_scanning(out_dir):
 
 
 def test_bad_directories(tmp_path):
-    with pytest.raises(ShardError, match="not a directory"):
+    with pytest.raises(ShardError, match=r"missing does not exist: give an extraction's output directory \(its --out\)$"):
         HiddenStateDataset(tmp_path / "missing")
+    (tmp_path / "shard_000.safetensors").write_bytes(b"")
+    with pytest.raises(ShardError, match=r"shard_000.safetensors is a file: give an extraction's output directory"):
+        HiddenStateDataset(tmp_path / "shard_000.safetensors")
+    (tmp_path / "shard_000.safetensors").unlink()
     with pytest.raises(ShardError, match="no shard_"):
         HiddenStateDataset(tmp_path)
 
