@@ -151,7 +151,7 @@ def _tokens(obj: dict) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
     if not ids:
         raise _BadRecord("input_ids is empty")
     if obj.get("loss_mask") is None:
-        return ids, None
+        return ids, None if obj.get("labels") is None else _mask_from_labels(obj["labels"], ids)
     mask = _int_list(obj, "loss_mask")
     if len(mask) != len(ids):
         raise _BadRecord(f"loss_mask length {len(mask)} != input_ids length {len(ids)}")
@@ -161,14 +161,29 @@ def _tokens(obj: dict) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
     return ids, mask
 
 
+IGNORE_INDEX = -100  # HF's label for a token out of the loss
+
+
+def _mask_from_labels(labels, ids: tuple[int, ...]) -> tuple[int, ...]:
+    """The loss mask that HF-style labels give: the token itself where it is in the loss, -100 where it is not.
+    Labels shifted by one (the next token's id at each place) would move the mask by one token without a word,
+    so a label that is neither is refused, naming its place."""
+    if not isinstance(labels, list):
+        raise _BadRecord(f"labels is not an array (got {_json_type(labels)})")
+    if len(labels) != len(ids):
+        raise _BadRecord(f"labels length {len(labels)} != input_ids length {len(ids)}")
+    if not all(type(label) is int and label in (token, IGNORE_INDEX) for label, token in zip(labels, ids)):
+        i, label = next((i, v) for i, v in enumerate(labels) if type(v) is not int or v not in (ids[i], IGNORE_INDEX))
+        raise _BadRecord(f"labels[{i}] is {json.dumps(label)} where input_ids[{i}] is {ids[i]}: labels are read as HF "
+                         f"gives them, the token itself where it is in the loss and {IGNORE_INDEX} where it is not "
+                         "(labels shifted to the next token would move the loss by one); or give loss_mask instead")
+    return tuple(int(label != IGNORE_INDEX) for label in labels)
+
+
 def _check_mask_fields(obj: dict, key: str) -> None:
-    """Refuses a field that says which tokens are in the loss where it would not be read: the record's loss
-    mask would silently be another than its author meant (every token, or the assistant turns)."""
-    if key == "input_ids":
-        if obj.get("labels") is not None and obj.get("loss_mask") is None:
-            raise _BadRecord("has labels but no loss_mask, and labels are not read: give loss_mask (1 where labels "
-                             "is not -100), or leave labels out to put every token in the loss")
-    elif obj.get("loss_mask") is not None:
+    """Refuses a loss mask where it would not be read: the record's loss mask would silently be another than its
+    author meant (every token, or the assistant turns)."""
+    if key != "input_ids" and obj.get("loss_mask") is not None:
         kept = "every token" if key == "text" else "the assistant turns"
         raise _BadRecord(f"loss_mask is read with input_ids only: a {key} record's loss mask covers {kept}; leave loss_mask "
                          "out, or give the record as input_ids with its loss_mask")

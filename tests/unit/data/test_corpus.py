@@ -63,15 +63,18 @@ def test_each_format(tmp_path):
             # labels beside a loss_mask (as a trainer's table may hold), and a null one as a table gives it: read
             {"input_ids": [5, 6], "loss_mask": [0, 1], "labels": [-100, 6]},
             {"text": "more words", "loss_mask": None, "labels": None},
+            # HF-style labels without a loss_mask: the loss is where a label is not -100
+            {"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]},
         ],
     )
-    chat, text, toks, toks_nomask, toks_labels, text_nulls = read_corpus([path])
+    chat, text, toks, toks_nomask, toks_labels, text_nulls, hf_labels = read_corpus([path])
     assert (chat.format, chat.messages, chat.id) == ("openai", (("user", "q"), ("assistant", "a")), "m")
     assert (text.format, text.text, text.id) == ("text", "plain words", "7")
     assert (toks.format, toks.input_ids, toks.loss_mask, toks.id) == ("tokens", (5, 6, 7), (0, 1, 1), "c.jsonl:3")
     assert (toks_nomask.input_ids, toks_nomask.loss_mask) == ((5, 6), None)
     assert (toks_labels.input_ids, toks_labels.loss_mask) == ((5, 6), (0, 1))
     assert (text_nulls.format, text_nulls.text) == ("text", "more words")
+    assert (hf_labels.input_ids, hf_labels.loss_mask) == ((5, 6, 7, 8), (0, 0, 1, 1))
 
 
 def test_openai_content_parts_are_joined_text(tmp_path):
@@ -176,10 +179,21 @@ BAD_LINES = [
     ),
     (b'{"input_ids": [1, 2], "loss_mask": [0, 2]}', "loss_mask[1] is 2, expected 0 or 1", "bad.jsonl:2"),
     # A field that says which tokens are in the loss, where it would not be read: never silently another mask.
+    # HF-style labels, read as the loss mask only where they are unambiguous.
     (
-        b'{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}',
-        "has labels but no loss_mask, and labels are not read: give loss_mask (1 where labels is not -100), or "
-        "leave labels out to put every token in the loss",
+        b'{"input_ids": [1, 2, 3], "labels": [2, 3, -100]}',
+        "labels[0] is 2 where input_ids[0] is 1: labels are read as HF gives them, the token itself where it is in "
+        "the loss and -100 where it is not (labels shifted to the next token would move the loss by one); or give "
+        "loss_mask instead",
+        "bad.jsonl:2",
+    ),
+    (b'{"input_ids": [1, 2, 3], "labels": [-100, 2]}', "labels length 2 != input_ids length 3", "bad.jsonl:2"),
+    (b'{"input_ids": [1, 2], "labels": "-100 2"}', "labels is not an array (got string)", "bad.jsonl:2"),
+    (
+        b'{"input_ids": [1, 2], "labels": [-100, true]}',
+        "labels[1] is true where input_ids[1] is 2: labels are read as HF gives them, the token itself where it is "
+        "in the loss and -100 where it is not (labels shifted to the next token would move the loss by one); or "
+        "give loss_mask instead",
         "bad.jsonl:2",
     ),
     (
