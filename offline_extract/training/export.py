@@ -248,17 +248,27 @@ def _comparable(manifest: dict, path: Path) -> dict:
             "run": RunInfo.from_json(manifest["run"], str(path)).to_json()}
 
 
+def _difference(key: str, there, now) -> str:
+    """One way an export begun in DEST differs from this one, in words."""
+    if key == "run":
+        return "of another extraction"
+    if key == "ids":
+        return "of other samples"
+    return f"{key} {json.dumps(there)} there, {json.dumps(now)} now"
+
+
 def _prepare_dest(dest: Path, manifest: dict) -> None:
     """Creates dest with its manifest, or accepts it as an earlier run of this same export."""
     manifest_path = dest / MANIFEST_NAME
     if manifest_path.is_file():
-        earlier = load_json(manifest_path)
         # The source may have been moved or copied since; the run and the ids identify the data.
-        if _comparable(earlier, manifest_path) == _comparable(manifest, manifest_path):
+        there, now = _comparable(load_json(manifest_path), manifest_path), _comparable(manifest, manifest_path)
+        if there == now:
             return
+        differs = [_difference(key, there.get(key), now.get(key)) for key in {**there, **now} if there.get(key) != now.get(key)]
         raise ExportError(
-            f"{dest} holds an export of different data, to another format or with other options "
-            f"(see {manifest_path}); choose an empty destination"
+            f"{dest} holds another export, so this one cannot resume there: {'; '.join(differs)} (see "
+            f"{manifest_path}). Choose an empty destination, or rerun the export as it was begun there"
         )
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ExportError(f"{dest} exists and is not an empty directory")

@@ -92,8 +92,12 @@ def test_resumes_an_interrupted_export(out_dir, tmp_path):
 def test_refuses_a_destination_holding_other_data(out_dir, tmp_path):
     dest = tmp_path / "sf"
     export_specforge(out_dir, dest, progress=False)
-    with pytest.raises(ExportError, match="different"):
+    # What differs is named, so that the export can be rerun as it was begun.
+    with pytest.raises(ExportError, match=rf"^{dest} holds another export, so this one cannot resume there: "
+                                          rf"rows_per_folder 2000 there, 10 now \(see "):
         export_specforge(out_dir, dest, rows_per_folder=10, progress=False)
+    with pytest.raises(ExportError, match="cannot resume there: gzip false there, true now"):
+        export_specforge(out_dir, dest, gzipped=True, progress=False)
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "notes.txt").write_text("mine")
@@ -102,7 +106,7 @@ def test_refuses_a_destination_holding_other_data(out_dir, tmp_path):
 
 
 def test_bad_out_dir_leaves_no_destination(tmp_path):
-    with pytest.raises(ShardError, match="not a directory"):
+    with pytest.raises(ShardError, match="missing does not exist: give an extraction.s output directory"):
         export_specforge(tmp_path / "missing", tmp_path / "sf", progress=False)
     assert not (tmp_path / "sf").exists()
 
