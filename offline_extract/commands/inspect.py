@@ -36,9 +36,11 @@ def main(path: str, sample_id: str | None, as_json: bool, verify: bool, allow_pa
     if verify and sample_id is not None:
         raise click.UsageError("--verify checks the whole output and --sample shows one sample: give one of them")
     if verify:
-        if not Path(path).is_dir():
-            raise click.BadParameter("--verify checks an output directory" if Path(path).exists() else
-                                     f"{path} does not exist", param_hint="PATH")
+        given = Path(path)
+        if not given.is_dir():
+            raise click.BadParameter(
+                f"--verify checks an output directory, not one file: give {given.parent}, which holds {given.name}"
+                if given.exists() else f"{path} does not exist", param_hint="PATH")
         if not (Path(path) / manifest.MANIFEST_NAME).exists() and not shard_paths(path):
             # Else verify would list what such a run lacks and advise re-running an extraction that never was.
             raise click.ClickException(f"{path} is not an extraction's output: it holds neither "

@@ -129,3 +129,6 @@ def test_verify_answers_in_json_when_asked_and_refuses_a_sample_beside_it(tmp_pa
     assert damaged["exit_status"] == 1 and damaged["damaged"] == [paths[1].name]
     both = verify_script(tmp_path, "--sample", "s0")
     assert both.returncode == 2 and "give one of them" in both.stderr, both.stderr
+    one = verify_script(paths[0])  # the user named a shard: the directory to give is named
+    assert one.returncode == 2 and (f"--verify checks an output directory, not one file: give {tmp_path}, which holds "
+                                    f"{paths[0].name}") in " ".join(one.stderr.split()), one.stderr
