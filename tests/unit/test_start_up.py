@@ -126,6 +126,16 @@ def test_verify_reads_the_reference_weights_beside_the_load_and_the_gate_builds_
             f"{t['gate_preload_waited_s']:.1f} s for its weights read beside the load in {t['gate_preload_s']:.1f} s, ") in line
 
 
+def test_verify_asking_for_more_samples_than_there_are_says_how_many_it_compared(
+        tiny_engine, tiny_model_dir, tmp_path, monkeypatch, capsys):
+    # The gate passed on the corpus's 24 samples and said nothing of the 6 more that --verify 30 asked for.
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: tiny_engine)
+    summary, _ = _run(tmp_path, tiny_model_dir, parity_samples=30)
+    assert summary.extracted == 24 and all(row["ok"] for row in summary.parity)
+    said = capsys.readouterr().err.splitlines()
+    assert "parity gate: 24 samples compared of the 30 --verify asked for: the run had no more to extract" in said
+
+
 def test_verify_without_room_for_the_preload_reads_the_files_at_the_gate(
         tiny_engine, tiny_model_dir, tmp_path, monkeypatch, gate_spies):
     monkeypatch.setattr(extraction, "Engine", lambda cfg: tiny_engine)
