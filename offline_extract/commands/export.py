@@ -25,6 +25,8 @@ which is all speculators' EAGLE-3 training uses (it applies the norm itself).
 
 DEST/export_manifest.json maps i to sample ids. Rerunning the same export into DEST resumes it.
 """
+from pathlib import Path
+
 import click
 
 from offline_extract.cli import Interrupted, command
@@ -63,6 +65,8 @@ def main(out_dir, dest, format_, rows_per_folder, gzipped, allow_partial, no_pro
     except OSError as e:  # a full disk, say: the message names the errno and the file
         raise click.ClickException(f"{e}\nOnce the cause is fixed, rerunning the same export resumes into {dest}") from e
     except KeyboardInterrupt:
+        if not Path(dest).exists():  # stopped before its first file: there is nothing to resume
+            raise Interrupted(f"interrupted before anything was written to {dest}") from None
         raise Interrupted(f"interrupted; rerunning the same export resumes into {dest}") from None
     skipped = f", {summary.samples_skipped} already there" if summary.samples_skipped else ""
     click.echo(

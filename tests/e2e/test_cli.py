@@ -69,9 +69,15 @@ def test_ctrl_c_stops_an_export_with_130_and_says_how_to_resume(tmp_path, monkey
         raise KeyboardInterrupt
 
     monkeypatch.setattr(export, "export", interrupted)
-    result = CliRunner().invoke(export.main, [str(tmp_path / "out"), "--to", str(tmp_path / "dest")])
+    dest = tmp_path / "dest"
+    dest.mkdir()  # the export had begun writing there
+    result = CliRunner().invoke(export.main, [str(tmp_path / "out"), "--to", str(dest)])
     assert result.exit_code == 130
-    assert f"interrupted; rerunning the same export resumes into {tmp_path / 'dest'}" in result.output
+    assert f"interrupted; rerunning the same export resumes into {dest}" in result.output
+    # Stopped before its destination was made, it has nothing to resume, and said it had.
+    result = CliRunner().invoke(export.main, [str(tmp_path / "out"), "--to", str(tmp_path / "never")])
+    assert result.exit_code == 130
+    assert f"Error: interrupted before anything was written to {tmp_path / 'never'}\n" == result.output
 
 
 @pytest.mark.parametrize("stop, status, said", [
