@@ -141,7 +141,12 @@ def test_a_shard_whose_bytes_differ_from_its_checksum_is_not_exported(out_dir, t
         export_speculators(out_dir, tmp_path / "spec", progress=False)
 
 
-def test_ctrl_c_while_a_sample_is_saved_stops_after_it_and_the_export_resumes(out_dir, tmp_path, monkeypatch):
+def test_ctrl_c_while_a_sample_is_saved_stops_after_it_and_the_export_resumes(out_dir, tmp_path, monkeypatch,
+                                                                               signals_kept):
+    # Python's own handler, as the export command runs with it (cli._Command.invoke): importing
+    # offline_extract.commands, as other test files do when collected, installs the one that ends a command still
+    # importing, and which handler an earlier test left is no business of this one.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     saved = []
     real_save = export_module._save_specforge
 
