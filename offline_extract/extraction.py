@@ -693,7 +693,7 @@ class Job:
         """Where this rank's start-up and tail went, in seconds: from the command to the first forward (ours;
         SGLang's: the torch and SGLang imports, the model load and the warm-up; the parity gate), and from
         the last forward enqueued to the run's end (its states to the host, the last shards, rejects and
-        index); `marks` holds every point of the timeline, counted from the process's start.
+        index); `marks` holds every point of the timeline, counted from the interpreter's start.
 
         The tokenizer counts as ours only for the time the run waited for it: loaded beside SGLang's load
         (`tokenizer_beside_load`), what that covered is SGLang's; loaded before it, all of it."""

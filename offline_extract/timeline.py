@@ -1,5 +1,8 @@
-"""When a run reached each of its phases, counted from the moment its process started, so that what a
-user waits for (interpreter start-up and imports included) is on record, not only what follows them."""
+"""When a run reached each of its phases, counted from the moment its interpreter started, so that what a
+user waits for (interpreter start-up and imports included) is on record, not only what follows them.
+
+The package's first import (`offline_extract/__init__.py`, before anything else of ours runs) fixes that
+moment."""
 from __future__ import annotations
 
 import os
@@ -7,21 +10,27 @@ import threading
 import time
 
 
-def process_age() -> float:
-    """Seconds since this process started, from the kernel's record of its start (to 1/100 s); 0.0 where
-    /proc does not say."""
+def interpreter_age() -> float:
+    """Seconds since this process began to run its program, for a caller that has run nothing that waits yet
+    (the package's first import).
+
+    The kernel's start time of the process (/proc/self/stat) is not it: that is the fork, and a shell runs
+    its last command in its own process (`bash -c 'pip install . && python bin/extract.py'` execs python in
+    the shell's process), so it would count the install. Before our first line the interpreter runs, waits
+    for a CPU or reads its own files, while that shell slept waiting for its children: the task's time on a
+    CPU and in the run queue (/proc/self/schedstat, in ns) is the interpreter's start-up (less any reads
+    from a cold disk), with the shell's own few milliseconds. Where the kernel keeps no such record, the process's CPU time stands in (low on a busy
+    machine, but never the install's minutes)."""
     try:
-        with open("/proc/self/stat") as f:
-            started = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, clock ticks after boot
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    return max(0.0, uptime - started / os.sysconf("SC_CLK_TCK"))
+        with open("/proc/self/schedstat") as f:
+            on_cpu, queued = (int(x) for x in f.read().split()[:2])
+        return (on_cpu + queued) / 1e9
+    except (OSError, ValueError):
+        return time.process_time()
 
 
-# perf_counter's reading at the moment the process started (process_age: to 1/100 s).
-_ORIGIN = time.perf_counter() - process_age()
+# perf_counter's reading at the moment the interpreter started.
+_ORIGIN = time.perf_counter() - interpreter_age()
 
 # Points reached before any Timeline existed (mark_process), which every Timeline of the process starts with.
 _PROCESS_MARKS: dict[str, float] = {}
@@ -34,7 +43,7 @@ def mark_process(name: str) -> None:
 
 
 class Timeline:
-    """Named points of a run in seconds since its process started, in the order they were reached (a
+    """Named points of a run in seconds since its interpreter started, in the order they were reached (a
     point may be marked from another thread)."""
 
     def __init__(self) -> None:

@@ -192,9 +192,3 @@ def test_the_cold_start_times_each_first_batch_after_the_start_up(tiny_engine, t
     assert cold["cold_tok_s"] == pytest.approx(sum(b.num_tokens for b in batches) / sum(cold["cold_batch_s"]))
     assert 0 < cold["startup_to_engine_s"] <= cold["startup_to_first_forward_s"]
     assert cold["engine_load_s"] >= 0
-
-
-def test_process_age_counts_from_the_command():
-    code = "import time; time.sleep(0.5); from offline_extract.timeline import process_age; print(process_age())"
-    age = float(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout)
-    assert 0.5 <= age < 30
