@@ -1,11 +1,11 @@
-"""The README's per-family parity table, built from the parity JSONs the test suites write
+"""The per-family parity table of docs/parity.md, built from the parity JSONs the test suites write
 (`OFFLINE_EXTRACT_RESULTS=DIR`: tests/unit/engine/test_architectures.py on CPU, tests/gpu/test_gpu_architectures.py,
 tests/gpu/test_gpu_fp8.py and tests/gpu/test_gpu_mxfp4.py on the GPU; `benchmarks/gpu_moe.sh` writes the MoE ones).
 
 \b
-    python benchmarks/parity_table.py [RESULTS_DIR] [--readme README.md]
+    python benchmarks/parity_table.py [RESULTS_DIR] [--page docs/parity.md]
 
-prints the table, or with --readme replaces the one between its parity-table markers. RESULTS_DIR defaults to
+prints the table, or with --page replaces the one between its parity-table markers. RESULTS_DIR defaults to
 benchmarks/results/parity. A family whose run has no file yet reads "pending".
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ from offline_extract.engine.parity import MOE_HALF_MIN_MEDIAN_COSINE  # noqa: E4
 from test_gpu_architectures import ARCH_BACKENDS  # noqa: E402  the backends SGLang runs a family on, where not all
 
 RESULTS = ROOT / "benchmarks" / "results" / "parity"
+PAGE = ROOT / "docs" / "parity.md"
 # Family -> the architecture key its results are filed under, whether --verify forces its routing (a MoE family
 # with a forceable HF block), and its quantized release format, if any.
 FAMILIES = {
@@ -136,17 +137,17 @@ def table(results: Path) -> str:
 
 @program(__doc__)
 @click.argument("results", metavar="[RESULTS_DIR]", required=False, default=RESULTS, type=click.Path(file_okay=False, path_type=Path))
-@click.option("--readme", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+@click.option("--page", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Replace the table between the parity-table markers in this file.")
-def main(results: Path, readme: Path | None) -> None:
+def main(results: Path, page: Path | None) -> None:
     text = table(results)
-    if readme is None:
+    if page is None:
         click.echo(text)
         return
-    current = readme.read_text()
+    current = page.read_text()
     if START not in current or END not in current:
-        raise click.ClickException(f"{readme} has no {START} ... {END} markers")
-    readme.write_text(re.sub(f"{re.escape(START)}.*?{re.escape(END)}", lambda m: f"{START}\n{text}\n{END}",
+        raise click.ClickException(f"{page} has no {START} ... {END} markers")
+    page.write_text(re.sub(f"{re.escape(START)}.*?{re.escape(END)}", lambda m: f"{START}\n{text}\n{END}",
                              current, flags=re.S))
 
 

@@ -144,7 +144,7 @@ ROW_KEYS = ("layer", "hf_index", "max_abs", "max_rel", "cosine", "median_cosine"
 def write_result(rep: dict, arch: str, backend: str) -> None:
     """With OFFLINE_EXTRACT_RESULTS set, a run's rows (each layer once, from the checks in order), the MoE
     comparisons as reported, and the pytest command that ran them, to <that dir>/<arch>-<backend>.json:
-    what benchmarks/parity_table.py builds the README's table from."""
+    what benchmarks/parity_table.py builds docs/parity.md's table from."""
     results = os.environ.get("OFFLINE_EXTRACT_RESULTS")
     if not results:
         return

@@ -1,16 +1,14 @@
-"""The README's parity table is the one benchmarks/parity_table.py builds from the committed results, and the
+"""docs/parity.md's parity table is the one benchmarks/parity_table.py builds from the committed results, and the
 builder says pending where a run is missing and FAIL where the product's gate fails."""
 import json
 
-from extract_runs import ROOT
-
-from benchmarks.parity_table import END, RESULTS, START, table
+from benchmarks.parity_table import END, PAGE, RESULTS, START, table
 
 
 def test_the_readmes_table_is_built_from_the_committed_results():
-    readme = (ROOT / "README.md").read_text()
-    assert readme.split(START)[1].split(END)[0].strip() == table(RESULTS), \
-        "README's parity table is stale: python benchmarks/parity_table.py --readme README.md"
+    page = PAGE.read_text()
+    assert page.split(START)[1].split(END)[0].strip() == table(RESULTS), \
+        "docs/parity.md's parity table is stale: python benchmarks/parity_table.py --page docs/parity.md"
 
 
 def _row(layer, cosine, median, ok=True):

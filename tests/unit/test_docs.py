@@ -1,0 +1,120 @@
+"""Every command the README, CONTRIBUTING.md and docs/ give can be pasted as it stands: a bin/ or benchmarks/
+command line parses with the program's own options, torchrun's part with torchrun's parser, a script or test
+file it names exists, and no `...` stands in for what the reader would have to guess. The training snippet
+runs on an output directory."""
+import importlib
+import importlib.util
+import re
+import shlex
+
+import click
+import pytest
+from torch.distributed.run import get_args_parser
+
+from extract_runs import ROOT
+
+from offline_extract.testing.shards import write_synthetic
+
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+PROGRAMS = ("python", "torchrun", "bash")
+# Tools of other projects that a page tells the reader to run; their options are theirs to check.
+OTHERS = ("pip", "jq", "speculators")
+
+
+def _commands(page):
+    """(page name, command) for each command line of `page`: the lines of its code blocks that start a
+    program, and each inline code span that does."""
+    text = page.read_text()
+    found = []
+    for language, fence in re.findall(r"^```(\w*)\n(.*?)^```", text, flags=re.S | re.M):
+        if language in ("", "bash", "sh", "shell"):
+            found += [line.strip() for line in fence.splitlines()]
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    for block in re.findall(r"(?:^|\n\n)((?: {4}.*(?:\n|$))+)", text):
+        found += [line.strip() for line in block.splitlines()]
+    found += [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", text)]
+    commands = []
+    for line in found:
+        for part in line.split("&&"):
+            part = part.split("  #")[0].strip()
+            words = part.split()
+            if words and words[0] in PROGRAMS + OTHERS and len(words) > 1:
+                commands.append((page.name, part))
+    return commands
+
+
+COMMANDS = sorted({c for page in PAGES if page.exists() for c in _commands(page)})
+
+
+def _click_command(script):
+    """The click command that `python SCRIPT` (a bin/ or benchmarks/ file) or `python -m MODULE` runs."""
+    if script.startswith("bin/"):
+        spec = importlib.util.spec_from_file_location(f"bin_{script[4:-3]}", ROOT / script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.main
+    return importlib.import_module(script.removesuffix(".py").replace("/", ".")).main
+
+
+def _parses(command, args):
+    """click's own parse of `args`, as the command would take them; --help counts as a parse."""
+    try:
+        command.make_context(command.name or "command", list(args))
+    except click.exceptions.Exit as e:  # --help or --version: printed, and parsed
+        assert e.exit_code == 0, (args, e)
+
+
+def _check_pytest(words, where):
+    paths = [w for w in words if w.startswith("tests")]
+    for path in paths:
+        assert (ROOT / path.split("::")[0]).exists(), f"{where}: {path} does not exist"
+    if "-k" in words:
+        name = words[words.index("-k") + 1]
+        sources = "".join((ROOT / p).read_text() for p in paths)
+        assert re.search(rf"def test_\w*{re.escape(name)}", sources), f"{where}: -k {name} selects no test of {paths}"
+
+
+@pytest.mark.parametrize("page, line", COMMANDS, ids=[f"{p}: {c}" for p, c in COMMANDS])
+def test_each_command_in_the_docs_pastes_as_it_stands(page, line, monkeypatch):
+    where = f"{page}: `{line}`"
+    assert "..." not in line, f"{where}: '...' is no command; write out what the reader should type"
+    words = shlex.split(line)
+    program, args = words[0], words[1:]
+    if program in OTHERS:
+        return
+    if program == "bash":
+        assert (ROOT / args[0]).is_file(), f"{where}: {args[0]} does not exist"
+        return
+    if program == "torchrun":
+        parsed = get_args_parser().parse_args(args)
+        script, args = parsed.training_script, parsed.training_script_args
+    elif args[:2] == ["-m", "pytest"]:
+        _check_pytest(args[2:], where)
+        return
+    elif args[0] == "-m":
+        script, args = args[1], args[2:]
+    else:
+        script, args = args[0], args[1:]
+    assert script.startswith(("bin/", "benchmarks")), f"{where}: runs {script}, which this test does not know"
+    monkeypatch.syspath_prepend(str(ROOT / "bin"))  # for bin/'s `import _bin_path`, which takes it off again
+    _parses(_click_command(script), args)
+
+
+def test_the_docs_give_the_commands_this_test_checks():
+    # The pages' commands are found at all: a change to how they are written would otherwise pass unchecked.
+    lines = {line for _, line in COMMANDS}
+    assert "python bin/inspect.py /data/hs --verify" in lines
+    assert any(line.startswith("torchrun --nnodes 2") and "--tp 4" in line for line in lines)
+    assert "python -m pytest" in lines
+
+
+def test_the_training_snippet_runs_on_an_output_directory(tmp_path, capsys):
+    text = (ROOT / "docs" / "training.md").read_text()
+    (snippet,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    write_synthetic(tmp_path, [5, 3, 7, 2, 9, 4, 6, 8, 3, 5], hidden_size=8)
+    exec(compile(snippet.replace('"/data/hs"', repr(str(tmp_path))), "docs/training.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    # Two epochs of the ten samples in batches of 8 (with 4 workers, each worker's share batched apart).
+    epochs = [line.split()[0] for line in printed]
+    assert set(epochs) == {"0", "1"}, printed
+    assert sum(int(line.split()[-1]) for line in printed) == 2 * sum([5, 3, 7, 2, 9, 4, 6, 8, 3, 5]), printed
