@@ -405,9 +405,9 @@ def export_speculators(
     })
     # datasets builds the table in a cache first; ours lives and dies inside DEST.
     cache = dest / ".datasets-cache"
+    # Its own bars ("Generating train split", "Saving the dataset") are not ours: the export shows one bar.
     bars = datasets.is_progress_bar_enabled()
-    if not progress:
-        datasets.disable_progress_bars()
+    datasets.disable_progress_bars()
     try:
         table = datasets.Dataset.from_generator(rows, features=features, cache_dir=str(cache))
         table.set_format(type="torch")

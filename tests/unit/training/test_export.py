@@ -295,8 +295,11 @@ def test_specforge_options_are_refused_for_speculators(pre_norm_dir, tmp_path, o
 
 
 def test_script_exports_to_speculators(pre_norm_dir, tmp_path):
-    done = run_script("--format", "speculators", pre_norm_dir, "--to", tmp_path / "spec", "--no-progress")
+    done = run_script("--format", "speculators", pre_norm_dir, "--to", tmp_path / "spec")
     assert done.returncode == 0, done.stderr
+    # Our bar, and none of datasets' own ("Generating train split", "Saving the dataset").
+    assert re.search(f"export .*{len(LENGTHS)}/{len(LENGTHS)} samples", done.stderr), done.stderr
+    assert "split" not in done.stderr and "Saving" not in done.stderr, done.stderr
     assert len(list((tmp_path / "spec" / "hidden_states").glob("hs_*.safetensors"))) == len(LENGTHS)
     # What the user must pass to speculators is said where they look.
     assert f"train with --target-layer-ids {' '.join(str(k + 1) for k in range(K))} (speculators' ids: ours + 1)" in done.stderr
