@@ -16,7 +16,8 @@ from offline_extract.store.schema import ShardError
 
 @command()
 @click.argument("path", type=click.Path(path_type=str))
-@click.option("--sample", "sample_id", help="Show the sample of this id (the record's \"id\", else SOURCE:LINE): its text, the tokens in the loss "
+@click.option("--sample", "sample_id", help="Show the sample of this id (the record's \"id\", else NAME:LINE, NAME the "
+              "corpus file's name), or of SOURCE:LINE as --data named the source: its text, the tokens in the loss "
               "highlighted (in [[ ]] where the output takes no colours: a pipe, a file).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the result (the summary, the sample, or --verify's report) as JSON instead of tables.")
@@ -73,9 +74,11 @@ def main(path: str, sample_id: str | None, as_json: bool, verify: bool, allow_pa
             result = inspection.sample_view(path, sample_id)
         else:
             result = inspection.summarize(path, allow_partial)
+    except inspection.SampleNotFound as e:
+        why = _left_out(Path(path), sample_id)
+        raise click.ClickException(f"{e.what}; {why}" if why else str(e)) from e
     except ShardError as e:
-        why = _left_out(Path(path), sample_id) if sample_id is not None else None
-        raise click.ClickException(f"{e}; {why}" if why else str(e)) from e
+        raise click.ClickException(str(e)) from e
     if as_json:
         click.echo(json.dumps(result, indent=2))
     elif sample_id is not None:
@@ -96,8 +99,9 @@ def _left_out(out: Path, sample_id: str) -> str | None:
     for line in rejects.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             r = Reject(**json.loads(line))
-            # A record too broken to give its id (invalid JSON) is known by the id it would have had: NAME:LINE.
-            known_as = (r.id, f"{Path(r.source).name}:{r.line}")
+            # A record too broken to give its id (invalid JSON) is known by the id it would have had, NAME:LINE
+            # (NAME the file's name, or the source as given where two shared it), and as SOURCE:LINE.
+            known_as = (r.id, f"{Path(r.source).name}:{r.line}", f"{r.source}:{r.line}")
         except (ValueError, TypeError):
             # Damaged (not JSON, or not a reject's fields): not this command's to judge; the sample is still not there.
             continue

@@ -269,9 +269,9 @@ def read_corpus(paths: Sequence[str | Path], owns: Callable[[int], bool] | None 
     replica still reads every id, for the duplicate check, but validates only its own share.
 
     Missing sources raise here, before anything is read, so a typo in the last path is caught before
-    any work is done on the first. Ids must be unique across all sources, derived ids included: the same
-    file given twice, or two files with the same name and no ids, is reported record by record as
-    duplicates rather than producing ambiguous ids.
+    any work is done on the first, and so is a source given twice. Ids must be unique across all sources: a
+    derived id is "NAME:LINE", NAME the file's name, or the entry as given where two sources share a name
+    (`sources.open_sources`); an id given twice is reported record by record as a duplicate.
     """
     return _read(open_sources(paths), owns)
 

@@ -14,8 +14,9 @@ import json
 import os
 import re
 import zlib
+from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,8 @@ class Source:
     kind: str
     split: str | None = None
     revision: str | None = None  # the commit a hub id resolved to
+    # Another source of the run has the same file name: its derived ids start with the entry as given.
+    qualified: bool = False
 
     @property
     def streamed(self) -> bool:
@@ -60,8 +63,17 @@ class Source:
 
     @property
     def label(self) -> str:
-        """The start of a derived id ("label:line")."""
-        return self.name if self.kind == "hub" else self.path.name
+        """The start of a derived id ("label:line"): the file's name, which keeps a run's ids where its corpus
+        moves, unless another source has it too (`open_sources`)."""
+        return self.name if self.kind == "hub" or self.qualified else self.path.name
+
+    @property
+    def _same_as(self) -> tuple:
+        """What makes two entries one source: the file, or the folder with the split taken from it."""
+        if self.kind == "hub":
+            return (self.name.partition(":")[0], self.split or "train")
+        st = self.path.stat()
+        return (st.st_dev, st.st_ino, self.split)
 
     def rows(self) -> Iterator[tuple[int, bytes | dict]]:
         """(position, raw JSONL line) for JSONL, (position, the element's JSON text) for a JSON array,
@@ -312,8 +324,19 @@ def _check_parquet_footer(name: str, path: Path) -> None:
 
 
 def open_sources(names: Sequence[str | Path]) -> list[Source]:
-    """Every --data entry resolved, before any is read: a typo in the last is caught before work on the first."""
-    return [open_source(str(name)) for name in names]
+    """Every --data entry resolved, before any is read: a typo in the last is caught before work on the first.
+    One source given twice is refused, naming both entries: its every record would be a duplicate of itself.
+    Sources sharing a file name (a/train.jsonl, b/train.jsonl) derive their ids from the entries as given."""
+    sources = [open_source(str(name)) for name in names]
+    first: dict[tuple, int] = {}
+    for i, source in enumerate(sources):
+        j = first.setdefault(source._same_as, i)
+        if j != i:
+            same = "" if source.name == sources[j].name else f" ({sources[j].name} and {source.name} are one file)"
+            raise ValueError(f"--data {sources[j].name} is given twice, as entries {j + 1} and {i + 1}{same}: each "
+                             f"of its records would be a duplicate of itself. Give it once")
+    names_used = Counter(source.label for source in sources)
+    return [replace(source, qualified=True) if names_used[source.label] > 1 else source for source in sources]
 
 
 def open_source(name: str) -> Source:

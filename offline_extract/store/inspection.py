@@ -6,9 +6,12 @@ output size.
 """
 from __future__ import annotations
 
+import bisect
+import difflib
 import math
 import os
 from dataclasses import asdict, dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Callable
 
@@ -184,6 +187,8 @@ def summarize(path: str | os.PathLike, allow_partial: bool = False) -> dict:
 
 
 def _find_sample(path: str | os.PathLike, sample_id: str) -> tuple[Shard, int]:
+    """The shard and row of the sample of this id, or of this SOURCE:LINE as the run's --data named the source
+    (the metadata shows it so); a miss names the nearest ids."""
     paths = resolve_shards(path)
     index = read_index(path)
     if index is not None:
@@ -191,12 +196,39 @@ def _find_sample(path: str | os.PathLike, sample_id: str) -> tuple[Shard, int]:
         if sample_id in located["id"]:
             k = located["id"].index(sample_id)
             return open_shard(Path(path) / index["shards"][located["shard"][k]]["file"]), located["row"][k]
+    source, _, line = sample_id.rpartition(":")
+    where = (os.path.normpath(source), int(line)) if source and line.isdigit() else None
+    ids = []
     # Not in the index, or no index: a run still writing has shards its index does not list yet.
     for p in shard_paths(path) if Path(path).is_dir() else paths:
-        ids = [s.id for s in read_header(p).samples]
-        if sample_id in ids:
-            return open_shard(p), ids.index(sample_id)
-    raise ShardError(f"no sample with id {sample_id!r} in {path}")
+        samples = read_header(p).samples
+        for row, info in enumerate(samples):
+            if info.id == sample_id or (os.path.normpath(info.source), info.line) == where:
+                return open_shard(p), row
+        ids += [info.id for info in samples]
+    raise SampleNotFound(f"no sample with id {sample_id!r} in {path}", _nearest_ids(sample_id, ids))
+
+
+class SampleNotFound(ShardError):
+    """No sample has the id asked for; `nearest` holds the ids most like it."""
+
+    def __init__(self, what: str, nearest: list[str]):
+        self.what, self.nearest = what, nearest
+        super().__init__(f"{what} (the nearest: {', '.join(map(repr, nearest))})" if nearest else what)
+
+
+def _nearest_ids(wanted: str, ids: list[str], n: int = 3) -> list[str]:
+    """The `n` ids most like `wanted`: among its neighbours in sorted order (a shared start) and, for a
+    NAME:LINE, the ids of that line in any source (another spelling of the source), the closest by difflib.
+    Ranking every id by difflib would take minutes on a million."""
+    ordered = sorted(ids)
+    at = bisect.bisect_left(ordered, wanted)
+    candidates = set(ordered[max(at - n, 0):at + n])
+    _, colon, line = wanted.rpartition(":")
+    if colon and line:
+        candidates.update(islice((i for i in ids if i.endswith(colon + line)), 100))
+    likeness = {i: difflib.SequenceMatcher(None, wanted, i).ratio() for i in candidates}
+    return sorted((i for i in candidates if likeness[i] >= 0.3), key=lambda i: (-likeness[i], i))[:n]
 
 
 @dataclass(frozen=True)

@@ -262,6 +262,31 @@ def test_duplicate_ids(tmp_path):
     ]
 
 
+def test_two_files_of_one_name_derive_ids_from_their_paths_and_lose_no_record(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        write_lines(tmp_path / folder / "train.jsonl", [{"text": f"{folder} one"}, {"text": f"{folder} two"}])
+    write_lines(tmp_path / "other.jsonl", [{"text": "alone"}])
+    items = list(read_corpus(["a/train.jsonl", "b/train.jsonl", "other.jsonl"]))
+    assert all(isinstance(item, Record) for item in items), [getattr(item, "reason", None) for item in items]
+    # A name no other source shares keeps the file's name, as a single source's ids always have.
+    assert [item.id for item in items] == ["a/train.jsonl:1", "a/train.jsonl:2", "b/train.jsonl:1", "b/train.jsonl:2",
+                                           "other.jsonl:1"]
+
+
+def test_a_source_given_twice_is_named_before_anything_is_read(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_lines(tmp_path / "c.jsonl", [GOOD_TEXT])
+    write_lines(tmp_path / "d.jsonl", [GOOD_TEXT])
+    with pytest.raises(ValueError, match=r"--data c.jsonl is given twice, as entries 1 and 3: each of its records "
+                                         r"would be a duplicate of itself. Give it once"):
+        read_corpus(["c.jsonl", "d.jsonl", "c.jsonl"])
+    os.symlink("c.jsonl", tmp_path / "link.jsonl")
+    with pytest.raises(ValueError, match=r"as entries 1 and 2 \(c.jsonl and ./link.jsonl are one file\)"):
+        read_corpus(["c.jsonl", "./link.jsonl"])
+
+
 def test_id_of_an_invalid_record_still_claims_it(tmp_path):
     # The duplicates reported must not depend on whether the first holder of an id is well formed.
     path = write_lines(tmp_path / "c.jsonl", [{"id": "k", "text": 1}, {"id": "k", "text": "ok"}])

@@ -178,8 +178,26 @@ def test_a_sample_the_run_left_out_is_said_why(tmp_path):
                                       f"skipped (/data/c.jsonl:7): 5000 tokens > --max-length 4096")
     unnamed = run_script(tmp_path, "--sample", "c.jsonl:9", cwd=tmp_path)
     assert unnamed.stderr.strip().endswith("rejects.jsonl lists it as rejected (/data/c.jsonl:9): invalid JSON")
+    # Where two sources share a file name, that id starts with the source as given.
+    as_given = run_script(tmp_path, "--sample", "/data/c.jsonl:9", cwd=tmp_path)
+    assert as_given.stderr.strip().endswith("rejects.jsonl lists it as rejected (/data/c.jsonl:9): invalid JSON")
     nowhere = run_script(tmp_path, "--sample", "nope", cwd=tmp_path)
     assert nowhere.returncode == 1 and nowhere.stderr.strip() == f"Error: no sample with id 'nope' in {tmp_path}"
+
+
+def test_a_sample_is_found_by_its_source_as_shown_and_a_miss_names_the_nearest_ids(tmp_path):
+    # The metadata shows the source as --data named it ("synthetic" here, "examples/corpus.jsonl" in a run), but
+    # only the id was accepted, and a miss said "no sample" with no hint.
+    write_known(tmp_path)
+    assert inspection.sample_view(tmp_path, "synthetic:2")["id"] == "s1"
+    assert inspection.sample_view(tmp_path, "./synthetic:3")["id"] == "s2"
+    with pytest.raises(ShardError, match=r"^no sample with id 's7' in .*\(the nearest: 's0', 's1', 's2'\)$"):
+        inspection.sample_view(tmp_path, "s7")
+    shown = run_script(tmp_path, "--sample", "synthetic:2", cwd=tmp_path)
+    assert shown.returncode == 0 and "sample s1" in shown.stdout, shown.stderr
+    missed = run_script(tmp_path, "--sample", "s9", cwd=tmp_path)
+    assert missed.returncode == 1
+    assert missed.stderr.strip() == f"Error: no sample with id 's9' in {tmp_path} (the nearest: 's0', 's1', 's2')"
 
 
 def test_a_damaged_index_is_said_in_one_line(tmp_path):
