@@ -35,7 +35,7 @@ def _commands(page):
     found += [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", text)]
     commands = []
     for line in found:
-        for part in line.split("&&"):
+        for part in re.split(r"&&(?=(?:[^'\"]*['\"][^'\"]*['\"])*[^'\"]*$)", line):  # && outside quotes
             part = part.split("  #")[0].strip()
             words = part.split()
             if words and words[0] in PROGRAMS + OTHERS and len(words) > 1:
@@ -81,6 +81,10 @@ def test_each_command_in_the_docs_pastes_as_it_stands(page, line, monkeypatch):
     words = shlex.split(line)
     program, args = words[0], words[1:]
     if program in OTHERS:
+        return
+    if program == "bash" and args[0] == "-c":
+        for part in args[1].split("&&"):
+            test_each_command_in_the_docs_pastes_as_it_stands(page, part.strip(), monkeypatch)
         return
     if program == "bash":
         assert (ROOT / args[0]).is_file(), f"{where}: {args[0]} does not exist"
