@@ -62,7 +62,8 @@ def measure(name: str, tensors: list[torch.Tensor], frames_of, repeat: int) -> d
     best_c = best_d = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()
-        frames = [compress_frame(c, cctx) if name.endswith("planes") else cctx.compress(c.contiguous().view(torch.uint8).numpy()) for c in chunks]
+        frames = [compress_frame(c, cctx) if name.endswith("planes")
+                  else cctx.compress(c.contiguous().view(torch.uint8).numpy()) for c in chunks]
         best_c = min(best_c, time.perf_counter() - t0)
         t0 = time.perf_counter()
         for c, f in zip(chunks, frames):

@@ -47,7 +47,8 @@ def _command() -> str:
 
 @command(help=__doc__)
 @click.option("--model", default=None, help="HF model directory. Default: a generated config of --shape.")
-@click.option("--shape", default=BenchOptions.shape, show_default=True, help="Generated model shape (see offline_extract.testing.models.ARCHITECTURES).")
+@click.option("--shape", default=BenchOptions.shape, show_default=True,
+              help="Generated model shape (see offline_extract.testing.models.ARCHITECTURES).")
 @click.option("--load-format", default=BenchOptions.load_format, show_default=True, help="'dummy': random weights, no files needed.")
 @click.option("--dtype", type=click.Choice(choices("dtype")), default=BenchOptions.dtype, show_default=True,
               help="Compute dtype (as extract.py --dtype).")
@@ -58,7 +59,8 @@ def _command() -> str:
 @click.option("--lengths", type=click.Choice(["lognormal", "fixed"]), default=BenchOptions.lengths, show_default=True,
               help="Sample lengths of the synthetic corpus: log-normal of mean --mean-length, capped at --max-length, "
                    "or all exactly --mean-length.")
-@click.option("--mean-length", default=BenchOptions.mean_length, show_default=True, help="Mean (lognormal) or exact (fixed) tokens a sample.")
+@click.option("--mean-length", default=BenchOptions.mean_length, show_default=True,
+              help="Mean (lognormal) or exact (fixed) tokens a sample.")
 @click.option("--max-length", default=BenchOptions.max_length, show_default=True, help="Cap of the lognormal lengths.")
 @click.option("--num-tokens", default=BenchOptions.num_tokens, show_default=True, help="Synthetic corpus size in tokens.")
 @click.option("--tokens-per-batch", default=BenchOptions.tokens_per_batch, show_default=True,
@@ -89,7 +91,8 @@ def _command() -> str:
               help="SpecForge's --sglang-attention-backend (its own default is flashinfer).")
 @click.option("--disk-probe-gb", default=BenchOptions.disk_probe_bytes / (1 << 30), show_default=True,
               help="GiB written to each --out to measure its write rate.")
-@click.option("--writers", default=BenchOptions.writers, show_default=True, help="Shard writer threads, one file each (they also compress under zstd); bin/extract.py --writers.")
+@click.option("--writers", default=BenchOptions.writers, show_default=True,
+              help="Shard writer threads, one file each (they also compress under zstd); bin/extract.py --writers.")
 @click.option("--store", "stores", multiple=True, type=click.Choice(choices("store")), default=["bf16"], show_default=True,
               help="How states are stored (as extract.py --store); repeat to measure several with one model load. "
                    "fp8 also records the per-token cosine of the decoded states against the bf16 ones of the same "

@@ -5,7 +5,6 @@ The package's first import (`offline_extract/__init__.py`, before anything else 
 moment."""
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -19,8 +18,8 @@ def interpreter_age() -> float:
     the shell's process), so it would count the install. Before our first line the interpreter runs, waits
     for a CPU or reads its own files, while that shell slept waiting for its children: the task's time on a
     CPU and in the run queue (/proc/self/schedstat, in ns) is the interpreter's start-up (less any reads
-    from a cold disk), with the shell's own few milliseconds. Where the kernel keeps no such record, the process's CPU time stands in (low on a busy
-    machine, but never the install's minutes)."""
+    from a cold disk), with the shell's own few milliseconds. Where the kernel keeps no such record, the
+    process's CPU time stands in (low on a busy machine, but never the install's minutes)."""
     try:
         with open("/proc/self/schedstat") as f:
             on_cpu, queued = (int(x) for x in f.read().split()[:2])

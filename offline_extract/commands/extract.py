@@ -97,7 +97,8 @@ def _chosen(option: str) -> dict:
 @click.option("--attention-backend", default=None,
               help="SGLang attention backend. Default: fa3 on Hopper when installed, else triton; torch_native on CPU.")
 @click.option("--load-format", default=default("load_format"), show_default=True,
-              help="SGLang load format; 'dummy' gives random weights (benchmarks only; refused with --verify, whose HF reference reads the real ones).")
+              help="SGLang load format; 'dummy' gives random weights (benchmarks only; refused with --verify, whose HF "
+                   "reference reads the real ones).")
 @click.option("--mem-fraction-static", default=default("mem_fraction_static"), show_default=True,
               help="GPU memory fraction for weights plus the (prefill-sized) KV pool.")
 @click.option("--port-base", default=None, type=int,
@@ -154,7 +155,9 @@ def _chosen(option: str) -> dict:
 @click.option("--no-warm-up", is_flag=True,
               help="Skip the throwaway batch that compiles those kernels right after the model loads (then the "
                    "first real batch compiles them; start-up and tail are printed and kept in manifest.json either way).")
-@click.option("--no-progress", is_flag=True, help="No progress bar (e.g. for logs): a line every --progress-every seconds instead. The bar or lines also follow --dry-run's and --strict's pass through the corpus.")
+@click.option("--no-progress", is_flag=True,
+              help="No progress bar (e.g. for logs): a line every --progress-every seconds instead. The bar or lines "
+                   "also follow --dry-run's and --strict's pass through the corpus.")
 @click.option("--progress-every", default=default("progress_every"), show_default=True, type=click.FloatRange(min=0),
               help="With --no-progress, seconds between progress lines (samples, tokens, tok/s, GB written, ETA); "
                    "0: none.")
@@ -185,7 +188,7 @@ def main(data, out, model, device, dtype, tp, layers, max_length, overlong, toke
     try:
         layer_ids = None if layers is None else tuple(int(x) for x in layers.split(",")) if layers.strip() else ()
     except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {layers!r}", param_hint="--layers")
+        raise click.BadParameter(f"expected comma-separated integers, got {layers!r}", param_hint="--layers") from None
     opts = ExtractOptions(
         data=tuple(data), out=out, model=model, device=device, dtype=dtype, tp=tp, layers=layer_ids,
         max_length=max_length, overlong=overlong, tokens_per_batch=tokens_per_batch, chunk_tokens=chunk_tokens,

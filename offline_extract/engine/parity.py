@@ -1,8 +1,8 @@
 """The parity gate: the engine's states against HF transformers on the same weights.
 
 For every sample checked, aux layer id k must equal HF `hidden_states[k+1]` and the last state HF
-`hidden_states[-1]` (after the final norm) or, for a pre-norm final state, the input of HF's final norm. A drafter trained on misaligned states is worthless, so a
-mismatch stops the run before any GPU time is spent on extraction.
+`hidden_states[-1]` (after the final norm) or, for a pre-norm final state, the input of HF's final norm. A
+drafter trained on misaligned states is worthless, so a mismatch stops the run before any GPU time is spent on extraction.
 """
 from __future__ import annotations
 

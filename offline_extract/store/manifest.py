@@ -4,7 +4,8 @@ The identity is written when a run takes a directory over; a later run may resum
 same identity (`run_differences`, `corpus_differences`), since shards of two identities would not be one
 data set. Each replica logs the shards it completes, with the checksum its writer threads computed
 (`store/checksum.py`), to its own journal (`.manifest.dp{r}.jsonl`, fsynced per shard); the leader
-folds the journals into manifest.json at the start of a run (a crashed attempt's) and at its end. Every manifest.json update is an atomic replace.
+folds the journals into manifest.json at the start of a run (a crashed attempt's) and at its end. Every
+manifest.json update is an atomic replace.
 
 A shard file on disk is authoritative, since it only appears under its name once complete: one that
 no journal mentions (a crash between its rename and its journal line) has its checksum recomputed

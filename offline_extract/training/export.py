@@ -37,8 +37,8 @@ speculators' fp8 layout (hs-connectors' FP8HiddenStatesConnector) has one scale 
 (`FP8Transfer`, `--hidden-states-backend fp8`) multiplies values by scales by broadcasting, so the run's
 finer scales (per token and layer) are read as they are, with no requantization: the export holds the
 run's bytes. A final state converted from post-norm (below) is not the run's fp8 values, and rounding it
-to fp8 again would add a second error, so that export is bf16 (and says so). Scales of runs before the bf16-rounded ones (store/codecs.py) are rounded to bf16 by that
-reader, a relative change of at most 2^-9 per token and layer.
+to fp8 again would add a second error, so that export is bf16 (and says so). Scales of runs before the
+bf16-rounded ones (store/codecs.py) are rounded to bf16 by that reader, a relative change of at most 2^-9 per token and layer.
 
 speculators names layers by HF `output_hidden_states` index, which is our layer id + 1, and calls the
 final state layer `num_layers` (as vLLM's extraction does): the stacked layers of a run with ids

@@ -101,7 +101,8 @@ def test_a_stopped_dry_run_says_it_wrote_nothing(stop, status, said, tmp_path, m
     assert not out.exists()
 
 
-@pytest.mark.parametrize("first", ["import offline_extract.commands", "sys.path.insert(0, 'bin'); import _bin_path, offline_extract.commands.extract"])
+@pytest.mark.parametrize("first", ["import offline_extract.commands",
+                                   "sys.path.insert(0, 'bin'); import _bin_path, offline_extract.commands.extract"])
 def test_ctrl_c_while_a_command_still_imports_exits_130_without_a_traceback(first):
     # What an installed command and a bin/ script do first, then Ctrl-C while the heavy imports would run.
     code = f"import sys; {first}; import os, signal, time; os.kill(os.getpid(), signal.SIGINT); time.sleep(30)"

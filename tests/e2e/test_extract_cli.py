@@ -29,7 +29,8 @@ CORPUS = ROOT / "examples" / "corpus.jsonl"
 SINGLE_ARGS = ("--data", str(CORPUS), "--verify", "3", "--shard-size-mb", "0.05", "--tokens-per-batch", "512",
                "--max-length", "512")
 # Every line a plain run prints is one of ours.
-OUR_LINES = re.compile(r"^(parity |start-up [\d.]+ s to the first forward: |extract: \d+/24 samples, |records \d+: |tokens [\d,]+: |\d+ new shards, )")
+OUR_LINES = re.compile(r"^(parity |start-up [\d.]+ s to the first forward: |extract: \d+/24 samples, |records \d+: "
+                       r"|tokens [\d,]+: |\d+ new shards, )")
 
 
 def _extract(out, *args, torchrun: int | None = None, env=None):

@@ -117,7 +117,7 @@ def test_a_pre_norm_run_exports_to_specforge_with_the_post_norm_state(norm, tmp_
     assert "converted from pre-norm to post-norm" in summary.notes[0]
     manifest = json.loads((tmp_path / "sf" / MANIFEST_NAME).read_text())
     assert (manifest["final_state"], manifest["final_state_converted_from"]) == ("post-norm", "pre-norm")
-    for i, (info, shard) in enumerate(iter_samples(out)):
+    for i, (_, shard) in enumerate(iter_samples(out)):
         data = torch.load(specforge_path(tmp_path / "sf", i), weights_only=True)
         assert torch.equal(data["hidden_state"][0], norm.apply(shard["hidden_states"]).bfloat16())
         assert torch.equal(data["aux_hidden_state"][0], shard["aux_hidden_states"])
@@ -131,7 +131,7 @@ def test_a_post_norm_run_exports_to_speculators_with_a_pre_norm_state(norm, tmp_
     assert any("converted from post-norm to pre-norm" in note for note in summary.notes)
     # An fp8 run's converted final state is not rounded to fp8 a second time: that export is bf16, and says so.
     assert any("written as bf16, not fp8" in note for note in summary.notes) == (store == "fp8")
-    for i, (info, shard) in enumerate(iter_samples(out)):
+    for i, (_, shard) in enumerate(iter_samples(out)):
         hs = load_file(speculators_path(tmp_path / "spec", i))
         assert set(hs) == {"hidden_states", "token_ids"} and hs["hidden_states"].dtype == torch.bfloat16
         stacked = hs["hidden_states"]
@@ -155,7 +155,7 @@ def test_a_pre_norm_dspark_run_exports_its_post_norm_target_state(norm, tmp_path
     write_synthetic(out, [6, 4], hidden_size=H, num_aux=5, final_state="pre-norm", final_norm=norm.to_json(),
                     recipe="dspark")
     export_specforge(out, tmp_path / "sf", progress=False)
-    for i, (info, shard) in enumerate(iter_samples(out)):
+    for i, (_, shard) in enumerate(iter_samples(out)):
         data = torch.load(specforge_path(tmp_path / "sf", i), weights_only=True)
         assert torch.equal(data["target_last_hidden_states"][0], norm.apply(shard["hidden_states"]).bfloat16())
         assert torch.equal(data["hidden_states"][0], shard["aux_hidden_states"])

@@ -26,4 +26,4 @@ def test_importing_the_package_loads_neither_torch_nor_sglang():
 
 def test_an_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no_such_name"):
-        offline_extract.no_such_name
+        _ = offline_extract.no_such_name
