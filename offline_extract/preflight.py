@@ -232,9 +232,11 @@ def _text_config(path: Path, raw: dict, trust_remote_code: bool):
     defaults for the missing ones.
     """
     written = raw.get("text_config") or raw
-    if {"num_hidden_layers", "hidden_size"} <= written.keys() and any(key in written for key in CONTEXT_KEYS) and (
-        "rope_parameters" not in written  # transformers 5 turns this newer spelling into rope_scaling
-    ):
+    if {"num_hidden_layers", "hidden_size"} <= written.keys() and any(key in written for key in CONTEXT_KEYS):
+        # transformers 5 writes RoPE's settings as rope_parameters (every checkpoint it saves) and presents
+        # them as rope_scaling, the name SGLang and the checks read.
+        if "rope_parameters" in written and "rope_scaling" not in written:
+            written = {**written, "rope_scaling": written["rope_parameters"]}
         return SimpleNamespace(**written)
     from transformers import AutoConfig
 

@@ -370,6 +370,32 @@ def test_a_config_read_as_written_agrees_with_transformers(arch, tiny_model_dir,
     assert outcome() == as_written
 
 
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "default", "rope_theta": 10000.0},
+    {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 1e6},
+    {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 1024, "low_freq_factor": 1.0,
+     "high_freq_factor": 4.0, "rope_theta": 5e5},
+])
+def test_rope_parameters_as_transformers_5_writes_them_are_read_without_it(rope, tiny_model_dir, tmp_path, monkeypatch):
+    # Every checkpoint transformers 5 saves spells RoPE's settings so: they sent the checks through
+    # transformers' config classes, seconds of imports (7-9 s of a real 135M model's start-up on the H200).
+    model_dir = build_model("llama", tmp_path / "llama", weights=False, tokenizer_dir=tiny_model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "rope_parameters": rope}))
+    script = f"""
+import sys
+from pathlib import Path
+from offline_extract import preflight
+print(preflight.read_model(Path({str(model_dir)!r})).context_length)
+assert not any(m.startswith("transformers.models") for m in sys.modules), "transformers' config classes were imported"
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    monkeypatch.setattr(preflight, "CONTEXT_KEYS", ())  # without the fields the checks read: transformers' reading
+    assert int(proc.stdout) == preflight.resolve_model(str(model_dir)).context_length
+
+
 def test_fields_left_to_transformers_defaults_take_them(tiny_model_dir, tmp_path):
     model_dir = build_model("qwen3", tmp_path / "qwen3", weights=False, tokenizer_dir=tiny_model_dir)
     config = json.loads((model_dir / "config.json").read_text())
