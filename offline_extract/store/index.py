@@ -65,16 +65,9 @@ def scan(
     return headers, sorted((index, s_pos, row) for index, (s_pos, row) in where.items())
 
 
-def write_index(out_dir: str | os.PathLike, known: Iterable[ShardHeader] = ()) -> Path:
-    """Writes out_dir/index.json describing every shard and where each sample lives, from headers only:
-    those `known` already (a writer's own shards, `ShardWriter.headers`) are not read back from disk,
-    which at the end of a run would read every shard it just wrote.
-
-    A directory without shards (a run whose every record was rejected) gets an index of no samples.
-    """
-    out_dir = Path(out_dir)
-    headers, order = scan(out_dir, known) if shard_paths(out_dir) else ([], [])
-    index = {
+def index_document(headers: list[ShardHeader], order: list[tuple[int, int, int]]) -> dict:
+    """The index of shards `headers` whose samples `scan` put in `order`: what index.json holds."""
+    return {
         "format_version": FORMAT_VERSION,
         "run": headers[0].run.to_json() if headers else None,
         "num_samples": len(order),
@@ -95,9 +88,77 @@ def write_index(out_dir: str | os.PathLike, known: Iterable[ShardHeader] = ()) -
             "index": [index for index, _, _ in order],
         },
     }
+
+
+def write_index(out_dir: str | os.PathLike, known: Iterable[ShardHeader] = ()) -> Path:
+    """Writes out_dir/index.json describing every shard and where each sample lives, from headers only:
+    those `known` already (a writer's own shards, `ShardWriter.headers`) are not read back from disk,
+    which at the end of a run would read every shard it just wrote.
+
+    A directory without shards (a run whose every record was rejected) gets an index of no samples.
+    """
+    out_dir = Path(out_dir)
+    index = index_document(*(scan(out_dir, known) if shard_paths(out_dir) else ([], [])))
     path = out_dir / INDEX_NAME
     atomic_write(path, lambda tmp: tmp.write_text(json.dumps(index)))
     return path
+
+
+def index_differences(index: dict, headers: list[ShardHeader], order: list[tuple[int, int, int]],
+                      out_dir: str | os.PathLike) -> list[str]:
+    """How `index` (as read_index gives it) differs from what the shards' headers say, one line per key;
+    none when it describes them. An index of an earlier format version describes them when it records
+    the same facts."""
+    want = json.loads(json.dumps(index_document(headers, order)))
+    found = []
+    for key, value in want.items():
+        there = index.get(key)
+        if key == "format_version":
+            continue  # read_index refused one it cannot read
+        if key == "run":
+            there = None if there is None else index_run(index, out_dir).to_json()
+            if there != value:
+                found.append("its run differs from the shards' run")
+        elif key == "samples":
+            if there != value:
+                found.append(_first_sample_difference(there, value))
+        elif key == "shards":
+            if there != value:
+                found.append(_first_shard_difference(there, value))
+        elif there != value:
+            found.append(f"its {key} is {there!r}, the shards hold {value!r}")
+    return found
+
+
+def index_mismatch(out_dir: str | os.PathLike, headers: list[ShardHeader], order: list[tuple[int, int, int]]) -> str | None:
+    """Words for a warning where out_dir/index.json does not describe the shards `headers` (whose samples
+    `scan` put in `order`); None where it does, or where there is none. A reader that believes it over the
+    headers would serve one sample under another's id."""
+    index = read_index(out_dir)
+    wrong = [] if index is None else index_differences(index, headers, order, out_dir)
+    if not wrong:
+        return None
+    return (f"{Path(out_dir) / INDEX_NAME} does not match the shards in {out_dir} ({'; '.join(wrong)}): read from "
+            f"the shards' headers instead")
+
+
+def _first_shard_difference(there, want: list[dict]) -> str:
+    if not isinstance(there, list) or len(there) != len(want):
+        return f"it lists {len(there) if isinstance(there, list) else 'no'} shards, the directory holds {len(want)}"
+    position, a, b = next((i, a, b) for i, (a, b) in enumerate(zip(there, want)) if a != b)
+    return f"its shard entry {position} is {a}, where the shard is {b}"
+
+
+def _first_sample_difference(there, want: dict) -> str:
+    try:
+        listed = list(zip(*(there[column] for column in want)))
+    except (KeyError, TypeError):
+        return "its samples are not laid out as an index's"
+    for position, (a, b) in enumerate(zip(listed, zip(*want.values()))):
+        if a != b:
+            return (f"sample position {position} is id {a[0]!r} at row {a[2]} of shard {a[1]} there, where the "
+                    f"shards' headers have id {b[0]!r} at row {b[2]} of shard {b[1]}")
+    return f"it lists {len(listed)} samples, the shards hold {len(want['id'])}"
 
 
 def iter_samples(out_dir: str | os.PathLike) -> Iterator[tuple[SampleInfo, dict[str, torch.Tensor]]]:
@@ -106,14 +167,6 @@ def iter_samples(out_dir: str | os.PathLike) -> Iterator[tuple[SampleInfo, dict[
     shards = [open_shard(h.path) for h in headers]
     for _, s, row in order:
         yield shards[s].samples[row], shards[s].sample(row)
-
-
-def describes(index: dict | None, files: dict[str, int]) -> bool:
-    """Whether `index` lists exactly the shard `files` (name -> bytes), at those sizes."""
-    if index is None:
-        return False
-    listed = {s["file"]: s["bytes"] for s in index["shards"]}
-    return len(listed) == len(index["shards"]) and listed == files
 
 
 def read_index(out_dir: str | os.PathLike) -> dict | None:

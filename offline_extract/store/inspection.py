@@ -10,6 +10,7 @@ import bisect
 import difflib
 import math
 import os
+import warnings
 from dataclasses import asdict, dataclass
 from itertools import islice
 from pathlib import Path
@@ -22,8 +23,8 @@ from rich.table import Table
 from rich.text import Text
 
 from offline_extract.store import manifest
-from offline_extract.store.index import read_index, shard_paths
-from offline_extract.store.schema import FINAL_STATE_TENSOR, INDEX_NAME, SHARD_GLOB, STATE_TENSORS, RunInfo, ShardError
+from offline_extract.store.index import index_mismatch, scan, shard_paths
+from offline_extract.store.schema import FINAL_STATE_TENSOR, SHARD_GLOB, STATE_TENSORS, RunInfo, ShardError
 from offline_extract.store.shard import Shard, open_shard, read_header
 
 # Upper bound on the float32 copy of one chunk of rows; the float64 reduction temporaries double it.
@@ -36,7 +37,8 @@ LOSS_MARKS = ("[[", "]]")
 
 
 def resolve_shards(path: str | os.PathLike) -> list[Path]:
-    """The shard files a path names: the file itself, or a directory's shards (per index.json if present)."""
+    """The shard files a path names: the file itself, or a directory's shards (those there, whatever
+    index.json lists: see `_find_sample`)."""
     path = Path(path)
     if path.is_file():
         return [path]
@@ -44,14 +46,7 @@ def resolve_shards(path: str | os.PathLike) -> list[Path]:
         raise ShardError(f"{path} does not exist: give an extraction's output directory (its --out) or one of its shards")
     if not path.is_dir():
         raise ShardError(f"{path} is neither a shard file nor an output directory")
-    index = read_index(path)
-    if index is not None:
-        paths = [path / s["file"] for s in index["shards"]]
-        missing = [p.name for p in paths if not p.is_file()]
-        if missing:
-            raise ShardError(f"{path / INDEX_NAME} lists shards that do not exist: {missing}")
-    else:
-        paths = shard_paths(path)
+    paths = shard_paths(path)
     if not paths:
         raise ShardError(f"{path} contains no {SHARD_GLOB} files")
     return paths
@@ -126,6 +121,10 @@ def summarize(path: str | os.PathLike, allow_partial: bool = False) -> dict:
         raise ShardError(f"{reason}, or summarize what is there with --allow-partial")
     paths = resolve_shards(path)
     shards = [open_shard(p) for p in paths]
+    if Path(path).is_dir() and not reason:
+        mismatch = index_mismatch(path, *scan(path, shards))
+        if mismatch:
+            warnings.warn(mismatch)
     run = shards[0].run
     states = shards[0].encoding.states
     # Widths from a decoded sample: compressed shards record their states as bytes, not as [T, width].
@@ -188,19 +187,13 @@ def summarize(path: str | os.PathLike, allow_partial: bool = False) -> dict:
 
 def _find_sample(path: str | os.PathLike, sample_id: str) -> tuple[Shard, int]:
     """The shard and row of the sample of this id, or of this SOURCE:LINE as the run's --data named the source
-    (the metadata shows it so); a miss names the nearest ids."""
-    paths = resolve_shards(path)
-    index = read_index(path)
-    if index is not None:
-        located = index["samples"]
-        if sample_id in located["id"]:
-            k = located["id"].index(sample_id)
-            return open_shard(Path(path) / index["shards"][located["shard"][k]]["file"]), located["row"][k]
+    (the metadata shows it so); a miss names the nearest ids. Found from the shards' headers: index.json only
+    repeats them, and one edited or damaged since (or not yet rewritten by a run still writing) would show
+    another sample."""
     source, _, line = sample_id.rpartition(":")
     where = (os.path.normpath(source), int(line)) if source and line.isdigit() else None
     ids = []
-    # Not in the index, or no index: a run still writing has shards its index does not list yet.
-    for p in shard_paths(path) if Path(path).is_dir() else paths:
+    for p in resolve_shards(path):
         samples = read_header(p).samples
         for row, info in enumerate(samples):
             if info.id == sample_id or (os.path.normpath(info.source), info.line) == where:

@@ -23,7 +23,7 @@ import numpy as np
 
 from offline_extract.store import manifest
 from offline_extract.store.atomic import temporary_name
-from offline_extract.store.index import describes, read_index, shard_paths, write_index
+from offline_extract.store.index import index_differences, read_index, scan, shard_paths, write_index
 from offline_extract.store.schema import INDEX_NAME, REJECTS_FILE, SHARD_GLOB, RunInfo, ShardError, shard_number
 from offline_extract.store.shard import read_header
 from offline_extract.words import listing, plural
@@ -213,8 +213,9 @@ def _complete(out: Path) -> dict | None:
 
 def settle_finished(out: Path, recorded: dict) -> list[str]:
     """The leader's side of a rerun that `finished` let through: a shard whose bytes differ from its
-    checksum refuses the run, saying what to do, and a missing or stale index.json is rebuilt from the
-    shard headers (the model is not needed for that). Returns notes on what was rebuilt."""
+    checksum refuses the run, saying what to do, and an index.json that is missing or does not describe the
+    shards' headers (stale, edited or damaged) is rebuilt from them (the model is not needed for that).
+    Returns notes on what was rebuilt."""
     damaged = manifest.damaged_shards(out, recorded)
     if damaged:
         raise TakeoverError(
@@ -225,7 +226,7 @@ def settle_finished(out: Path, recorded: dict) -> list[str]:
         index = read_index(out)
     except ValueError:  # not JSON, or another format version: rebuilt like a missing one
         index = None
-    if describes(index, {name: entry["bytes"] for name, entry in recorded["shards"].items()}):
+    if index is not None and not index_differences(index, *(scan(out) if shard_paths(out) else ([], [])), out):
         return []
     lock = OutputLock(out)
     try:

@@ -38,8 +38,8 @@ from safetensors import safe_open
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from offline_extract.store import manifest
-from offline_extract.store.index import describes, index_run, read_index, scan, shard_paths
-from offline_extract.store.schema import INDEX_NAME, RunInfo, ShardError
+from offline_extract.store.index import index_mismatch, read_index, scan, shard_paths
+from offline_extract.store.schema import RunInfo, ShardError
 from offline_extract.store.shard import encoding_of, read_samples, sample_bounds
 
 
@@ -48,7 +48,7 @@ class Catalog:
     """Where every sample of an output directory lives, in sample-index order."""
 
     out_dir: Path
-    run: RunInfo | None  # None when the directory holds no shard
+    run: RunInfo
     shard_files: list[Path]
     ids: list[str]
     # numpy rather than lists of ints: forked DataLoader workers share these pages instead of copying
@@ -60,25 +60,9 @@ class Catalog:
         return len(self.ids)
 
 
-def _catalog_from_index(out_dir: Path, index: dict) -> Catalog | None:
-    """The catalog index.json describes, or None when the shards on disk no longer match it."""
-    listed = index["shards"]
-    on_disk = {p.name: p for p in shard_paths(out_dir)}
-    if not describes(index, {name: p.stat().st_size for name, p in on_disk.items()}):
-        return None
-    samples = index["samples"]
-    return Catalog(
-        out_dir=out_dir,
-        run=index_run(index, out_dir),
-        shard_files=[on_disk[s["file"]] for s in listed],
-        ids=list(samples["id"]),
-        shard=np.asarray(samples["shard"], dtype=np.int64),
-        row=np.asarray(samples["row"], dtype=np.int64),
-    )
-
-
 def load_catalog(out_dir: str | os.PathLike, allow_partial: bool = False, verify_checksums: bool = False) -> Catalog:
-    """Reads out_dir/index.json when it matches the shards present, else scans every shard's header.
+    """Where each sample lives, from the shards' headers; index.json only repeats them, and is named in
+    a warning where it disagrees.
 
     An extraction that has not finished (or lost shards since) is refused: training on it as if it were
     whole would silently miss samples. allow_partial=True reads what is there, with a warning.
@@ -97,16 +81,12 @@ def load_catalog(out_dir: str | os.PathLike, allow_partial: bool = False, verify
         warnings.warn(reason)
     if verify_checksums:
         _check_checksums(out_dir)
-    index = read_index(out_dir)
-    if index is not None:
-        catalog = _catalog_from_index(out_dir, index)
-        if catalog is not None and not len(catalog):
-            raise ShardError(f"{out_dir} holds no samples: its extraction extracted none")
-        if catalog is not None:
-            return catalog
-        # A run still writing, or resumed after the index was written: the headers are the truth.
-        warnings.warn(f"{out_dir / INDEX_NAME} does not match the shards in {out_dir}; scanning shard headers instead")
+    if not shard_paths(out_dir) and (read_index(out_dir) or {}).get("num_samples") == 0:
+        raise ShardError(f"{out_dir} holds no samples: its extraction extracted none")
     headers, order = scan(out_dir)
+    mismatch = None if reason else index_mismatch(out_dir, headers, order)  # an unfinished run's is stale by nature
+    if mismatch:
+        warnings.warn(mismatch)
     return Catalog(
         out_dir=out_dir,
         run=headers[0].run,

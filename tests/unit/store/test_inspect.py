@@ -210,6 +210,18 @@ def test_a_damaged_index_is_said_in_one_line(tmp_path):
         f"invalid continuation byte): delete or restore it\n")
 
 
+def test_an_edited_index_neither_moves_a_sample_nor_passes_unsaid(tmp_path):
+    out = write_known(tmp_path)
+    write_index(out)
+    index = json.loads((out / "index.json").read_text())
+    index["samples"]["id"].reverse()
+    (out / "index.json").write_text(json.dumps(index))
+    view = inspection.sample_view(out, "s0")
+    assert [i for span in view["spans"] for i in span["ids"]] == [100, 101, 102]
+    with pytest.warns(UserWarning, match=r"index.json does not match the shards .*sample position 0 is id 's2'"):
+        assert inspection.summarize(out)["num_samples"] == 3
+
+
 def test_sample_view_splits_tokens_by_loss_mask(tmp_path):
     write_known(tmp_path)
     write_index(tmp_path)
@@ -268,7 +280,7 @@ def test_sample_found_in_a_shard_the_index_does_not_list_yet(tmp_path):
     layer2, layer5, last = (t[:2] for t in known_tensors())
     write_samples(out, RUN, [2], np.array([7, 8]), np.array([1, 1]), torch.cat([layer2, layer5], 1), last,
                   indices=[3], index=False, shard_numbers=iter([2]))
-    assert inspection.sample_view(out, "s2")["shard"].endswith("shard_001.safetensors")  # through the index
+    assert inspection.sample_view(out, "s2")["shard"].endswith("shard_001.safetensors")
     view = inspection.sample_view(out, "s3")
     assert view["shard"].endswith("shard_002.safetensors")
     assert [i for span in view["spans"] for i in span["ids"]] == [7, 8]

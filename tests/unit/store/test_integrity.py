@@ -38,10 +38,26 @@ def test_verify_reports_a_flipped_byte_a_truncated_shard_and_a_stale_index(tmp_p
         rf"{paths[1].name} is not a readable safetensors file",
         rf"index.json: {paths[2].name} num_tokens is 4, the shard has 3",
         r"index.json: sample 's3' \(index 3\) is not at row 1 of shard 3",
-        r"verified 4 shards holding 3 samples in .*: 7 problems",
+        r"verified 4 shards holding 3 samples in .*: 6 problems",
     ]
     for pattern in expected:
         assert any(re.search(pattern, line) for line in problems), (pattern, problems)
+    assert not any("the shards hold" in line for line in problems), "totals over 3 of 4 shards prove nothing"
+
+
+def test_verify_checks_the_index_totals_and_run_against_the_shards(tmp_path):
+    with Journal(manifest.journal_path(tmp_path, 0)) as journal:
+        write_shards(tmp_path, [[(0, 3), (1, 5)], [(2, 4)]], on_written=lambda w: journal.append(vars(w)))
+    manifest.consolidate(tmp_path, identity={"layer_ids": [1, 3]}, status="complete")
+    write_index(tmp_path)
+    index = json.loads((tmp_path / "index.json").read_text())
+    index["num_tokens"] += 8000
+    index["run"]["layer_ids"] = [0, 1]
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    assert integrity.verify(tmp_path).problems == [
+        "index.json: num_tokens is 8012, the shards hold 12",
+        "index.json: its run differs from the one the shards record",
+    ]
 
 
 def verify_script(out, *args) -> subprocess.CompletedProcess:

@@ -274,6 +274,11 @@ def test_a_rerun_of_a_finished_run_rebuilds_a_lost_index_and_refuses_a_damaged_s
     assert json.loads(index)["num_samples"] == 2
     assert resume.settle_finished(tmp_path, recorded) == [], "a good index is left alone"
     assert (tmp_path / "index.json").read_text() == index
+    swapped = json.loads(index)
+    swapped["samples"]["id"].reverse()  # same files, sizes and counts: only the headers tell
+    (tmp_path / "index.json").write_text(json.dumps(swapped))
+    assert resume.settle_finished(tmp_path, recorded) == ["rebuilt index.json, which was missing or did not describe the shards"]
+    assert (tmp_path / "index.json").read_text() == index
 
     data = bytearray(paths[1].read_bytes())
     data[-1] ^= 0x01  # a flipped bit in the states: same size, same header

@@ -127,6 +127,22 @@ def test_an_unfinished_extraction_is_exported_only_when_asked(out_dir, tmp_path)
     assert len(list((tmp_path / "sf").rglob("*.ckpt"))) == len(LENGTHS)
 
 
+def test_an_edited_index_does_not_move_a_sample_to_another_id(out_dir, tmp_path):
+    index = json.loads((out_dir / "index.json").read_text())
+    ids = index["samples"]["id"]
+    ids[0], ids[1] = ids[1], ids[0]
+    (out_dir / "index.json").write_text(json.dumps(index))
+    done = run_script("--format", "specforge", out_dir, "--to", tmp_path / "sf", "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert "index.json does not match the shards" in done.stderr and "sample position 0 is id 's1'" in done.stderr
+    exported = json.loads((tmp_path / "sf" / MANIFEST_NAME).read_text())
+    assert exported["ids"] == [f"s{i}" for i in range(len(LENGTHS))]
+    want = shard_samples(out_dir)
+    for i, sample_id in enumerate(exported["ids"]):
+        data = torch.load(specforge_path(tmp_path / "sf", i), weights_only=True)
+        assert torch.equal(data["input_ids"], want[sample_id]["input_ids"].long()), sample_id
+
+
 def test_a_shard_whose_bytes_differ_from_its_checksum_is_not_exported(out_dir, tmp_path):
     manifest.consolidate(out_dir, identity={}, status="complete")
     damaged = sorted(out_dir.glob("shard_*.safetensors"))[1]

@@ -1,4 +1,5 @@
 import itertools
+import json
 import pickle
 from types import SimpleNamespace
 
@@ -116,7 +117,7 @@ def test_reads_only_the_sample_rows_and_opens_each_shard_once(out_dir, monkeypat
 
     monkeypatch.setattr(datasets, "safe_open", counting_open)
     ds = HiddenStateDataset(out_dir)
-    assert opened == []  # index.json alone builds the catalog
+    assert opened == []  # the headers build the catalog through read_header, not through the dataset's handles
 
     where = {}
     for path in shard_paths(out_dir):
@@ -156,6 +157,41 @@ def test_stale_index_falls_back_to_scanning(out_dir):
         ds = HiddenStateDataset(out_dir)
     assert ds.ids[-1] == f"s{N}"
     assert len(ds) == N + 1
+
+
+def _edit_index(out_dir, edit) -> None:
+    index = json.loads((out_dir / "index.json").read_text())
+    edit(index)
+    (out_dir / "index.json").write_text(json.dumps(index))
+
+
+def _swap_first_two_ids(index) -> None:
+    ids = index["samples"]["id"]
+    ids[0], ids[1] = ids[1], ids[0]
+
+
+@pytest.mark.parametrize("dataset", [HiddenStateDataset, HiddenStateIterableDataset])
+def test_an_edited_index_serves_each_sample_under_its_own_id_and_is_named(out_dir, dataset):
+    want = truth(out_dir)
+    _edit_index(out_dir, _swap_first_two_ids)
+    with pytest.warns(UserWarning, match=r"index.json does not match the shards in .*sample position 0 is id 's1' at "
+                                         r"row \d+ of shard \d+ there, where the shards' headers have id 's0'"):
+        ds = dataset(out_dir, shuffle=False) if dataset is HiddenStateIterableDataset else dataset(out_dir)
+    items = list(ds) if dataset is HiddenStateIterableDataset else [ds["s1"], ds[0]]
+    for item in items:
+        assert_item_matches(item, want[item["id"]])
+    assert items[0]["id"] == ("s0" if dataset is HiddenStateIterableDataset else "s1")
+
+
+def test_an_index_with_other_rows_or_another_run_is_not_believed(out_dir):
+    want = truth(out_dir)
+    _edit_index(out_dir, lambda index: index["samples"]["row"].__setitem__(3, 0))
+    with pytest.warns(UserWarning, match="sample position 3 is id 's3' at row 0"):
+        assert_item_matches(HiddenStateDataset(out_dir)["s3"], want["s3"])
+    write_index(out_dir)
+    _edit_index(out_dir, lambda index: index["run"].__setitem__("layer_ids", [0, 1, 2]))
+    with pytest.warns(UserWarning, match="its run differs from the shards' run"):
+        assert HiddenStateDataset(out_dir).run.layer_ids == RUN.layer_ids == (1, 2, 3)
 
 
 def test_bad_directories(tmp_path):
