@@ -119,13 +119,16 @@ def check(opts: ExtractOptions) -> Checked:
 
 def check_out(out: str) -> None:
     """--out names a directory that can be made there, and holds no manifest.json that a run did not write. An
-    empty name would put the run's files into the current directory, a file on its path would fail the run at its
-    first write, after the model load, and another tool's manifest.json (an existing folder named by mistake)
+    empty name would put the run's files into the current directory, a file on its path (or a symbolic link that loops
+    or leads nowhere) would fail the run at its first write, after the model load, and another tool's manifest.json (an existing folder named by mistake)
     would be merged into this run's."""
     if not str(out).strip():
         raise ValueError("--out is empty: name the output directory (it is made if it does not exist)")
     existing = Path(out)
     while not existing.exists():
+        if existing.is_symlink():  # one that loops or leads nowhere: making the directory would fail at the run
+            raise ValueError(f"--out {out} cannot be made: {_broken_link(existing)}. Remove the link, or point it at "
+                             f"a directory")
         existing = existing.parent
     if not existing.is_dir():
         where = "is a file" if existing == Path(out) else f"cannot be made: {existing} is a file"
@@ -146,6 +149,18 @@ def check_out(out: str) -> None:
             f"{'it' if len(theirs) == 1 else 'them'}, and this one would overwrite {'it' if len(theirs) == 1 else 'them'}. "
             f"Choose a new or empty directory for --out"
         )
+
+
+def _broken_link(link: Path) -> str:
+    """What is wrong with the symbolic link `link`, which leads to nothing: the loop it is part of, or where it ends."""
+    chain = [str(link)]
+    at = link
+    while at.is_symlink() and len(chain) <= 40:  # the kernel's own limit on links followed
+        at = Path(os.path.normpath(at.parent / os.readlink(at)))
+        if str(at) in chain:
+            return f"{link} is a symbolic link that loops ({' -> '.join(chain + [str(at)])})"
+        chain.append(str(at))
+    return f"{link} is a symbolic link to {' -> '.join(chain[1:])}, which does not exist"
 
 
 def _check_pipes(sources: list[Source], strict: bool) -> None:

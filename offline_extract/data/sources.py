@@ -13,6 +13,7 @@ import gzip
 import json
 import os
 import re
+import sys
 import zlib
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -255,7 +256,7 @@ def _first_line(path: Path) -> tuple[str, bool]:
         return first, not _first_byte(f)
 
 
-def _one_array(path: Path) -> bool:
+def _one_array(name: str, path: Path) -> bool:
     """Whether the file `path`, which begins with '[', is one JSON array rather than JSON lines whose first record
     is an array: its first line is the whole file, or a value cut off at the line's end (spread over lines)."""
     first, alone = _first_line(path)
@@ -263,7 +264,18 @@ def _one_array(path: Path) -> bool:
         json.loads(first)
     except ValueError as e:
         return _cut_at_line_end(first, e)
+    except RecursionError:
+        _refuse_too_deep(name, alone)
+        return False  # JSON lines, whose first is rejected with the reason
     return alone
+
+
+def _refuse_too_deep(name: str, alone: bool) -> None:
+    """A first line nested past what Python's json reads cannot say what the file is: JSON lines, where other
+    lines follow (that line is then rejected on its own), else one value that holds no record to read."""
+    if alone:
+        raise CorpusReadError(f"{name} is one JSON value nested too deep to read (Python's json stops near "
+                              f"{sys.getrecursionlimit()} levels of [ and {{), not records: a damaged or generated file?")
 
 
 def _cut_at_line_end(line: str, error: ValueError) -> bool:
@@ -280,6 +292,9 @@ def _one_object(name: str, path: Path) -> CorpusReadError | None:
     first, alone = _first_line(path)
     try:
         value = json.loads(first)
+    except RecursionError:
+        _refuse_too_deep(name, alone)
+        return None
     except ValueError as e:
         if not _cut_at_line_end(first, e):
             return None  # a damaged first line of JSONL: judged with the other lines
@@ -385,7 +400,7 @@ def open_source(name: str) -> Source:
         if path.suffix == ".parquet":
             raise CorpusReadError(f"{name} is not a parquet file: it does not begin with parquet's magic bytes PAR1 "
                                   f"(a Git LFS pointer, or a file of another format?)")
-        if outer == b"[" and _one_array(path):
+        if outer == b"[" and _one_array(name, path):
             raise CorpusReadError(f"{name} holds a JSON array, not JSON lines (it begins with '['): name it .json to "
                                   f"read it as one array of records, or convert it to JSONL: jq -c '.[]' {name} > "
                                   f"corpus.jsonl")

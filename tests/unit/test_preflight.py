@@ -93,6 +93,28 @@ def test_an_out_that_cannot_be_a_directory_is_refused_by_the_real_and_the_dry_ru
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
+@pytest.mark.parametrize("out, needle", [
+    ("a", "a is a symbolic link that loops (a -> b -> a)"),
+    ("a/sub", "a is a symbolic link that loops (a -> b -> a)"),
+    ("gone", "gone is a symbolic link to nowhere, which does not exist"),
+])
+def test_an_out_through_a_broken_symbolic_link_is_refused_by_the_real_and_the_dry_run(out, needle, tmp_path,
+                                                                                     monkeypatch):
+    # A loop passed --dry-run ("fits"); the real run failed with "[Errno 17] File exists", which says no loop.
+    monkeypatch.chdir(tmp_path)
+    os.symlink("b", "a")
+    os.symlink("a", "b")
+    os.symlink("nowhere", "gone")
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
+    opts = ExtractOptions(data=(CORPUS,), out=out)
+    for attempt in (extraction.run, extraction.dry_run):
+        with pytest.raises(ValueError) as refused:
+            attempt(opts)
+        assert str(refused.value) == (f"--out {out} cannot be made: {needle}. Remove the link, or point it at a "
+                                      f"directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "gone"]
+
+
 @pytest.mark.parametrize("text, why", [
     (b'{"name": "my-site", "files": ["index.html"]}', "it has no format_version and no shards key"),
     (b'{"format_version": 9, "shards": {}}', "its format_version is 9, where this version reads 1 or 2"),

@@ -266,3 +266,19 @@ def test_a_damaged_json_array_is_named_with_its_line_and_column_before_any_recor
     path.write_text(text + "\n[]")
     with pytest.raises(CorpusReadError, match=r"Extra data after the array's closing '\]' at line \d+ column 1 "):
         list(read_corpus([path]))
+
+
+@pytest.mark.parametrize("name, opening, closing", [("c.jsonl", "[", "]"), ("c.json", '{"a": ', "}")])
+def test_a_value_nested_too_deep_to_read_is_named_with_its_file(name, opening, closing, tmp_path):
+    # Telling JSON lines from one value parsed the first line, whose RecursionError escaped naming no file.
+    deep = opening * 10_000 + "1" * (opening == '{"a": ') + closing * 10_000 + "\n"
+    path = tmp_path / name
+    path.write_text(deep)
+    with pytest.raises(CorpusReadError, match=rf"^{path} is one JSON value nested too deep to read \(Python's json "
+                                              rf"stops near \d+ levels of \[ and {{\), not records"):
+        open_source(str(path))
+    # Followed by records, it is the first line of JSON lines, rejected on its own.
+    path.write_text(deep + json.dumps(ROWS[0]) + "\n")
+    first, second = read_corpus([path])
+    assert first.line == 1 and "invalid JSON: maximum recursion depth exceeded" in first.reason
+    assert isinstance(second, Record) and second.id == "a"
