@@ -1,8 +1,10 @@
 """Benchmarking: extraction throughput against bare SGLang prefill, on the same GPU, batches and process.
 
 First, the warm-up batches are timed as they come, on a freshly loaded engine: the cold start
-(`--cold`: with an empty JIT cache, as on a fresh machine), beside the warm figures that follow.
-Modes, in this order, each after untimed warm-up batches:
+(`--cold`: with an empty JIT cache, as on a fresh machine), beside the warm figures that follow. Then bare
+prefill runs once over the batches to be timed (`bare_first_pass_tok_s`, cold for every token count the
+warm-up did not have), so that every mode below is timed on warm kernels; `timed_compiled` counts the JIT
+cache files added while they ran (0: none compiled). Modes, in this order, each after untimed warm-up batches:
 1. bare prefill: SGLang's forward with no capture and no copy-out (the ceiling);
 2. extraction: capture, copy to host and write shards to each `--out` (tmpfs or disk), timed until the
    last shard is on disk;
@@ -229,6 +231,22 @@ def _timed(coord: Coordinator, fn, clock: "_ForwardClock | None" = None) -> floa
     return max(coord.all_gather(seconds))
 
 
+def jit_cache_entries(caches: dict[str, str]) -> int:
+    """Files in the compilers' caches (`Engine.jit_caches`): every kernel compiled or module built adds some;
+    one loaded from the cache adds none."""
+    return sum(1 for folder in set(caches.values()) if os.path.isdir(folder) for f in Path(folder).rglob("*") if f.is_file())
+
+
+def _first_pass(engine: Engine, coord: Coordinator, batches: list[Batch]) -> dict:
+    """Bare prefill over the timed batches once, before any mode is timed. A forward of a token count that
+    the warm-up batches did not have may compile (a MoE model's Triton kernels are specialized by token
+    count), and that compiling would land in whichever mode ran first. Its seconds are the cold figure beside the warm ones; `compiled`, the files it added to the
+    JIT caches (slowest rank's seconds, most files of any rank)."""
+    before = jit_cache_entries(engine.jit_caches)
+    seconds = _timed(coord, lambda: _bare(engine, batches))
+    return {"seconds": seconds, "compiled": max(coord.all_gather(jit_cache_entries(engine.jit_caches) - before))}
+
+
 def _bare(engine: Engine, batches: list[Batch]) -> None:
     for b in batches:
         engine.prefill([s.input_ids for s in b.samples])
@@ -421,6 +439,8 @@ def run_bench(opts: BenchOptions) -> list[dict]:
         shutil.rmtree(jit_cache, ignore_errors=True)
 
     clock = _ForwardClock(engine)
+    first_pass = _first_pass(engine, coord, timed)
+    warm_entries = jit_cache_entries(engine.jit_caches)
     bare_s = _timed(coord, lambda: _bare(clock, timed), clock)
     bare_forward_s, bare_phases = clock.seconds, clock.phases()
     bare_ranks = coord.all_gather(_rank_report(layout, clock))
@@ -487,7 +507,16 @@ def run_bench(opts: BenchOptions) -> list[dict]:
                 "tokens_per_batch": opts.tokens_per_batch,
                 "chunk_tokens": engine.chunk_tokens,
                 "longest_sample": longest,
+                # On warm kernels: the same batches ran once before (`first_pass`), so that nothing compiles
+                # while a mode is timed; `timed_compiled` counts what did.
                 "bare_prefill_tok_s": total_tokens / bare_s,
+                "bare_first_pass_tok_s": total_tokens / first_pass["seconds"],
+                "bare_first_pass_s": first_pass["seconds"],
+                "bare_first_pass_compiled": first_pass["compiled"],
+                "first_pass_over_warm": bare_s / first_pass["seconds"],
+                # Files added to the JIT caches from the end of the first pass to the end of this extraction:
+                # 0 says every timed mode ran on warm kernels.
+                "timed_compiled": max(coord.all_gather(jit_cache_entries(engine.jit_caches) - warm_entries)),
                 "extract_tok_s": total_tokens / extract_s,
                 "extract_over_bare": bare_s / extract_s,
                 # Diagnostics: copy-out without writing, and where the main thread's time went.
@@ -536,6 +565,8 @@ def run_bench(opts: BenchOptions) -> list[dict]:
                 "gpu_peak_bytes": max(coord.all_gather(torch.cuda.max_memory_allocated())),
             })
             files.measured(len(results) - 1, results[-1])
+            if layout.leads:
+                print(summary_line(results[-1]), file=sys.stderr, flush=True)
             shutil.rmtree(root, ignore_errors=True)
 
     if "hf" in opts.baselines:
@@ -571,6 +602,17 @@ def run_bench(opts: BenchOptions) -> list[dict]:
             r["bare_scaling"] = r["bare_prefill_tok_s"] / single["bare_prefill_tok_s"]
             r["single_gpu_result"] = path
     return files.write(final=True)
+
+
+def summary_line(r: dict) -> str:
+    """One result in a line: every timed figure on warm kernels, beside the cold ones (the warm-up batches on
+    the fresh engine, and bare prefill's first pass over the timed batches)."""
+    warm = "warm kernels" if r["timed_compiled"] == 0 else f"{r['timed_compiled']} JIT cache files added while timed"
+    return (f"bench {r['store']}/{r['compress']} -> {r['out']} ({r['out_kind']}), tok/s on {warm}: bare "
+            f"{r['bare_prefill_tok_s']:,.0f}, extract {r['extract_tok_s']:,.0f} ({r['extract_over_bare']:.3f} of bare), "
+            f"copy-only {r['copy_only_tok_s']:,.0f}; cold: bare's first pass {r['bare_first_pass_tok_s']:,.0f} "
+            f"({r['bare_first_pass_compiled']} JIT cache files added), warm-up batches "
+            + (f"{r['cold_tok_s']:,.0f}" if r.get("cold_tok_s") else "none"))
 
 
 def peers_first(opts: BenchOptions, files: ResultFiles, model_dir: Path, tokenizer, batches: list[list[np.ndarray]],

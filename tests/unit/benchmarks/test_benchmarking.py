@@ -4,6 +4,8 @@ through the real engine at tiny size."""
 import dataclasses
 import subprocess
 import sys
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,8 +15,9 @@ from extract_runs import ROOT
 from transformers import AutoTokenizer
 
 from benchmarks.extraction_vs_prefill import (
-    BenchOptions, _bare, _chunk_sweep, _cold_start, _DiscardWriter, _ForwardClock, _fp8_error, _rank_report, _timed,
-    attention_flops, model_flops_per_token, out_kind, shard_writes, synthetic_corpus,
+    BenchOptions, _bare, _chunk_sweep, _cold_start, _DiscardWriter, _first_pass, _ForwardClock, _fp8_error, _rank_report,
+    _timed, attention_flops, jit_cache_entries, model_flops_per_token, out_kind, shard_writes, summary_line,
+    synthetic_corpus,
 )
 from offline_extract.engine.distributed import Coordinator, Layout
 from offline_extract.feed import extract_batches, staging_buffers
@@ -167,6 +170,53 @@ def test_the_timed_modes_run_through_the_real_engine(tiny_engine, bench_batches,
             assert cos.min() > 0.999, (index, name)
     rates = _chunk_sweep(tiny_engine, coord, bench_batches[1], (1024,))
     assert list(rates) == ["1024"] and rates["1024"] > 0
+
+
+class _CompilingEngine:
+    """Compiles on the first forward of each token count, as SGLang's fused-MoE Triton kernels do: it takes
+    0.2 s and adds a file to its JIT cache."""
+
+    def __init__(self, cache):
+        self.jit_caches = {"TRITON_CACHE_DIR": str(cache)}
+        self.seen = set()
+
+    def prefill(self, seqs):
+        n = sum(len(s) for s in seqs)
+        if n not in self.seen:
+            self.seen.add(n)
+            time.sleep(0.2)
+            (Path(self.jit_caches["TRITON_CACHE_DIR"]) / f"kernel_{n}").write_text("")
+
+
+def test_the_first_pass_leaves_the_timed_modes_on_warm_kernels(tmp_path, tokenizer):
+    from offline_extract.data.batching import batch_by_tokens
+
+    coord = Coordinator(Layout(rank=0, world_size=1), "bench-test")
+    samples = synthetic_corpus(tokenizer, BenchOptions(mean_length=100, num_tokens=2000))
+    batches = list(batch_by_tokens(samples, 300, 16))
+    counts = {b.num_tokens for b in batches}
+    engine = _CompilingEngine(tmp_path)
+    first = _first_pass(engine, coord, batches)
+    assert first["compiled"] == len(counts) == jit_cache_entries(engine.jit_caches)
+    assert first["seconds"] >= 0.2 * len(counts)
+    # What run_bench then times: no compiling left in it.
+    assert _timed(coord, lambda: _bare(engine, batches)) < 0.1
+    assert jit_cache_entries(engine.jit_caches) == len(counts)
+
+
+def test_the_first_pass_runs_through_the_real_engine(tiny_engine, bench_batches):
+    first = _first_pass(tiny_engine, Coordinator(Layout(rank=0, world_size=1), "bench-test"), bench_batches)
+    assert first["seconds"] > 0 and first["compiled"] == 0, "nothing compiles on CPU"
+
+
+def test_the_summary_line_puts_the_cold_figures_beside_the_warm_ones():
+    result = {"store": "bf16", "compress": "none", "out": "/dev/shm/x", "out_kind": "tmpfs", "timed_compiled": 0,
+              "bare_prefill_tok_s": 40000.4, "extract_tok_s": 39000, "extract_over_bare": 0.975, "copy_only_tok_s": 39900,
+              "bare_first_pass_tok_s": 20000, "bare_first_pass_compiled": 12, "cold_tok_s": 2522.1}
+    assert summary_line(result) == (
+        "bench bf16/none -> /dev/shm/x (tmpfs), tok/s on warm kernels: bare 40,000, extract 39,000 (0.975 of bare), "
+        "copy-only 39,900; cold: bare's first pass 20,000 (12 JIT cache files added), warm-up batches 2,522")
+    assert "3 JIT cache files added while timed" in summary_line({**result, "timed_compiled": 3})
 
 
 def test_shard_writes_count_overlaps_and_the_rate_while_writing():
