@@ -1,30 +1,5 @@
-"""Export extracted hidden states to another trainer's offline layout.
-
-\b
-    python bin/export.py --format specforge OUT_DIR --to DEST
-    python bin/export.py --format speculators OUT_DIR --to DEST
-
-\b
-specforge: DEST/rows_{start}-{end}/data_{i}.ckpt (.ckpt.gz with --gzip, the default for a run stored
-as fp8 or zstd), one torch.save dict per sample with input_ids [T] and loss_mask [T] (int64) and, for
-an eagle3 run, hidden_state [1, T, H] (post-norm) and aux_hidden_state [1, T, k*H] (bf16); for a
-dflash run hidden_states [1, T, k*H]; for dspark also target_last_hidden_states [1, T, H]. i counts
-samples in sample-index order; give DEST to SpecForge's offline training as its hidden-states path.
-
-\b
-speculators: DEST is its training data directory: a datasets table (input_ids, loss_mask, seq_len),
-DEST/hidden_states/hs_{i}.safetensors (hidden_states [T, k+1, H], the pre-norm final state last, and
-token_ids [T]; from an fp8 run e4m3 values and hidden_states_scales [T, k+1, 1], read with
---hidden-states-backend fp8), DEST/token_freq.pt, and DEST/speculators_train.yaml for
-`speculators train --config`. speculators' layer ids are ours + 1 (HF hidden_states indices; the final
-state is num_layers): the YAML and export_manifest.json give its --target-layer-ids for this run.
-
-A run holding the other final state (post-norm for speculators, pre-norm for SpecForge) is converted
-with the final norm the run recorded: pre -> post exactly; post -> pre as each token's direction,
-which is all speculators' EAGLE-3 training uses (it applies the norm itself).
-
-DEST/export_manifest.json maps i to sample ids. Rerunning the same export into DEST resumes it.
-"""
+"""The export command: an extraction's output to another trainer's offline layout (training/export.py's
+EXPORTERS, one entry a --format)."""
 from pathlib import Path
 
 import click
@@ -32,10 +7,22 @@ import click
 from offline_extract.cli import Interrupted, command
 from offline_extract.words import plural
 from offline_extract.store.schema import ShardError
-from offline_extract.training.export import DEFAULT_ROWS_PER_FOLDER, FORMATS, ExportError, export
+from offline_extract.training.export import DEFAULT_ROWS_PER_FOLDER, EXPORTERS, FORMATS, ExportError, export
+
+HELP = "\n\n".join([
+    "Export extracted hidden states to another trainer's offline layout.",
+    "\b\n" + "\n".join(f"    python bin/export.py --format {name} OUT_DIR --to DEST" for name in EXPORTERS),
+    *(f"{name}: {exporter.help}" for name, exporter in EXPORTERS.items()),
+    "Each trainer takes one final state ("
+    + ", ".join(f"{name}: {exporter.final_state}" for name, exporter in EXPORTERS.items())
+    + "); a run holding the other is converted with the final norm the run recorded: pre -> post exactly; "
+    "post -> pre as each token's direction, which is all speculators' EAGLE-3 training uses (it applies the "
+    "norm itself).",
+    "DEST/export_manifest.json maps i to sample ids. Rerunning the same export into DEST resumes it.",
+])
 
 
-@command(help=__doc__)
+@command(help=HELP)
 @click.argument("out_dir", type=click.Path(path_type=str))
 @click.option("--to", "dest", required=True, type=click.Path(file_okay=False, path_type=str),
               help="Destination directory: new, empty, or an interrupted export of the same data.")
@@ -52,13 +39,18 @@ from offline_extract.training.export import DEFAULT_ROWS_PER_FOLDER, FORMATS, Ex
 @click.option("--no-progress", is_flag=True, help="No progress bar (e.g. for logs).")
 def main(out_dir, dest, format_, rows_per_folder, gzipped, allow_partial, no_progress):
     ctx = click.get_current_context()
-    given = [option for name, option in (("rows_per_folder", "--rows-per-folder"), ("gzipped", "--gzip/--no-gzip"))
-             if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
-    if format_ != "specforge" and given:
+    takes = EXPORTERS[format_].options
+    others = {name for exporter in EXPORTERS.values() for name in exporter.options} - set(takes)
+    given = [param for param in ctx.command.params
+             if param.name in others and ctx.get_parameter_source(param.name) is not click.core.ParameterSource.DEFAULT]
+    if given:
         # Dropped silently, they would leave an export other than the one asked for.
-        raise click.UsageError(f"{' and '.join(given)}: for --format specforge only, not {format_}")
+        names = {param.name for param in given}
+        formats = " or ".join(f for f, exporter in EXPORTERS.items() if names <= set(exporter.options))
+        raise click.UsageError(f"{' and '.join('/'.join(p.opts + p.secondary_opts) for p in given)}: for --format "
+                               f"{formats} only, not {format_}")
     try:
-        options = {"rows_per_folder": rows_per_folder, "gzipped": gzipped} if format_ == "specforge" else {}
+        options = {name: ctx.params[name] for name in takes}
         summary = export(format_, out_dir, dest, progress=not no_progress, allow_partial=allow_partial, **options)
     except (ShardError, ExportError) as e:
         raise click.ClickException(str(e)) from e

@@ -84,11 +84,8 @@ from offline_extract.store.journal import load_json
 from offline_extract.store.schema import FINAL_STATE_TENSOR, SCALE_SUFFIX, STATE_DTYPE, STATE_TENSORS, RunInfo
 from offline_extract.training.datasets import HiddenStateDataset
 
-FORMATS = ("specforge", "speculators")
 MANIFEST_NAME = "export_manifest.json"
 DEFAULT_ROWS_PER_FOLDER = 2000
-# The final state each trainer trains on (see the module docstring).
-TRAINER_FINAL_STATE = {"specforge": "post-norm", "speculators": "pre-norm"}
 SPECULATORS_STATES_DIR = "hidden_states"
 SPECULATORS_TOKEN_FREQ = "token_freq.pt"
 SPECULATORS_TRAIN_CONFIG = "speculators_train.yaml"
@@ -199,13 +196,8 @@ Convert = Callable[[torch.Tensor], torch.Tensor]
 
 def _final_state_conversion(format: str, run: RunInfo, out_dir) -> Convert | None:
     """None when the run holds the final state `format` trains on, else the float32 conversion to it from
-    the run's final norm; refuses a run that cannot feed `format`."""
-    want, have = TRAINER_FINAL_STATE[format], run.final_state
-    if format == "speculators" and run.recipe != "eagle3":
-        raise ExportError(f"{out_dir} was extracted with --recipe {run.recipe}; speculators trains EAGLE-3 drafters "
-                          f"(export it with --format specforge)")
-    if have is None and format == "speculators":
-        raise ExportError(f"{out_dir} holds no final state, which speculators needs")
+    the run's final norm; refuses a run that recorded no norm to convert with."""
+    want, have = EXPORTERS[format].final_state, run.final_state
     if have is None or have == want:
         return None
     norm = final_norm.recorded(run.final_norm)
@@ -227,14 +219,14 @@ def _converted(item: dict, convert: Convert | None) -> dict:
 
 def _final_state_manifest(format: str, run: RunInfo, convert: Convert | None) -> dict:
     have = run.final_state
-    return {"final_state": TRAINER_FINAL_STATE[format] if have else None,
+    return {"final_state": EXPORTERS[format].final_state if have else None,
             "final_state_converted_from": have if convert else None}
 
 
 def _conversion_note(format: str, run: RunInfo, convert: Convert | None) -> list[str]:
     if convert is None:
         return []
-    have, want = run.final_state, TRAINER_FINAL_STATE[format]
+    have, want = run.final_state, EXPORTERS[format].final_state
     how = ("exact" if want == "post-norm"
            else "each token's direction, scaled so the model's final norm gives the post-norm state back; "
                 "speculators' EAGLE-3 training reads it only through that norm")
@@ -364,6 +356,11 @@ def export_speculators(
 
     dataset = HiddenStateDataset(out_dir, allow_partial=allow_partial, verify_checksums=True)
     run = dataset.run
+    if run.recipe != "eagle3":
+        raise ExportError(f"{out_dir} was extracted with --recipe {run.recipe}; speculators trains EAGLE-3 drafters "
+                          f"(export it with --format specforge)")
+    if run.final_state is None:
+        raise ExportError(f"{out_dir} holds no final state, which speculators needs")
     convert = _final_state_conversion("speculators", run, out_dir)
     layer_ids = speculators_layer_ids(run, out_dir)
     # A converted final state is no longer the run's fp8 values: rounded to e4m3 a second time it would
@@ -422,9 +419,37 @@ def export_speculators(
     return summary
 
 
+@dataclass(frozen=True)
+class Exporter:
+    """A trainer's offline layout, as `--format` names it."""
+
+    write: Callable[..., ExportSummary]  # (out_dir, dest, *, progress, allow_partial, **options)
+    final_state: str  # the one its trainer trains on; a run holding the other is converted (module docstring)
+    help: str  # its layout, in bin/export.py --help
+    options: tuple[str, ...] = ()  # keyword options of `write` that only this format takes
+
+
+EXPORTERS = {
+    "specforge": Exporter(
+        export_specforge, "post-norm", options=("rows_per_folder", "gzipped"),
+        help="DEST/rows_{start}-{end}/data_{i}.ckpt (.ckpt.gz with --gzip, the default for a run stored as fp8 "
+             "or zstd), one torch.save dict per sample with input_ids [T] and loss_mask [T] (int64) and, for an "
+             "eagle3 run, hidden_state [1, T, H] (post-norm) and aux_hidden_state [1, T, k*H] (bf16); for a dflash "
+             "run hidden_states [1, T, k*H]; for dspark also target_last_hidden_states [1, T, H]. i counts samples "
+             "in sample-index order; give DEST to SpecForge's offline training as its hidden-states path."),
+    "speculators": Exporter(
+        export_speculators, "pre-norm",
+        help="DEST is its training data directory: a datasets table (input_ids, loss_mask, seq_len), "
+             "DEST/hidden_states/hs_{i}.safetensors (hidden_states [T, k+1, H], the pre-norm final state last, and "
+             "token_ids [T]; from an fp8 run e4m3 values and hidden_states_scales [T, k+1, 1], read with "
+             "--hidden-states-backend fp8), DEST/token_freq.pt, and DEST/speculators_train.yaml for `speculators "
+             "train --config`. speculators' layer ids are ours + 1 (HF hidden_states indices; the final state is "
+             "num_layers): the YAML and export_manifest.json give its --target-layer-ids for this run."),
+}
+FORMATS = tuple(EXPORTERS)
+
+
 def export(format: str, out_dir: str | os.PathLike, dest: str | os.PathLike, **options) -> ExportSummary:
-    if format == "specforge":
-        return export_specforge(out_dir, dest, **options)
-    if format == "speculators":
-        return export_speculators(out_dir, dest, **options)
-    raise ValueError(f"unknown export format {format!r}; known: {', '.join(FORMATS)}")
+    if format not in EXPORTERS:
+        raise ValueError(f"unknown export format {format!r}; known: {', '.join(FORMATS)}")
+    return EXPORTERS[format].write(out_dir, dest, **options)

@@ -1,3 +1,4 @@
+import inspect
 import json
 import os
 import re
@@ -15,8 +16,9 @@ from offline_extract.store.index import iter_samples
 from offline_extract.store.schema import ShardError
 from offline_extract.testing.shards import write_synthetic
 from offline_extract.training import export as export_module
+from offline_extract.options import choices
 from offline_extract.training.export import (
-    MANIFEST_NAME, SPECULATORS_TRAIN_CONFIG, ExportError, export_specforge, export_speculators, specforge_path,
+    EXPORTERS, FORMATS, MANIFEST_NAME, SPECULATORS_TRAIN_CONFIG, ExportError, export_specforge, export_speculators, specforge_path,
     speculators_path,
 )
 
@@ -392,3 +394,16 @@ def test_speculators_export_of_an_fp8_run_keeps_its_bytes(tmp_path):
     export_speculators(bf16, tmp_path / "spec16", progress=False)
     bf16_bytes = sum(p.stat().st_size for p in (tmp_path / "spec16" / "hidden_states").iterdir())
     assert fp8_bytes < 0.6 * bf16_bytes, (fp8_bytes, bf16_bytes)
+
+
+def test_each_format_is_one_exporter_whose_options_its_writer_and_the_command_take():
+    # An option in the table that the writer or the command lacks would fail only when someone gives it.
+    from offline_extract.commands.export import main as command
+
+    assert FORMATS == tuple(EXPORTERS)
+    params = {param.name for param in command.params}
+    for name, exporter in EXPORTERS.items():
+        takes = inspect.signature(exporter.write).parameters
+        assert {"progress", "allow_partial"} <= set(takes), name
+        assert set(exporter.options) <= set(takes) & params, (name, exporter.options)
+        assert exporter.final_state in choices("final_state"), name
