@@ -240,8 +240,8 @@ def jit_cache_entries(caches: dict[str, str]) -> int:
 def _first_pass(engine: Engine, coord: Coordinator, batches: list[Batch]) -> dict:
     """Bare prefill over the timed batches once, before any mode is timed. A forward of a token count that
     the warm-up batches did not have may compile (a MoE model's Triton kernels are specialized by token
-    count), and that compiling would land in whichever mode ran first. Its seconds are the cold figure beside the warm ones; `compiled`, the files it added to the
-    JIT caches (slowest rank's seconds, most files of any rank)."""
+    count), and that compiling would land in whichever mode ran first. Its seconds are the cold figure beside
+    the warm ones; `compiled`, the files it added to the JIT caches (slowest rank's seconds, most files of any rank)."""
     before = jit_cache_entries(engine.jit_caches)
     seconds = _timed(coord, lambda: _bare(engine, batches))
     return {"seconds": seconds, "compiled": max(coord.all_gather(jit_cache_entries(engine.jit_caches) - before))}

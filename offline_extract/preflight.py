@@ -120,8 +120,8 @@ def check(opts: ExtractOptions) -> Checked:
 def check_out(out: str) -> None:
     """--out names a directory that can be made there, and holds no manifest.json that a run did not write. An
     empty name would put the run's files into the current directory, a file on its path (or a symbolic link that loops
-    or leads nowhere) would fail the run at its first write, after the model load, and another tool's manifest.json (an existing folder named by mistake)
-    would be merged into this run's."""
+    or leads nowhere) would fail the run at its first write, after the model load, and another tool's manifest.json
+    (an existing folder named by mistake) would be merged into this run's."""
     if not str(out).strip():
         raise ValueError("--out is empty: name the output directory (it is made if it does not exist)")
     existing = Path(out)
