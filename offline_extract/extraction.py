@@ -258,13 +258,17 @@ def dry_run(opts: ExtractOptions) -> planning.Plan:
     checked = preflight.check(opts)
     out = Path(opts.out)
     known = _known_before_loading(opts, checked)  # the weights' checks too: they read only names and headers
-    if out.is_dir() and shard_paths(out):
+    shards = [path.name for path in shard_paths(out)] if out.is_dir() else []
+    done = None
+    if shards:
         resume.check_before_loading(out, known, checked.corpus_paths, opts.force)
+        done = resume.done_mask(out, shards)  # what the run resuming there keeps (a damaged shard refuses it)
     model = checked.model
     tokenizer = _sample_tokenizer(opts, model.path)
     with _progress(opts, "dry run", lambda: _count_records(checked.sources)) as bar:
         plan = planning.plan(opts.data, tokenizer, opts.out, model.hidden_size, _num_aux_layers(checked),
-                             encoding(opts), strict=opts.strict, advance=lambda tokens: bar.advance(1, tokens, 0))
+                             encoding(opts), strict=opts.strict, advance=lambda tokens: bar.advance(1, tokens, 0),
+                             done=done, kept_shards=len(shards))
     if resume.finished(out, replace(known, **tokenizer.fingerprint()), checked.corpus_paths):
         return replace(plan, finished=True)  # the run says "already complete" without taking the directory
     # Looked at last: the state the run would meet if started now, after a dry run that may have taken minutes.

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from offline_extract.data.corpus import BadRecordError, Record, Reject, read_corpus
 from offline_extract.data.tokenization import Sample, SampleTokenizer
 from offline_extract.progress import human_bytes, note
@@ -45,6 +47,10 @@ class Plan:
     finished: bool = False
     # Otherwise, the real run's words refusing --out while another live run holds it (--force does not help).
     in_use: str | None = None
+    # Samples an earlier attempt left in complete shards of --out, and those shards: the run resumes, so
+    # `samples`, `tokens` and the bytes are what it has left to extract.
+    kept: int = 0
+    kept_shards: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -92,14 +98,22 @@ class Plan:
 def plan(
     data, tokenizer: SampleTokenizer, out: str | Path, hidden_size: int, num_aux_layers: int,
     encoding: Encoding = Encoding(), strict: bool = False, advance: Callable[[int], None] | None = None,
+    done: np.ndarray | None = None, kept_shards: int = 0,
 ) -> Plan:
     """Under `strict`, the first bad record raises BadRecordError, as it stops the real run. Compressed
     states are sized as they are before compression: how much zstd saves depends on the states. `advance`
-    is told of each record read, with its sample's tokens (0 for one left out)."""
-    records = samples = skipped = rejected = tokens = loss_tokens = 0
+    is told of each record read, with its sample's tokens (0 for one left out). `done[i]` marks record i as
+    kept in one of the `kept_shards` complete shards already in `out` (`resume.done_mask`): as the run
+    resuming there does, it is counted and not sized again."""
+    records = samples = skipped = rejected = tokens = loss_tokens = kept = 0
     first_rejects = []
     for item in read_corpus(data):
         records += 1
+        if done is not None and item.index < len(done) and done[item.index]:
+            kept += 1
+            if advance is not None:
+                advance(0)
+            continue
         if isinstance(item, Record):
             item = tokenizer(item)
         if advance is not None:
@@ -127,12 +141,15 @@ def plan(
     while not existing.exists():
         existing = existing.parent
     return Plan(records, samples, skipped, rejected, tokens, loss_tokens, sizes, shutil.disk_usage(existing).free,
-                writable=os.access(existing, os.W_OK), first_rejects=tuple(first_rejects), compressible_bytes=compressible)
+                writable=os.access(existing, os.W_OK), first_rejects=tuple(first_rejects), compressible_bytes=compressible,
+                kept=kept, kept_shards=kept_shards if kept else 0)
 
 
 def render(p: Plan, out: str | Path) -> str:
+    kept = f"{p.kept} kept, " if p.kept else ""
     lines = [
-        f"records {p.records}: {plural(p.samples, 'sample')}, {p.skipped} skipped, {p.rejected} rejected",
+        f"records {p.records}: {kept}{plural(p.samples, 'sample')}{' to extract' if p.kept else ''}, {p.skipped} skipped, "
+        f"{p.rejected} rejected",
         *(f"  rejected {r.source}:{r.line}{f' (id {r.id!r})' if r.id else ''}: {r.reason}" for r in p.first_rejects),
         *([f"  ... and {p.rejected - len(p.first_rejects)} more"] if p.rejected > len(p.first_rejects) else []),
         f"tokens {p.tokens:,} ({p.loss_tokens:,} in the loss, {p.loss_tokens / max(p.tokens, 1):.1%})",
@@ -144,6 +161,10 @@ def render(p: Plan, out: str | Path) -> str:
         lines.append(f"{out} cannot be written here (read-only, or no permission)")
     if p.finished:
         lines.append(f"{out} already holds this run's finished output: running it extracts nothing")
+    elif p.kept:
+        lines.append(f"{out} holds {plural(p.kept, 'sample')} of an earlier attempt in "
+                     f"{plural(p.kept_shards, 'complete shard')}: the run resumes, extracting the "
+                     f"{plural(p.samples, 'sample')} left (sized above)")
     if p.in_use:
         lines.append(f"{out} is in use by another extraction now: the run would be refused")
     return "\n".join(lines)

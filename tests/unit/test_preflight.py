@@ -258,8 +258,8 @@ def test_a_dry_run_refuses_an_out_holding_another_runs_shards_as_the_real_run_wi
     recorded = manifest.load(out)
     monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
 
-    assert extraction.dry_run(opts).samples == 24
-    assert extraction.dry_run(replace(opts, layers=None)).samples == 24  # SGLang's default: known only once loaded
+    assert extraction.dry_run(opts).samples == 23, "sample 0 is kept"
+    assert extraction.dry_run(replace(opts, layers=None)).samples == 23  # SGLang's default: known only once loaded
     for change, line in (({"layers": (1, 3, 4)}, "layer_ids: [0, 2] -> [1, 3, 4]"),
                          ({"max_length": 1024}, "max_length: 4096 -> 1024"),
                          ({"store": "fp8", "force": True}, "store: 'bf16' -> 'fp8'")):
@@ -288,6 +288,32 @@ def test_a_dry_run_into_this_runs_finished_output_says_the_run_would_extract_not
     grown = tmp_path / "grown.jsonl"
     grown.write_text(Path(CORPUS).read_text() + '{"text": "one more"}\n')
     assert not extraction.dry_run(replace(opts, data=(str(grown),), force=True)).finished, "records to add"
+
+
+def test_a_dry_run_after_a_crash_says_what_is_kept_and_sizes_what_is_left(tmp_path, monkeypatch):
+    # It printed the whole corpus's total and "fits", never that samples were kept and the run would resume.
+    out = tmp_path / "out"
+    opts = ExtractOptions(data=(CORPUS,), out=str(out))
+    checked = preflight.check(opts)
+    ran = replace(extraction._known_before_loading(opts, checked), layer_ids=(1, 3, 4), compute_dtype="float32",
+                  tokenizer_sha256="t", chat_template_sha256="c")
+    whole = extraction.dry_run(opts)
+    write_shards(out, [[(0, 2), (1, 3)], [(5, 2)]])
+    resume.claim(out, manifest.run_identity(ran, checked.corpus_paths))  # status running: a crashed attempt
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
+    plan = extraction.dry_run(opts)
+    assert (plan.records, plan.kept, plan.kept_shards, plan.samples) == (24, 3, 2, 21)
+    kept_tokens = sum(s.num_tokens for s in _samples(opts, checked, {0, 1, 5}))
+    assert plan.tokens == whole.tokens - kept_tokens and plan.total_bytes < whole.total_bytes
+    lines = planning.render(plan, out).splitlines()
+    assert lines[0] == "records 24: 3 kept, 21 samples to extract, 0 skipped, 0 rejected"
+    assert lines[-1] == (f"{out} holds 3 samples of an earlier attempt in 2 complete shards: the run resumes, "
+                         f"extracting the 21 samples left (sized above)")
+
+
+def _samples(opts, checked, indices):
+    tokenizer = extraction._sample_tokenizer(opts, checked.model.path)
+    return [tokenizer(r) for r in read_corpus(opts.data) if r.index in indices]
 
 
 def test_a_dry_run_refuses_an_out_another_live_run_holds_in_the_real_runs_words(tmp_path, monkeypatch):
