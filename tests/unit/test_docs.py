@@ -47,7 +47,8 @@ COMMANDS = sorted({c for page in PAGES if page.exists() for c in _commands(page)
 
 
 def _click_command(script):
-    """The click command that `python SCRIPT` (a bin/ or benchmarks/ file) or `python -m MODULE` runs."""
+    """The click command that `python SCRIPT` (a bin/ or benchmarks/ file) or `python -m MODULE` (a module of
+    benchmarks or offline_extract) runs."""
     if script.startswith("bin/"):
         spec = importlib.util.spec_from_file_location(f"bin_{script[4:-3]}", ROOT / script)
         module = importlib.util.module_from_spec(spec)
@@ -99,7 +100,8 @@ def test_each_command_in_the_docs_pastes_as_it_stands(page, line, monkeypatch):
         script, args = args[1], args[2:]
     else:
         script, args = args[0], args[1:]
-    assert script.startswith(("bin/", "benchmarks")), f"{where}: runs {script}, which this test does not know"
+    assert script.startswith(("bin/", "benchmarks", "offline_extract.")), \
+        f"{where}: runs {script}, which this test does not know"
     monkeypatch.syspath_prepend(str(ROOT / "bin"))  # for bin/'s `import _bin_path`, which takes it off again
     _parses(_click_command(script), args)
 
