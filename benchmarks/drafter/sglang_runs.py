@@ -1,0 +1,155 @@
+"""The two steps that run the target with SGLang 0.5.17 in-process (`sglang.Engine`, SGLang's public
+offline API, as a user serving the drafter would; no HTTP server): generating the training responses,
+and serving the held-out prompts with and without a drafter.
+
+CUDA graphs are off in both: with them on, SGLang 0.5.17's EAGLE-3 start-up imports `deep_gemm`, which the
+GPU machine's SGLang bundle lacks; the responses are made the same way so that the target's greedy
+tokens come from the engine configuration the drafter is measured on.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from benchmarks.drafter import layout as lay
+from benchmarks.drafter.prompts import dump_jsonl_gz, load_jsonl_gz
+
+# SGLang 0.5.17's EAGLE-3 settings the issue measures at: 3 draft steps, top-1, 4 draft tokens.
+SPECULATIVE = {"speculative_algorithm": "EAGLE3", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
+               "speculative_num_draft_tokens": 4}
+ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
+
+
+def messages(record: dict) -> list[dict]:
+    """A record's turns as the tokenizer's chat template takes them."""
+    return [{"role": ROLES[t["from"]], "content": t["value"]} for t in record["conversations"]]
+
+
+def prompt_ids(tokenizer, record: dict) -> list[int]:
+    """The prompt as the target sees it when asked to answer: the chat template with the generation
+    prompt, tokenized without added special tokens (the template writes its own)."""
+    text = tokenizer.apply_chat_template(messages(record), tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def engine(model: str, **extra):
+    import sglang
+
+    return sglang.Engine(model_path=model, dtype="bfloat16", disable_cuda_graph=True, random_seed=0,
+                         log_level="error", **extra)
+
+
+def greedy(max_new_tokens: int, tokenizer) -> dict:
+    return {"temperature": 0.0, "max_new_tokens": max_new_tokens, "stop_token_ids": [tokenizer.eos_token_id]}
+
+
+def part_path(layout: lay.Layout, k: int) -> Path:
+    return layout.responses / f"part_{k:04d}.jsonl.gz"
+
+
+def responses(layout: lay.Layout, model: str, *, chunk: int, max_new_tokens: int, deadline: float) -> dict:
+    """Greedy responses of the target to every training prompt, `chunk` prompts a part file; parts already
+    written are kept. Stops before a part that would start after `deadline` (time.time()), leaving the
+    step to be resumed; returns what it did."""
+    from transformers import AutoTokenizer
+
+    prompts = load_jsonl_gz(layout.prompts / "train.jsonl.gz")
+    parts = range((len(prompts) + chunk - 1) // chunk)
+    todo = [k for k in parts if not part_path(layout, k).exists()]
+    done = {"parts": len(parts), "written": 0, "kept": len(parts) - len(todo), "chunk": chunk,
+            "max_new_tokens": max_new_tokens}
+    if todo:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        llm = engine(model)
+        try:
+            for k in todo:
+                if time.time() > deadline:
+                    break
+                batch = prompts[k * chunk:(k + 1) * chunk]
+                start = time.time()
+                outs = llm.generate(input_ids=[prompt_ids(tokenizer, r) for r in batch],
+                                    sampling_params=greedy(max_new_tokens, tokenizer))
+                rows = [{"id": r["id"], "text": o["text"], "completion_tokens": o["meta_info"]["completion_tokens"],
+                         "finish_reason": _finish(o)} for r, o in zip(batch, outs, strict=True)]
+                data = dump_jsonl_gz(rows)
+                layout.responses.mkdir(parents=True, exist_ok=True)
+                lay.atomic_write(part_path(layout, k), lambda tmp, data=data: Path(tmp).write_bytes(data))
+                done["written"] += 1
+                print(f"responses: part {k + 1}/{len(parts)}, {sum(r['completion_tokens'] for r in rows):,} tokens "
+                      f"in {time.time() - start:.1f} s", flush=True)
+        finally:
+            llm.shutdown()
+    if all(part_path(layout, k).exists() for k in parts):
+        tokens = sum(r["completion_tokens"] for k in parts for r in load_jsonl_gz(part_path(layout, k)))
+        lay.mark_done(layout.responses, prompts=len(prompts), completion_tokens=tokens, **done)
+    return done
+
+
+def _finish(output: dict) -> str | None:
+    reason = output["meta_info"].get("finish_reason")
+    return reason.get("type") if isinstance(reason, dict) else reason
+
+
+def load_responses(layout: lay.Layout) -> dict[str, str]:
+    if not lay.is_done(layout.responses):
+        raise RuntimeError(f"{layout.responses} is not complete: run the responses step first")
+    out = {}
+    for path in sorted(layout.responses.glob("part_*.jsonl.gz")):
+        out.update((r["id"], r["text"]) for r in load_jsonl_gz(path))
+    return out
+
+
+def acceptance(metas: list[dict]) -> dict:
+    """Acceptance over a set of requests from SGLang's meta_info: tokens per verify step (the length,
+    its bonus token included) and the share of verify steps whose first draft token was accepted (from
+    the histogram of accepted drafts a step)."""
+    tokens = sum(m["completion_tokens"] for m in metas)
+    verify = sum(m.get("spec_verify_ct", 0) for m in metas)
+    hist: list[int] = []
+    for m in metas:
+        for k, n in enumerate(m.get("spec_accept_histogram") or []):
+            hist.extend([0] * (k + 1 - len(hist)))
+            hist[k] += n
+    steps = sum(hist)
+    return {"completion_tokens": tokens, "verify_steps": verify,
+            "accept_length": tokens / verify if verify else None,
+            "first_position_accept_rate": (steps - hist[0]) / steps if steps else None,
+            "accept_histogram": hist}
+
+
+def serve(model: str, drafter: str | None, heldout: list[dict], *, max_new_tokens: int, speed_prompts: int) -> dict:
+    """The held-out prompts served greedily, all at once for acceptance, then the first `speed_prompts`
+    one at a time for decode tokens/s at batch 1 (each request's wall time, its short prefill included)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    ids = [prompt_ids(tokenizer, r) for r in heldout]
+    params = greedy(max_new_tokens, tokenizer)
+    extra = {**SPECULATIVE, "speculative_draft_model_path": drafter} if drafter else {}
+    start = time.time()
+    llm = engine(model, **extra)
+    started = time.time() - start
+    try:
+        llm.generate(input_ids=ids[:1], sampling_params=params)  # warm-up
+        outs = llm.generate(input_ids=ids, sampling_params=params)
+        timed, tokens = 0.0, 0
+        for one in ids[:speed_prompts]:
+            t = time.perf_counter()
+            out = llm.generate(input_ids=[one], sampling_params=params)[0]
+            timed += time.perf_counter() - t
+            tokens += out["meta_info"]["completion_tokens"]
+    finally:
+        llm.shutdown()
+    result = {"drafter": drafter, "prompts": len(ids), "max_new_tokens": max_new_tokens, "engine_start_s": round(started, 1),
+              "batch1_prompts": min(speed_prompts, len(ids)), "batch1_tokens": tokens,
+              "batch1_decode_tok_s": tokens / timed if timed else None,
+              "outputs_sha256": _digest([o["output_ids"] for o in outs])}
+    if drafter:
+        result.update(acceptance([o["meta_info"] for o in outs]), speculative=SPECULATIVE)
+    return result
+
+
+def _digest(outputs: list[list[int]]) -> str:
+    import hashlib
+
+    return hashlib.sha256(repr(outputs).encode()).hexdigest()

@@ -1,0 +1,78 @@
+"""The result: one JSON of every drafter's serving figures, its training record and the commands that made
+them, and the markdown table of the README's "Does it train a good drafter?"."""
+from __future__ import annotations
+
+import json
+from statistics import mean
+
+from benchmarks.drafter import layout as lay
+
+TARGET = "target"
+LABELS = {"ours": "(a) ours", "specforge": "(b) SpecForge's generator", "offbyone": "(c) ours, aux layers one deeper",
+          "prenorm": "(d) ours, pre-norm final state as post-norm", "fp8": "(e) ours, --store fp8"}
+# (a) must reach this share of (b)'s acceptance length (issue 36).
+PARITY = 0.98
+
+
+def collect(layout: lay.Layout) -> dict:
+    serve = {p.stem: lay.read_json(p) for p in sorted((layout.data / "serve").glob("*.json"))}
+    train = {p.stem: lay.read_json(p) for p in sorted((layout.data / "train").glob("*.json"))}
+    commands = []
+    if layout.commands.exists():
+        commands = [json.loads(line) for line in layout.commands.read_text().splitlines() if line.strip()]
+    return {"serve": serve, "train": train, "commands": commands}
+
+
+def _by_variant(runs: dict) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    for name, r in runs.items():
+        if name != TARGET and r.get("accept_length") is not None:
+            out.setdefault(name.rsplit("-s", 1)[0], []).append(r["accept_length"])
+    return out
+
+
+def verdicts(serve: dict) -> dict:
+    """The issue's targets, from the acceptance lengths measured so far (None where a side is missing)."""
+    lengths = {v: mean(xs) for v, xs in _by_variant(serve).items()}
+    spread = {v: max(xs) - min(xs) for v, xs in _by_variant(serve).items() if len(xs) > 1}
+    a, b = lengths.get("ours"), lengths.get("specforge")
+    out = {"accept_length_mean": lengths, "seed_spread": spread,
+           "ours_over_specforge": a / b if a and b else None}
+    out["ours_reaches_parity"] = out["ours_over_specforge"] >= PARITY if out["ours_over_specforge"] else None
+    for fault in ("offbyone", "prenorm"):
+        f = lengths.get(fault)
+        out[f"{fault}_below_both"] = (f < min(a, b) - max(spread.values(), default=0.0)) if f and a and b else None
+    out["fp8_over_ours"] = lengths["fp8"] / a if a and lengths.get("fp8") else None
+    return out
+
+
+def _f(x, digits=3) -> str:
+    return "" if x is None else f"{x:.{digits}f}"
+
+
+def markdown(result: dict) -> str:
+    serve = result["serve"]
+    base = (serve.get(TARGET) or {}).get("batch1_decode_tok_s")
+    lines = ["| drafter | seed | samples | acceptance length | first-position acceptance | decode tok/s (batch 1) | vs target alone |",
+             "|---|---|---|---|---|---|---|",
+             f"| none (target alone) | | | | | {_f(base, 0)} | 1.00 |"]
+    for name in sorted(n for n in serve if n != TARGET):
+        r, t = serve[name], result["train"].get(name, {})
+        variant, seed = name.rsplit("-s", 1)
+        speed = r.get("batch1_decode_tok_s")
+        lines.append(f"| {LABELS.get(variant, variant)} | {seed} | {t.get('view', {}).get('view_samples', '')} | "
+                     f"{_f(r.get('accept_length'))} | {_f(r.get('first_position_accept_rate'))} | {_f(speed, 0)} | "
+                     f"{_f(speed / base if speed and base else None, 2)} |")
+    v = result["verdicts"]
+    spread = ", ".join(f"{k} {_f(x)}" for k, x in v["seed_spread"].items()) or "not measured"
+    lines += ["", (f"(a) / (b) acceptance length: {_f(v['ours_over_specforge'])} (target ≥ {PARITY}); "
+                   f"spread between seeds: {spread}; (c) below both: {v['offbyone_below_both']}; "
+                   f"(d) below both: {v['prenorm_below_both']}; (e) / (a): {_f(v['fp8_over_ours'])}.")]
+    return "\n".join(lines)
+
+
+def table(layout: lay.Layout) -> dict:
+    result = collect(layout)
+    result["verdicts"] = verdicts(result["serve"])
+    result["markdown"] = markdown(result)
+    return result

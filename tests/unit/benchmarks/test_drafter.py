@@ -1,0 +1,293 @@
+"""benchmarks/drafter (issue 36): the prompt builder, the steps' resume rules, the states our side makes
+on CPU through the real engine (bin/extract.py and bin/export.py on the embedded model), SpecForge's
+files found back by their tokens, the tied-embedding copy, and the table."""
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from benchmarks.drafter import layout as lay
+from benchmarks.drafter import prompts, sglang_runs, states, table, train
+from benchmarks.drafter.prompts import dump_jsonl_gz, load_jsonl_gz
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _fake_stdlib(root: Path, modules: int = 30, funcs: int = 4) -> Path:
+    """A standard library stand-in: `modules` modules of `funcs` documented functions, and a test package
+    whose docstrings must never be used."""
+    root.mkdir(parents=True, exist_ok=True)
+    for m in range(modules):
+        body = [f'"""Module m{m}: what it is for, said at enough length to be explained."""']
+        body += [f'def f{i}():\n    """Function {i} of module {m} does thing {i} with enough words to count."""\n'
+                 for i in range(funcs)]
+        (root / f"m{m}.py").write_text("\n".join(body))
+    (root / "test").mkdir()
+    (root / "test" / "t.py").write_text('"""A test module docstring that is long enough to be used if it were read."""')
+    (root / "bad.py").write_text("def (:\n")  # not Python: skipped
+    return root
+
+
+def test_prompts_are_deterministic_counted_and_held_out_by_module(tmp_path):
+    root = _fake_stdlib(tmp_path)
+    a, b = prompts.build(200, 20, root), prompts.build(200, 20, root)
+    assert dump_jsonl_gz(a.train) == dump_jsonl_gz(b.train) and dump_jsonl_gz(a.heldout) == dump_jsonl_gz(b.heldout)
+    assert (len(a.train), len(a.heldout)) == (200, 20)
+    train_modules = {r["source"] for r in a.train}
+    held_modules = {r["source"] for r in a.heldout}
+    assert held_modules and not train_modules & held_modules
+    assert set(a.source["heldout_modules"]) >= held_modules
+    assert not any("test" in r["source"] for r in a.train + a.heldout)
+    # Each docstring gives TEMPLATES_PER_DOC training prompts, no two alike.
+    texts = [r["conversations"][1]["value"] for r in a.train]
+    assert len(set(texts)) == len(texts)
+    for r in a.train[:5]:
+        assert [t["from"] for t in r["conversations"]] == ["system", "human"]
+        assert r["conversations"][0]["value"] == prompts.SYSTEM
+    with pytest.raises(ValueError, match="fewer than"):
+        prompts.build(10_000, 20, root)
+
+
+def test_excerpt_cuts_at_a_line_break():
+    text = "\n".join(f"line {i} " + "x" * 30 for i in range(40))
+    cut = prompts.excerpt(text, 100)
+    assert len(cut) <= 100 and text.startswith(cut) and text[len(cut)] == "\n"
+
+
+def test_the_real_stdlib_gives_the_issues_counts():
+    built = prompts.build(20480, 200)
+    assert len(built.train) == 20480 and len(built.heldout) == 200
+    assert not {r["source"] for r in built.train} & {r["source"] for r in built.heldout}
+    assert built.source["licence"] == prompts.LICENCE
+
+
+def test_pipeline_prompts_step_is_skipped_once_complete(tmp_path):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "drafter" / "pipeline.py"), "--data", str(tmp_path / "d"),
+           "prompts", "--train", "300", "--heldout", "20"]
+    first = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    assert "300 training and 20 held-out" in first.stdout
+    made = (tmp_path / "d" / "prompts" / "train.jsonl.gz").read_bytes()
+    second = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    assert "complete" in second.stdout
+    assert (tmp_path / "d" / "prompts" / "train.jsonl.gz").read_bytes() == made
+    assert lay.read_json(tmp_path / "d" / "prompts" / "DONE.json")["train"] == 300
+
+
+class _FakeEngine:
+    """sglang.Engine's generate and shutdown, answering each prompt with its length."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def generate(self, input_ids, sampling_params):
+        self.calls.append(len(input_ids))
+        assert sampling_params["temperature"] == 0.0
+        return [{"text": f"answer of {len(ids)} tokens", "output_ids": [1, 2],
+                 "meta_info": {"completion_tokens": 2, "finish_reason": {"type": "length"}}} for ids in input_ids]
+
+    def shutdown(self):
+        pass
+
+
+def _prompts_layout(tmp_path, n_train: int, n_held: int = 4) -> lay.Layout:
+    layout = lay.Layout(tmp_path / "data", tmp_path / "scratch")
+    built = prompts.build(n_train, n_held, _fake_stdlib(tmp_path / "lib"))
+    layout.prompts.mkdir(parents=True)
+    (layout.prompts / "train.jsonl.gz").write_bytes(dump_jsonl_gz(built.train))
+    (layout.prompts / "heldout.jsonl.gz").write_bytes(dump_jsonl_gz(built.heldout))
+    lay.mark_done(layout.prompts, **built.source)
+    return layout
+
+
+def test_responses_resume_from_the_parts_written(tmp_path, monkeypatch, tiny_model_dir):
+    layout = _prompts_layout(tmp_path, 10)
+    calls = []
+    monkeypatch.setattr(sglang_runs, "engine", lambda model, **kw: _FakeEngine(calls))
+    # A deadline already past: no part is started, nothing is marked done.
+    done = sglang_runs.responses(layout, str(tiny_model_dir), chunk=4, max_new_tokens=8, deadline=0)
+    assert done["written"] == 0 and not lay.is_done(layout.responses) and calls == []
+    # A call cut after its first part, as a device call's limit would.
+    real_generate = _FakeEngine.generate
+
+    def cut(self, input_ids, sampling_params):
+        if self.calls:
+            raise KeyboardInterrupt
+        return real_generate(self, input_ids, sampling_params)
+
+    monkeypatch.setattr(_FakeEngine, "generate", cut)
+    with pytest.raises(KeyboardInterrupt):
+        sglang_runs.responses(layout, str(tiny_model_dir), chunk=4, max_new_tokens=8, deadline=float("inf"))
+    assert [p.name for p in sorted(layout.responses.glob("part_*"))] == ["part_0000.jsonl.gz"]
+    monkeypatch.setattr(_FakeEngine, "generate", real_generate)
+    calls.clear()
+    done = sglang_runs.responses(layout, str(tiny_model_dir), chunk=4, max_new_tokens=8, deadline=float("inf"))
+    assert (done["kept"], done["written"], calls) == (1, 2, [4, 2])
+    assert lay.read_json(lay.marker(layout.responses))["completion_tokens"] == 20
+    answers = sglang_runs.load_responses(layout)
+    assert len(answers) == 10 and all(a.startswith("answer of ") for a in answers.values())
+
+
+def test_acceptance_from_meta_info():
+    metas = [{"completion_tokens": 10, "spec_verify_ct": 5, "spec_accept_histogram": [1, 2, 2]},
+             {"completion_tokens": 6, "spec_verify_ct": 3, "spec_accept_histogram": [2, 0, 0, 1]}]
+    got = sglang_runs.acceptance(metas)
+    assert got["accept_length"] == 16 / 8
+    assert got["accept_histogram"] == [3, 2, 2, 1]
+    assert got["first_position_accept_rate"] == 5 / 8
+
+
+def _responses_for(layout: lay.Layout) -> None:
+    records = load_jsonl_gz(layout.prompts / "train.jsonl.gz")
+    rng = random.Random(0)
+    rows = [{"id": r["id"], "text": " ".join(rng.choice(["alpha", "beta", "gamma"]) for _ in range(rng.randint(3, 12))),
+             "completion_tokens": 1, "finish_reason": "stop"} for r in records]
+    layout.responses.mkdir(parents=True)
+    (layout.responses / "part_0000.jsonl.gz").write_bytes(dump_jsonl_gz(rows))
+    lay.mark_done(layout.responses)
+
+
+def _final_norm(model_dir: Path):
+    weight = load_file(model_dir / "model.safetensors")["model.norm.weight"].float()
+    eps = json.loads((model_dir / "config.json").read_text())["rms_norm_eps"]
+    return lambda h: (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + eps)) * weight
+
+
+def test_our_states_on_cpu_through_the_engine(tmp_path, tiny_model_dir, processes_end_with_the_test):
+    """ours and prenorm, made by bin/extract.py on the embedded model: views of every corpus record,
+    SpecForge's keys, the same aux states, and prenorm's final state the one before ours' final norm."""
+    layout = _prompts_layout(tmp_path, 6)
+    _responses_for(layout)
+    kw = {"max_length": 512, "keep_store": False, "specforge_batch_size": 2, "attention_backend": "triton"}
+    made = {v: states.states(layout, v, str(tiny_model_dir), **kw) for v in ("ours", "prenorm")}
+    assert made["ours"]["layers"]["final_state"] == "post-norm"
+    assert made["prenorm"]["layers"]["final_state"] == "pre-norm"
+    assert not layout.store("ours").exists()  # dropped once exported
+    norm = _final_norm(Path(tiny_model_dir))
+    for j in range(6):
+        a = torch.load(states.specforge_path_of(layout.view("ours"), j), weights_only=True)
+        d = torch.load(states.specforge_path_of(layout.view("prenorm"), j), weights_only=True)
+        assert set(a) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
+        assert torch.equal(a["input_ids"], d["input_ids"]) and torch.equal(a["aux_hidden_state"], d["aux_hidden_state"])
+        assert a["loss_mask"].sum() > 0
+        assert not torch.allclose(a["hidden_state"].float(), d["hidden_state"].float(), atol=1e-2)
+        assert torch.allclose(norm(d["hidden_state"]), a["hidden_state"].float(), atol=2e-2, rtol=2e-2)
+    # Complete: skipped, and the command log has both steps' commands.
+    assert states.states(layout, "ours", str(tiny_model_dir), **kw)["skipped"]
+    logged = [json.loads(line)["step"] for line in layout.commands.read_text().splitlines()]
+    assert logged == ["states ours: extract", "states ours: export", "states prenorm: extract"]
+
+
+def test_offbyone_asks_for_each_default_layer_one_deeper(tmp_path, tiny_model_dir):
+    assert states.offbyone_layers(30) == [2, 15, 27]
+    argv = states.extract_argv(lay.Layout(tmp_path, tmp_path), "offbyone", str(tiny_model_dir), 512)
+    assert argv[argv.index("--layers") + 1] == ",".join(map(str, states.offbyone_layers(8)))
+    assert "--store" in states.extract_argv(lay.Layout(tmp_path, tmp_path), "fp8", str(tiny_model_dir), 512)
+
+
+def test_specforge_files_found_back_by_their_tokens(tmp_path, tiny_model_dir):
+    """SpecForge numbers its files in its shuffled order and pads each sample to its batch's longest: the
+    view puts each under its corpus position, and a file of another corpus is named as unmatched."""
+    from transformers import AutoTokenizer
+
+    layout = _prompts_layout(tmp_path, 5)
+    _responses_for(layout)
+    states.corpus(layout)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    expected = {j: key for key, j in states.expected_ids(layout, tokenizer, 512).items()}
+    lines = layout.corpus.read_text().splitlines()
+    order = [3, 0, 4, 1, 2]
+    feats = layout.features("specforge")
+    for i, j in enumerate(order):
+        r = json.loads(lines[j])
+        text = tokenizer.apply_chat_template(sglang_runs.messages(r), tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        padded = torch.tensor(ids + [0] * 7, dtype=torch.int64)
+        path = states.specforge_path_of(feats, i)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"input_ids": padded, "loss_mask": torch.zeros_like(padded)}, path)
+    stray = states.specforge_path_of(feats, 5)
+    torch.save({"input_ids": torch.tensor([5, 6, 7]), "loss_mask": torch.zeros(3, dtype=torch.int64)}, stray)
+    found, unmatched = states.specforge_positions(layout, str(tiny_model_dir), 512)
+    assert unmatched == [str(stray)]
+    assert {j: Path(p).name for j, p in found.items()} == {j: f"data_{i}.ckpt" for i, j in enumerate(order)}
+    assert len(expected) == 5
+    assert states.make_view(layout, "specforge", found) == 5
+    for j in range(5):
+        assert Path(states.specforge_path_of(layout.view("specforge"), j)).resolve() == Path(found[j]).resolve()
+
+
+def test_unpadded_keeps_a_leading_zero():
+    assert states.unpadded(np.array([0, 5, 6, 0, 0])).tolist() == [0, 5, 6]
+
+
+def test_specforge_gets_a_copy_it_can_load(tmp_path, tiny_model_dir):
+    """A single-file checkpoint gets an index naming every tensor, linked files, and lm_head_key the
+    checkpoint's own lm_head (the embedded model is untied); a tied one reads the embedding."""
+    keys = train.target_copy(str(tiny_model_dir), tmp_path / "copy")
+    index = json.loads((tmp_path / "copy" / "model.safetensors.index.json").read_text())
+    names = set(load_file(Path(tiny_model_dir) / "model.safetensors"))
+    assert set(index["weight_map"]) == names and set(index["weight_map"].values()) == {"model.safetensors"}
+    assert keys["index_added"] and keys["lm_head_key"] == "lm_head.weight"
+    assert (tmp_path / "copy" / "config.json").resolve() == (Path(tiny_model_dir) / "config.json").resolve()
+    assert list(Path(tiny_model_dir).glob("*.index.json")) == []  # the target is untouched
+    tied = tmp_path / "tied"
+    tied.mkdir()
+    from safetensors.torch import save_file
+
+    weights = load_file(Path(tiny_model_dir) / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, tied / "model.safetensors")
+    (tied / "config.json").write_text((Path(tiny_model_dir) / "config.json").read_text())
+    assert train.target_copy(str(tied), tmp_path / "tied-copy")["lm_head_key"] == "model.embed_tokens.weight"
+
+
+def test_draft_config_and_training_config(tmp_path, tiny_model_dir):
+    layout = lay.Layout(tmp_path / "d", tmp_path / "s")
+    draft = train.write_draft_config(str(tiny_model_dir), layout.draft_config)
+    target = json.loads((Path(tiny_model_dir) / "config.json").read_text())
+    assert draft["architectures"] == ["LlamaForCausalLMEagle3"] and draft["num_hidden_layers"] == 1
+    assert draft["hidden_size"] == target["hidden_size"] and draft["draft_vocab_size"] == target["vocab_size"]
+    keys = {"target_copy": "T", "embedding_key": "e", "lm_head_key": "h"}
+    a = train.config(layout, "ours-s0", layout.view("ours"), keys, seed=0, steps=10, batch_size=4, max_length=512,
+                     learning_rate=1e-4)
+    b = train.config(layout, "specforge-s0", layout.view("specforge"), keys, seed=0, steps=10, batch_size=4,
+                     max_length=512, learning_rate=1e-4)
+    assert a["training"] == b["training"] and a["model"] == b["model"]
+    assert a["data"]["hidden_states_path"] != b["data"]["hidden_states_path"]
+
+
+def _serve(name, length, speed, tmp: lay.Layout, samples=100):
+    rec = {"batch1_decode_tok_s": speed, "accept_length": length, "first_position_accept_rate": length and length / 4}
+    lay.write_json(tmp.serve_record(name), rec)
+    if name != table.TARGET:
+        lay.write_json(tmp.train_record(name), {"view": {"view_samples": samples}})
+
+
+def test_table_judges_the_issues_targets(tmp_path):
+    layout = lay.Layout(tmp_path, tmp_path / "s")
+    _serve("target", None, 100.0, layout)
+    for name, length in (("ours-s0", 2.0), ("ours-s1", 2.02), ("specforge-s0", 2.01), ("specforge-s1", 2.03),
+                         ("offbyone-s0", 1.2), ("prenorm-s0", 2.0), ("fp8-s0", 1.99)):
+        _serve(name, length, 150.0, layout)
+    result = table.table(layout)
+    v = result["verdicts"]
+    assert v["ours_over_specforge"] == pytest.approx(2.01 / 2.02)
+    assert v["ours_reaches_parity"] is True
+    assert v["offbyone_below_both"] is True
+    assert v["prenorm_below_both"] is False  # within the seeds' spread of (a): not clearly below
+    assert v["fp8_over_ours"] == pytest.approx(1.99 / 2.01)
+    md = result["markdown"]
+    assert "| none (target alone) | | | | | 100 | 1.00 |" in md
+    assert "| (c) ours, aux layers one deeper | 0 | 100 | 1.200 | 0.300 | 150 | 1.50 |" in md
+
+
+def test_table_with_nothing_measured(tmp_path):
+    result = table.table(lay.Layout(tmp_path, tmp_path))
+    assert result["verdicts"]["ours_over_specforge"] is None
+    assert "not measured" in result["markdown"]
