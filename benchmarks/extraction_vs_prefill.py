@@ -31,12 +31,12 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from benchmarks.bench_options import BenchOptions
 from benchmarks.peers import baselines as peers
 from offline_extract.data.batching import Batch, batch_by_tokens
 from offline_extract.data.corpus import Record
@@ -48,50 +48,12 @@ from offline_extract.extraction import engine_config
 from offline_extract.feed import extract_batches, staging_buffers
 from offline_extract.options import ExtractOptions
 from offline_extract.store.schema import FINAL_STATE_TENSOR, STATE_TENSORS, Encoding, RunInfo
-from offline_extract.store.writer import WRITER_THREADS, ShardWriter
+from offline_extract.store.writer import ShardWriter
 from offline_extract.testing.models import build_model
 from offline_extract.timeline import Timeline
 
 # Dense bf16 tensor-core peaks, for MFU.
 PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
-
-
-@dataclass(frozen=True)
-class BenchOptions:
-    model: str | None = None  # a model directory; None: generate `shape`
-    shape: str = "llama3_8b"
-    load_format: str = "dummy"
-    dtype: str = "bfloat16"
-    tp: int = 1
-    attention_backend: str | None = None
-    outs: tuple[str, ...] = ("/dev/shm/offline_extract_bench",)
-    lengths: str = "lognormal"  # "lognormal" or "fixed"
-    mean_length: int = 1700
-    max_length: int = 8192  # the lognormal lengths' cap
-    num_tokens: int = 1_000_000
-    tokens_per_batch: int = 16384
-    chunk_tokens: int | None = None  # the engine's chunk for longer samples; None: tokens_per_batch
-    chunk_sweep: tuple[int, ...] = ()  # also time bare chunked prefill of the first timed batch at these
-    warmup_batches: int = 2
-    cold: bool = False  # compile into an empty JIT cache, as a fresh machine does
-    jit_cache: str | None = None  # where compiled kernels are kept (EngineConfig.jit_cache)
-    baselines: tuple[str, ...] = ()  # of peers.BASELINES
-    peer_options: peers.PeerOptions = peers.PeerOptions()
-    disk_probe_bytes: int = 4 << 30
-    writers: int = WRITER_THREADS
-    encodings: tuple[tuple[str, str], ...] = (("bf16", "none"),)  # (--store, --compress) pairs, one model load
-    fp8_error_tokens: int = 131072  # tokens over which fp8's decoded states are compared with bf16's
-    seed: int = 0
-    results_dir: str = "benchmarks/results"
-    profile: str | None = None
-    profile_batches: int = 4
-    single_gpu_results: tuple[str, ...] = ()  # one-GPU result JSONs of the same session, for `scaling`
-    command: str = ""
-
-    @property
-    def longest(self) -> int:
-        """The longest sample the corpus can hold, which sizes the engine's KV pool."""
-        return self.mean_length if self.lengths == "fixed" else self.max_length
 
 
 def synthetic_corpus(tokenizer: SampleTokenizer, opts: BenchOptions, dp_rank: int = 0, dp_size: int = 1) -> list[Sample]:

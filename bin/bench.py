@@ -31,8 +31,7 @@ import sys
 
 import click
 
-from benchmarks.peers.baselines import BASELINES, PeerOptions
-from benchmarks.extraction_vs_prefill import BenchOptions, run_bench
+from benchmarks.bench_options import BASELINES, BenchOptions, PeerOptions
 from offline_extract.cli import command
 from offline_extract.options import choices
 
@@ -128,6 +127,9 @@ def main(model, shape, load_format, dtype, tp, attention_backend, outs, lengths,
         results_dir=results_dir,
         profile=profile, profile_batches=profile_batches, single_gpu_results=tuple(single_gpu_results), command=_command(),
     )
+    # Here, not at the top: torch and SGLang take seconds to import, which --help and --version need not wait for.
+    from benchmarks.extraction_vs_prefill import run_bench
+
     try:
         run_bench(options)
     except ValueError as e:  # an option or the machine cannot give a measurement; the message says which

@@ -23,29 +23,11 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from benchmarks.bench_options import BASELINES, OWN_PROCESS, REPO, PeerOptions
+
 from . import sglang_engine, specforge
 from .accounting import LayerTally, PeerRow, split_layers
 from .corpus import save_batches
-
-OWN_PROCESS = (sglang_engine.NAME, specforge.NAME)  # run by run_subprocess_peers; hf runs in the bench process
-BASELINES = ("hf", *OWN_PROCESS)
-REPO = Path(__file__).resolve().parents[2]
-
-
-@dataclass(frozen=True)
-class PeerOptions:
-    workdir: str = "/dev/shm/offline_extract_peers"  # peers' inputs, outputs and logs
-    cross_check_samples: int = 32
-    peer_site: str = "/tmp/peer-site"  # SGLang 0.5.14 + SpecForge 0.2.0 (make_peer_bundle.sh)
-    specforge_dir: str = str(REPO / ".peer-bundle" / "specforge")  # its script and draft config, fetched
-    specforge_batch_size: int = 32  # its default
-    # SpecForge's own default is flashinfer; fa3 is what our rows use on Hopper, so the engines compare.
-    specforge_attention_backend: str = "fa3"
-    # sglang-engine on another device than the GPU, with its options there (the CPU tests' torch_native).
-    device: str = "cuda"
-    sglang_attention_backend: str | None = None  # None: SGLang's own choice
-    sglang_mem_fraction_static: float | None = None  # None: SGLang's own
-
 
 @dataclass
 class Pending:

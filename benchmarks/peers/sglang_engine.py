@@ -38,6 +38,7 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks` importable fro
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import command_line, program
+from benchmarks.bench_options import SGLANG_ENGINE
 from benchmarks.peers.accounting import TreePeakRss
 from benchmarks.peers.corpus import load_batches
 
@@ -47,7 +48,7 @@ if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
 
     prepare_process("cpu")
 
-NAME = "sglang-engine"
+NAME = SGLANG_ENGINE
 
 
 def returned_states(output: dict, num_tokens: int, sample: str) -> torch.Tensor:

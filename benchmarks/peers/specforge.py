@@ -28,10 +28,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.bench_options import SPECFORGE
+
 from .accounting import TreePeakRss
 from .corpus import chat_records, write_jsonl
 
-NAME = "specforge"
+NAME = SPECFORGE
 VERSION = "0.2.0"
 # SpecForge's registered template whose system prompt is empty: with it the script renders each record with
 # the tokenizer's own chat template and nothing added, so it prefills the tokens we do.

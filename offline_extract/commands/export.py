@@ -1,13 +1,12 @@
-"""The export command: an extraction's output to another trainer's offline layout (training/export.py's
+"""The export command: an extraction's output to another trainer's offline layout (training/formats.py's
 EXPORTERS, one entry a --format)."""
 from pathlib import Path
 
 import click
 
 from offline_extract.cli import Interrupted, command
+from offline_extract.training.formats import DEFAULT_ROWS_PER_FOLDER, EXPORTERS, FORMATS
 from offline_extract.words import plural
-from offline_extract.store.schema import ShardError
-from offline_extract.training.export import DEFAULT_ROWS_PER_FOLDER, EXPORTERS, FORMATS, ExportError, export
 
 HELP = "\n\n".join([
     "Export extracted hidden states to another trainer's offline layout.",
@@ -38,6 +37,10 @@ HELP = "\n\n".join([
                    "without this it is refused, saying how many samples are missing.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (e.g. for logs).")
 def main(out_dir, dest, format_, rows_per_folder, gzipped, allow_partial, no_progress):
+    # Here, not at the top: torch and datasets take seconds to import, which --help and --version need not wait for.
+    from offline_extract.store.schema import ShardError
+    from offline_extract.training.export import ExportError, export
+
     ctx = click.get_current_context()
     takes = EXPORTERS[format_].options
     others = {name for exporter in EXPORTERS.values() for name in exporter.options} - set(takes)

@@ -5,13 +5,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 import click
-from rich.console import Console
 
 from offline_extract.cli import command
 from offline_extract.words import plural
-from offline_extract.store import inspection, integrity, manifest
-from offline_extract.store.index import shard_paths
-from offline_extract.store.schema import ShardError
 
 
 @command()
@@ -34,6 +30,14 @@ def main(path: str, sample_id: str | None, as_json: bool, verify: bool, allow_pa
     std, absmax and NaN/Inf counts; or show one sample (--sample), or verify an output directory (--verify).
 
     PATH is a shard file or an output directory of shards (a directory for --verify)."""
+    # Here, not at the top: torch and safetensors take seconds to import, which --help and --version need not
+    # wait for.
+    from rich.console import Console
+
+    from offline_extract.store import inspection, integrity, manifest
+    from offline_extract.store.index import shard_paths
+    from offline_extract.store.schema import ShardError
+
     if verify and sample_id is not None:
         raise click.UsageError("--verify checks the whole output and --sample shows one sample: give one of them")
     if verify:

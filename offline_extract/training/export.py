@@ -83,9 +83,9 @@ from offline_extract.store.atomic import atomic_write
 from offline_extract.store.journal import load_json
 from offline_extract.store.schema import FINAL_STATE_TENSOR, SCALE_SUFFIX, STATE_DTYPE, STATE_TENSORS, RunInfo
 from offline_extract.training.datasets import HiddenStateDataset
+from offline_extract.training.formats import DEFAULT_ROWS_PER_FOLDER, EXPORTERS, FORMATS
 
 MANIFEST_NAME = "export_manifest.json"
-DEFAULT_ROWS_PER_FOLDER = 2000
 SPECULATORS_STATES_DIR = "hidden_states"
 SPECULATORS_TOKEN_FREQ = "token_freq.pt"
 SPECULATORS_TRAIN_CONFIG = "speculators_train.yaml"
@@ -419,37 +419,11 @@ def export_speculators(
     return summary
 
 
-@dataclass(frozen=True)
-class Exporter:
-    """A trainer's offline layout, as `--format` names it."""
-
-    write: Callable[..., ExportSummary]  # (out_dir, dest, *, progress, allow_partial, **options)
-    final_state: str  # the one its trainer trains on; a run holding the other is converted (module docstring)
-    help: str  # its layout, in bin/export.py --help
-    options: tuple[str, ...] = ()  # keyword options of `write` that only this format takes
-
-
-EXPORTERS = {
-    "specforge": Exporter(
-        export_specforge, "post-norm", options=("rows_per_folder", "gzipped"),
-        help="DEST/rows_{start}-{end}/data_{i}.ckpt (.ckpt.gz with --gzip, the default for a run stored as fp8 "
-             "or zstd), one torch.save dict per sample with input_ids [T] and loss_mask [T] (int64) and, for an "
-             "eagle3 run, hidden_state [1, T, H] (post-norm) and aux_hidden_state [1, T, k*H] (bf16); for a dflash "
-             "run hidden_states [1, T, k*H]; for dspark also target_last_hidden_states [1, T, H]. i counts samples "
-             "in sample-index order; give DEST to SpecForge's offline training as its hidden-states path."),
-    "speculators": Exporter(
-        export_speculators, "pre-norm",
-        help="DEST is its training data directory: a datasets table (input_ids, loss_mask, seq_len), "
-             "DEST/hidden_states/hs_{i}.safetensors (hidden_states [T, k+1, H], the pre-norm final state last, and "
-             "token_ids [T]; from an fp8 run e4m3 values and hidden_states_scales [T, k+1, 1], read with "
-             "--hidden-states-backend fp8), DEST/token_freq.pt, and DEST/speculators_train.yaml for `speculators "
-             "train --config`. speculators' layer ids are ours + 1 (HF hidden_states indices; the final state is "
-             "num_layers): the YAML and export_manifest.json give its --target-layer-ids for this run."),
-}
-FORMATS = tuple(EXPORTERS)
+# Each format's writer; what the format is (its --help, final state and options): formats.EXPORTERS.
+WRITERS: dict[str, Callable[..., ExportSummary]] = {"specforge": export_specforge, "speculators": export_speculators}
 
 
 def export(format: str, out_dir: str | os.PathLike, dest: str | os.PathLike, **options) -> ExportSummary:
     if format not in EXPORTERS:
         raise ValueError(f"unknown export format {format!r}; known: {', '.join(FORMATS)}")
-    return EXPORTERS[format].write(out_dir, dest, **options)
+    return WRITERS[format](out_dir, dest, **options)

@@ -42,13 +42,30 @@ def test_each_console_script_is_the_command_its_bin_script_runs():
         assert f"from {module} import {attr}\n" in (ROOT / "bin" / f"{script}.py").read_text(), name
 
 
-def test_extract_answers_help_and_a_mistyped_option_without_importing_torch():
-    """They answer in a fraction of a second: torch, transformers and SGLang take seconds to import."""
-    path = str(ROOT / "bin" / "extract.py")
-    for args in (["--help"], ["--data", "x.jsonl", "--store", "fp16"]):
-        run = subprocess.run([sys.executable, "-X", "importtime", path, *args], capture_output=True, text=True, cwd=ROOT)
-        imported = {line.split("|")[-1].strip().split(".")[0] for line in run.stderr.splitlines() if line.startswith("import time:")}
-        assert imported and not imported & {"torch", "transformers", "sglang", "numpy"}, args
+def _imports(script: str, *args: str) -> tuple[set[str], subprocess.CompletedProcess]:
+    """The top-level packages bin/SCRIPT.py imports for these arguments (python -X importtime's list)."""
+    run = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "bin" / f"{script}.py"), *args],
+                         capture_output=True, text=True, cwd=ROOT)
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in run.stderr.splitlines() if line.startswith("import time:")}
+    assert imported, run.stderr[-2000:]
+    return imported, run
+
+
+# What takes seconds to import, which --help, --version and a mistyped option need not wait for.
+HEAVY = {"torch", "transformers", "sglang", "numpy", "safetensors", "datasets"}
+
+
+@pytest.mark.parametrize("script", ["extract", "export", "inspect", "bench"])
+@pytest.mark.parametrize("args", [["--help"], ["--version"]])
+def test_help_and_version_answer_without_importing_torch(script, args):
+    # inspect, export and bench took 2-3 s (10 s on a loaded machine), extract 0.1 s.
+    imported, run = _imports(script, *args)
+    assert run.returncode == 0 and not imported & HEAVY, sorted(imported & HEAVY)
+
+
+def test_extract_refuses_a_mistyped_option_without_importing_torch():
+    imported, run = _imports("extract", "--data", "x.jsonl", "--store", "fp16")
+    assert not imported & HEAVY, sorted(imported & HEAVY)
     assert run.returncode == 2 and "'fp16' is not one of 'bf16', 'fp8'" in run.stderr
 
 

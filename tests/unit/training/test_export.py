@@ -18,8 +18,8 @@ from offline_extract.testing.shards import write_synthetic
 from offline_extract.training import export as export_module
 from offline_extract.options import choices
 from offline_extract.training.export import (
-    EXPORTERS, FORMATS, MANIFEST_NAME, SPECULATORS_TRAIN_CONFIG, ExportError, export_specforge, export_speculators, specforge_path,
-    speculators_path,
+    EXPORTERS, FORMATS, MANIFEST_NAME, SPECULATORS_TRAIN_CONFIG, WRITERS, ExportError, export_specforge, export_speculators,
+    specforge_path, speculators_path,
 )
 
 SCRIPT = ROOT / "bin" / "export.py"
@@ -400,10 +400,10 @@ def test_each_format_is_one_exporter_whose_options_its_writer_and_the_command_ta
     # An option in the table that the writer or the command lacks would fail only when someone gives it.
     from offline_extract.commands.export import main as command
 
-    assert FORMATS == tuple(EXPORTERS)
+    assert FORMATS == tuple(EXPORTERS) == tuple(WRITERS)
     params = {param.name for param in command.params}
     for name, exporter in EXPORTERS.items():
-        takes = inspect.signature(exporter.write).parameters
+        takes = inspect.signature(WRITERS[name]).parameters
         assert {"progress", "allow_partial"} <= set(takes), name
         assert set(exporter.options) <= set(takes) & params, (name, exporter.options)
         assert exporter.final_state in choices("final_state"), name
