@@ -1,4 +1,5 @@
-"""How hidden states are encoded for storage: fp8 with per-token scales, and zstd frames.
+"""How hidden states are encoded for storage: fp8 with per-token scales, and the frame codecs of
+`--compress` (`CODECS`: zstd).
 
 fp8 (`--store fp8`): float8 e4m3 values with one float32 scale per token per stored layer, scale =
 absmax / 448 (e4m3's largest finite value) rounded up to a bfloat16 value, so every token's largest
@@ -14,6 +15,8 @@ the low mantissa bytes barely do). A frame per sample keeps random access: a rea
 exactly the sample it reads, and memory stays one sample's worth.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -116,3 +119,47 @@ def compressor() -> zstandard.ZstdCompressor:
 
 def decompressor() -> zstandard.ZstdDecompressor:
     return zstandard.ZstdDecompressor()
+
+
+class FrameCodec:
+    """A `--compress` codec: one sample's rows of a state tensor as one frame and back. A frame states its
+    content size in its first `header_bytes`, so that `inspect --verify` checks every frame against its
+    sample without decoding it, and carries a checksum of its content, which decoding checks."""
+
+    header_bytes: int
+    errors: tuple[type[Exception], ...]  # what decoding a damaged frame raises, besides ValueError
+
+    def encoder(self) -> Callable[[torch.Tensor], bytes]:
+        """A function of one thread at a time: a [rows, width] CPU tensor -> its frame."""
+        raise NotImplementedError
+
+    def decoder(self) -> Callable[..., torch.Tensor]:
+        """A function of one thread at a time: (frame, dtype, rows) -> the [rows, width] tensor encoded."""
+        raise NotImplementedError
+
+    def content_size(self, header: bytes) -> int:
+        """The bytes a frame holds, from its first `header_bytes`; -1 where the header is damaged."""
+        raise NotImplementedError
+
+
+class Zstd(FrameCodec):
+    header_bytes = 18  # zstd's longest frame header (ZSTD_FRAMEHEADERSIZE_MAX)
+    errors = (zstandard.ZstdError,)
+
+    def encoder(self) -> Callable[[torch.Tensor], bytes]:
+        cctx = compressor()
+        return lambda rows: compress_frame(rows, cctx)
+
+    def decoder(self) -> Callable[..., torch.Tensor]:
+        dctx = decompressor()
+        return lambda frame, dtype, rows: decompress_frame(frame, dtype, rows, dctx)
+
+    def content_size(self, header: bytes) -> int:
+        try:
+            return zstandard.frame_content_size(header)
+        except zstandard.ZstdError:
+            return -1
+
+
+# Each of --compress's choices but "none" (options.Compression), by name.
+CODECS: dict[str, FrameCodec] = {"zstd": Zstd()}

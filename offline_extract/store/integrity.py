@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import zstandard
 from safetensors import safe_open
 
 from offline_extract.store import manifest
@@ -150,8 +149,8 @@ def _check_shard(path: Path, recorded: dict | None) -> tuple[ShardHeader | None,
 
 
 def _check_encoding(name: str, f, encoding: Encoding, offsets: list[int], dtypes: dict) -> list[str]:
-    """fp8 scales finite and positive; zstd frames covering the byte stream, each holding its sample's
-    bytes (read from the frame headers, without decompressing)."""
+    """fp8 scales finite and positive; compressed frames covering the byte stream, each holding its
+    sample's bytes (read from the frame headers, without decompressing)."""
     problems = []
     for t in encoding.staged:
         if t.name.endswith(SCALE_SUFFIX) and dtypes.get(t.name) == t.safetensors_dtype:
@@ -175,10 +174,7 @@ def _check_encoding(name: str, f, encoding: Encoding, offsets: list[int], dtypes
         itemsize = next(t.dtype.itemsize for t in encoding.staged if t.name == state)
         for i, (a, b) in enumerate(zip(frames, frames[1:])):
             rows = offsets[i + 1] - offsets[i] if i + 1 < len(offsets) else -1
-            try:
-                content = zstandard.frame_content_size(blob[a : min(b, a + 18)].numpy().tobytes())
-            except zstandard.ZstdError:
-                content = -1
+            content = encoding.codec.content_size(blob[a : min(b, a + encoding.codec.header_bytes)].numpy().tobytes())
             if content < 0 or content % max(rows * itemsize, 1) or (rows == 0) != (content == 0):
                 problems.append(f"{name}: {state} frame of sample position {i} does not hold its {rows} rows")
     return problems

@@ -21,7 +21,7 @@ from typing import Literal, Union, get_args, get_origin, get_type_hints
 import torch
 
 from offline_extract.options import Compression, FinalState, Overlong, RecipeName, Store, check_choice, choices
-from offline_extract.store.codecs import FP8_DTYPE, fp8_dequantize, fp8_quantize
+from offline_extract.store.codecs import CODECS, FP8_DTYPE, FrameCodec, fp8_dequantize, fp8_quantize
 
 # Of shards, index.json and manifest.json alike: they are read together, so they change together.
 # Version 2 records a shard's encoding once, in its run (version 1 also had it beside the run, and the
@@ -114,7 +114,7 @@ FINAL_STATE_TENSOR = STATE_TENSORS[-1]
 # per token per layer.
 STORES = dict(zip(choices("store"), (torch.bfloat16, FP8_DTYPE), strict=True))
 SCALE_SUFFIX = "_scale"
-# Under zstd a state is one byte stream of per-sample frames; "<state>_frames" holds the frame bounds.
+# Under --compress a state is one byte stream of per-sample frames; "<state>_frames" holds their bounds.
 FRAMES_SUFFIX = "_frames"
 
 
@@ -159,9 +159,14 @@ class Encoding:
         return tuple(specs)
 
     @property
+    def codec(self) -> FrameCodec | None:
+        """The frame codec of `--compress`; None for "none"."""
+        return CODECS.get(self.compress)
+
+    @property
     def compressed(self) -> tuple[str, ...]:
-        """The staged tensors stored as zstd frames: the states (their scales are small and stay raw)."""
-        return self.states if self.compress == "zstd" else ()
+        """The staged tensors stored as frames of the codec: the states (their scales are small and stay raw)."""
+        return self.states if self.codec else ()
 
     @property
     def tensors(self) -> tuple[TensorSpec, ...]:

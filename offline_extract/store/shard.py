@@ -8,10 +8,8 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-import zstandard
 from safetensors import safe_open
 
-from offline_extract.store.codecs import decompress_frame, decompressor
 from offline_extract.store.schema import (
     FORMAT_VERSION,
     FRAMES_SUFFIX,
@@ -92,7 +90,7 @@ def read_samples(
 ) -> dict:
     """Samples first:stop of the open shard `f` (at `path`), their states decoded (bf16), reading only
     their rows: the per-token tensors among `names` (any of the encoding's sample_tensors). With
-    decode=False the states come as stored, decompressed (fp8: values and their `_scale` tensors). A zstd
+    decode=False the states come as stored, decompressed (fp8: values and their `_scale` tensors). A
     frame whose checksum or structure is broken raises ShardError naming the shard and the sample."""
     offsets = bounds["offsets"]
     start, end = offsets[first], offsets[stop]
@@ -103,12 +101,12 @@ def read_samples(
         if t.name.removesuffix(SCALE_SUFFIX) not in states:
             continue
         if t.name in encoding.compressed:
-            frames, dctx, blob = bounds[t.name + FRAMES_SUFFIX], decompressor(), f.get_slice(t.name)
+            frames, decode_frame, blob = bounds[t.name + FRAMES_SUFFIX], encoding.codec.decoder(), f.get_slice(t.name)
             pieces = []
             for i in range(first, stop):
                 try:
-                    pieces.append(decompress_frame(blob[frames[i] : frames[i + 1]], t.dtype, offsets[i + 1] - offsets[i], dctx))
-                except (zstandard.ZstdError, ValueError) as e:
+                    pieces.append(decode_frame(blob[frames[i] : frames[i + 1]], t.dtype, offsets[i + 1] - offsets[i]))
+                except (*encoding.codec.errors, ValueError) as e:
                     raise ShardError(f"{path}: the {t.name} frame of sample position {i} is damaged ({e})") from e
             staged[t.name] = torch.cat(pieces)
         else:

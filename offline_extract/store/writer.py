@@ -20,7 +20,6 @@ import torch
 from offline_extract.options import default
 from offline_extract.store.atomic import atomic_write
 from offline_extract.store import checksum
-from offline_extract.store.codecs import compress_frame, compressor
 from offline_extract.store.shard import ShardHeader
 from offline_extract.store.schema import (
     FORMAT_VERSION,
@@ -361,7 +360,7 @@ class ShardWriter:
         # The hashes of the blocks the writer threads write (_serialize): tasks that never wait, so a writer
         # thread can wait for them.
         self._blocks = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="shard-block")
-        self._zstd = threading.local()
+        self._encoders = threading.local()
         self._free: queue.Queue[_ShardBuffer] = queue.Queue()
         self._buffers_left = writers + 1
         self._pending: list[Future] = []
@@ -657,9 +656,9 @@ class ShardWriter:
             start += n
 
     def _compress_frame(self, rows: torch.Tensor) -> bytes:
-        if not hasattr(self._zstd, "cctx"):
-            self._zstd.cctx = compressor()  # a compression context serves one thread at a time
-        return compress_frame(rows, self._zstd.cctx)
+        if not hasattr(self._encoders, "encode"):
+            self._encoders.encode = self.encoding.codec.encoder()  # an encoder serves one thread at a time
+        return self._encoders.encode(rows)
 
     def _raise_failed_writes(self) -> None:
         done = [f for f in self._pending if f.done()]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from offline_extract.store import checksum
+from offline_extract.store import checksum, codecs
 from offline_extract.store.index import iter_samples, read_index, shard_paths, write_index
 from offline_extract.store.schema import FORMAT_VERSION, Encoding, SampleInfo, ShardError, shard_name
 from offline_extract.store.shard import open_shard, read_header
@@ -476,13 +476,13 @@ def test_zstd_frames_are_compressed_as_their_samples_arrive(tmp_path, monkeypatc
     """Each sample's frames are compressed once its batch is in, not when its shard completes: at close
     only the last batch's frames are left (the last shard's, in one thread, took most of a second)."""
     started = []
-    compress = writer_module.compress_frame
+    compress = codecs.compress_frame
 
     def spy(rows, cctx):
         started.append(rows.shape[0])
         return compress(rows, cctx)
 
-    monkeypatch.setattr(writer_module, "compress_frame", spy)
+    monkeypatch.setattr(codecs, "compress_frame", spy)
     writer = ShardWriter(tmp_path, replace(RUN, compress="zstd"), writers=2)
     writer.add_batch(*make_batch([0, 1], [5, 3]), lengths=[5, 3])
     deadline = time.monotonic() + 10
@@ -499,7 +499,7 @@ def test_a_failed_compression_fails_the_write_and_leaves_no_shard(tmp_path, monk
     def broken(rows, cctx):
         raise MemoryError("no room for a frame")
 
-    monkeypatch.setattr(writer_module, "compress_frame", broken)
+    monkeypatch.setattr(codecs, "compress_frame", broken)
     writer = ShardWriter(tmp_path, replace(RUN, compress="zstd"), writers=2)
     writer.add_batch(*make_batch([0, 1], [5, 3]), lengths=[5, 3])
     with pytest.raises(MemoryError, match="no room for a frame"):
