@@ -178,7 +178,8 @@ def table(ctx, json_path):
     click.echo(result["markdown"])
 
 
-@main.command(help="Pack DATA's responses and records (not the prompts, already here) into DIR/drafter-data.tgz.")
+@main.command(help="Pack DATA's responses and records (not the prompts, already here) and SCRATCH's logs into "
+                   "DIR/drafter-data.tgz.")
 @click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
 @click.pass_context
 def pack(ctx, dest):
@@ -189,6 +190,8 @@ def pack(ctx, dest):
         for part in ("responses", "train", "serve", "commands.jsonl"):
             if (layout.data / part).exists():
                 tar.add(layout.data / part, arcname=part)
+        if (layout.scratch / "logs").exists():
+            tar.add(layout.scratch / "logs", arcname="logs")
     click.echo(f"pack: {path} ({path.stat().st_size:,} bytes); unpack here with tar xzf {path.name} -C {layout.data}")
 
 

@@ -291,3 +291,29 @@ def test_table_with_nothing_measured(tmp_path):
     result = table.table(lay.Layout(tmp_path, tmp_path))
     assert result["verdicts"]["ours_over_specforge"] is None
     assert "not measured" in result["markdown"]
+
+
+def test_every_step_answers_help():
+    script = str(ROOT / "benchmarks" / "drafter" / "pipeline.py")
+    out = subprocess.run([sys.executable, script, "-h"], capture_output=True, text=True, check=True).stdout
+    steps = ("prompts", "responses", "states", "train", "serve", "table", "pack", "drop", "status")
+    assert all(f"  {s} " in out for s in steps)
+    for step in steps:
+        subprocess.run([sys.executable, script, step, "--help"], capture_output=True, text=True, check=True)
+
+
+def test_pack_brings_back_what_the_prompts_are_not(tmp_path):
+    import tarfile
+
+    layout = _prompts_layout(tmp_path, 5)
+    _responses_for(layout)
+    lay.write_json(layout.serve_record("target"), {"batch1_decode_tok_s": 1.0})
+    (layout.scratch / "logs").mkdir(parents=True)
+    (layout.scratch / "logs" / "extract_ours.log").write_text("ok\n")
+    script = str(ROOT / "benchmarks" / "drafter" / "pipeline.py")
+    subprocess.run([sys.executable, script, "--data", str(layout.data), "--scratch", str(layout.scratch), "pack",
+                    str(tmp_path / "out")], capture_output=True, text=True, check=True)
+    with tarfile.open(tmp_path / "out" / "drafter-data.tgz") as tar:
+        names = set(tar.getnames())
+    assert {"responses/part_0000.jsonl.gz", "responses/DONE.json", "serve/target.json", "logs/extract_ours.log"} <= names
+    assert not any(n.startswith("prompts") for n in names)
