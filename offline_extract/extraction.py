@@ -320,6 +320,7 @@ class Job:
         self.engine: Engine | None = None
         self.meta: RunInfo | None = None
         self.written: list = []  # headers of the shards this rank wrote (ShardWriter.headers)
+        self.identity: dict | None = None  # the identity the leader recorded, with the corpus as it was then
         # --verify: the HF reference's weights read beside the load (`_start_preload`), and what was decided
         # about it and what the gate's HF forwards took, for `timings`.
         self.preload: parity.ReferencePreload | None = None
@@ -493,7 +494,7 @@ class Job:
         out = self.out
 
         def claim() -> list[str]:
-            identity = manifest.run_identity(self.meta, self.checked.corpus_paths)
+            self.identity = identity = manifest.run_identity(self.meta, self.checked.corpus_paths)
             notes = resume.check_identity(out, identity, self.opts.force)
             resume.done_mask(out, existing.shards)  # a damaged shard refuses the run before anything is written
             return notes + resume.claim(out, identity)
@@ -681,6 +682,7 @@ class Job:
                 total = total.merge(Summary(**p))
         if not self.layout.leads:
             return None
+        self._check_corpus_unchanged(total)
         with _resumable(self.out):
             _merge_rejects(self.out)
             write_index(self.out, self.written)
@@ -692,6 +694,27 @@ class Job:
                                  timings=timings)
         note(timing_line(timings))
         return total
+
+    def _check_corpus_unchanged(self, total: Summary) -> None:
+        """The corpus files fingerprinted again, as the identity recorded them when the run began: one changed
+        while it was read (cut short, appended to, rewritten) gave samples of neither version whole, and the
+        run is not marked complete for the corpus it records."""
+        now, changed = [], []
+        for i, (source, then) in enumerate(zip(self.checked.sources, self.identity["corpus"])):
+            try:
+                now.append(then if source.streamed else manifest.file_fingerprint(source.path))
+            except OSError as e:  # moved or deleted meanwhile
+                now.append(then)
+                changed.append(f"corpus file {i + 1} ({then['path']}): {e.strerror or e} now")
+        changed += manifest.corpus_differences(self.identity, {"corpus": now}, pipes=False)
+        if changed:
+            raise StoppedError(
+                f"the corpus changed while this run read it:\n  " + "\n  ".join(changed)
+                + f"\n{self.out} holds the samples of the {plural(total.records, 'record')} read, which are not the "
+                f"corpus recorded when the run began, so the run is not marked complete. Put the corpus back as it "
+                f"was and re-run the same command to finish it; or, to take the corpus as it is now, re-run with "
+                f"--force (samples are matched to records by position: right where records were only appended)"
+            )
 
     def timings(self) -> dict:
         """Where this rank's start-up and tail went, in seconds: from the command to the first forward (ours;

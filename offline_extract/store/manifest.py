@@ -101,14 +101,16 @@ def run_differences(old: dict, new: dict) -> list[str]:
     return diffs
 
 
-def corpus_differences(old: dict, new: dict) -> list[str]:
-    """How two identities' corpus files differ, one line per file."""
+def corpus_differences(old: dict, new: dict, pipes: bool = True) -> list[str]:
+    """How two identities' corpus files differ, one line per file; a pipe, whose records cannot be compared,
+    is one unless `pipes` is False."""
     before, after = old.get("corpus", []), new.get("corpus", [])
     diffs = [f"corpus: {len(before)} files -> {len(after)} files"] if len(before) != len(after) else []
     for i, (a, b) in enumerate(zip(before, after)):
         if a.get("sampled_sha256") is None or b.get("sampled_sha256") is None:
-            diffs.append(f"corpus file {i + 1} ({b['path']}): a pipe, whose records cannot be compared with the "
-                         f"earlier run's")
+            if pipes:
+                diffs.append(f"corpus file {i + 1} ({b['path']}): a pipe, whose records cannot be compared with the "
+                             f"earlier run's")
             continue
         changed = [key for key in CORPUS_KEYS if a.get(key) != b.get(key)]
         if changed:
