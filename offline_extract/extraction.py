@@ -709,7 +709,7 @@ class Job:
         changed += manifest.corpus_differences(self.identity, {"corpus": now}, pipes=False)
         if changed:
             raise StoppedError(
-                f"the corpus changed while this run read it:\n  " + "\n  ".join(changed)
+                "the corpus changed while this run read it:\n  " + "\n  ".join(changed)
                 + f"\n{self.out} holds the samples of the {plural(total.records, 'record')} read, which are not the "
                 f"corpus recorded when the run began, so the run is not marked complete. Put the corpus back as it "
                 f"was and re-run the same command to finish it; or, to take the corpus as it is now, re-run with "
