@@ -16,9 +16,9 @@ import numpy as np
 
 from offline_extract.data.corpus import BadRecordError, Record, Reject, read_corpus
 from offline_extract.data.tokenization import Sample, SampleTokenizer
-from offline_extract.progress import human_bytes, note
+from offline_extract.progress import note
 from offline_extract.store.schema import Encoding
-from offline_extract.words import plural
+from offline_extract.words import human_bytes, number, plural
 
 # Rejected records listed by a dry run, with their reasons; the run itself lists every one in rejects.jsonl.
 REJECTS_SHOWN = 10
@@ -146,13 +146,13 @@ def plan(
 
 
 def render(p: Plan, out: str | Path) -> str:
-    kept = f"{p.kept} kept, " if p.kept else ""
+    kept = f"{number(p.kept)} kept, " if p.kept else ""
     lines = [
-        f"records {p.records}: {kept}{plural(p.samples, 'sample')}{' to extract' if p.kept else ''}, {p.skipped} skipped, "
-        f"{p.rejected} rejected",
+        f"records {number(p.records)}: {kept}{plural(p.samples, 'sample')}{' to extract' if p.kept else ''}, "
+        f"{number(p.skipped)} skipped, {number(p.rejected)} rejected",
         *(f"  rejected {r.source}:{r.line}{f' (id {r.id!r})' if r.id else ''}: {r.reason}" for r in p.first_rejects),
-        *([f"  ... and {p.rejected - len(p.first_rejects)} more"] if p.rejected > len(p.first_rejects) else []),
-        f"tokens {p.tokens:,} ({p.loss_tokens:,} in the loss, {p.loss_tokens / max(p.tokens, 1):.1%})",
+        *([f"  ... and {number(p.rejected - len(p.first_rejects))} more"] if p.rejected > len(p.first_rejects) else []),
+        f"tokens {number(p.tokens)} ({number(p.loss_tokens)} in the loss, {p.loss_tokens / max(p.tokens, 1):.1%})",
     ]
     lines += [f"  {name:<32} {human_bytes(size):>12}" for name, size in p.bytes_by_tensor.items()]
     lines.append(f"  {'total':<32} {human_bytes(p.total_bytes):>12}")
@@ -191,6 +191,6 @@ class OutputWatch:
         free = shutil.disk_usage(self.out).free
         if needed > free:
             self.warned = True
-            note(f"warning: at the {bytes_written / tokens_written:,.0f} bytes a token written so far, the output needs "
+            note(f"warning: at the {number(round(bytes_written / tokens_written))} bytes a token written so far, the output needs "
                  f"about {human_bytes(needed)} more and {self.out} has {human_bytes(free)} free: the run will stop when "
                  f"the disk is full, keeping its complete shards (free space, then re-run the same command to resume)")

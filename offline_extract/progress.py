@@ -15,26 +15,20 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
 
+from offline_extract.words import human_bytes, number
+
 
 def note(message: str) -> None:
     """One of our own lines, on stderr and at once (before a long phase starts, not after it)."""
     print(message, file=sys.stderr, flush=True)
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    raise AssertionError("unreachable")
-
-
 class _Done(ProgressColumn):
     """'15/24', or '15' while the total is unknown (a pipe, or before the count is in): not '15/?'."""
 
     def render(self, task) -> Text:
-        total = f"/{int(task.total)}" if task.total is not None else ""
-        return Text(f"{int(task.completed)}{total}", style="progress.download")
+        total = f"/{number(int(task.total))}" if task.total is not None else ""
+        return Text(f"{number(int(task.completed))}{total}", style="progress.download")
 
 
 class RunProgress:
@@ -58,15 +52,21 @@ class RunProgress:
         self.total: int | None = None
         self.heartbeat = heartbeat if enabled else None
         self._last_beat = self.start
+        console = Console(stderr=True)
+        bar = [BarColumn()]
+        if not console.is_terminal and not console.is_jupyter:
+            # A file or a pipe gets the bar's last frame only, which rich cuts at 80 columns ("0:00:…"): there
+            # the counts and times are given the room they need, and the bar, always full by then, is left out.
+            console, bar = Console(stderr=True, width=200), []
         self._progress = Progress(
             TextColumn("[bold]{task.description}"),
-            BarColumn(),
+            *bar,
             _Done(),
             TextColumn("samples  {task.fields[rate]} tok/s  {task.fields[written]} written"),
             TimeElapsedColumn(),
             TextColumn("ETA"),
             TimeRemainingColumn(),
-            console=Console(stderr=True),
+            console=console,
             disable=not enabled or heartbeat is not None,
         )
         self._task = self._progress.add_task(label, total=None, rate="0", written="0 B")
@@ -90,7 +90,7 @@ class RunProgress:
         now = time.perf_counter()
         rate = self.tokens / max(now - self.start, 1e-9)
         self._progress.update(
-            self._task, advance=samples, rate=f"{rate:,.0f}", written=human_bytes(bytes_written)
+            self._task, advance=samples, rate=number(round(rate)), written=human_bytes(bytes_written)
         )
         if self.heartbeat and now - self._last_beat >= self.heartbeat:
             self._last_beat = now
@@ -102,10 +102,10 @@ class RunProgress:
             eta = "ETA unknown"
         else:
             eta = f"ETA {_clock(max(self.total - self.done, 0) * elapsed / self.done)}"
-        of = f"/{self.total:,}" if self.total is not None else ""
+        of = f"/{number(self.total)}" if self.total is not None else ""
         return (
-            f"{self.label}: {self.done:,}{of} samples, {self.tokens:,} tokens, {rate:,.0f} tok/s, "
-            f"{bytes_written / 1e9:.2f} GB written, {_clock(elapsed)} elapsed, {eta}"
+            f"{self.label}: {number(self.done)}{of} samples, {number(self.tokens)} tokens, {number(round(rate))} tok/s, "
+            f"{human_bytes(bytes_written)} written, {_clock(elapsed)} elapsed, {eta}"
         )
 
 

@@ -15,7 +15,7 @@ from offline_extract.progress import note
 from offline_extract.store.journal import Journal
 from offline_extract.store.schema import REJECTS_FILE
 from offline_extract.store.writer import ShardWriter
-from offline_extract.words import plural
+from offline_extract.words import human_bytes, number, plural
 
 @dataclass
 class Summary:
@@ -51,23 +51,24 @@ class Summary:
 
     def report(self, out: str | os.PathLike) -> str:
         # Resumed samples count as extracted, so that the four counts add up to the records read.
-        extracted = f"extracted {self.extracted + self.resumed}"
+        extracted = f"extracted {number(self.extracted + self.resumed)}"
         if self.resumed:
-            extracted += f" ({self.resumed} by earlier attempts)"
+            extracted += f" ({number(self.resumed)} by earlier attempts)"
         lines = [
-            f"records {self.records}: {extracted}, skipped {self.skipped}, rejected {self.rejected}, "
-            f"dropped {self.dropped}",
+            f"records {number(self.records)}: {extracted}, skipped {number(self.skipped)}, rejected "
+            f"{number(self.rejected)}, dropped {number(self.dropped)}",
         ]
         if self.tokens or self.shards:
             lines += [
                 # A resumed run's count is of this attempt's samples alone, not of the corpus.
-                f"tokens {self.tokens:,}{' extracted now' if self.resumed else ''}: "
-                f"{self.tokens / max(self.extract_seconds, 1e-9):,.0f} tok/s over "
+                f"tokens {number(self.tokens)}{' extracted now' if self.resumed else ''}: "
+                f"{number(round(self.tokens / max(self.extract_seconds, 1e-9)))} tok/s over "
                 f"{self.extract_seconds:.1f} s of extraction ({self.seconds:.1f} s with start-up)",
-                f"{plural(len(self.shards), 'new shard')}, {self.bytes_written / 1e9:.3f} GB -> {out}",
+                f"{plural(len(self.shards), 'new shard')}, {human_bytes(self.bytes_written)} -> {out}",
             ]
         if self.nonfinite_kept:
-            lines.append(f"{self.nonfinite_kept} extracted samples hold NaN or Inf (--nonfinite keep)")
+            hold = "holds" if self.nonfinite_kept == 1 else "hold"
+            lines.append(f"{plural(self.nonfinite_kept, 'extracted sample')} {hold} NaN or Inf (--nonfinite keep)")
         if self.skipped or self.rejected or self.dropped:
             lines.append(f"skipped, rejected and dropped records are listed in {Path(out) / REJECTS_FILE}")
         return "\n".join(lines)
@@ -84,10 +85,10 @@ def no_sample_verdict(data: Sequence[str], records: int, left_out: dict[str, int
     if sum(left_out.values()) < records:
         return None
     kinds = {kind: n for kind, n in left_out.items() if n}
-    which = f"all {records} records" if records > 1 else "its only record"
+    which = f"all {number(records)} records" if records > 1 else "its only record"
     if len(kinds) == 1:
         return f"{which} {next(iter(kinds))}"
-    return f"{which} left out ({', '.join(f'{n} {kind}' for kind, n in kinds.items())})"
+    return f"{which} left out ({', '.join(f'{number(n)} {kind}' for kind, n in kinds.items())})"
 
 
 

@@ -6,7 +6,7 @@ import click
 
 from offline_extract.cli import Interrupted, command
 from offline_extract.training.formats import DEFAULT_ROWS_PER_FOLDER, EXPORTERS, FORMATS
-from offline_extract.words import plural
+from offline_extract.words import human_bytes, number, plural
 
 HELP = "\n\n".join([
     "Export extracted hidden states to another trainer's offline layout.",
@@ -63,9 +63,9 @@ def main(out_dir, dest, format_, rows_per_folder, gzipped, allow_partial, no_pro
         if not Path(dest).exists():  # stopped before its first file: there is nothing to resume
             raise Interrupted(f"interrupted before anything was written to {dest}") from None
         raise Interrupted(f"interrupted; rerunning the same export resumes into {dest}") from None
-    skipped = f", {summary.samples_skipped} already there" if summary.samples_skipped else ""
+    skipped = f", {number(summary.samples_skipped)} already there" if summary.samples_skipped else ""
     click.echo(
-        f"wrote {plural(summary.samples_written, 'sample')} ({summary.bytes_written / 1e9:.2f} GB) to {summary.dest}"
+        f"wrote {plural(summary.samples_written, 'sample')} ({human_bytes(summary.bytes_written)}) to {summary.dest}"
         f"{skipped}",
         err=True,
     )

@@ -159,7 +159,7 @@ def _chosen(option: str) -> dict:
               help="No progress bar (e.g. for logs): a line every --progress-every seconds instead. The bar or lines "
                    "also follow --dry-run's and --strict's pass through the corpus.")
 @click.option("--progress-every", default=default("progress_every"), show_default=True, type=click.FloatRange(min=0),
-              help="With --no-progress, seconds between progress lines (samples, tokens, tok/s, GB written, ETA); "
+              help="With --no-progress, seconds between progress lines (samples, tokens, tok/s, bytes written, ETA); "
                    "0: none.")
 @click.option("--verbose", is_flag=True,
               help="Also show what SGLang, torch and HF print while loading (warnings, log lines, loading bars); "

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file  # here, so that ReferencePreload's thread imports nothing
 
 from offline_extract.store.journal import load_json
+from offline_extract.words import human_bytes
 
 # fp32 runs the same math in both stacks and must agree to rounding, and rounding scales with the values:
 # the same states differ by a few float32 steps of their largest value (about 3e-7 of it), by how much
@@ -275,8 +276,8 @@ def preload_refusal(nbytes: int, readers: int, available: int | None) -> str | N
     if available is None:
         return "the host's available memory is unknown"
     if nbytes * readers > PRELOAD_MEMORY_SHARE * available:
-        return (f"{readers} x {nbytes / 1e9:.1f} GB of weights exceed {PRELOAD_MEMORY_SHARE:.0%} of the host's "
-                f"{available / 1e9:.1f} GB available")
+        return (f"{readers} x {human_bytes(nbytes)} of weights exceed {PRELOAD_MEMORY_SHARE:.0%} of the host's "
+                f"{human_bytes(available)} available")
     return None
 
 

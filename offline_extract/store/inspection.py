@@ -26,6 +26,7 @@ from offline_extract.store import manifest
 from offline_extract.store.index import index_mismatch, scan, shard_paths
 from offline_extract.store.schema import FINAL_STATE_TENSOR, SHARD_GLOB, STATE_TENSORS, RunInfo, ShardError
 from offline_extract.store.shard import Shard, open_shard, read_header
+from offline_extract.words import number
 
 # Upper bound on the float32 copy of one chunk of rows; the float64 reduction temporaries double it.
 CHUNK_BYTES = 256 << 20
@@ -297,10 +298,10 @@ def render_summary(summary: dict, console: Console) -> None:
     overview.add_column(style="bold")
     overview.add_column()
     for label, value in [
-        ("shards", summary["num_shards"]),
-        ("samples", summary["num_samples"]),
-        ("tokens", summary["num_tokens"]),
-        ("loss tokens", f"{summary['loss_tokens']} ({_percent(summary['loss_fraction'])} of tokens)"),
+        ("shards", number(summary["num_shards"])),
+        ("samples", number(summary["num_samples"])),
+        ("tokens", number(summary["num_tokens"])),
+        ("loss tokens", f"{number(summary['loss_tokens'])} ({_percent(summary['loss_fraction'])} of tokens)"),
         ("layer ids", summary["layer_ids"]),
         ("layer convention", summary["layer_convention"]),
         ("stored dtype", summary["stored_dtype"]),

@@ -10,7 +10,7 @@ import pytest
 from offline_extract.progress import RunProgress, foreign_output_hidden
 
 BEAT = re.compile(
-    r"^extract: (\d+)/24 samples, ([\d,]+) tokens, [\d,]+ tok/s, (\d+\.\d\d) GB written, \d+:\d\d:\d\d elapsed, "
+    r"^extract: (\d+)/24 samples, ([\d,]+) tokens, [\d,]+ tok/s, (\d+\.\d [KMGT]B) written, \d+:\d\d:\d\d elapsed, "
     r"ETA \d+:\d\d:\d\d$"
 )
 
@@ -26,7 +26,7 @@ def test_without_the_bar_a_line_comes_every_interval(capfd):
         progress.advance(0, 0, 2_000_000_000)  # too soon after the last line: no line
     lines = capfd.readouterr().err.splitlines()
     assert [BEAT.match(line).groups() for line in lines] == [
-        ("8", "1,000", "2.00"), ("16", "2,000", "2.00"), ("24", "3,000", "2.00")
+        ("8", "1,000", "2.0 GB"), ("16", "2,000", "2.0 GB"), ("24", "3,000", "2.0 GB")
     ]
 
 
@@ -148,3 +148,34 @@ def test_a_resumed_runs_token_count_says_it_is_this_attempts():
     assert resumed.report("out").splitlines()[1] == "tokens 500 extracted now: 250 tok/s over 2.0 s of extraction (3.0 s with start-up)"
     whole = Summary(records=3, extracted=3, tokens=500, extract_seconds=2.0, seconds=3.0, shards=["s"])
     assert whole.report("out").splitlines()[1].startswith("tokens 500: 250 tok/s")
+
+
+def test_outside_a_terminal_the_bar_is_one_whole_line(capfd):
+    # Rich draws a file or a pipe the last frame only, cut at 80 columns: "dp 0/2 ━━━ 20000/20000 samples ... 0:00:…".
+    with RunProgress(lambda: 20000, "dp 0/2") as progress:
+        deadline = time.monotonic() + 10
+        while progress.total is None and time.monotonic() < deadline:  # the count runs on a thread
+            time.sleep(0.01)
+        progress.advance(20000, 4_096_000, 328_600)
+    line = capfd.readouterr().err.strip()
+    assert re.fullmatch(r"dp 0/2 20,000/20,000 samples  [\d,]+ tok/s  328\.6 KB written \d:\d\d:\d\d ETA \d:\d\d:\d\d",
+                        line), line
+
+
+def test_counts_and_sizes_read_the_same_in_every_line():
+    # "records 20000: extracted 20000" came before "tokens 538,879", and "1 new shard, 0.000 GB" after a bar
+    # that said "328.6 KB written".
+    from offline_extract.summary import Summary
+
+    report = Summary(records=20000, extracted=20000, tokens=538879, bytes_written=328_600, extract_seconds=2.0,
+                     seconds=3.0, shards=["s"]).report("out").splitlines()
+    assert report[0] == "records 20,000: extracted 20,000, skipped 0, rejected 0, dropped 0"
+    assert report[1].startswith("tokens 538,879: 269,440 tok/s")
+    assert report[2] == "1 new shard, 328.6 KB -> out"
+
+
+def test_a_count_in_a_message_is_worded_with_its_thousands_grouped():
+    from offline_extract.words import human_bytes, plural
+
+    assert (plural(1, "shard"), plural(20000, "sample")) == ("1 shard", "20,000 samples")
+    assert [human_bytes(n) for n in (999, 328_600, 4_300_000_000)] == ["999 B", "328.6 KB", "4.3 GB"]

@@ -143,7 +143,7 @@ def test_verify_without_room_for_the_preload_reads_the_files_at_the_gate(
     summary, t = _run(tmp_path, tiny_model_dir, parity_samples=2)
     assert summary.extracted == 24 and all(row["ok"] for row in summary.parity)
     assert not gate_spies["read"].is_set() and gate_spies["given"] is None
-    assert t["gate_preload"].startswith("skipped: 1 x ") and "exceed 50% of the host's 0.0 GB available" in t["gate_preload"]
+    assert t["gate_preload"].startswith("skipped: 1 x ") and "exceed 50% of the host's 1.0 MB available" in t["gate_preload"]
     assert "parity preload started" not in t["marks"] and "gate_preload_s" not in t
     assert sum(t[key] for key in GATE_PARTS) == pytest.approx(t["parity_gate_s"])
     assert f"HF: weights not read ahead ({t['gate_preload']}), " in extraction.timing_line(t)
