@@ -48,6 +48,11 @@ class _Unusable(Exception):
     pass
 
 
+# Tokens past --max-length that a text cut before tokenizing must still give: the tokenization near the cut may
+# differ from the whole text's, and these keep that difference past what is kept.
+CUT_MARGIN_TOKENS = 64
+
+
 def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -66,6 +71,13 @@ class SampleTokenizer:
     - A sample whose loss tokens all fall past max_length is skipped (listed and counted as
       skipped): truncated, it has nothing to train on, and its states would be bytes no one reads.
       A record that never had a loss token (an all-zero loss_mask given) is kept as given.
+
+    What a record costs is bounded by max_length, not by its size: no token covers more characters than the
+    vocabulary's longest token has (`chars_per_token`), so a text (or a chat's contents, in order) is cut
+    before tokenizing to what max_length and CUT_MARGIN_TOKENS tokens can cover at most, and its tokens up
+    to max_length are those of the whole text. Its source_len then counts the tokens of the part tokenized
+    (more than max_length), not of the whole. A normalizer that folds many characters into few can make the
+    cut give too few tokens; then the whole text is tokenized, as it would be without the cut.
     """
 
     def __init__(
@@ -87,16 +99,30 @@ class SampleTokenizer:
         self.trim_after_last_loss = trim_after_last_loss
         self.min_loss_run = min_loss_run
         self.vocab_size = len(tokenizer)
+        self.chars_per_token = max(map(len, tokenizer.get_vocab()), default=1)
         self._fingerprint: dict | None = None
 
+    @property
+    def _cut_chars(self) -> int:
+        """The most characters a text keeps before tokenizing (`SampleTokenizer`'s bound)."""
+        return (self.max_length + CUT_MARGIN_TOKENS) * self.chars_per_token
+
+    def _encode(self, text: str, **options) -> tuple[dict, bool]:
+        """The tokenizer's encoding of `text`, cut first to `_cut_chars` (whether it was): HF's "longer than the
+        model's maximum" warning is off (verbose=False), since max_length is applied after."""
+        if len(text) > self._cut_chars:
+            enc = self.tokenizer(text[: self._cut_chars], verbose=False, **options)
+            if len(enc["input_ids"]) >= self.max_length + CUT_MARGIN_TOKENS:
+                return enc, True
+        return self.tokenizer(text, verbose=False, **options), False
+
     def __call__(self, record: Record) -> Sample | Reject:
+        cut = False
         try:
             if record.format in ("sharegpt", "openai"):
-                ids, mask = self._chat(record.messages)
+                ids, mask, cut = self._chat(record.messages)
             elif record.format == "text":
-                # verbose=False, here and for chats: HF's "longer than the model's maximum" warning ignores
-                # that max_length is applied below.
-                enc = self.tokenizer(record.text, add_special_tokens=True, verbose=False)
+                enc, cut = self._encode(record.text, add_special_tokens=True)
                 ids = np.asarray(enc["input_ids"], dtype=np.int32)
                 mask = np.ones(len(ids), dtype=np.uint8)
             elif record.format == "tokens":
@@ -107,6 +133,7 @@ class SampleTokenizer:
             return Reject(record.source, record.line, record.index, record.id, str(e))
 
         source_len = len(ids)
+        more = "more than " if cut else ""
         if source_len == 0:
             return Reject(record.source, record.line, record.index, record.id, "tokenizes to zero tokens")
         truncated = source_len > self.max_length
@@ -117,14 +144,16 @@ class SampleTokenizer:
                     record.line,
                     record.index,
                     record.id,
-                    f"{source_len} tokens > --max-length {self.max_length}",
+                    f"{more}{source_len} tokens > --max-length {self.max_length}",
                     kind="skipped",
                 )
-            had_loss = mask.any()
+            # Cut before tokenizing, a text (every token) or a chat (its assistant turns) had loss tokens past the cut.
+            had_loss = cut or mask.any()
             ids, mask = ids[: self.max_length], mask[: self.max_length]
             if had_loss and not mask.any():
                 return Reject(record.source, record.line, record.index, record.id,
-                              f"{source_len} tokens truncated to --max-length {self.max_length} leave no loss tokens",
+                              f"{more}{source_len} tokens truncated to --max-length {self.max_length} leave no loss "
+                              "tokens",
                               kind="skipped")
         if self.trim_after_last_loss:
             # Tokens after the last loss token carry no training signal; states for them are wasted bytes.
@@ -159,9 +188,16 @@ class SampleTokenizer:
         except jinja2.TemplateError as e:
             raise _Unusable(f"chat template error: {e}") from None
 
-    def _chat(self, messages: tuple[tuple[str, str], ...]) -> tuple[np.ndarray, np.ndarray]:
+    def _chat(self, messages: tuple[tuple[str, str], ...]) -> tuple[np.ndarray, np.ndarray, bool]:
         if self.tokenizer.chat_template is None:
             raise ValueError("the tokenizer has no chat template, which chat records need")
+        kept = _cut_contents(messages, self._cut_chars)
+        ids, mask, cut = self._chat_tokens(kept)
+        if kept is messages or len(ids) >= self.max_length + CUT_MARGIN_TOKENS:
+            return ids, mask, cut or kept is not messages
+        return self._chat_tokens(messages)  # cut, the contents gave too few tokens (`SampleTokenizer`)
+
+    def _chat_tokens(self, messages: tuple[tuple[str, str], ...]) -> tuple[np.ndarray, np.ndarray, bool]:
         conversation = [{"role": role, "content": content} for role, content in messages]
         turns = [i for i, (role, _) in enumerate(messages) if role == "assistant"]
         if not turns:
@@ -182,7 +218,7 @@ class SampleTokenizer:
         if bounds != sorted(bounds):
             raise _Unusable("chat template is not prefix-stable: assistant spans come out of order")
 
-        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        enc, cut = self._encode(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = np.asarray(enc["input_ids"], dtype=np.int32)
         offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
         starts = np.asarray(bounds[0::2], dtype=np.int64)
@@ -190,7 +226,7 @@ class SampleTokenizer:
         # The span a token could belong to is the last one starting at or before the token does.
         span = np.searchsorted(starts, offsets[:, 0], side="right") - 1
         inside = (span >= 0) & (offsets[:, 1] <= ends[np.maximum(span, 0)])
-        return ids, inside.astype(np.uint8)
+        return ids, inside.astype(np.uint8), cut
 
     def fingerprint(self) -> dict:
         """Hashes identifying the tokenization, for shard metadata: equal hashes mean equal tokens."""
@@ -208,6 +244,18 @@ class SampleTokenizer:
                 "chat_template_sha256": None if template is None else _sha256(template),
             }
         return dict(self._fingerprint)
+
+
+def _cut_contents(messages: tuple[tuple[str, str], ...], limit: int) -> tuple[tuple[str, str], ...]:
+    """`messages` with their contents cut where together they pass `limit` characters, those after emptied (their
+    turns rendered still, past the cut); `messages` itself where they do not."""
+    if sum(len(content) for _, content in messages) <= limit:
+        return messages
+    kept = []
+    for role, content in messages:
+        kept.append((role, content[:limit]))
+        limit -= len(kept[-1][1])
+    return tuple(kept)
 
 
 # Weights never change how text is tokenized; any other file of a model directory might (tokenizer.json,

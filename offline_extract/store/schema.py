@@ -237,7 +237,7 @@ class SampleInfo:
     id: str
     source: str
     line: int
-    source_len: int
+    source_len: int  # tokens before --max-length; of the part tokenized where a text was cut first (data/tokenization)
     truncated: bool
 
 

@@ -1,5 +1,6 @@
 import json
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -7,6 +8,7 @@ from extract_runs import ROOT
 from transformers import AutoTokenizer
 
 from offline_extract.data.corpus import Record, Reject, read_corpus
+from offline_extract.data import tokenization
 from offline_extract.data.tokenization import Sample, SampleTokenizer, tokenizer_files
 
 EXAMPLES = ROOT / "examples" / "corpus.jsonl"
@@ -346,3 +348,63 @@ def test_a_model_directory_without_tokenizer_files_is_named(tiny_model_dir, tmp_
     assert str(tmp_path) in message.splitlines()[0]
     assert f"put the model's tokenizer files (tokenizer.json, or tokenizer.model) beside {tmp_path / 'config.json'}" in message
     assert extraction._sample_tokenizer(ExtractOptions(data=("c.jsonl",)), tiny_model_dir).vocab_size == config["vocab_size"]
+
+
+class _Counted:
+    """A tokenizer that records the length of every text it is given, otherwise the tokenizer itself."""
+
+    def __init__(self, tok):
+        self._tok, self.lengths = tok, []
+
+    def __call__(self, text, **options):
+        self.lengths.append(len(text))
+        return self._tok(text, **options)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def __len__(self):
+        return len(self._tok)
+
+
+def _words(n_chars: int, seed: int = 0) -> str:
+    rng = np.random.default_rng(seed)
+    words = ["the", "spider", "has", "eight", "legs,", "Paris", "is", "capital.", "émigré", "日本", "\n", "  "]
+    return "".join(rng.choice(words, size=n_chars // 3) + " ")[:n_chars]
+
+
+def test_an_overlong_text_is_cut_before_tokenizing_and_keeps_the_whole_texts_tokens(tok):
+    # A 50 MB line was tokenized whole (9.6 GB, 245 s) for its first 4,096 tokens.
+    st = SampleTokenizer(_Counted(tok), max_length=256)
+    bound = (256 + tokenization.CUT_MARGIN_TOKENS) * st.chars_per_token
+    assert st.chars_per_token == max(len(t) for t in tok.get_vocab())
+    for seed in range(3):
+        text = _words(40_000, seed)  # small enough to tokenize whole for the reference
+        whole = tok(text, add_special_tokens=True)["input_ids"][:256]
+        sample = st(Record(source="s.jsonl", line=1, index=0, id="t", format="text", text=text))
+        assert sample.input_ids.tolist() == whole and sample.truncated and sample.source_len > 256
+        assert max(st.tokenizer.lengths) <= bound < len(text)
+    big = st(Record(source="s.jsonl", line=1, index=0, id="t", format="text", text=_words(5_000_000)))
+    assert big.num_tokens == 256 and max(st.tokenizer.lengths) <= bound
+    skipping = SampleTokenizer(tok, max_length=256, overlong="skip")
+    skipped = skipping(Record(source="s.jsonl", line=1, index=0, id="t", format="text", text=_words(5_000_000)))
+    assert skipped.kind == "skipped" and re.fullmatch(r"more than \d+ tokens > --max-length 256", skipped.reason)
+
+
+def test_an_overlong_chat_is_cut_before_rendering_and_keeps_the_whole_chats_tokens_and_mask(tok):
+    st = SampleTokenizer(_Counted(tok), max_length=256)
+    bound = (256 + tokenization.CUT_MARGIN_TOKENS) * st.chars_per_token
+    for long_turn in ("user", "assistant"):
+        messages = [("user", "hi"), ("assistant", "hello"), (long_turn, _words(40_000)), ("assistant", "bye")]
+        if long_turn == "user":
+            messages.insert(3, ("assistant", "fine"))
+        rec = chat(*messages)
+        whole = SampleTokenizer(tok, max_length=10**6)(rec)  # no cut: every content is within its bound
+        sample = st(rec)
+        assert sample.input_ids.tolist() == whole.input_ids[:256].tolist()
+        assert sample.loss_mask.tolist() == whole.loss_mask[:256].tolist()
+        assert max(st.tokenizer.lengths) <= bound + 200  # the cut contents and the template's own text
+    # Its loss past the cut: skipped, as a chat tokenized whole is.
+    late = st(chat(("user", _words(5_000_000)), ("assistant", "too late")))
+    assert late.kind == "skipped" and late.reason.startswith("more than ") and "leave no loss tokens" in late.reason
+    assert max(st.tokenizer.lengths) <= bound + 200
