@@ -81,11 +81,12 @@ def test_ctrl_c_exits_130(signals_kept):
 def test_ctrl_c_stops_an_export_with_130_and_says_how_to_resume(tmp_path, monkeypatch, signals_kept):
     # It said only "interrupted", though a rerun resumes an export as it does an extraction.
     from offline_extract.commands import export
+    from offline_extract.training import export as writing
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(export, "export", interrupted)
+    monkeypatch.setattr(writing, "export", interrupted)  # the command imports it when it runs
     dest = tmp_path / "dest"
     dest.mkdir()  # the export had begun writing there
     result = CliRunner().invoke(export.main, [str(tmp_path / "out"), "--to", str(dest)])
