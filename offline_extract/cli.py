@@ -30,6 +30,22 @@ def _one_line(message, category, filename, lineno, line=None) -> str:
 
 
 class _Command(click.Command):
+    # --help's sections: title -> the names of the parameters listed there, in that order; None: one
+    # list of every option, as click writes it. Parameters of no section (--version, --help) come last.
+    sections: dict[str, tuple[str, ...]] | None = None
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        if self.sections is None:
+            return super().format_options(ctx, formatter)
+        records = {p.name: p.get_help_record(ctx) for p in self.get_params(ctx)}
+        placed = {name for names in self.sections.values() for name in names}
+        sections = [*self.sections.items(), ("Other options", tuple(n for n in records if n not in placed))]
+        for title, names in sections:
+            rows = [records[name] for name in names if records.get(name)]
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
     def __call__(self, *args, **kwargs):
         """Run as the program, on sys.argv, as console scripts and bin/ scripts call it (called with arguments
         of its own, from Python or a test, it is click's `main`, and the caller's process goes on): a stop
@@ -62,11 +78,13 @@ class _Command(click.Command):
             raise Interrupted("interrupted") from None
 
 
-def command(**kwargs):
-    """`click.command` for one of our commands."""
+def command(sections: dict[str, tuple[str, ...]] | None = None, **kwargs):
+    """`click.command` for one of our commands; `sections` groups its options in --help (_Command)."""
 
     def decorate(f):
         f = click.version_option(__version__, "--version", message="%(prog)s, offline_extract %(version)s")(f)
-        return click.command(cls=_Command, context_settings={"help_option_names": ["-h", "--help"]}, **kwargs)(f)
+        made = click.command(cls=_Command, context_settings={"help_option_names": ["-h", "--help"]}, **kwargs)(f)
+        made.sections = sections
+        return made
 
     return decorate

@@ -1,17 +1,20 @@
 """The options module: each choice stated once, checked once, and the tables keyed by it agree with it."""
 import os
-from dataclasses import fields
+import re
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 import click
 import pytest
+from click.testing import CliRunner
 
+from offline_extract.commands.extract import SECTIONS
 from offline_extract.commands.extract import main as extract_command
 from offline_extract.engine.distributed import Layout
 from offline_extract.extraction import engine_config
 from offline_extract.default_model import TINY_VERSION, default_cache_dir
 from offline_extract.engine.sglang_adapter import JIT_CACHES, use_jit_cache
-from offline_extract.options import FINAL_STATES, ExtractOptions, cache_root, choices, default
+from offline_extract.options import FINAL_STATES, GROUPS, ExtractOptions, cache_root, choices, default
 from offline_extract.recipes import RECIPES
 from offline_extract.store.schema import STORES
 
@@ -37,10 +40,25 @@ def test_the_command_line_offers_the_options_choices_and_defaults():
     offered = {name: tuple(p.type.choices) for name, p in params.items() if isinstance(p.type, click.Choice)}
     assert offered == {name: choices(name) for name in offered}
     assert set(offered) == {f.name for f in fields(ExtractOptions) if f.name in _choice_fields()}
-    for name, p in params.items():
-        if name in offered or name in {"max_length", "tp", "seqs_per_batch", "parity_samples", "progress_every"}:
-            assert p.default == default(name), name
-    assert params["shard_size_mb"].default * (1 << 20) == default("shard_bytes")
+    # Every field is an option of the command, by its own name, with its own default (--shard-size-mb in MiB).
+    assert set(params) == {f.name for f in fields(ExtractOptions)} | {"dry_run", "version"}
+    for f in fields(ExtractOptions):
+        unit = f.metadata["cli"].unit
+        if f.default is not MISSING and f.default is not None and not isinstance(f.default, bool):
+            assert params[f.name].default * unit == default(f.name), f.name
+    assert params["shard_bytes"].opts == ["--shard-size-mb"] and params["progress"].opts == ["--no-progress"]
+
+
+def test_help_lists_every_option_once_in_its_section():
+    assert {f.metadata["cli"].group for f in fields(ExtractOptions)} <= set(GROUPS)
+    text = CliRunner().invoke(extract_command, ["--help"], terminal_width=200).output
+    titles = [f"{title}:" for title in GROUPS.values()]
+    assert [line for line in text.splitlines() if line in titles] == titles, text
+    for f in fields(ExtractOptions):
+        (section,) = [title for title, names in SECTIONS.items() if f.name in names]
+        flag = extract_command.params[[p.name for p in extract_command.params].index(f.name)].opts[0]
+        (row,) = [m.start() for m in re.finditer(rf"^  {re.escape(flag)}\b", text, flags=re.M)]
+        assert text.index(f"{section}:") < row, (flag, section)
 
 
 def _choice_fields() -> set[str]:
