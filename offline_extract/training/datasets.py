@@ -37,7 +37,7 @@ import torch
 from safetensors import safe_open
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from offline_extract.store import manifest
+from offline_extract.store import manifest, verdicts
 from offline_extract.store.index import index_mismatch, read_index, scan, shard_paths
 from offline_extract.store.schema import RunInfo, ShardError
 from offline_extract.store.shard import encoding_of, read_samples, sample_bounds
@@ -60,15 +60,18 @@ class Catalog:
         return len(self.ids)
 
 
-def load_catalog(out_dir: str | os.PathLike, allow_partial: bool = False, verify_checksums: bool = False) -> Catalog:
+def load_catalog(out_dir: str | os.PathLike, allow_partial: bool = False, verify_checksums: bool = True) -> Catalog:
     """Where each sample lives, from the shards' headers; index.json only repeats them, and is named in
     a warning where it disagrees.
 
     An extraction that has not finished (or lost shards since) is refused: training on it as if it were
     whole would silently miss samples. allow_partial=True reads what is there, with a warning.
-    verify_checksums=True first reads every shard manifest.json lists against its checksum there (the
-    whole output once), and refuses damaged ones: a flipped byte in a state is otherwise served as is
-    (zstd frames carry their own checksum). Without manifest.json there is nothing to check against.
+    Every shard manifest.json (or an unfinished run's journal) lists is first checked against its
+    checksum there, and a damaged one refused: a flipped byte in a state is otherwise served as it is
+    (zstd frames carry their own checksum, but bf16 and fp8 states none). That reads the whole output
+    once; the verdict is kept beside the shards (`store/verdicts.py`), so a later dataset pays a stat per
+    shard. Without manifest.json there is nothing to check against, which a warning says.
+    verify_checksums=False reads without the check (and without that warning).
     """
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
@@ -100,9 +103,11 @@ def load_catalog(out_dir: str | os.PathLike, allow_partial: bool = False, verify
 def _check_checksums(out_dir: Path) -> None:
     recorded = manifest.load(out_dir)
     if recorded is None:
-        return  # shards written through the library: no checksum recorded, nothing claimed
-    # Shards of an unfinished run that the manifest does not list yet are read unchecked (allow_partial).
-    damaged = manifest.damaged_shards(out_dir, recorded)
+        # Shards written through the library have no manifest; an extraction's output has lost its own.
+        warnings.warn(f"{out_dir} has no {manifest.MANIFEST_NAME}, which records its shards' checksums: damage in "
+                      f"them cannot be told, and would be served as it is")
+        return
+    damaged = verdicts.damaged_shards(out_dir, recorded)
     if damaged:
         raise ShardError(
             f"{out_dir} holds damaged shards:\n  " + "\n  ".join(damaged)
@@ -152,7 +157,7 @@ class _ShardHandles:
 class HiddenStateDataset(Dataset):
     """Map-style: item i is the i-th sample in sample-index order (see the module docstring)."""
 
-    def __init__(self, out_dir: str | os.PathLike, *, allow_partial: bool = False, verify_checksums: bool = False):
+    def __init__(self, out_dir: str | os.PathLike, *, allow_partial: bool = False, verify_checksums: bool = True):
         self.catalog = load_catalog(out_dir, allow_partial, verify_checksums)
         self._handles = _ShardHandles(self.catalog.shard_files)
         self._position_of_id: dict[str, int] | None = None
@@ -249,7 +254,7 @@ class HiddenStateIterableDataset(IterableDataset):
         world_size: int = 1,
         drop_last: bool = False,
         allow_partial: bool = False,
-        verify_checksums: bool = False,
+        verify_checksums: bool = True,
     ):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank} world_size={world_size}")

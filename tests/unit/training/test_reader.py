@@ -1,13 +1,16 @@
 import itertools
 import json
+import os
 import pickle
+import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from offline_extract.store import manifest
+from offline_extract.store import checksum, manifest, verdicts
 from offline_extract.store.index import iter_samples, shard_paths, write_index
 from offline_extract.store.schema import SAMPLE_TENSORS, ShardError
 from offline_extract.store.shard import open_shard
@@ -287,15 +290,60 @@ def _flip_last_byte(path) -> None:
     path.write_bytes(bytes(data))
 
 
+def _hashed(monkeypatch) -> list[str]:
+    """The names of the shards hashed against their recorded checksums from now on."""
+    names, real = [], checksum.checksum
+    monkeypatch.setattr(checksum, "checksum", lambda path, entry: names.append(Path(path).name) or real(path, entry))
+    return names
+
+
 @pytest.mark.parametrize("dataset", [HiddenStateDataset, HiddenStateIterableDataset])
-def test_a_checksum_check_on_request_refuses_a_flipped_byte(out_dir, dataset):
+def test_a_flipped_byte_is_refused_by_default_and_a_good_shard_is_hashed_once(out_dir, dataset, monkeypatch):
     manifest.consolidate(out_dir, identity={}, status="complete")
-    assert len(dataset(out_dir, verify_checksums=True)) == N
-    damaged = shard_paths(out_dir)[2]
+    paths = shard_paths(out_dir)
+    hashed = _hashed(monkeypatch)
+    assert len(dataset(out_dir)) == N
+    assert sorted(hashed) == sorted(p.name for p in paths)
+    hashed.clear()
+    assert len(dataset(out_dir)) == N and hashed == [], "a second dataset takes the kept verdicts"
+
+    damaged = paths[2]
+    before = damaged.stat()
     _flip_last_byte(damaged)
-    assert len(dataset(out_dir)) == N, "unchecked, the reader cannot tell"
+    os.utime(damaged, ns=(before.st_atime_ns, before.st_mtime_ns))  # the mtime put back: the ctime still moved
     with pytest.raises(ShardError, match=rf"{damaged.name}: block_sha256 \w+ differs from manifest.json's.*\nDelete them"):
-        dataset(out_dir, verify_checksums=True)
+        dataset(out_dir)
+    assert hashed == [damaged.name]
+    with pytest.raises(ShardError, match=damaged.name):
+        dataset(out_dir)  # a damaged shard is never kept as good
+    hashed.clear()
+    assert len(dataset(out_dir, verify_checksums=False)) == N and hashed == [], "the opt-out reads unchecked"
+
+
+def test_kept_verdicts_that_are_damaged_or_stale_are_checked_again(out_dir, monkeypatch):
+    manifest.consolidate(out_dir, identity={}, status="complete")
+    HiddenStateDataset(out_dir)
+    hashed = _hashed(monkeypatch)
+    (out_dir / verdicts.VERDICTS_NAME).write_text('{"shard_000.safetensors": {"bytes"')
+    HiddenStateDataset(out_dir)
+    assert sorted(hashed) == sorted(p.name for p in shard_paths(out_dir))
+    hashed.clear()
+    recorded = manifest.load(out_dir)
+    first = shard_paths(out_dir)[0].name
+    recorded["shards"][first][checksum.KEY] = "0" * 64  # the verdict was on another checksum than the one now recorded
+    manifest.save(out_dir, recorded)
+    with pytest.raises(ShardError, match=rf"{first}: block_sha256 \w+ differs"):
+        HiddenStateDataset(out_dir)
+    assert hashed == [first]
+
+
+def test_a_directory_without_manifest_is_read_with_a_warning_naming_it(out_dir):
+    with pytest.warns(UserWarning, match=rf"{out_dir} has no manifest.json, which records its shards' checksums: damage "
+                                         r"in them cannot be told"):
+        assert len(HiddenStateDataset(out_dir)) == N
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(HiddenStateIterableDataset(out_dir, verify_checksums=False)) == N
 
 
 def test_items_are_found_by_position_or_id_and_a_wrong_key_says_what_keys_are(out_dir):
