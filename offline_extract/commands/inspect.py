@@ -63,13 +63,21 @@ def main(path: str, sample_id: str | None, as_json: bool, verify: bool, allow_pa
         verdict = plural(len(report.problems), "problem") if report.problems else "no problems"
         click.echo(f"verified {plural(report.shards, 'shard')} holding {plural(report.samples, 'sample')} in {path}: "
                    f"{verdict}")
+        # Without manifest.json nothing records the corpus, and a re-run is refused unless --force says it is the same.
+        rerun = "re-run the extraction" if report.manifest else \
+            f"re-run the extraction with --force and the same --data (no {manifest.MANIFEST_NAME} records its corpus)"
         if report.damaged:
             their = "its" if len(report.damaged) == 1 else "their"
-            click.echo(f"delete {', '.join(report.damaged)} and re-run the extraction, which redoes exactly {their} "
-                       "samples")
-        elif report.problems:
+            click.echo(f"delete {', '.join(report.damaged)} and {rerun}, which redoes exactly {their} samples")
+        elif report.problems and report.manifest:
             click.echo("no shard is damaged: delete nothing, re-running the extraction repairs the rest")
-        if report.unfinished:
+        elif report.problems:
+            click.echo(f"no shard is damaged as far as can be told without checksums: delete nothing; {rerun}, which "
+                       f"rebuilds {manifest.MANIFEST_NAME} (checksumming the shards as they are now) and the rest")
+        if report.unfinished and report.running:
+            click.echo(f"an extraction is writing {path} now ({report.running}): the shards marked unfinished are its "
+                       "complete ones so far; wait for it to end, then verify again")
+        elif report.unfinished:
             click.echo("the run was interrupted: the shards marked unfinished are sound and kept (delete nothing for "
                        "them); re-running the same extraction command finishes it")
         raise SystemExit(status)

@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from offline_extract.store import manifest
 from offline_extract.store.index import index_run, read_index, shard_paths
+from offline_extract.store.lock import running
 from offline_extract.store.schema import FRAMES_SUFFIX, IDENTITY_KEYS, INDEX_NAME, SCALE_SUFFIX, Encoding, ShardError
 from offline_extract.store.shard import ShardHeader, read_header
 from offline_extract.words import listing, plural
@@ -30,6 +31,8 @@ class Verification:
     problems: list[str] = field(default_factory=list)  # damage or inconsistency, each line naming what
     damaged: list[str] = field(default_factory=list)  # the shard files among them: delete these and re-run
     unfinished: list[str] = field(default_factory=list)  # an interrupted run's state: a re-run finishes it
+    manifest: bool = True  # whether manifest.json was there: without it a re-run needs --force
+    running: str | None = None  # the live run writing the directory now, in words (`lock.running`)
 
     def damage(self, name: str, problems: list[str]) -> None:
         self.problems += problems
@@ -40,10 +43,11 @@ class Verification:
 def verify(out: str | os.PathLike, threads: int = 8) -> Verification:
     out = Path(out)
     paths = shard_paths(out)
-    report = Verification(len(paths))
+    report = Verification(len(paths), running=running(out))
     recorded = manifest.load(out)
     unrecorded: dict[str, str] = {}
     if recorded is None:
+        report.manifest = False
         report.problems.append(f"no {manifest.MANIFEST_NAME}: shard checksums cannot be checked")
     else:
         _check_checksums(out, paths, recorded, threads, report, unrecorded)
@@ -68,9 +72,10 @@ def verify(out: str | os.PathLike, threads: int = 8) -> Verification:
     for name, how in unrecorded.items():
         if name not in report.damaged:
             by_how.setdefault(how, []).append(name)
+    why = "the run is still writing" if report.running else "the run stopped"
     report.unfinished += [
-        f"{plural(len(names), 'shard')} complete, not yet recorded in {manifest.MANIFEST_NAME} because the run "
-        f"stopped ({how}): {listing(names)}"
+        f"{plural(len(names), 'shard')} complete, not yet recorded in {manifest.MANIFEST_NAME} because {why} "
+        f"({how}): {listing(names)}"
         for how, names in by_how.items()
     ]
     stale = _check_index(out, [p.name for p in paths], headers)
@@ -97,16 +102,15 @@ def _check_checksums(
         for name in listed
         if name not in on_disk
     ]
+    unlogged = "its journal line not written yet" if report.running else \
+        "written just before the stop; a re-run checksums it"
     for path in paths:
         if path.name in listed:
             continue
         if status == "complete":
             report.problems.append(f"{path.name}: not listed in {manifest.MANIFEST_NAME}")
         else:
-            journaled = path.name in logged
-            unrecorded[path.name] = (
-                "checked against the run's journal" if journaled else "written just before the stop; a re-run checksums it"
-            )
+            unrecorded[path.name] = "checked against the run's journal" if path.name in logged else unlogged
     entries = {p: listed.get(p.name) or logged.get(p.name) for p in paths}
     checked = [p for p, entry in entries.items() if entry is not None]
     for path, digest in zip(checked, manifest.checksums(checked, [entries[p] for p in checked], threads)):

@@ -24,6 +24,7 @@ from offline_extract.store import checksum
 from offline_extract.store.atomic import atomic_write
 from offline_extract.store.index import shard_paths
 from offline_extract.store.journal import load_json, read_journal
+from offline_extract.store.lock import running
 from offline_extract.store.schema import (
     FORMAT_VERSION, IDENTITY_KEYS, READABLE_FORMAT_VERSIONS, RunInfo, ShardError, shard_number,
 )
@@ -168,10 +169,12 @@ def unfinished(out: str | os.PathLike) -> str | None:
     if recorded.get("status") != "complete":
         # Counted from the shards: an interrupted run's journals may list more than manifest.json does.
         held = sum(len(read_header(p).samples) for p in shard_paths(out))
+        writer = running(out)
+        then = f"An extraction is writing it now ({writer}): wait for it to end" if writer else \
+            "Re-run the extraction to finish it"
         return (
             f"{out} is an unfinished extraction ({MANIFEST_NAME} status {recorded.get('status')!r}): it holds "
-            f"{plural(held, 'sample')} so far; how many are missing is unknown until the run completes. Re-run "
-            f"the extraction to finish it"
+            f"{plural(held, 'sample')} so far; how many are missing is unknown until the run completes. {then}"
         )
     listed = recorded.get("shards", {})
     gone = [name for name in listed if not (out / name).is_file()]

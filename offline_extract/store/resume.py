@@ -23,12 +23,12 @@ import numpy as np
 
 from offline_extract.store import manifest
 from offline_extract.store.atomic import temporary_name
+from offline_extract.store.lock import LOCK_NAME, holder
 from offline_extract.store.index import index_differences, read_index, scan, shard_paths, write_index
 from offline_extract.store.schema import INDEX_NAME, REJECTS_FILE, SHARD_GLOB, RunInfo, ShardError, shard_number
 from offline_extract.store.shard import read_header
 from offline_extract.words import listing, plural
 
-LOCK_NAME = ".lock"
 REJECTS_PART = ".rejects.dp{}.jsonl"  # a replica's rejects, by its DP rank, merged into REJECTS_FILE at the end
 # Files only a live run owns: the temporaries of the files it writes into --out (half-written shards, index,
 # manifest or merged rejects) and the replicas' reject lists. These names only: a hidden file of the user's
@@ -108,21 +108,12 @@ def _cannot_lock(path: Path, e: OSError) -> str:
 
 def in_use(out: Path) -> str | None:
     """The words a run taking `out` now would be refused with because another live run holds its lock;
-    None when none does (no lock file, or one that a killed run left unheld). It only looks: the dry run's
-    check, which writes nothing. (Its shared lock, held for the look, would turn away a run that tried to
-    take the directory in that same instant, naming the last holder.)"""
+    None when none does. It only looks (`holder`): the dry run's check, which writes nothing."""
     try:
-        f = open(out / LOCK_NAME)
-    except OSError:  # none, or unreadable: the real run names the latter itself
-        return None
-    with f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return _in_use(out, f.read())
-        except OSError as e:
-            return _cannot_lock(out / LOCK_NAME, e)
-    return None
+        record = holder(out)
+    except OSError as e:
+        return _cannot_lock(out / LOCK_NAME, e)
+    return None if record is None else _in_use(out, record)
 
 
 @dataclass(frozen=True)

@@ -2,13 +2,16 @@
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 
-from extract_runs import ROOT
-from small_shards import write_shards
+import pytest
 
-from offline_extract.store import integrity, manifest
+from extract_runs import ROOT
+from small_shards import RUN, write_shards
+
+from offline_extract.store import integrity, manifest, resume
 from offline_extract.store.index import write_index
 from offline_extract.store.journal import Journal
 
@@ -96,6 +99,44 @@ def test_verify_tells_an_interrupted_run_from_a_damaged_one(tmp_path):
     proc = verify_script(tmp_path)
     assert proc.returncode == 1
     assert f"delete {paths[1].name} and re-run the extraction, which redoes exactly its samples" in proc.stdout
+
+
+def test_verify_during_a_run_says_that_one_is_writing_and_to_wait(tmp_path):
+    manifest.save(tmp_path, {"identity": {"layer_ids": [1, 3]}, "status": "running", "shards": {}})
+    with Journal(manifest.journal_path(tmp_path, 0)) as journal:
+        paths = write_shards(tmp_path, [[(i, 3)] for i in range(2)], on_written=lambda w: journal.append(vars(w)))
+    held = resume.OutputLock(tmp_path)
+    try:
+        proc = verify_script(tmp_path)
+    finally:
+        held.release()
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert (f"an extraction is writing {tmp_path} now (pid {os.getpid()} on {socket.gethostname()}, since "
+            in proc.stdout), proc.stdout
+    assert "wait for it to end, then verify again" in proc.stdout
+    assert f"because the run is still writing (checked against the run's journal): {paths[0].name}" in proc.stdout
+    assert "interrupted" not in proc.stdout and "re-run" not in proc.stdout
+
+
+def test_verify_without_manifest_advises_the_rerun_that_is_let_through(tmp_path):
+    out, corpus = tmp_path / "out", tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "a"}\n{"text": "b"}\n')
+    paths = write_shards(out, [[(0, 3)], [(1, 2)]])
+    write_index(out)
+    proc = verify_script(out)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[0] == "no manifest.json: shard checksums cannot be checked"
+    assert ("no shard is damaged as far as can be told without checksums: delete nothing; re-run the extraction with "
+            "--force and the same --data (no manifest.json records its corpus), which rebuilds manifest.json") in proc.stdout
+    identity = manifest.run_identity(RUN, [corpus])
+    with pytest.raises(resume.TakeoverError, match="pass --force"):
+        resume.check_identity(out, identity, force=False)
+    assert resume.check_identity(out, identity, force=True), "the advised re-run is let through"
+
+    os.truncate(paths[1], paths[1].stat().st_size - 7)
+    proc = verify_script(out)
+    assert (f"delete {paths[1].name} and re-run the extraction with --force and the same --data (no manifest.json "
+            f"records its corpus), which redoes exactly its samples") in proc.stdout
 
 
 def test_verify_counts_one_shard_as_one(tmp_path):

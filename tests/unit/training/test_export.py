@@ -4,6 +4,7 @@ import os
 import re
 import resource
 import signal
+import socket
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from extract_runs import ROOT
 
-from offline_extract.store import manifest
+from offline_extract.store import manifest, resume
 from offline_extract.store.index import iter_samples
 from offline_extract.store.schema import ShardError
 from offline_extract.testing.shards import write_synthetic
@@ -143,6 +144,21 @@ def test_an_edited_index_does_not_move_a_sample_to_another_id(out_dir, tmp_path)
     for i, sample_id in enumerate(exported["ids"]):
         data = torch.load(specforge_path(tmp_path / "sf", i), weights_only=True)
         assert torch.equal(data["input_ids"], want[sample_id]["input_ids"].long()), sample_id
+
+
+def test_an_export_during_a_run_says_that_one_is_writing_and_to_wait(out_dir, tmp_path):
+    manifest.consolidate(out_dir, identity={}, status="running")
+    held = resume.OutputLock(out_dir)
+    try:
+        refused = run_script("--format", "specforge", out_dir, "--to", tmp_path / "sf", "--no-progress")
+    finally:
+        held.release()
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+    said = " ".join(refused.stderr.split())
+    assert f"An extraction is writing it now (pid {os.getpid()} on {socket.gethostname()}, since " in said, said
+    assert "wait for it to end, or allow a partial read" in said and "Re-run" not in said
+    done = run_script("--format", "specforge", out_dir, "--to", tmp_path / "sf", "--no-progress")
+    assert "Re-run the extraction to finish it" in done.stderr, "once it has ended, the run was interrupted"
 
 
 def test_a_shard_whose_bytes_differ_from_its_checksum_is_not_exported(out_dir, tmp_path):
