@@ -53,8 +53,7 @@ class _Command(click.Command):
         has run by then (an extraction's unfinished shard dropped, the complete ones and their journal
         written, the lock released); the interpreter's teardown would only race the threads that the stop
         cut short, still in C code (the tokenizer loading beside the model, the parity reference's read,
-        SGLang's and torch's own), which is the likeliest reason why a run interrupted on a loaded machine
-        once died of SIGSEGV instead of exiting 130."""
+        SGLang's and torch's own), and can end the process in SIGSEGV instead of the status a stop has."""
         if args or kwargs:
             return self.main(*args, **kwargs)
         try:

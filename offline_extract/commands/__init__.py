@@ -19,7 +19,7 @@ def _interrupted_while_starting(signum, frame) -> None:
 signal.signal(signal.SIGINT, _interrupted_while_starting)
 
 # At exit, before the interpreter's own teardown, whose garbage collections would otherwise walk every object
-# that torch, transformers and SGLang made: 2.5-3 s on the 2-core development VM after a run, 0.5 s frozen.
+# that torch, transformers and SGLang made: seconds after a run, a fraction of that frozen (docs/start-up.md).
 # Nothing waits on those collections: a command's files are closed by then, and Python promises no
 # finalizer at exit anyway.
 atexit.register(gc.freeze)

@@ -183,7 +183,7 @@ def _first_line(e: Exception) -> str:
 class KernelPrebuild:
     """SGLang's nvcc-built modules for one rank (`_prebuild_calls`), each built on a thread of its own from
     the moment the config is read, so that they compile side by side and while the weights load instead
-    of one after another inside the first forward (25-30 s on a fresh H200, issue 26).
+    of one after another inside the first forward (tens of seconds on a fresh machine, docs/start-up.md).
 
     Harmless when it guesses wrong: a module nobody calls costs only its build, and the forward still
     builds what it needs. A failure is kept for the record, not raised: the forward's own call tries again.
@@ -622,8 +622,8 @@ class Engine:
         self.cfg = cfg
         self.final_state = cfg.final_state
         # Where the checkpoint's weights are quantized, as its config.json states it (a wrapper's text
-        # model's). Read from the file: SGLang's FP8 loader adds config objects to the in-memory dict later
-        # (seen on the H200), which would no longer serialize into the run's metadata. Checked before SGLang
+        # model's). Read from the file: SGLang's FP8 loader adds config objects to the in-memory dict later,
+        # which would no longer serialize into the run's metadata. Checked before SGLang
         # reads the config, whose own model checks (GPT-OSS's attention backends) would otherwise speak first.
         raw = json.loads((Path(cfg.model_path) / "config.json").read_text())
         self.quantization = raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config")

@@ -131,8 +131,8 @@ def _serialize(path: Path, tensors: dict[str, torch.Tensor | _Frames], metadata:
     and each block is hashed by one of the `pool`'s threads while it is written. A write into a file holds
     the file's inode lock (tmpfs, ext4, xfs): several threads writing one file go one at a time, and while
     they wait, no other shard is written. With one thread a file, the writer threads write their shards
-    side by side (blocks of one shard handed to the pool's threads wrote one file at a time, at one
-    stream's rate: about 1.5 GB/s on the H200's tmpfs, below the 2.4 GB/s that TP=2 hands over).
+    side by side (blocks of one shard handed to the pool's threads would write one file at a time, at one
+    stream's rate, below what TP=2 hands over; benchmarks/README.md has the figures).
     With `filling`, the state rows from `filling.final` on are still arriving: a block goes as soon as
     every row it holds is final, and is flushed to disk, so that once the last row is, only the blocks it
     lands in are left (with one sha256 over the file, its second state tensor, a gigabyte for a
