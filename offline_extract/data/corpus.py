@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from offline_extract.data.sources import FORMAT_KEYS, open_sources
+from offline_extract.data.sources import FORMAT_KEYS, LineTooLong, open_sources
 
 SHAREGPT_ROLES = {
     "system": "system",
@@ -284,6 +284,8 @@ def _read(sources: list, owns: Callable[[int], bool] | None) -> Iterator[Record 
         for line, raw in source.rows():
             id_ = None
             try:
+                if isinstance(raw, LineTooLong):
+                    raise _BadRecord(raw.reason)
                 obj = _parse(raw, first_line=line == 1) if isinstance(raw, bytes) else raw
                 id_ = _explicit_id(obj)
                 if id_ is None:

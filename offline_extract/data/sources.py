@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from offline_extract import hub
-from offline_extract.words import plural
+from offline_extract.words import human_bytes, plural
 
 _GZIP_MAGIC = b"\x1f\x8b"
 # A record's fields that say its format (data/corpus.py reads them); an object with none is no record.
@@ -37,6 +37,21 @@ _ROWS_PER_BATCH = 1024
 _BLANK = b" \t\r\n"  # JSON's whitespace
 _BLANKS = re.compile(r"[ \t\r\n]*")
 _BOM = b"\xef\xbb\xbf"
+# The longest JSONL line read into memory: a record costs what --max-length does once read (data/tokenization),
+# but reading and parsing a line costs a few times its size. A longer line is rejected without being held whole.
+MAX_LINE_BYTES = 256 * 10**6
+
+
+@dataclass(frozen=True)
+class LineTooLong:
+    """A JSONL line past MAX_LINE_BYTES, in place of its bytes; the corpus rejects it with `reason`."""
+
+    nbytes: int
+
+    @property
+    def reason(self) -> str:
+        return (f"the line is {human_bytes(self.nbytes)}, past the {human_bytes(MAX_LINE_BYTES)} a record may be: "
+                f"split it into records, or cut its text (only --max-length tokens of it are extracted)")
 
 
 class CorpusReadError(ValueError):
@@ -76,8 +91,8 @@ class Source:
         st = self.path.stat()
         return (st.st_dev, st.st_ino, self.split)
 
-    def rows(self) -> Iterator[tuple[int, bytes | dict]]:
-        """(position, raw JSONL line) for JSONL, (position, the element's JSON text) for a JSON array,
+    def rows(self) -> Iterator[tuple[int, bytes | dict | LineTooLong]]:
+        """(position, raw JSONL line, or LineTooLong) for JSONL, (position, the element's JSON text) for a JSON array,
         (position, row) for the tabular kinds. A file that breaks off part-way (a truncated or damaged gzip,
         an I/O error) raises CorpusReadError naming it; a damaged JSON array does before its first record."""
         position = 0
@@ -95,7 +110,7 @@ class Source:
     def _rows(self) -> Iterator[tuple[int, bytes | dict]]:
         if self.kind in ("jsonl", "jsonl.gz"):
             with (gzip.open if self.kind == "jsonl.gz" else open)(self.path, "rb") as f:
-                yield from ((line, raw) for line, raw in enumerate(f, start=1) if raw.strip())
+                yield from _lines(f)
             return
         if self.kind == "json":
             text = _json_text(self.path)
@@ -189,6 +204,23 @@ class Source:
         if self.kind == "saved":
             return len(self._saved())
         return None
+
+
+def _lines(f) -> Iterator[tuple[int, bytes | LineTooLong]]:
+    """The non-blank lines of the binary file `f` with their 1-based numbers; one past MAX_LINE_BYTES is read
+    on to its end in pieces and given as LineTooLong."""
+    line, most, readline = 0, MAX_LINE_BYTES, f.readline
+    while raw := readline(most + 1):
+        line += 1
+        if len(raw) > most and not raw.endswith(b"\n"):
+            nbytes = len(raw)
+            while rest := f.readline(1 << 20):
+                nbytes += len(rest)
+                if rest.endswith(b"\n"):
+                    break
+            yield line, LineTooLong(nbytes)
+        elif raw.strip():
+            yield line, raw
 
 
 def _present(row: dict) -> dict:

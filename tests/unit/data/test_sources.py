@@ -11,6 +11,7 @@ from extract_runs import hub_cache
 
 from offline_extract import hub
 from offline_extract.data.corpus import Record, read_corpus
+from offline_extract.data import sources
 from offline_extract.data.sources import CorpusReadError, open_source
 from offline_extract.store import manifest
 
@@ -282,3 +283,33 @@ def test_a_value_nested_too_deep_to_read_is_named_with_its_file(name, opening, c
     first, second = read_corpus([path])
     assert first.line == 1 and "invalid JSON: maximum recursion depth exceeded" in first.reason
     assert isinstance(second, Record) and second.id == "a"
+
+
+@pytest.mark.parametrize("name", ["c.jsonl", "c.jsonl.gz"])
+def test_a_line_past_the_most_a_record_may_be_is_rejected_without_being_read_whole(name, tmp_path, monkeypatch):
+    # A 50 MB line was read, parsed and tokenized whole; the reader now holds at most MAX_LINE_BYTES of a line.
+    monkeypatch.setattr(sources, "MAX_LINE_BYTES", 1000)
+    at_most = json.dumps({"text": "x" * (1000 - 12)})
+    assert len(at_most) == 1000
+    lines = [json.dumps(ROWS[0]), json.dumps({"text": "y" * 5_000}), "", at_most, json.dumps({"text": "after"})]
+    text = "".join(line + "\n" for line in lines).encode()
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(text) if name.endswith(".gz") else text)
+    held, lines = [], sources._lines
+
+    class Watched:
+        def __init__(self, f):
+            self.f = f
+
+        def readline(self, size=-1):
+            held.append(size)
+            return self.f.readline(size)
+
+    monkeypatch.setattr(sources, "_lines", lambda f: lines(Watched(f)))
+    items = list(read_corpus([path]))
+    assert [(item.line, type(item).__name__) for item in items] == [(1, "Record"), (2, "Reject"), (4, "Record"),
+                                                                     (5, "Record")]
+    assert items[1].reason == ("the line is 5.0 KB, past the 1.0 KB a record may be: split it into records, or cut "
+                               "its text (only --max-length tokens of it are extracted)")
+    assert items[2].text == "x" * 988 and items[3].id == f"{name}:5"
+    assert held and all(0 < size <= 1 << 20 for size in held), "no read of a line without a bound"
