@@ -337,6 +337,20 @@ def test_kept_verdicts_that_are_damaged_or_stale_are_checked_again(out_dir, monk
     assert hashed == [first]
 
 
+def test_where_no_verdict_can_be_kept_every_dataset_checks_in_full(out_dir, monkeypatch):
+    manifest.consolidate(out_dir, identity={}, status="complete")
+
+    def read_only(path, mode="r", *args, **kwargs):
+        raise OSError(30, "Read-only file system", str(path))
+
+    monkeypatch.setattr(verdicts, "open", read_only, raising=False)
+    hashed = _hashed(monkeypatch)
+    for _ in range(2):
+        assert len(HiddenStateDataset(out_dir)) == N
+    assert sorted(hashed) == sorted(2 * [p.name for p in shard_paths(out_dir)])
+    assert not (out_dir / verdicts.VERDICTS_NAME).exists()
+
+
 def test_a_directory_without_manifest_is_read_with_a_warning_naming_it(out_dir):
     with pytest.warns(UserWarning, match=rf"{out_dir} has no manifest.json, which records its shards' checksums: damage "
                                          r"in them cannot be told"):
