@@ -1,7 +1,8 @@
 """Where the pipeline keeps what it makes, and how a step knows it is done.
 
 Two folders. DATA is small and kept across device calls and machines: carried to the GPU machine (it
-is git-ignored, `carry` names it) and brought back packed (`pipeline.py pack`): the prompts, the
+is git-ignored, `carry` names it; there the calls merge it into a folder of the machine's own, README.md)
+and brought back packed (`pipeline.py pack`): the prompts, the
 responses, each drafter's training record and each serving measurement, and the log of every command
 run. SCRATCH is large and lives on one machine only (by default on /dev/shm): the corpus, the stores,
 the feature files, the SpecForge runs and the drafters, which a fresh machine makes again.

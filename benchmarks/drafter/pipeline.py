@@ -19,6 +19,7 @@ Device calls, in order, with their time estimates: benchmarks/drafter/README.md.
 """
 from __future__ import annotations
 
+import os
 import sys
 import tarfile
 import time
@@ -33,6 +34,12 @@ from benchmarks import command_line  # noqa: E402
 from benchmarks.drafter import layout as lay  # noqa: E402
 from benchmarks.drafter.prompts import build, dump_jsonl_gz  # noqa: E402
 
+if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
+    # A CPU run (the tests'): SGLang's scheduler process imports this module again and needs the same setup.
+    from offline_extract.engine.sglang_adapter import prepare_process
+
+    prepare_process("cpu")
+
 LAUNCHER = "python benchmarks/drafter/pipeline.py"
 
 
@@ -43,9 +50,16 @@ LAUNCHER = "python benchmarks/drafter/pipeline.py"
               show_default=True, help="SCRATCH: stores, features, training runs and drafters of this machine.")
 @click.option("--model", type=click.Path(file_okay=False), default=None,
               help="The target's model directory (SmolLM2-135M-Instruct converted by the real-model fixture).")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
+              help="Where sglang.Engine runs the responses and serve steps; cpu: the tests, on the embedded model.")
 @click.pass_context
-def main(ctx, data, scratch, model):
-    ctx.obj = {"layout": lay.Layout(data.resolve(), scratch.resolve()), "model": model, "start": time.time()}
+def main(ctx, data, scratch, model, device):
+    if device == "cpu":
+        from offline_extract.engine.sglang_adapter import prepare_process
+
+        prepare_process("cpu")
+    ctx.obj = {"layout": lay.Layout(data.resolve(), scratch.resolve()), "model": model, "start": time.time(),
+               "device": device}
 
 
 def _record(ctx, step: str) -> None:
@@ -92,7 +106,8 @@ def responses(ctx, chunk, max_new_tokens, seconds):
     if lay.is_done(layout.responses):
         click.echo("responses: complete")
         return
-    done = run(layout, _model(ctx), chunk=chunk, max_new_tokens=max_new_tokens, deadline=ctx.obj["start"] + seconds)
+    done = run(layout, _model(ctx), chunk=chunk, max_new_tokens=max_new_tokens, deadline=ctx.obj["start"] + seconds,
+               device=ctx.obj["device"])
     _record(ctx, "responses")
     state = "complete" if lay.is_done(layout.responses) else "not complete: rerun to go on"
     click.echo(f"responses: {done['written']} parts written, {done['kept']} kept, of {done['parts']}; {state}")
@@ -157,7 +172,7 @@ def serve(ctx, name, max_new_tokens, speed_prompts):
         if not lay.is_done(drafter):
             raise click.ClickException(f"drafter {name} is not on this machine ({drafter}): run states and train first")
     result = run(_model(ctx), drafter and str(drafter), load_jsonl_gz(layout.prompts / "heldout.jsonl.gz"),
-                 max_new_tokens=max_new_tokens, speed_prompts=speed_prompts)
+                 max_new_tokens=max_new_tokens, speed_prompts=speed_prompts, device=ctx.obj["device"])
     result["command"] = command_line(LAUNCHER)
     lay.write_json(out, result)
     _record(ctx, f"serve {name}")

@@ -18,6 +18,10 @@ from benchmarks.drafter.prompts import dump_jsonl_gz, load_jsonl_gz
 SPECULATIVE = {"speculative_algorithm": "EAGLE3", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
                "speculative_num_draft_tokens": 4}
 ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
+# The engine on CPU, for the tests on the embedded model: SGLang's CPU path takes the native attention and
+# sampler, and a KV pool sized by hand (it would otherwise take a share of the host's memory).
+CPU_ENGINE = {"device": "cpu", "attention_backend": "torch_native", "sampling_backend": "pytorch", "dtype": "float32",
+              "max_total_tokens": 8192, "mem_fraction_static": 0.5}
 
 
 def messages(record: dict) -> list[dict]:
@@ -32,11 +36,11 @@ def prompt_ids(tokenizer, record: dict) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def engine(model: str, **extra):
+def engine(model: str, device: str, **extra):
     import sglang
 
-    return sglang.Engine(model_path=model, dtype="bfloat16", disable_cuda_graph=True, random_seed=0,
-                         log_level="error", **extra)
+    options = {"dtype": "bfloat16", **(CPU_ENGINE if device == "cpu" else {}), **extra}
+    return sglang.Engine(model_path=model, disable_cuda_graph=True, random_seed=0, log_level="error", **options)
 
 
 def greedy(max_new_tokens: int, tokenizer) -> dict:
@@ -47,7 +51,8 @@ def part_path(layout: lay.Layout, k: int) -> Path:
     return layout.responses / f"part_{k:04d}.jsonl.gz"
 
 
-def responses(layout: lay.Layout, model: str, *, chunk: int, max_new_tokens: int, deadline: float) -> dict:
+def responses(layout: lay.Layout, model: str, *, chunk: int, max_new_tokens: int, deadline: float,
+              device: str = "cuda") -> dict:
     """Greedy responses of the target to every training prompt, `chunk` prompts a part file; parts already
     written are kept. Stops before a part that would start after `deadline` (time.time()), leaving the
     step to be resumed; returns what it did."""
@@ -60,7 +65,7 @@ def responses(layout: lay.Layout, model: str, *, chunk: int, max_new_tokens: int
             "max_new_tokens": max_new_tokens}
     if todo:
         tokenizer = AutoTokenizer.from_pretrained(model)
-        llm = engine(model)
+        llm = engine(model, device)
         try:
             for k in todo:
                 if time.time() > deadline:
@@ -117,7 +122,8 @@ def acceptance(metas: list[dict]) -> dict:
             "accept_histogram": hist}
 
 
-def serve(model: str, drafter: str | None, heldout: list[dict], *, max_new_tokens: int, speed_prompts: int) -> dict:
+def serve(model: str, drafter: str | None, heldout: list[dict], *, max_new_tokens: int, speed_prompts: int,
+          device: str = "cuda") -> dict:
     """The held-out prompts served greedily, all at once for acceptance, then the first `speed_prompts`
     one at a time for decode tokens/s at batch 1 (each request's wall time, its short prefill included)."""
     from transformers import AutoTokenizer
@@ -127,7 +133,7 @@ def serve(model: str, drafter: str | None, heldout: list[dict], *, max_new_token
     params = greedy(max_new_tokens, tokenizer)
     extra = {**SPECULATIVE, "speculative_draft_model_path": drafter} if drafter else {}
     start = time.time()
-    llm = engine(model, **extra)
+    llm = engine(model, device, **extra)
     started = time.time() - start
     try:
         llm.generate(input_ids=ids[:1], sampling_params=params)  # warm-up

@@ -108,7 +108,7 @@ def _prompts_layout(tmp_path, n_train: int, n_held: int = 4) -> lay.Layout:
 def test_responses_resume_from_the_parts_written(tmp_path, monkeypatch, tiny_model_dir):
     layout = _prompts_layout(tmp_path, 10)
     calls = []
-    monkeypatch.setattr(sglang_runs, "engine", lambda model, **kw: _FakeEngine(calls))
+    monkeypatch.setattr(sglang_runs, "engine", lambda model, device, **kw: _FakeEngine(calls))
     # A deadline already past: no part is started, nothing is marked done.
     done = sglang_runs.responses(layout, str(tiny_model_dir), chunk=4, max_new_tokens=8, deadline=0)
     assert done["written"] == 0 and not lay.is_done(layout.responses) and calls == []
@@ -131,6 +131,30 @@ def test_responses_resume_from_the_parts_written(tmp_path, monkeypatch, tiny_mod
     assert lay.read_json(lay.marker(layout.responses))["completion_tokens"] == 20
     answers = sglang_runs.load_responses(layout)
     assert len(answers) == 10 and all(a.startswith("answer of ") for a in answers.values())
+
+
+@pytest.mark.slow
+def test_responses_and_the_target_served_through_sglang_engine_on_cpu(tmp_path, tiny_model_dir,
+                                                                      processes_end_with_the_test):
+    """The two sglang.Engine steps as the device calls run them, on CPU with the embedded model: every
+    training prompt answered greedily in its part, then the held-out prompts served by the target alone."""
+    layout = _prompts_layout(tmp_path, 6)
+    pipeline = [sys.executable, str(ROOT / "benchmarks" / "drafter" / "pipeline.py"), "--device", "cpu", "--model",
+                str(tiny_model_dir), "--data", str(layout.data), "--scratch", str(layout.scratch)]
+    run = subprocess.run([*pipeline, "responses", "--max-new-tokens", "6", "--chunk", "4"], capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "2 parts written, 0 kept, of 2; complete" in run.stdout
+    rows = [r for p in sorted(layout.responses.glob("part_*")) for r in load_jsonl_gz(p)]
+    assert [r["id"] for r in rows] == [r["id"] for r in load_jsonl_gz(layout.prompts / "train.jsonl.gz")]
+    assert all(0 < r["completion_tokens"] <= 6 for r in rows)
+    run = subprocess.run([*pipeline, "serve", "target", "--max-new-tokens", "6", "--speed-prompts", "2"],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    served = lay.read_json(layout.serve_record("target"))
+    assert served["prompts"] == 4 and served["batch1_prompts"] == 2 and served["batch1_decode_tok_s"] > 0
+    assert served["drafter"] is None and "accept_length" not in served
+    assert [json.loads(line)["step"] for line in layout.commands.read_text().splitlines()] == ["responses", "serve target"]
 
 
 def test_acceptance_from_meta_info():
@@ -158,6 +182,7 @@ def _final_norm(model_dir: Path):
     return lambda h: (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + eps)) * weight
 
 
+@pytest.mark.slow
 def test_our_states_on_cpu_through_the_engine(tmp_path, tiny_model_dir, processes_end_with_the_test):
     """ours and prenorm, made by bin/extract.py on the embedded model: views of every corpus record,
     SpecForge's keys, the same aux states, and prenorm's final state the one before ours' final norm."""
