@@ -32,7 +32,7 @@ from offline_extract.engine import parity
 from offline_extract.engine.distributed import Coordinator, Layout, ReportedByLeader, layout_from_env
 from offline_extract.engine.nonfinite import NonFiniteError, NonFiniteGuard
 from offline_extract.engine.sglang_adapter import LAYER_CONVENTION, Engine, EngineConfig, PortTaken, import_sglang
-from offline_extract.feed import HostMemory, extract_batches
+from offline_extract.feed import HostMemory, extract_batches, prepared_ahead
 from offline_extract.options import FINAL_STATES, ExtractOptions
 from offline_extract.progress import RunProgress, foreign_output_hidden, note
 from offline_extract.recipes import RECIPES
@@ -87,7 +87,8 @@ def timing_line(t: dict) -> str:
         f"{t['sglang_s']:.1f} s (torch import {t['torch_import_s']:.1f} s, SGLang import {t['sglang_import_s']:.1f} s, "
         f"model load {t['model_load_s']:.1f} s, warm-up {t['warm_up_s']:.1f} s{prebuild}){gate}; tail "
         f"{t['tail_s']:.2f} s after the last forward: states to host {t['to_host_s']:.2f} s, last shards "
-        f"{t['last_shards_s']:.2f} s, rejects and index {t['rejects_and_index_s']:.2f} s"
+        f"{t['last_shards_s']:.2f} s, rejects and index {t['rejects_and_index_s']:.2f} s; between forwards, "
+        f"{t['input_wait_s']:.2f} s waited for input"
     )
 
 
@@ -326,6 +327,7 @@ class Job:
         self.preload: parity.ReferencePreload | None = None
         self.preload_figures: dict = {}
         self.hf_forwards_s = 0.0
+        self.input_wait_s = 0.0  # the feed's wait for its next batch (feed.extract_batches)
 
     def load_tokenizer(self) -> None:
         """Before the model loads, where the tokenizer decides what happens next (--strict, a rerun into a
@@ -648,14 +650,16 @@ class Job:
                     watch.check(bar.done, bar.total, bar.tokens, writer.tokens_written, writer.bytes_written)
 
             extract_start = time.perf_counter()
-            batches = self._marked(batch_by_tokens(samples, self.checked.tokens_per_batch, opts.seqs_per_batch))
+            batches = self._marked(prepared_ahead(batch_by_tokens(samples, self.checked.tokens_per_batch,
+                                                                  opts.seqs_per_batch)))
             guard = NonFiniteGuard(opts.nonfinite, self.engine.layer_ids, tally.nonfinite)
             try:
-                extract_batches(self.engine, batches, writer, advance, staging=staging, nonfinite=guard)
+                times = extract_batches(self.engine, batches, writer, advance, staging=staging, nonfinite=guard)
             except BaseException:
                 if writer is not None:
                     writer.abort()
                 raise
+            self.input_wait_s = times["input_wait_s"]
             self.timeline.mark("drained")
             if writer is not None:
                 tally.written(writer.close(), writer)
@@ -756,6 +760,8 @@ class Job:
             "to_host_s": self.timeline.between("last forward", "drained"),
             "last_shards_s": self.timeline.between("drained", "written"),
             "rejects_and_index_s": self.timeline.between("written", "finished"),
+            # Between the first forward and the last: the feed's wait for its next batch (feed._Input).
+            "input_wait_s": self.input_wait_s,
             **self.engine.prebuild_report(),
             "marks": marks,
         }

@@ -6,6 +6,9 @@ then handed to the `ShardWriter`, screened for NaN/Inf on the way.
 """
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Iterator
@@ -108,6 +111,65 @@ class _WriterFeed:
 
 
 _UNREAD = object()
+_END = object()
+
+
+def prepared_ahead(batches: Iterable[Batch], depth: int = 8) -> Iterator[Batch]:
+    """`batches`, made on a thread of their own up to `depth` ahead of the caller: the records' reading,
+    tokenizing and batching run beside the forwards instead of between them. The tokenizer's Rust code
+    and the file reads release the GIL; on the main thread they sat between two forwards, where a small
+    model's GPU, done in milliseconds, waited for them. An error there (a bad record under --strict) is
+    raised here, to the caller, as it was raised; a caller that stops early stops the thread."""
+    ready: queue.Queue = queue.Queue(depth)
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for batch in batches:
+                if not put(batch):
+                    return
+        except BaseException as e:  # raised to the caller, in order after the batches before it
+            put(e)
+            return
+        put(_END)
+
+    thread = threading.Thread(target=produce, name="batches-ahead", daemon=True)
+    thread.start()
+    try:
+        while (item := ready.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+
+
+class _Input:
+    """The feed's batches, with the seconds it waited for each one after the first (`waited_s`): the records'
+    reading, tokenizing and batching behind the forwards, which the GPU may have waited for too. The first
+    batch's wait is the run's start-up."""
+
+    def __init__(self, batches: Iterable[Batch]):
+        self._batches = iter(batches)
+        self._first = True
+        self.waited_s = 0.0
+
+    def next(self) -> Batch | None:
+        start = time.perf_counter()
+        batch = next(self._batches, None)
+        if not self._first:
+            self.waited_s += time.perf_counter() - start
+        self._first = False
+        return batch
 
 
 def extract_batches(
@@ -124,22 +186,23 @@ def extract_batches(
     ones' compute. `staging` (from `staging_buffers`) may be passed in to reuse pinned memory across
     calls. Ranks that do not write (tp_rank > 0) still take part in every forward: TP needs all of them.
     Batches with NaN or Inf go through `nonfinite` (default: fail on the first such sample).
-    Returns where the host's time went around the forwards (`HostOffload.times`; empty without a writer).
+    Returns where the host's time went around the forwards: `input_wait_s`, its wait for the next batch
+    (`_Input`), and with a writer `HostOffload.times`.
     """
+    batches = _Input(batches)
     if writer is None:
-        for batch in batches:
+        while (batch := batches.next()) is not None:
             for _ in _forwards(engine, batch):
                 pass
             on_batch(batch)
-        return {}
+        return {"input_wait_s": batches.waited_s}
     feed = _WriterFeed(writer, nonfinite or NonFiniteGuard("fail", engine.layer_ids))
 
     def encode(aux: torch.Tensor, last: torch.Tensor) -> dict[str, torch.Tensor]:
         return writer.encoding.encode(aux, last, len(engine.layer_ids))
 
     buffers = staging or staging_buffers(engine, writer.encoding)
-    batches = iter(batches)
-    batch = next(batches, None)
+    batch = batches.next()
     with HostOffload(feed, engine.device, buffers, encode) as offload:
         while batch is not None:
             following = _UNREAD
@@ -147,13 +210,13 @@ def extract_batches(
                 if following is _UNREAD:
                     # Read while the batch's first forward computes: whether there is a next batch decides
                     # how the last one is written.
-                    following = next(batches, None)
+                    following = batches.next()
                 ending = following is None and stop == batch.num_tokens
                 piece = _Piece(batch, start, stop, batch_flag(captured.aux, captured.last), ending)
                 offload.submit(piece, captured.aux, captured.last)
             on_batch(batch)
             batch = following
-    return offload.times
+    return {"input_wait_s": batches.waited_s, **offload.times}
 
 
 def staging_buffers(engine: Engine, encoding: Encoding) -> list:

@@ -1,5 +1,7 @@
 """The feed through the real engine on CPU: which piece of a run it tells the writer is the last, and
 that the shards hold every byte it handed over."""
+import threading
+import time
 from dataclasses import asdict
 
 import numpy as np
@@ -8,7 +10,8 @@ from shard_checks import KeepingWriter, check_written
 
 from offline_extract.data.batching import Batch, batch_by_tokens
 from offline_extract.data.tokenization import Sample
-from offline_extract.feed import extract_batches
+from offline_extract.data.corpus import BadRecordError, Reject
+from offline_extract.feed import extract_batches, prepared_ahead
 from offline_extract.store import checksum, manifest
 from offline_extract.store import writer as writer_module
 from offline_extract.store.journal import Journal
@@ -78,3 +81,58 @@ def test_the_shards_hold_every_byte_the_feed_handed_over(tiny_engine, tmp_path, 
     assert [f.input_ids.tolist() for f in writer.handed] == [s.input_ids.tolist() for s in samples]
     assert len(paths) > 4
     check_written(tmp_path, run, writer, paths, shard_bytes)
+
+
+def _slow(batches, seconds: float, made: list | None = None):
+    """`batches`, each after `seconds` of work, as reading and tokenizing records takes."""
+    for batch in batches:
+        time.sleep(seconds)
+        if made is not None:
+            made.append(time.perf_counter())
+        yield batch
+
+
+@pytest.mark.parametrize("with_writer", [False, True], ids=["no-writer", "writer"])
+def test_the_feed_counts_its_wait_for_input_after_the_first_batch(tiny_engine, tmp_path, with_writer):
+    batches = [Batch((_sample(i, 30),)) for i in range(4)]
+    writer = ShardWriter(tmp_path, synthetic_run(tiny_engine.layer_ids)) if with_writer else None
+    times = extract_batches(tiny_engine, _slow(batches, 0.3), writer)
+    if writer is not None:
+        writer.close()
+        assert times["consume_s"] > 0
+    # The first batch's 0.3 s is start-up; the three after it are waits between forwards.
+    assert 0.9 <= times["input_wait_s"] < 1.2 + 0.5
+
+
+def test_batches_prepared_ahead_are_made_while_the_caller_works_and_come_in_order():
+    batches = [Batch((_sample(i, 5),)) for i in range(6)]
+    made, used = [], []
+    for batch in prepared_ahead(_slow(batches, 0.05, made), depth=8):
+        used.append((batch.samples[0].index, time.perf_counter()))
+        time.sleep(0.2)  # the caller's forward
+    assert [i for i, _ in used] == list(range(6))
+    # Made beside the caller's work: all six were ready long before the caller took the last.
+    assert made[-1] < used[2][1]
+
+
+def test_an_error_making_batches_reaches_the_caller_after_the_batches_before_it():
+    def failing():
+        yield Batch((_sample(0, 5),))
+        raise BadRecordError(Reject("c.jsonl", 2, 1, "c.jsonl:2", "text is empty"))
+
+    got = prepared_ahead(failing())
+    assert next(got).samples[0].index == 0
+    with pytest.raises(BadRecordError, match="text is empty"):
+        next(got)
+
+
+def test_a_caller_that_stops_early_stops_the_thread_making_batches():
+    made = []
+    got = prepared_ahead(_slow((Batch((_sample(i, 5),)) for i in range(1000)), 0.001, made), depth=2)
+    next(got)
+    got.close()
+    time.sleep(0.3)
+    stopped = len(made)
+    time.sleep(0.3)
+    assert len(made) == stopped < 10
+    assert not [t for t in threading.enumerate() if t.name == "batches-ahead"]

@@ -122,6 +122,9 @@ def test_verify_reads_the_reference_weights_beside_the_load_and_the_gate_builds_
     assert sum(t[key] for key in GATE_PARTS) == pytest.approx(t["parity_gate_s"])
     assert t["gate_hf_forwards_s"] > 0 and t["gate_engine_s"] > 0
     line = extraction.timing_line(t)
+    # The feed's wait for its batches, made on their own thread (feed.prepared_ahead), is on record.
+    assert 0 <= t["input_wait_s"] < t["marks"]["finished"] - t["marks"]["first forward"]
+    assert line.endswith(f"; between forwards, {t['input_wait_s']:.2f} s waited for input")
     assert (f"parity gate {t['parity_gate_s']:.1f} s (engine {t['gate_engine_s']:.1f} s; HF: waited "
             f"{t['gate_preload_waited_s']:.1f} s for its weights read beside the load in {t['gate_preload_s']:.1f} s, ") in line
 
