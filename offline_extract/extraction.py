@@ -106,6 +106,11 @@ def _gate_words(t: dict) -> str:
             f"forwards {t['gate_hf_forwards_s']:.1f} s, comparison {t['gate_compare_s']:.1f} s)")
 
 
+# Records tokenized in one call of the tokenizer (SampleTokenizer.many), which spreads them over the cores:
+# enough to keep them busy, few enough that the first batch does not wait long for its chunk.
+TOKENIZED_TOGETHER = 64
+
+
 def _available_host_memory() -> int | None:
     """The host memory available to new allocations without swapping (Linux's MemAvailable), in bytes; None
     where the system does not say."""
@@ -514,17 +519,21 @@ class Job:
     def _pending(self, done: np.ndarray, tally: Tally) -> Iterator[Sample]:
         """This replica's samples still to extract, every record read counted in `tally`. `done[i]` marks
         record i as already written."""
-        for item in read_corpus(self.opts.data, owns=self.layout.owns):
-            if item.index < len(done) and done[item.index]:
-                tally.resumed()
-                continue
-            if isinstance(item, Record):
-                item = self.tokenizer(item)
-            if isinstance(item, Sample):
-                tally.to_extract()
-                yield item
-            else:
-                tally.left_out(item)
+        items = iter(read_corpus(self.opts.data, owns=self.layout.owns))
+        while chunk := list(islice(items, TOKENIZED_TOGETHER)):
+            resumed = [item.index < len(done) and bool(done[item.index]) for item in chunk]
+            samples = iter(self.tokenizer.many([item for item, r in zip(chunk, resumed) if not r and isinstance(item, Record)]))
+            for item, r in zip(chunk, resumed):
+                if r:
+                    tally.resumed()
+                    continue
+                if isinstance(item, Record):
+                    item = next(samples)
+                if isinstance(item, Sample):
+                    tally.to_extract()
+                    yield item
+                else:
+                    tally.left_out(item)
 
     def _gate(self, head: list[Sample]) -> list[dict]:
         """--verify N: the parity gate on each replica's first N samples. Its rows (and, on a MoE model, how HF

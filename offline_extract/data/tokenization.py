@@ -11,6 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import jinja2
 import numpy as np
@@ -46,6 +47,18 @@ def longest_loss_run(mask: np.ndarray) -> int:
 
 class _Unusable(Exception):
     pass
+
+
+def _assistant_mask(offsets, bounds: list[int]) -> np.ndarray:
+    """1 for each token whose characters (`offsets`, the tokenizer's) lie inside an assistant span of
+    `bounds` [start_0, end_0, start_1, end_1, ...]."""
+    offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    starts = np.asarray(bounds[0::2], dtype=np.int64)
+    ends = np.asarray(bounds[1::2], dtype=np.int64)
+    # The span a token could belong to is the last one starting at or before the token does.
+    span = np.searchsorted(starts, offsets[:, 0], side="right") - 1
+    inside = (span >= 0) & (offsets[:, 1] <= ends[np.maximum(span, 0)])
+    return inside.astype(np.uint8)
 
 
 # Tokens past --max-length that a text cut before tokenizing must still give: the tokenization near the cut may
@@ -117,21 +130,66 @@ class SampleTokenizer:
         return self.tokenizer(text, verbose=False, **options), False
 
     def __call__(self, record: Record) -> Sample | Reject:
-        cut = False
-        try:
-            if record.format in ("sharegpt", "openai"):
-                ids, mask, cut = self._chat(record.messages)
-            elif record.format == "text":
-                enc, cut = self._encode(record.text, add_special_tokens=True)
-                ids = np.asarray(enc["input_ids"], dtype=np.int32)
-                mask = np.ones(len(ids), dtype=np.uint8)
-            elif record.format == "tokens":
-                ids, mask = self._tokens(record)
-            else:
-                raise ValueError(f"unknown record format {record.format!r}")
-        except _Unusable as e:
-            return Reject(record.source, record.line, record.index, record.id, str(e))
+        return self.many([record])[0]
 
+    def many(self, records: Sequence[Record]) -> list[Sample | Reject]:
+        """`self(record)` for each record, their texts tokenized in one call of the fast tokenizer per kind
+        (text, chats), which spreads them over the machine's cores (the Rust tokenizer's own threads, outside
+        the GIL); one at a time, a record's tokens came from one core. A text cut before tokenizing that gave
+        too few tokens is tokenized again on its own (`_encode`), as is a chat whose cut contents did
+        (`_chat`)."""
+        texts: list[tuple[int, str]] = []  # (position, text)
+        chats: list[tuple[int, tuple, str, list[int]]] = []  # (position, contents cut, rendered, assistant bounds)
+        done: list = [None] * len(records)  # a Reject, or (ids, mask, cut)
+        for i, record in enumerate(records):
+            try:
+                if record.format in ("sharegpt", "openai"):
+                    kept = _cut_contents(record.messages, self._cut_chars)
+                    chats.append((i, kept, *self._render_chat(kept)))
+                elif record.format == "text":
+                    texts.append((i, record.text))
+                elif record.format == "tokens":
+                    done[i] = (*self._tokens(record), False)
+                else:
+                    raise ValueError(f"unknown record format {record.format!r}")
+            except _Unusable as e:
+                done[i] = Reject(record.source, record.line, record.index, record.id, str(e))
+        for (i, _), (enc, cut) in zip(texts, self._encode_many([t for _, t in texts], add_special_tokens=True)):
+            ids = np.asarray(enc["input_ids"], dtype=np.int32)
+            done[i] = (ids, np.ones(len(ids), dtype=np.uint8), cut)
+        encoded = self._encode_many([full for _, _, full, _ in chats], add_special_tokens=False,
+                                    return_offsets_mapping=True)
+        for (i, kept, _, bounds), (enc, cut) in zip(chats, encoded):
+            ids = np.asarray(enc["input_ids"], dtype=np.int32)
+            messages = records[i].messages
+            if kept is messages or len(ids) >= self.max_length + CUT_MARGIN_TOKENS:
+                done[i] = (ids, _assistant_mask(enc["offset_mapping"], bounds), cut or kept is not messages)
+            else:  # cut, the contents gave too few tokens (`SampleTokenizer`)
+                try:
+                    done[i] = self._chat_tokens(messages)
+                except _Unusable as e:
+                    r = records[i]
+                    done[i] = Reject(r.source, r.line, r.index, r.id, str(e))
+        return [d if isinstance(d, Reject) else self._sample(r, *d) for r, d in zip(records, done)]
+
+    def _encode_many(self, texts: list[str], **options) -> list[tuple[dict, bool]]:
+        """`_encode` of each text, the first try of all of them in one call of the tokenizer."""
+        if not texts:
+            return []
+        tried = [t[: self._cut_chars] for t in texts]
+        enc = self.tokenizer(tried, verbose=False, **options)
+        out = []
+        for k, (text, cut) in enumerate(zip(texts, tried)):
+            one = {key: values[k] for key, values in enc.items()}
+            if len(cut) < len(text) and len(one["input_ids"]) < self.max_length + CUT_MARGIN_TOKENS:
+                out.append(self._encode(text, **options))  # too few tokens from the cut: the whole text
+            else:
+                out.append((one, len(cut) < len(text)))
+        return out
+
+    def _sample(self, record: Record, ids: np.ndarray, mask: np.ndarray, cut: bool) -> Sample | Reject:
+        """The sample of a record's tokens and loss mask (`cut`: of a text or chat cut before tokenizing): cut
+        to max_length, trimmed, or left out."""
         source_len = len(ids)
         more = "more than " if cut else ""
         if source_len == 0:
@@ -188,16 +246,17 @@ class SampleTokenizer:
         except jinja2.TemplateError as e:
             raise _Unusable(f"chat template error: {e}") from None
 
-    def _chat(self, messages: tuple[tuple[str, str], ...]) -> tuple[np.ndarray, np.ndarray, bool]:
+    def _chat_tokens(self, messages: tuple[tuple[str, str], ...]) -> tuple[np.ndarray, np.ndarray, bool]:
+        """One chat's tokens, loss mask and whether it was cut before tokenizing (`_encode`)."""
+        full, bounds = self._render_chat(messages)
+        enc, cut = self._encode(full, add_special_tokens=False, return_offsets_mapping=True)
+        return np.asarray(enc["input_ids"], dtype=np.int32), _assistant_mask(enc["offset_mapping"], bounds), cut
+
+    def _render_chat(self, messages: tuple[tuple[str, str], ...]) -> tuple[str, list[int]]:
+        """The whole conversation as the chat template renders it, and the character bounds
+        [start_0, end_0, start_1, end_1, ...] of its assistant spans."""
         if self.tokenizer.chat_template is None:
             raise ValueError("the tokenizer has no chat template, which chat records need")
-        kept = _cut_contents(messages, self._cut_chars)
-        ids, mask, cut = self._chat_tokens(kept)
-        if kept is messages or len(ids) >= self.max_length + CUT_MARGIN_TOKENS:
-            return ids, mask, cut or kept is not messages
-        return self._chat_tokens(messages)  # cut, the contents gave too few tokens (`SampleTokenizer`)
-
-    def _chat_tokens(self, messages: tuple[tuple[str, str], ...]) -> tuple[np.ndarray, np.ndarray, bool]:
         conversation = [{"role": role, "content": content} for role, content in messages]
         turns = [i for i, (role, _) in enumerate(messages) if role == "assistant"]
         if not turns:
@@ -217,16 +276,7 @@ class SampleTokenizer:
                 bounds.append(len(prefix))
         if bounds != sorted(bounds):
             raise _Unusable("chat template is not prefix-stable: assistant spans come out of order")
-
-        enc, cut = self._encode(full, add_special_tokens=False, return_offsets_mapping=True)
-        ids = np.asarray(enc["input_ids"], dtype=np.int32)
-        offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
-        starts = np.asarray(bounds[0::2], dtype=np.int64)
-        ends = np.asarray(bounds[1::2], dtype=np.int64)
-        # The span a token could belong to is the last one starting at or before the token does.
-        span = np.searchsorted(starts, offsets[:, 0], side="right") - 1
-        inside = (span >= 0) & (offsets[:, 1] <= ends[np.maximum(span, 0)])
-        return ids, inside.astype(np.uint8), cut
+        return full, bounds
 
     def fingerprint(self) -> dict:
         """Hashes identifying the tokenization, for shard metadata: equal hashes mean equal tokens."""

@@ -357,7 +357,7 @@ class _Counted:
         self._tok, self.lengths = tok, []
 
     def __call__(self, text, **options):
-        self.lengths.append(len(text))
+        self.lengths.extend(map(len, text) if isinstance(text, list) else [len(text)])
         return self._tok(text, **options)
 
     def __getattr__(self, name):
@@ -408,3 +408,28 @@ def test_an_overlong_chat_is_cut_before_rendering_and_keeps_the_whole_chats_toke
     late = st(chat(("user", _words(5_000_000)), ("assistant", "too late")))
     assert late.kind == "skipped" and late.reason.startswith("more than ") and "leave no loss tokens" in late.reason
     assert max(st.tokenizer.lengths) <= bound + 200
+
+
+def test_records_tokenized_together_are_tokenized_as_one_by_one(tok):
+    """SampleTokenizer.many, which the run tokenizes with (one call of the fast tokenizer for many records,
+    spread over the cores), gives each record exactly the sample or reject it gives alone."""
+    records = list(read_corpus([EXAMPLES]))
+    records += [
+        Record(source="s.jsonl", line=1, index=90, id="t", format="text", text="word " * 300),  # truncated
+        Record(source="s.jsonl", line=1, index=92, id="cut", format="text", text=_words(40_000)),  # cut first
+        chat(("user", _words(40_000)), ("assistant", "late"), id="cut-chat"),  # cut first, then skipped
+        chat(("user", "hi"), id="no-reply"),  # rejected: no assistant turn
+        Record(source="s.jsonl", line=2, index=91, id="empty", format="tokens", input_ids=()),  # zero tokens
+    ]
+    st = SampleTokenizer(_Counted(tok), max_length=128)
+    together, alone = st.many(records), [st.many([r])[0] for r in records]
+    assert len(together) == len(records) and max(st.tokenizer.lengths) < 40_000
+    assert sum(isinstance(s, Sample) for s in together) >= 21 and sum(isinstance(s, Reject) for s in together) == 3
+    for a, b in zip(together, alone):
+        assert type(a) is type(b)
+        if isinstance(a, Reject):
+            assert a == b
+        else:
+            assert (a.index, a.id, a.source_len, a.truncated) == (b.index, b.id, b.source_len, b.truncated)
+            assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask)
+            assert a.input_ids.dtype == np.int32 and a.loss_mask.dtype == np.uint8
