@@ -254,6 +254,9 @@ def main() -> None:
                 states = engine.capture(seqs)
             check["rows"] = _compare(engine, states, seqs, hf_states)
         report["checks"] = checks
+        # The warm-up a GPU run starts with: on a MoE model, a forward of each token count it names.
+        report["is_moe"], report["warm_up_token_counts"] = engine.is_moe, engine.warm_up_token_counts()
+        engine.warm_up()
         del hf
     except Exception as e:  # the report carries the failure, so the test can show it
         report["error"] = f"{type(e).__name__}: {e}"

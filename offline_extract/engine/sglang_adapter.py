@@ -809,15 +809,47 @@ class Engine:
         """Captures a throwaway batch of two short sequences, so that what compiles on first use
         (JIT_CACHES) compiles here rather than inside the first real batch: the Triton kernels, and the
         wait for any nvcc module `KernelPrebuild` is still building; seconds when the cache is cold,
-        milliseconds once it is warm. No chunked sequence: an extend on a prefix is verified on
-        Llama only, and a run whose samples all fit one forward must not fail on it; a run's first long
-        sample compiles what that path adds."""
+        milliseconds once it is warm. On a MoE model, then one sequence of each of `warm_up_token_counts`:
+        the experts' kernels compile for every token count a batch of the run can have. No chunked
+        sequence: an extend on a prefix is verified on Llama only, and a run whose samples all fit one
+        forward must not fail on it; a run's first long sample compiles what that path adds."""
         vocab, budget = self.runner.model_config.vocab_size, self.cfg.max_tokens_per_batch
         # Within any batch budget; one length a multiple of 16 and one not, as Triton specializes on that.
         ids = [np.arange(1, max(1, min(n, budget // 2)) + 1, dtype=np.int64) % vocab for n in (17, 32)]
         self.capture(ids[: self.cfg.max_seqs_per_batch])
+        for n in self.warm_up_token_counts():
+            self.capture([np.arange(1, n + 1, dtype=np.int64) % vocab])
         if torch.device(self.device).type == "cuda":
             torch.cuda.synchronize()
+
+    def warm_up_token_counts(self) -> list[int]:
+        """The token counts of the forwards that compile a MoE model's expert kernels for every forward of
+        up to the batch budget (`moe_token_counts`), from the launch config SGLang's Triton MoE runner picks
+        for M tokens (`fused_moe_triton_config.try_get_optimal_moe_config`: the tuned table's nearest entry
+        for the device and the experts' shapes, else its heuristic); for another MoE runner, which picks its
+        kernels its own way (and on CPU), by octaves of M. Empty for a dense model."""
+        if not self.is_moe:
+            return []
+        from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+        from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe_triton_config import (
+            get_config_dtype_str, try_get_optimal_moe_config,
+        )
+        from sglang.srt.layers.moe.utils import MoeRunnerBackend
+
+        layer = next((m for m in self.runner.model.modules() if isinstance(m, FusedMoE)), None)
+        runner = getattr(getattr(layer, "quant_method", None), "runner", None)
+        # The tuned tables are looked up by the CUDA device's name; on CPU the experts take torch's own path.
+        on_cuda = torch.device(self.device).type == "cuda"
+        if on_cuda and runner is not None and runner.runner_backend == MoeRunnerBackend.TRITON and not self.quantization:
+            # As fused_moe.py's _prepare_fused_moe_run asks for an unquantized layer (no padding, no blocks).
+            w1, w2, k = tuple(layer.w13_weight.shape), tuple(layer.w2_weight.shape), layer.top_k
+            dtype = get_config_dtype_str(dtype=self.runner.model_config.dtype)
+
+            def config_of(m: int) -> str:
+                return json.dumps(try_get_optimal_moe_config(w1, w2, k, dtype, m, return_down_config=True), sort_keys=True)
+        else:
+            config_of = int.bit_length
+        return moe_token_counts(config_of, self.cfg.max_tokens_per_batch)
 
     def capture(self, seqs: Sequence[np.ndarray]) -> Captured:
         """Prefill `seqs` as one EXTEND batch and return their states (still on the device).
@@ -958,6 +990,19 @@ class Engine:
         # Outputs are fresh tensors, not views into the KV pool, so the pool can be reused at once.
         self.runner.req_to_token_pool.clear()
         self.runner.token_to_kv_pool_allocator.clear()
+
+
+def moe_token_counts(config_of: Callable[[int], object], max_tokens: int) -> list[int]:
+    """Token counts M whose forwards compile every variant of a MoE model's expert kernels that forwards of 1
+    to `max_tokens` tokens can launch. SGLang 0.5.17's Triton MoE kernels take their launch config from M
+    (`config_of(M)`), and Triton compiles a kernel anew for each specialization of its integer arguments:
+    whether each is 1, and whether it is a multiple of 16 (M x top-k, the padded sorted-token count, ...),
+    which M's largest power-of-two divisor up to 16 decides. So: for each config, the smallest M that takes
+    it with each such divisor, and M = 1."""
+    firsts: dict[tuple, int] = {}
+    for m in range(1, max_tokens + 1):
+        firsts.setdefault((config_of(m), m == 1, min(m & -m, 16)), m)
+    return sorted(set(firsts.values()))
 
 
 def routed_experts(topk_output) -> torch.Tensor | None:

@@ -222,6 +222,18 @@ def report(request, models, tmp_path_factory):
     return arch, rep
 
 
+def test_a_moe_models_warm_up_covers_every_token_count_class_of_its_expert_kernels(report):
+    arch, rep = report
+    counts = rep["warm_up_token_counts"]
+    assert "error" not in rep, rep.get("traceback")
+    if not rep["is_moe"]:
+        assert counts == [], "a dense model's warm-up is its one batch"
+        return
+    # Each launch config from the smallest M that takes it, at each power of two up to 16 dividing M.
+    assert counts == sorted(set(counts)) and counts[:4] == [1, 2, 3, 4] and counts[-1] <= 1024, counts
+    assert {min(m & -m, 16) for m in counts} == {1, 2, 4, 8, 16}
+
+
 def test_runs_the_expected_sglang_class(report):
     arch, rep = report
     assert rep["architecture"] == ENGINE_ARCHS[arch][0]

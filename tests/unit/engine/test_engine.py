@@ -12,7 +12,9 @@ import torch
 from extract_runs import ROOT
 
 from offline_extract.engine import parity
-from offline_extract.engine.sglang_adapter import Engine, EngineConfig, capture_rule, validate_layer_ids
+from offline_extract.engine.sglang_adapter import (
+    Engine, EngineConfig, capture_rule, moe_token_counts, validate_layer_ids,
+)
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +209,31 @@ def test_warm_up_leaves_the_engine_as_it_found_it(engine):
     assert engine.runner.token_to_kv_pool_allocator.available_size() == free
     after = engine.capture(seqs)
     assert torch.equal(before.aux, after.aux) and torch.equal(before.last, after.last)
+
+
+def test_moe_warm_up_token_counts_cover_each_tuned_config_at_each_specialization():
+    """On SGLang's own tuned table for Qwen3-30B-A3B's experts on the H200 (E=128, N=768), looked up as its
+    try_get_optimal_moe_config does (the nearest M in the table)."""
+    import json
+    from pathlib import Path
+
+    import sglang
+
+    table = Path(sglang.__file__).parent / ("srt/layers/moe/moe_runner/triton_utils/configs/triton_3_6_0/"
+                                            "E=128,N=768,device_name=NVIDIA_H200.json")
+    configs = {int(m): c for m, c in json.loads(table.read_text()).items()}
+
+    def config_of(m: int) -> str:
+        return json.dumps(configs[min(configs, key=lambda key: abs(key - m))], sort_keys=True)
+
+    counts = moe_token_counts(config_of, 16384)
+    specializations = lambda m: (config_of(m), m == 1, min(m & -m, 16))  # noqa: E731
+    # Every forward of 1..16384 tokens launches a variant that one of the warm-up's counts compiled.
+    assert {specializations(m) for m in range(1, 16385)} == {specializations(m) for m in counts}
+    # Each from the smallest M: about 15k tokens in all (M=4096's config is M=1024's, first taken at 769).
+    assert counts[-5:] == [1281, 1282, 1284, 1288, 1296] and sum(counts) < 15000
+    assert moe_token_counts(int.bit_length, 100) == [1, 2, 3, 4, 5, 6, 8, 9, 10, 12, 16, 17, 18, 20, 24, 32, 33, 34,
+                                                     36, 40, 64, 65, 66, 68, 72]
 
 
 def test_jit_caches_go_under_one_folder_unless_the_environment_says_otherwise(monkeypatch, tmp_path):
