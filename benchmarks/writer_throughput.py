@@ -6,6 +6,7 @@ buffers preallocated, and what a first-touch copy costs against a copy into resi
 \b
     python benchmarks/writer_throughput.py [--out /dev/shm/oe-writer] [--gb 4]
     python benchmarks/writer_throughput.py --store fp8 --compress zstd --writers 4 --gb 2
+    python benchmarks/writer_throughput.py --store bf16 --hidden 576 --samples 20 --gb 4   # SmolLM2-135M
 
 Writes benchmarks/results/writer_throughput_<host>[_<store>_<compress>].json with this command. The
 states are Gaussian with a few large channels per layer, which zstd compresses about as it does real
@@ -33,7 +34,8 @@ from offline_extract.options import choices, default  # noqa: E402
 from offline_extract.store.schema import Encoding, RunInfo, SampleInfo  # noqa: E402
 from offline_extract.store.writer import WRITER_THREADS, ShardWriter  # noqa: E402
 from offline_extract.testing.states import activation_like  # noqa: E402
-K, H = 3, 4096  # the 8B shape: 3 aux layers + the last state
+K = 3  # aux layers, beside the last state
+H = 4096  # the 8B shape's hidden size; --hidden gives another (576: SmolLM2-135M)
 BATCH_TOKENS = 16384
 
 
@@ -47,10 +49,10 @@ def _copy_rate(nbytes: int, warm: bool) -> float:
     return nbytes / (time.perf_counter() - start)
 
 
-def _states() -> tuple[torch.Tensor, torch.Tensor]:
+def _states(hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One batch of activation-like bf16 states (aux, last)."""
-    x = activation_like(BATCH_TOKENS, K + 1, H)
-    return x[:, :K].reshape(BATCH_TOKENS, K * H).contiguous(), x[:, K].contiguous()
+    x = activation_like(BATCH_TOKENS, K + 1, hidden)
+    return x[:, :K].reshape(BATCH_TOKENS, K * hidden).contiguous(), x[:, K].contiguous()
 
 
 class _PeakRSS:
@@ -73,10 +75,11 @@ class _PeakRSS:
 
 
 def _writer_rate(out: Path, total_bytes: int, preallocate: bool, shard_bytes: int, encoding: Encoding = Encoding(),
-                 writers: int = WRITER_THREADS) -> dict:
-    """Bytes/s that add_batch + close sustain for 8B-shaped batches (the consumer thread's view)."""
+                 writers: int = WRITER_THREADS, hidden: int = H, samples: int = 8) -> dict:
+    """Bytes/s that add_batch + close sustain for batches of `samples` samples of `hidden`-wide states (the
+    consumer thread's view)."""
     shutil.rmtree(out, ignore_errors=True)
-    aux, last = _states()
+    aux, last = _states(hidden)
     ids = torch.zeros(BATCH_TOKENS, dtype=torch.int32)
     mask = torch.ones(BATCH_TOKENS, dtype=torch.uint8)
     per_batch = (aux.numel() + last.numel()) * 2
@@ -86,12 +89,15 @@ def _writer_rate(out: Path, total_bytes: int, preallocate: bool, shard_bytes: in
         created = time.perf_counter()
         run = RunInfo(layer_ids=tuple(range(K)), store=encoding.store, compress=encoding.compress)
         writer = ShardWriter(out, run, shard_bytes=shard_bytes, writers=writers,
-                             widths=encoding.widths(K, H) if preallocate else None)
+                             widths=encoding.widths(K, hidden) if preallocate else None)
+        n = BATCH_TOKENS // samples
+        lengths = [n] * (samples - 1) + [BATCH_TOKENS - n * (samples - 1)]
         start = time.perf_counter()
         for b in range(batches):
-            samples = [SampleInfo(index=b * 8 + i, id=f"s{b * 8 + i}", source="synthetic", line=b * 8 + i + 1,
-                                  source_len=BATCH_TOKENS // 8, truncated=False) for i in range(8)]
-            writer.add_batch(samples, ids, mask, aux, last, lengths=[BATCH_TOKENS // 8] * 8)
+            infos = [SampleInfo(index=b * samples + i, id=f"s{b * samples + i}", source="synthetic",
+                                line=b * samples + i + 1, source_len=length, truncated=False)
+                     for i, length in enumerate(lengths)]
+            writer.add_batch(infos, ids, mask, aux, last, lengths=lengths)
         fed = time.perf_counter()
         writer.close()
         done = time.perf_counter()
@@ -99,6 +105,8 @@ def _writer_rate(out: Path, total_bytes: int, preallocate: bool, shard_bytes: in
     shutil.rmtree(out, ignore_errors=True)
     data = batches * per_batch
     return {
+        "hidden": hidden,
+        "samples_per_batch": samples,
         "preallocate": preallocate,
         "shard_bytes": shard_bytes,
         "writers": writers,
@@ -132,11 +140,14 @@ def _record(suffix: str, measured: dict) -> None:
               help="Measure this store only (with --compress), at 512 MB shards, preallocated.")
 @click.option("--compress", type=click.Choice(choices("compress")), default=default("compress"), show_default=True)
 @click.option("--writers", default=WRITER_THREADS, show_default=True)
-def main(out: str, gb: float, store: str | None, compress: str, writers: int) -> None:
+@click.option("--hidden", default=H, show_default=True, help="Hidden size of the states (576: SmolLM2-135M).")
+@click.option("--samples", "samples", default=8, show_default=True, help="Samples a 16,384-token batch.")
+def main(out: str, gb: float, store: str | None, compress: str, writers: int, hidden: int, samples: int) -> None:
     total = int(gb * (1 << 30))
     if store is not None:
         encoding = Encoding(store=store, compress=compress)
-        _record(f"_{store}_{compress}", {"writer": _writer_rate(Path(out), total, True, 512 << 20, encoding, writers)})
+        suffix = f"_{store}_{compress}" + (f"_h{hidden}_s{samples}" if (hidden, samples) != (H, 8) else "")
+        _record(suffix, {"writer": _writer_rate(Path(out), total, True, 512 << 20, encoding, writers, hidden, samples)})
         return
     _record("", {
         "torch_threads": torch.get_num_threads(),

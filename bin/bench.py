@@ -109,10 +109,13 @@ def _command() -> str:
 @click.option("--single-gpu-result", "single_gpu_results", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="A one-GPU result JSON from the same session: adds `scaling` (aggregate / one GPU) to the "
                    "results of the same out kind (tmpfs, disk); repeat for each kind.")
+@click.option("--host-threads", default="", help="Comma-separated counts: also time the first --store/--out's "
+              "extraction with torch's intra-op threads (the copies into shard buffers) at each "
+              "(`extract_tok_s_by_host_threads`).")
 def main(model, shape, load_format, dtype, tp, attention_backend, outs, lengths, mean_length, max_length, num_tokens,
          tokens_per_batch, chunk_tokens, chunk_sweep, warmup_batches, cold, jit_cache, baselines, baseline_hf, cross_check_samples,
          peer_workdir, peer_site, specforge_attention_backend, disk_probe_gb, writers, stores, compressions, results_dir,
-         profile, profile_batches, single_gpu_results):
+         profile, profile_batches, single_gpu_results, host_threads):
     peer_options = PeerOptions(workdir=peer_workdir, cross_check_samples=cross_check_samples, peer_site=peer_site,
                                specforge_attention_backend=specforge_attention_backend)
     options = BenchOptions(
@@ -125,7 +128,8 @@ def main(model, shape, load_format, dtype, tp, attention_backend, outs, lengths,
         disk_probe_bytes=int(disk_probe_gb * (1 << 30)), writers=writers,
         encodings=tuple((store, compress) for store in stores for compress in compressions),
         results_dir=results_dir,
-        profile=profile, profile_batches=profile_batches, single_gpu_results=tuple(single_gpu_results), command=_command(),
+        profile=profile, profile_batches=profile_batches, single_gpu_results=tuple(single_gpu_results),
+        host_threads=tuple(int(n) for n in host_threads.split(",") if n), command=_command(),
     )
     # Here, not at the top: torch and SGLang take seconds to import, which --help and --version need not wait for.
     from benchmarks.extraction_vs_prefill import run_bench

@@ -15,7 +15,8 @@ from extract_runs import ROOT
 from transformers import AutoTokenizer
 
 from benchmarks.extraction_vs_prefill import (
-    BenchOptions, _bare, _chunk_sweep, _cold_start, _DiscardWriter, _first_pass, _ForwardClock, _fp8_error, _rank_report,
+    BenchOptions, _bare, _chunk_sweep, _cold_start, _DiscardWriter, _first_pass, _ForwardClock, _fp8_error, _host_thread_sweep,
+    _rank_report,
     _timed, attention_flops, jit_cache_entries, model_flops_per_token, out_kind, shard_writes, summary_line,
     synthetic_corpus,
 )
@@ -207,6 +208,18 @@ def test_the_first_pass_leaves_the_timed_modes_on_warm_kernels(tmp_path, tokeniz
 def test_the_first_pass_runs_through_the_real_engine(tiny_engine, bench_batches):
     first = _first_pass(tiny_engine, Coordinator(Layout(rank=0, world_size=1), "bench-test"), bench_batches)
     assert first["seconds"] > 0 and first["compiled"] == 0, "nothing compiles on CPU"
+
+
+def test_the_host_thread_sweep_times_extraction_at_each_count_and_puts_the_count_back():
+    seen = []
+
+    def extraction():  # seconds, as _timed returns them
+        seen.append(torch.get_num_threads())
+        return 0.5
+
+    before = torch.get_num_threads()
+    assert _host_thread_sweep((1, 2), extraction, 1000) == {"1": 2000.0, "2": 2000.0}
+    assert seen == [1, 2] and torch.get_num_threads() == before
 
 
 def test_the_summary_line_puts_the_cold_figures_beside_the_warm_ones():
