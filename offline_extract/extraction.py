@@ -1,8 +1,9 @@
 """The extraction job: records -> token samples -> ragged batches -> engine -> shard writer.
 
-Each process runs one `Job`; `distributed.Layout` decides which records it owns and whether it writes,
-and `resume` which of them earlier attempts into the same directory already wrote. The job's methods are
-its phases; feeding the batches to the engine and the writer is `feed`, the counting is `summary`.
+Each process runs one `Job`; `distributed.Layout` decides whether it writes, `resume` which records earlier
+attempts into the same directory already wrote, and `distributed.Share` which of the records it reads. The
+job's methods are its phases; feeding the batches to the engine and the writer is `feed`, the counting is
+`summary`.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from offline_extract.data.corpus import BadRecordError, Record, Reject, read_cor
 from offline_extract.data.sources import Source
 from offline_extract.data.tokenization import Sample, SampleTokenizer, tokenizer_files
 from offline_extract.engine import parity
-from offline_extract.engine.distributed import Coordinator, Layout, ReportedByLeader, layout_from_env
+from offline_extract.engine.distributed import Coordinator, Layout, ReportedByLeader, Share, layout_from_env
 from offline_extract.engine.nonfinite import NonFiniteError, NonFiniteGuard
 from offline_extract.engine.sglang_adapter import LAYER_CONVENTION, Engine, EngineConfig, PortTaken, import_sglang
 from offline_extract.feed import HostMemory, extract_batches, prepared_ahead
@@ -80,6 +81,7 @@ def timing_line(t: dict) -> str:
     prebuild = (f" (kernel prebuild {t['prebuild_s']:.1f} s, {t['prebuild_during_load_s']:.1f} s of it during "
                 f"the load)" if "prebuild_s" in t else "")
     beside = " beside the load" if t["tokenizer_beside_load"] else ""
+    waited = f"the other replicas {t['replicas_waited_s']:.2f} s, " if "replicas_waited_s" in t else ""
     return (
         f"start-up {t['startup_s']:.1f} s to the first forward: ours {t['ours_s']:.1f} s (imports and checks "
         f"{t['imports_and_checks_s']:.1f} s, tokenizer {t['tokenizer_waited_s']:.1f} s waited of its "
@@ -87,7 +89,7 @@ def timing_line(t: dict) -> str:
         f"{t['sglang_s']:.1f} s (torch import {t['torch_import_s']:.1f} s, SGLang import {t['sglang_import_s']:.1f} s, "
         f"model load {t['model_load_s']:.1f} s, warm-up {t['warm_up_s']:.1f} s{prebuild}){gate}; tail "
         f"{t['tail_s']:.2f} s after the last forward: states to host {t['to_host_s']:.2f} s, last shards "
-        f"{t['last_shards_s']:.2f} s, rejects and index {t['rejects_and_index_s']:.2f} s; between forwards, "
+        f"{t['last_shards_s']:.2f} s, {waited}rejects and index {t['rejects_and_index_s']:.2f} s; between forwards, "
         f"{t['input_wait_s']:.2f} s waited for input"
     )
 
@@ -384,9 +386,10 @@ class Job:
         the first bad record in corpus order, whichever replica holds it, reported once."""
         first = None
         layout = self.layout
-        count = (lambda: _count_owned(layout, self.checked.sources)) if layout.leads else None
+        share = Share(layout, np.zeros(0, dtype=bool))
+        count = (lambda: _count_owned(share, self.checked.sources)) if layout.leads else None
         with _progress(self.opts, "--strict check", count, shown=layout.leads) as bar:
-            for item in read_corpus(self.opts.data, owns=layout.owns):
+            for item in read_corpus(self.opts.data, owns=share):
                 if isinstance(item, Record):
                     item = self.tokenizer(item)
                 bar.advance(1, item.num_tokens if isinstance(item, Sample) else 0, 0)
@@ -417,6 +420,7 @@ class Job:
         self._start_preload()
         self._load()
         done = self._claim(existing)
+        self.share = Share(layout, done)
         with _resumable(self.out), ExitStack() as journals:
             rejects = journals.enter_context(Journal(self.out / resume.REJECTS_PART.format(layout.dp_rank))) if layout.writes else None
             tally = Tally(rejects, opts.strict, opts.nonfinite)
@@ -519,7 +523,7 @@ class Job:
     def _pending(self, done: np.ndarray, tally: Tally) -> Iterator[Sample]:
         """This replica's samples still to extract, every record read counted in `tally`. `done[i]` marks
         record i as already written."""
-        items = iter(read_corpus(self.opts.data, owns=self.layout.owns))
+        items = iter(read_corpus(self.opts.data, owns=self.share))
         while chunk := list(islice(items, TOKENIZED_TOGETHER)):
             resumed = [item.index < len(done) and bool(done[item.index]) for item in chunk]
             samples = iter(self.tokenizer.many([item for item, r in zip(chunk, resumed) if not r and isinstance(item, Record)]))
@@ -647,7 +651,7 @@ class Job:
         label = f"dp {layout.dp_rank}/{layout.dp_size}" if layout.dp_size > 1 else "extract"
         # The leader's share stands for every replica's; its progress counts the records, shown or not.
         watch = planning.OutputWatch(self.out, layout.dp_size) if layout.leads and writer is not None else None
-        count = (lambda: _count_owned(layout, self.checked.sources)) if layout.leads else None
+        count = (lambda: _count_owned(self.share, self.checked.sources)) if layout.leads else None
         with _progress(opts, label, count, shown=layout.leads) as bar:
 
             def advance(batch) -> None:
@@ -689,6 +693,8 @@ class Job:
         """Every replica has finished writing: the leader describes the whole directory (rejects.jsonl, the
         index, then the manifest) and gets the run's summary."""
         parts = self.coord.all_gather(asdict(summary) if self.layout.writes else None)
+        # Replicas end apart (a slower host, a long sample last): waiting for the last is a part of the tail.
+        self.timeline.mark("replicas finished")
         total = Summary()
         for p in parts:
             if p is not None:
@@ -732,8 +738,9 @@ class Job:
     def timings(self) -> dict:
         """Where this rank's start-up and tail went, in seconds: from the command to the first forward (ours;
         SGLang's: the torch and SGLang imports, the model load and the warm-up; the parity gate), and from
-        the last forward enqueued to the run's end (its states to the host, the last shards, rejects and
-        index); `marks` holds every point of the timeline, counted from the interpreter's start.
+        the last forward enqueued to the run's end (its states to the host, the last shards, under data
+        parallelism the wait for the other replicas to finish theirs, rejects and index); `marks` holds every
+        point of the timeline, counted from the interpreter's start.
 
         The tokenizer counts as ours only for the time the run waited for it: loaded beside SGLang's load
         (`tokenizer_beside_load`), what that covered is SGLang's; loaded before it, all of it."""
@@ -768,7 +775,9 @@ class Job:
             "tail_s": self.timeline.between("last forward", "finished"),
             "to_host_s": self.timeline.between("last forward", "drained"),
             "last_shards_s": self.timeline.between("drained", "written"),
-            "rejects_and_index_s": self.timeline.between("written", "finished"),
+            **({"replicas_waited_s": self.timeline.between("written", "replicas finished")}
+               if self.layout.dp_size > 1 else {}),
+            "rejects_and_index_s": self.timeline.between("replicas finished", "finished"),
             # Between the first forward and the last: the feed's wait for its next batch (feed._Input).
             "input_wait_s": self.input_wait_s,
             **self.engine.prebuild_report(),
@@ -876,10 +885,10 @@ def _count_records(sources: Sequence[Source]) -> int | None:
     return None if None in counts else sum(counts)
 
 
-def _count_owned(layout: Layout, sources: Sequence[Source]) -> int | None:
+def _count_owned(share: Share, sources: Sequence[Source]) -> int | None:
     """This replica's share of the records, for the progress ETA; None when a source cannot say."""
     total = _count_records(sources)
-    return None if total is None else len(range(layout.dp_rank, total, layout.dp_size))
+    return None if total is None else share.count(total)
 
 
 @contextmanager

@@ -16,12 +16,16 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, TypeVar
 
+import numpy as np
+
 from offline_extract.options import DEFAULT_PORT_BASE
 
 # Every rank bumps a counter this often; a rank waited for whose counter stands still for PEER_TIMEOUT
 # is gone. Counters, not timestamps, so that nodes need no synchronised clocks.
 HEARTBEAT = timedelta(seconds=2)
 PEER_TIMEOUT = timedelta(seconds=30)
+# The longest a rank that waits for others sleeps between two looks at the store.
+POLL = timedelta(milliseconds=50)
 # Torchrun's agent on node 0 serves its store from before any rank starts until the run ends: a rank that
 # cannot reach it for this long will not (torch's own client would retry for as long as the store timeout).
 STORE_CONNECT = timedelta(seconds=60)
@@ -95,15 +99,37 @@ class Layout:
             return None
         return max(1, len(os.sched_getaffinity(0)) // self.local_world_size)
 
-    def owns(self, record_index: int) -> bool:
-        return record_index % self.dp_size == self.dp_rank
-
     def nccl_port(self, base: int | None) -> int:
         """SGLang's rendezvous port for this replica. Alone, any free port will do; under torchrun every
         rank of a replica must agree without talking, so it is derived from the base."""
         if base is None:
             return free_port() if self.world_size == 1 else DEFAULT_PORT_BASE + self.dp_rank
         return base + self.dp_rank
+
+
+class Share:
+    """The records one replica reads, every record being exactly one replica's: those not done yet dealt out
+    in turn, each done one going with the next one left. A fresh run's share is every dp_size-th record; a
+    resume's is an equal part of what is left. By index alone, the replica whose records an interrupted
+    attempt had got further with would be done first, and wait for the others at the end."""
+
+    def __init__(self, layout: Layout, done: np.ndarray):
+        """`done[i]`: record i is in a complete shard already (resume.done_mask)."""
+        left = ~done
+        # Each record's place among those left (a done one: the next one's).
+        self._mine = (np.cumsum(left) - left) % layout.dp_size == layout.dp_rank
+        self._left, self._rank, self._size = int(left.sum()), layout.dp_rank, layout.dp_size
+
+    def __call__(self, record_index: int) -> bool:
+        if record_index < len(self._mine):
+            return bool(self._mine[record_index])
+        return (self._left + record_index - len(self._mine)) % self._size == self._rank
+
+    def count(self, records: int) -> int:
+        """How many of a corpus of `records` records are this replica's."""
+        known = min(records, len(self._mine))
+        past = len(range((self._rank - self._left) % self._size, records - known, self._size))
+        return int(self._mine[:known].sum()) + past
 
 
 def layout_from_env(tp_size: int = 1, env: dict | None = None) -> Layout:
@@ -170,7 +196,7 @@ class Coordinator:
             return  # the store is gone with torchrun's agent: the main thread's next wait says so
 
     def _wait(self, keys: list[str]) -> None:
-        """store.wait(keys), in slices, checking between them that the ranks still missing are alive."""
+        """Until every key is set, checking every 2 x HEARTBEAT that the ranks still missing are alive."""
         from torch.distributed import DistNetworkError
 
         try:
@@ -179,16 +205,18 @@ class Coordinator:
             raise _store_lost("stopped answering") from None
 
     def _wait_alive(self, keys: list[str]) -> None:
-        from torch.distributed import DistStoreError
-
+        # Polled, not store.wait(keys, timeout): each wait that times out makes c10d print two warnings
+        # ("waitForInput ... timed out"), every 4 s of a rank waiting for a slower one. The poll starts at a
+        # millisecond, so that a barrier the ranks reach together costs nothing, and settles at POLL.
         last_beat: dict[int, tuple[int, float]] = {}
-        while True:
-            try:
-                self.store.wait(keys, 2 * HEARTBEAT)
-                return
-            except DistStoreError:
-                pass
+        pause, next_look = 0.001, time.monotonic() + 2 * HEARTBEAT.total_seconds()
+        while not self.store.check(keys):
+            time.sleep(pause)
+            pause = min(2 * pause, POLL.total_seconds())
             now = time.monotonic()
+            if now < next_look:
+                continue
+            next_look = now + 2 * HEARTBEAT.total_seconds()
             for key in keys:
                 if self.store.check([key]):
                     continue

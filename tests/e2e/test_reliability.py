@@ -154,6 +154,13 @@ def test_resume_with_another_dp_size_gives_the_same_samples(baseline, corpus, en
     assert {n % 2 for n in new} == {0, 1}, "both replicas wrote, numbered apart"
     assert counts(proc.stderr)["earlier"] > 0
     assert_complete(out, baseline)
+    # A rank waiting for a slower one (the leader at the end, for a replica with more left) polled the store
+    # in slices that c10d reported as "waitForInput ... timed out", and that wait was counted as the index's.
+    assert "waitForInput" not in proc.stderr
+    t = json.loads((out / manifest.MANIFEST_NAME).read_text())["timings"]
+    parts = t["to_host_s"] + t["last_shards_s"] + t["replicas_waited_s"] + t["rejects_and_index_s"]
+    assert parts == pytest.approx(t["tail_s"])
+    assert f"the other replicas {t['replicas_waited_s']:.2f} s, rejects and index" in proc.stderr
 
 
 @pytest.mark.slow
