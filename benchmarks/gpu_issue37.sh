@@ -13,7 +13,8 @@
 # small: the real 135M model's bench, bf16 and fp8 to /dev/shm (target >= 0.9 x bare); bin/extract.py on real
 #        text to /dev/shm, bf16 and fp8 (target >= 0.9 x the bench's extract rate; its start-up line says how
 #        long it waited for input); the host's bounds (benchmarks/host_bounds.py); then DeepSeek-V3's and
-#        GPT-OSS's shapes through bin/extract.py cold and cached (their warm-up seconds, first against second).
+#        GPT-OSS's shapes through bin/extract.py cold and cached (their warm-up seconds, first against second);
+#        the feed alone (benchmarks/feed_rate.py: records and tokens a second, one core and all).
 # Every step's command, exit status and seconds go to OUTDIR/steps.jsonl, its output to OUTDIR/<step>.log;
 # the benches' JSONs (each with its command) to OUTDIR/bench, the runs' manifests to OUTDIR/runs.
 source "$(dirname "$0")/steps.sh"
@@ -127,6 +128,12 @@ elif [[ $part == small ]]; then
     step "extract_smol_$store" 90 "python bin/extract.py --model $SMOL --data $work/real.jsonl --store $store \
       --out /dev/shm/oe37_smol_$store --jit-cache $work/jit_smol --no-progress --progress-every 2 && \
       cp /dev/shm/oe37_smol_$store/manifest.json $results/runs/extract_smol_$store.json; rm -rf /dev/shm/oe37_smol_$store"
+  done
+  # The feed without the GPU: records/s and tokens/s of reading, tokenizing and batching the same corpus, on one
+  # core and on all, one record a call and 64 (~30 s).
+  for threads in 1 0; do
+    step "feed_rate_threads$threads" 60 "python benchmarks/feed_rate.py --model $SMOL --data $work/real.jsonl \
+      $( ((threads)) && echo --threads $threads) --json $results/feed_rate_threads$threads.json"
   done
   # The host's bounds: pinned -> pageable copy by threads, tmpfs writes by writers, one core's sha256 (~30 s).
   step host_bounds 90 "python benchmarks/host_bounds.py --dir /dev/shm/oe37_bounds --gb 4 --bytes-per-token 4613 \
