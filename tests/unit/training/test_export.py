@@ -233,6 +233,9 @@ def test_script(out_dir, tmp_path):
     assert done.returncode == 0, done.stderr
     assert f"wrote {len(LENGTHS)} samples" in done.stderr
     assert len(list(dest.rglob("*.ckpt"))) == len(LENGTHS)
+    (said,) = [line for line in done.stderr.splitlines() if "manifest.json" in line]
+    assert said == (f"warning: {out_dir} has no manifest.json, which records its shards' checksums: damage in them "
+                    f"cannot be told, and would be served as it is"), "an output without its checksums is not served unsaid"
 
     bad = run_script("--format", "specforge", tmp_path / "nowhere", "--to", tmp_path / "sf2", "--no-progress")
     assert bad.returncode == 1
