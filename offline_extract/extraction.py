@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, replace
 from itertools import chain, islice
@@ -654,17 +655,27 @@ class Job:
         count = (lambda: _count_owned(self.share, self.checked.sources)) if layout.leads else None
         with _progress(opts, label, count, shown=layout.leads) as bar:
 
+            # The records read up to each batch, counted as the batch is made: the batches are made ahead of
+            # the forwards (prepared_ahead), so the records read by the time a batch is done run ahead of it.
+            read_by_batch: deque[int] = deque()
+
+            def counted(batches: Iterator) -> Iterator:
+                for batch in batches:
+                    read_by_batch.append(tally.records_read())
+                    yield batch
+
             def advance(batch) -> None:
                 # Every batch's forwards are enqueued by now: the last batch's mark stays. (The feed reads a
                 # batch ahead, so the batches running out says nothing of the last one's forwards.)
                 self.timeline.mark("last forward")
-                bar.advance(tally.batch_done(batch), batch.num_tokens, writer.bytes_written if writer else 0)
+                tally.batch_done(batch)
+                bar.advance(read_by_batch.popleft(), batch.num_tokens, writer.bytes_written if writer else 0)
                 if watch is not None:
                     watch.check(bar.done, bar.total, bar.tokens, writer.tokens_written, writer.bytes_written)
 
             extract_start = time.perf_counter()
-            batches = self._marked(prepared_ahead(batch_by_tokens(samples, self.checked.tokens_per_batch,
-                                                                  opts.seqs_per_batch)))
+            batches = self._marked(prepared_ahead(counted(batch_by_tokens(samples, self.checked.tokens_per_batch,
+                                                                          opts.seqs_per_batch))))
             guard = NonFiniteGuard(opts.nonfinite, self.engine.layer_ids, tally.nonfinite)
             try:
                 times = extract_batches(self.engine, batches, writer, advance, staging=staging, nonfinite=guard)

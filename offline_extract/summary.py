@@ -133,10 +133,9 @@ class Tally:
             self.summary.nonfinite_kept += 1
             note(f"warning: sample {sample.id!r} ({sample.source}:{sample.line}) kept with {reason}")
 
-    def batch_done(self, batch: Batch) -> int:
-        """Counts the batch's tokens; returns the records read since the last batch (`records_read`)."""
+    def batch_done(self, batch: Batch) -> None:
+        """Counts the batch's tokens."""
         self.summary.tokens += batch.num_tokens
-        return self.records_read()
 
     def records_read(self) -> int:
         """The records read since the last call, bad and resumed ones included, so that a progress bar over

@@ -129,6 +129,30 @@ def test_verify_reads_the_reference_weights_beside_the_load_and_the_gate_builds_
             f"{t['gate_preload_waited_s']:.1f} s for its weights read beside the load in {t['gate_preload_s']:.1f} s, ") in line
 
 
+def test_the_records_shown_follow_the_batches_though_they_are_made_ahead(tiny_engine, tiny_model_dir, tmp_path,
+                                                                         monkeypatch, capsys):
+    # The batches are made on a thread ahead of the forwards (feed.prepared_ahead): counted as read, the records
+    # reached 30/30 with most of the tokens still to extract.
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: tiny_engine)
+    from offline_extract import feed
+
+    monkeypatch.setattr(feed, "_forwards", _slowed(feed._forwards))
+    summary, _ = _run(tmp_path, tiny_model_dir, tokens_per_batch=128, progress_every=1e-9)
+    lines = re.findall(r"^extract: (\d+)/24 samples, ([\d,]+) tokens", capsys.readouterr().err, re.M)
+    shown = [(int(done), int(tokens.replace(",", ""))) for done, tokens in lines]
+    assert shown[-1] == (24, summary.tokens) and len({done for done, _ in shown}) > 3
+    # Each line's records are about its tokens' share: no more than a batch of records (128 tokens) ahead.
+    per_record = summary.tokens / 24
+    assert all(done <= tokens / per_record + 128 / per_record + 3 for done, tokens in shown[:-1]), shown
+
+
+def _slowed(forwards):
+    def slowed(engine, batch):
+        time.sleep(0.05)  # a forward's time, in which the thread making batches runs ahead
+        yield from forwards(engine, batch)
+    return slowed
+
+
 def test_verify_asking_for_more_samples_than_there_are_says_how_many_it_compared(
         tiny_engine, tiny_model_dir, tmp_path, monkeypatch, capsys):
     # The gate passed on the corpus's 24 samples and said nothing of the 6 more that --verify 30 asked for.
