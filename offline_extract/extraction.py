@@ -770,6 +770,8 @@ class Job:
         tokenizer_waited = span("warm", "tokenizer waited") if beside else span("tokenizer loading", "tokenizer loaded")
         startup, verify = marks["first forward"], span("verifying", "verified")
         ours = startup - sum(sglang.values()) - verify
+        # Where the tail's rejects and index begin: once the other replicas were done too, if there were any.
+        replicas = "replicas finished" if self.layout.dp_size > 1 else "written"
         imports_and_checks = marks["checked"] - sglang["torch_import_s"]
         return {
             "startup_s": startup,
@@ -786,9 +788,8 @@ class Job:
             "tail_s": self.timeline.between("last forward", "finished"),
             "to_host_s": self.timeline.between("last forward", "drained"),
             "last_shards_s": self.timeline.between("drained", "written"),
-            **({"replicas_waited_s": self.timeline.between("written", "replicas finished")}
-               if self.layout.dp_size > 1 else {}),
-            "rejects_and_index_s": self.timeline.between("replicas finished", "finished"),
+            **({"replicas_waited_s": self.timeline.between("written", replicas)} if replicas != "written" else {}),
+            "rejects_and_index_s": self.timeline.between(replicas, "finished"),
             # Between the first forward and the last: the feed's wait for its next batch (feed._Input).
             "input_wait_s": self.input_wait_s,
             **self.engine.prebuild_report(),
