@@ -19,12 +19,12 @@ States are decoded to bf16 whatever the shards store (fp8 values times their per
 frames decompressed). Under zstd each sample's states are one frame per tensor, so an item decompresses
 exactly its own bytes, once, and memory stays one sample's worth whatever the order of reading.
 
-Before serving anything, every shard is checked against the checksum its manifest records, once per
-file as it is (`store/verdicts.py`; `verify_checksums=False` opts out), and samples are located from the
-shards' own headers, which index.json only repeats. Shards are opened lazily, once per process, through
-safetensors' memory map, and an item reads only its own rows. Every tensor in an item owns a storage of exactly its size: safetensors' slices are views
-of the whole memory-mapped tensor, and handing such a view to torch.save or to a DataLoader worker's
-result queue would write or copy the entire shard tensor, not the sample.
+Before serving anything, every shard is checked against the checksum its manifest records, once per file as it
+is (`store/verdicts.py`; `verify_checksums=False` opts out), and samples are located from the shards' own
+headers, which index.json only repeats. Shards are opened lazily, once per process, through safetensors'
+memory map, and an item reads only its own rows. Every tensor in an item owns a storage of exactly its size:
+safetensors' slices are views of the whole memory-mapped tensor, and handing such a view to torch.save or to a
+DataLoader worker's result queue would write or copy the entire shard tensor, not the sample.
 """
 from __future__ import annotations
 
