@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import re
 import shlex
+import sys
 
 import click
 import pytest
@@ -95,6 +96,8 @@ def test_each_command_in_the_docs_pastes_as_it_stands(page, line, monkeypatch):
         script, args = parsed.training_script, parsed.training_script_args
     elif args[:2] == ["-m", "pytest"]:
         _check_pytest(args[2:], where)
+        return
+    elif args[0] == "-m" and args[1] in sys.stdlib_module_names:  # python -m venv: Python's own
         return
     elif args[0] == "-m":
         script, args = args[1], args[2:]
