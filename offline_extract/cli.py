@@ -10,14 +10,22 @@ import warnings
 
 import click
 
+from offline_extract import stopping
 from offline_extract.version import __version__
 
 
 class Interrupted(click.ClickException):
     """Ctrl-C, reported with the shell's status for it (128 + SIGINT), so that a wrapping script or
-    scheduler sees an interruption rather than a failure."""
+    scheduler sees an interruption rather than a failure, and in words that read as the stop it is, not
+    as an error: 'stopped (Ctrl-C)', then what `detail` says of what the command leaves."""
 
-    exit_code = 130
+    exit_code = stopping.INTERRUPTED
+
+    def __init__(self, detail: str = ""):
+        super().__init__(f"{stopping.STOPPED}{detail}")
+
+    def show(self, file=None) -> None:
+        click.echo(self.format_message(), err=True, file=file)
 
 
 # The shell's status for a command stopped by SIGTERM (torchrun stopping the survivors of a failed rank, a
@@ -30,6 +38,8 @@ def _one_line(message, category, filename, lineno, line=None) -> str:
 
 
 class _Command(click.Command):
+    as_program = False  # run on sys.argv (`__call__`), where a stop may end the process itself
+
     # --help's sections: title -> the names of the parameters listed there, in that order; None: one
     # list of every option, as click writes it. Parameters of no section (--version, --help) come last.
     sections: dict[str, tuple[str, ...]] | None = None
@@ -56,6 +66,7 @@ class _Command(click.Command):
         SGLang's and torch's own), and can end the process in SIGSEGV instead of the status a stop has."""
         if args or kwargs:
             return self.main(*args, **kwargs)
+        self.as_program = True
         try:
             return self.main()
         except SystemExit as e:
@@ -69,12 +80,13 @@ class _Command(click.Command):
     def invoke(self, ctx: click.Context):
         # A warning is for the person at the terminal: its words, not Python's file, line and source line.
         warnings.formatwarning = _one_line
-        # From here Ctrl-C is a KeyboardInterrupt again (offline_extract.commands ends it while it imports).
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        try:
-            return super().invoke(ctx)
-        except KeyboardInterrupt:
-            raise Interrupted("interrupted") from None
+        # Ctrl-C from here is taken as `stopping` says (offline_extract.commands ends it while it imports).
+        with stopping.guard(self.as_program):
+            try:
+                with stopping.as_stop(Interrupted, click.exceptions.Exit):
+                    return super().invoke(ctx)
+            except KeyboardInterrupt:
+                raise Interrupted() from None
 
 
 def command(sections: dict[str, tuple[str, ...]] | None = None, **kwargs):

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import _thread
 import json
 import os
-import signal
 import threading
 import time
 from collections import deque
@@ -25,7 +23,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from offline_extract import planning, preflight
+from offline_extract import planning, preflight, stopping
 from offline_extract.data.batching import batch_by_tokens
 from offline_extract.data.corpus import BadRecordError, Record, Reject, read_corpus
 from offline_extract.data.sources import Source
@@ -374,6 +372,7 @@ class Job:
             locks.append(lock)
             return asdict(existing)
 
+        stopping.clean_up_from_here()
         try:
             # Nobody touches the directory before the leader holds it and has cleared a crashed run's leftovers.
             existing = resume.Existing(**self.coord.from_leader(take_over))
@@ -830,15 +829,14 @@ class _Beside:
     The tokenizer loads so beside SGLang's model load. Started once SGLang is imported (`import_sglang`),
     it finds every module it needs imported already: the two threads never import the same modules at once,
     and transformers' import, which SGLang needs anyway, counts as SGLang's. A failure should not cost a
-    whole model load to learn: where the caller is the main thread and Ctrl-C raises KeyboardInterrupt
-    there, the failure interrupts it at once, and the caller raises `error` in its place. `settle`, on the
-    way out, makes sure no such interrupt lands later."""
+    whole model load to learn: where the caller is the main thread of a command (`stopping.guard`), the
+    failure interrupts it at once (`stopping.interrupt_main`), and the caller raises `error` in its place.
+    `settle`, on the way out, makes sure no such interrupt lands later."""
 
     def __init__(self, call: Callable[[], None]):
         self.error: BaseException | None = None
         self._call = call
-        self._armed = (threading.current_thread() is threading.main_thread()
-                       and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        self._armed = threading.current_thread() is threading.main_thread() and stopping.guarded()
         self._sent = False
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="beside-the-load", daemon=True)
@@ -853,7 +851,7 @@ class _Beside:
             with self._lock:
                 self.error = e
                 if self._armed:
-                    _thread.interrupt_main()
+                    stopping.interrupt_main()
                     self._sent = True
 
     def wait(self) -> None:
@@ -867,15 +865,11 @@ class _Beside:
             raise self.error
 
     def settle(self) -> None:
-        """From here on the thread interrupts nothing; an interrupt it sent already is taken here."""
+        """From here on the thread interrupts nothing; an interrupt it sent and that has not landed yet never does."""
         with self._lock:
             self._armed = False
-            sent = self._sent
-        if sent:
-            try:
-                _pending_signals_run()
-            except KeyboardInterrupt:
-                pass
+            if self._sent:
+                stopping.withdraw()
 
 
 def _pending_signals_run() -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import threading
 import time
 
+from offline_extract import stopping
+
 
 def interpreter_age() -> float:
     """Seconds since this process began to run its program, for a caller that has run nothing that waits yet
@@ -53,7 +55,11 @@ class Timeline:
         return time.perf_counter() - _ORIGIN
 
     def mark(self, name: str) -> float:
-        """Records `name` as reached now; marked again, it moves to now (and to the end of the order)."""
+        """Records `name` as reached now; marked again, it moves to now (and to the end of the order).
+
+        A run's every phase and batch is marked, which makes each mark a safe point to stop at
+        (`stopping.check`): a Ctrl-C that a library swallowed is taken here."""
+        stopping.check()
         with self._lock:
             self.marks.pop(name, None)
             self.marks[name] = now = self.now()

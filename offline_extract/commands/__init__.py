@@ -2,18 +2,20 @@
 `offline-extract-export`, one module each; bin/ holds the same commands as scripts for a checkout.
 
 Both import this package before anything heavy (torch, SGLang), so Ctrl-C while those still import ends the
-command with the shell's status for it and one word, not a traceback of the import; the command puts
-Python's own handler back when it starts (cli._Command.invoke), so that an interrupted run cleans up.
+command with the shell's status for it and one line, not a traceback of the import; once the command runs,
+`offline_extract.stopping` takes Ctrl-C (cli._Command.invoke), so that an interrupted run cleans up.
 """
 import atexit
 import gc
 import os
 import signal
 
+from offline_extract import stopping
+
 
 def _interrupted_while_starting(signum, frame) -> None:
-    os.write(2, b"interrupted\n")
-    os._exit(128 + signal.SIGINT)
+    os.write(2, f"{stopping.STOPPED}\n".encode())
+    os._exit(stopping.INTERRUPTED)
 
 
 signal.signal(signal.SIGINT, _interrupted_while_starting)

@@ -61,8 +61,8 @@ def main(out_dir, dest, format_, rows_per_folder, gzipped, allow_partial, no_pro
         raise click.ClickException(f"{e}\nOnce the cause is fixed, rerunning the same export resumes into {dest}") from e
     except KeyboardInterrupt:
         if not Path(dest).exists():  # stopped before its first file: there is nothing to resume
-            raise Interrupted(f"interrupted before anything was written to {dest}") from None
-        raise Interrupted(f"interrupted; rerunning the same export resumes into {dest}") from None
+            raise Interrupted(f" before anything was written to {dest}") from None
+        raise Interrupted(f"; rerunning the same export resumes into {dest}") from None
     skipped = f", {number(summary.samples_skipped)} already there" if summary.samples_skipped else ""
     click.echo(
         f"wrote {plural(summary.samples_written, 'sample')} ({human_bytes(summary.bytes_written)}) to {summary.dest}"

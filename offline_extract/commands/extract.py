@@ -31,6 +31,7 @@ Re-running the same command into the same --out resumes: samples in complete sha
 are extracted (on any number of GPUs). A run that stopped (crash, full disk) loses at most the shards
 it was writing.
 """
+import contextlib
 import dataclasses
 import os
 import signal
@@ -40,6 +41,7 @@ from pathlib import Path
 
 import click
 
+from offline_extract import stopping
 from offline_extract.cli import TERMINATED, Interrupted, command
 from offline_extract.options import GROUPS, ExtractOptions, choices, is_choice
 
@@ -109,6 +111,10 @@ SECTIONS = {
                    "(unless --force), --out cannot be written, or another extraction is running into --out (it names "
                    "it, as the run would). It writes nothing into --out.")
 def main(dry_run, **options):
+    out = options["out"]
+    existed = os.path.lexists(out)
+    # Until the run takes --out over (extraction.Job.run), a stop leaves nothing to clean up.
+    stopping.at_once(f"{stopping.STOPPED}{_left_by_a_dry_run(out, existed) if dry_run else _nothing_written(out)}")
     # Here, not at the top: torch and transformers take seconds to import, which --help, --version and a
     # mistyped option need not wait for.
     from offline_extract.timeline import mark_process
@@ -122,33 +128,47 @@ def main(dry_run, **options):
     from offline_extract.engine.distributed import LeaderFailed, PeerLost, ReportedByLeader
     from offline_extract.engine.parity import ParityError
     from offline_extract.extraction import StoppedError, Terminated, raise_terminated
+    from offline_extract.store.index import shard_paths
     from offline_extract.store.schema import REJECTS_FILE
     from offline_extract.summary import no_sample_verdict
+    from offline_extract.words import plural
 
     opts = ExtractOptions(**options)
     data, out, force = opts.data, opts.out, opts.force
     # Torchrun stops every rank with SIGTERM once one fails, and schedulers preempt with it: stop as on an
     # error (the unfinished shard dropped, the lock released) instead of dying mid-write.
     signal.signal(signal.SIGTERM, raise_terminated)
-    # What a stop leaves: a dry run writes nothing into --out, so it has nothing to resume.
-    resumes = f"re-running the same command resumes into {out}"
-    untouched = f"a dry run writes nothing, so {out} is as it was"
-    try:
+
+    def left() -> str:
+        """What a stop leaves in --out, said as it is: a directory that this run made and left empty goes."""
         if dry_run:
-            plan = extraction.dry_run(opts)
-        else:
-            summary = extraction.run(opts)
+            return _left_by_a_dry_run(out, existed)
+        shards = shard_paths(Path(out)) if os.path.isdir(out) else []
+        if shards:
+            return (f"; the {plural(len(shards), 'complete shard')} in {out} {'are' if len(shards) > 1 else 'is'} "
+                    f"kept, and re-running the same command resumes from them")
+        if not existed:
+            with contextlib.suppress(OSError):  # not empty: it holds what the run wrote, or another's files
+                os.rmdir(out)
+        return _nothing_written(out) if not os.path.lexists(out) else f" before any shard was written to {out}"
+
+    try:
+        with stopping.as_stop():
+            if dry_run:
+                plan = extraction.dry_run(opts)
+            else:
+                summary = extraction.run(opts)
     except (OSError, ValueError, NotImplementedError, ParityError, StoppedError, LeaderFailed, PeerLost) as e:
         # Bad input, a failed check or a full disk: the message names it; a traceback would only bury it.
         raise click.ClickException(str(e)) from e
     except ReportedByLeader:
         sys.exit(1)  # rank 0 printed why, once for the whole run
     except KeyboardInterrupt:
-        raise Interrupted(f"interrupted; {untouched if dry_run else resumes}") from None
+        raise Interrupted(left()) from None
     except Terminated:
         rank = f"rank {os.environ['RANK']}" if "RANK" in os.environ else "dry run" if dry_run else "extraction"
         click.echo(f"{rank}: stopped by SIGTERM (under torchrun: another rank failed, and torchrun's report names "
-                   f"it); {untouched if dry_run else 'complete shards are kept and ' + resumes}", err=True)
+                   f"it){left()}", err=True)
         sys.exit(TERMINATED)
     if dry_run:
         click.echo(planning.render(plan, out))
@@ -169,3 +189,10 @@ def main(dry_run, **options):
             # The manifest says complete (with these counts): re-running would only repeat this verdict.
             raise click.ClickException(f"{verdict}, see {Path(out) / REJECTS_FILE}" if summary.records else verdict)
 
+
+def _nothing_written(out: str) -> str:
+    return f" before anything was written to {out}"
+
+
+def _left_by_a_dry_run(out: str, existed: bool) -> str:
+    return f"; a dry run writes nothing{f', so {out} is as it was' if existed else ''}"

@@ -1,6 +1,7 @@
 """What every command shares: -h, --version, and exit status 130 on Ctrl-C; how they are installed."""
 import configparser
 import importlib
+import json
 import os
 import signal
 import subprocess
@@ -75,7 +76,8 @@ def test_ctrl_c_exits_130(signals_kept):
         raise KeyboardInterrupt
 
     result = CliRunner().invoke(stopped, [])
-    assert result.exit_code == 130 and "interrupted" in result.output
+    # One line that reads as the stop it is: it said "Error: interrupted".
+    assert (result.exit_code, result.output) == (130, "stopped (Ctrl-C)\n")
 
 
 def test_ctrl_c_stops_an_export_with_130_and_says_how_to_resume(tmp_path, monkeypatch, signals_kept):
@@ -91,19 +93,20 @@ def test_ctrl_c_stops_an_export_with_130_and_says_how_to_resume(tmp_path, monkey
     dest.mkdir()  # the export had begun writing there
     result = CliRunner().invoke(export.main, [str(tmp_path / "out"), "--to", str(dest)])
     assert result.exit_code == 130
-    assert f"interrupted; rerunning the same export resumes into {dest}" in result.output
+    assert result.output == f"stopped (Ctrl-C); rerunning the same export resumes into {dest}\n"
     # Stopped before its destination was made, it has nothing to resume, and said it had.
     result = CliRunner().invoke(export.main, [str(tmp_path / "out"), "--to", str(tmp_path / "never")])
     assert result.exit_code == 130
-    assert f"Error: interrupted before anything was written to {tmp_path / 'never'}\n" == result.output
+    assert f"stopped (Ctrl-C) before anything was written to {tmp_path / 'never'}\n" == result.output
 
 
 @pytest.mark.parametrize("stop, status, said", [
-    (KeyboardInterrupt, 130, "Error: interrupted; "),
+    (KeyboardInterrupt, 130, "stopped (Ctrl-C); "),
     (Terminated, 143, "dry run: stopped by SIGTERM (under torchrun: another rank failed, and torchrun's report names it); "),
 ])
 def test_a_stopped_dry_run_says_it_wrote_nothing(stop, status, said, tmp_path, monkeypatch, signals_kept):
-    # It said "re-running the same command resumes into OUT", as the real run does, though it writes nothing there.
+    # It said "re-running the same command resumes into OUT", as the real run does, though it writes nothing there;
+    # then "OUT is as it was" of an OUT that was never there.
     from offline_extract import extraction
     from offline_extract.commands import extract
 
@@ -115,8 +118,12 @@ def test_a_stopped_dry_run_says_it_wrote_nothing(stop, status, said, tmp_path, m
     out = tmp_path / "out"
     result = CliRunner().invoke(extract.main, ["--data", str(ROOT / "examples" / "corpus.jsonl"), "--out",
                                                str(out), "--dry-run"])
-    assert (result.exit_code, result.output) == (status, f"{said}a dry run writes nothing, so {out} is as it was\n")
+    assert (result.exit_code, result.output) == (status, f"{said}a dry run writes nothing\n")
     assert not out.exists()
+    out.mkdir()
+    result = CliRunner().invoke(extract.main, ["--data", str(ROOT / "examples" / "corpus.jsonl"), "--out",
+                                               str(out), "--dry-run"])
+    assert (result.exit_code, result.output) == (status, f"{said}a dry run writes nothing, so {out} is as it was\n")
 
 
 @pytest.mark.parametrize("first", ["import offline_extract.commands",
@@ -125,27 +132,50 @@ def test_ctrl_c_while_a_command_still_imports_exits_130_without_a_traceback(firs
     # What an installed command and a bin/ script do first, then Ctrl-C while the heavy imports would run.
     code = f"import sys; {first}; import os, signal, time; os.kill(os.getpid(), signal.SIGINT); time.sleep(30)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
-    assert (proc.returncode, proc.stderr) == (130, "interrupted\n")
+    assert (proc.returncode, proc.stderr) == (130, "stopped (Ctrl-C)\n")
 
 
-def test_ctrl_c_stops_an_extraction_with_130_and_says_how_to_resume(tmp_path, tiny_model_dir):
+def test_ctrl_c_stops_an_extraction_with_130_says_what_it_left_and_a_rerun_finishes(tmp_path, tiny_model_dir):
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / f"tiny-llama-v{TINY_VERSION}").symlink_to(tiny_model_dir)
     out = tmp_path / "out"
-    proc = subprocess.Popen(extract_command(out, "--data", ROOT / "examples" / "corpus.jsonl"), cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OFFLINE_EXTRACT_CACHE": str(cache)})
+    command = extract_command(out, "--data", ROOT / "examples" / "corpus.jsonl")
+    env = {**os.environ, "OFFLINE_EXTRACT_CACHE": str(cache)}
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 300
     while not (out / resume.LOCK_NAME).exists():  # the run holds its directory: it is past the option checks
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGINT)
+    os.kill(proc.pid, signal.SIGINT)  # SGLang is importing or loading the model: nothing is written yet
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 130, stderr[-3000:]
-    assert f"interrupted; re-running the same command resumes into {out}" in stderr
-    assert not (out / resume.LOCK_NAME).exists(), "the run ended before its own cleanup"
+    # It promised that a rerun "resumes into" the directory, and left it empty.
+    assert stderr.splitlines()[-1] == f"stopped (Ctrl-C) before anything was written to {out}", stderr[-3000:]
+    assert not out.exists(), "the directory it made and wrote nothing to is left"
+    rerun = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
+
+
+def test_a_stopped_extraction_names_the_complete_shards_it_keeps(tmp_path, monkeypatch, signals_kept):
+    from offline_extract import extraction
+    from offline_extract.commands import extract
+
+    out = tmp_path / "out"
+
+    def stopped(opts):
+        out.mkdir()
+        (out / "shard_000.safetensors").write_bytes(b"")  # complete shards under their final names
+        (out / "shard_001.safetensors").write_bytes(b"")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(extraction, "run", stopped)
+    result = CliRunner().invoke(extract.main, ["--data", str(ROOT / "examples" / "corpus.jsonl"), "--out", str(out)])
+    assert (result.exit_code, result.output) == (
+        130, f"stopped (Ctrl-C); the 2 complete shards in {out} are kept, and re-running the same command resumes "
+             f"from them\n")
 
 
 # A command's process stopped with a thread still at work, as an extraction's stop can leave the tokenizer loading
@@ -170,9 +200,9 @@ main()  # as bin/extract.py and the console script run it
 
 
 @pytest.mark.parametrize("stop, status, said", [
-    ("KeyboardInterrupt", 130, "Error: interrupted; "),
+    ("KeyboardInterrupt", 130, "stopped (Ctrl-C)"),
     ("extraction.Terminated", 143, "extraction: stopped by SIGTERM (under torchrun: another rank failed, and torchrun's report "
-                        "names it); complete shards are kept and "),
+                        "names it)"),
 ])
 def test_a_stopped_command_exits_with_its_status_without_the_interpreters_teardown(stop, status, said, tmp_path):
     """Once the command's own cleanup has run and its words are out, a stop ends the process (cli._Command):
@@ -189,7 +219,7 @@ def test_a_stopped_command_exits_with_its_status_without_the_interpreters_teardo
         proc.kill()
         stdout, stderr = proc.communicate()
         pytest.fail(f"still running 60 s after the stop: {stderr[-2000:]}")
-    assert (proc.returncode, stdout, stderr) == (status, "", f"{said}re-running the same command resumes into {out}\n")
+    assert (proc.returncode, stdout, stderr) == (status, "", f"{said} before anything was written to {out}\n")
 
 
 def test_a_command_leaves_the_interpreters_teardown_no_objects_to_collect():

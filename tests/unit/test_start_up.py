@@ -21,7 +21,7 @@ import pytest
 import torch
 from extract_runs import GATE_PARTS, ROOT
 
-from offline_extract import extraction
+from offline_extract import extraction, stopping
 from offline_extract.options import ExtractOptions
 
 CORPUS = str(ROOT / "examples" / "corpus.jsonl")
@@ -418,12 +418,11 @@ def test_under_strict_the_tokenizer_loads_before_the_model_and_counts_as_ours(
 
 @pytest.fixture
 def ctrl_c_raises():
-    """SIGINT as a command runs with it (cli._Command.invoke): Python's handler, which raises
-    KeyboardInterrupt. Importing offline_extract.commands, as other tests of this session do, installs the
-    handler that ends a command still importing, under which the run rightly sends no interrupt."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
+    """SIGINT as a command runs with it (cli._Command.invoke, called from Python): `stopping.guard`, under
+    which Ctrl-C raises KeyboardInterrupt. Without it (offline_extract used as a library, or a command still
+    importing) the run rightly sends no interrupt."""
+    with stopping.guard(exits_at_once=False):
+        yield
 
 
 def test_a_tokenizer_that_fails_stops_the_model_load_at_once(tiny_model_dir, tmp_path, monkeypatch, ctrl_c_raises):
@@ -494,7 +493,10 @@ def test_ctrl_c_while_the_tokenizer_loads_beside_the_model_says_one_line(tiny_mo
     finally:
         release.set()
     assert exited.value.code == 130
-    assert capfd.readouterr().err == f"Error: interrupted; re-running the same command resumes into {out}\n"
+    # Stopped before its claim, the run had written nothing to the --out it made: it goes, and the line says so
+    # (it promised that a rerun "resumes into" it).
+    assert capfd.readouterr().err == f"stopped (Ctrl-C) before anything was written to {out}\n"
+    assert not out.exists()
 
 
 def test_the_last_forward_is_marked_after_a_long_last_samples_last_chunk(tiny_engine, tiny_model_dir, tmp_path, monkeypatch):

@@ -1,0 +1,113 @@
+"""Ctrl-C through `stopping`: never inside an import, never lost, an error after it taken as the stop."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+from extract_runs import ROOT
+
+from offline_extract import stopping
+
+# A module whose import takes a Ctrl-C half-way: torch's, numpy's or SGLang's as a user's Ctrl-C reaches it.
+_SLOW_MODULE = """
+import os, signal, time
+os.kill(os.getpid(), signal.SIGINT)
+started = time.monotonic()
+while time.monotonic() - started < 0.3:  # more of the import, in Python, where the handler runs
+    pass
+whole = True
+"""
+
+
+@pytest.fixture
+def guarded(signals_kept):
+    with stopping.guard(exits_at_once=False):
+        stopping.clean_up_from_here()
+        yield
+
+
+def test_ctrl_c_during_an_import_lands_once_the_import_returns(guarded, tmp_path, monkeypatch):
+    # It landed inside the import (Python's own handler), which left the module half-made: numpy's, torch's or
+    # SGLang's next import then failed with a traceback of its own.
+    (tmp_path / "slow_module.py").write_text(_SLOW_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        import slow_module  # noqa: F401
+        started = time.monotonic()
+        while time.monotonic() - started < 30:  # what follows the import, where the interrupt lands
+            pass
+        pytest.fail("the Ctrl-C never landed")
+    assert sys.modules["slow_module"].whole
+
+
+def test_a_ctrl_c_that_a_library_swallowed_is_taken_at_the_next_safe_point(guarded):
+    from offline_extract.timeline import Timeline
+
+    timeline = Timeline()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+    except BaseException:  # a library's bare except
+        pass
+    with pytest.raises(KeyboardInterrupt):
+        timeline.mark("next phase")
+
+
+def test_an_error_after_ctrl_c_and_a_return_all_the_same_end_as_the_stop(guarded):
+    with pytest.raises(ValueError):  # before Ctrl-C, an error is what it is
+        with stopping.as_stop():
+            raise ValueError("bad input")
+    with pytest.raises(KeyboardInterrupt):
+        with stopping.as_stop():
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+            except KeyboardInterrupt:
+                raise ImportError("partially initialized module 'numpy'") from None  # what a library made of it
+    with pytest.raises(KeyboardInterrupt):
+        with stopping.as_stop():
+            pass  # it ran on, the Ctrl-C swallowed on the way
+
+
+def test_a_threads_interrupt_is_no_stop_and_once_withdrawn_never_lands(guarded):
+    with pytest.raises(KeyboardInterrupt):
+        threading.Thread(target=stopping.interrupt_main).start()
+        time.sleep(5)
+    assert not stopping.requested()  # a thread's failure, not the user's Ctrl-C
+    stopping.withdraw()  # nothing pending: withdrawing is harmless
+    thread = threading.Thread(target=lambda: (stopping.interrupt_main(), stopping.withdraw()))
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])  # the alarm arrives after the withdrawal
+    try:
+        thread.start()
+        thread.join()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGALRM])
+    for _ in range(20):
+        time.sleep(0.01)
+
+
+def test_the_guard_puts_back_the_handlers_it_found(signals_kept):
+    found = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGALRM)
+    with stopping.guard(exits_at_once=False):
+        assert stopping.guarded()
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGALRM)) == found
+    assert not stopping.guarded()
+
+
+def test_ctrl_c_before_anything_is_written_ends_the_program_at_once_with_its_words():
+    # As the program, before an extraction takes its --out over: nothing to clean up, so nothing is raised into
+    # whatever C code runs at that moment.
+    code = textwrap.dedent("""
+        import os, signal, time
+        from offline_extract import stopping
+        with stopping.guard(exits_at_once=True):
+            stopping.at_once("stopped (Ctrl-C) before anything was written to out")
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(30)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (130, "", "stopped (Ctrl-C) before anything was written to out\n")
