@@ -427,7 +427,17 @@ class Job:
             samples = self._pending(done, tally)
             head = list(islice(samples, opts.parity_samples))
             self.timeline.mark("verifying")
-            tally.summary.parity = self._gate(head)
+            try:
+                tally.summary.parity = self._gate(head)
+            except parity.ParityMismatch as e:
+                # Nothing was extracted: this rank's rejects journal goes, and the directory says it was refused
+                # (not interrupted, which a re-run would finish).
+                journals.close()
+                if rejects is not None:
+                    rejects.path.unlink(missing_ok=True)
+                if layout.leads:
+                    resume.refuse(self.out, "the parity gate", str(e))
+                raise
             self.timeline.mark("verified")
             staging, buffers = host.take(self.engine) if host else (None, [])
             writer = self._writer(existing, journals, buffers, on_gpu) if layout.writes else None
@@ -587,19 +597,21 @@ class Job:
                 rows, result = self._reference(states, preload, fp8)
             except Exception as e:  # the reference's weights unreadable, HF failing to load or run them
                 said = str(e) if isinstance(e, parity.ParityError) else f"{type(e).__name__}: {e}"
-                failure, error = f"{where}{said}", e
+                failure, error = (f"{where}{said}", False), e
             else:
                 try:
                     parity.check(rows, engine.dtype, len(head), moe=engine.is_moe, fp8=fp8)
-                except parity.ParityError as e:
-                    failure = f"{where}{e}"
+                except parity.ParityMismatch as e:
+                    failure = (f"{where}{e}", True)
         elif preload is not None:
             preload.drop()
+        # (what was said, whether it is the gate's verdict on the states) from each rank that failed
         failures = [f for f in self.coord.all_gather(failure) if f]
         if error is not None:
             raise error  # this rank's own, as it was raised
         if failures:
-            raise parity.ParityError(failures[0])
+            said, verdict = failures[0]
+            raise (parity.ParityMismatch if verdict else parity.ParityError)(said)
         return result
 
     def _reference(self, states: list, preload: parity.ReferencePreload | None, fp8: bool) -> tuple[list, dict]:

@@ -54,12 +54,14 @@ def main(path: str, sample_id: str | None, as_json: bool, verify: bool, allow_pa
             report = integrity.verify(path)
         except ShardError as e:  # e.g. another tool's manifest.json: named, as --verify cannot judge the folder
             raise click.ClickException(str(e)) from e
-        status = 1 if report.problems else 3 if report.unfinished else 0
+        status = 1 if report.problems or report.refused else 3 if report.unfinished else 0
         if as_json:
             click.echo(json.dumps({"path": path, **asdict(report), "exit_status": status}, indent=2))
             raise SystemExit(status)
         for line in report.problems + [f"unfinished: {note}" for note in report.unfinished]:
             click.echo(line)
+        if report.refused:
+            click.echo(f"refused: the run {report.refused}")
         verdict = plural(len(report.problems), "problem") if report.problems else "no problems"
         click.echo(f"verified {plural(report.shards, 'shard')} holding {plural(report.samples, 'sample')} in {path}: "
                    f"{verdict}")
@@ -69,6 +71,9 @@ def main(path: str, sample_id: str | None, as_json: bool, verify: bool, allow_pa
         if report.damaged:
             their = "its" if len(report.damaged) == 1 else "their"
             click.echo(f"delete {', '.join(report.damaged)} and {rerun}, which redoes exactly {their} samples")
+        elif report.refused:
+            click.echo("the run extracted nothing: fix what the verdict names (or run in float32, --dtype float32), "
+                       "then re-run")
         elif report.problems and report.manifest:
             click.echo("no shard is damaged: delete nothing, re-running the extraction repairs the rest")
         elif report.problems:

@@ -72,6 +72,11 @@ class ParityError(RuntimeError):
     pass
 
 
+class ParityMismatch(ParityError):
+    """The gate's verdict: the engine's states do not match HF's (where a ParityError may also be a reference
+    that could not be had)."""
+
+
 def hf_hidden_states(model, input_ids: Sequence[int], device, final_state: str = "post-norm") -> tuple[torch.Tensor, ...]:
     """HF's hidden_states for one sequence; for a pre-norm final state the last one is replaced by the
     final norm's input (HF lists only the normed state), so that index -1 is the reference either way."""
@@ -511,7 +516,7 @@ def check(rows: Sequence[LayerParity], dtype: str, num_samples: int, moe: bool =
             f"max_rel={r.max_rel:.3g} cosine worst={r.cosine:.6f} median={r.median_cosine:.6f}"
             for r in bad
         )
-        raise ParityError(
+        raise ParityMismatch(
             f"parity gate failed on {num_samples} samples in {dtype} (required: {criterion(dtype, moe, fp8)}):\n{lines}\n"
             f"The extracted states do not match HF transformers; refusing to write training data."
         )

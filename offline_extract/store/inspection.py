@@ -119,7 +119,8 @@ def summarize(path: str | os.PathLike, allow_partial: bool = False) -> dict:
     """
     reason = manifest.unfinished(path) if Path(path).is_dir() else None
     if reason and not allow_partial:
-        raise ShardError(f"{reason}, or summarize what is there with --allow-partial")
+        refused = (manifest.load(path) or {}).get("status") == manifest.REFUSED
+        raise ShardError(reason if refused else f"{reason}, or summarize what is there with --allow-partial")
     paths = resolve_shards(path)
     shards = [open_shard(p) for p in paths]
     if Path(path).is_dir() and not reason:

@@ -33,6 +33,7 @@ class Verification:
     unfinished: list[str] = field(default_factory=list)  # an interrupted run's state: a re-run finishes it
     manifest: bool = True  # whether manifest.json was there: without it a re-run needs --force
     running: str | None = None  # the live run writing the directory now, in words (`lock.running`)
+    refused: str | None = None  # a run refused before extracting (manifest.refusal): a re-run refuses it again
 
     def damage(self, name: str, problems: list[str]) -> None:
         self.problems += problems
@@ -81,7 +82,7 @@ def verify(out: str | os.PathLike, threads: int = 8) -> Verification:
     stale = _check_index(out, [p.name for p in paths], headers)
     if report.unfinished and stale:
         report.unfinished.append(f"{INDEX_NAME} does not describe the shards yet: a run writes it when it completes")
-    else:
+    elif not report.refused:  # a refused run writes no index, and its refusal says why
         report.problems += stale
     return report
 
@@ -92,7 +93,8 @@ def _check_checksums(
     """Checks each shard against the checksum manifest.json or a journal records; fills `unrecorded` with
     an interrupted run's shards that manifest.json does not list yet, and how each was checked."""
     status = recorded.get("status")
-    if status != "complete":
+    report.refused = manifest.refusal(recorded)
+    if status not in ("complete", manifest.REFUSED):
         report.unfinished.append(f"the run has not finished ({manifest.MANIFEST_NAME} status {status!r})")
     listed = recorded.get("shards", {})
     logged = manifest.journal_entries(out)

@@ -32,6 +32,9 @@ from offline_extract.store.shard import read_header
 from offline_extract.words import listing, plural
 
 MANIFEST_NAME = "manifest.json"
+# The status of a run that a check refused before it extracted anything (the parity gate): its `result` holds
+# who refused it and the verdict, which a re-run with the same options gives again.
+REFUSED = "refused"
 JOURNAL_GLOB = ".manifest.dp*.jsonl"
 # A corpus file is identified by its name, size, and the sha256 of this many blocks spread evenly over
 # it (the whole file when that covers it): a few milliseconds at start-up for a terabyte corpus, where
@@ -166,6 +169,9 @@ def unfinished(out: str | os.PathLike) -> str | None:
     recorded = load(out)
     if recorded is None:
         return None
+    refused = refusal(recorded)
+    if refused:
+        return f"{out} {refused}"
     if recorded.get("status") != "complete":
         # Counted from the shards: an interrupted run's journals may list more than manifest.json does.
         held = sum(len(read_header(p).samples) for p in shard_paths(out))
@@ -185,6 +191,15 @@ def unfinished(out: str | os.PathLike) -> str | None:
         f"{out} is missing {', '.join(gone)}, listed in {MANIFEST_NAME}: {plural(lost, 'sample')} of the extraction "
         f"are not there. Re-run the extraction to redo them"
     )
+
+
+def refusal(recorded: dict) -> str | None:
+    """What a refused run's manifest says of it, in words (None: the run was not refused)."""
+    if recorded.get("status") != REFUSED:
+        return None
+    result = recorded.get("result") or {}
+    return (f"was refused by {result.get('refused_by', 'a check')} before it extracted anything ({MANIFEST_NAME} "
+            f"status {REFUSED!r}); re-running the same command gives the same verdict:\n{result.get('verdict', '')}")
 
 
 def save(out: str | os.PathLike, manifest: dict) -> None:

@@ -281,6 +281,12 @@ def claim(out: Path, identity: dict) -> list[str]:
     return manifest.consolidate(out, identity=identity, status="running", result=None)[1]
 
 
+def refuse(out: Path, by: str, verdict: str) -> None:
+    """The leader's side, once `by` (the parity gate) has refused the run: the manifest says so, with the
+    verdict, so that the directory does not read as an interrupted run that a re-run would finish."""
+    manifest.consolidate(out, status=manifest.REFUSED, result={"refused_by": by, "verdict": verdict})
+
+
 def done_mask(out: Path, shards: Sequence[str]) -> np.ndarray:
     """mask[i] is True when record i is in one of `shards`; records past the end are not done."""
     indices = []

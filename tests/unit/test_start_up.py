@@ -384,7 +384,35 @@ def test_a_mismatch_at_the_gate_stops_the_run_before_any_shard_naming_the_failin
     assert err.startswith("Error: parity gate failed on 2 samples in float32 ")  # one replica: none named
     assert err.endswith("The extracted states do not match HF transformers; refusing to write training data.\n")
     _names_the_failing_layers(err, wrong_reference["rows"], tiny_engine.layer_ids)
-    assert json.loads((out / "manifest.json").read_text())["status"] == "running"  # claimed, never finished
+    verdict = err.removeprefix("Error: ").removesuffix("\n")
+    recorded = json.loads((out / "manifest.json").read_text())
+    assert (recorded["status"], recorded["result"]) == ("refused", {"refused_by": "the parity gate", "verdict": verdict})
+
+    # What is left reads as refused, not as an interrupted run that a re-run would finish.
+    from click.testing import CliRunner
+
+    from offline_extract.commands import inspect
+
+    checked = CliRunner().invoke(inspect.main, [str(out), "--verify"])
+    assert checked.exit_code == 1, checked.output
+    assert checked.output == (
+        f"refused: the run was refused by the parity gate before it extracted anything (manifest.json status "
+        f"'refused'); re-running the same command gives the same verdict:\n{verdict}\n"
+        f"verified 0 shards holding 0 samples in {out}: no problems\n"
+        "the run extracted nothing: fix what the verdict names (or run in float32, --dtype float32), then re-run\n")
+    summary = CliRunner().invoke(inspect.main, [str(out)])
+    assert summary.exit_code == 1 and "interrupted" not in summary.output and "unfinished" not in summary.output
+    assert f"{out} was refused by the parity gate before it extracted anything" in summary.output
+
+    # The same command again: the same verdict, and still nothing extracted.
+    with pytest.raises(SystemExit) as again:
+        command.main(["--data", CORPUS, "--out", str(out), "--model", str(tiny_model_dir), "--device", "cpu",
+                      "--verify", "2", "--tokens-per-batch", "1024", "--seqs-per-batch", "16", "--max-length", "1024",
+                      "--no-progress"], standalone_mode=True)
+    assert again.value.code == 1
+    assert capfd.readouterr().err.removeprefix("Error: ").removesuffix("\n") == verdict
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".lock")) == ["manifest.json"]
+    assert json.loads((out / "manifest.json").read_text())["result"]["verdict"] == verdict
 
 
 def test_a_mismatch_on_the_writing_rank_stops_its_tp_peer_at_once_naming_the_layers(
