@@ -8,8 +8,9 @@ up, and what each way of getting HF's weights onto the device costs.
    the host, the move to the device.
 2. The copy to the device alone, tensor by tensor, from the files' mapped pages, from resident pageable memory
    and from pinned memory (the pinning timed apart): what pinning the read-ahead weights would still gain.
-3. HF's forwards over `--samples` samples of `--length` tokens, and the comparison against states held on the
-   host, as the gate holds the engine's (here HF's own, so every row passes).
+3. HF's forwards over `--samples` samples of `--length` tokens as the gate runs them (in half precision, in
+   --dtype and in float32 on the same weights, `parity.float32_pass`), and the comparison against states held on
+   the host, as the gate holds the engine's (here HF's own, so every row passes); the device's peak memory.
 
 \b
     python benchmarks/gate_load.py --model /dev/shm/offline_extract_peers_llama3_8b --json gate_load.json
@@ -90,24 +91,27 @@ def _copies(model: str, device: torch.device) -> dict:
 
 
 def _forwards_and_comparison(hf, device: torch.device, dtype: str, samples: int, length: int) -> dict:
+    """The gate's own comparison (parity.compare) of states held on the host, as it holds the engine's (here HF's
+    own, so every row passes): its HF forwards (in half precision, in `dtype` and in float32, parity.float32_pass)
+    and the rest."""
     layers = hf.config.num_hidden_layers
     layer_ids = sorted({1, layers // 2 - 1, layers - 4} & set(range(layers - 1))) or [0]
     generator = torch.Generator().manual_seed(0)
-    forwards, references = [], []
+    held = []
     for _ in range(samples):
         ids = torch.randint(0, hf.config.vocab_size, (length,), generator=generator).tolist()
-        start = time.perf_counter()
         hs = parity.hf_hidden_states(hf, ids, device)
-        _sync(device)
-        forwards.append(time.perf_counter() - start)
-        references.append(hs)
-    # The engine's states as the gate holds them: on the host, in the compute dtype.
-    held = [(torch.cat([hs[k + 1] for k in layer_ids], dim=-1).cpu(), hs[-1].cpu()) for hs in references]
+        held.append((ids, torch.cat([hs[k + 1] for k in layer_ids], dim=-1).cpu(), hs[-1].cpu()))
+        del hs
+    forwards: list[float] = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    rows = parity.compare_states(((aux, last, hs) for (aux, last), hs in zip(held, references)), layer_ids, dtype)
-    comparison = time.perf_counter() - start
-    return {"forwards_s": sum(forwards), "first_forward_s": forwards[0], "compare_s": comparison,
-            "rows_ok": all(row.ok for row in rows)}
+    rows = parity.compare(held, hf, layer_ids, dtype, timed=forwards.append)
+    total = time.perf_counter() - start
+    return {"forwards_s": sum(forwards), "first_forward_s": forwards[0], "compare_s": total - sum(forwards),
+            "against_float32": rows[0].floor_rel_err is not None, "rows_ok": all(row.ok for row in rows),
+            "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
 
 
 @program(__doc__)

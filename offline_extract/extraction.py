@@ -65,9 +65,16 @@ def raise_terminated(signum, frame) -> None:
 
 
 def parity_lines(rows: list[dict]) -> list[str]:
+    def floor(row: dict) -> str:
+        if row.get("floor_rel_err") is None:
+            return ""
+        return (f", relative error median {row['median_rel_err']:.3g} worst {row['rel_err']:.3g} (HF's own "
+                f"{row['floor_median_rel_err']:.3g}, {row['floor_rel_err']:.3g})")
+
     return [
-        f"parity {row['layer']:>8} vs HF hidden_states[{row['hf_index']}]: max_abs {row['max_abs']:.3g} "
-        f"cosine worst {row['cosine']:.6f} median {row['median_cosine']:.6f} {'ok' if row['ok'] else 'FAIL'}"
+        f"parity {row['layer']:>8} vs HF{' float32' if row.get('floor_rel_err') is not None else ''} "
+        f"hidden_states[{row['hf_index']}]: max_abs {row['max_abs']:.3g} cosine worst {row['cosine']:.6f} "
+        f"median {row['median_cosine']:.6f}{floor(row)} {'ok' if row['ok'] else 'FAIL'}"
         for row in rows
     ]
 

@@ -270,13 +270,14 @@ def write_english_corpus(path: str | os.PathLike, records: int, max_chars: int =
 @click.option("--corpus", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write a corpus of real English (english_corpus) to this JSONL file.")
 @click.option("--records", type=int, default=64, show_default=True, help="The corpus's records.")
-def main(print_path: bool, corpus: Path | None, records: int) -> None:
+@click.option("--max-chars", type=int, default=1500, show_default=True, help="The longest record's characters.")
+def main(print_path: bool, corpus: Path | None, records: int, max_chars: int) -> None:
     try:
         path = ensure_real_model()
     except RealModelUnavailable as e:
         raise click.ClickException(str(e)) from None
     if corpus is not None:
-        write_english_corpus(corpus, records)
+        write_english_corpus(corpus, records, max_chars)
     if print_path:
         click.echo(path)
 
