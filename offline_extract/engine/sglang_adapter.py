@@ -8,6 +8,8 @@ hidden states it is handed.
 """
 from __future__ import annotations
 
+import atexit
+import functools
 import importlib
 import json
 import os
@@ -604,6 +606,22 @@ class PortTaken(OSError):
     """EngineConfig.nccl_port is another process's."""
 
 
+@functools.cache
+def _tear_down_process_groups_at_exit() -> None:
+    """SGLang's process groups (TP and the others of parallel_state) and torch's default one, destroyed at
+    the process's exit, before the interpreter's teardown: left to it, torch warns that
+    destroy_process_group() was not called, at the end of every GPU run. Once per process (the groups are
+    SGLang's process globals); an exit through os._exit (a stopped command) runs no destructor to warn."""
+
+    def tear_down() -> None:
+        from sglang.srt.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+    atexit.register(tear_down)
+
+
 class Engine:
     """An in-process SGLang ModelRunner that returns hidden states for ragged prefill batches."""
 
@@ -676,6 +694,8 @@ class Engine:
             dcp_size=1, gpu_id=cfg.gpu_id,
         )
         threads = torch.get_num_threads()
+        # ModelRunner makes the process groups: from here the process tears them down before it exits.
+        _tear_down_process_groups_at_exit()
         try:
             self.runner = ModelRunner(
                 model_config=mc, mem_fraction_static=sa.mem_fraction_static, gpu_id=cfg.gpu_id, ps=ps,

@@ -8,13 +8,14 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from extract_runs import GATE_PARTS, REVISION, ROOT, assert_same_samples, extract_command, hub_cache
+from extract_runs import GATE_PARTS, REVISION, ROOT, assert_same_samples, extract_command, free_port, hub_cache
 from transformers import AutoTokenizer
 
 from offline_extract.data.corpus import Record, read_corpus
@@ -480,3 +481,40 @@ def test_dflash_recipe_captures_spread_layers_without_final_state_and_skips_shor
     assert "consecutive loss tokens is 1" in rejects[0]["reason"]
     identity = json.loads((out / "manifest.json").read_text())["identity"]
     assert (identity["recipe"], identity["store"], identity["compress"]) == ("dflash", "fp8", "zstd")
+
+
+# bin/extract.py as it runs, with a report of torch's process groups at the very end of the exit (registered
+# first, the handler runs last): left to the interpreter's teardown, torch warns on a GPU that
+# destroy_process_group() was not called.
+_REPORTS_THE_GROUPS_AT_EXIT = """
+import atexit, os, sys
+sys.path.insert(0, {bin!r})
+import _bin_path
+
+def report():
+    import torch.distributed as dist
+    os.write(2, f"process group at exit: {{dist.is_initialized()}}\\n".encode())
+
+atexit.register(report)
+from offline_extract.commands.extract import main
+main()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [None, 2], ids=["single", "dp2"])
+def test_a_run_destroys_its_process_groups_before_it_exits(ranks, tmp_path, cache_env):
+    # (TP=2 takes CUDA: tests/gpu covers it.) Other runs on this machine may hold the default ports.
+    ports = ("--port-base", free_port()) if ranks else ()
+    script = tmp_path / "extract.py"
+    script.write_text(_REPORTS_THE_GROUPS_AT_EXIT.format(bin=str(ROOT / "bin")))
+    command = [part if part != str(ROOT / "bin" / "extract.py") else str(script)
+               for part in extract_command(tmp_path / "out", "--data", CORPUS, *ports, torchrun=ranks)]
+    proc = _ok(subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, **cache_env},
+                              timeout=600))
+    reports = re.findall(r"process group at exit: (\w+)", proc.stderr)
+    assert reports == ["False"] * (ranks or 1), proc.stderr[-3000:]
+    # Promptly: from the manifest's last write ("complete") to the end of every process, torchrun's included.
+    manifest_path = tmp_path / "out" / "manifest.json"
+    assert json.loads(manifest_path.read_text())["status"] == "complete"
+    assert time.time() - manifest_path.stat().st_mtime < 20
