@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Collection, Iterable, Mapping, Sequence
 
 import torch
 from safetensors import safe_open
@@ -114,25 +114,52 @@ class ParityMismatch(ParityError):
     that could not be had)."""
 
 
-def hf_hidden_states(model, input_ids: Sequence[int], device, final_state: str = "post-norm") -> tuple[torch.Tensor, ...]:
-    """HF's hidden_states for one sequence; for a pre-norm final state the last one is replaced by the
-    final norm's input (HF lists only the normed state), so that index -1 is the reference either way."""
-    ids = torch.as_tensor(list(input_ids), dtype=torch.long, device=device)[None]
-    seen = []
+def _decoder(model):
     # get_decoder() finds the decoder by base_model_prefix, which on Llama4ForCausalLM names the multimodal
     # checkpoint's prefix ("language_model") instead of its `model` attribute, and returns the model itself.
     decoder = model.get_decoder()
-    norm = decoder.norm if hasattr(decoder, "norm") else decoder.model.norm
-    hook = norm.register_forward_hook(lambda norm, args, out: seen.append(args[0]))
+    return decoder if hasattr(decoder, "norm") else decoder.model
+
+
+def hf_hidden_states(
+    model, input_ids: Sequence[int], device, final_state: str = "post-norm", keep: Collection[int] | None = None,
+) -> tuple[torch.Tensor | None, ...]:
+    """HF's hidden_states for one sequence; for a pre-norm final state the last one is replaced by the
+    final norm's input (HF lists only the normed state), so that index -1 is the reference either way.
+
+    With `keep`, only those indices are held, the others None: each decoder layer's output is taken as HF
+    makes it, not HF's list of every layer's, which for a 131k-token sample of an 8B model takes 35 GB in
+    bf16 and 70 GB in float32 beside the engine."""
+    ids = torch.as_tensor(list(input_ids), dtype=torch.long, device=device)[None]
+    decoder, seen = _decoder(model), {}
+
+    def taken(index):
+        return lambda module, args, out: seen.__setitem__(index, out[0] if isinstance(out, tuple) else out)
+
+    hooks = [decoder.norm.register_forward_hook(lambda norm, args, out: seen.update(pre=args[0], post=out))]
+    if keep is not None:
+        hooks += [decoder.embed_tokens.register_forward_hook(taken(0))] if 0 in keep else []
+        hooks += [layer.register_forward_hook(taken(j + 1)) for j, layer in enumerate(decoder.layers) if j + 1 in keep]
     try:
         with torch.no_grad():
             # One position's logits, not every token's: a 131k-token sample's full-vocab logits would take
             # 34 GB beside the engine on the GPU, and the gate reads only hidden states.
-            out = model(input_ids=ids, output_hidden_states=True, use_cache=False, logits_to_keep=1)
+            out = model(input_ids=ids, output_hidden_states=keep is None, use_cache=False, logits_to_keep=1)
     finally:
-        hook.remove()
-    states = tuple(h[0] for h in out.hidden_states)
-    return states[:-1] + (seen[-1][0],) if final_state == "pre-norm" else states
+        for hook in hooks:
+            hook.remove()
+    if keep is None:
+        states = tuple(h[0] for h in out.hidden_states)
+    else:
+        layers = len(decoder.layers)
+        states = tuple(seen[i][0] if i in seen else None for i in range(layers)) + (seen["post"][0],)
+    return states[:-1] + (seen["pre"][0],) if final_state == "pre-norm" else states
+
+
+def reference_indices(layer_ids: Sequence[int], num_layers: int) -> set[int]:
+    """The hidden_states indices the gate reads (compare_states): each aux layer's and its neighbours', and the
+    final state's and the one before it."""
+    return {k + d for k in layer_ids for d in (0, 1, 2)} | {num_layers - 1, num_layers}
 
 
 @contextmanager
@@ -505,15 +532,16 @@ def compare(
     (to their end on the device)."""
     device = next(hf_model.parameters()).device
     exact = judged_against_float32(dtype, moe, fp8)
+    keep = reference_indices(layer_ids, len(_decoder(hf_model).layers))
 
     def reference(ids, experts):
         if forcing is not None:
             forcing.set(experts[0])
         started = time.perf_counter()
-        states = hf_hidden_states(hf_model, ids, device, final_state)
+        states = hf_hidden_states(hf_model, ids, device, final_state, keep)
         if exact:
             with float32_pass(hf_model):
-                states = (hf_hidden_states(hf_model, ids, device, final_state), states)
+                states = (hf_hidden_states(hf_model, ids, device, final_state, keep), states)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         timed(time.perf_counter() - started)

@@ -1,5 +1,6 @@
 """The parity gate's criteria, on rows with known numbers (the comparisons themselves are in test_engine
 and, per architecture, test_architectures)."""
+import contextlib
 import dataclasses
 import json
 
@@ -339,3 +340,25 @@ def test_the_float32_pass_is_hf_in_float32_on_the_same_weights(arch, tiny_model_
     assert all(torch.equal(a, b) for a, b in zip(parity.hf_hidden_states(half, ids, "cpu"), before))
     # Half precision is measurably off float32 here, so the comparison above is not of two bf16 runs.
     assert max((a.float() - b).abs().max().item() for a, b in zip(before, exact)) > 1e-3
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4"])
+def test_the_gate_holds_only_the_reference_states_it_reads_and_those_are_hfs_own(arch, tiny_model_dir, tmp_path):
+    """hf_hidden_states with `keep` (what parity.compare asks for) takes each kept layer's output as HF makes it,
+    the others not held: the same tensors as HF's own list of every layer, in half precision and in float32."""
+    from offline_extract.testing.models import build_model
+
+    path = str(build_model(arch, tmp_path / "m", dtype=torch.bfloat16, tokenizer_dir=tiny_model_dir))
+    hf = parity.load_hf_model(path, "bfloat16", "cpu")
+    layers = hf.config.get_text_config().num_hidden_layers
+    keep = parity.reference_indices([0, 3], layers)
+    assert keep == {0, 1, 2, 3, 4, 5, layers - 1, layers}
+    ids = list(range(3, 40))
+    for final_state in ("post-norm", "pre-norm"):
+        for pass_ in (contextlib.nullcontext, lambda: parity.float32_pass(hf)):
+            with pass_():
+                every = parity.hf_hidden_states(hf, ids, "cpu", final_state)
+                kept = parity.hf_hidden_states(hf, ids, "cpu", final_state, keep)
+            assert len(kept) == len(every) == layers + 1
+            for i, (ours, theirs) in enumerate(zip(kept, every)):
+                assert (ours is None) == (i not in keep) and (ours is None or torch.equal(ours, theirs)), (arch, i)
