@@ -375,8 +375,9 @@ class Job:
         locks = []
 
         def take_over() -> dict:
-            lock, existing = resume.take_over(self.out)
-            locks.append(lock)
+            with stopping.held_back():  # a lock taken is a lock released on the way out
+                lock, existing = resume.take_over(self.out)
+                locks.append(lock)
             return asdict(existing)
 
         stopping.clean_up_from_here()

@@ -6,8 +6,8 @@ so nothing is lost, and no exception lands in code that cannot take one. From `c
 (an extraction taking its --out over) it is a KeyboardInterrupt, so that the run drops its unfinished
 shard, keeps its journals and releases its lock on the way out. It is raised:
 
-- not while the main thread imports a module, but as soon as the import returns (a timer looks again
-  every POLL_S): raised inside an import it leaves torch, numpy or SGLang half-imported, so that their
+- not while the main thread imports a module (nor inside `held_back`), but as soon as the import
+  returns (a timer looks again every POLL_S): raised inside an import it leaves torch, numpy or SGLang half-imported, so that their
   next import fails with a traceback of its own, or a library's `except:` around an optional import
   swallows it and the run goes on as if nothing had been asked;
 - again at every safe point once asked for (`check`: each phase of a run, each batch), in case a library
@@ -38,6 +38,7 @@ class _State:
         self.failure = False  # a thread asks the main thread to stop (`interrupt_main`), not the user
         self.exits_at_once = exits_at_once  # the command runs as the program: it may end the process itself
         self.at_once: str | None = None  # the words to end the process with, while nothing needs cleaning up
+        self.holding = 0  # `held_back` sections the main thread is in
 
 
 _state = _State()
@@ -58,7 +59,7 @@ def _on_alarm(signum, frame) -> None:
 def _deliver(frame) -> None:
     if not (_state.unraised or _state.failure):
         return
-    if _importing(frame):
+    if _state.holding or _importing(frame):
         signal.setitimer(signal.ITIMER_REAL, POLL_S)
         return
     _state.unraised = _state.failure = False
@@ -93,6 +94,18 @@ def guard(exits_at_once: bool) -> Iterator[None]:
         for number, handler in found.items():
             signal.signal(number, handler)
         _state = _State()
+
+
+@contextmanager
+def held_back() -> Iterator[None]:
+    """Ctrl-C waits until the block is done, as it does for an import: a step that must not be left half
+    done (a lock taken but not yet held by the run that releases it, the terminal given back to the
+    process's own output)."""
+    _state.holding += 1
+    try:
+        yield
+    finally:
+        _state.holding -= 1
 
 
 def at_once(words: str) -> None:
