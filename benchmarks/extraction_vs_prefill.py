@@ -199,15 +199,21 @@ def jit_cache_entries(caches: dict[str, str]) -> int:
     return sum(1 for folder in set(caches.values()) if os.path.isdir(folder) for f in Path(folder).rglob("*") if f.is_file())
 
 
-def _host_thread_sweep(counts: tuple[int, ...], timed_extraction, tokens: int) -> dict[str, float]:
+def _host_thread_sweep(counts: tuple[int, ...], timed_extraction, root: Path, tokens: int) -> dict[str, float]:
     """Extraction tokens/s with torch's intra-op threads (which copy each batch's states into the shard
-    buffers, beside the writer threads and the thread launching the forwards) at each of `counts`."""
+    buffers, beside the writer threads and the thread launching the forwards) at each of `counts`.
+    `timed_extraction(name)` writes into `root / name`, a folder of its own for each count (a writer
+    refuses to overwrite another run's shards), removed once timed as every other mode's is."""
     before = torch.get_num_threads()
     rates = {}
     try:
         for n in counts:
             torch.set_num_threads(n)
-            rates[str(n)] = tokens / timed_extraction()
+            name = f"threads_{n}"
+            try:
+                rates[str(n)] = tokens / timed_extraction(name)
+            finally:
+                shutil.rmtree(root / name, ignore_errors=True)
     finally:
         torch.set_num_threads(before)
     return rates
@@ -541,9 +547,12 @@ def run_bench(opts: BenchOptions) -> list[dict]:
                 "gpu_peak_bytes": max(coord.all_gather(torch.cuda.max_memory_allocated())),
             })
             if opts.host_threads and len(results) == 1:
+                def timed_into(name: str) -> float:
+                    w = writer(name)
+                    return _timed(coord, lambda: extract(timed, w), clock)
+
                 results[-1]["extract_tok_s_by_host_threads"] = _host_thread_sweep(
-                    opts.host_threads, lambda: _timed(coord, lambda: extract(timed, writer("threads")), clock),
-                    total_tokens)
+                    opts.host_threads, timed_into, root, total_tokens)
             files.measured(len(results) - 1, results[-1])
             if layout.leads:
                 print(summary_line(results[-1]), file=sys.stderr, flush=True)

@@ -2,6 +2,7 @@
 on the GPU (bare prefill, copy-out, extraction in each encoding, fp8 error, chunk sweep, cold start)
 through the real engine at tiny size."""
 import dataclasses
+import json
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from transformers import AutoTokenizer
 
 from benchmarks.extraction_vs_prefill import (
     BenchOptions, _bare, _chunk_sweep, _cold_start, _DiscardWriter, _first_pass, _ForwardClock, _fp8_error, _host_thread_sweep,
-    _rank_report,
+    ResultFiles, _rank_report,
     _timed, attention_flops, jit_cache_entries, model_flops_per_token, out_kind, shard_writes, summary_line,
     synthetic_corpus,
 )
@@ -210,16 +211,55 @@ def test_the_first_pass_runs_through_the_real_engine(tiny_engine, bench_batches)
     assert first["seconds"] > 0 and first["compiled"] == 0, "nothing compiles on CPU"
 
 
-def test_the_host_thread_sweep_times_extraction_at_each_count_and_puts_the_count_back():
+def test_the_host_thread_sweep_times_extraction_at_each_count_and_puts_the_count_back(tmp_path):
     seen = []
 
-    def extraction():  # seconds, as _timed returns them
+    def extraction(name):  # seconds, as _timed returns them
         seen.append(torch.get_num_threads())
+        (tmp_path / name).mkdir()
         return 0.5
 
     before = torch.get_num_threads()
-    assert _host_thread_sweep((1, 2), extraction, 1000) == {"1": 2000.0, "2": 2000.0}
+    assert _host_thread_sweep((1, 2), extraction, tmp_path, 1000) == {"1": 2000.0, "2": 2000.0}
     assert seen == [1, 2] and torch.get_num_threads() == before
+    assert not list(tmp_path.iterdir()), "each count's folder is removed once timed"
+
+
+def test_the_host_thread_sweep_writes_each_count_into_a_fresh_folder(tiny_engine, bench_batches, tmp_path):
+    """Each count's extraction through the real engine and writer, as run_bench times them: a writer into
+    the folder of the count before it would refuse to overwrite that run's shards. The rates reach the
+    result JSON."""
+    coord = Coordinator(Layout(rank=0, world_size=1), "bench-test")
+    clock = _ForwardClock(tiny_engine)
+    store = "bf16"
+    encoding = Encoding(store)
+    staging = staging_buffers(tiny_engine, encoding)
+    widths = encoding.widths(len(tiny_engine.layer_ids), tiny_engine.hidden_size)
+    run = synthetic_run(tiny_engine.layer_ids, store=store)
+    tokens = sum(b.num_tokens for b in bench_batches)
+    root = tmp_path / "rank0"
+    written = []
+
+    def timed_into(name):
+        writer = ShardWriter(root / name, run, shard_bytes=1 << 20, widths=widths)
+
+        def extract():
+            extract_batches(clock, bench_batches, writer, staging=staging)
+            writer.close()
+            written.append((name, sum(len(t["input_ids"]) for _, t in iter_samples(root / name))))
+
+        return _timed(coord, extract, clock)
+
+    rates = _host_thread_sweep((1, 2), timed_into, root, tokens)
+    assert list(rates) == ["1", "2"] and all(r > 0 for r in rates.values())
+    assert written == [("threads_1", tokens), ("threads_2", tokens)]
+    assert not root.exists() or not list(root.iterdir()), "each count's folder is removed once timed"
+
+    opts = BenchOptions(shape="tiny", encodings=((store, "none"),), outs=(str(tmp_path),),
+                        results_dir=str(tmp_path / "results"), command="bench --host-threads 1,2")
+    ResultFiles(opts, Layout()).measured(0, {"command": opts.command, "extract_tok_s_by_host_threads": rates})
+    (saved,) = (tmp_path / "results").glob("*.json")
+    assert json.loads(saved.read_text())["extract_tok_s_by_host_threads"] == rates
 
 
 def test_the_summary_line_puts_the_cold_figures_beside_the_warm_ones():
