@@ -212,7 +212,7 @@ def journal_path(out: str | os.PathLike, dp_rank: int) -> Path:
 
 
 def checksums(paths: Sequence[Path], entries: Sequence[dict], threads: int = 8) -> list[str]:
-    """Each file's checksum, of the kind its entry records; hashlib releases the GIL, so threads hash
+    """Each file's checksum, of the kind its entry records; both hashes release the GIL, so threads hash
     several files at disk speed."""
     with ThreadPoolExecutor(threads) as pool:
         return list(pool.map(checksum.checksum, paths, entries))

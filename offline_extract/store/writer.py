@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import bisect
-import hashlib
 import itertools
 import json
 import os
@@ -135,7 +134,7 @@ def _serialize(path: Path, tensors: dict[str, torch.Tensor | _Frames], metadata:
     stream's rate, below what TP=2 hands over; benchmarks/README.md has the figures).
     With `filling`, the state rows from `filling.final` on are still arriving: a block goes as soon as
     every row it holds is final, and is flushed to disk, so that once the last row is, only the blocks it
-    lands in are left (with one sha256 over the file, its second state tensor, a gigabyte for a
+    lands in are left (with one hash over the file, its second state tensor, a gigabyte for a
     131,072-token sample, could only be hashed after the last row).
 
     The layout is safetensors' own (u64 header length, JSON header padded to 8 bytes, raw data in the
@@ -177,7 +176,7 @@ def _serialize(path: Path, tensors: dict[str, torch.Tensor | _Frames], metadata:
             i += 1
 
     def hash_block(k: int) -> None:
-        digest = hashlib.sha256()
+        digest = checksum.new_block_hash()
         for _, part in parts(k):
             digest.update(part)
         digests[k] = digest.digest()
@@ -298,7 +297,7 @@ class WrittenShard:
     """A shard that is complete under its final name, with the checksum of its bytes."""
 
     name: str
-    block_sha256: str  # checksum.KEY, the journal's and manifest's name for it
+    block_xxh3_128: str  # checksum.KEY, the journal's and manifest's name for it
     bytes: int
     num_samples: int
     num_tokens: int

@@ -12,7 +12,7 @@ from offline_extract.store import verdicts
 
 def test_rates_and_the_kept_check(tmp_path):
     result = run(files=2, gb_per_file=0.002, threads=2, repeats=1, work=tmp_path)
-    for case in ("one_core_warm", "threads_warm", "threads_cold"):
+    for case in ("one_core_warm", "one_core_warm_block_sha256", "threads_warm", "threads_cold"):
         rate = result[case]
         assert rate["median_gb_s"] > 0, case
         assert abs(rate["seconds_for_100_gb_at_median"] * rate["median_gb_s"] / 100 - 1) < 0.05, case  # 100 GB

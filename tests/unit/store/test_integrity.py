@@ -36,7 +36,7 @@ def test_verify_reports_a_flipped_byte_a_truncated_shard_and_a_stale_index(tmp_p
     assert proc.returncode == 1
     problems = proc.stdout.splitlines()
     expected = [
-        rf"{paths[0].name}: block_sha256 \w+ differs from manifest.json's",
+        rf"{paths[0].name}: block_xxh3_128 \w+ differs from manifest.json's",
         rf"{paths[1].name}: \d+ bytes, but manifest.json says",
         rf"{paths[1].name} is not a readable safetensors file",
         rf"index.json: {paths[2].name} num_tokens is 4, the shard has 3",

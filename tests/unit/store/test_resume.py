@@ -26,7 +26,7 @@ def test_writer_threads_checksum_each_shard_as_they_write_it(tmp_path):
     assert sorted(w.name for w in written) == [p.name for p in paths]
     for w in written:
         path = tmp_path / w.name
-        assert (w.block_sha256, w.bytes) == (checksum.file_checksum(path), path.stat().st_size)
+        assert (w.block_xxh3_128, w.bytes) == (checksum.file_checksum(path), path.stat().st_size)
         assert (w.num_samples, w.num_tokens) == (1, read_header(path).num_tokens)
 
 
@@ -283,10 +283,37 @@ def test_a_rerun_of_a_finished_run_rebuilds_a_lost_index_and_refuses_a_damaged_s
     data = bytearray(paths[1].read_bytes())
     data[-1] ^= 0x01  # a flipped bit in the states: same size, same header
     paths[1].write_bytes(bytes(data))
-    with pytest.raises(resume.TakeoverError, match=rf"{paths[1].name}: block_sha256 \w+ differs from manifest.json's") as e:
+    with pytest.raises(resume.TakeoverError, match=rf"{paths[1].name}: block_xxh3_128 \w+ differs from manifest.json's") as e:
         resume.settle_finished(tmp_path, recorded)
     assert paths[0].name not in str(e.value) and "Delete the damaged shards and re-run" in str(e.value)
 
+
+
+def test_a_resumed_run_of_an_earlier_version_keeps_each_shards_checksum_kind(tmp_path):
+    """An earlier version's run recorded `sha256` in manifest.json and `block_sha256` in its journal; the
+    resumed run journals its new shard with checksum.KEY. Consolidated, each entry keeps its own kind, and
+    each shard is verified (and its damage caught) by that kind."""
+    paths = write_shards(tmp_path, [[(0, 2)], [(1, 3)], [(2, 2)]])
+    old_entries = [{"sha256": checksum.file_checksum(paths[0], "sha256")},
+                   {"block_sha256": checksum.file_checksum(paths[1], "block_sha256")}]
+    for path, entry in zip(paths, old_entries):
+        entry.update({k: v for k, v in journal_entry(path).items() if k not in ("name", checksum.KEY)})
+    manifest.save(tmp_path, {"identity": {}, "status": "running", "shards": {paths[0].name: old_entries[0]}})
+    with Journal(manifest.journal_path(tmp_path, 0)) as journal:
+        journal.append({"name": paths[1].name, **old_entries[1]})  # the killed run's last shard
+        journal.append(journal_entry(paths[2]))  # the resumed run's first
+    recorded, _ = manifest.consolidate(tmp_path, status="complete")
+    assert [checksum.recorded(recorded["shards"][p.name])[0] for p in paths] == ["sha256", "block_sha256", checksum.KEY]
+    assert resume.settle_finished(tmp_path, recorded) == ["rebuilt index.json, which was missing or did not describe the shards"]
+
+    for path in paths:
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x01
+        path.write_bytes(bytes(data))
+    with pytest.raises(resume.TakeoverError) as e:
+        resume.settle_finished(tmp_path, recorded)
+    for path, key in zip(paths, ["sha256", "block_sha256", checksum.KEY]):
+        assert f"{path.name}: {key} " in str(e.value)
 
 
 def test_finished_is_only_a_complete_run_of_the_same_identity_with_its_shards(tmp_path):

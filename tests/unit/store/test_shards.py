@@ -10,6 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from offline_extract.store import checksum, codecs
 from offline_extract.store.index import iter_samples, read_index, shard_paths, write_index
@@ -542,15 +543,32 @@ def test_a_grown_buffer_goes_back_when_no_standard_one_can_be_allocated(tmp_path
         assert_tensors_equal(open_shard(path).sample(0), expected_samples([([info.index], [10], info.index)])[info.index][1])
 
 
-def test_the_checksum_is_the_sha256_of_the_blocks_sha256s(tmp_path, monkeypatch):
+def test_the_checksum_is_the_xxh3_128_of_the_blocks_xxh3_128s(tmp_path, monkeypatch):
     monkeypatch.setattr(checksum, "BLOCK_BYTES", 1000)
     data = np.random.default_rng(0).integers(0, 256, 3500, dtype=np.uint8).tobytes()
     (tmp_path / "f").write_bytes(data)
-    blocks = [hashlib.sha256(data[a : a + 1000]).digest() for a in (0, 1000, 2000, 3000)]
-    assert checksum.file_checksum(tmp_path / "f") == hashlib.sha256(b"".join(blocks)).hexdigest()
-    flipped = data[:1700] + bytes([data[1700] ^ 1]) + data[1701:]
-    (tmp_path / "f").write_bytes(flipped)
-    assert checksum.file_checksum(tmp_path / "f") != hashlib.sha256(b"".join(blocks)).hexdigest()
+    blocks = [xxhash.xxh3_128(data[a : a + 1000]).digest() for a in (0, 1000, 2000, 3000)]
+    assert checksum.KEY == "block_xxh3_128"
+    assert checksum.file_checksum(tmp_path / "f") == xxhash.xxh3_128(b"".join(blocks)).hexdigest()
+
+
+@pytest.mark.parametrize("key", ["block_xxh3_128", "block_sha256", "sha256"])
+def test_an_entry_of_each_kind_verifies_and_catches_a_flipped_byte(tmp_path, monkeypatch, key):
+    """Earlier versions' manifests record block_sha256 or the plain sha256; `checksum` computes the kind
+    the entry records, so their shards verify, and a flipped byte is caught whichever kind it is."""
+    monkeypatch.setattr(checksum, "BLOCK_BYTES", 1000)
+    data = np.random.default_rng(0).integers(0, 256, 3500, dtype=np.uint8).tobytes()
+    (tmp_path / "f").write_bytes(data)
+    expected = {
+        "block_xxh3_128": xxhash.xxh3_128(b"".join(xxhash.xxh3_128(data[a : a + 1000]).digest() for a in range(0, 3500, 1000))),
+        "block_sha256": hashlib.sha256(b"".join(hashlib.sha256(data[a : a + 1000]).digest() for a in range(0, 3500, 1000))),
+        "sha256": hashlib.sha256(data),
+    }[key].hexdigest()
+    entry = {key: expected, "bytes": len(data)}
+    assert checksum.recorded(entry) == (key, expected)
+    assert checksum.checksum(tmp_path / "f", entry) == expected
+    (tmp_path / "f").write_bytes(data[:1700] + bytes([data[1700] ^ 1]) + data[1701:])
+    assert checksum.checksum(tmp_path / "f", entry) != expected
 
 
 @pytest.mark.parametrize("run", [RUN, FP8_ZSTD], ids=["bf16", "fp8-zstd"])
@@ -562,7 +580,7 @@ def test_shards_written_in_blocks_are_the_same_bytes_and_carry_their_checksum(tm
     written = []
     _, blocks = write(tmp_path / "blocks", BATCHES, shard_bytes=12 * ROW_BYTES, run=run, on_written=written.append)
     assert len(blocks) > 1 and [p.read_bytes() for p in blocks] == [p.read_bytes() for p in whole]
-    assert {w.name: w.block_sha256 for w in written} == {p.name: checksum.file_checksum(p) for p in blocks}
+    assert {w.name: w.block_xxh3_128 for w in written} == {p.name: checksum.file_checksum(p) for p in blocks}
 
 
 def test_a_streamed_shard_writes_each_block_once_its_rows_are_final(tmp_path, monkeypatch):
@@ -596,7 +614,7 @@ def test_a_streamed_shard_writes_each_block_once_its_rows_are_final(tmp_path, mo
     (path,) = writer.close()
     assert_tensors_equal(open_shard(path).sample(0), {"input_ids": torch.tensor(ids, dtype=torch.int32), "loss_mask": mask.to(torch.uint8),
                                                       "aux_hidden_states": aux.to(torch.bfloat16), "hidden_states": last})
-    assert written[0].block_sha256 == checksum.file_checksum(path)
+    assert written[0].block_xxh3_128 == checksum.file_checksum(path)
 
 
 def test_shards_are_written_side_by_side_one_thread_a_file(tmp_path, monkeypatch):

@@ -169,7 +169,7 @@ def test_a_shard_whose_bytes_differ_from_its_checksum_is_not_exported(out_dir, t
     damaged.write_bytes(bytes(data))
     refused = run_script("--format", "specforge", out_dir, "--to", tmp_path / "sf", "--no-progress")
     assert refused.returncode == 1 and "Traceback" not in refused.stderr
-    assert f"{damaged.name}: block_sha256" in refused.stderr and "differs from manifest.json's" in refused.stderr
+    assert f"{damaged.name}: block_xxh3_128" in refused.stderr and "differs from manifest.json's" in refused.stderr
     assert not (tmp_path / "sf").exists()
     with pytest.raises(ShardError, match=damaged.name):
         export_speculators(out_dir, tmp_path / "spec", progress=False)

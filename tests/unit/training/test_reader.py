@@ -311,7 +311,7 @@ def test_a_flipped_byte_is_refused_by_default_and_a_good_shard_is_hashed_once(ou
     before = damaged.stat()
     _flip_last_byte(damaged)
     os.utime(damaged, ns=(before.st_atime_ns, before.st_mtime_ns))  # the mtime put back: the ctime still moved
-    with pytest.raises(ShardError, match=rf"{damaged.name}: block_sha256 \w+ differs from manifest.json's.*\nDelete them"):
+    with pytest.raises(ShardError, match=rf"{damaged.name}: block_xxh3_128 \w+ differs from manifest.json's.*\nDelete them"):
         dataset(out_dir)
     assert hashed == [damaged.name]
     with pytest.raises(ShardError, match=damaged.name):
@@ -332,7 +332,7 @@ def test_kept_verdicts_that_are_damaged_or_stale_are_checked_again(out_dir, monk
     first = shard_paths(out_dir)[0].name
     recorded["shards"][first][checksum.KEY] = "0" * 64  # the verdict was on another checksum than the one now recorded
     manifest.save(out_dir, recorded)
-    with pytest.raises(ShardError, match=rf"{first}: block_sha256 \w+ differs"):
+    with pytest.raises(ShardError, match=rf"{first}: block_xxh3_128 \w+ differs"):
         HiddenStateDataset(out_dir)
     assert hashed == [first]
 
