@@ -475,9 +475,11 @@ def model_capture_rule(model, model_path: str = "") -> CaptureRule:
 
 def resolve_capture(model, rule: CaptureRule, points: list[int] | None) -> list[int]:
     """Hand SGLang's `model` the ids that its own set_eagle3_layers_to_capture turns into `points` (None:
-    no ids, i.e. the model file's EAGLE-3 default), and return the capture points it actually set."""
+    no ids, i.e. the model file's EAGLE-3 default), and return the capture points it actually set. Points the
+    model file cannot express are refused before the model is touched, so its capture stays as it was."""
+    ids = None if points is None else rule.ids_for_points(points)
     route_capture(rule.causal_lm(model), rule, [])  # a previous call's per-layer flags would stick
-    model.set_eagle3_layers_to_capture(None if points is None else rule.ids_for_points(points))
+    model.set_eagle3_layers_to_capture(ids)
     return rule.captured_points(model)
 
 
