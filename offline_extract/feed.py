@@ -48,10 +48,12 @@ class _Piece:
 def _forwards(engine: Engine, batch: Batch) -> Iterator[tuple[int, int, Captured]]:
     """A batch's forwards, each with the rows it covers: the batch in one, or a long sample's chunks."""
     seqs = [s.input_ids for s in batch.samples]
-    if engine.is_chunked(seqs):
+    images = [s.images for s in batch.samples]
+    # A sequence with images is never chunked: capture refuses one over the budget.
+    if engine.is_chunked(seqs) and images[0] is None:
         yield from engine.chunks(seqs[0], engine.chunk_tokens)
     else:
-        yield 0, batch.num_tokens, engine.capture(seqs)
+        yield 0, batch.num_tokens, engine.capture(seqs, images)
 
 
 class _WriterFeed:

@@ -17,6 +17,7 @@ import jinja2
 import numpy as np
 
 from offline_extract.data.corpus import Record, Reject
+from offline_extract.data.images import Images
 from offline_extract.options import Overlong, check_choice
 
 
@@ -32,6 +33,7 @@ class Sample:
     loss_mask: np.ndarray
     source_len: int
     truncated: bool
+    images: Images | None = None  # None: a text-only sample
 
     @property
     def num_tokens(self) -> int:

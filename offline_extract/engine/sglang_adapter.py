@@ -27,6 +27,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from offline_extract.data.images import Images
 from offline_extract.options import DEFAULT_PORT_BASE, DEFAULT_TOKENS_PER_BATCH, FinalState, cache_root, check_choice, default
 from offline_extract.final_norm import FinalNorm
 
@@ -579,6 +580,20 @@ LOAD_FORMATS = (
 )
 
 
+# Vision-language models whose SGLang file takes images, but whose image inputs this engine does not build,
+# by SGLang class name: their image records are refused with the reason; their text records run.
+_IMAGES_UNSUPPORTED = {
+    "Llama4ForConditionalGeneration": "its vision tower's inputs are not built by this engine",
+    "KimiK25ForConditionalGeneration": "its vision tower's inputs are not built by this engine",
+}
+
+
+def refuse_images(architecture: str, model_path: str) -> None:
+    """Raises NotImplementedError naming the architecture when the engine cannot prefill images on it."""
+    reason = _IMAGES_UNSUPPORTED.get(architecture, "it is a text-only model")
+    raise NotImplementedError(f"{architecture} ({model_path}) cannot take image inputs: {reason}")
+
+
 def check_engine_choices(attention_backend: str | None, load_format: str) -> None:
     """Raises ValueError naming the option and SGLang's values when either is not one SGLang takes."""
     for option, value, allowed in (("--attention-backend", attention_backend, ATTENTION_BACKENDS),
@@ -873,12 +888,33 @@ class Engine:
             config_of = int.bit_length
         return moe_token_counts(config_of, self.cfg.max_tokens_per_batch)
 
-    def capture(self, seqs: Sequence[np.ndarray]) -> Captured:
+    def capture(self, seqs: Sequence[np.ndarray], images: Sequence[Images | None] | None = None) -> Captured:
         """Prefill `seqs` as one EXTEND batch and return their states (still on the device).
 
-        A single sequence longer than one forward's token budget is prefilled in chunks (`chunks`).
+        `images`, parallel to `seqs` (None entries and None altogether: text only), are the images each
+        sequence's image tokens stand for. A single text sequence longer than one forward's token budget is
+        prefilled in chunks (`chunks`); a sequence with images never is, and is refused there.
         """
+        if images is not None and any(im is not None for im in images):
+            self._check_images(seqs, images)
         return self._prefill(seqs, capture=True)
+
+    def _check_images(self, seqs: Sequence[np.ndarray], images: Sequence[Images | None]) -> None:
+        if len(images) != len(seqs):
+            raise ValueError(f"{len(images)} image entries for {len(seqs)} sequences: one entry (or None) per sequence")
+        refuse_images(self.architecture, self.cfg.model_path)
+        for ids, im in zip(seqs, images):
+            if im is None:
+                continue
+            if len(ids) > self.cfg.max_tokens_per_batch:
+                raise ValueError(
+                    f"a sequence with images of {len(ids)} tokens exceeds one forward's budget of "
+                    f"{self.cfg.max_tokens_per_batch} tokens: the engine prefills a sequence with images in one "
+                    f"forward, its image embeddings and positions built for the whole sequence (raise "
+                    f"--tokens-per-batch or shorten it)"
+                )
+            if len(im.token_mask) != len(ids):
+                raise ValueError(f"an image token mask of {len(im.token_mask)} tokens for a sequence of {len(ids)}")
 
     def prefill(self, seqs: Sequence[np.ndarray]) -> None:
         """SGLang's unmodified prefill of `seqs` (last-token logits only, nothing captured): the ceiling

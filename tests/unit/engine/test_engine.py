@@ -11,6 +11,7 @@ import pytest
 import torch
 from extract_runs import ROOT
 
+from offline_extract.data.images import Images
 from offline_extract.engine import parity
 from offline_extract.engine.sglang_adapter import (
     Engine, EngineConfig, capture_rule, moe_token_counts, validate_layer_ids,
@@ -112,6 +113,20 @@ def test_batch_over_budget_is_refused(engine):
         engine.capture(_seqs([2000, 49]))
     with pytest.raises(ValueError, match="does not fit the KV pool"):
         engine.capture(_seqs([4097]))
+
+
+def _images(n: int) -> Images:
+    return Images({"pixel_values": np.zeros((4, 8), np.float32)}, np.arange(n) < 2, "0" * 64)
+
+
+def test_images_on_a_text_only_model_are_refused_by_name(engine):
+    seqs = _seqs([12, 9])
+    with pytest.raises(NotImplementedError, match=r"LlamaForCausalLM \(.*\) cannot take image inputs: it is a text-only"):
+        engine.capture(seqs, [None, _images(9)])
+    with pytest.raises(ValueError, match="1 image entries for 2 sequences"):
+        engine.capture(seqs, [_images(12)])
+    # None entries throughout are a text batch.
+    assert torch.equal(engine.capture(seqs, [None, None]).aux, engine.capture(seqs).aux)
 
 
 def test_layer_id_validation():
