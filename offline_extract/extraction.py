@@ -255,6 +255,7 @@ def _sample_tokenizer(opts: ExtractOptions, model_dir: Path) -> SampleTokenizer:
         overlong=opts.overlong,
         trim_after_last_loss=opts.trim_after_last_loss,
         min_loss_run=_min_loss_run(opts),
+        model=opts.model or "the default model",
     )
 
 

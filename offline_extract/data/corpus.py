@@ -1,6 +1,10 @@
 """Streaming reader for corpora in the ShareGPT, OpenAI, plain-text and pre-tokenized formats, from any
 of the sources in `sources` (JSONL, gzip JSONL, a JSON array, parquet, saved or hub data sets).
 
+A chat may hold images: OpenAI `image_url` content parts, or `<image>` markers in its texts beside an `images`
+list (the LLaVA style). Their places are resolved here (a path relative to the corpus's folder, a `file://` URL or
+a `data:` URL); their bytes are read and decoded with the tokenization (`data/images`).
+
 Every record (a non-blank line, an array's element, or a row) becomes either a `Record` or a `Reject`;
 nothing is dropped silently, and a bad record never stops the ones after it from being read.
 """
@@ -8,11 +12,14 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.parse
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from offline_extract.data.sources import FORMAT_KEYS, LineTooLong, open_sources
+from offline_extract.words import plural
 
 SHAREGPT_ROLES = {
     "system": "system",
@@ -29,17 +36,40 @@ OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant"}
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
+# The marker of an image in a chat's text where the record lists its images beside (the LLaVA style).
+IMAGE_MARKER = "<image>"
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """Where one image of a record is: `location` is an absolute path or a `data:` URL, `where` the field of the
+    record that gave it (messages[0].content[1], images[2]), which a reject names."""
+
+    where: str
+    location: str
+
+    @property
+    def named(self) -> str:
+        """The image in a message's words: its field, and its path (a data: URL is too long to repeat)."""
+        shown = "a data: URL" if self.location.startswith("data:") else self.location
+        return f"{self.where} ({shown})"
+
+
 @dataclass(frozen=True)
 class Record:
+    """One record of the corpus. A chat's turn is (role, content): the content is its text, or, in a chat with
+    `images`, a tuple of parts, each a text (str) or the number of an image in `images` (int)."""
+
     source: str
     line: int
     index: int
     id: str
     format: str
-    messages: tuple[tuple[str, str], ...] | None = None
+    messages: tuple[tuple[str, str | tuple[str | int, ...]], ...] | None = None
     text: str | None = None
     input_ids: tuple[int, ...] | None = None
     loss_mask: tuple[int, ...] | None = None
+    images: tuple[ImageRef, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -91,12 +121,90 @@ def _json_type(value) -> str:
     return "object"
 
 
-def _messages(obj: dict, key: str, role_key: str, content_key: str, roles: dict[str, str]):
+class _Images:
+    """The images of one chat as its turns are read: OpenAI image_url parts found in its contents, or, where the
+    record lists `images` (the LLaVA style), its `<image>` markers, which take those images in order."""
+
+    def __init__(self, obj: dict, base: Path):
+        self.base = base
+        self.listed = None if obj.get("images") is None else _listed_images(obj["images"])
+        self.refs: list[ImageRef] = []
+        self.markers = 0  # the <image> markers read so far
+
+    def content(self, content, where: str) -> str | tuple[str | int, ...]:
+        """A turn's content: its text (`_content`), or its parts where it holds an image."""
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in content):
+            if self.listed is not None:
+                raise _BadRecord(f"{where} holds image_url parts and the record lists images too: give a chat's "
+                                 f"images one way, as image_url parts or as {IMAGE_MARKER} markers with images")
+            return tuple(self._part(part, f"{where}[{i}]") for i, part in enumerate(content))
+        text = _content(content, where)
+        if self.listed is None or IMAGE_MARKER not in text:
+            return text
+        pieces = text.split(IMAGE_MARKER)
+        parts: list[str | int] = [pieces[0]] if pieces[0] else []
+        for piece in pieces[1:]:
+            if self.markers < len(self.listed):
+                self.refs.append(ImageRef(f"images[{self.markers}]", self._located(self.listed[self.markers],
+                                                                                  f"images[{self.markers}]")))
+            parts.append(self.markers)
+            self.markers += 1
+            if piece:
+                parts.append(piece)
+        return tuple(parts)
+
+    def _part(self, part, where: str) -> str | int:
+        if not isinstance(part, dict) or part.get("type") not in ("text", "image_url"):
+            kind = part.get("type") if isinstance(part, dict) else _json_type(part)
+            raise _BadRecord(f"{where} is a part of type {kind!r}; only text and image_url parts can be extracted")
+        if part["type"] == "text":
+            if not isinstance(part.get("text"), str):
+                raise _BadRecord(f"{where}.text is not a string (got {_json_type(part.get('text'))})")
+            return part["text"]
+        image_url = part.get("image_url")
+        # OpenAI's form is {"url": ...}; a bare string is what some exporters write.
+        url = image_url.get("url") if isinstance(image_url, dict) else image_url
+        if not isinstance(url, str) or not url:
+            raise _BadRecord(f"{where}.image_url has no url (a path, a file:// or a data: URL)")
+        self.refs.append(ImageRef(f"{where}.image_url", self._located(url, f"{where}.image_url")))
+        return len(self.refs) - 1
+
+    def _located(self, url: str, where: str) -> str:
+        """An image's URL as a location: a data: URL as it is, a file:// URL's path, a path resolved against the
+        corpus's folder; a remote URL is refused, since a run reads no network."""
+        scheme = urllib.parse.urlsplit(url).scheme.lower()
+        if scheme == "data":
+            return url
+        if scheme == "file":
+            return str(self.base / urllib.request.url2pathname(urllib.parse.urlsplit(url).path))
+        if len(scheme) > 1:  # a single letter is a Windows drive, a path
+            raise _BadRecord(f"{where} is a {scheme}: URL ({url[:80]}); images are read from files or data: URLs, "
+                             f"never fetched: download them and give their paths")
+        return str(self.base / url)
+
+    def check_count(self) -> None:
+        if self.listed is not None and self.markers != len(self.listed):
+            raise _BadRecord(f"the chat has {plural(self.markers, IMAGE_MARKER + ' marker')} and the record lists "
+                             f"{plural(len(self.listed), 'image')}: each image needs its {IMAGE_MARKER} marker where "
+                             f"it goes in the text")
+
+
+def _listed_images(images) -> list[str]:
+    if not isinstance(images, list):
+        raise _BadRecord(f"images is not an array (got {_json_type(images)})")
+    for i, image in enumerate(images):
+        if not isinstance(image, str) or not image:
+            raise _BadRecord(f"images[{i}] is not a path or URL string (got {_json_type(image)})")
+    return images
+
+
+def _messages(obj: dict, key: str, role_key: str, content_key: str, roles: dict[str, str], base: Path):
     turns = obj[key]
     if not isinstance(turns, list):
         raise _BadRecord(f"{key} is not an array (got {_json_type(turns)})")
     if not turns:
         raise _BadRecord("empty conversation")
+    images = _Images(obj, base)
     out = []
     for i, turn in enumerate(turns):
         where = f"{key}[{i}]"
@@ -108,16 +216,17 @@ def _messages(obj: dict, key: str, role_key: str, content_key: str, roles: dict[
         role = turn[role_key]
         if not isinstance(role, str) or role not in roles:
             raise _BadRecord(f"unknown role {role!r} in {where} ({key} takes the roles {', '.join(roles)})")
-        out.append((roles[role], _content(turn[content_key], f"{where}.{content_key}")))
+        out.append((roles[role], images.content(turn[content_key], f"{where}.{content_key}")))
     if not any(role == "assistant" for role, _ in out):
         raise _BadRecord("no assistant turn")
-    return tuple(out)
+    images.check_count()
+    return tuple(out), tuple(images.refs)
 
 
 def _content(content, where: str) -> str:
     """A turn's text: a string, or OpenAI's list of content parts, whose text parts are joined with a
     newline (as OpenAI-compatible servers do for a chat template that takes a string). A part that is
-    not text (an image, audio) cannot be extracted by a text model and rejects the record."""
+    neither text nor an image (`_Images`), audio say, rejects the record."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -126,7 +235,7 @@ def _content(content, where: str) -> str:
     for i, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, dict) else _json_type(part)
-            raise _BadRecord(f"{where}[{i}] is a part of type {kind!r}; only text parts can be extracted")
+            raise _BadRecord(f"{where}[{i}] is a part of type {kind!r}; only text and image_url parts can be extracted")
         if not isinstance(part.get("text"), str):
             raise _BadRecord(f"{where}[{i}].text is not a string (got {_json_type(part.get('text'))})")
         texts.append(part["text"])
@@ -236,7 +345,7 @@ def _parse(raw: bytes, first_line: bool):
     return obj
 
 
-def _record(obj: dict, raw: bytes, source: str, line: int, index: int, id_: str) -> Record:
+def _record(obj: dict, raw: bytes, source: str, line: int, index: int, id_: str, base: Path) -> Record:
     present = [k for k in FORMAT_KEYS if k in obj]
     if not present:
         raise _BadRecord("record has none of conversations/messages/text/input_ids")
@@ -247,10 +356,12 @@ def _record(obj: dict, raw: bytes, source: str, line: int, index: int, id_: str)
     _check_mask_fields(obj, key)
     _check_surrogates(raw, obj, key)
     common = dict(source=source, line=line, index=index, id=id_, format=fmt)
-    if fmt == "sharegpt":
-        return Record(**common, messages=_messages(obj, key, "from", "value", SHAREGPT_ROLES))
-    if fmt == "openai":
-        return Record(**common, messages=_messages(obj, key, "role", "content", OPENAI_ROLES))
+    if fmt in ("sharegpt", "openai"):
+        fields = ("from", "value", SHAREGPT_ROLES) if fmt == "sharegpt" else ("role", "content", OPENAI_ROLES)
+        messages, images = _messages(obj, key, *fields, base)
+        return Record(**common, messages=messages, images=images)
+    if obj.get("images") is not None:
+        raise _BadRecord(f"images are read with a chat (conversations or messages), not with {key}")
     if fmt == "text":
         text = obj["text"]
         if not isinstance(text, str):
@@ -281,6 +392,7 @@ def _read(sources: list, owns: Callable[[int], bool] | None) -> Iterator[Record 
     seen: dict[str, tuple[int, int]] = {}
     index = 0
     for file_no, source in enumerate(sources):
+        base = source.base
         for line, raw in source.rows():
             id_ = None
             try:
@@ -297,7 +409,7 @@ def _read(sources: list, owns: Callable[[int], bool] | None) -> Iterator[Record 
                     continue
                 if first != (file_no, line):
                     raise _BadRecord(f"duplicate id {id_!r} (first at {sources[first[0]].name}:{first[1]})")
-                yield _record(obj, raw if isinstance(raw, bytes) else b"", source.name, line, index, id_)
+                yield _record(obj, raw if isinstance(raw, bytes) else b"", source.name, line, index, id_, base)
             except _BadRecord as e:
                 if owns is None or owns(index):
                     yield Reject(source.name, line, index, id_, str(e))

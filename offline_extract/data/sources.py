@@ -78,6 +78,14 @@ class Source:
         return self.kind == "jsonl" and not self.path.is_file()
 
     @property
+    def base(self) -> Path:
+        """The folder a record's relative image paths start from: the corpus file's, a data set's own folder, the
+        working directory for a pipe (whose path says nothing of where its records came from)."""
+        if self.kind in ("saved", "hub"):
+            return self.path
+        return Path.cwd() if self.streamed else self.path.resolve().parent
+
+    @property
     def label(self) -> str:
         """The start of a derived id ("label:line"): the file's name, which keeps a run's ids where its corpus
         moves, unless another source has it too (`open_sources`)."""

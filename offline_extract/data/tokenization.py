@@ -19,6 +19,7 @@ import numpy as np
 from offline_extract.data.corpus import Record, Reject
 from offline_extract.data.images import Images
 from offline_extract.options import Overlong, check_choice
+from offline_extract.words import plural
 
 
 
@@ -102,6 +103,7 @@ class SampleTokenizer:
         overlong: Overlong = "truncate",
         trim_after_last_loss: bool = False,
         min_loss_run: int = 0,
+        model: str = "the model",
     ):
         check_choice("overlong", overlong)
         if max_length < 1:
@@ -113,6 +115,7 @@ class SampleTokenizer:
         self.overlong = overlong
         self.trim_after_last_loss = trim_after_last_loss
         self.min_loss_run = min_loss_run
+        self.model = model  # its name, for a refusal
         self.vocab_size = len(tokenizer)
         self.chars_per_token = max(map(len, tokenizer.get_vocab()), default=1)
         self._fingerprint: dict | None = None
@@ -145,6 +148,8 @@ class SampleTokenizer:
         done: list = [None] * len(records)  # a Reject, or (ids, mask, cut)
         for i, record in enumerate(records):
             try:
+                if record.images:
+                    self._refuse_images(record)
                 if record.format in ("sharegpt", "openai"):
                     kept = _cut_contents(record.messages, self._cut_chars)
                     chats.append((i, kept, *self._render_chat(kept)))
@@ -173,6 +178,14 @@ class SampleTokenizer:
                     r = records[i]
                     done[i] = Reject(r.source, r.line, r.index, r.id, str(e))
         return [d if isinstance(d, Reject) else self._sample(r, *d) for r, d in zip(records, done)]
+
+    def _refuse_images(self, record: Record) -> None:
+        """A record with images, for a model that reads none: every such record would fail alike, so the run stops
+        (as for chat records without a chat template), naming the record and the model."""
+        where = f"{record.source}:{record.line} (id {record.id!r})"
+        raise ValueError(f"{where} holds {plural(len(record.images), 'image')}, but {self.model} is a text-only model: its "
+                         f"directory has no image processor (preprocessor_config.json) to prepare them. Give a "
+                         f"vision-language model, or a corpus without images")
 
     def _encode_many(self, texts: list[str], **options) -> list[tuple[dict, bool]]:
         """`_encode` of each text, the first try of all of them in one call of the tokenizer."""

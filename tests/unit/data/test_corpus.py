@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from offline_extract.data.corpus import Record, Reject, read_corpus
+from offline_extract.data.corpus import ImageRef, Record, Reject, read_corpus
 
 
 def write_lines(path, lines):
@@ -86,6 +86,47 @@ def test_openai_content_parts_are_joined_text(tmp_path):
     assert record.messages == (("user", "first\nsecond"), ("assistant", "first"))
 
 
+def test_openai_image_parts_resolve_against_the_corpus_folder(tmp_path, monkeypatch):
+    (tmp_path / "corpus").mkdir()
+    monkeypatch.chdir(tmp_path)  # a relative --data: the images are still found beside the corpus, not here
+    data_url = "data:image/png;base64,iVBORw0KGgo="
+    content = [
+        {"type": "text", "text": "compare"},
+        {"type": "image_url", "image_url": {"url": "pics/a.png"}},
+        {"type": "image_url", "image_url": {"url": "file:///srv/b.jpg"}},
+        {"type": "text", "text": "and"},
+        {"type": "image_url", "image_url": {"url": data_url}},
+    ]
+    path = write_lines(tmp_path / "corpus" / "c.jsonl", [
+        {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "same"}]},
+    ])
+    (record,) = read_corpus(["corpus/c.jsonl"])
+    assert record.messages == (("user", ("compare", 0, 1, "and", 2)), ("assistant", "same"))
+    assert record.images == (
+        ImageRef("messages[0].content[1].image_url", str(path.parent / "pics" / "a.png")),
+        ImageRef("messages[0].content[2].image_url", "/srv/b.jpg"),
+        ImageRef("messages[0].content[4].image_url", data_url),
+    )
+    assert record.images[2].named == "messages[0].content[4].image_url (a data: URL)"
+
+
+def test_llava_markers_take_the_listed_images_in_order(tmp_path):
+    path = write_lines(tmp_path / "c.jsonl", [
+        {"conversations": [{"from": "human", "value": "<image>\nthis, then<image>"}, {"from": "gpt", "value": "ok"},
+                           {"from": "human", "value": "and <image>?"}, {"from": "gpt", "value": "<image> too"}],
+         "images": ["one.png", "sub/two.png", "/abs/three.png", "four.png"]},
+        # Without an images list, "<image>" is text like any other.
+        {"conversations": [{"from": "human", "value": "say <image>"}, {"from": "gpt", "value": "<image>"}]},
+    ])
+    llava, plain = read_corpus([path])
+    assert llava.messages == (("user", (0, "\nthis, then", 1)), ("assistant", "ok"), ("user", ("and ", 2, "?")),
+                              ("assistant", (3, " too")))
+    assert [ref.location for ref in llava.images] == [str(tmp_path / "one.png"), str(tmp_path / "sub" / "two.png"),
+                                                      "/abs/three.png", str(tmp_path / "four.png")]
+    assert [ref.where for ref in llava.images] == ["images[0]", "images[1]", "images[2]", "images[3]"]
+    assert plain.messages == (("user", "say <image>"), ("assistant", "<image>")) and plain.images == ()
+
+
 def test_blank_lines_have_no_index_but_count_as_lines(tmp_path):
     path = write_lines(tmp_path / "c.jsonl", ["", GOOD_TEXT, "   ", "\t", GOOD_TEXT, ""])
     recs = list(read_corpus([str(path)]))
@@ -160,10 +201,61 @@ BAD_LINES = [
         "bad.jsonl:2",
     ),
     (
-        b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
-        "messages[0].content[0] is a part of type 'image_url'; only text parts can be extracted",
+        b'{"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}',
+        "messages[0].content[0] is a part of type 'input_audio'; only text and image_url parts can be extracted",
         "bad.jsonl:2",
     ),
+    (
+        b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}, '
+        b'{"type": "input_audio"}]}, {"role": "assistant", "content": "a"}]}',
+        "messages[0].content[1] is a part of type 'input_audio'; only text and image_url parts can be extracted",
+        "bad.jsonl:2",
+    ),
+    (
+        b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}',
+        "messages[0].content[0].image_url has no url (a path, a file:// or a data: URL)",
+        "bad.jsonl:2",
+    ),
+    (
+        b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": '
+        b'"https://example.com/cat.png"}}]}, {"role": "assistant", "content": "a"}]}',
+        "messages[0].content[0].image_url is a https: URL (https://example.com/cat.png); images are read from files "
+        "or data: URLs, never fetched: download them and give their paths",
+        "bad.jsonl:2",
+    ),
+    (
+        b'{"conversations": [{"from": "human", "value": "<image> and <image>"}, {"from": "gpt", "value": "a"}], '
+        b'"images": ["a.png"]}',
+        "the chat has 2 <image> markers and the record lists 1 image: each image needs its <image> marker where it "
+        "goes in the text",
+        "bad.jsonl:2",
+    ),
+    (
+        b'{"conversations": [{"from": "human", "value": "what is it?"}, {"from": "gpt", "value": "a"}], '
+        b'"images": ["a.png", "b.png"]}',
+        "the chat has 0 <image> markers and the record lists 2 images: each image needs its <image> marker where it "
+        "goes in the text",
+        "bad.jsonl:2",
+    ),
+    (
+        b'{"conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "a"}], "images": "a.png"}',
+        "images is not an array (got string)",
+        "bad.jsonl:2",
+    ),
+    (
+        b'{"conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "a"}], "images": [3]}',
+        "images[0] is not a path or URL string (got integer)",
+        "bad.jsonl:2",
+    ),
+    (
+        b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}}]}, '
+        b'{"role": "assistant", "content": "a"}], "images": ["b.png"]}',
+        "messages[0].content holds image_url parts and the record lists images too: give a chat's images one way, as "
+        "image_url parts or as <image> markers with images",
+        "bad.jsonl:2",
+    ),
+    (b'{"text": "<image>", "images": ["a.png"]}', "images are read with a chat (conversations or messages), not with "
+     "text", "bad.jsonl:2"),
     (b'{"text": 5}', "text is not a string (got integer)", "bad.jsonl:2"),
     (b'{"text": ""}', "text is empty", "bad.jsonl:2"),
     (b'{"text": "a\\ud800b"}', "contains an unpaired surrogate escape \\ud800, which is not valid text", "bad.jsonl:2"),

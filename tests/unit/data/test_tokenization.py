@@ -7,7 +7,7 @@ import pytest
 from extract_runs import ROOT
 from transformers import AutoTokenizer
 
-from offline_extract.data.corpus import Record, Reject, read_corpus
+from offline_extract.data.corpus import ImageRef, Record, Reject, read_corpus
 from offline_extract.data import tokenization
 from offline_extract.data.tokenization import Sample, SampleTokenizer, tokenizer_files
 
@@ -159,6 +159,18 @@ def test_template_errors_are_rejects_and_missing_template_raises(load_tokenizer)
     with pytest.raises(ValueError, match="no chat template"):
         st(chat(("user", "u"), ("assistant", "a")))
     assert isinstance(st(Record("s", 1, 0, "t", "text", text="ok")), Sample)
+
+
+def test_a_text_only_model_refuses_an_image_record_naming_it_and_the_model(tok):
+    image = Record(source="s.jsonl", line=9, index=8, id="pic", format="openai",
+                   messages=(("user", (0, "what is it?")), ("assistant", "a cat")),
+                   images=(ImageRef("messages[0].content[0].image_url", "/data/cat.png"),))
+    tokenizer = SampleTokenizer(tok, max_length=64, model="/models/tiny-llama")
+    with pytest.raises(ValueError) as refused:
+        tokenizer.many([chat(("user", "q"), ("assistant", "a")), image])
+    assert str(refused.value) == (
+        "s.jsonl:9 (id 'pic') holds 1 image, but /models/tiny-llama is a text-only model: its directory has no image "
+        "processor (preprocessor_config.json) to prepare them. Give a vision-language model, or a corpus without images")
 
 
 def test_plain_text(tok):
