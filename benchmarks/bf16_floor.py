@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import program  # noqa: E402
 
 from offline_extract.default_model import ensure_tiny_model  # noqa: E402
-from offline_extract.engine import parity  # noqa: E402
+from offline_extract.engine import parity, reference  # noqa: E402
 from offline_extract.testing.models import build_model  # noqa: E402
 
 ARCHS = ("qwen3", "qwen3_moe", "qwen2_moe", "qwen3_next", "minimax_m2", "glm4_moe", "gpt_oss", "deepseek_v3")
@@ -58,10 +58,10 @@ def measure(arch: str, root: Path, device: str) -> dict:
     model = build_model(arch, root / arch, dtype=torch.bfloat16, device=device, tokenizer_dir=ensure_tiny_model())
     rng = np.random.default_rng(0)
     seqs = [rng.integers(6, 380, n).tolist() for n in LENGTHS]  # as tests/arch_parity.py draws them
-    hf32 = parity.load_hf_model(str(model), "float32", device)
+    hf32 = reference.load_hf_model(str(model), "float32", device)
     exact, chosen = _runs(hf32, seqs, device)
     del hf32
-    hf16 = parity.load_hf_model(str(model), "bfloat16", device)
+    hf16 = reference.load_hf_model(str(model), "bfloat16", device)
     result = {"unforced": _rows(_runs(hf16, seqs, device)[0], exact)}
     if any(chosen):
         result["forced_to_fp32_experts"] = _rows(_runs(hf16, seqs, device, chosen)[0], exact)

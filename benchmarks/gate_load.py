@@ -3,7 +3,7 @@ up, and what each way of getting HF's weights onto the device costs.
 
 \b
 1. HF's model of the checkpoint from the files, as the gate loaded it before its weights were read ahead, and
-   from the tensors read ahead (`parity.checkpoint_tensors(resident=True)`, what `ReferencePreload` reads
+   from the tensors read ahead (`checkpoint.checkpoint_tensors(resident=True)`, what `ReferencePreload` reads
    beside SGLang's start-up), each split as the run's `timings` split it: model class and config, the load on
    the host, the move to the device.
 2. The copy to the device alone, tensor by tensor, from the files' mapped pages, from resident pageable memory
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import emit, program  # noqa: E402
 
-from offline_extract.engine import parity  # noqa: E402
+from offline_extract.engine import checkpoint, parity, reference  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -56,7 +56,7 @@ def _load(model: str, dtype: str, device: torch.device, tensors=None) -> tuple[t
     """load_hf_model, split at the points it marks."""
     at = {}
     start = time.perf_counter()
-    hf = parity.load_hf_model(model, dtype, str(device), tensors=tensors,
+    hf = reference.load_hf_model(model, dtype, str(device), tensors=tensors,
                               mark=lambda point: at.__setitem__(point, time.perf_counter()))
     _sync(device)
     end = time.perf_counter()
@@ -76,9 +76,9 @@ def _copy_to_device(tensors: dict, device: torch.device) -> float:
 
 def _copies(model: str, device: torch.device) -> dict:
     """Every weight to the device, tensor by tensor, from three kinds of host memory."""
-    result = {"mapped_to_device_s": _copy_to_device(parity.checkpoint_tensors(model), device)}
+    result = {"mapped_to_device_s": _copy_to_device(checkpoint.checkpoint_tensors(model), device)}
     start = time.perf_counter()
-    resident = parity.checkpoint_tensors(model, resident=True)
+    resident = checkpoint.checkpoint_tensors(model, resident=True)
     result["read_resident_s"] = time.perf_counter() - start
     result["resident_to_device_s"] = _copy_to_device(resident, device)
     if device.type == "cuda":
@@ -126,7 +126,7 @@ def main(model: str, dtype: str, device_name: str, samples: int, length: int, js
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     result = {"model": model, "dtype": dtype, "device": str(device),
-              "checkpoint_bytes": parity.checkpoint_bytes(model), "samples": samples, "length": length}
+              "checkpoint_bytes": checkpoint.checkpoint_bytes(model), "samples": samples, "length": length}
     # In a run SGLang has imported transformers' modeling code by the gate; here it is imported first, apart.
     start = time.perf_counter()
     _import_model_class(model)
@@ -137,7 +137,7 @@ def main(model: str, dtype: str, device_name: str, samples: int, length: int, js
     _free(device)
 
     start = time.perf_counter()
-    tensors = parity.checkpoint_tensors(model, resident=True)
+    tensors = checkpoint.checkpoint_tensors(model, resident=True)
     read = time.perf_counter() - start
     hf, result["read_ahead"] = _load(model, dtype, device, tensors)
     result["read_ahead"]["read_s"] = read

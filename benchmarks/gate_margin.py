@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import command_line, emit, program  # noqa: E402
 
-from offline_extract.engine import parity  # noqa: E402
+from offline_extract.engine import parity, reference  # noqa: E402
 
 PERTURBATION = 0.01  # of each token's norm
 
@@ -95,7 +95,7 @@ def measure(model: str, data: str, samples: int, device: str, dtype: str, attent
                                  max_tokens_per_batch=8192, context_length=8192, nccl_port=free_port(),
                                  mem_fraction_static=0.5))
     default_ids = list(engine.layer_ids)
-    hf = parity.load_hf_model(model, dtype, device)
+    hf = reference.load_hf_model(model, dtype, device)
     hf_device = next(hf.parameters()).device
     generator = torch.Generator().manual_seed(0)
     captured, references = [], []

@@ -27,7 +27,7 @@ import torch
 from benchmarks import command_line, emit, program
 
 from offline_extract.default_model import ensure_tiny_model
-from offline_extract.engine import parity
+from offline_extract.engine import reference
 from offline_extract.store.codecs import compress_frame, compressor, fp8_quantize
 
 LAYER_IDS = (1, 3, 4)  # SGLang's EAGLE-3 default for the tiny model; HF hidden_states index = id + 1
@@ -113,7 +113,7 @@ def main(train_seconds: float, seq: int, batch: int, lr: float, samples: int, sa
     torch.set_num_threads(threads)
 
     model_dir = ensure_tiny_model(model_dir)
-    model = parity.load_hf_model(str(model_dir), "float32", "cpu")
+    model = reference.load_hf_model(str(model_dir), "float32", "cpu")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

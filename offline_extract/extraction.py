@@ -28,7 +28,7 @@ from offline_extract.data.batching import batch_by_tokens
 from offline_extract.data.corpus import BadRecordError, Record, Reject, read_corpus
 from offline_extract.data.sources import Source
 from offline_extract.data.tokenization import Sample, SampleTokenizer, tokenizer_files
-from offline_extract.engine import parity
+from offline_extract.engine import checkpoint, parity, reference
 from offline_extract.engine.distributed import Coordinator, Layout, ReportedByLeader, Share, layout_from_env
 from offline_extract.engine.nonfinite import NonFiniteError, NonFiniteGuard
 from offline_extract.engine.sglang_adapter import LAYER_CONVENTION, Engine, EngineConfig, PortTaken, import_sglang
@@ -139,7 +139,7 @@ def _weights_fingerprint(model_dir: Path) -> str:
     files change. A safetensors file whose header is damaged or that is cut short (an interrupted download, say),
     or one that the checkpoint's index names and that is not there, is refused here, naming it, where SGLang's
     load would fail on it with a traceback."""
-    parity.check_checkpoint_complete(model_dir)
+    checkpoint.check_checkpoint_complete(model_dir)
     files = sorted(f for pattern in ("*.safetensors", "*.bin", "*.pt", "*.pth") for f in model_dir.glob(pattern))
     if not files:
         raise FileNotFoundError(f"no weight files (*.safetensors, *.bin, *.pt) in {model_dir}")
@@ -147,7 +147,7 @@ def _weights_fingerprint(model_dir: Path) -> str:
     for f in files:
         h.update(f.name.encode() + f.stat().st_size.to_bytes(8, "little"))
         if f.suffix == ".safetensors":
-            parity.check_safetensors(f)
+            checkpoint.check_safetensors(f)
             with open(f, "rb") as fh:
                 h.update(fh.read(int.from_bytes(fh.read(8), "little")))
     return h.hexdigest()
@@ -338,7 +338,7 @@ class Job:
         self.identity: dict | None = None  # the identity the leader recorded, with the corpus as it was then
         # --verify: the HF reference's weights read beside the load (`_start_preload`), and what was decided
         # about it and what the gate's HF forwards took, for `timings`.
-        self.preload: parity.ReferencePreload | None = None
+        self.preload: reference.ReferencePreload | None = None
         self.preload_figures: dict = {}
         self.hf_forwards_s = 0.0
         self.input_wait_s = 0.0  # the feed's wait for its next batch (feed.extract_batches)
@@ -463,21 +463,21 @@ class Job:
 
     def _start_preload(self) -> None:
         """--verify on a rank that runs HF (the writing one): the reference's weights start to be read into host
-        memory now, beside SGLang's import, load and warm-up (`parity.ReferencePreload`), where the host has
+        memory now, beside SGLang's import, load and warm-up (`reference.ReferencePreload`), where the host has
         room for every such rank's copy; otherwise HF reads the files at the gate."""
         if not (self.opts.parity_samples and self.layout.writes):
             return
         model = str(self.checked.model.path)
-        if not parity.checkpoint_files(model):
+        if not checkpoint.checkpoint_files(model):
             self.preload_figures = {"gate_preload": "none: no safetensors files, HF reads the checkpoint at the gate"}
             return
-        nbytes = parity.checkpoint_bytes(model)
+        nbytes = checkpoint.checkpoint_bytes(model)
         readers = self.layout.local_world_size // self.layout.tp_size  # the writing ranks on this host
-        refusal = parity.preload_refusal(nbytes, readers, _available_host_memory())
+        refusal = reference.preload_refusal(nbytes, readers, _available_host_memory())
         self.preload_figures = {"gate_preload": f"skipped: {refusal}" if refusal else "beside the load",
                                 "gate_preload_bytes": nbytes}
         if refusal is None:
-            self.preload = parity.ReferencePreload(model, mark=self.timeline.mark).start()
+            self.preload = reference.ReferencePreload(model, mark=self.timeline.mark).start()
 
     def _load(self) -> None:
         """SGLang's imports, then its model load and the warm-up, with the tokenizer (unless it is loaded
@@ -594,7 +594,7 @@ class Job:
                 c, experts = engine.capture([s.input_ids]), {}
             states.append((s.input_ids.tolist(), c.aux.cpu(), c.last.cpu(), experts))
         mark("gate captured")
-        fp8 = parity.is_fp8_block(engine.quantization)
+        fp8 = checkpoint.is_fp8_block(engine.quantization)
         result, failure, error = {"rows": []}, None, None
         # Which replica failed, where there are several to tell apart; a run of one has no replicas to its user.
         where = f"dp replica {layout.dp_rank}: " if layout.dp_size > 1 else ""
@@ -623,14 +623,14 @@ class Job:
             raise (parity.ParityMismatch if verdict else parity.ParityError)(said)
         return result
 
-    def _reference(self, states: list, preload: parity.ReferencePreload | None, fp8: bool) -> tuple[list, dict]:
+    def _reference(self, states: list, preload: reference.ReferencePreload | None, fp8: bool) -> tuple[list, dict]:
         """HF's model of the checkpoint (on the weights read beside the load, where they were) run on the gate's
         samples and held against the engine's `states`: the rows, and the gate's result for the metadata."""
         engine, mark = self.engine, self.timeline.mark
         tensors = preload.take() if preload is not None else None
         mark("hf loading")
         with foreign_output_hidden(not self.opts.verbose):
-            hf = parity.load_hf_model(str(self.checked.model.path), engine.dtype, str(engine.device),
+            hf = reference.load_hf_model(str(self.checked.model.path), engine.dtype, str(engine.device),
                                       tensors=tensors, mark=mark)
         del tensors  # the host's copy goes once HF's model is on the device
         exposed = all(experts and all(ids is not None for ids in experts.values()) for _, _, _, experts in states)

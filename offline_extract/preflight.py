@@ -16,8 +16,9 @@ import torch
 from offline_extract import hub
 from offline_extract.data.sources import Source, open_sources
 from offline_extract.default_model import ensure_tiny_model
+from offline_extract.engine.checkpoint import DAMAGED_MODEL_FILE
 from offline_extract.engine.distributed import layout_from_env
-from offline_extract.engine.parity import DAMAGED_MODEL_FILE, wrapped_text_config
+from offline_extract.engine.reference import wrapped_text_config
 from offline_extract.engine.sglang_adapter import (
     CONTEXT_KEYS, capture_rule, check_engine_choices, context_length, hide_gpus, validate_layer_ids,
 )

@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from offline_extract.engine import parity  # noqa: E402
+from offline_extract.engine import checkpoint, parity  # noqa: E402
+from offline_extract.engine.reference import load_hf_model  # noqa: E402
 from offline_extract.engine.distributed import free_port  # noqa: E402
 from offline_extract.engine.sglang_adapter import Engine, EngineConfig, prepare_process  # noqa: E402
 
@@ -85,7 +86,7 @@ def _compare(engine, captured, seqs, hf_states, moe=None, early=False):
         for a, b, hs in zip(bounds, bounds[1:], hf_states)
     )
     rows = parity.compare_states(pairs, engine.layer_ids, engine.dtype, moe=engine.is_moe if moe is None else moe,
-                                 fp8=parity.is_fp8_block(engine.quantization))
+                                 fp8=checkpoint.is_fp8_block(engine.quantization))
     return [r.to_json() for r in rows]
 
 
@@ -124,7 +125,7 @@ def _exact_reference(engine, hf_path, device, captured, seqs, chosen, forced_sta
     against HF in fp32 on the same weights and the same (the engine's) experts. Where HF's own bf16 run is far
     from fp32, no bf16 implementation can be expected to match it token by token; the engine is then held to
     being about as close to fp32 as HF's bf16 is."""
-    hf32 = parity.load_hf_model(hf_path, "float32", device)
+    hf32 = load_hf_model(hf_path, "float32", device)
     exact, _ = _forced_states(hf32, seqs, chosen)
     del hf32
     # HF's own bf16 against fp32 at every layer, so that any layer set can be looked up.
@@ -213,7 +214,7 @@ def main() -> None:
                 captured = engine.capture(seqs)
         else:
             captured = engine.capture(seqs)
-        hf = parity.load_hf_model(args.hf_reference or args.model, args.dtype, args.device)
+        hf = load_hf_model(args.hf_reference or args.model, args.dtype, args.device)
         device = next(hf.parameters()).device
         hf_states = [[h.float().cpu() for h in parity.hf_hidden_states(hf, s.tolist(), device)] for s in seqs]
         if args.forced_routing:

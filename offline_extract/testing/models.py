@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from offline_extract.default_model import ensure_tiny_model, random_checkpoint, tiny_llama_config
-from offline_extract.engine.parity import E2M1_MAGNITUDES, MXFP4_BLOCK
+from offline_extract.engine.checkpoint import E2M1_MAGNITUDES, MXFP4_BLOCK
 
 
 def _tiny_qwen3_config(vocab_size: int) -> dict:
@@ -545,7 +545,7 @@ _MXFP4_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., K] -> (blocks [..., K/32, 16] uint8, scales [..., K/32] uint8), the inverse of
-    `parity.dequantize_mxfp4` up to e2m1 rounding: each 32 values share the smallest power-of-two scale that
+    `checkpoint.dequantize_mxfp4` up to e2m1 rounding: each 32 values share the smallest power-of-two scale that
     brings their largest magnitude within e2m1's largest (6), so nothing clips, and each value rounds to the
     nearest e2m1 value, two codes a byte, the lower nibble first."""
     groups = weight.float().unflatten(-1, (-1, MXFP4_BLOCK))

@@ -16,6 +16,7 @@ from consumers import read_exports
 from extract_runs import ROOT, extract_command
 
 from offline_extract.engine import parity
+from offline_extract.engine.reference import load_hf_model
 from offline_extract.final_norm import recorded
 from offline_extract.testing.shards import synthetic_run, write_samples, write_synthetic
 from offline_extract.training.datasets import HiddenStateDataset
@@ -146,7 +147,7 @@ def test_a_custom_layer_run_trains_speculators_on_the_layers_it_names(custom_run
     assert dataset.run.layer_ids == (0, 2) and dataset.run.num_layers == 8
     assert result["target_layer_ids"] == [1, 3]
     assert json.loads((dest / MANIFEST_NAME).read_text())["layer_ids"] == [1, 3, 8]
-    hf = parity.load_hf_model(str(tiny_model_dir), "float32", "cpu")
+    hf = load_hf_model(str(tiny_model_dir), "float32", "cpu")
     for i, item in enumerate(items):
         got = result["samples"][i]
         reference = parity.hf_hidden_states(hf, item["input_ids"].tolist(), "cpu", final_state="pre-norm")

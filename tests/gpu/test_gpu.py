@@ -15,7 +15,7 @@ import pytest
 import torch
 from extract_runs import ROOT
 
-from offline_extract.engine import parity
+from offline_extract.engine import parity, reference
 from offline_extract.store.index import iter_samples, shard_paths
 from offline_extract.store.shard import open_shard
 from offline_extract.testing.models import build_model
@@ -122,7 +122,7 @@ def test_llama3_8b_shaped_65k_and_131k_samples_match_hf_in_the_gate_and_in_the_s
         assert samples[name]["aux_hidden_states"].shape == (n, 3 * 4096)
 
     # The gate judged the engine's states; the shards hold what the chunk-by-chunk copy-out made of them.
-    hf = parity.load_hf_model(str(llama3_8b), "bfloat16", "cuda")
+    hf = reference.load_hf_model(str(llama3_8b), "bfloat16", "cuda")
     t = samples["long-131k"]
     hs = parity.hf_hidden_states(hf, t["input_ids"].tolist(), "cuda")
     stored = parity.compare_states([(t["aux_hidden_states"].cuda(), t["hidden_states"].cuda(), hs)],

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from offline_extract.engine import parity
+from offline_extract.engine import parity, reference
 from offline_extract.final_norm import FinalNorm, recorded
 from offline_extract.store.index import iter_samples
 from offline_extract.testing.shards import write_synthetic
@@ -42,7 +42,7 @@ def states(tiny_engine):
 
 def test_the_engine_records_the_final_norm_it_ran(states, tiny_model_dir):
     *_, norm = states
-    hf = parity.load_hf_model(str(tiny_model_dir), "float32", "cpu")
+    hf = reference.load_hf_model(str(tiny_model_dir), "float32", "cpu")
     assert torch.equal(norm.weight, hf.model.norm.weight.detach())
     assert norm.eps == hf.config.rms_norm_eps and norm.weight_offset == 0.0
     # Not all ones: the conversions below would not notice a missing gain otherwise.
@@ -55,7 +55,7 @@ def test_pre_norm_state_converts_to_the_engines_post_norm_state_in_fp32(states, 
     seqs, pre, post, norm = states
     scale = post.abs().max().item()
     assert (norm.apply(pre) - post).abs().max().item() <= 1e-6 * scale
-    hf = parity.load_hf_model(str(tiny_model_dir), "float32", "cpu")
+    hf = reference.load_hf_model(str(tiny_model_dir), "float32", "cpu")
     start = 0
     for ids in seqs:
         rows = slice(start, start + len(ids))
@@ -78,7 +78,7 @@ def test_post_norm_state_converts_to_the_pre_norm_direction_which_the_norm_maps_
 def test_conversions_against_hf_in_bf16(tiny_model_dir, weight_offset):
     """bf16 states as a bf16 run stores them, HF's own bf16 norm as the reference (its gain convention
     stood in for by moving the weight when Gemma's 1 + w is tested)."""
-    hf = parity.load_hf_model(str(tiny_model_dir), "bfloat16", "cpu")
+    hf = reference.load_hf_model(str(tiny_model_dir), "bfloat16", "cpu")
     weight = hf.model.norm.weight.detach().float()
     norm = FinalNorm(weight - weight_offset, hf.config.rms_norm_eps, weight_offset)
     for ids in _seqs([64, 200], seed=12):

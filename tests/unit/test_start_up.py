@@ -75,10 +75,10 @@ def test_the_tokenizer_loads_while_the_model_does_and_only_the_wait_for_it_is_ou
 @pytest.fixture
 def gate_spies(monkeypatch):
     """What the preload read, on which thread, once done; and what the gate built HF's model on."""
-    from offline_extract.engine import parity
+    from offline_extract.engine import reference
 
     seen = {"read": threading.Event()}
-    read, load = parity.checkpoint_tensors, parity.load_hf_model
+    read, load = reference.checkpoint_tensors, reference.load_hf_model
 
     def reading(model_path, resident=False):
         tensors = read(model_path, resident)
@@ -90,8 +90,8 @@ def gate_spies(monkeypatch):
         seen.update(given=tensors, hf=load(model_path, dtype, device, tensors=tensors, **kwargs))
         return seen["hf"]
 
-    monkeypatch.setattr(parity, "checkpoint_tensors", reading)
-    monkeypatch.setattr(parity, "load_hf_model", loading)
+    monkeypatch.setattr(reference, "checkpoint_tensors", reading)
+    monkeypatch.setattr(reference, "load_hf_model", loading)
     return seen
 
 
@@ -203,7 +203,7 @@ def test_a_preload_that_fails_is_reported_at_the_gate_naming_the_file_and_claims
         tiny_engine, model_copy, tmp_path, monkeypatch):
     """A read that fails after the run's checks (here a disk's I/O error): the failure waits for the gate (the model
     load goes on, it does not hang), names the file, what was wrong and what to do, and no shard is written."""
-    from offline_extract.engine import parity
+    from offline_extract.engine import checkpoint, parity
 
     def failing_read(path, *args, **kwargs):
         raise OSError(errno.EIO, "Input/output error")  # as a failing disk reports it: no file named
@@ -214,7 +214,7 @@ def test_a_preload_that_fails_is_reported_at_the_gate_naming_the_file_and_claims
         loads.append(cfg)
         return tiny_engine
 
-    monkeypatch.setattr(parity, "load_file", failing_read)
+    monkeypatch.setattr(checkpoint, "load_file", failing_read)
     monkeypatch.setattr(extraction, "Engine", engine)
     with pytest.raises(parity.ParityError) as stopped:
         _run(tmp_path, model_copy, parity_samples=2)
@@ -235,7 +235,7 @@ def two_rank_gate(tiny_engine, model_copy, monkeypatch):
     import torch.distributed as dist
 
     from offline_extract.data.tokenization import Sample
-    from offline_extract.engine import parity
+    from offline_extract.engine import reference
     from offline_extract.engine.distributed import Coordinator, Layout, free_port
     from offline_extract.timeline import Timeline
 
@@ -253,7 +253,7 @@ def two_rank_gate(tiny_engine, model_copy, monkeypatch):
             opts=ExtractOptions(data=(CORPUS,), model=str(model_copy), device="cpu", parity_samples=len(head)),
             layout=layout, coord=Coordinator(layout, "gate"), checked=SimpleNamespace(model=SimpleNamespace(path=model_copy)),
             engine=tiny_engine, timeline=Timeline(), hf_forwards_s=0.0,
-            preload=parity.ReferencePreload(str(model_copy)).start() if layout.writes else None,
+            preload=reference.ReferencePreload(str(model_copy)).start() if layout.writes else None,
         )
         return j
 
@@ -301,12 +301,12 @@ def test_a_preload_that_fails_on_the_writing_rank_stops_the_other_rank_at_once_n
     stopped only once the writer's heartbeat had been missing for 30 s, saying only that rank 0 stopped answering
     (here, where the writer's process lives on, it waited for ever). The replica that failed is named only where
     the run has several: a run of one replica has none to its user."""
-    from offline_extract.engine import parity
+    from offline_extract.engine import checkpoint, parity
 
     def failing_read(path, *args, **kwargs):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(parity, "load_file", failing_read)
+    monkeypatch.setattr(checkpoint, "load_file", failing_read)
     failed, error, delay = two_rank_gate(tp)
     cause = (f"parity gate: reading HF's reference weights from {model_copy} failed: {model_copy / 'model.safetensors'} "
              f"cannot be read (Input/output error)")
@@ -326,9 +326,9 @@ def wrong_reference(monkeypatch):
     """HF's reference, as the gate loads it, with decoder layer WRONG_LAYER's MLP output doubled (in HF's model
     alone: the engine and the checkpoint are untouched), as a reference on other weights or a convention gone
     wrong in one stack would disagree. Holds the rows the gate computed, whose figures its verdict must give."""
-    from offline_extract.engine import parity
+    from offline_extract.engine import parity, reference
 
-    load, compare = parity.load_hf_model, parity.compare
+    load, compare = reference.load_hf_model, parity.compare
     seen = {}
 
     def loading(*args, **kwargs):
@@ -342,7 +342,7 @@ def wrong_reference(monkeypatch):
         seen["rows"] = compare(*args, **kwargs)
         return seen["rows"]
 
-    monkeypatch.setattr(parity, "load_hf_model", loading)
+    monkeypatch.setattr(reference, "load_hf_model", loading)
     monkeypatch.setattr(parity, "compare", comparing)
     return seen
 

@@ -15,7 +15,7 @@ import torch
 from arch_parity import run_report, write_result
 from safetensors.torch import load_file
 
-from offline_extract.engine import parity
+from offline_extract.engine import parity, reference
 from offline_extract.engine.distributed import free_port
 from offline_extract.engine.sglang_adapter import (
     Engine,
@@ -162,7 +162,7 @@ def test_a_model_file_without_eagle3_capture_is_refused_with_the_reason():
 def test_gpt_oss_reference_is_hfs_eager_attention_with_the_sinks_in_play(tiny_model_dir, tmp_path):
     # SGLang runs GPT-OSS on GPU attention backends only (docs/architectures.md), so its parity is in the GPU
     # suite; this is the HF side of it, which transformers implements in eager attention alone.
-    model = parity.load_hf_model(str(build_model("gpt_oss", tmp_path / "m", tokenizer_dir=tiny_model_dir)), "float32", "cpu")
+    model = reference.load_hf_model(str(build_model("gpt_oss", tmp_path / "m", tokenizer_dir=tiny_model_dir)), "float32", "cpu")
     assert model.config._attn_implementation == "eager"
     ids = list(range(6, 70))
     with_sinks = parity.hf_hidden_states(model, ids, "cpu")

@@ -12,7 +12,7 @@ import torch
 from extract_runs import ROOT
 
 from offline_extract.data.images import Images
-from offline_extract.engine import parity
+from offline_extract.engine import parity, reference
 from offline_extract.engine.sglang_adapter import (
     Engine, EngineConfig, capture_rule, moe_token_counts, validate_layer_ids,
 )
@@ -25,7 +25,7 @@ def engine(tiny_engine):
 
 @pytest.fixture(scope="module")
 def hf_model(tiny_model_dir):
-    return parity.load_hf_model(str(tiny_model_dir), "float32", "cpu")
+    return reference.load_hf_model(str(tiny_model_dir), "float32", "cpu")
 
 
 def _max_diff_over_scale(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -19,7 +19,8 @@ from arch_parity import FP8_OVERRIDES, LENGTHS
 from extract_runs import ROOT
 from safetensors.torch import load_file
 
-from offline_extract.engine import parity
+from offline_extract.engine import checkpoint, parity
+from offline_extract.engine.reference import load_hf_model
 from offline_extract.testing.models import FP8_QUANTIZATION_CONFIG, build_model
 
 
@@ -56,7 +57,7 @@ def test_checkpoint_is_written_as_the_fp8_releases_are(fp8_models):
 def test_dequantized_weights_are_the_bf16_weights_within_e4m3_rounding(fp8_models, tiny_model_dir, tmp_path):
     plain = load_file(build_model("qwen3", tmp_path / "bf16", dtype=torch.bfloat16, tokenizer_dir=tiny_model_dir)
                       / "model.safetensors")
-    dequantized, quantized = parity.dequantized_fp8_tensors(str(fp8_models["qwen3"]), torch.float32)
+    dequantized, quantized = checkpoint.dequantized_fp8_tensors(str(fp8_models["qwen3"]), torch.float32)
     assert quantized and set(dequantized) == set(plain)
     for name in quantized:
         original = plain[name].float()
@@ -112,9 +113,9 @@ def _w8a8(model, quantized):
 @pytest.mark.parametrize("arch", list(FP8_OVERRIDES))
 def test_fp8_gate_passes_w8a8_states_and_fails_an_off_by_one(arch, fp8_models):
     path = str(fp8_models[arch])
-    reference = parity.load_hf_model(path, "bfloat16", "cpu")
-    engine_like = parity.load_hf_model(path, "bfloat16", "cpu")
-    _w8a8(engine_like, parity.dequantized_fp8_tensors(path, torch.bfloat16)[1])
+    reference = load_hf_model(path, "bfloat16", "cpu")
+    engine_like = load_hf_model(path, "bfloat16", "cpu")
+    _w8a8(engine_like, checkpoint.dequantized_fp8_tensors(path, torch.bfloat16)[1])
     moe = parity.ForcedRouting.supports(reference)
     experts: dict[int, list] = {}
     hooks = [block.experts.register_forward_pre_hook(

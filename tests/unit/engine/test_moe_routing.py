@@ -8,7 +8,7 @@ import pytest
 import torch
 from arch_parity import beyond_bf16_floor, run_report, write_result
 
-from offline_extract.engine import parity
+from offline_extract.engine import parity, reference
 from offline_extract.testing.models import build_model
 
 # Architecture -> its MoE decoder layers: Qwen3-MoE routes in every layer; DeepSeek-V3's first two are dense,
@@ -92,7 +92,7 @@ def _hf_run(hf, ids, forced=None):
 @pytest.mark.parametrize("arch", list(HF_BLOCKS))
 def test_forcing_hfs_own_choice_changes_nothing_and_another_choice_moves_that_token(arch, tiny_model_dir, tmp_path):
     model = build_model(arch, tmp_path / "m", dtype=torch.bfloat16, tokenizer_dir=tiny_model_dir)
-    hf = parity.load_hf_model(str(model), "bfloat16", "cpu")
+    hf = reference.load_hf_model(str(model), "bfloat16", "cpu")
     assert {type(m).__name__ for m in hf.modules()} & set(HF_BLOCKS.values()) == {HF_BLOCKS[arch]}
     ids = np.random.default_rng(0).integers(6, 380, 24).tolist()
     own_states, own, recorded = _hf_run(hf, ids)

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from test_fp8 import assert_cpu_refuses_before_loading
 
-from offline_extract.engine import parity
+from offline_extract.engine import checkpoint, parity, reference
 from offline_extract.testing.models import MXFP4_QUANTIZATION_CONFIG, build_model
 
 
@@ -50,7 +50,7 @@ def test_hfs_own_mxfp4_reader_gives_the_references_weights_which_are_the_bf16_on
 
     raw = load_file(checkpoints["mxfp4"] / "model.safetensors")
     plain = load_file(checkpoints["bf16"] / "model.safetensors")
-    dequantized, quantized = parity.dequantized_mxfp4_tensors(str(checkpoints["mxfp4"]), torch.float32)
+    dequantized, quantized = checkpoint.dequantized_mxfp4_tensors(str(checkpoints["mxfp4"]), torch.float32)
     assert set(dequantized) == set(plain) and len(quantized) == 16
     for name in quantized:
         # transformers' reader of the released checkpoints, on the same bytes.
@@ -71,8 +71,8 @@ def test_cpu_refuses_an_mxfp4_checkpoint_by_name_before_loading_it(checkpoints, 
 
 
 def test_the_gates_reference_is_hfs_plain_gpt_oss_on_the_dequantized_experts(checkpoints):
-    hf = parity.load_hf_model(str(checkpoints["mxfp4"]), "bfloat16", "cpu")
-    dequantized, quantized = parity.dequantized_mxfp4_tensors(str(checkpoints["mxfp4"]), torch.bfloat16)
+    hf = reference.load_hf_model(str(checkpoints["mxfp4"]), "bfloat16", "cpu")
+    dequantized, quantized = checkpoint.dequantized_mxfp4_tensors(str(checkpoints["mxfp4"]), torch.bfloat16)
     params = dict(hf.named_parameters())
     # HF's own GPT-OSS experts (no MXFP4 kernels), holding exactly the dequantized weights; nothing quantized left.
     assert {type(m).__name__ for m in hf.modules()} >= {"GptOssExperts", "GptOssMLP"}

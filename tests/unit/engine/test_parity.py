@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from offline_extract.engine import parity
+from offline_extract.engine import parity, reference
 from offline_extract.engine.parity import MOE_HALF_MIN_MEDIAN_COSINE, LayerParity, ParityError, _passes, check, criterion
 
 
@@ -53,7 +53,6 @@ def test_verify_passes_a_bf16_moe_model_and_records_why(tiny_model_dir, tmp_path
     """Qwen3-MoE in bf16 on CPU: the gate sends HF to the experts the engine chose, so that routing flips (seen
     on the GPU and on CPU alike) do not count, judges the typical token, records every token's worst case next
     to it, and records per MoE layer how often HF's own router would have chosen otherwise."""
-    import json
     import subprocess
     import sys
 
@@ -90,7 +89,8 @@ def test_verify_passes_a_bf16_moe_model_and_records_why(tiny_model_dir, tmp_path
 def test_the_hf_reference_computes_no_full_vocab_logits(tiny_model_dir):
     """The gate's HF forward reads hidden states only: the LM head sees one position, however long the sample
     (a 131k-token sample's logits alone would be 34 GB on the GPU beside the engine)."""
-    from offline_extract.engine.parity import hf_hidden_states, load_hf_model
+    from offline_extract.engine.parity import hf_hidden_states
+    from offline_extract.engine.reference import load_hf_model
 
     hf = load_hf_model(str(tiny_model_dir), "float32", "cpu")
     seen = []
@@ -127,125 +127,6 @@ def test_one_samples_hf_states_are_dropped_before_the_next_samples_forward():
     rows = compare_states(pairs(), layer_ids, "float32")
     assert [r.ok for r in rows] == [True] * 3
     assert alive_when_next_made == [[], [False] * 4, [False] * 4]
-
-
-def test_a_checkpoints_size_is_that_of_the_files_hf_loads(tmp_path):
-    # The read-ahead's memory check (extraction) and the gate-load benchmark each summed it themselves.
-    from offline_extract.engine.parity import checkpoint_bytes
-
-    for name, size in (("model-00001-of-00002.safetensors", 300), ("model-00002-of-00002.safetensors", 200),
-                       ("consolidated.safetensors", 5000)):  # the last a copy no index names, which HF does not load
-        (tmp_path / name).write_bytes(b"\0" * size)
-    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors",
-                  "c": "model-00001-of-00002.safetensors"}
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    assert checkpoint_bytes(str(tmp_path)) == 500
-    (tmp_path / "model.safetensors.index.json").unlink()
-    (tmp_path / "model.safetensors").write_bytes(b"\0" * 70)
-    assert checkpoint_bytes(str(tmp_path)) == 70
-
-
-ADVICE = "it is damaged, or was cut short by an interrupted download or copy. Download or copy it again, then re-run"
-
-
-@pytest.mark.parametrize("content, why", [
-    # Cut short mid-download: the string that opens at line 5, column 26 never ends.
-    ('{\n  "metadata": {},\n  "weight_map": {\n    "lm_head.weight": "model.safetensors",\n    "model.norm.weight": '
-     '"model.safe', "is not valid JSON (Unterminated string starting at: line 5 column 26 (char 106))"),
-    ("", "is not valid JSON (Expecting value: line 1 column 1 (char 0))"),
-    (b"\xff\xd8\xff\xe0", "is not valid JSON ('utf-8' codec can't decode byte 0xff in position 0: invalid start byte)"),
-    ('{"metadata": {"total_size": 12}}', 'has no "weight_map" object naming the file of each tensor'),
-    ('[{"weight_map": {"a": "model.safetensors"}}]', 'has no "weight_map" object naming the file of each tensor'),
-    ('{"weight_map": ["model.safetensors"]}', 'has no "weight_map" object naming the file of each tensor'),
-    ('{"weight_map": {"a": 1}}', 'has no "weight_map" object naming the file of each tensor'),
-    ('{"weight_map": {}}', 'has no "weight_map" object naming the file of each tensor'),
-])
-def test_a_damaged_checkpoint_index_is_refused_naming_it_where_it_breaks_and_what_to_do(content, why, tmp_path):
-    # json's bare "Expecting value: line 1 column 1 (char 0)" named no file; one without a weight_map, a KeyError.
-    from offline_extract.engine.parity import CHECKPOINT_INDEX, checkpoint_files
-
-    index = tmp_path / CHECKPOINT_INDEX
-    index.write_bytes(content if isinstance(content, bytes) else content.encode())
-    (tmp_path / "model.safetensors").write_bytes(b"\0" * 70)  # the index is read, not passed over for it
-    with pytest.raises(ValueError) as refused:
-        checkpoint_files(str(tmp_path))
-    assert str(refused.value) == f"{index} {why}: {ADVICE}"
-
-
-def _header_edited(edit):
-    """A damage to a safetensors file's header that keeps it JSON: `edit` changes the parsed header."""
-    def damage(raw: bytes) -> bytes:
-        length = int.from_bytes(raw[:8], "little")
-        header = json.loads(raw[8:8 + length])
-        edit(header)
-        text = json.dumps(header).encode()
-        return len(text).to_bytes(8, "little") + text + raw[8 + length:]
-    return damage
-
-
-DAMAGES = {
-    "cut short in its tensors": lambda raw: raw[:len(raw) // 2],
-    "cut short in its header": lambda raw: raw[:20],
-    "cut short in its length": lambda raw: raw[:5],
-    "a byte past its tensors": lambda raw: raw + b"\0",
-    "zeroed": lambda raw: bytes(len(raw)),
-    "a length past the file's end": lambda raw: (len(raw)).to_bytes(8, "little") + raw[8:],
-    "a header that is not JSON": lambda raw: raw[:8] + b"#" + raw[9:],
-    "a shape that does not fit": _header_edited(lambda h: h["b"].update(shape=[3])),
-    "a tensor without a dtype": _header_edited(lambda h: h["a"].pop("dtype")),
-    "overlapping tensors": _header_edited(lambda h: h["b"].update(data_offsets=[h["b"]["data_offsets"][0] - 2,
-                                                                               h["b"]["data_offsets"][1] - 2])),
-}
-
-
-@pytest.mark.parametrize("damage", DAMAGES)
-def test_a_damaged_safetensors_file_is_refused_naming_it(damage, tmp_path):
-    # safetensors' own check, named by file: SGLang's load failed on each of these with a traceback naming none.
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from offline_extract.engine.parity import WeightsUnreadable, check_safetensors
-
-    path = tmp_path / "model.safetensors"
-    save_file({"a": torch.zeros(3, 5), "b": torch.ones(4, dtype=torch.bfloat16)}, str(path), metadata={"format": "pt"})
-    raw = path.read_bytes()
-    check_safetensors(path)
-    path.write_bytes(DAMAGES[damage](raw))
-    with pytest.raises(Exception):  # noqa: B017  safetensors' own type differs with the damage
-        safe_open(path, framework="pt")
-    with pytest.raises(WeightsUnreadable) as refused:
-        check_safetensors(path)
-    assert str(refused.value).startswith(f"{path} is not a whole safetensors file (")
-    assert str(refused.value).endswith("): it is damaged, or was cut short by an interrupted download or copy. "
-                                       "Download or copy it again, then re-run")
-
-
-def test_the_preload_takes_at_most_half_the_available_memory_for_all_the_hosts_readers():
-    from offline_extract.engine.parity import preload_refusal
-
-    assert preload_refusal(16_000_000_000, 1, 100_000_000_000) is None
-    assert preload_refusal(16_000_000_000, 4, 128_000_000_000) is None
-    assert preload_refusal(16_000_000_000, 8, 128_000_000_000) == (
-        "8 x 16.0 GB of weights exceed 50% of the host's 128.0 GB available")
-    assert preload_refusal(1, 1, None) == "the host's available memory is unknown"
-
-
-@pytest.mark.parametrize("arch", ["llama", "llama4", "kimi_k25"])
-def test_hf_built_on_the_read_tensors_is_hf_built_from_the_files(arch, tiny_model_dir, tmp_path):
-    """The gate's reference on weights read ahead (a plain model; Llama-4, whose config HF builds on its text
-    part; Kimi-K2.5, a wrapper whose tensors are renamed) has the class and every weight of HF's own load."""
-    import torch
-
-    from offline_extract.engine.parity import checkpoint_tensors, load_hf_model
-    from offline_extract.testing.models import build_model
-
-    path = str(build_model(arch, tmp_path / "m", tokenizer_dir=tiny_model_dir))
-    files = load_hf_model(path, "bfloat16", "cpu")
-    read = load_hf_model(path, "bfloat16", "cpu", tensors=checkpoint_tensors(path, resident=True))
-    assert type(read) is type(files)
-    ours, theirs = read.state_dict(), files.state_dict()
-    assert ours.keys() == theirs.keys()
-    assert all(ours[k].dtype == theirs[k].dtype and torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 def test_the_comparison_by_chunks_of_tokens_is_the_comparison_of_whole_samples(monkeypatch):
@@ -328,11 +209,11 @@ def test_the_float32_pass_is_hf_in_float32_on_the_same_weights(arch, tiny_model_
 
     path = str(build_model(arch, tmp_path / "m", dtype=torch.bfloat16, tokenizer_dir=tiny_model_dir))
     ids = list(range(3, 40))
-    half = parity.load_hf_model(path, "bfloat16", "cpu")
+    half = reference.load_hf_model(path, "bfloat16", "cpu")
     before = parity.hf_hidden_states(half, ids, "cpu")
     with parity.float32_pass(half):
         exact = parity.hf_hidden_states(half, ids, "cpu")
-    loaded = parity.hf_hidden_states(parity.load_hf_model(path, "float32", "cpu"), ids, "cpu")
+    loaded = parity.hf_hidden_states(reference.load_hf_model(path, "float32", "cpu"), ids, "cpu")
     assert all(h.dtype == torch.float32 for h in exact)
     for ours, theirs in zip(exact, loaded):
         assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item()), arch
@@ -349,7 +230,7 @@ def test_the_gate_holds_only_the_reference_states_it_reads_and_those_are_hfs_own
     from offline_extract.testing.models import build_model
 
     path = str(build_model(arch, tmp_path / "m", dtype=torch.bfloat16, tokenizer_dir=tiny_model_dir))
-    hf = parity.load_hf_model(path, "bfloat16", "cpu")
+    hf = reference.load_hf_model(path, "bfloat16", "cpu")
     layers = hf.config.get_text_config().num_hidden_layers
     keep = parity.reference_indices([0, 3], layers)
     assert keep == {0, 1, 2, 3, 4, 5, layers - 1, layers}

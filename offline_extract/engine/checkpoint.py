@@ -1,0 +1,172 @@
+"""A checkpoint's weight files: which they are, whether they are whole, and the tensors in them, read as stored
+or dequantized (FP8 blocks, MXFP4 experts) for HF's reference. The run checks the files before SGLang loads
+them (`check_checkpoint_complete`, `check_safetensors`); the parity gate reads them (`engine/reference.py`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file  # here, so that ReferencePreload's thread imports nothing
+
+from offline_extract.store.journal import load_json
+
+CHECKPOINT_INDEX = "model.safetensors.index.json"  # maps each tensor to the file that holds it
+# What to do about a damaged file of the model's (its config.json, its index): the user's to fetch again, where a
+# damaged file of ours is deleted or restored (store.journal.load_json).
+DAMAGED_MODEL_FILE = "it is damaged, or was cut short by an interrupted download or copy. Download or copy it again, then re-run"
+
+
+def checkpoint_files(model_path: str) -> list[Path]:
+    """The safetensors files HF transformers loads the checkpoint from: those its index names, else its
+    model.safetensors; none where its weights are in another format (HF reads those itself)."""
+    root = Path(model_path)
+    index = root / CHECKPOINT_INDEX
+    if index.is_file():
+        return sorted({root / name for name in _weight_map(index).values()})
+    single = root / "model.safetensors"
+    return [single] if single.is_file() else []
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's map of each tensor to the file holding it. A damaged index is refused naming it (and where
+    its JSON breaks), where json's bare error named no file and SGLang's load would fail on it with a traceback."""
+    document = load_json(index, DAMAGED_MODEL_FILE)
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not (isinstance(weight_map, dict) and weight_map and all(isinstance(f, str) for f in weight_map.values())):
+        raise ValueError(f'{index} has no "weight_map" object naming the file of each tensor: {DAMAGED_MODEL_FILE}')
+    return weight_map
+
+
+class WeightsMissing(FileNotFoundError):
+    """Weight files that the checkpoint's index names and that are not there: an interrupted download or copy."""
+
+    SHOWN = 5  # names listed; a checkpoint of hundreds of files missing most of them would fill the screen
+
+    def __init__(self, index: Path, missing: list[Path]):
+        names = ", ".join(f.name for f in missing[:self.SHOWN])
+        if len(missing) > self.SHOWN:
+            names += f" and {len(missing) - self.SHOWN} more"
+        super().__init__(
+            f"{index} lists {len(missing)} weight file{'s' if len(missing) > 1 else ''} that {index.parent} lacks: "
+            f"{names}. The download or copy did not finish: download or copy the model again (a Hugging Face "
+            f"download fetches only what is missing), then re-run")
+
+
+def check_checkpoint_complete(model_dir: Path) -> None:
+    """Raises WeightsMissing where the index names files that are not there (SGLang's load refuses them too,
+    but with a RuntimeError's traceback, once the model is built and the load begins)."""
+    missing = [f for f in checkpoint_files(str(model_dir)) if not f.is_file()]
+    if missing:
+        raise WeightsMissing(model_dir / CHECKPOINT_INDEX, missing)
+
+
+def checkpoint_bytes(model_path: str) -> int:
+    """The size of the checkpoint HF transformers loads (`checkpoint_files`): what the gate's read-ahead holds
+    in host memory."""
+    return sum(f.stat().st_size for f in checkpoint_files(model_path))
+
+
+class WeightsUnreadable(ValueError):
+    """A checkpoint's weight file that cannot be read: named, with what was wrong and what to do."""
+
+    def __init__(self, path: Path, error: Exception):
+        if isinstance(error, OSError):
+            what = f"cannot be read ({error.strerror or error}): check its permissions and its disk, or copy it again"
+        else:  # safetensors' own error, which names no file
+            what = (f"is not a whole safetensors file ({error}): it is damaged, or was cut short by an interrupted "
+                    f"download or copy. Download or copy it again")
+        super().__init__(f"{path} {what}, then re-run")
+
+
+def check_safetensors(path: Path) -> None:
+    """Raises WeightsUnreadable where safetensors cannot open `path`: its header is damaged, or the file is
+    shorter or longer than the header says. Reads the header only, so it costs milliseconds on any checkpoint."""
+    try:
+        with safe_open(path, framework="pt"):
+            pass
+    except Exception as e:  # safetensors raises its own SafetensorError
+        raise WeightsUnreadable(path, e) from e
+
+
+def checkpoint_tensors(model_path: str, resident: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint's safetensors files, as safetensors maps them from the files, or with
+    `resident` copied into host memory of their own: a mapped tensor is read from the file (page by page,
+    on one thread) only when something first reads it, such as the copy to the GPU."""
+    files = checkpoint_files(model_path)
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights (model.safetensors or an index of them) in {model_path}")
+    raw: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            tensors = load_file(path)
+        except Exception as e:  # an I/O error mid-read, or a file damaged since the run's checks
+            raise WeightsUnreadable(path, e) from e
+        raw.update((name, t.clone() if resident else t) for name, t in tensors.items())
+    return raw
+
+
+
+def is_fp8_block(quantization: dict | None) -> bool:
+    return bool(quantization and quantization.get("quant_method") == "fp8" and quantization.get("weight_block_size"))
+
+
+def dequantized_fp8_tensors(
+    model_path: str, dtype: torch.dtype, raw: dict[str, torch.Tensor] | None = None,
+) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Every tensor of an FP8 block-quantized checkpoint, each e4m3 weight multiplied by its block's
+    `weight_scale_inv` and rounded once to `dtype`; and the names of those weights. `raw`: the checkpoint's
+    tensors already read (`checkpoint_tensors`)."""
+    raw = checkpoint_tensors(model_path) if raw is None else raw
+    tensors, quantized = {}, set()
+    for name, t in raw.items():
+        if name.endswith("_scale_inv"):
+            continue
+        scale = raw.get(f"{name}_scale_inv")
+        if scale is not None:
+            rows, cols = t.shape
+            block_rows, block_cols = -(-rows // scale.shape[0]), -(-cols // scale.shape[1])
+            expanded = scale.float().repeat_interleave(block_rows, 0).repeat_interleave(block_cols, 1)
+            t = (t.float() * expanded[:rows, :cols]).to(dtype)
+            quantized.add(name)
+        tensors[name] = t
+    return tensors, quantized
+
+
+def is_mxfp4(quantization: dict | None) -> bool:
+    return bool(quantization and quantization.get("quant_method") == "mxfp4")
+
+
+# The OCP microscaling FP4 element (e2m1) by its 4-bit code: codes 0-7 these magnitudes, 8-15 the same negated.
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+MXFP4_BLOCK = 32  # elements sharing one e8m0 scale
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., K/32, 16] uint8 (two e2m1 codes a byte, the lower nibble first) with [..., K/32] e8m0 scales
+    (2^(s-127)) -> [..., K] in `dtype` (exact in bf16: an e2m1 value times a power of two)."""
+    values = torch.tensor([*E2M1_MAGNITUDES, *(-m for m in E2M1_MAGNITUDES)], dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()
+    exponents = scales.to(torch.int32) - 127
+    return torch.ldexp(values[codes], exponents[..., None]).flatten(-2).to(dtype)
+
+
+def dequantized_mxfp4_tensors(
+    model_path: str, dtype: torch.dtype, raw: dict[str, torch.Tensor] | None = None,
+) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Every tensor of an MXFP4 checkpoint (GPT-OSS as released), each expert projection's `<name>_blocks` and
+    `<name>_scales` ([experts, out, in/32, 16] and [experts, out, in/32]) dequantized into `<name>` in HF's
+    layout ([experts, in, out]); and the names of those projections. `raw`: the checkpoint's tensors already
+    read (`checkpoint_tensors`)."""
+    raw = checkpoint_tensors(model_path) if raw is None else raw
+    tensors, quantized = {}, set()
+    for name, t in raw.items():
+        if name.endswith("_scales"):
+            continue
+        if name.endswith("_blocks"):
+            name = name.removesuffix("_blocks")
+            t = dequantize_mxfp4(t, raw[f"{name}_scales"], torch.float32).transpose(1, 2).to(dtype)
+            quantized.add(name)
+        tensors[name] = t
+    return tensors, quantized
