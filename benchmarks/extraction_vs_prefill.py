@@ -43,7 +43,8 @@ from offline_extract.data.corpus import Record
 from offline_extract.data.tokenization import Sample, SampleTokenizer
 from offline_extract.default_model import TRAINING_TEXT
 from offline_extract.engine.distributed import Coordinator, Layout, layout_from_env
-from offline_extract.engine.sglang_adapter import JIT_CACHES, Engine
+from offline_extract.engine.kernels import JIT_CACHES  # noqa: E402
+from offline_extract.engine.sglang_adapter import Engine
 from offline_extract.extraction import engine_config
 from offline_extract.feed import extract_batches, staging_buffers
 from offline_extract.options import ExtractOptions

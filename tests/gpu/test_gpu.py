@@ -161,7 +161,7 @@ def test_the_warm_up_compiles_into_the_jit_cache_and_a_second_run_reuses_it(tmp_
     """What SGLang compiles on first use lands in --jit-cache during the start-up (the nvcc modules while
     the model loads, the Triton kernels in the warm-up), before the first real batch; a second run with the
     same cache compiles nothing (docs/start-up.md)."""
-    from offline_extract.engine.sglang_adapter import JIT_CACHES
+    from offline_extract.engine.kernels import JIT_CACHES
 
     model = build_model("llama", tmp_path / "m", dtype=torch.bfloat16, device="cuda")
     cache = tmp_path / "jit"
@@ -184,7 +184,7 @@ def test_sglangs_nvcc_modules_build_side_by_side_while_the_model_loads(tmp_path)
     """On an empty --jit-cache, the engine builds SGLang's TVM-FFI modules (SiLU-and-mul, fused RoPE, KV
     store) on threads of their own while the weights load: all three are in the cache before the first
     forward, and no forward of the run compiles another (docs/start-up.md, issue 26). Prints the seconds."""
-    from offline_extract.engine.sglang_adapter import JIT_CACHES
+    from offline_extract.engine.kernels import JIT_CACHES
 
     model = build_model("llama", tmp_path / "m", dtype=torch.bfloat16, device="cuda")
     cache = tmp_path / "jit"

@@ -13,7 +13,7 @@ from offline_extract.commands.extract import main as extract_command
 from offline_extract.engine.distributed import Layout
 from offline_extract.extraction import engine_config
 from offline_extract.default_model import TINY_VERSION, default_cache_dir
-from offline_extract.engine.sglang_adapter import JIT_CACHES, use_jit_cache
+from offline_extract.engine.kernels import JIT_CACHES, use_jit_cache
 from offline_extract.options import FINAL_STATES, GROUPS, ExtractOptions, cache_root, choices, default
 from offline_extract.recipes import RECIPES
 from offline_extract.store.schema import STORES

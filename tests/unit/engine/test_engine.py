@@ -251,20 +251,6 @@ def test_moe_warm_up_token_counts_cover_each_tuned_config_at_each_specialization
                                                      36, 40, 64, 65, 66, 68, 72]
 
 
-def test_jit_caches_go_under_one_folder_unless_the_environment_says_otherwise(monkeypatch, tmp_path):
-    from offline_extract.engine import sglang_adapter
-
-    env = {k: v for k, v in os.environ.items() if k not in sglang_adapter.JIT_CACHES}
-    monkeypatch.setattr(os, "environ", {**env, "TRITON_CACHE_DIR": "/mine/triton", "XDG_CACHE_HOME": str(tmp_path)})
-    where = sglang_adapter.use_jit_cache()
-    assert where["TRITON_CACHE_DIR"] == "/mine/triton"
-    assert where["TVM_FFI_CACHE_DIR"] == str(tmp_path / "offline_extract" / "tvm-ffi")
-    assert {k: os.environ[k] for k in sglang_adapter.JIT_CACHES} == where
-    monkeypatch.setattr(os, "environ", dict(env))
-    where = sglang_adapter.use_jit_cache(tmp_path / "kept")
-    assert sorted(where.values()) == sorted(str(tmp_path / "kept" / folder) for folder in sglang_adapter.JIT_CACHES.values())
-
-
 def test_a_cpu_engine_hides_the_gpus_before_torch_first_asks_the_driver():
     """SGLang chooses its kernels at import from whether torch sees a GPU, so on a GPU machine a CPU engine's
     process must see none: started with a GPU named visible, it sees none once prepared (a fresh interpreter,
@@ -290,67 +276,9 @@ def test_a_cpu_engine_where_cuda_already_started_is_refused_with_the_way_out(mon
         prepare_process("cpu")
 
 
-def test_the_kernel_prebuild_specializes_as_the_loaded_model_calls_sglangs_modules(engine):
-    """What the prebuild derives from the config before the weights load is what SGLang's loaded model and
-    KV pool hand its nvcc-built modules: the activation's output width, each attention layer's RoPE (its
-    cos/sin cache's width is the rope_dim `apply_rope_with_cos_sin_cache_inplace` passes, neox style), and
-    the K and V row bytes `_set_kv_buffer_impl` passes to the KV-store module."""
-    from offline_extract.engine.sglang_adapter import kernel_shapes
-
-    shapes = kernel_shapes(engine.runner.model_config, 1)
-    pool = engine.runner.token_to_kv_pool
-    assert shapes.kv_row_bytes == (pool.row_dim * pool.store_dtype.itemsize, pool.v_row_dim * pool.store_dtype.itemsize)
-    assert shapes.dtype == pool.dtype == next(engine.runner.model.parameters()).dtype
-    layers = engine.runner.model.model.layers
-    for layer in layers:
-        rope = layer.self_attn.rotary_emb
-        assert (rope.head_size, rope.cos_sin_cache.size(-1), rope.is_neox_style) == (
-            shapes.head_dim, shapes.rope_dim, shapes.rope_is_neox)
-        assert layer.mlp.gate_up_proj.output_size_per_partition // 2 == shapes.mlp_width
-    # Per rank under TP=2: half the tiny model's two KV heads and half its MLP.
-    halves = kernel_shapes(engine.runner.model_config, 2)
-    assert halves.kv_row_bytes == tuple(b // 2 for b in shapes.kv_row_bytes)
-    assert halves.mlp_width == shapes.mlp_width // 2 and halves.rope_dim == shapes.rope_dim
-
-
 def test_the_cpu_engine_prebuilds_no_kernel(engine):
     """The torch_native path calls none of SGLang's nvcc-built modules (and there is no nvcc)."""
     import threading
 
     assert engine.prebuild is None and engine.prebuild_report() == {}
     assert not [t.name for t in threading.enumerate() if t.name.startswith("prebuild ")]
-
-
-def test_a_failing_prebuild_is_recorded_and_the_rest_still_builds(monkeypatch, tmp_path):
-    """A build that raises is kept for the record, not raised (the forward's own call tries again); builds
-    run side by side, and the report times them against the load."""
-    import time
-
-    from offline_extract.engine.sglang_adapter import KernelPrebuild
-
-    monkeypatch.setenv("TVM_FFI_CUDA_ARCH_LIST", "")  # the prebuild sets it for the process; restored after
-
-    def broken():
-        raise RuntimeError("ninja exited with status 1\nstderr: ...")
-
-    def built():
-        time.sleep(0.3)
-        (tmp_path / "m.so").write_bytes(b"")
-
-    builds = {"slow": built, "other": lambda: time.sleep(0.3), "broken": broken}
-    prebuild = KernelPrebuild(lambda: builds, str(tmp_path), None)
-    prebuild.loaded()
-    prebuild.wait()
-    report = prebuild.report()
-    assert report["prebuild_failed"] == {"broken": "ninja exited with status 1"}
-    assert report["prebuild_unfinished"] == [] and set(report["prebuild_modules"]) == {"slow", "other", "broken"}
-    assert report["prebuild_modules"]["slow"] >= 0.3 and report["prebuild_serial_s"] >= 0.6
-    assert report["prebuild_s"] < report["prebuild_serial_s"], "the builds ran side by side"
-    assert 0 <= report["prebuild_during_load_s"] <= report["prebuild_s"] and report["prebuild_waited_s"] >= 0
-    assert report["prebuild_cache_added"] == 1 and report["forward_cache_added"] == 0
-
-    # A config the rules cannot read builds nothing ahead, and says why; the forward builds as before.
-    unread = KernelPrebuild(lambda: {}["intermediate_size"], str(tmp_path), None)
-    unread.wait()
-    assert unread.report()["prebuild_failed"] == {"plan": "'intermediate_size'"}
-    assert unread.report()["prebuild_modules"] == {} and unread.report()["prebuild_s"] == 0

@@ -1,0 +1,212 @@
+"""SGLang's compiled kernels: where each of its JIT compilers keeps what it builds (`use_jit_cache`, so that a
+run on a fresh machine finds the last run's), and the nvcc-built modules of a dense model's forward built ahead,
+beside the weights' load (`KernelPrebuild`, docs/start-up.md). It calls SGLang's kernel modules, so it is part of
+the engine package, which alone touches SGLang's internals.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from offline_extract.options import cache_root
+
+
+# What SGLang 0.5.17 compiles on first use, by the environment variable that says where each compiler keeps
+# its results (read when it compiles; FlashInfer's at import). In a dense model's EXTEND forward on CUDA:
+# SiluAndMul (layers/activation.py), the fused RoPE (layers/rotary_embedding/base.py, via
+# kernels/ops/attention/rope.py) and the KV store (mem_cache/memory_pool.py, kernels/ops/kvcache) are
+# TVM-FFI modules built with nvcc (kernels/jit/utils/compile.py, load_jit); write_cache_indices
+# (mem_cache/allocation.py) and compute_position (model_executor/forward_batch_info.py) are Triton
+# kernels; at TP > 1 the vocab-parallel embedding is a Triton kernel or torch.compile'd (Inductor). FlashInfer
+# and DeepGEMM compile for the backends and FP8 paths that use them. Their own defaults (~/.triton,
+# ~/.cache/tvm-ffi, /tmp/torchinductor_$USER, ...) are lost with a fresh container: a cold first batch
+# then compiles for tens of seconds.
+JIT_CACHES = {
+    "TVM_FFI_CACHE_DIR": "tvm-ffi",
+    "TRITON_CACHE_DIR": "triton",
+    "TORCHINDUCTOR_CACHE_DIR": "torchinductor",
+    "FLASHINFER_WORKSPACE_BASE": "flashinfer",
+    "SGLANG_DG_CACHE_DIR": "deep_gemm",
+}
+
+
+def use_jit_cache(root: str | os.PathLike | None = None) -> dict[str, str]:
+    """Points every compiler in JIT_CACHES at its own folder under `root` (None: `options.cache_root()`),
+    except those the environment already points somewhere, and returns where each one keeps its results.
+    Call before sglang is imported."""
+    root = Path(root) if root is not None else cache_root()
+    for key, folder in JIT_CACHES.items():
+        os.environ.setdefault(key, str(root / folder))
+    return {key: os.environ[key] for key in JIT_CACHES}
+
+
+# Head sizes for which SGLang's RotaryEmbedding on CUDA calls the fused RoPE module; any other takes its
+# fallback kernel, a module of its own (srt/layers/rotary_embedding/base.py, RotaryEmbedding.__init__).
+_FUSED_ROPE_HEAD_SIZES = (64, 128, 256, 512)
+
+
+@dataclass(frozen=True)
+class KernelShapes:
+    """What the nvcc-built modules of a dense model's forward are specialized on, for one rank, as SGLang
+    0.5.17 will call them (docs/start-up.md): known from the model's config before its weights load."""
+
+    dtype: torch.dtype  # activations, RoPE'd q and k, and the KV pool (kv_cache_dtype "auto")
+    mlp_width: int | None  # SiluAndMul's output per rank: the intermediate size / TP; None: no dense MLP
+    head_dim: int
+    rope_dim: int | None  # rotated dims of each head; None: RoPE of another kind (MLA)
+    rope_is_neox: bool
+    kv_row_bytes: tuple[int, int] | None  # a K and a V row of the KV pool per rank; None: not an MHA pool
+
+
+def kernel_shapes(model_config, tp_size: int) -> KernelShapes:
+    """`KernelShapes` from SGLang's `ModelConfig`, as its model files, KV pool and MLP layers derive them
+    (Llama's and Qwen's attention: head_dim, partial_rotary_factor, rope_is_neox_style; the pool:
+    `get_num_kv_heads` x head_dim in the compute dtype)."""
+    from sglang.srt.configs.model_config import AttentionArch
+
+    text, dtype = model_config.hf_text_config, model_config.dtype
+    intermediate = getattr(text, "intermediate_size", None)
+    mha = model_config.attention_arch == AttentionArch.MHA
+    heads = model_config.get_num_kv_heads(tp_size)
+    row = dtype.itemsize * heads
+    return KernelShapes(
+        dtype=dtype,
+        mlp_width=intermediate // tp_size if isinstance(intermediate, int) else None,  # a list: per layer
+        head_dim=model_config.head_dim,
+        rope_dim=int(getattr(text, "partial_rotary_factor", 1) * model_config.head_dim) if mha else None,
+        rope_is_neox=getattr(text, "rope_is_neox_style", True),
+        kv_row_bytes=(row * model_config.head_dim, row * model_config.v_head_dim) if mha else None,
+    )
+
+
+def prebuild_calls(shapes: KernelShapes) -> dict[str, Callable[[], object]]:
+    """The calls by which SGLang's forward gets each module for `shapes`, by a name for the record. Each is
+    memoized by SGLang (`cache_once`), so the forward's own call then returns the module built here."""
+    from functools import partial
+
+    from sglang.kernels.ops.activation.activation import activation_module
+    from sglang.kernels.ops.attention.rope import _jit_fused_rope_module, _jit_rotary_embedding_module
+    from sglang.kernels.ops.kvcache.kvcache import _jit_kvcache_module
+    from sglang.srt.layers.activation import _jit_act_supported
+
+    dtype = str(shapes.dtype).removeprefix("torch.")
+    calls: dict[str, Callable[[], object]] = {}
+    # SGLang's own test of whether SiluAndMul takes the JIT kernel: the output row's width against the
+    # vector width, read from the shape and dtype alone.
+    if shapes.mlp_width and _jit_act_supported(torch.empty(0, shapes.mlp_width, dtype=shapes.dtype, device="meta")):
+        calls[f"activation {dtype}"] = partial(activation_module, shapes.dtype)
+    if shapes.rope_dim and shapes.head_dim in _FUSED_ROPE_HEAD_SIZES:
+        calls[f"fused_rope neox={shapes.rope_is_neox} dim={shapes.rope_dim} {dtype}"] = partial(
+            _jit_fused_rope_module, shapes.rope_is_neox, shapes.rope_dim, shapes.dtype, shapes.dtype)
+    elif shapes.rope_dim:
+        calls["rotary_embedding"] = _jit_rotary_embedding_module
+    if shapes.kv_row_bytes:
+        # The module itself, not can_use_store_cache: that one memoizes a failure as "use the slow path".
+        k_bytes, v_bytes = shapes.kv_row_bytes
+        calls[f"kvcache k={k_bytes} v={v_bytes} bytes"] = partial(_jit_kvcache_module, k_bytes, v_bytes)
+    return calls
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+class KernelPrebuild:
+    """SGLang's nvcc-built modules for one rank (`prebuild_calls`), each built on a thread of its own from
+    the moment the config is read, so that they compile side by side and while the weights load instead
+    of one after another inside the first forward (tens of seconds on a fresh machine, docs/start-up.md).
+
+    Harmless when it guesses wrong: a module nobody calls costs only its build, and the forward still
+    builds what it needs. A failure is kept for the record, not raised: the forward's own call tries again.
+    Builds of distinct modules may run at once: each has its own build directory under TVM_FFI_CACHE_DIR,
+    and tvm-ffi holds a file lock there while ninja runs (a forward or another rank asking for the same
+    module waits for it, then loads the result). The threads are daemons: a run that fails meanwhile does not
+    wait for nvcc.
+    """
+
+    def __init__(self, plan: Callable[[], dict[str, Callable[[], object]]], cache_dir: str, gpu_id: int | None):
+        """Starts the builds `plan()` names; a plan that raises (a config these rules do not know) is
+        recorded like a failed build, and nothing is prebuilt."""
+        from sglang.kernels.jit.utils import get_jit_cuda_arch, is_arch_support_pdl
+
+        # SGLang sets TVM_FFI_CUDA_ARCH_LIST around each build and restores the old value after it: builds
+        # on several threads would restore it under one another, and a build started while it is unset
+        # targets plain sm_90 instead of sm_90a. Fixed for the process, to the value SGLang sets, before
+        # any thread starts; the memoized arch and PDL checks are answered here once, not on every thread.
+        os.environ["TVM_FFI_CUDA_ARCH_LIST"] = get_jit_cuda_arch().target_name
+        is_arch_support_pdl()
+        self._cache, self._gpu_id = Path(cache_dir), gpu_id
+        self._modules_before = self._modules_in_cache()
+        self._started = time.perf_counter()
+        self._loaded: float | None = None
+        self._waited: float | None = None
+        self._modules_at_first_forward: int | None = None
+        self._spans: dict[str, tuple[float, float]] = {}
+        self.failed: dict[str, str] = {}
+        try:
+            calls = plan()
+        except Exception as e:
+            calls, self.failed["plan"] = {}, _first_line(e)
+        self._threads = [
+            threading.Thread(target=self._build, args=(name, call), name=f"prebuild {name}", daemon=True)
+            for name, call in calls.items()
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _modules_in_cache(self) -> int:
+        return sum(1 for _ in self._cache.rglob("*.so")) if self._cache.is_dir() else 0
+
+    def _build(self, name: str, call: Callable[[], object]) -> None:
+        start = time.perf_counter()
+        try:
+            if self._gpu_id is not None:
+                # A new thread's CUDA device is device 0: loading a module there would open a context on
+                # another rank's GPU.
+                torch.cuda.set_device(self._gpu_id)
+            call()
+        except Exception as e:  # the forward's own call builds it, or says why it cannot
+            self.failed[name] = _first_line(e)
+        self._spans[name] = (start, time.perf_counter())
+
+    def loaded(self) -> None:
+        """The model has loaded: what the builds ran until now ran beside the load."""
+        self._loaded = time.perf_counter()
+
+    def wait(self) -> None:
+        """Until every build has ended (once; the first forward calls it)."""
+        if self._waited is None:
+            start = time.perf_counter()
+            for thread in self._threads:
+                thread.join()
+            self._waited = time.perf_counter() - start
+            self._modules_at_first_forward = self._modules_in_cache()
+
+    def report(self) -> dict:
+        """Seconds from the prebuild's start: until its last build ended (`prebuild_s`), the builds one by
+        one (`prebuild_modules`, and their sum, `prebuild_serial_s`: what they cost in a row), the part that
+        ran while the model loaded (`prebuild_during_load_s`), what the first forward waited for it
+        (`prebuild_waited_s`); what failed; and the modules added to the cache before the first forward and
+        after it (`prebuild_cache_added`, `forward_cache_added`: the forward compiled what the prebuild
+        missed). None where no forward has run yet."""
+        spans = dict(self._spans)
+        end = max((stop for _, stop in spans.values()), default=self._started)
+        loaded = self._loaded if self._loaded is not None else end
+        at_forward = self._modules_at_first_forward
+        return {
+            "prebuild_s": end - self._started,
+            "prebuild_serial_s": sum(stop - start for start, stop in spans.values()),
+            "prebuild_during_load_s": max(0.0, min(end, loaded) - self._started),
+            "prebuild_waited_s": self._waited,
+            "prebuild_modules": {name: stop - start for name, (start, stop) in spans.items()},
+            "prebuild_unfinished": [t.name.removeprefix("prebuild ") for t in self._threads if t.is_alive()],
+            "prebuild_failed": dict(self.failed),
+            "prebuild_cache_added": None if at_forward is None else at_forward - self._modules_before,
+            "forward_cache_added": None if at_forward is None else self._modules_in_cache() - at_forward,
+        }
