@@ -74,3 +74,36 @@ def test_the_check_sees_a_wrong_way_import(tmp_path):
     wrong.write_text("from offline_extract.engine.distributed import Layout\nfrom offline_extract import extraction\n")
     assert [part_of(m) for _, m in imports(wrong)] == ["engine", "extraction"]
     assert FLOOR["engine"] > FLOOR["store"] and FLOOR["extraction"] > FLOOR["store"]
+
+
+def sglang_imports(path: Path) -> list[int]:
+    """The lines where `path` imports SGLang: an import statement, or importlib.import_module of a literal name."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module or ""]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            names = [node.args[0].value]
+        else:
+            continue
+        lines += [node.lineno] if any(n.split(".")[0] in ("sglang", "sgl_kernel") for n in names) else []
+    return lines
+
+
+def test_only_the_engine_package_touches_sglang():
+    """SGLang's internals are pinned to one version, so every call into them stays in the engine package, where
+    an upgrade has one place to look."""
+    outside = [f"{path.relative_to(ROOT)}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
+               if part_of(module_name(path)) != "engine" for line in sglang_imports(path)]
+    assert outside == []
+    assert sglang_imports(PACKAGE / "engine" / "sglang_adapter.py"), "the check sees the adapter's imports"
+
+
+def test_the_sglang_check_sees_each_way_of_importing_it(tmp_path):
+    wrong = tmp_path / "feed.py"
+    wrong.write_text("import sglang.srt\nfrom sglang.srt.utils import x\nimport importlib\n"
+                     "importlib.import_module('sgl_kernel')\nimport sglang_like\n")
+    assert sglang_imports(wrong) == [1, 2, 4]
