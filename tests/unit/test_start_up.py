@@ -14,14 +14,13 @@ import re
 import signal
 import threading
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from extract_runs import GATE_PARTS, ROOT
 
-from offline_extract import extraction, stopping
+from offline_extract import extraction, parity_gate, stopping
 from offline_extract.options import ExtractOptions
 
 CORPUS = str(ROOT / "examples" / "corpus.jsonl")
@@ -166,7 +165,7 @@ def test_verify_asking_for_more_samples_than_there_are_says_how_many_it_compared
 def test_verify_without_room_for_the_preload_reads_the_files_at_the_gate(
         tiny_engine, tiny_model_dir, tmp_path, monkeypatch, gate_spies):
     monkeypatch.setattr(extraction, "Engine", lambda cfg: tiny_engine)
-    monkeypatch.setattr(extraction, "_available_host_memory", lambda: 1 << 20)
+    monkeypatch.setattr(parity_gate, "_available_host_memory", lambda: 1 << 20)
     summary, t = _run(tmp_path, tiny_model_dir, parity_samples=2)
     assert summary.extracted == 24 and all(row["ok"] for row in summary.parity)
     assert not gate_spies["read"].is_set() and gate_spies["given"] is None
@@ -237,6 +236,7 @@ def two_rank_gate(tiny_engine, model_copy, monkeypatch):
     from offline_extract.data.tokenization import Sample
     from offline_extract.engine import reference
     from offline_extract.engine.distributed import Coordinator, Layout, free_port
+    from offline_extract.parity_gate import ParityGate
     from offline_extract.timeline import Timeline
 
     port = free_port()
@@ -245,16 +245,12 @@ def two_rank_gate(tiny_engine, model_copy, monkeypatch):
     ids = [np.arange(5, 5 + n) for n in (7, 12)]
     head = [Sample(i, str(i), "c.jsonl", i + 1, x, np.ones_like(x, dtype=np.uint8), len(x), False) for i, x in enumerate(ids)]
 
-    def job(rank: int, tp: int) -> extraction.Job:
-        """A loaded job at the gate (the phases before it are not this test's), one per rank."""
-        j = extraction.Job.__new__(extraction.Job)
+    def job(rank: int, tp: int) -> ParityGate:
+        """A rank's gate once its model has loaded (the phases before it are not this test's), one per rank."""
         layout = Layout(rank=rank, world_size=2, local_world_size=2, tp_size=tp)
-        j.__dict__.update(
-            opts=ExtractOptions(data=(CORPUS,), model=str(model_copy), device="cpu", parity_samples=len(head)),
-            layout=layout, coord=Coordinator(layout, "gate"), checked=SimpleNamespace(model=SimpleNamespace(path=model_copy)),
-            engine=tiny_engine, timeline=Timeline(), hf_forwards_s=0.0,
-            preload=reference.ReferencePreload(str(model_copy)).start() if layout.writes else None,
-        )
+        opts = ExtractOptions(data=(CORPUS,), model=str(model_copy), device="cpu", parity_samples=len(head))
+        j = ParityGate(opts, layout, Coordinator(layout, "gate"), Timeline(), model_copy)
+        j.preload = reference.ReferencePreload(str(model_copy)).start() if layout.writes else None
         return j
 
     def gate(tp: int = 2) -> tuple[Exception | None, Exception | None, float]:
@@ -267,7 +263,7 @@ def two_rank_gate(tiny_engine, model_copy, monkeypatch):
             # own samples; here one engine serves both ranks, so the peer brings none and goes straight to the
             # meeting, as it would after them.
             try:
-                peer._parity_gate([])
+                peer.judge(tiny_engine, [])
             except Exception as e:
                 stopped["peer"] = (e, time.monotonic())
 
@@ -275,7 +271,7 @@ def two_rank_gate(tiny_engine, model_copy, monkeypatch):
         waiting.start()
         failed = None
         try:
-            writer._parity_gate(head)
+            writer.judge(tiny_engine, head)
         except Exception as e:
             failed = e
         writer_stopped = time.monotonic()
