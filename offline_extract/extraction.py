@@ -45,6 +45,7 @@ from offline_extract.store.schema import REJECTS_FILE, Encoding, RunInfo
 from offline_extract.store.writer import ShardWriter
 from offline_extract.summary import Summary, Tally
 from offline_extract.timeline import Timeline
+from offline_extract.timings import run_timings, timing_line
 from offline_extract.version import __version__
 from offline_extract.words import plural
 
@@ -63,41 +64,6 @@ class Terminated(BaseException):
 
 def raise_terminated(signum, frame) -> None:
     raise Terminated()
-
-
-def timing_line(t: dict) -> str:
-    """`Job.timings` in one line: what a user waited for before the first forward and after the last."""
-    if "startup_s" not in t:
-        return f"start-up: no forward ran ({t['marks'].get('checked', 0.0):.1f} s of imports and checks)"
-    gate = f"; parity gate {t['parity_gate_s']:.1f} s{_gate_words(t)}" if t["parity_gate_s"] >= 0.05 else ""
-    prebuild = (f" (kernel prebuild {t['prebuild_s']:.1f} s, {t['prebuild_during_load_s']:.1f} s of it during "
-                f"the load)" if "prebuild_s" in t else "")
-    beside = " beside the load" if t["tokenizer_beside_load"] else ""
-    waited = f"the other replicas {t['replicas_waited_s']:.2f} s, " if "replicas_waited_s" in t else ""
-    return (
-        f"start-up {t['startup_s']:.1f} s to the first forward: ours {t['ours_s']:.1f} s (imports and checks "
-        f"{t['imports_and_checks_s']:.1f} s, tokenizer {t['tokenizer_waited_s']:.1f} s waited of its "
-        f"{t['tokenizer_s']:.1f} s{beside}, output directory and first batch {t['ours_other_s']:.1f} s); SGLang's "
-        f"{t['sglang_s']:.1f} s (torch import {t['torch_import_s']:.1f} s, SGLang import {t['sglang_import_s']:.1f} s, "
-        f"model load {t['model_load_s']:.1f} s, warm-up {t['warm_up_s']:.1f} s{prebuild}){gate}; tail "
-        f"{t['tail_s']:.2f} s after the last forward: states to host {t['to_host_s']:.2f} s, last shards "
-        f"{t['last_shards_s']:.2f} s, {waited}rejects and index {t['rejects_and_index_s']:.2f} s; between forwards, "
-        f"{t['input_wait_s']:.2f} s waited for input"
-    )
-
-
-def _gate_words(t: dict) -> str:
-    """The parity gate's split (`ParityGate.timings`), where this rank ran HF's reference."""
-    if "gate_hf_to_device_s" not in t:
-        return ""
-    if "gate_preload_s" in t:
-        weights = (f"waited {t['gate_preload_waited_s']:.1f} s for its weights read beside the load in "
-                   f"{t['gate_preload_s']:.1f} s, ")
-    else:
-        weights = f"weights not read ahead ({t.get('gate_preload', 'no preload')}), "
-    return (f" (engine {t['gate_engine_s']:.1f} s; HF: {weights}model class and config {t['gate_hf_config_s']:.1f} s, "
-            f"weights to host {t['gate_hf_to_host_s']:.1f} s, to the device {t['gate_hf_to_device_s']:.1f} s, "
-            f"forwards {t['gate_hf_forwards_s']:.1f} s, comparison {t['gate_compare_s']:.1f} s)")
 
 
 # Records tokenized in one call of the tokenizer (SampleTokenizer.many), which spreads them over the cores:
@@ -599,7 +565,8 @@ class Job:
             _merge_rejects(self.out)
             write_index(self.out, self.written)
             self.timeline.mark("finished")
-            timings = self.timings()
+            timings = run_timings(self.timeline, self.layout.dp_size, self.input_wait_s, self.gate.timings,
+                                  self.engine.prebuild_report)
             # Last, so that a manifest saying "complete" means the index and rejects.jsonl are final too.
             counts = {key: getattr(total, key) for key in ("records", "skipped", "rejected", "dropped")}
             manifest.consolidate(self.out, status="complete", result={**counts, "extracted": total.extracted + total.resumed},
@@ -627,56 +594,6 @@ class Job:
                 f"was and re-run the same command to finish it; or, to take the corpus as it is now, re-run with "
                 f"--force (samples are matched to records by position: right where records were only appended)"
             )
-
-    def timings(self) -> dict:
-        """Where this rank's start-up and tail went, in seconds: from the command to the first forward (ours;
-        SGLang's: the torch and SGLang imports, the model load and the warm-up; the parity gate), and from
-        the last forward enqueued to the run's end (its states to the host, the last shards, under data
-        parallelism the wait for the other replicas to finish theirs, rejects and index); `marks` holds every
-        point of the timeline, counted from the interpreter's start.
-
-        The tokenizer counts as ours only for the time the run waited for it: loaded beside SGLang's load
-        (`tokenizer_beside_load`), what that covered is SGLang's; loaded before it, all of it."""
-        marks = self.timeline.marks
-        if "first forward" not in marks:  # no sample to extract
-            return {"marks": marks}
-
-        def span(first: str, then: str) -> float:
-            return self.timeline.between(first, then) if first in marks and then in marks else 0.0
-
-        # torch's import is timed where the command imports it (commands/extract.py); SGLang cannot run without it.
-        sglang = {"torch_import_s": span("importing torch", "torch imported"),
-                  "sglang_import_s": span("loading", "sglang imported"), "model_load_s": span("sglang imported", "loaded"),
-                  "warm_up_s": span("loaded", "warm")}
-        beside = "tokenizer waited" in marks
-        tokenizer_waited = span("warm", "tokenizer waited") if beside else span("tokenizer loading", "tokenizer loaded")
-        startup, verify = marks["first forward"], span("verifying", "verified")
-        ours = startup - sum(sglang.values()) - verify
-        # Where the tail's rejects and index begin: once the other replicas were done too, if there were any.
-        replicas = "replicas finished" if self.layout.dp_size > 1 else "written"
-        imports_and_checks = marks["checked"] - sglang["torch_import_s"]
-        return {
-            "startup_s": startup,
-            "ours_s": ours,
-            "imports_and_checks_s": imports_and_checks,
-            "tokenizer_s": span("tokenizer loading", "tokenizer loaded"),
-            "tokenizer_waited_s": tokenizer_waited,
-            "tokenizer_beside_load": beside,
-            "ours_other_s": ours - imports_and_checks - tokenizer_waited,
-            "sglang_s": sum(sglang.values()),
-            **sglang,
-            "parity_gate_s": verify,
-            **self.gate.timings(span),
-            "tail_s": self.timeline.between("last forward", "finished"),
-            "to_host_s": self.timeline.between("last forward", "drained"),
-            "last_shards_s": self.timeline.between("drained", "written"),
-            **({"replicas_waited_s": self.timeline.between("written", replicas)} if replicas != "written" else {}),
-            "rejects_and_index_s": self.timeline.between(replicas, "finished"),
-            # Between the first forward and the last: the feed's wait for its next batch (feed._Input).
-            "input_wait_s": self.input_wait_s,
-            **self.engine.prebuild_report(),
-            "marks": marks,
-        }
 
 class _Beside:
     """`call` on a thread of its own (`start`), beside what the calling thread does meanwhile; `wait` joins

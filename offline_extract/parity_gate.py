@@ -6,7 +6,6 @@ rank stops if any replica fails. The reference's weights are read beside the mod
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -17,6 +16,7 @@ from offline_extract.engine.sglang_adapter import Engine
 from offline_extract.options import ExtractOptions
 from offline_extract.progress import foreign_output_hidden, note
 from offline_extract.timeline import Timeline
+from offline_extract.timings import Span
 from offline_extract.words import plural
 
 
@@ -172,7 +172,7 @@ class ParityGate:
             result["routing"] = [layer.to_json() for layer in forcing.layers.values()] if forcing else "not forced"
         return rows, result
 
-    def timings(self, span: Callable[[str, str], float]) -> dict:
+    def timings(self, span: Span) -> dict:
         """Where the parity gate's seconds went on this rank (nothing without --verify): the engine's forwards
         of the samples, the wait for the reference's weights read beside the load (`gate_preload`: whether
         they were, and why not; `gate_preload_s` that read's own seconds), HF's model class and config, its

@@ -120,7 +120,7 @@ def main(dry_run, **options):
     from offline_extract.timeline import mark_process
 
     # torch first, and timed: SGLang cannot run without it, so its import is SGLang's share of the start-up
-    # (Job.timings), not ours.
+    # (timings.run_timings), not ours.
     mark_process("importing torch")
     import torch  # noqa: F401
     mark_process("torch imported")

@@ -143,7 +143,7 @@ def test_start_up_and_tail_are_printed_and_kept_in_the_manifest(single):
 def test_the_start_up_line_names_the_kernel_prebuild_where_one_ran(single):
     """On CPU nothing is prebuilt (the manifest has no prebuild figures); on a GPU the line says how long
     SGLang's nvcc modules took and how much of it the model load covered."""
-    from offline_extract.extraction import timing_line
+    from offline_extract.timings import timing_line
 
     out, _ = single
     t = json.loads((out / "manifest.json").read_text())["timings"]

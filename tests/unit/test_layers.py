@@ -17,7 +17,7 @@ FLOORS = [
     {"store"},
     {"engine"},
     {"progress", "training", "testing"},
-    {"preflight", "planning", "summary", "feed", "parity_gate"},
+    {"preflight", "planning", "summary", "feed", "parity_gate", "timings"},
     {"extraction"},
     {"cli"},
     {"commands"},

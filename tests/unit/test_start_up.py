@@ -22,6 +22,7 @@ from extract_runs import GATE_PARTS, ROOT
 
 from offline_extract import extraction, parity_gate, stopping
 from offline_extract.options import ExtractOptions
+from offline_extract.timings import timing_line
 
 CORPUS = str(ROOT / "examples" / "corpus.jsonl")
 
@@ -120,7 +121,7 @@ def test_verify_reads_the_reference_weights_beside_the_load_and_the_gate_builds_
     # The gate's seconds, split into its parts, add up.
     assert sum(t[key] for key in GATE_PARTS) == pytest.approx(t["parity_gate_s"])
     assert t["gate_hf_forwards_s"] > 0 and t["gate_engine_s"] > 0
-    line = extraction.timing_line(t)
+    line = timing_line(t)
     # The feed's wait for its batches, made on their own thread (feed.prepared_ahead), is on record.
     assert 0 <= t["input_wait_s"] < t["marks"]["finished"] - t["marks"]["first forward"]
     assert line.endswith(f"; between forwards, {t['input_wait_s']:.2f} s waited for input")
@@ -172,7 +173,7 @@ def test_verify_without_room_for_the_preload_reads_the_files_at_the_gate(
     assert t["gate_preload"].startswith("skipped: 1 x ") and "exceed 50% of the host's 1.0 MB available" in t["gate_preload"]
     assert "parity preload started" not in t["marks"] and "gate_preload_s" not in t
     assert sum(t[key] for key in GATE_PARTS) == pytest.approx(t["parity_gate_s"])
-    assert f"HF: weights not read ahead ({t['gate_preload']}), " in extraction.timing_line(t)
+    assert f"HF: weights not read ahead ({t['gate_preload']}), " in timing_line(t)
 
 
 @pytest.fixture

@@ -1,0 +1,98 @@
+"""Where a run's seconds went, from its timeline: the start-up to the first forward, ours and SGLang's, and the
+tail after the last (`run_timings`, kept in the manifest), and that in the one line a run prints (`timing_line`).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from offline_extract.timeline import Timeline
+
+Span = Callable[[str, str], float]  # the seconds between two marks of the timeline, 0 where one is missing
+
+
+def run_timings(timeline: Timeline, dp_size: int, input_wait_s: float, gate: Callable[[Span], dict],
+                prebuild: Callable[[], dict]) -> dict:
+    """Where this rank's start-up and tail went, in seconds: from the command to the first forward (ours;
+    SGLang's: the torch and SGLang imports, the model load and the warm-up; the parity gate), and from
+    the last forward enqueued to the run's end (its states to the host, the last shards, under data
+    parallelism the wait for the other replicas to finish theirs, rejects and index); `marks` holds every
+    point of the timeline, counted from the interpreter's start. `gate` gives the parity gate's split
+    (`ParityGate.timings`), `prebuild` the kernel prebuild's (`Engine.prebuild_report`).
+
+    The tokenizer counts as ours only for the time the run waited for it: loaded beside SGLang's load
+    (`tokenizer_beside_load`), what that covered is SGLang's; loaded before it, all of it."""
+    marks = timeline.marks
+    if "first forward" not in marks:  # no sample to extract
+        return {"marks": marks}
+
+    def span(first: str, then: str) -> float:
+        return timeline.between(first, then) if first in marks and then in marks else 0.0
+
+    # torch's import is timed where the command imports it (commands/extract.py); SGLang cannot run without it.
+    sglang = {"torch_import_s": span("importing torch", "torch imported"),
+              "sglang_import_s": span("loading", "sglang imported"), "model_load_s": span("sglang imported", "loaded"),
+              "warm_up_s": span("loaded", "warm")}
+    beside = "tokenizer waited" in marks
+    tokenizer_waited = span("warm", "tokenizer waited") if beside else span("tokenizer loading", "tokenizer loaded")
+    startup, verify = marks["first forward"], span("verifying", "verified")
+    ours = startup - sum(sglang.values()) - verify
+    # Where the tail's rejects and index begin: once the other replicas were done too, if there were any.
+    replicas = "replicas finished" if dp_size > 1 else "written"
+    imports_and_checks = marks["checked"] - sglang["torch_import_s"]
+    return {
+        "startup_s": startup,
+        "ours_s": ours,
+        "imports_and_checks_s": imports_and_checks,
+        "tokenizer_s": span("tokenizer loading", "tokenizer loaded"),
+        "tokenizer_waited_s": tokenizer_waited,
+        "tokenizer_beside_load": beside,
+        "ours_other_s": ours - imports_and_checks - tokenizer_waited,
+        "sglang_s": sum(sglang.values()),
+        **sglang,
+        "parity_gate_s": verify,
+        **gate(span),
+        "tail_s": timeline.between("last forward", "finished"),
+        "to_host_s": timeline.between("last forward", "drained"),
+        "last_shards_s": timeline.between("drained", "written"),
+        **({"replicas_waited_s": timeline.between("written", replicas)} if replicas != "written" else {}),
+        "rejects_and_index_s": timeline.between(replicas, "finished"),
+        # Between the first forward and the last: the feed's wait for its next batch (feed._Input).
+        "input_wait_s": input_wait_s,
+        **prebuild(),
+        "marks": marks,
+    }
+
+
+def timing_line(t: dict) -> str:
+    """`run_timings` in one line: what a user waited for before the first forward and after the last."""
+    if "startup_s" not in t:
+        return f"start-up: no forward ran ({t['marks'].get('checked', 0.0):.1f} s of imports and checks)"
+    gate = f"; parity gate {t['parity_gate_s']:.1f} s{_gate_words(t)}" if t["parity_gate_s"] >= 0.05 else ""
+    prebuild = (f" (kernel prebuild {t['prebuild_s']:.1f} s, {t['prebuild_during_load_s']:.1f} s of it during "
+                f"the load)" if "prebuild_s" in t else "")
+    beside = " beside the load" if t["tokenizer_beside_load"] else ""
+    waited = f"the other replicas {t['replicas_waited_s']:.2f} s, " if "replicas_waited_s" in t else ""
+    return (
+        f"start-up {t['startup_s']:.1f} s to the first forward: ours {t['ours_s']:.1f} s (imports and checks "
+        f"{t['imports_and_checks_s']:.1f} s, tokenizer {t['tokenizer_waited_s']:.1f} s waited of its "
+        f"{t['tokenizer_s']:.1f} s{beside}, output directory and first batch {t['ours_other_s']:.1f} s); SGLang's "
+        f"{t['sglang_s']:.1f} s (torch import {t['torch_import_s']:.1f} s, SGLang import {t['sglang_import_s']:.1f} s, "
+        f"model load {t['model_load_s']:.1f} s, warm-up {t['warm_up_s']:.1f} s{prebuild}){gate}; tail "
+        f"{t['tail_s']:.2f} s after the last forward: states to host {t['to_host_s']:.2f} s, last shards "
+        f"{t['last_shards_s']:.2f} s, {waited}rejects and index {t['rejects_and_index_s']:.2f} s; between forwards, "
+        f"{t['input_wait_s']:.2f} s waited for input"
+    )
+
+
+def _gate_words(t: dict) -> str:
+    """The parity gate's split (`ParityGate.timings`), where this rank ran HF's reference."""
+    if "gate_hf_to_device_s" not in t:
+        return ""
+    if "gate_preload_s" in t:
+        weights = (f"waited {t['gate_preload_waited_s']:.1f} s for its weights read beside the load in "
+                   f"{t['gate_preload_s']:.1f} s, ")
+    else:
+        weights = f"weights not read ahead ({t.get('gate_preload', 'no preload')}), "
+    return (f" (engine {t['gate_engine_s']:.1f} s; HF: {weights}model class and config {t['gate_hf_config_s']:.1f} s, "
+            f"weights to host {t['gate_hf_to_host_s']:.1f} s, to the device {t['gate_hf_to_device_s']:.1f} s, "
+            f"forwards {t['gate_hf_forwards_s']:.1f} s, comparison {t['gate_compare_s']:.1f} s)")
