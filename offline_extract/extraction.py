@@ -179,8 +179,10 @@ def _sample_tokenizer(opts: ExtractOptions, model_dir: Path) -> SampleTokenizer:
     from transformers import AutoTokenizer
 
     where = f"put the model's tokenizer files (tokenizer.json, or tokenizer.model) beside {model_dir / 'config.json'}"
+    processor = _image_processor(opts, model_dir)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=opts.trust_remote_code)
+        tokenizer = processor.tokenizer if processor is not None else \
+            AutoTokenizer.from_pretrained(model_dir, trust_remote_code=opts.trust_remote_code)
     except (OSError, ValueError) as e:  # its words name neither the directory nor, often, the cause
         raise ValueError(f"no tokenizer loads from {model_dir} ({where}): {e}") from e
     if len(tokenizer) <= len(tokenizer.all_special_tokens):
@@ -195,7 +197,24 @@ def _sample_tokenizer(opts: ExtractOptions, model_dir: Path) -> SampleTokenizer:
         trim_after_last_loss=opts.trim_after_last_loss,
         min_loss_run=_min_loss_run(opts),
         model=opts.model or "the default model",
+        processor=processor,
     )
+
+
+def _image_processor(opts: ExtractOptions, model_dir: Path):
+    """A vision-language model's HF processor (its config has a vision_config), which renders its image chats and
+    prepares their pixels; None for a text-only model."""
+    config = json.loads((model_dir / "config.json").read_text())
+    if "vision_config" not in config:
+        return None
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(model_dir, trust_remote_code=opts.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{model_dir} is a vision-language model (its config.json has a vision_config), but its HF "
+                         f"processor does not load from it (preprocessor_config.json or processor_config.json, and "
+                         f"its tokenizer files): {e}") from e
 
 
 def _min_loss_run(opts: ExtractOptions) -> int:

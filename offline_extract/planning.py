@@ -51,6 +51,9 @@ class Plan:
     # `samples`, `tokens` and the bytes are what it has left to extract.
     kept: int = 0
     kept_shards: int = 0
+    # Of `tokens`, those that stand for images (a vision-language model's image chats), and the samples holding them.
+    image_tokens: int = 0
+    image_samples: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -105,7 +108,7 @@ def plan(
     is told of each record read, with its sample's tokens (0 for one left out). `done[i]` marks record i as
     kept in one of the `kept_shards` complete shards already in `out` (`resume.done_mask`): as the run
     resuming there does, it is counted and not sized again."""
-    records = samples = skipped = rejected = tokens = loss_tokens = kept = 0
+    records = samples = skipped = rejected = tokens = loss_tokens = kept = image_tokens = image_samples = 0
     first_rejects = []
     for item in read_corpus(data):
         records += 1
@@ -122,6 +125,9 @@ def plan(
             samples += 1
             tokens += item.num_tokens
             loss_tokens += int(item.loss_mask.sum())
+            if item.images is not None:
+                image_samples += 1
+                image_tokens += int(item.images.token_mask.sum())
         elif item.kind == "skipped":
             skipped += 1
         elif strict:
@@ -142,7 +148,7 @@ def plan(
         existing = existing.parent
     return Plan(records, samples, skipped, rejected, tokens, loss_tokens, sizes, shutil.disk_usage(existing).free,
                 writable=os.access(existing, os.W_OK), first_rejects=tuple(first_rejects), compressible_bytes=compressible,
-                kept=kept, kept_shards=kept_shards if kept else 0)
+                kept=kept, kept_shards=kept_shards if kept else 0, image_tokens=image_tokens, image_samples=image_samples)
 
 
 def render(p: Plan, out: str | Path) -> str:
@@ -153,6 +159,8 @@ def render(p: Plan, out: str | Path) -> str:
         *(f"  rejected {r.source}:{r.line}{f' (id {r.id!r})' if r.id else ''}: {r.reason}" for r in p.first_rejects),
         *([f"  ... and {number(p.rejected - len(p.first_rejects))} more"] if p.rejected > len(p.first_rejects) else []),
         f"tokens {number(p.tokens)} ({number(p.loss_tokens)} in the loss, {p.loss_tokens / max(p.tokens, 1):.1%})",
+        *([f"  image tokens {number(p.image_tokens)} ({p.image_tokens / max(p.tokens, 1):.1%}), in "
+           f"{plural(p.image_samples, 'sample')} with images"] if p.image_samples else []),
     ]
     lines += [f"  {name:<32} {human_bytes(size):>12}" for name, size in p.bytes_by_tensor.items()]
     lines.append(f"  {'total':<32} {human_bytes(p.total_bytes):>12}")

@@ -1,9 +1,18 @@
-"""A sample's images, as the target model's own HF processor prepared them for its tokens."""
+"""A sample's images, as the target model's own HF processor prepared them for its tokens, and a record's
+images read and decoded for that processor (their bytes fingerprinted on the way)."""
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
+import io
+import urllib.parse
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from offline_extract.data.corpus import ImageRef
 
 
 # eq=False: the generated __eq__/__hash__ would compare numpy arrays, which raises.
@@ -16,3 +25,55 @@ class Images:
     processor_outputs: dict[str, np.ndarray]
     token_mask: np.ndarray  # bool [num_tokens]: True at the image (placeholder) tokens
     fingerprint: str  # sha256 over the images' bytes, for the run identity
+
+
+class ImageError(ValueError):
+    """An image of a record that cannot be used: missing, unreadable or not decodable; the message names it."""
+
+
+def image_bytes(ref: ImageRef) -> bytes:
+    """The bytes of one image: its file's, or its data: URL's payload (base64, or percent-encoded)."""
+    if ref.location.startswith("data:"):
+        header, comma, payload = ref.location.partition(",")
+        if not comma:
+            raise ImageError(f"{ref.named} has no ',' between its media type and its data")
+        if header.endswith(";base64"):
+            try:
+                return base64.b64decode(payload, validate=True)
+            except binascii.Error as e:
+                raise ImageError(f"{ref.named} is not valid base64: {e}") from None
+        return urllib.parse.unquote_to_bytes(payload)
+    try:
+        with open(ref.location, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise ImageError(f"{ref.named} not found") from None
+    except OSError as e:
+        raise ImageError(f"{ref.named} cannot be read: {e.strerror or e}") from None
+
+
+def decode(ref: ImageRef, data: bytes):
+    """The image decoded whole (PIL), in RGB, as vision processors take it."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+            return image.convert("RGB")
+    except Image.DecompressionBombError as e:
+        raise ImageError(f"{ref.named} is too large to decode: {e}") from None
+    except UnidentifiedImageError:  # its words name an in-memory buffer
+        raise ImageError(f"{ref.named} does not decode: not in an image format PIL reads") from None
+    except (OSError, ValueError, SyntaxError) as e:  # a damaged or truncated file of a known format
+        raise ImageError(f"{ref.named} does not decode: {e}") from None
+
+
+def load_images(refs: Sequence[ImageRef]) -> tuple[list, str]:
+    """A record's images decoded, and the fingerprint of their bytes: the sha256 over each image's own sha256,
+    in order."""
+    decoded, digest = [], hashlib.sha256()
+    for ref in refs:
+        data = image_bytes(ref)
+        digest.update(hashlib.sha256(data).digest())
+        decoded.append(decode(ref, data))
+    return decoded, digest.hexdigest()

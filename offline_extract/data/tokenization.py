@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -17,7 +17,7 @@ import jinja2
 import numpy as np
 
 from offline_extract.data.corpus import Record, Reject
-from offline_extract.data.images import Images
+from offline_extract.data.images import ImageError, Images, load_images
 from offline_extract.options import Overlong, check_choice
 from offline_extract.words import plural
 
@@ -104,6 +104,7 @@ class SampleTokenizer:
         trim_after_last_loss: bool = False,
         min_loss_run: int = 0,
         model: str = "the model",
+        processor=None,
     ):
         check_choice("overlong", overlong)
         if max_length < 1:
@@ -116,9 +117,23 @@ class SampleTokenizer:
         self.trim_after_last_loss = trim_after_last_loss
         self.min_loss_run = min_loss_run
         self.model = model  # its name, for a refusal
+        # A vision-language model's HF processor (AutoProcessor), which prepares its image records; None for a
+        # text-only model. Its chat template, where it has one, renders every chat, so that text and image
+        # chats are rendered alike.
+        self.processor = processor
+        if processor is not None:
+            image_token = getattr(processor, "image_token", None)
+            if image_token is None:
+                raise ValueError(f"the processor of {model} ({type(processor).__name__}) names no image token")
+            self.image_token_id = tokenizer.convert_tokens_to_ids(image_token)
         self.vocab_size = len(tokenizer)
         self.chars_per_token = max(map(len, tokenizer.get_vocab()), default=1)
         self._fingerprint: dict | None = None
+
+    @property
+    def chat_template(self) -> str | dict | None:
+        """The template every chat is rendered with: the processor's, where it has one, else the tokenizer's."""
+        return getattr(self.processor, "chat_template", None) or self.tokenizer.chat_template
 
     @property
     def _cut_chars(self) -> int:
@@ -145,12 +160,14 @@ class SampleTokenizer:
         (`_chat`)."""
         texts: list[tuple[int, str]] = []  # (position, text)
         chats: list[tuple[int, tuple, str, list[int]]] = []  # (position, contents cut, rendered, assistant bounds)
-        done: list = [None] * len(records)  # a Reject, or (ids, mask, cut)
+        done: list = [None] * len(records)  # a Reject, or (ids, mask, cut), or with images (ids, mask, cut, images)
         for i, record in enumerate(records):
             try:
                 if record.images:
-                    self._refuse_images(record)
-                if record.format in ("sharegpt", "openai"):
+                    if self.processor is None:
+                        self._refuse_images(record)
+                    done[i] = self._image_chat(record)
+                elif record.format in ("sharegpt", "openai"):
                     kept = _cut_contents(record.messages, self._cut_chars)
                     chats.append((i, kept, *self._render_chat(kept)))
                 elif record.format == "text":
@@ -179,13 +196,44 @@ class SampleTokenizer:
                     done[i] = Reject(r.source, r.line, r.index, r.id, str(e))
         return [d if isinstance(d, Reject) else self._sample(r, *d) for r, d in zip(records, done)]
 
+    def _image_chat(self, record: Record) -> tuple[np.ndarray, np.ndarray, bool, Images]:
+        """A chat with images, tokenized by the model's processor, which expands each image's placeholder into
+        the image's tokens. The loss mask is the assistant spans' (`_render_chat`) on the chat's text, carried
+        over to the expanded tokens, and never at an image token. Not cut before tokenizing: an image is
+        extracted whole or not at all (`_sample`)."""
+        try:
+            pictures, fingerprint = load_images(record.images)
+        except ImageError as e:
+            raise _Unusable(str(e)) from None
+        full, bounds = self._render_chat(record.messages)
+        text = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        text_ids = np.asarray(text["input_ids"], dtype=np.int32)
+        text_mask = _assistant_mask(text["offset_mapping"], bounds)
+        try:
+            out = self.processor(text=[full], images=pictures, return_tensors="np", add_special_tokens=False)
+        except ValueError as e:
+            raise _Unusable(f"the model's processor refused its images: {e}") from None
+        ids = np.asarray(out["input_ids"][0], dtype=np.int32)
+        token_mask = ids == self.image_token_id
+        placeholders = text_ids == self.image_token_id
+        # The processor only repeats the placeholders; anything else would leave the loss mask on other tokens.
+        if not token_mask.any() or not np.array_equal(ids[~token_mask], text_ids[~placeholders]):
+            raise _Unusable("the processor's tokens are not the chat template's with each image's placeholder "
+                            "expanded, so its loss mask cannot be placed")
+        mask = np.zeros(len(ids), dtype=np.uint8)
+        mask[~token_mask] = text_mask[~placeholders]
+        # Per-token outputs (mm_token_type_ids) restate the tokens; the rest are the images' inputs.
+        inputs = {key: np.asarray(value) for key, value in out.items()
+                  if key not in ("input_ids", "attention_mask") and np.shape(value) != (1, len(ids))}
+        return ids, mask, False, Images(inputs, token_mask, fingerprint)
+
     def _refuse_images(self, record: Record) -> None:
         """A record with images, for a model that reads none: every such record would fail alike, so the run stops
         (as for chat records without a chat template), naming the record and the model."""
         where = f"{record.source}:{record.line} (id {record.id!r})"
-        raise ValueError(f"{where} holds {plural(len(record.images), 'image')}, but {self.model} is a text-only model: its "
-                         f"directory has no image processor (preprocessor_config.json) to prepare them. Give a "
-                         f"vision-language model, or a corpus without images")
+        raise ValueError(f"{where} holds {plural(len(record.images), 'image')}, but {self.model} is a text-only model (its "
+                         f"config.json has no vision_config): nothing of it reads images. Give a vision-language "
+                         f"model, or a corpus without images")
 
     def _encode_many(self, texts: list[str], **options) -> list[tuple[dict, bool]]:
         """`_encode` of each text, the first try of all of them in one call of the tokenizer."""
@@ -202,9 +250,11 @@ class SampleTokenizer:
                 out.append((one, len(cut) < len(text)))
         return out
 
-    def _sample(self, record: Record, ids: np.ndarray, mask: np.ndarray, cut: bool) -> Sample | Reject:
-        """The sample of a record's tokens and loss mask (`cut`: of a text or chat cut before tokenizing): cut
-        to max_length, trimmed, or left out."""
+    def _sample(self, record: Record, ids: np.ndarray, mask: np.ndarray, cut: bool,
+                images: Images | None = None) -> Sample | Reject:
+        """The sample of a record's tokens and loss mask (`cut`: of a text or chat cut before tokenizing) and its
+        images: cut to max_length, trimmed, or left out. A cut through an image's tokens leaves the sample out:
+        the engine takes an image whole."""
         source_len = len(ids)
         more = "more than " if cut else ""
         if source_len == 0:
@@ -223,6 +273,8 @@ class SampleTokenizer:
             # Cut before tokenizing, a text (every token) or a chat (its assistant turns) had loss tokens past the cut.
             had_loss = cut or mask.any()
             ids, mask = ids[: self.max_length], mask[: self.max_length]
+            if (cuts := _cuts_images(record, images, len(ids), f"--max-length {self.max_length}")):
+                return cuts
             if had_loss and not mask.any():
                 return Reject(record.source, record.line, record.index, record.id,
                               f"{more}{source_len} tokens truncated to --max-length {self.max_length} leave no loss "
@@ -235,12 +287,16 @@ class SampleTokenizer:
                 return Reject(record.source, record.line, record.index, record.id,
                               "no loss tokens left to keep (--trim-after-last-loss-token)", kind="skipped")
             ids, mask = ids[:keep], mask[:keep]
+            if (cuts := _cuts_images(record, images, keep, "--trim-after-last-loss-token")):
+                return cuts
         run = longest_loss_run(mask)
         if run < self.min_loss_run:
             return Reject(record.source, record.line, record.index, record.id,
                           f"its longest run of consecutive loss tokens is {run}, fewer than --min-loss-run "
                           f"{self.min_loss_run}", kind="skipped")
-        return Sample(record.index, record.id, record.source, record.line, ids, mask, source_len, truncated)
+        if images is not None and len(images.token_mask) > len(ids):
+            images = replace(images, token_mask=images.token_mask[: len(ids)])
+        return Sample(record.index, record.id, record.source, record.line, ids, mask, source_len, truncated, images)
 
     def _tokens(self, record: Record) -> tuple[np.ndarray, np.ndarray]:
         if record.input_ids and max(record.input_ids) >= self.vocab_size:
@@ -256,7 +312,8 @@ class SampleTokenizer:
         # the header before an opening assistant turn is exactly that rendering.
         try:
             return self.tokenizer.apply_chat_template(
-                conversations, tokenize=False, add_generation_prompt=add_generation_prompt
+                conversations, chat_template=self.chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt,
             )
         except jinja2.TemplateError as e:
             raise _Unusable(f"chat template error: {e}") from None
@@ -267,12 +324,13 @@ class SampleTokenizer:
         enc, cut = self._encode(full, add_special_tokens=False, return_offsets_mapping=True)
         return np.asarray(enc["input_ids"], dtype=np.int32), _assistant_mask(enc["offset_mapping"], bounds), cut
 
-    def _render_chat(self, messages: tuple[tuple[str, str], ...]) -> tuple[str, list[int]]:
+    def _render_chat(self, messages: tuple[tuple[str, str | tuple], ...]) -> tuple[str, list[int]]:
         """The whole conversation as the chat template renders it, and the character bounds
-        [start_0, end_0, start_1, end_1, ...] of its assistant spans."""
-        if self.tokenizer.chat_template is None:
+        [start_0, end_0, start_1, end_1, ...] of its assistant spans. A content of parts (a chat with images)
+        is given to the template as HF's content parts, an image's as {"type": "image"}."""
+        if self.chat_template is None:
             raise ValueError("the tokenizer has no chat template, which chat records need")
-        conversation = [{"role": role, "content": content} for role, content in messages]
+        conversation = [{"role": role, "content": _hf_content(content)} for role, content in messages]
         turns = [i for i, (role, _) in enumerate(messages) if role == "assistant"]
         if not turns:
             raise _Unusable("no assistant turn")
@@ -301,14 +359,33 @@ class SampleTokenizer:
             # whatever was last tokenized; this class uses neither.
             state.pop("truncation", None)
             state.pop("padding", None)
-            template = self.tokenizer.chat_template
+            template = self.chat_template
             if template is not None and not isinstance(template, str):
                 template = json.dumps(template, sort_keys=True)
             self._fingerprint = {
                 "tokenizer_sha256": _sha256(json.dumps(state, sort_keys=True, ensure_ascii=False)),
                 "chat_template_sha256": None if template is None else _sha256(template),
+                # How images become pixels and how many tokens each takes (its resize bounds, patch size).
+                "image_processor_sha256": None if self.processor is None else
+                _sha256(self.processor.image_processor.to_json_string()),
             }
         return dict(self._fingerprint)
+
+
+def _hf_content(content: str | tuple[str | int, ...]) -> str | list[dict]:
+    if isinstance(content, str):
+        return content
+    return [{"type": "text", "text": part} if isinstance(part, str) else {"type": "image"} for part in content]
+
+
+def _cuts_images(record: Record, images: Images | None, kept: int, why: str) -> Reject | None:
+    """The skip of a sample whose first `kept` tokens would end inside or before its images' tokens."""
+    if images is None or not images.token_mask[kept:].any():
+        return None
+    last = int(np.flatnonzero(images.token_mask)[-1]) + 1
+    return Reject(record.source, record.line, record.index, record.id,
+                  f"keeping its first {kept} tokens ({why}) would cut its images, whose tokens run to token {last}: an "
+                  f"image is extracted whole or not at all", kind="skipped")
 
 
 def _cut_contents(messages: tuple[tuple[str, str], ...], limit: int) -> tuple[tuple[str, str], ...]:

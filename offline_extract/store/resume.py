@@ -173,7 +173,7 @@ def _taken_as_recorded(known: RunInfo, recorded: dict) -> dict:
     `recorded` has them. The quantization is the config's (config_sha256 covers it), read only as the model loads."""
     undecided = ["layer_ids", "compute_dtype", "quantization"]
     if known.tokenizer_sha256 is None:
-        undecided += ["tokenizer_sha256", "chat_template_sha256"]
+        undecided += ["tokenizer_sha256", "chat_template_sha256", "image_processor_sha256"]
     facts = known.identity()
     facts.update({key: recorded.get(key) for key in undecided if facts[key] is None})
     return facts

@@ -271,6 +271,7 @@ class RunInfo:
     weights: str | None = _identity()  # the weight files' fingerprint, or "dummy (random)"
     tokenizer_sha256: str | None = _identity()
     chat_template_sha256: str | None = _identity()
+    image_processor_sha256: str | None = _identity()  # a vision-language model's image processor's settings
     layer_ids: tuple[int, ...] | None = _identity()  # ascending; layer k = HF output_hidden_states[k + 1]
     final_state: FinalState | None = _identity("post-norm")  # None: the recipe keeps no final state
     recipe: RecipeName = _identity("eagle3")

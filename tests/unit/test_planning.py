@@ -6,6 +6,7 @@ from collections import namedtuple
 import pytest
 
 from extract_runs import ROOT
+from image_chats import PATCH, qwen_processor, save_image
 from transformers import AutoTokenizer
 
 from offline_extract import planning
@@ -147,3 +148,20 @@ def test_a_plan_of_one_sample_says_one_sample(tiny_model_dir, tmp_path):
     tok = SampleTokenizer(AutoTokenizer.from_pretrained(tiny_model_dir), max_length=4096)
     p = planning.plan([corpus], tok, tmp_path / "out", hidden_size=64, num_aux_layers=3)
     assert planning.render(p, tmp_path / "out").splitlines()[0] == "records 2: 1 sample, 0 skipped, 1 rejected"
+
+
+def test_a_plan_counts_the_image_tokens_of_image_chats(tiny_model_dir, tmp_path):
+    save_image(tmp_path / "a.png", 2 * PATCH, 2 * PATCH)  # 4 image tokens
+    save_image(tmp_path / "b.png", PATCH, 3 * PATCH)  # 3
+    chat = [{"from": "human", "value": "<image> and <image>"}, {"from": "gpt", "value": "two"}]
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"conversations": chat, "images": ["a.png", "b.png"]}) + "\n"
+                      + json.dumps({"conversations": chat[1:] + chat[1:]}) + "\n")
+    processor = qwen_processor(tiny_model_dir)
+    tok = SampleTokenizer(processor.tokenizer, max_length=4096, processor=processor)
+    p = planning.plan([corpus], tok, tmp_path / "out", hidden_size=64, num_aux_layers=3)
+    assert (p.samples, p.image_samples, p.image_tokens) == (2, 1, 7)
+    line = f"  image tokens 7 ({7 / p.tokens:.1%}), in 1 sample with images"
+    assert planning.render(p, tmp_path / "out").splitlines()[2] == line
+    # A corpus without images says nothing of them.
+    assert "image tokens" not in planning.render(planning.plan([CORPUS], tok, tmp_path / "out", 64, 3), tmp_path / "out")

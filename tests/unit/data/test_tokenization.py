@@ -169,8 +169,8 @@ def test_a_text_only_model_refuses_an_image_record_naming_it_and_the_model(tok):
     with pytest.raises(ValueError) as refused:
         tokenizer.many([chat(("user", "q"), ("assistant", "a")), image])
     assert str(refused.value) == (
-        "s.jsonl:9 (id 'pic') holds 1 image, but /models/tiny-llama is a text-only model: its directory has no image "
-        "processor (preprocessor_config.json) to prepare them. Give a vision-language model, or a corpus without images")
+        "s.jsonl:9 (id 'pic') holds 1 image, but /models/tiny-llama is a text-only model (its config.json has no "
+        "vision_config): nothing of it reads images. Give a vision-language model, or a corpus without images")
 
 
 def test_plain_text(tok):
@@ -239,13 +239,14 @@ def test_chat_truncated_before_any_reply_is_skipped_not_kept_with_a_zero_mask(to
 def test_fingerprint(load_tokenizer):
     tok = load_tokenizer()
     fp = SampleTokenizer(tok, max_length=8).fingerprint()
-    assert set(fp) == {"tokenizer_sha256", "chat_template_sha256"}
+    assert set(fp) == {"tokenizer_sha256", "chat_template_sha256", "image_processor_sha256"}
+    assert fp.pop("image_processor_sha256") is None  # a text-only model's
     assert all(len(v) == 64 and int(v, 16) >= 0 for v in fp.values())
 
     # transformers leaves truncation settings on the backend after a call; that must not matter.
     other = load_tokenizer()
     other("some text", truncation=True, max_length=3)
-    assert SampleTokenizer(other, max_length=99).fingerprint() == fp
+    assert SampleTokenizer(other, max_length=99).fingerprint() == {**fp, "image_processor_sha256": None}
 
     other.chat_template = other.chat_template.replace("\n", "\n\n")
     changed = SampleTokenizer(other, max_length=8).fingerprint()
