@@ -1,14 +1,13 @@
 """Writing shards: samples buffered into shards of about a target size, serialized by writer threads."""
 from __future__ import annotations
 
-import bisect
 import itertools
 import json
 import os
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -18,13 +17,12 @@ import torch
 
 from offline_extract.options import default
 from offline_extract.store.atomic import atomic_write
-from offline_extract.store import checksum
+from offline_extract.store import shard_file
 from offline_extract.store.shard import ShardHeader
 from offline_extract.store.schema import (
     FORMAT_VERSION,
     FRAMES_SUFFIX,
     METADATA_KEY,
-    SAFETENSORS_DTYPES,
     SPECS,
     STATE_TENSORS,
     Encoding,
@@ -43,166 +41,9 @@ WRITER_THREADS = default("writers")  # ShardWriter's default (--writers); it hol
 LAST_SHARD_PART_BYTES = 64 << 20
 
 
-class _Filling:
-    """State rows of a shard still arriving while the shard is written: its last sample's, chunk by chunk.
-
-    The writing thread hands out each block of the file to be written and hashed as soon as its rows are
-    final, and waits here for the rest;
-    the file becomes the shard only once the sample is `confirm`ed, after the caller has checked it whole
-    (a NaN found then must not leave a complete shard behind). `abort` makes the thread give up, and the
-    partial file goes like any failed write's."""
-
-    def __init__(self, final: int, end: int):
-        self._cond = threading.Condition()
-        self.final = final  # rows [0, final) of the state tensors hold their final values
-        self.end = end
-        self._confirmed = self._aborted = False
-
-    def advance(self, final: int) -> None:
-        with self._cond:
-            self.final = final
-            self._cond.notify_all()
-
-    def confirm(self) -> None:
-        with self._cond:
-            self._confirmed = True
-            self._cond.notify_all()
-
-    def abort(self) -> None:
-        with self._cond:
-            self._aborted = True
-            self._cond.notify_all()
-
-    def wait(self, beyond: int) -> int:
-        """How many rows are final, once that is more than `beyond`."""
-        return self._wait(lambda: self.final > beyond)
-
-    def wait_confirmed(self) -> None:
-        self._wait(lambda: self._confirmed)
-
-    def _wait(self, ready) -> int:
-        with self._cond:
-            self._cond.wait_for(lambda: ready() or self._aborted)
-            if self._aborted:
-                raise ShardError("a shard being written as its last sample arrived was abandoned")
-            return self.final
-
-
 # A sample of no tokens has no states to train on (the tokenizer rejects such records), and under zstd its
 # empty frame would not say its width: it would read back as [0, 0] and break a read of several samples.
 _NO_TOKENS = "samples {ids} have no tokens (lengths {lengths}): every sample needs at least one"
-
-
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
-
-
-class _Frames:
-    """A compressed state's zstd frames as the uint8 tensor they make in the file, written frame by frame.
-    Joining them first (and copying the join into a tensor) held two more copies of the shard's compressed
-    bytes per writer thread while it wrote."""
-
-    dtype = torch.uint8
-
-    def __init__(self, frames: list[bytes]):
-        self.frames = frames
-        self.shape = (sum(map(len, frames)),)
-
-    def numel(self) -> int:
-        return self.shape[0]
-
-    def element_size(self) -> int:
-        return 1
-
-
-def _pwrite(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
-
-
-def _serialize(path: Path, tensors: dict[str, torch.Tensor | _Frames], metadata: dict[str, str], pool: ThreadPoolExecutor,
-               filling: _Filling | None = None) -> str:
-    """Write a safetensors file straight from the tensors' memory, without an intermediate bytes copy,
-    and return its checksum (`store/checksum.py`), hashed from memory so the file is never read back.
-
-    The file is written in blocks of checksum.BLOCK_BYTES, each at its offset, by the calling thread alone,
-    and each block is hashed by one of the `pool`'s threads while it is written. A write into a file holds
-    the file's inode lock (tmpfs, ext4, xfs): several threads writing one file go one at a time, and while
-    they wait, no other shard is written. With one thread a file, the writer threads write their shards
-    side by side (blocks of one shard handed to the pool's threads would write one file at a time, at one
-    stream's rate, below what TP=2 hands over; benchmarks/README.md has the figures).
-    With `filling`, the state rows from `filling.final` on are still arriving: a block goes as soon as
-    every row it holds is final, and is flushed to disk, so that once the last row is, only the blocks it
-    lands in are left (with one hash over the file, its second state tensor, a gigabyte for a
-    131,072-token sample, could only be hashed after the last row).
-
-    The layout is safetensors' own (u64 header length, JSON header padded to 8 bytes, raw data in the
-    dict's order), so the reference reader opens it; the tests read every shard back through it.
-    """
-    header: dict = {"__metadata__": metadata}
-    offset = 0
-    for name, t in tensors.items():
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    head = len(blob).to_bytes(8, "little") + blob
-    pieces = [(0, memoryview(head))]  # (file offset, bytes) in file order
-    rows = []  # (start, stop, row bytes) in the file of each tensor whose rows `filling` fills
-    offset = len(head)
-    for t in tensors.values():
-        data = list(map(memoryview, t.frames)) if isinstance(t, _Frames) else [_as_bytes(t.contiguous())] if t.numel() else []
-        if filling is not None and not isinstance(t, _Frames) and t.dim() == 2 and t.numel():
-            rows.append((offset, offset + len(data[0]), len(data[0]) // t.shape[0]))
-        for piece in data:
-            pieces.append((offset, piece))
-            offset += len(piece)
-    size, starts = offset, [start for start, _ in pieces]
-    blocks = [(a, min(a + checksum.BLOCK_BYTES, size)) for a in range(0, size, checksum.BLOCK_BYTES)]
-    # The rows that must be final before a block's bytes are.
-    needs = [max([(min(b, stop) - start - 1) // row + 1 for start, stop, row in rows if start < b and a < stop], default=0)
-             for a, b in blocks]
-    digests = [b""] * len(blocks)
-
-    def parts(k: int) -> Iterator[tuple[int, memoryview]]:
-        """Block k's bytes, as (file offset, bytes) in file order."""
-        a, b = blocks[k]
-        i = bisect.bisect_right(starts, a) - 1
-        while i < len(pieces) and pieces[i][0] < b:
-            start, data = pieces[i]
-            yield max(a, start), data[max(a, start) - start : min(b, start + len(data)) - start]
-            i += 1
-
-    def hash_block(k: int) -> None:
-        digest = checksum.new_block_hash()
-        for _, part in parts(k):
-            digest.update(part)
-        digests[k] = digest.digest()
-
-    order = sorted(range(len(blocks)), key=needs.__getitem__)
-    hashing: list[Future] = []
-    # A file we create gets the mode the process umask allows (safetensors' own writer leaves 0600, which
-    # other users' training jobs could not read).
-    with open(path, "wb") as f:
-        try:
-            final = filling.final if filling is not None else 0
-            for k in order:
-                while needs[k] > final:
-                    final = filling.wait(final)
-                hashing.append(pool.submit(hash_block, k))
-                for offset, part in parts(k):
-                    _pwrite(f.fileno(), part, offset)
-                if filling is not None and final < filling.end:
-                    os.fdatasync(f.fileno())  # on a disk, the final fsync would otherwise flush it all at once
-            for block in hashing:
-                block.result()
-            if filling is not None:
-                filling.wait_confirmed()
-        finally:
-            wait(hashing)  # no block may still be hashed once the tensors' memory can go back to the writer
-    return checksum.combine(digests)
 
 
 def _as_tensor(x: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -313,7 +154,7 @@ class ShardWriter:
     last batch completes, when the caller says it is the last (`ending`). `add_batch` copies
     its input into a shard buffer and returns, so callers may reuse their (pinned) staging memory at once.
     Complete shards are written by `writers` threads in parallel, one file each, whose blocks `writers` more
-    threads checksum while they are written (`_serialize`); at most
+    threads checksum while they are written (`shard_file.write`); at most
     `writers + 1` shard buffers exist, so host memory is bounded whatever the corpus size, and a caller
     that outpaces the disk blocks in `add_batch`. A failed write (disk full, I/O error) is raised from the
     next `add_batch` or from `close`, and leaves no file under a shard's final name. `on_written` is
@@ -356,7 +197,7 @@ class ShardWriter:
         self._on_written = on_written
         self._writers = writers
         self._pool = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="shard-writer")
-        # The hashes of the blocks the writer threads write (_serialize): tasks that never wait, so a writer
+        # The hashes of the blocks the writer threads write (shard_file.write): tasks that never wait, so a writer
         # thread can wait for them.
         self._blocks = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="shard-block")
         self._encoders = threading.local()
@@ -369,7 +210,7 @@ class ShardWriter:
         self._widths: dict[str, int] | None = None  # of each staged tensor, given or fixed by the first batch
         self._current: _ShardBuffer | None = None
         self._open: tuple[SampleInfo, int, int] | None = None  # (sample, tokens, row bytes): begun, not ended
-        self._filling: _Filling | None = None  # the begun sample's rows, when its shard is already being written
+        self._filling: shard_file.Filling | None = None  # the begun sample's rows, when its shard is already being written
         self._touch = widths is not None or bool(buffers)
         self._lock = threading.Lock()
         self.bytes_written = 0
@@ -491,7 +332,7 @@ class ShardWriter:
         rows["loss_mask"].copy_(mask)
         self._open = (sample, n, row_bytes)
         if stream and not self.encoding.compressed and (buf.tokens + n) * row_bytes >= self.shard_bytes:
-            self._filling = _Filling(buf.tokens, buf.tokens + n)
+            self._filling = shard_file.Filling(buf.tokens, buf.tokens + n)
             self._flush(pending=(sample, n), filling=self._filling)
         return {t.name: rows[t.name] for t in self.encoding.staged}
 
@@ -567,7 +408,7 @@ class ShardWriter:
         size = self._current.tokens * self.encoding.state_bytes(self._widths) if self._current is not None else 0
         return max(1, min(self._writers, size // LAST_SHARD_PART_BYTES))
 
-    def _flush(self, pending: tuple[SampleInfo, int] | None = None, filling: _Filling | None = None, parts: int = 1) -> None:
+    def _flush(self, pending: tuple[SampleInfo, int] | None = None, filling: shard_file.Filling | None = None, parts: int = 1) -> None:
         """Hands the current buffer to a writer thread, with the `pending` sample whose rows are `filling`;
         or, cut into up to `parts` shards, to as many threads."""
         buf, self._current = self._current, None
@@ -583,7 +424,7 @@ class ShardWriter:
             self._pending.append(self._pool.submit(self._write, path, buf, samples, tensors, frames, filling))
 
     def _write(self, path: Path, buf: _ShardBuffer, samples: list[SampleInfo], tensors: dict[str, torch.Tensor],
-               frames: list[dict[str, Future]], filling: _Filling | None) -> Path:
+               frames: list[dict[str, Future]], filling: shard_file.Filling | None) -> Path:
         row_bytes = self.encoding.state_bytes(buf.widths)
         start = time.perf_counter()
         try:
@@ -595,7 +436,7 @@ class ShardWriter:
                 "samples": [asdict(s) for s in samples],
             }
             metadata = {METADATA_KEY: json.dumps(document)}
-            digest = atomic_write(path, lambda tmp: _serialize(tmp, tensors, metadata, self._blocks, filling))
+            digest = atomic_write(path, lambda tmp: shard_file.write(tmp, tensors, metadata, self._blocks, filling))
             size, tokens = path.stat().st_size, tensors["input_ids"].shape[0]
             header = ShardHeader(path, self.run, samples, {name: tuple(t.shape) for name, t in tensors.items()}, self.encoding)
             with self._lock:
@@ -625,14 +466,14 @@ class ShardWriter:
                     # error is this write's, and a caller waiting for a buffer would otherwise wait for ever.
                     self._free.put(buf)
 
-    def _compressed(self, tensors: dict[str, torch.Tensor], frames: list[dict[str, Future]]) -> dict[str, torch.Tensor | _Frames]:
+    def _compressed(self, tensors: dict[str, torch.Tensor], frames: list[dict[str, Future]]) -> dict[str, torch.Tensor | shard_file.Frames]:
         """Under zstd, each compressed state as its samples' `frames`, and their byte offsets."""
         if not self.encoding.compressed:
             return tensors
         out = dict(tensors)
         for name in self.encoding.compressed:
             data = [sample[name].result() for sample in frames]
-            out[name] = _Frames(data)
+            out[name] = shard_file.Frames(data)
             out[name + FRAMES_SUFFIX] = torch.tensor(np.cumsum([0, *map(len, data)]), dtype=torch.int64)
         return out
 

@@ -387,7 +387,7 @@ def test_a_full_disk_stops_cleanly_and_a_resume_completes(baseline, corpus, env,
 
 @pytest.mark.slow
 def test_a_full_disk_under_zstd_stops_cleanly_and_a_resume_completes(corpus, env, tmp_path):
-    # Compressed states are written frame by frame (store/writer.py's _Frames), not from one buffer. One
+    # Compressed states are written frame by frame (store/shard_file.py's Frames), not from one buffer. One
     # record midway is far longer than a shard, so that its shard alone outgrows the limit: twice the shard
     # size, above any shard of the short records (the size plus one record, before zstd shrinks it) and
     # under the long record's (about 2,000 tokens of 517 bytes, which zstd does not shrink 3x).

@@ -16,6 +16,7 @@ from offline_extract.store import checksum, codecs
 from offline_extract.store.index import iter_samples, read_index, shard_paths, write_index
 from offline_extract.store.schema import FORMAT_VERSION, Encoding, SampleInfo, ShardError, shard_name
 from offline_extract.store.shard import open_shard, read_header
+from offline_extract.store import shard_file
 from offline_extract.store import writer as writer_module
 from offline_extract.store.writer import ShardWriter
 from offline_extract.testing.shards import synthetic_run
@@ -244,7 +245,7 @@ def test_crash_while_serializing_leaves_no_partial_shard(tmp_path, monkeypatch):
             f.write(b"\x00" * 100)
         raise OSError("disk full")
 
-    monkeypatch.setattr(writer_module, "_serialize", crash_midway)
+    monkeypatch.setattr(shard_file, "write", crash_midway)
     writer = ShardWriter(tmp_path, RUN, shard_bytes=ROW_BYTES)
     writer.add_batch(*make_batch([0], [4]), lengths=[4])  # the write runs on a writer thread
     with pytest.raises(OSError, match="disk full"):
@@ -255,14 +256,14 @@ def test_crash_while_serializing_leaves_no_partial_shard(tmp_path, monkeypatch):
 def test_close_after_a_failed_write_was_caught_still_says_so(tmp_path, monkeypatch):
     """A library caller that catches the failed write add_batch raises and then closes, rather than aborts,
     must not get the shards written as if they were all."""
-    serialize, calls = writer_module._serialize, itertools.count()
+    serialize, calls = shard_file.write, itertools.count()
 
     def first_shard_fails(*args, **kwargs):
         if next(calls) == 0:
             raise OSError("disk full")
         return serialize(*args, **kwargs)
 
-    monkeypatch.setattr(writer_module, "_serialize", first_shard_fails)
+    monkeypatch.setattr(shard_file, "write", first_shard_fails)
     writer = ShardWriter(tmp_path, RUN, shard_bytes=ROW_BYTES, writers=1)
     writer.add_batch(*make_batch([0], [4]), lengths=[4])
     with pytest.raises(OSError, match="disk full"):
@@ -625,7 +626,7 @@ def test_shards_are_written_side_by_side_one_thread_a_file(tmp_path, monkeypatch
     threads_of: dict[str, set[int]] = {}
     second_started = threading.Event()
     first_waited = []
-    pwrite = writer_module._pwrite
+    pwrite = shard_file._pwrite
 
     def spy(fd, data, offset):
         name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
@@ -636,7 +637,7 @@ def test_shards_are_written_side_by_side_one_thread_a_file(tmp_path, monkeypatch
             second_started.set()
         pwrite(fd, data, offset)
 
-    monkeypatch.setattr(writer_module, "_pwrite", spy)
+    monkeypatch.setattr(shard_file, "_pwrite", spy)
     _, paths = write(tmp_path, BATCHES, shard_bytes=12 * ROW_BYTES, writers=2)
     assert len(paths) > 2
     assert first_waited and all(first_waited), "the second shard was written while the first one's writes waited"
@@ -645,13 +646,13 @@ def test_shards_are_written_side_by_side_one_thread_a_file(tmp_path, monkeypatch
 
 
 def test_the_writer_counts_its_wait_for_buffers_and_times_each_shard(tmp_path, monkeypatch):
-    serialize = writer_module._serialize
+    serialize = shard_file.write
 
     def slow(*args, **kwargs):
         time.sleep(0.2)
         return serialize(*args, **kwargs)
 
-    monkeypatch.setattr(writer_module, "_serialize", slow)
+    monkeypatch.setattr(shard_file, "write", slow)
     before = time.perf_counter()
     # One writer thread, two buffers: the third shard's batch waits for the first shard's write.
     writer, paths = write(tmp_path, BATCHES, shard_bytes=10 * ROW_BYTES, writers=1)

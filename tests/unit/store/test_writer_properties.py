@@ -22,6 +22,7 @@ import torch
 from shard_checks import Fed, check_finished, check_in_order, check_journal, check_shard
 
 from offline_extract.store import checksum, manifest, resume
+from offline_extract.store import shard_file
 from offline_extract.store import writer as writer_module
 from offline_extract.store.journal import Journal
 from offline_extract.store.schema import SampleInfo
@@ -86,7 +87,7 @@ class Seen:
     ended_on_a_flush: int = 0  # runs whose last batch completed a shard and left nothing for close
 
 
-class PacedFilling(writer_module._Filling):
+class PacedFilling(shard_file.Filling):
     """A streamed sample's rows, whose feed waits after each piece until the writing thread has taken
     every block that the piece made final, before the next piece lands: a block taken before all of its
     rows are final then holds the rows' earlier bytes every time, not only when a race goes that way."""
@@ -201,7 +202,7 @@ def run_seed(seed: int, tmp_path, monkeypatch, seen: Seen) -> None:
     out_for: dict[int, int] = {}
     cut: set[int] = set()
     lock = threading.Lock()
-    contents, serialize, reserve = writer_module._ShardBuffer.contents, writer_module._serialize, writer_module._ShardBuffer.reserve
+    contents, serialize, reserve = writer_module._ShardBuffer.contents, shard_file.write, writer_module._ShardBuffer.reserve
 
     def storage(t: torch.Tensor) -> int:
         return t.untyped_storage().data_ptr()
@@ -235,8 +236,8 @@ def run_seed(seed: int, tmp_path, monkeypatch, seen: Seen) -> None:
 
     monkeypatch.setattr(writer_module._ShardBuffer, "contents", contents_spy)
     monkeypatch.setattr(writer_module._ShardBuffer, "reserve", reserve_spy)
-    monkeypatch.setattr(writer_module, "_serialize", serialize_spy)
-    monkeypatch.setattr(writer_module, "_Filling", PacedFilling)
+    monkeypatch.setattr(shard_file, "write", serialize_spy)
+    monkeypatch.setattr(shard_file, "Filling", PacedFilling)
 
     out = tmp_path / f"seed{seed}"
     out.mkdir()
@@ -285,7 +286,7 @@ def test_a_write_failing_beside_others_leaves_complete_journaled_shards_and_a_re
     run, shard_rows, shard_bytes, _ = draw_sizes(seed, rng, monkeypatch)
     writers = rng.randint(2, 8)
     calls, fail_at, failed = itertools.count(), rng.randint(0, 12), []
-    pwrite, closing_started = writer_module._pwrite, threading.Event()
+    pwrite, closing_started = shard_file._pwrite, threading.Event()
 
     def full_disk(fd, data, offset):
         if next(calls) == fail_at:
@@ -295,7 +296,7 @@ def test_a_write_failing_beside_others_leaves_complete_journaled_shards_and_a_re
             raise OSError(errno.ENOSPC, "No space left on device")
         pwrite(fd, data, offset)
 
-    monkeypatch.setattr(writer_module, "_pwrite", full_disk)
+    monkeypatch.setattr(shard_file, "_pwrite", full_disk)
     out = tmp_path / "out"
     out.mkdir()
     offered: list[Fed] = []
@@ -337,7 +338,7 @@ def test_a_write_failing_beside_others_leaves_complete_journaled_shards_and_a_re
     assert starts == sorted(starts)
 
     (out / f".{paths[-1].name if paths else 'shard_000.safetensors'}.tmp").write_bytes(b"\0" * 100)  # killed mid-shard
-    monkeypatch.setattr(writer_module, "_pwrite", pwrite)
+    monkeypatch.setattr(shard_file, "_pwrite", pwrite)
     lock, existing = resume.take_over(out)
     try:
         assert not list(out.glob(".*.tmp"))
