@@ -91,6 +91,41 @@ def _pwrite(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
+def _layout(tensors: dict[str, torch.Tensor | Frames], metadata: dict[str, str], filling: Filling | None,
+            ) -> tuple[list[tuple[int, memoryview]], list[tuple[int, int, int]], int]:
+    """The file's bytes as (file offset, bytes) in file order, the header first, then the tensors' own memory; the
+    (start, stop, row bytes) in the file of each tensor whose rows `filling` fills; and the file's size."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    head = len(blob).to_bytes(8, "little") + blob
+    pieces = [(0, memoryview(head))]
+    rows = []
+    offset = len(head)
+    for t in tensors.values():
+        data = list(map(memoryview, t.frames)) if isinstance(t, Frames) else [_as_bytes(t.contiguous())] if t.numel() else []
+        if filling is not None and not isinstance(t, Frames) and t.dim() == 2 and t.numel():
+            rows.append((offset, offset + len(data[0]), len(data[0]) // t.shape[0]))
+        for piece in data:
+            pieces.append((offset, piece))
+            offset += len(piece)
+    return pieces, rows, offset
+
+
+def _between(pieces: list[tuple[int, memoryview]], starts: list[int], a: int, b: int) -> Iterator[tuple[int, memoryview]]:
+    """The file's bytes [a, b), as (file offset, bytes) in file order, from its `pieces` (which start at `starts`)."""
+    i = bisect.bisect_right(starts, a) - 1
+    while i < len(pieces) and pieces[i][0] < b:
+        start, data = pieces[i]
+        yield max(a, start), data[max(a, start) - start : min(b, start + len(data)) - start]
+        i += 1
+
+
 def write(path: Path, tensors: dict[str, torch.Tensor | Frames], metadata: dict[str, str], pool: ThreadPoolExecutor,
                filling: Filling | None = None) -> str:
     """Write a safetensors file straight from the tensors' memory, without an intermediate bytes copy,
@@ -110,26 +145,8 @@ def write(path: Path, tensors: dict[str, torch.Tensor | Frames], metadata: dict[
     The layout is safetensors' own (u64 header length, JSON header padded to 8 bytes, raw data in the
     dict's order), so the reference reader opens it; the tests read every shard back through it.
     """
-    header: dict = {"__metadata__": metadata}
-    offset = 0
-    for name, t in tensors.items():
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    head = len(blob).to_bytes(8, "little") + blob
-    pieces = [(0, memoryview(head))]  # (file offset, bytes) in file order
-    rows = []  # (start, stop, row bytes) in the file of each tensor whose rows `filling` fills
-    offset = len(head)
-    for t in tensors.values():
-        data = list(map(memoryview, t.frames)) if isinstance(t, Frames) else [_as_bytes(t.contiguous())] if t.numel() else []
-        if filling is not None and not isinstance(t, Frames) and t.dim() == 2 and t.numel():
-            rows.append((offset, offset + len(data[0]), len(data[0]) // t.shape[0]))
-        for piece in data:
-            pieces.append((offset, piece))
-            offset += len(piece)
-    size, starts = offset, [start for start, _ in pieces]
+    pieces, rows, size = _layout(tensors, metadata, filling)
+    starts = [start for start, _ in pieces]
     blocks = [(a, min(a + checksum.BLOCK_BYTES, size)) for a in range(0, size, checksum.BLOCK_BYTES)]
     # The rows that must be final before a block's bytes are.
     needs = [max([(min(b, stop) - start - 1) // row + 1 for start, stop, row in rows if start < b and a < stop], default=0)
@@ -137,13 +154,7 @@ def write(path: Path, tensors: dict[str, torch.Tensor | Frames], metadata: dict[
     digests = [b""] * len(blocks)
 
     def parts(k: int) -> Iterator[tuple[int, memoryview]]:
-        """Block k's bytes, as (file offset, bytes) in file order."""
-        a, b = blocks[k]
-        i = bisect.bisect_right(starts, a) - 1
-        while i < len(pieces) and pieces[i][0] < b:
-            start, data = pieces[i]
-            yield max(a, start), data[max(a, start) - start : min(b, start + len(data)) - start]
-            i += 1
+        return _between(pieces, starts, *blocks[k])
 
     def hash_block(k: int) -> None:
         digest = checksum.new_block_hash()
