@@ -50,6 +50,38 @@ def _as_tensor(x: np.ndarray | torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x
 
 
+def _state_widths(encoding: Encoding, widths: dict[str, int]) -> dict[str, int]:
+    """The widths of a batch's staged tensors, checked against what `encoding` stages."""
+    want = [t.name for t in encoding.staged]
+    if sorted(widths) != sorted(want):
+        raise ShardError(f"states {sorted(widths)} given, but the encoding {encoding.to_json()} stores {want}")
+    widths = {name: int(w) for name, w in widths.items()}
+    aux, hidden = (widths.get(name) for name in STATE_TENSORS)
+    if hidden is not None and (hidden == 0 or aux % hidden != 0):
+        raise ShardError(f"aux width {aux} is not a multiple of hidden size {hidden}")
+    return widths
+
+
+def _packed(samples: Sequence[SampleInfo], lengths: Sequence[int], tensors: dict[str, torch.Tensor],
+            ) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """The lengths and the tensors of a batch of `samples` packed along dim 0, checked against each other."""
+    lengths = [int(n) for n in lengths]
+    if len(lengths) != len(samples):
+        raise ShardError(f"{len(samples)} samples but {len(lengths)} lengths")
+    empty = [s.id for s, n in zip(samples, lengths) if n <= 0]
+    if empty:
+        raise ShardError(_NO_TOKENS.format(ids=empty, lengths=lengths))
+    total = sum(lengths)
+    for name, t in tensors.items():
+        want_dims = 1 if name in ("input_ids", "loss_mask") else 2
+        if t.dim() != want_dims or t.shape[0] != total:
+            raise ShardError(
+                f"{name} has shape {tuple(t.shape)}; expected {want_dims} dims with "
+                f"sum(lengths)={total} rows"
+            )
+    return lengths, tensors
+
+
 class _ShardBuffer:
     """Host memory for one shard in the making; reused from shard to shard to avoid page faults."""
 
@@ -74,7 +106,7 @@ class _ShardBuffer:
     def reserve(self, n: int) -> dict[str, torch.Tensor]:
         """Views of the next `n` rows of every tensor, to be filled and then `record`ed."""
         need = self.tokens + n
-        if need > self.capacity:  # the sample that crosses the shard target: grow (see ShardWriter._write)
+        if need > self.capacity:  # the sample that crosses the shard target: grow (see _Buffers.written)
             grown = _ShardBuffer(self.encoding, self.widths, max(need, self.capacity + self.capacity // 16))
             for name, t in self.tensors.items():
                 grown.tensors[name][: self.tokens].copy_(t[: self.tokens])
@@ -144,27 +176,195 @@ class WrittenShard:
     num_tokens: int
 
 
+class _Buffers:
+    """A writer's shard buffers of `shard_bytes`: at most `count` ever exist, so that host memory is bounded
+    whatever the corpus size. Made as first needed, for the `widths` the writer has fixed by then, or given up
+    front, each goes back (`written`) once a writer thread has written it; a caller that outpaces the disk waits
+    for one in `take` (back-pressure)."""
+
+    def __init__(self, encoding: Encoding, shard_bytes: int, widths: Callable[[], dict[str, int]], count: int,
+                 touch: bool):
+        self._encoding, self._shard_bytes, self._widths = encoding, shard_bytes, widths
+        self._touch = touch  # whether made buffers are touched: given ones were, or the widths were known ahead
+        self.free: queue.Queue[_ShardBuffer] = queue.Queue()
+        self.left = count  # how many may still be made or given
+        self.waited_s = 0.0  # for the bench: the writes were behind
+
+    def give(self, buf: _ShardBuffer) -> bool:
+        """One made ahead (`shard_buffers`), while fewer than `count` exist; whether it was taken."""
+        if not self.left:
+            return False
+        self.left -= 1
+        self.free.put(buf)
+        return True
+
+    def _make(self) -> _ShardBuffer:
+        return shard_buffers(self._encoding, self._widths(), self._shard_bytes, 1, touch=self._touch)[0]
+
+    def make_all(self) -> None:
+        while self.left:
+            self.left -= 1
+            self.free.put(self._make())
+
+    def take(self) -> _ShardBuffer:
+        """A buffer to fill: a new one while fewer than `count` exist, else the next one handed back."""
+        if self.left:
+            self.left -= 1
+            return self._make()
+        start = time.perf_counter()
+        buf = self.free.get()
+        self.waited_s += time.perf_counter() - start
+        return buf
+
+    def written(self, buf: _ShardBuffer, closed: bool) -> None:
+        """A writer thread has written the last shard of `buf`: it goes back. A buffer grown for a sample longer
+        than a shard would stay that size for the rest of the run, and up to `count` of them could: it is
+        swapped for a standard one, touched here, off the hot path. Once the writer is `closed`, no buffer is
+        needed any more, and touching one would only delay the end."""
+        buf.clear()
+        row_bytes = self._encoding.state_bytes(buf.widths)
+        try:
+            if buf.capacity * row_bytes > self._shard_bytes + row_bytes and not closed:
+                buf = self._make()
+        finally:
+            # The grown one goes back when no standard one could be had (out of memory): the error is this
+            # write's, and a caller waiting for a buffer would otherwise wait for ever.
+            self.free.put(buf)
+
+
+class _Writes:
+    """A writer's threads: each shard handed over (`submit`) is written by one of `writers` threads, one file
+    each, whose blocks `writers` more threads hash while it is written (`shard_file.write`); under zstd the
+    writer threads also compress each sample's states once it is buffered (`compress_recorded`). A failed write
+    is raised by the next `raise_failed`. `done` is called from a writer thread with a buffer whose every shard
+    is written; `on_written` with each shard complete under its final name."""
+
+    def __init__(self, run: RunInfo, writers: int, on_written: Callable[[WrittenShard], None] | None,
+                 done: Callable[[_ShardBuffer], None]):
+        # Serialized now, not after the first shard's worth of GPU work.
+        self._run_document = run.to_json()
+        json.dumps(self._run_document)
+        self._run, self._encoding = run, run.encoding
+        self._on_written, self._done = on_written, done
+        self._pool = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="shard-writer")
+        # The hashes of the blocks the writer threads write (shard_file.write): tasks that never wait, so a writer
+        # thread can wait for them.
+        self._blocks = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="shard-block")
+        self._encoders = threading.local()
+        self._lock = threading.Lock()
+        self.pending: list[Future] = []
+        self.paths: list[Path] = []
+        self.failed: BaseException | None = None  # the first write that failed, raised again by close()
+        self.bytes = self.samples = self.tokens = 0
+        self.headers: list[ShardHeader] = []
+        self.timed: list[tuple[float, float, int]] = []
+
+    def submit(self, path: Path, buf: _ShardBuffer, samples: list[SampleInfo], tensors: dict[str, torch.Tensor],
+               frames: list[dict[str, Future]], filling: shard_file.Filling | None) -> None:
+        self.pending.append(self._pool.submit(self._write, path, buf, samples, tensors, frames, filling))
+
+    def _write(self, path: Path, buf: _ShardBuffer, samples: list[SampleInfo], tensors: dict[str, torch.Tensor],
+               frames: list[dict[str, Future]], filling: shard_file.Filling | None) -> Path:
+        start = time.perf_counter()
+        try:
+            tensors = self._compressed(tensors, frames)
+            tensors = {name: tensors[name] for name in self._encoding.file_order}
+            document = {
+                "format_version": FORMAT_VERSION,
+                "run": self._run_document,
+                "samples": [asdict(s) for s in samples],
+            }
+            metadata = {METADATA_KEY: json.dumps(document)}
+            digest = atomic_write(path, lambda tmp: shard_file.write(tmp, tensors, metadata, self._blocks, filling))
+            size, tokens = path.stat().st_size, tensors["input_ids"].shape[0]
+            header = ShardHeader(path, self._run, samples, {name: tuple(t.shape) for name, t in tensors.items()}, self._encoding)
+            with self._lock:
+                self.bytes += size
+                self.samples += len(samples)
+                self.tokens += tokens
+                self.headers.append(header)
+                self.timed.append((start, time.perf_counter() - start, size))
+            if self._on_written is not None:
+                self._on_written(WrittenShard(path.name, digest, size, len(samples), tokens))
+            return path
+        finally:
+            with self._lock:
+                buf.writes_left -= 1
+                last = buf.writes_left == 0
+            if last:
+                self._done(buf)
+
+    def _compressed(self, tensors: dict[str, torch.Tensor], frames: list[dict[str, Future]]) -> dict[str, torch.Tensor | shard_file.Frames]:
+        """Under zstd, each compressed state as its samples' `frames`, and their byte offsets."""
+        if not self._encoding.compressed:
+            return tensors
+        out = dict(tensors)
+        for name in self._encoding.compressed:
+            data = [sample[name].result() for sample in frames]
+            out[name] = shard_file.Frames(data)
+            out[name + FRAMES_SUFFIX] = torch.tensor(np.cumsum([0, *map(len, data)]), dtype=torch.int64)
+        return out
+
+    def compress_recorded(self, buf: _ShardBuffer) -> None:
+        """Under zstd, starts compressing the frames of the samples just recorded in `buf`, each state of
+        each sample a task of the writer threads. A shard's frames are then ready about when its last batch
+        arrives; compressed only once the shard was complete, by the one thread that writes it, the last
+        shard's took most of a second after the last forward. The write waits for them: submitted before
+        it, they are running or done by the time a thread takes the write (the pool is first in, first
+        out), so that wait cannot starve."""
+        if not self._encoding.compressed:
+            return
+        new = buf.lengths[len(buf.frames) :]
+        start = buf.tokens - sum(new)
+        for n in new:
+            buf.frames.append({
+                name: self._pool.submit(self._compress_frame, buf.tensors[name][start : start + n])
+                for name in self._encoding.compressed
+            })
+            start += n
+
+    def _compress_frame(self, rows: torch.Tensor) -> bytes:
+        if not hasattr(self._encoders, "encode"):
+            self._encoders.encode = self._encoding.codec.encoder()  # an encoder serves one thread at a time
+        return self._encoders.encode(rows)
+
+    def raise_failed(self) -> None:
+        done = [f for f in self.pending if f.done()]
+        for f in done:
+            self.pending.remove(f)
+            if f.exception() is not None:
+                self.failed = self.failed or f.exception()
+            self.paths.append(f.result())  # re-raises a writer thread's error here
+
+    def wait(self) -> None:
+        """Until every write has ended, raising the first that failed."""
+        for f in self.pending:
+            f.exception()  # wait for all, so no thread still writes when we raise
+        self.raise_failed()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._blocks.shutdown(wait=True)
+
+
 class ShardWriter:
     """Assembles batches of extracted samples into shards of about `shard_bytes` and writes them.
 
-    A shard is closed as soon as its hidden-state bytes (aux + last as the run's encoding stores them,
-    before any compression) reach `shard_bytes`, so it exceeds that size by less than one sample; samples
-    are never split across shards. What is still buffered at `close` is written by every thread at once, as up to
-    `writers` smaller shards (LAST_SHARD_PART_BYTES), since the caller waits for it; so is a shard that the
-    last batch completes, when the caller says it is the last (`ending`). `add_batch` copies
-    its input into a shard buffer and returns, so callers may reuse their (pinned) staging memory at once.
-    Complete shards are written by `writers` threads in parallel, one file each, whose blocks `writers` more
-    threads checksum while they are written (`shard_file.write`); at most
-    `writers + 1` shard buffers exist, so host memory is bounded whatever the corpus size, and a caller
-    that outpaces the disk blocks in `add_batch`. A failed write (disk full, I/O error) is raised from the
-    next `add_batch` or from `close`, and leaves no file under a shard's final name. `on_written` is
-    called from a writer thread once a shard is complete under its final name.
+    A shard is closed as soon as its hidden-state bytes (aux + last as the run's encoding stores them, before any
+    compression) reach `shard_bytes`, so it exceeds that size by less than one sample; samples are never split
+    across shards. What is still buffered at `close` is written by every thread at once, as up to `writers` smaller
+    shards (LAST_SHARD_PART_BYTES), since the caller waits for it; so is a shard that the last batch completes, when
+    the caller says it is the last (`ending`). `add_batch` copies its input into a shard buffer and returns, so
+    callers may reuse their (pinned) staging memory at once. Complete shards are written by `writers` threads
+    (`_Writes`) from at most `writers + 1` shard buffers (`_Buffers`): host memory is bounded whatever the corpus
+    size, and a caller that outpaces the disk blocks in `add_batch`. A failed write (disk full, I/O error) is raised
+    from the next `add_batch` or from `close`, and leaves no file under a shard's final name. `on_written` is called
+    from a writer thread once a shard is complete under its final name.
 
-    A sample whose states arrive in pieces (a long sample, chunk by chunk) goes in with `begin_sample`,
-    which hands out its rows in the shard buffer to fill, and `end_sample`: its states are then copied
-    into host memory once, never assembled elsewhere first. Under zstd the writer threads compress each
-    sample's states, one frame each, as soon as the sample is in its buffer; a sample's frame needs all of
-    its rows, so a long sample's shard is written once the sample is complete, not while it fills.
+    A sample whose states arrive in pieces (a long sample, chunk by chunk) goes in with `begin_sample`, which hands
+    out its rows in the shard buffer to fill, and `end_sample`: its states are then copied into host memory once,
+    never assembled elsewhere first. Under zstd a sample's frame needs all of its rows (`_Writes.compress_recorded`),
+    so a long sample's shard is written once the sample is complete, not while it fills.
     """
 
     def __init__(
@@ -185,57 +385,39 @@ class ShardWriter:
             raise ValueError(f"writers must be at least 1, got {writers}")
         if run.store == "fp8" and run.num_aux_layers is None:
             raise ValueError("an fp8 run must record its layer_ids: each layer gets its own scales")
-        # Serialized now, not after the first shard's worth of GPU work.
-        self._run_document = run.to_json()
-        json.dumps(self._run_document)
+        self._writes = _Writes(run, writers, on_written, lambda buf: self._buffers.written(buf, self._closed))
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.run = run
         self.encoding = run.encoding
         self.shard_bytes = shard_bytes
         self._numbers = shard_numbers if shard_numbers is not None else itertools.count()
-        self._on_written = on_written
         self._writers = writers
-        self._pool = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="shard-writer")
-        # The hashes of the blocks the writer threads write (shard_file.write): tasks that never wait, so a writer
-        # thread can wait for them.
-        self._blocks = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="shard-block")
-        self._encoders = threading.local()
-        self._free: queue.Queue[_ShardBuffer] = queue.Queue()
-        self._buffers_left = writers + 1
-        self._pending: list[Future] = []
-        self._paths: list[Path] = []
-        self._failed: BaseException | None = None  # the first write that failed, raised again by close()
         self._closed = False
         self._widths: dict[str, int] | None = None  # of each staged tensor, given or fixed by the first batch
         self._current: _ShardBuffer | None = None
         self._open: tuple[SampleInfo, int, int] | None = None  # (sample, tokens, row bytes): begun, not ended
         self._filling: shard_file.Filling | None = None  # the begun sample's rows, when its shard is already being written
-        self._touch = widths is not None or bool(buffers)
-        self._lock = threading.Lock()
-        self.bytes_written = 0
-        self.samples_written = 0
-        self.tokens_written = 0
-        self.headers: list[ShardHeader] = []  # of the shards written, as read_header would read them back
-        # For the bench: the seconds add_batch waited for a shard buffer (the writes are behind), and each
-        # shard's write as (perf_counter at its start, seconds, bytes).
-        self.buffer_wait_s = 0.0
-        self.writes: list[tuple[float, float, int]] = []
+        self._buffers = _Buffers(run.encoding, shard_bytes, lambda: self._widths, writers + 1,
+                                 touch=widths is not None or bool(buffers))
         # All shard buffers up front, touched, so that first-touch copies stay off the hot path during the
         # first shards: given (`shard_buffers`, prepared ahead), or allocated now for `widths`.
         for buf in buffers or ():
-            if self._buffers_left:
-                self._buffers_left -= 1
+            if self._buffers.give(buf):
                 self._widths = buf.widths
-                self._free.put(buf)
         if widths is not None and not buffers:
             self._widths = widths
-            while self._buffers_left:
-                self._buffers_left -= 1
-                self._free.put(self._new_buffer())
+            self._buffers.make_all()
 
-    def _new_buffer(self) -> _ShardBuffer:
-        return shard_buffers(self.encoding, self._widths, self.shard_bytes, 1, touch=self._touch)[0]
+    # What the writer threads wrote (`_Writes`): shards, samples, tokens and bytes, the shards' headers as
+    # read_header would read them back, and for the bench each write as (perf_counter at its start, seconds,
+    # bytes); and the seconds add_batch waited for a shard buffer (the writes are behind).
+    bytes_written = property(lambda self: self._writes.bytes)
+    samples_written = property(lambda self: self._writes.samples)
+    tokens_written = property(lambda self: self._writes.tokens)
+    headers = property(lambda self: self._writes.headers)
+    writes = property(lambda self: self._writes.timed)
+    buffer_wait_s = property(lambda self: self._buffers.waited_s)
 
     def add_batch(
         self,
@@ -275,21 +457,7 @@ class ShardWriter:
         (written whole, it was one file written at one stream's rate after the last forward: a write into a
         file holds its inode lock)."""
         self._check_open("add_batch")
-        lengths = [int(n) for n in lengths]
-        if len(lengths) != len(samples):
-            raise ShardError(f"{len(samples)} samples but {len(lengths)} lengths")
-        empty = [s.id for s, n in zip(samples, lengths) if n <= 0]
-        if empty:
-            raise ShardError(_NO_TOKENS.format(ids=empty, lengths=lengths))
-        total = sum(lengths)
-        tensors = {"input_ids": _as_tensor(input_ids), "loss_mask": _as_tensor(loss_mask), **staged}
-        for name, t in tensors.items():
-            want_dims = 1 if name in ("input_ids", "loss_mask") else 2
-            if t.dim() != want_dims or t.shape[0] != total:
-                raise ShardError(
-                    f"{name} has shape {tuple(t.shape)}; expected {want_dims} dims with "
-                    f"sum(lengths)={total} rows"
-                )
+        lengths, tensors = _packed(samples, lengths, {"input_ids": _as_tensor(input_ids), "loss_mask": _as_tensor(loss_mask), **staged})
         row_bytes = self._fix_widths({name: t.shape[1] for name, t in staged.items()})
 
         first_sample = first_row = row = 0
@@ -305,7 +473,7 @@ class ShardWriter:
     def _append(self, samples, lengths, tensors: dict[str, torch.Tensor], start: int, stop: int) -> None:
         buf = self._buffer()
         buf.append(samples, lengths, tensors, start, stop)
-        self._compress_recorded(buf)
+        self._writes.compress_recorded(buf)
 
     def begin_sample(
         self, sample: SampleInfo, input_ids: np.ndarray | torch.Tensor, loss_mask: np.ndarray | torch.Tensor,
@@ -359,7 +527,7 @@ class ShardWriter:
             return
         if keep:
             self._current.record([sample], [n])
-            self._compress_recorded(self._current)
+            self._writes.compress_recorded(self._current)
             if self._current.tokens * row_bytes >= self.shard_bytes:
                 self._flush(parts=self._tail_parts() if ending else 1)
 
@@ -368,18 +536,12 @@ class ShardWriter:
             raise ShardError(f"{call} called on a closed ShardWriter")
         if self._open is not None:
             raise ShardError(f"{call} called while sample {self._open[0].id!r} is begun and not ended")
-        self._raise_failed_writes()
+        self._writes.raise_failed()
 
     def _fix_widths(self, widths: dict[str, int]) -> int:
-        """Checks the staged tensors' widths against the encoding and the writer's; returns the state bytes
-        a token."""
-        want = [t.name for t in self.encoding.staged]
-        if sorted(widths) != sorted(want):
-            raise ShardError(f"states {sorted(widths)} given, but the encoding {self.encoding.to_json()} stores {want}")
-        widths = {name: int(w) for name, w in widths.items()}
-        aux, hidden = (widths.get(name) for name in STATE_TENSORS)
-        if hidden is not None and (hidden == 0 or aux % hidden != 0):
-            raise ShardError(f"aux width {aux} is not a multiple of hidden size {hidden}")
+        """Checks the staged tensors' widths against the encoding (`_state_widths`) and the writer's; returns the
+        state bytes a token."""
+        widths = _state_widths(self.encoding, widths)
         if self._widths is None:
             self._widths = widths
         elif widths != self._widths:
@@ -391,15 +553,10 @@ class ShardWriter:
 
     def _buffer(self) -> _ShardBuffer:
         if self._current is None:
-            if self._buffers_left:
-                self._buffers_left -= 1
-                self._current = self._new_buffer()
-            else:
-                # Back-pressure: wait for a writer to hand a buffer back.
-                start = time.perf_counter()
-                self._current = self._free.get()
-                self.buffer_wait_s += time.perf_counter() - start
-                self._raise_failed_writes()
+            waits = not self._buffers.left
+            self._current = self._buffers.take()
+            if waits:
+                self._writes.raise_failed()
         return self._current
 
     def _tail_parts(self) -> int:
@@ -421,92 +578,7 @@ class ShardWriter:
                 raise FileExistsError(f"{path} already exists; refusing to overwrite another run's shard")
         buf.writes_left = len(shards)
         for path, (samples, tensors, frames) in zip(paths, shards):
-            self._pending.append(self._pool.submit(self._write, path, buf, samples, tensors, frames, filling))
-
-    def _write(self, path: Path, buf: _ShardBuffer, samples: list[SampleInfo], tensors: dict[str, torch.Tensor],
-               frames: list[dict[str, Future]], filling: shard_file.Filling | None) -> Path:
-        row_bytes = self.encoding.state_bytes(buf.widths)
-        start = time.perf_counter()
-        try:
-            tensors = self._compressed(tensors, frames)
-            tensors = {name: tensors[name] for name in self.encoding.file_order}
-            document = {
-                "format_version": FORMAT_VERSION,
-                "run": self._run_document,
-                "samples": [asdict(s) for s in samples],
-            }
-            metadata = {METADATA_KEY: json.dumps(document)}
-            digest = atomic_write(path, lambda tmp: shard_file.write(tmp, tensors, metadata, self._blocks, filling))
-            size, tokens = path.stat().st_size, tensors["input_ids"].shape[0]
-            header = ShardHeader(path, self.run, samples, {name: tuple(t.shape) for name, t in tensors.items()}, self.encoding)
-            with self._lock:
-                self.bytes_written += size
-                self.samples_written += len(samples)
-                self.tokens_written += tokens
-                self.headers.append(header)
-                self.writes.append((start, time.perf_counter() - start, size))
-            if self._on_written is not None:
-                self._on_written(WrittenShard(path.name, digest, size, len(samples), tokens))
-            return path
-        finally:
-            with self._lock:
-                buf.writes_left -= 1
-                last = buf.writes_left == 0
-            if last:
-                buf.clear()
-                try:
-                    # A buffer grown for a sample longer than a shard would stay that size for the rest of
-                    # the run, and up to writers+1 of them could: swap it for a standard one, touched here,
-                    # off the hot path. Once closed, no buffer is needed any more, and touching one would
-                    # only delay the end.
-                    if buf.capacity * row_bytes > self.shard_bytes + row_bytes and not self._closed:
-                        buf = self._new_buffer()
-                finally:
-                    # The grown one goes back when no standard one could be had (out of memory): the
-                    # error is this write's, and a caller waiting for a buffer would otherwise wait for ever.
-                    self._free.put(buf)
-
-    def _compressed(self, tensors: dict[str, torch.Tensor], frames: list[dict[str, Future]]) -> dict[str, torch.Tensor | shard_file.Frames]:
-        """Under zstd, each compressed state as its samples' `frames`, and their byte offsets."""
-        if not self.encoding.compressed:
-            return tensors
-        out = dict(tensors)
-        for name in self.encoding.compressed:
-            data = [sample[name].result() for sample in frames]
-            out[name] = shard_file.Frames(data)
-            out[name + FRAMES_SUFFIX] = torch.tensor(np.cumsum([0, *map(len, data)]), dtype=torch.int64)
-        return out
-
-    def _compress_recorded(self, buf: _ShardBuffer) -> None:
-        """Under zstd, starts compressing the frames of the samples just recorded in `buf`, each state of
-        each sample a task of the writer threads. A shard's frames are then ready about when its last batch
-        arrives; compressed only once the shard was complete, by the one thread that writes it, the last
-        shard's took most of a second after the last forward. The write waits for them: submitted before
-        it, they are running or done by the time a thread takes the write (the pool is first in, first
-        out), so that wait cannot starve."""
-        if not self.encoding.compressed:
-            return
-        new = buf.lengths[len(buf.frames) :]
-        start = buf.tokens - sum(new)
-        for n in new:
-            buf.frames.append({
-                name: self._pool.submit(self._compress_frame, buf.tensors[name][start : start + n])
-                for name in self.encoding.compressed
-            })
-            start += n
-
-    def _compress_frame(self, rows: torch.Tensor) -> bytes:
-        if not hasattr(self._encoders, "encode"):
-            self._encoders.encode = self.encoding.codec.encoder()  # an encoder serves one thread at a time
-        return self._encoders.encode(rows)
-
-    def _raise_failed_writes(self) -> None:
-        done = [f for f in self._pending if f.done()]
-        for f in done:
-            self._pending.remove(f)
-            if f.exception() is not None:
-                self._failed = self._failed or f.exception()
-            self._paths.append(f.result())  # re-raises a writer thread's error here
+            self._writes.submit(path, buf, samples, tensors, frames, filling)
 
     def close(self) -> list[Path]:
         """Writes the buffered tail, waits for every write, and returns the shards written."""
@@ -516,18 +588,16 @@ class ShardWriter:
             self._closed = True
             try:
                 self._flush(parts=self._tail_parts())
-                for f in self._pending:
-                    f.exception()  # wait for all, so no thread still writes when we raise
-                self._raise_failed_writes()
+                self._writes.wait()
             finally:
-                self._pool.shutdown(wait=True)
-                self._blocks.shutdown(wait=True)
+                self._writes.shutdown()
             # A caller that caught a failed write from add_batch and closes (rather than abort) would otherwise
             # get the shards written as if they were all: the failed shard's samples are on no disk.
-            if self._failed is not None:
-                raise ShardError(f"a shard write failed earlier ({self._failed!r}): its samples are not in {self.out_dir}") \
-                    from self._failed
-        return sorted(self._paths, key=shard_number)
+            failed = self._writes.failed
+            if failed is not None:
+                raise ShardError(f"a shard write failed earlier ({failed!r}): its samples are not in {self.out_dir}") \
+                    from failed
+        return sorted(self._writes.paths, key=shard_number)
 
     def abort(self) -> None:
         """Stops after a failure elsewhere: drops the shard still being filled and waits for the complete
@@ -541,5 +611,4 @@ class ShardWriter:
             self._current = self._open = None
             if self._filling is not None:
                 self._filling.abort()
-            self._pool.shutdown(wait=True)
-            self._blocks.shutdown(wait=True)
+            self._writes.shutdown()

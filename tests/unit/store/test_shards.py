@@ -335,7 +335,7 @@ def test_unknown_sample_in_a_shard(tmp_path):
 def test_preallocated_buffers_write_the_same_shards(tmp_path):
     _, plain = write(tmp_path / "plain", BATCHES, shard_bytes=12 * ROW_BYTES, writers=2)
     writer, pre = write(tmp_path / "pre", BATCHES, shard_bytes=12 * ROW_BYTES, writers=2, widths=WIDTHS)
-    assert writer._buffers_left == 0, "every buffer is allocated up front"
+    assert writer._buffers.left == 0, "every buffer is allocated up front"
     assert [p.name for p in plain] == [p.name for p in pre]
     for a, b in zip(plain, pre):
         assert a.read_bytes() == b.read_bytes()
@@ -387,9 +387,9 @@ def test_a_sample_filled_in_pieces_writes_the_same_shards(tmp_path, widths, stre
     capacities = set()
 
     def buffers_written_during_the_run(writer):
-        for f in writer._pending:
+        for f in writer._writes.pending:
             f.result()
-        capacities.update(writer._free.get().capacity for _ in range(writer._free.qsize()))
+        capacities.update(writer._buffers.free.get().capacity for _ in range(writer._buffers.free.qsize()))
 
     pieces = _feed_in_pieces(writer, batches, piece_rows=7, stream=stream, before_close=buffers_written_during_the_run)
     assert [p.name for p in whole] == [p.name for p in pieces]
@@ -514,14 +514,14 @@ def test_a_grown_buffer_goes_back_when_no_standard_one_can_be_allocated(tmp_path
     once written. When that allocation fails (out of memory), the grown one goes back and the error comes
     out of the writer: the buffer had been lost, and with every buffer lost so, the next batch waited for
     one for ever."""
-    allocate = ShardWriter._new_buffer
+    allocate = writer_module._Buffers._make
 
     def no_memory_in_writer_threads(self):
         if threading.current_thread().name.startswith("shard-writer"):
             raise MemoryError("no room for a shard buffer")
         return allocate(self)
 
-    monkeypatch.setattr(ShardWriter, "_new_buffer", no_memory_in_writer_threads)
+    monkeypatch.setattr(writer_module._Buffers, "_make", no_memory_in_writer_threads)
     writer = ShardWriter(tmp_path, RUN, shard_bytes=4 * ROW_BYTES, writers=1)  # two buffers
     raised = []
 
