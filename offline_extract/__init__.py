@@ -29,7 +29,7 @@ _EXPORTS = {
     "dry_run": ("offline_extract.extraction", "dry_run"),
     "ExtractOptions": ("offline_extract.options", "ExtractOptions"),
     "Summary": ("offline_extract.summary", "Summary"),
-    "StoppedError": ("offline_extract.extraction", "StoppedError"),
+    "StoppedError": ("offline_extract.output", "StoppedError"),
     "HiddenStateDataset": ("offline_extract.training.datasets", "HiddenStateDataset"),
     "HiddenStateIterableDataset": ("offline_extract.training.datasets", "HiddenStateIterableDataset"),
     "pad_collate": ("offline_extract.training.datasets", "pad_collate"),
@@ -46,9 +46,10 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
-    from offline_extract.extraction import StoppedError, dry_run
+    from offline_extract.extraction import dry_run
     from offline_extract.extraction import run as extract
     from offline_extract.options import ExtractOptions
+    from offline_extract.output import StoppedError
     from offline_extract.store.index import iter_samples
     from offline_extract.store.integrity import verify
     from offline_extract.store.schema import RunInfo, SampleInfo, ShardError

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from collections import deque
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import asdict, replace
 from itertools import chain, islice
 from pathlib import Path
@@ -30,28 +30,23 @@ from offline_extract.data.sources import Source
 from offline_extract.data.tokenization import Sample, SampleTokenizer, tokenizer_files
 from offline_extract.engine import checkpoint, parity
 from offline_extract.engine.distributed import Coordinator, Layout, ReportedByLeader, Share, layout_from_env
-from offline_extract.engine.nonfinite import NonFiniteError, NonFiniteGuard
+from offline_extract.engine.nonfinite import NonFiniteGuard
 from offline_extract.engine.sglang_adapter import LAYER_CONVENTION, Engine, EngineConfig, PortTaken, import_sglang
 from offline_extract.feed import HostMemory, extract_batches, prepared_ahead
 from offline_extract.options import FINAL_STATES, ExtractOptions
+from offline_extract.output import OutputDirectory, resumable
 from offline_extract.parity_gate import ParityGate
 from offline_extract.progress import RunProgress, foreign_output_hidden, note
 from offline_extract.recipes import RECIPES
 from offline_extract.store import manifest, resume
-from offline_extract.store.atomic import atomic_write
-from offline_extract.store.index import shard_paths, write_index
-from offline_extract.store.journal import Journal, read_journal
-from offline_extract.store.schema import REJECTS_FILE, Encoding, RunInfo
+from offline_extract.store.index import shard_paths
+from offline_extract.store.journal import Journal
+from offline_extract.store.schema import Encoding, RunInfo
 from offline_extract.store.writer import ShardWriter
 from offline_extract.summary import Summary, Tally
 from offline_extract.timeline import Timeline
-from offline_extract.timings import run_timings, timing_line
+from offline_extract.timings import run_timings
 from offline_extract.version import __version__
-from offline_extract.words import plural
-
-
-class StoppedError(RuntimeError):
-    """The run stopped part-way (disk full, I/O error, non-finite states); what it wrote is complete."""
 
 
 class Terminated(BaseException):
@@ -266,7 +261,7 @@ def run(opts: ExtractOptions) -> Summary | None:
         job.load_tokenizer()
         finished = resume.finished(job.out, job.known, job.checked.corpus_paths)
     if finished is not None:
-        return job.already_complete(finished)
+        return job.output.already_complete(finished)
     return job.run()
 
 
@@ -292,7 +287,7 @@ class Job:
         self.engine: Engine | None = None
         self.meta: RunInfo | None = None
         self.written: list = []  # headers of the shards this rank wrote (ShardWriter.headers)
-        self.identity: dict | None = None  # the identity the leader recorded, with the corpus as it was then
+        self.output = OutputDirectory(self.out, self.layout, self.coord)
         self.gate = ParityGate(opts, self.layout, self.coord, self.timeline, self.checked.model.path)
         self.input_wait_s = 0.0  # the feed's wait for its next batch (feed.extract_batches)
 
@@ -308,18 +303,6 @@ class Job:
         self.tokenizer = _sample_tokenizer(self.opts, self.checked.model.path)
         self.known = replace(self.known, **self.tokenizer.fingerprint())
         self.timeline.mark("tokenizer loaded")
-
-    def already_complete(self, finished: dict) -> Summary | None:
-        """The directory holds this run's finished output. Every rank finds the same, and no rank loads the
-        model to find nothing to do; the leader checks the shards' checksums and rebuilds a lost index."""
-        if not self.layout.leads:
-            return None
-        for line in resume.settle_finished(self.out, finished):
-            note(line)
-        note(f"already complete: {self.out} holds this run's finished output, nothing to extract")
-        counts = finished["result"]
-        return Summary(records=counts["records"], resumed=counts["extracted"], skipped=counts["skipped"],
-                       rejected=counts["rejected"], dropped=counts["dropped"])
 
     def run(self) -> Summary | None:
         if self.opts.strict:
@@ -381,9 +364,9 @@ class Job:
         host = self._host_memory() if on_gpu and layout.writes else None
         self.gate.start_preload()
         self._load()
-        done = self._claim(existing)
+        done = self.output.claim(existing, self.meta, self.checked.corpus_paths, self.opts.force)
         self.share = Share(layout, done)
-        with _resumable(self.out), ExitStack() as journals:
+        with resumable(self.out), ExitStack() as journals:
             rejects = journals.enter_context(Journal(self.out / resume.REJECTS_PART.format(layout.dp_rank))) if layout.writes else None
             tally = Tally(rejects, opts.strict, opts.nonfinite)
             samples = self._pending(done, tally)
@@ -405,7 +388,7 @@ class Job:
             writer = self._writer(existing, journals, buffers, on_gpu) if layout.writes else None
             self._extract(chain(head, samples), writer, staging, tally)
         tally.summary.seconds = self.timeline.now()  # from the command, as a user waits for it
-        return self._finish(tally.summary)
+        return self.output.finish(tally.summary, self.written, self.checked.sources, self.timeline, self._timings)
 
     def _host_memory(self) -> HostMemory:
         """Started before the model loads, with the widths the config predicts (`_num_aux_layers`)."""
@@ -453,27 +436,6 @@ class Job:
             note(f"kernel prebuild: {name} failed ({why}); SGLang builds it when the forward first needs it")
         self.meta = run_metadata(self.known, self.engine)
 
-    def _claim(self, existing: resume.Existing) -> np.ndarray:
-        """Checks that the directory's earlier shards come from this same run (once the model is loaded: the
-        default layer ids and the compute dtype come from SGLang) and returns which records they hold."""
-        out = self.out
-
-        def claim() -> list[str]:
-            self.identity = identity = manifest.run_identity(self.meta, self.checked.corpus_paths)
-            notes = resume.check_identity(out, identity, self.opts.force)
-            resume.done_mask(out, existing.shards)  # a damaged shard refuses the run before anything is written
-            return notes + resume.claim(out, identity)
-
-        notes = self.coord.from_leader(claim)
-        done = resume.done_mask(out, existing.shards)
-        if self.layout.leads:
-            for line in notes:
-                note(line)
-            if existing.shards:
-                kept = f"{plural(int(done.sum()), 'sample')} in {plural(len(existing.shards), 'complete shard')}"
-                note(f"resuming in {out}: {kept} are kept")
-        return done
-
     def _pending(self, done: np.ndarray, tally: Tally) -> Iterator[Sample]:
         """This replica's samples still to extract, every record read counted in `tally`. `done[i]` marks
         record i as already written."""
@@ -498,6 +460,10 @@ class Job:
         verified = self.gate.run(self.engine, head)
         self.meta = replace(self.meta, parity=tuple(verified["rows"]), parity_routing=verified.get("routing"))
         return verified["rows"]
+
+    def _timings(self) -> dict:
+        return run_timings(self.timeline, self.layout.dp_size, self.input_wait_s, self.gate.timings,
+                           self.engine.prebuild_report)
 
     def _writer(self, existing: resume.Existing, journals: ExitStack, buffers: list, on_gpu: bool) -> ShardWriter:
         shard_log = journals.enter_context(Journal(manifest.journal_path(self.out, self.layout.dp_rank), durable=True))
@@ -566,53 +532,6 @@ class Job:
             if not i:
                 self.timeline.mark("first forward")
             yield batch
-
-    def _finish(self, summary: Summary) -> Summary | None:
-        """Every replica has finished writing: the leader describes the whole directory (rejects.jsonl, the
-        index, then the manifest) and gets the run's summary."""
-        parts = self.coord.all_gather(asdict(summary) if self.layout.writes else None)
-        # Replicas end apart (a slower host, a long sample last): waiting for the last is a part of the tail.
-        self.timeline.mark("replicas finished")
-        total = Summary()
-        for p in parts:
-            if p is not None:
-                total = total.merge(Summary(**p))
-        if not self.layout.leads:
-            return None
-        self._check_corpus_unchanged(total)
-        with _resumable(self.out):
-            _merge_rejects(self.out)
-            write_index(self.out, self.written)
-            self.timeline.mark("finished")
-            timings = run_timings(self.timeline, self.layout.dp_size, self.input_wait_s, self.gate.timings,
-                                  self.engine.prebuild_report)
-            # Last, so that a manifest saying "complete" means the index and rejects.jsonl are final too.
-            counts = {key: getattr(total, key) for key in ("records", "skipped", "rejected", "dropped")}
-            manifest.consolidate(self.out, status="complete", result={**counts, "extracted": total.extracted + total.resumed},
-                                 timings=timings)
-        note(timing_line(timings))
-        return total
-
-    def _check_corpus_unchanged(self, total: Summary) -> None:
-        """The corpus files fingerprinted again, as the identity recorded them when the run began: one changed
-        while it was read (cut short, appended to, rewritten) gave samples of neither version whole, and the
-        run is not marked complete for the corpus it records."""
-        now, changed = [], []
-        for i, (source, then) in enumerate(zip(self.checked.sources, self.identity["corpus"])):
-            try:
-                now.append(then if source.streamed else manifest.file_fingerprint(source.path))
-            except OSError as e:  # moved or deleted meanwhile
-                now.append(then)
-                changed.append(f"corpus file {i + 1} ({then['path']}): {e.strerror or e} now")
-        changed += manifest.corpus_differences(self.identity, {"corpus": now}, pipes=False)
-        if changed:
-            raise StoppedError(
-                "the corpus changed while this run read it:\n  " + "\n  ".join(changed)
-                + f"\n{self.out} holds the samples of the {plural(total.records, 'record')} read, which are not the "
-                f"corpus recorded when the run began, so the run is not marked complete. Put the corpus back as it "
-                f"was and re-run the same command to finish it; or, to take the corpus as it is now, re-run with "
-                f"--force (samples are matched to records by position: right where records were only appended)"
-            )
 
 class _Beside:
     """`call` on a thread of its own (`start`), beside what the calling thread does meanwhile; `wait` joins
@@ -687,24 +606,3 @@ def _count_owned(share: Share, sources: Sequence[Source]) -> int | None:
     """This replica's share of the records, for the progress ETA; None when a source cannot say."""
     total = _count_records(sources)
     return None if total is None else share.count(total)
-
-
-@contextmanager
-def _resumable(out: Path) -> Iterator[None]:
-    """Turns a failure that a re-run recovers from into a StoppedError that says so."""
-    try:
-        yield
-    except (OSError, NonFiniteError) as e:
-        raise StoppedError(
-            f"{e}\nThe complete shards in {out} are kept: once the cause is fixed, re-running the same command "
-            f"resumes from them."
-        ) from e
-
-
-def _merge_rejects(out: Path) -> None:
-    """One rejects.jsonl in record order from the replicas' parts; the parts go."""
-    parts = sorted(out.glob(resume.REJECTS_PART.format("*")))
-    rows = sorted((row for part in parts for row in read_journal(part)), key=lambda row: row["index"])
-    atomic_write(out / REJECTS_FILE, lambda tmp: tmp.write_text("".join(json.dumps(row) + "\n" for row in rows)))
-    for part in parts:
-        part.unlink()

@@ -127,7 +127,8 @@ def main(dry_run, **options):
     from offline_extract import extraction, planning
     from offline_extract.engine.distributed import LeaderFailed, PeerLost, ReportedByLeader
     from offline_extract.engine.parity import ParityError
-    from offline_extract.extraction import StoppedError, Terminated, raise_terminated
+    from offline_extract.extraction import Terminated, raise_terminated
+    from offline_extract.output import StoppedError
     from offline_extract.store.index import shard_paths
     from offline_extract.store.schema import REJECTS_FILE
     from offline_extract.summary import no_sample_verdict

@@ -11,6 +11,7 @@ from extract_runs import ROOT
 from offline_extract import extraction
 from offline_extract.data.corpus import read_corpus
 from offline_extract.options import ExtractOptions
+from offline_extract.output import StoppedError
 
 CORPUS = ROOT / "examples" / "corpus.jsonl"
 
@@ -53,7 +54,7 @@ def test_a_corpus_changed_during_the_run_is_not_marked_complete_and_the_rerun_sa
     out = tmp_path / "out"
     monkeypatch.setattr(extraction, "Engine", lambda cfg: tiny_engine)
     _changing(monkeypatch, corpus, change)
-    with pytest.raises(extraction.StoppedError) as stopped:
+    with pytest.raises(StoppedError) as stopped:
         extraction.run(_opts(corpus, out))
     message = str(stopped.value)
     assert message.startswith(f"the corpus changed while this run read it:\n  corpus file 1 ({corpus}): bytes ")

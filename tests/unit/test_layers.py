@@ -17,7 +17,7 @@ FLOORS = [
     {"store"},
     {"engine"},
     {"progress", "training", "testing"},
-    {"preflight", "planning", "summary", "feed", "parity_gate", "timings"},
+    {"preflight", "planning", "summary", "feed", "parity_gate", "timings", "output"},
     {"extraction"},
     {"cli"},
     {"commands"},

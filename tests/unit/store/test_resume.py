@@ -5,16 +5,14 @@ import json
 import os
 import random
 from dataclasses import replace
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from extract_runs import hidden_files
 from small_shards import RUN, journal_entry, write_shards
 
-from offline_extract import extraction
 from offline_extract.engine.distributed import Coordinator, Layout
-from offline_extract.options import ExtractOptions
+from offline_extract.output import OutputDirectory
 from offline_extract.store import checksum, manifest, resume
 from offline_extract.store.journal import Journal, read_journal
 from offline_extract.store.schema import FORMAT_VERSION
@@ -227,12 +225,8 @@ def _claim_as_a_rerun(out, corpus, force=False) -> None:
     lock, existing = resume.take_over(out)
     try:
         layout = Layout(rank=0, world_size=1)
-        # The job's claim phase itself, on what it reads of a job whose model has loaded.
-        job = SimpleNamespace(
-            opts=ExtractOptions(data=(str(corpus),), out=str(out), force=force), out=out, layout=layout,
-            checked=SimpleNamespace(corpus_paths=[corpus]), coord=Coordinator(layout, "test"), meta=RUN,
-        )
-        extraction.Job._claim(job, existing)
+        # The job's claim phase itself, as a job whose model has loaded calls it.
+        OutputDirectory(out, layout, Coordinator(layout, "test")).claim(existing, RUN, [corpus], force)
     finally:
         lock.release()
 
