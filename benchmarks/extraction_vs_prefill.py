@@ -302,8 +302,8 @@ class _ForwardClock:
             self._host.append((start, seconds))
             self._events.append((before, self._event()))
 
-    def capture(self, seqs):
-        return self._timed(lambda: self._engine.capture(seqs))
+    def capture(self, seqs, images=None):
+        return self._timed(lambda: self._engine.capture(seqs, images))
 
     def prefill(self, seqs):
         return self._timed(lambda: self._engine.prefill(seqs))
