@@ -308,7 +308,7 @@ class Job:
         if self.opts.strict:
             if self.tokenizer is None:
                 self.load_tokenizer()
-            self._stop_at_the_first_bad_record()
+            _stop_at_the_first_bad_record(self.opts, self.layout, self.coord, self.checked.sources, self.tokenizer)
         locks = []
 
         def take_over() -> dict:
@@ -325,32 +325,6 @@ class Job:
         finally:
             for lock in locks:
                 lock.release()
-
-    def _stop_at_the_first_bad_record(self) -> None:
-        """--strict: each replica reads and tokenizes its share before the model loads, and the run stops at
-        the first bad record in corpus order, whichever replica holds it, reported once."""
-        first = None
-        layout = self.layout
-        share = Share(layout, np.zeros(0, dtype=bool))
-        count = (lambda: _count_owned(share, self.checked.sources)) if layout.leads else None
-        with _progress(self.opts, "--strict check", count, shown=layout.leads) as bar:
-            for item in read_corpus(self.opts.data, owns=share):
-                if isinstance(item, Record):
-                    item = self.tokenizer(item)
-                bar.advance(1, item.num_tokens if isinstance(item, Sample) else 0, 0)
-                if isinstance(item, Reject) and item.kind != "skipped":
-                    first = item.to_json()
-                    break
-        found = [reject for reject in self.coord.all_gather(first) if reject]
-        if not found:
-            return
-        error = BadRecordError(Reject(**min(found, key=lambda reject: reject["index"])))
-        if self.layout.world_size == 1:
-            raise error
-        if self.layout.leads:
-            note(f"Error: {error}")
-        self.coord.barrier()  # nobody exits before it is said: torchrun stops the others at the first exit
-        raise ReportedByLeader(str(error))
 
     def _attempt(self, existing: resume.Existing) -> Summary | None:
         """The phases of one attempt, in order: load the model, claim the output directory for this run,
@@ -532,6 +506,33 @@ class Job:
             if not i:
                 self.timeline.mark("first forward")
             yield batch
+
+def _stop_at_the_first_bad_record(opts: ExtractOptions, layout: Layout, coord: Coordinator, sources: Sequence[Source],
+                                   tokenizer: SampleTokenizer) -> None:
+    """--strict: each replica reads and tokenizes its share before the model loads, and the run stops at
+    the first bad record in corpus order, whichever replica holds it, reported once."""
+    first = None
+    share = Share(layout, np.zeros(0, dtype=bool))
+    count = (lambda: _count_owned(share, sources)) if layout.leads else None
+    with _progress(opts, "--strict check", count, shown=layout.leads) as bar:
+        for item in read_corpus(opts.data, owns=share):
+            if isinstance(item, Record):
+                item = tokenizer(item)
+            bar.advance(1, item.num_tokens if isinstance(item, Sample) else 0, 0)
+            if isinstance(item, Reject) and item.kind != "skipped":
+                first = item.to_json()
+                break
+    found = [reject for reject in coord.all_gather(first) if reject]
+    if not found:
+        return
+    error = BadRecordError(Reject(**min(found, key=lambda reject: reject["index"])))
+    if layout.world_size == 1:
+        raise error
+    if layout.leads:
+        note(f"Error: {error}")
+    coord.barrier()  # nobody exits before it is said: torchrun stops the others at the first exit
+    raise ReportedByLeader(str(error))
+
 
 class _Beside:
     """`call` on a thread of its own (`start`), beside what the calling thread does meanwhile; `wait` joins
