@@ -231,6 +231,7 @@ def dry_run(opts: ExtractOptions) -> planning.Plan:
     if shards:
         resume.check_before_loading(out, known, checked.corpus_paths, opts.force)
         done = resume.done_mask(out, shards)  # what the run resuming there keeps (a damaged shard refuses it)
+        resume.check_images(out, shards, opts.data, opts.force)
     model = checked.model
     tokenizer = _sample_tokenizer(opts, model.path)
     with _progress(opts, "dry run", lambda: _count_records(checked.sources)) as bar:
@@ -338,7 +339,7 @@ class Job:
         host = self._host_memory() if on_gpu and layout.writes else None
         self.gate.start_preload()
         self._load()
-        done = self.output.claim(existing, self.meta, self.checked.corpus_paths, self.opts.force)
+        done = self.output.claim(existing, self.meta, self.checked.corpus_paths, self.opts.data, self.opts.force)
         self.share = Share(layout, done)
         with resumable(self.out), ExitStack() as journals:
             rejects = journals.enter_context(Journal(self.out / resume.REJECTS_PART.format(layout.dp_rank))) if layout.writes else None

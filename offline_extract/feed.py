@@ -26,7 +26,16 @@ from offline_extract.store.writer import ShardWriter, shard_buffers
 
 
 def _info(s: Sample) -> SampleInfo:
-    return SampleInfo(s.index, s.id, s.source, s.line, s.source_len, s.truncated)
+    images = None if s.images is None else s.images.fingerprint
+    return SampleInfo(s.index, s.id, s.source, s.line, s.source_len, s.truncated, images)
+
+
+def _image_mask(samples) -> np.ndarray | None:
+    """The packed samples' image-token mask (None where none has images)."""
+    if all(s.images is None for s in samples):
+        return None
+    return np.concatenate([np.zeros(s.num_tokens, np.uint8) if s.images is None else s.images.token_mask.astype(np.uint8)
+                           for s in samples])
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,7 @@ class _WriterFeed:
             staged,
             lengths=[s.num_tokens for s in samples],
             ending=piece.ending,
+            image_mask=_image_mask(samples),
         )
 
 

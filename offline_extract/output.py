@@ -64,15 +64,18 @@ class OutputDirectory:
         return Summary(records=counts["records"], resumed=counts["extracted"], skipped=counts["skipped"],
                        rejected=counts["rejected"], dropped=counts["dropped"])
 
-    def claim(self, existing: resume.Existing, meta: RunInfo, corpus_paths: Sequence[Path], force: bool) -> np.ndarray:
+    def claim(self, existing: resume.Existing, meta: RunInfo, corpus_paths: Sequence[Path], data: Sequence[str],
+              force: bool) -> np.ndarray:
         """Checks that the directory's earlier shards come from this same run (once the model is loaded: the
-        default layer ids and the compute dtype come from SGLang) and returns which records they hold."""
+        default layer ids and the compute dtype come from SGLang), and from the images the corpus `data` (the
+        --data entries) names now, and returns which records they hold."""
         out = self.out
 
         def claim() -> list[str]:
             self.identity = identity = manifest.run_identity(meta, corpus_paths)
             notes = resume.check_identity(out, identity, force)
             resume.done_mask(out, existing.shards)  # a damaged shard refuses the run before anything is written
+            notes += resume.check_images(out, existing.shards, data, force)
             return notes + resume.claim(out, identity)
 
         notes = self.coord.from_leader(claim)

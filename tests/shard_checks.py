@@ -24,6 +24,11 @@ class Fed:
     input_ids: torch.Tensor  # int32, as stored
     loss_mask: torch.Tensor  # uint8, as stored
     staged: dict[str, torch.Tensor]  # the encoding's staged tensors, as stored (before any compression)
+    image_mask: torch.Tensor | None = None  # uint8, as stored; None: handed none, stored as zeros
+
+    @property
+    def image_mask_stored(self) -> torch.Tensor:
+        return torch.zeros_like(self.loss_mask) if self.image_mask is None else self.image_mask
 
 
 def same(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -36,7 +41,7 @@ def same(got: torch.Tensor, want: torch.Tensor) -> bool:
 def expected(want: Fed, decode) -> dict[str, torch.Tensor]:
     """The sample's tensors as a reader returns them: states decoded by `decode`, or as stored (None)."""
     states = decode(want.staged) if decode is not None else want.staged
-    return {"input_ids": want.input_ids, "loss_mask": want.loss_mask, **states}
+    return {"input_ids": want.input_ids, "loss_mask": want.loss_mask, "image_mask": want.image_mask_stored, **states}
 
 
 def assert_sample(got: dict, want: Fed, decode, where: str) -> None:
@@ -131,14 +136,15 @@ class KeepingWriter(ShardWriter):
         self.handed: list[Fed] = []
         self._begun = None
 
-    def add_staged(self, samples, input_ids, loss_mask, staged, *, lengths, ending=False):
+    def add_staged(self, samples, input_ids, loss_mask, staged, *, lengths, ending=False, image_mask=None):
         start = 0
         for s, n in zip(samples, lengths):
             rows = slice(start, start + n)
+            images = None if image_mask is None else torch.as_tensor(image_mask[rows]).to(torch.uint8)
             self.handed.append(Fed(s, torch.as_tensor(input_ids[rows]).to(torch.int32), torch.as_tensor(loss_mask[rows]).to(torch.uint8),
-                                   {name: t[rows].clone() for name, t in staged.items()}))
+                                   {name: t[rows].clone() for name, t in staged.items()}, images))
             start += n
-        super().add_staged(samples, input_ids, loss_mask, staged, lengths=lengths, ending=ending)
+        super().add_staged(samples, input_ids, loss_mask, staged, lengths=lengths, ending=ending, image_mask=image_mask)
 
     def begin_sample(self, sample, input_ids, loss_mask, widths, **kwargs):
         rows = super().begin_sample(sample, input_ids, loss_mask, widths, **kwargs)

@@ -69,11 +69,19 @@ def decode(ref: ImageRef, data: bytes):
 
 
 def load_images(refs: Sequence[ImageRef]) -> tuple[list, str]:
-    """A record's images decoded, and the fingerprint of their bytes: the sha256 over each image's own sha256,
-    in order."""
-    decoded, digest = [], hashlib.sha256()
-    for ref in refs:
-        data = image_bytes(ref)
-        digest.update(hashlib.sha256(data).digest())
-        decoded.append(decode(ref, data))
-    return decoded, digest.hexdigest()
+    """A record's images decoded, and the fingerprint of their bytes (`fingerprint`)."""
+    data = [image_bytes(ref) for ref in refs]
+    return [decode(ref, d) for ref, d in zip(refs, data)], _fingerprint(data)
+
+
+def fingerprint(refs: Sequence[ImageRef]) -> str:
+    """The fingerprint of a record's images, read without decoding them: the sha256 over each image's own sha256,
+    in order. Equal fingerprints mean the same bytes, so the same pixels."""
+    return _fingerprint([image_bytes(ref) for ref in refs])
+
+
+def _fingerprint(data: Sequence[bytes]) -> str:
+    digest = hashlib.sha256()
+    for d in data:
+        digest.update(hashlib.sha256(d).digest())
+    return digest.hexdigest()

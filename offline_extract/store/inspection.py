@@ -151,9 +151,11 @@ def summarize(path: str | os.PathLike, allow_partial: bool = False) -> dict:
     stats = [_RunningStats() for _ in names]
 
     chunk_rows = max(1, CHUNK_BYTES // (sum(widths.values()) * 4))
-    loss_tokens = 0
+    loss_tokens = image_tokens = 0
     for shard in shards:
         loss_tokens += int(shard.tensor("loss_mask").sum(dtype=torch.int64))
+        if shard.encoding.image_mask:  # shards of earlier versions hold no image
+            image_tokens += int(shard.tensor("image_mask").sum(dtype=torch.int64))
         # Whole samples at a time, about chunk_rows tokens: a compressed sample is decoded as a unit.
         first = 0
         while first < len(shard.samples):
@@ -176,6 +178,7 @@ def summarize(path: str | os.PathLike, allow_partial: bool = False) -> dict:
         "num_tokens": num_tokens,
         "loss_tokens": loss_tokens,
         "loss_fraction": loss_tokens / num_tokens if num_tokens else None,
+        "image_tokens": image_tokens,
         "layer_ids": run.to_json()["layer_ids"],
         "layer_convention": run.layer_convention,
         "stored_dtype": str(run.stored_dtype).removeprefix("torch."),
@@ -273,6 +276,7 @@ def sample_view(path: str | os.PathLike, sample_id: str) -> dict:
         "row": row,
         "num_tokens": len(ids),
         "loss_tokens": int(mask.sum()),
+        "image_tokens": int(tensors["image_mask"].sum()),
         "tokenizer_path": shard.run.tokenizer_path,
         "tokenizer_note": decoded.note,
         "spans": spans,
@@ -303,6 +307,7 @@ def render_summary(summary: dict, console: Console) -> None:
         ("samples", number(summary["num_samples"])),
         ("tokens", number(summary["num_tokens"])),
         ("loss tokens", f"{number(summary['loss_tokens'])} ({_percent(summary['loss_fraction'])} of tokens)"),
+        *([("image tokens", number(summary["image_tokens"]))] if summary["image_tokens"] else []),
         ("layer ids", summary["layer_ids"]),
         ("layer convention", summary["layer_convention"]),
         ("stored dtype", summary["stored_dtype"]),
@@ -334,6 +339,7 @@ def render_sample(view: dict, console: Console) -> None:
     meta.add_column(style="bold")
     meta.add_column()
     keys = ("index", "source", "line", "source_len", "truncated", "shard", "row", "num_tokens", "loss_tokens")
+    keys += ("image_tokens", "images_sha256") if view["image_tokens"] else ()
     for key in keys:
         meta.add_row(key, Text(str(view[key])))
     console.print(meta)

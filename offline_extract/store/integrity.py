@@ -19,7 +19,7 @@ from safetensors import safe_open
 from offline_extract.store import manifest
 from offline_extract.store.index import index_run, read_index, shard_paths
 from offline_extract.store.lock import running
-from offline_extract.store.schema import FRAMES_SUFFIX, IDENTITY_KEYS, INDEX_NAME, SCALE_SUFFIX, Encoding, ShardError
+from offline_extract.store.schema import FRAMES_SUFFIX, IDENTITY_KEYS, INDEX_NAME, SCALE_SUFFIX, SPECS, Encoding, ShardError
 from offline_extract.store.shard import ShardHeader, read_header
 from offline_extract.words import listing, plural
 
@@ -129,6 +129,8 @@ def _check_shard(path: Path, recorded: dict | None) -> tuple[ShardHeader | None,
             offsets = f.get_tensor("offsets").tolist()
             sample_index = f.get_tensor("sample_index").tolist()
             encoded = _check_encoding(path.name, f, header.encoding, offsets, dtypes)
+            if header.encoding.image_mask and dtypes.get("image_mask") == SPECS["image_mask"].safetensors_dtype:
+                encoded += _check_image_mask(path.name, f.get_tensor("image_mask"), f.get_tensor("loss_mask"))
     except ShardError as e:
         return None, [str(e)]
     name, shapes, run = path.name, header.shapes, header.run
@@ -152,6 +154,16 @@ def _check_shard(path: Path, recorded: dict | None) -> tuple[ShardHeader | None,
         if key in identity and facts[key] != identity[key]:
             problems.append(f"{name}: run {key} {facts[key]!r} differs from the manifest's {identity[key]!r}")
     return header, problems
+
+
+def _check_image_mask(name: str, image_mask: torch.Tensor, loss_mask: torch.Tensor) -> list[str]:
+    """image_mask is 0/1, and no image token is in the loss (the drafter predicts text, never an image)."""
+    if image_mask.shape != loss_mask.shape:
+        return []  # the shapes' own check names it
+    if (image_mask > 1).any():
+        return [f"{name}: image_mask holds {int((image_mask > 1).sum())} values other than 0 and 1"]
+    both = int(((image_mask == 1) & (loss_mask != 0)).sum())
+    return [f"{name}: {both} image tokens are in the loss (loss_mask 1 where image_mask is 1)"] if both else []
 
 
 def _check_encoding(name: str, f, encoding: Encoding, offsets: list[int], dtypes: dict) -> list[str]:

@@ -21,6 +21,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from offline_extract.data import images
+from offline_extract.data.corpus import Reject, read_corpus
 from offline_extract.store import manifest
 from offline_extract.store.atomic import temporary_name
 from offline_extract.store.lock import LOCK_NAME, holder
@@ -298,6 +300,48 @@ def done_mask(out: Path, shards: Sequence[str]) -> np.ndarray:
     mask = np.zeros(max(indices, default=-1) + 1, dtype=bool)
     mask[indices] = True
     return mask
+
+
+# Kept samples whose changed images a refusal names one by one; the rest are counted.
+CHANGED_IMAGES_SHOWN = 5
+
+
+def check_images(out: Path, shards: Sequence[str], data: Sequence[str], force: bool) -> list[str]:
+    """The leader's side, beside `check_identity`: the kept samples with images were extracted from the images
+    their records name now. Each recorded its images' fingerprint (SampleInfo.images_sha256); their bytes are
+    read again (not decoded) and a change refuses the run, which --force lets through (the kept samples keep the
+    states of the images they had). Nothing is read where no kept sample has images. Returns notes on what was
+    let through."""
+    recorded = {info.index: info.images_sha256 for name in shards for info in read_header(out / name).samples
+                if info.images_sha256 is not None}
+    if not recorded:
+        return []
+    changed = []
+    for item in read_corpus(data):
+        if item.index not in recorded:
+            continue
+        where = f"{item.source}:{item.line} (id {item.id!r})"
+        if isinstance(item, Reject):
+            changed.append(f"{where}: the record is rejected now ({item.reason})")
+        elif not item.images:
+            changed.append(f"{where}: the record names no image now")
+        else:
+            try:
+                if images.fingerprint(item.images) != recorded[item.index]:
+                    changed.append(f"{where}: its images' bytes differ from those it was extracted from")
+            except images.ImageError as e:
+                changed.append(f"{where}: {e}")
+    if not changed:
+        return []
+    listed = changed[:CHANGED_IMAGES_SHOWN] + ([f"... and {len(changed) - CHANGED_IMAGES_SHOWN} more"]
+                                               if len(changed) > CHANGED_IMAGES_SHOWN else [])
+    if not force:
+        raise TakeoverError(
+            f"{out} holds samples extracted from other images than their records name now, so this run cannot "
+            f"resume there ({plural(len(changed), 'kept sample')}):\n  " + "\n  ".join(listed)
+            + "\nPut the images back as they were, choose another --out, or pass --force to resume anyway (the kept "
+            "samples keep the states of the images they were extracted from)")
+    return [f"--force: resuming despite {plural(len(changed), 'kept sample')} whose images changed"]
 
 
 def shard_numbers(first: int, dp_rank: int, dp_size: int) -> Iterator[int]:

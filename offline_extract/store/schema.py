@@ -24,10 +24,14 @@ from offline_extract.options import Compression, FinalState, Overlong, RecipeNam
 from offline_extract.store.codecs import CODECS, FP8_DTYPE, FrameCodec, fp8_dequantize, fp8_quantize
 
 # Of shards, index.json and manifest.json alike: they are read together, so they change together.
-# Version 2 records a shard's encoding once, in its run (version 1 also had it beside the run, and the
-# stored dtype as run["dtype"]); version 1 outputs are still read, resumed, verified and exported.
-FORMAT_VERSION = 2
-READABLE_FORMAT_VERSIONS = (1, FORMAT_VERSION)
+# Version 3 adds image_mask, which tokens stand for images, and each sample's images_sha256. Version 2 records a
+# shard's encoding once, in its run (version 1 also had it beside the run, and the stored dtype as run["dtype"]).
+# Outputs of versions 1 and 2 are still read (an image_mask of zeros: they hold no image), resumed, verified and
+# exported.
+FORMAT_VERSION = 3
+READABLE_FORMAT_VERSIONS = (1, 2, FORMAT_VERSION)
+# The first version whose shards hold image_mask.
+IMAGE_MASK_SINCE = 3
 METADATA_KEY = "offline_extract"
 INDEX_NAME = "index.json"
 REJECTS_FILE = "rejects.jsonl"  # the records a run left out, with why: its replicas' lists, merged at its end
@@ -84,6 +88,7 @@ class TensorSpec:
 TENSORS = (
     TensorSpec("input_ids", torch.int32, "T"),
     TensorSpec("loss_mask", torch.uint8, "T"),
+    TensorSpec("image_mask", torch.uint8, "T"),  # 1 at the tokens that stand for an image, never in the loss
     TensorSpec("aux_hidden_states", torch.bfloat16, "T", "k*H"),
     TensorSpec("hidden_states", torch.bfloat16, "T", "H"),  # the final state (RunInfo.final_state says which)
     TensorSpec("offsets", torch.int64, "n+1"),  # sample i is rows offsets[i]:offsets[i+1]
@@ -103,6 +108,8 @@ SAFETENSORS_DTYPES = {
 
 # What a sample consists of, in item order: the per-token tensors.
 SAMPLE_TENSORS = tuple(t.name for t in TENSORS if t.per_token)
+# The per-token tensors of the tokens themselves, one value a token (input_ids and the masks).
+TOKEN_TENSORS = tuple(t.name for t in TENSORS if t.per_token and t.cols is None)
 # The hidden states, (aux, last): the 2-D tensors, whose width depends on the model.
 STATE_TENSORS = tuple(t.name for t in TENSORS if t.cols is not None)
 # The dtype readers hand states out in, whatever the store.
@@ -125,6 +132,8 @@ class Encoding:
     store: Store = "bf16"
     compress: Compression = "none"
     keeps_final_state: bool = True
+    # Whether the shard stores image_mask (format version 3 on); readers hand one of zeros out where it does not.
+    image_mask: bool = True
 
     def __post_init__(self):
         check_choice("store", self.store)
@@ -136,7 +145,13 @@ class Encoding:
     @classmethod
     def from_json(cls, document: dict) -> "Encoding":
         """The encoding a format version 1 shard document records beside its run."""
-        return cls(document["store"], document["compress"], keeps_final_state=document["final_state"])
+        return cls(document["store"], document["compress"], keeps_final_state=document["final_state"],
+                   image_mask=False)
+
+    @property
+    def token_tensors(self) -> tuple[str, ...]:
+        """The tensors of the tokens themselves that a shard of this encoding stores."""
+        return tuple(name for name in TOKEN_TENSORS if name != "image_mask" or self.image_mask)
 
     @property
     def states(self) -> tuple[str, ...]:
@@ -171,7 +186,7 @@ class Encoding:
     @property
     def tensors(self) -> tuple[TensorSpec, ...]:
         """Every tensor a shard of this encoding holds."""
-        specs = [SPECS["input_ids"], SPECS["loss_mask"]]
+        specs = [SPECS[name] for name in self.token_tensors]
         for t in self.staged:
             if t.name in self.compressed:
                 specs += [TensorSpec(t.name, torch.uint8, "bytes"), TensorSpec(t.name + FRAMES_SUFFIX, torch.int64, "n+1")]
@@ -199,10 +214,10 @@ class Encoding:
 
     def bytes_per_token(self, num_aux_layers: int, hidden_size: int) -> dict[str, int]:
         """Bytes of one token in each per-token tensor before compression (staged states and scales,
-        input_ids, loss_mask)."""
+        then the tokens' own: input_ids and the masks)."""
         widths = self.widths(num_aux_layers, hidden_size)
         per_token = {t.name: t.dtype.itemsize * widths[t.name] for t in self.staged}
-        return {**per_token, **{name: SPECS[name].dtype.itemsize for name in ("input_ids", "loss_mask")}}
+        return {**per_token, **{name: SPECS[name].dtype.itemsize for name in self.token_tensors}}
 
     def encode(self, aux: torch.Tensor, last: torch.Tensor | None, num_aux_layers: int) -> dict[str, torch.Tensor]:
         """The staged tensors of a batch's states, on the states' device (the GPU, before the copy)."""
@@ -239,6 +254,7 @@ class SampleInfo:
     line: int
     source_len: int  # tokens before --max-length; of the part tokenized where a text was cut first (data/tokenization)
     truncated: bool
+    images_sha256: str | None = None  # the fingerprint of its images' bytes (data/images.load_images); None: none
 
 
 # A RunInfo field's role. An identity fact decides every sample's bytes: a run may resume in a directory

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -11,10 +11,11 @@ import torch
 from safetensors import safe_open
 
 from offline_extract.store.schema import (
-    FORMAT_VERSION,
     FRAMES_SUFFIX,
+    IMAGE_MASK_SINCE,
     METADATA_KEY,
     SCALE_SUFFIX,
+    SPECS,
     STATE_TENSORS,
     Encoding,
     RunInfo,
@@ -44,9 +45,11 @@ def _run_and_encoding(document: dict, path: Path) -> tuple[RunInfo, Encoding]:
     encoding recorded beside it, or for a shard written before encodings existed plain bf16."""
     check_format_version(document.get("format_version"), path)
     run = RunInfo.from_json(document["run"], str(path))
-    if document["format_version"] == FORMAT_VERSION:
+    if document["format_version"] >= IMAGE_MASK_SINCE:
         return run, run.encoding
-    return run, Encoding.from_json(document["encoding"]) if "encoding" in document else Encoding()
+    if document["format_version"] == 2:
+        return run, replace(run.encoding, image_mask=False)
+    return run, Encoding.from_json(document["encoding"]) if "encoding" in document else Encoding(image_mask=False)
 
 
 def read_header(path: str | os.PathLike) -> ShardHeader:
@@ -94,7 +97,10 @@ def read_samples(
     frame whose checksum or structure is broken raises ShardError naming the shard and the sample."""
     offsets = bounds["offsets"]
     start, end = offsets[first], offsets[stop]
-    out = {name: f.get_slice(name)[start:end] for name in names if name not in STATE_TENSORS}
+    stored = encoding.token_tensors
+    # A token tensor of a later version than the shard's (image_mask): zeros, as nothing of it was there.
+    out = {name: f.get_slice(name)[start:end] if name in stored else torch.zeros(end - start, dtype=SPECS[name].dtype)
+           for name in names if name not in STATE_TENSORS}
     states = [name for name in names if name in STATE_TENSORS]
     staged = {}
     for t in encoding.staged:
@@ -137,7 +143,7 @@ class Shard(ShardHeader):
         return i_or_id
 
     def sample(self, i_or_id: int | str) -> dict[str, torch.Tensor]:
-        """One sample's input_ids, loss_mask and states (aux_hidden_states, hidden_states if kept)."""
+        """One sample's input_ids, loss_mask, image_mask and states (aux_hidden_states, hidden_states if kept)."""
         pos = self.position(i_or_id)
         return self.read(pos, pos + 1)
 

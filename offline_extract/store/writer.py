@@ -25,6 +25,7 @@ from offline_extract.store.schema import (
     METADATA_KEY,
     SPECS,
     STATE_TENSORS,
+    TOKEN_TENSORS,
     Encoding,
     RunInfo,
     SampleInfo,
@@ -73,7 +74,7 @@ def _packed(samples: Sequence[SampleInfo], lengths: Sequence[int], tensors: dict
         raise ShardError(_NO_TOKENS.format(ids=empty, lengths=lengths))
     total = sum(lengths)
     for name, t in tensors.items():
-        want_dims = 1 if name in ("input_ids", "loss_mask") else 2
+        want_dims = 1 if name in TOKEN_TENSORS else 2
         if t.dim() != want_dims or t.shape[0] != total:
             raise ShardError(
                 f"{name} has shape {tuple(t.shape)}; expected {want_dims} dims with "
@@ -82,12 +83,19 @@ def _packed(samples: Sequence[SampleInfo], lengths: Sequence[int], tensors: dict
     return lengths, tensors
 
 
+def _token_tensors(input_ids, loss_mask, image_mask) -> dict[str, torch.Tensor]:
+    """The tokens' own tensors (TOKEN_TENSORS) of packed samples; an image_mask of None is one of zeros."""
+    ids = _as_tensor(input_ids)
+    mask = torch.zeros(ids.shape, dtype=SPECS["image_mask"].dtype) if image_mask is None else _as_tensor(image_mask)
+    return dict(zip(TOKEN_TENSORS, (ids, _as_tensor(loss_mask), mask), strict=True))
+
+
 class _ShardBuffer:
     """Host memory for one shard in the making; reused from shard to shard to avoid page faults."""
 
     def __init__(self, encoding: Encoding, widths: dict[str, int], tokens: int):
         self.encoding, self.widths = encoding, widths
-        self.tensors = {name: torch.empty(tokens, dtype=SPECS[name].dtype) for name in ("input_ids", "loss_mask")}
+        self.tensors = {name: torch.empty(tokens, dtype=SPECS[name].dtype) for name in encoding.token_tensors}
         self.tensors.update({t.name: torch.empty(tokens, widths[t.name], dtype=t.dtype) for t in encoding.staged})
         self.clear()
 
@@ -429,16 +437,17 @@ class ShardWriter:
         *,
         lengths: Sequence[int],
         ending: bool = False,
+        image_mask: np.ndarray | torch.Tensor | None = None,
     ) -> None:
         """Adds `samples`, whose tokens are packed in order along dim 0 of every tensor, encoding their
         states here (the extraction encodes on the GPU instead and calls add_staged).
 
         `lengths[i]` is the token count of `samples[i]`; the packed tensors must have sum(lengths) rows.
-        `last` is the final state, None when the encoding keeps none.
+        `last` is the final state, None when the encoding keeps none. `image_mask`: 1 at image tokens (None: none).
         """
         aux, last = _as_tensor(aux), None if last is None else _as_tensor(last)
         self.add_staged(samples, input_ids, loss_mask, self.encoding.encode(aux, last, self.run.num_aux_layers), lengths=lengths,
-                        ending=ending)
+                        ending=ending, image_mask=image_mask)
 
     def add_staged(
         self,
@@ -449,6 +458,7 @@ class ShardWriter:
         *,
         lengths: Sequence[int],
         ending: bool = False,
+        image_mask: np.ndarray | torch.Tensor | None = None,
     ) -> None:
         """add_batch for states already encoded: `staged` holds the encoding's staged tensors.
 
@@ -457,7 +467,7 @@ class ShardWriter:
         (written whole, it was one file written at one stream's rate after the last forward: a write into a
         file holds its inode lock)."""
         self._check_open("add_batch")
-        lengths, tensors = _packed(samples, lengths, {"input_ids": _as_tensor(input_ids), "loss_mask": _as_tensor(loss_mask), **staged})
+        lengths, tensors = _packed(samples, lengths, {**_token_tensors(input_ids, loss_mask, image_mask), **staged})
         row_bytes = self._fix_widths({name: t.shape[1] for name, t in staged.items()})
 
         first_sample = first_row = row = 0
@@ -477,7 +487,7 @@ class ShardWriter:
 
     def begin_sample(
         self, sample: SampleInfo, input_ids: np.ndarray | torch.Tensor, loss_mask: np.ndarray | torch.Tensor,
-        widths: dict[str, int], *, stream: bool = False,
+        widths: dict[str, int], *, stream: bool = False, image_mask: np.ndarray | torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Rows for one sample whose states arrive in pieces: returns its rows of each staged tensor, of
         `widths` columns, in the shard it goes to. The caller fills them in order, reports each filled prefix with
@@ -488,16 +498,18 @@ class ShardWriter:
         sample cannot then be left out (end_sample(keep=False)). A compressed shard is not streamed."""
         self._check_open("begin_sample")
         row_bytes = self._fix_widths(widths)
-        ids, mask = _as_tensor(input_ids), _as_tensor(loss_mask)
+        tokens = _token_tensors(input_ids, loss_mask, image_mask)
+        ids = tokens["input_ids"]
         n = ids.shape[0]
-        if ids.dim() != 1 or mask.shape != ids.shape:
-            raise ShardError(f"input_ids {tuple(ids.shape)} and loss_mask {tuple(mask.shape)} must be [T] alike")
+        if ids.dim() != 1 or any(t.shape != ids.shape for t in tokens.values()):
+            shapes = " and ".join(f"{name} {tuple(t.shape)}" for name, t in tokens.items())
+            raise ShardError(f"{shapes} must be [T] alike")
         if not n:
             raise ShardError(_NO_TOKENS.format(ids=[sample.id], lengths=[n]))
         buf = self._buffer()
         rows = buf.reserve(n)
-        rows["input_ids"].copy_(ids)
-        rows["loss_mask"].copy_(mask)
+        for name, t in tokens.items():
+            rows[name].copy_(t)
         self._open = (sample, n, row_bytes)
         if stream and not self.encoding.compressed and (buf.tokens + n) * row_bytes >= self.shard_bytes:
             self._filling = shard_file.Filling(buf.tokens, buf.tokens + n)

@@ -86,14 +86,16 @@ def write_samples(
     index: bool = True,
     shard_numbers: Iterator[int] | None = None,
     on_written: Callable[[WrittenShard], None] | None = None,
+    image_mask: np.ndarray | torch.Tensor | None = None,
 ) -> list[Path]:
     """Writes the given rows as `run`'s output through the real ShardWriter: sample i has lengths[i] tokens,
     packed in order along dim 0 of every tensor, and corpus index indices[i] (default i), which names it
     (id "s{index}", line index + 1 of "synthetic"). The states are stored as the run's encoding says (`last`
     is dropped where it keeps no final state). Then index.json, unless `index` is False: a run still
-    writing, or one rank of several. `shard_numbers` and `on_written` are the writer's."""
+    writing, or one rank of several. `shard_numbers` and `on_written` are the writer's; `image_mask` (1 at
+    image tokens; None: no image) the tokens' as the writer takes it."""
     indices = range(len(lengths)) if indices is None else indices
-    rows = _Batch(list(indices), list(lengths), input_ids, loss_mask, aux, last)
+    rows = _Batch(list(indices), list(lengths), input_ids, loss_mask, aux, last, image_mask)
     return _write(out_dir, run, [rows], shard_bytes, index, shard_numbers, on_written)
 
 
@@ -104,6 +106,7 @@ class _Batch(NamedTuple):
     loss_mask: np.ndarray | torch.Tensor
     aux: torch.Tensor
     last: torch.Tensor | None
+    image_mask: np.ndarray | torch.Tensor | None = None
 
 
 def _write(out_dir, run: RunInfo, batches: Iterable[_Batch], shard_bytes: int, index: bool, shard_numbers,
@@ -112,7 +115,7 @@ def _write(out_dir, run: RunInfo, batches: Iterable[_Batch], shard_bytes: int, i
     for b in batches:
         samples = [SampleInfo(i, f"s{i}", "synthetic", i + 1, n, False) for i, n in zip(b.indices, b.lengths)]
         last = b.last if run.encoding.keeps_final_state else None
-        writer.add_batch(samples, b.input_ids, b.loss_mask, b.aux, last, lengths=b.lengths)
+        writer.add_batch(samples, b.input_ids, b.loss_mask, b.aux, last, lengths=b.lengths, image_mask=b.image_mask)
     paths = writer.close()
     if index:
         write_index(out_dir)

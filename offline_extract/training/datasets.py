@@ -10,6 +10,8 @@ Each item is a dict:
     input_ids          int64    [T]       (widened from the shard's int32: nn.Embedding, cross-entropy
                                            targets and SpecForge all take int64)
     loss_mask          uint8    [T]       (0/1, as stored)
+    image_mask         uint8    [T]       (1 at image tokens, never in the loss; zeros for a text sample and
+                                           for shards written before format version 3)
     aux_hidden_states  bfloat16 [T, k*H]  (EAGLE-3 layers in run.layer_ids order)
     hidden_states      bfloat16 [T, H]    (the final state, run.final_state; absent when the recipe
                                            keeps none)

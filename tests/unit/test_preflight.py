@@ -117,7 +117,7 @@ def test_an_out_through_a_broken_symbolic_link_is_refused_by_the_real_and_the_dr
 
 @pytest.mark.parametrize("text, why", [
     (b'{"name": "my-site", "files": ["index.html"]}', "it has no format_version and no shards key"),
-    (b'{"format_version": 9, "shards": {}}', "its format_version is 9, where this version reads 1 or 2"),
+    (b'{"format_version": 9, "shards": {}}', "its format_version is 9, where this version reads 1 or 2 or 3"),
     (b'{"format_version": 2, "shards": ["a"]}', "its shards are a JSON list, not an object"),
     (b'["a", "b"]', "it holds a JSON list, not an object"),
     (b'{"format_version": 2, "sha', "it is not valid JSON (Unterminated string starting at: line 1 column 23 (char 22))"),

@@ -150,7 +150,7 @@ def test_a_recipe_without_final_state_stores_none(tmp_path):
     encoding = Encoding("fp8", "zstd", keeps_final_state=False)
     write(tmp_path, encoding)
     item = HiddenStateDataset(tmp_path)[0]
-    assert set(item) == {"input_ids", "loss_mask", "aux_hidden_states", "id"}
+    assert set(item) == {"input_ids", "loss_mask", "image_mask", "aux_hidden_states", "id"}
     assert torch.equal(item["aux_hidden_states"], expected(encoding)["s0"]["aux_hidden_states"])
     with safe_open(shard_paths(tmp_path)[0], framework="pt") as f:
         assert not any(name.startswith("hidden_states") for name in f.keys())

@@ -22,7 +22,7 @@ from offline_extract.training.datasets import HiddenStateDataset
 from offline_extract.training.export import export_specforge, export_speculators, speculators_path
 
 V1 = ROOT / "tests" / "data" / "format_v1"
-OUTPUTS = {"bf16": Encoding(), "fp8_zstd_pre": Encoding("fp8", "zstd")}
+OUTPUTS = {"bf16": Encoding(image_mask=False), "fp8_zstd_pre": Encoding("fp8", "zstd", image_mask=False)}
 
 
 @pytest.fixture(params=sorted(OUTPUTS))
@@ -41,9 +41,10 @@ def test_a_version_1_output_reads_with_its_recorded_encoding(v1):
     out, encoding = v1
     (path,) = shard_paths(out)
     document = _document(path)
-    assert document["format_version"] == 1 and FORMAT_VERSION == 2
+    assert document["format_version"] == 1 < FORMAT_VERSION
     header = read_header(path)
-    assert header.encoding == encoding == header.run.encoding
+    # This version's writer, resuming the run, would store its image_mask as well.
+    assert header.encoding == encoding == replace(header.run.encoding, image_mask=False)
     assert header.run.stored_dtype == {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[encoding.store]
     assert str(header.run.stored_dtype).removeprefix("torch.") == document["run"]["dtype"]
     assert "dtype" not in header.run.to_json() and header.run.extra == {}
@@ -52,6 +53,7 @@ def test_a_version_1_output_reads_with_its_recorded_encoding(v1):
     assert dataset.ids == ["geo-1", "corpus.jsonl:3"] and dataset.run == header.run
     item = dataset[0]
     assert item["aux_hidden_states"].shape == (item["input_ids"].numel(), 3 * header.run.hidden_size)
+    assert item["image_mask"].tolist() == [0] * item["input_ids"].numel()  # it holds no image
     assert item["hidden_states"].dtype == torch.bfloat16 and torch.isfinite(item["hidden_states"]).all()
     summary = summarize(out)
     assert summary["encoding"] == encoding.to_json() and summary["stored_dtype"] == document["run"]["dtype"]
@@ -81,7 +83,7 @@ def test_a_flipped_byte_in_a_version_1_shard_fails_its_plain_sha256(v1):
     assert problem.startswith(f"{path.name}: sha256 ") and "differs from manifest.json's" in problem
 
 
-def test_a_version_2_run_resumes_a_version_1_output(v1):
+def test_this_version_resumes_a_version_1_output(v1):
     """The same run's facts, as this version records them, are the recorded identity; new shards join the
     old ones and the directory stays one data set."""
     out, _ = v1

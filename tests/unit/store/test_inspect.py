@@ -1,6 +1,7 @@
 import io
 import json
 import math
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -286,3 +287,22 @@ def test_sample_found_in_a_shard_the_index_does_not_list_yet(tmp_path):
     assert [i for span in view["spans"] for i in span["ids"]] == [7, 8]
     with pytest.raises(ShardError, match="no sample with id 'nope'"):
         inspection.sample_view(out, "nope")
+
+
+def test_image_tokens_are_counted_in_the_summary_and_the_sample_view(tmp_path):
+    layer2, layer5, last = known_tensors()
+    input_ids = np.arange(sum(LENGTHS))
+    loss_mask = np.array([0, 1, 1, 0, 0, 1, 0, 1, 1, 1])
+    image_mask = np.array([1, 0, 0, 1, 1, 0, 0, 0, 0, 0], dtype=np.uint8)  # none in the loss
+    write_samples(tmp_path, RUN, LENGTHS, input_ids, loss_mask, torch.cat([layer2, layer5], 1), last,
+                  image_mask=image_mask)
+    summary = inspection.summarize(tmp_path)
+    assert summary["image_tokens"] == 3
+    console = Console(file=io.StringIO(), width=200)
+    inspection.render_summary(summary, console)
+    assert re.search(r"│ image tokens\s+│ 3\s+│", console.file.getvalue())
+    view = inspection.sample_view(tmp_path, "s1")
+    assert (view["num_tokens"], view["image_tokens"]) == (3, 2)
+    # A text-only output says nothing of images.
+    write_known(tmp_path / "text")
+    assert inspection.summarize(tmp_path / "text")["image_tokens"] == 0

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from extract_runs import ROOT
 from small_shards import RUN, write_shards
@@ -14,6 +15,7 @@ from small_shards import RUN, write_shards
 from offline_extract.store import integrity, manifest, resume
 from offline_extract.store.index import write_index
 from offline_extract.store.journal import Journal
+from offline_extract.testing.shards import write_samples
 
 def test_verify_reports_a_flipped_byte_a_truncated_shard_and_a_stale_index(tmp_path):
     with Journal(manifest.journal_path(tmp_path, 0)) as journal:
@@ -189,3 +191,19 @@ def test_verify_answers_in_json_when_asked_and_refuses_a_sample_beside_it(tmp_pa
     one = verify_script(paths[0])  # the user named a shard: the directory to give is named
     assert one.returncode == 2 and (f"--verify checks an output directory, not one file: give {tmp_path}, which holds "
                                     f"{paths[0].name}") in " ".join(one.stderr.split()), one.stderr
+
+
+@pytest.mark.parametrize("image_mask, problem", [
+    ([0, 1, 1, 0, 0, 0], None),
+    ([0, 1, 2, 0, 0, 0], "image_mask holds 1 values other than 0 and 1"),
+    ([1, 1, 0, 0, 0, 1], "2 image tokens are in the loss (loss_mask 1 where image_mask is 1)"),
+], ids=["sound", "not 0/1", "in the loss"])
+def test_verify_checks_the_image_mask_against_the_loss_mask(tmp_path, image_mask, problem):
+    rows, run = 6, RUN
+    with Journal(manifest.journal_path(tmp_path, 0)) as journal:
+        (path,) = write_samples(tmp_path, run, [rows], torch.arange(rows), torch.tensor([1, 0, 0, 0, 1, 1]),
+                                torch.randn(rows, run.num_aux_layers * run.hidden_size), torch.randn(rows, run.hidden_size),
+                                image_mask=torch.tensor(image_mask, dtype=torch.uint8),
+                                on_written=lambda w: journal.append(vars(w)))
+    manifest.consolidate(tmp_path, identity={}, status="complete")
+    assert integrity.verify(tmp_path).problems == ([] if problem is None else [f"{path.name}: {problem}"])

@@ -8,15 +8,20 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 from extract_runs import hidden_files
+from image_chats import save_image
 from small_shards import RUN, journal_entry, write_shards
 
+from offline_extract.data import images
+from offline_extract.data.corpus import read_corpus
 from offline_extract.engine.distributed import Coordinator, Layout
 from offline_extract.output import OutputDirectory
 from offline_extract.store import checksum, manifest, resume
 from offline_extract.store.journal import Journal, read_journal
-from offline_extract.store.schema import FORMAT_VERSION
+from offline_extract.store.schema import FORMAT_VERSION, SampleInfo
 from offline_extract.store.shard import read_header
+from offline_extract.store.writer import ShardWriter
 
 def test_writer_threads_checksum_each_shard_as_they_write_it(tmp_path):
     written = []
@@ -226,7 +231,7 @@ def _claim_as_a_rerun(out, corpus, force=False) -> None:
     try:
         layout = Layout(rank=0, world_size=1)
         # The job's claim phase itself, as a job whose model has loaded calls it.
-        OutputDirectory(out, layout, Coordinator(layout, "test")).claim(existing, RUN, [corpus], force)
+        OutputDirectory(out, layout, Coordinator(layout, "test")).claim(existing, RUN, [corpus], [corpus], force)
     finally:
         lock.release()
 
@@ -355,3 +360,40 @@ def test_finished_takes_the_recorded_tokenizer_only_from_the_same_tokenizer_file
     assert resume.finished(out, replace(recorded, tokenizer_files="f2", tokenizer_sha256="u"), [corpus]) is None
     # A tokenizer without a chat template: its hash is None once loaded, and compared as such.
     assert resume.finished(out, replace(recorded, chat_template_sha256=None), [corpus]) is None
+
+
+def test_a_resume_refuses_kept_samples_whose_images_changed_and_force_lets_them_through(tmp_path):
+    corpus_dir, out = tmp_path / "corpus", tmp_path / "out"
+    corpus_dir.mkdir()
+    for name in ("a.png", "b.png"):
+        save_image(corpus_dir / name, 8, 8, seed=len(name))
+    chat = [{"from": "human", "value": "<image>?"}, {"from": "gpt", "value": "a picture"}]
+    corpus = corpus_dir / "c.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"conversations": chat, "images": ["a.png"]}, {"text": "no image"}, {"conversations": chat, "images": ["b.png"]},
+    ]))
+    records = list(read_corpus([corpus]))
+    infos = [SampleInfo(r.index, r.id, r.source, r.line, 2, False, images.fingerprint(r.images) if r.images else None)
+             for r in records]
+    writer = ShardWriter(out, RUN)
+    h, k = RUN.hidden_size, RUN.num_aux_layers
+    writer.add_batch(infos, np.arange(6), np.zeros(6), torch.randn(6, k * h), torch.randn(6, h), lengths=[2, 2, 2])
+    shards = [p.name for p in writer.close()]
+    assert resume.check_images(out, shards, [corpus], force=False) == []
+
+    save_image(corpus_dir / "b.png", 8, 8, seed=99)  # one image changed, another gone
+    (corpus_dir / "a.png").unlink()
+    with pytest.raises(resume.TakeoverError) as refused:
+        resume.check_images(out, shards, [corpus], force=False)
+    assert str(refused.value).splitlines() == [
+        f"{out} holds samples extracted from other images than their records name now, so this run cannot resume "
+        f"there (2 kept samples):",
+        f"  {corpus}:1 (id 'c.jsonl:1'): images[0] ({corpus_dir / 'a.png'}) not found",
+        f"  {corpus}:3 (id 'c.jsonl:3'): its images' bytes differ from those it was extracted from",
+        "Put the images back as they were, choose another --out, or pass --force to resume anyway (the kept samples "
+        "keep the states of the images they were extracted from)",
+    ]
+    assert resume.check_images(out, shards, [corpus], force=True) == [
+        "--force: resuming despite 2 kept samples whose images changed"]
+    # Kept text samples alone read no image, and no corpus either.
+    assert resume.check_images(out, [], [tmp_path / "no-such-corpus.jsonl"], force=False) == []

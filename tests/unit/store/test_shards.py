@@ -62,6 +62,7 @@ def expected_samples(batches):
                 {
                     "input_ids": torch.from_numpy(ids[start : start + n]).to(torch.int32),
                     "loss_mask": mask[start : start + n].to(torch.uint8),
+                    "image_mask": torch.zeros(n, dtype=torch.uint8),
                     "aux_hidden_states": aux[start : start + n].to(torch.bfloat16),
                     "hidden_states": last[start : start + n],
                 },
@@ -614,6 +615,7 @@ def test_a_streamed_shard_writes_each_block_once_its_rows_are_final(tmp_path, mo
     writer.end_sample()
     (path,) = writer.close()
     assert_tensors_equal(open_shard(path).sample(0), {"input_ids": torch.tensor(ids, dtype=torch.int32), "loss_mask": mask.to(torch.uint8),
+                                                      "image_mask": torch.zeros(len(ids), dtype=torch.uint8),
                                                       "aux_hidden_states": aux.to(torch.bfloat16), "hidden_states": last})
     assert written[0].block_xxh3_128 == checksum.file_checksum(path)
 

@@ -62,12 +62,19 @@ class Source:
         last = torch.randn(total, h, generator=self.gen).to(torch.bfloat16) if self.run.final_state else None
         return infos, ids, mask, aux.to(torch.bfloat16), last
 
-    def fed(self, infos, lengths, ids, mask, staged) -> list[Fed]:
+    def image_mask(self, mask: torch.Tensor) -> torch.Tensor | None:
+        """Image tokens among those out of the loss, for some batches (None for the rest: text only)."""
+        if self.rng.random() < 0.5:
+            return None
+        return (~mask & (torch.rand(mask.shape, generator=self.gen) < 0.3)).to(torch.uint8)
+
+    def fed(self, infos, lengths, ids, mask, staged, image_mask=None) -> list[Fed]:
         out, start = [], 0
         for info, n in zip(infos, lengths):
             rows = slice(start, start + n)
             out.append(Fed(info, ids[rows].to(torch.int32), mask[rows].to(torch.uint8),
-                           {name: t[rows].clone() for name, t in staged.items()}))
+                           {name: t[rows].clone() for name, t in staged.items()},
+                           None if image_mask is None else image_mask[rows].clone()))
             start += n
         return out
 
@@ -137,14 +144,15 @@ def feed(writer: ShardWriter, source: Source, rng: random.Random, shard_rows: in
                        for _ in range(rng.randint(1, 8 if step < steps - 1 else 24))]
         infos, ids, mask, aux, last = source.samples(lengths)
         staged = encoding.encode(aux, last, run.num_aux_layers)
-        fed = source.fed(infos, lengths, ids, mask, staged)
+        images = None if how == "pieces" else source.image_mask(mask)  # a long sample in pieces holds no image
+        fed = source.fed(infos, lengths, ids, mask, staged, images)
         keep = how != "pieces" or rng.random() < 0.9
         stream = how == "pieces" and keep and rng.random() < 0.5  # a streamed sample cannot be left out
         kept += fed if keep else []
         if how == "add_batch":
-            writer.add_batch(infos, ids, mask, aux, last, lengths=lengths, ending=ending)
+            writer.add_batch(infos, ids, mask, aux, last, lengths=lengths, ending=ending, image_mask=images)
         elif how == "add_staged":
-            writer.add_staged(infos, ids, mask, staged, lengths=lengths, ending=ending)
+            writer.add_staged(infos, ids, mask, staged, lengths=lengths, ending=ending, image_mask=images)
         else:
             n = lengths[0]
             rows = writer.begin_sample(infos[0], ids.numpy(), mask.numpy(), widths, stream=stream)
@@ -356,7 +364,8 @@ def test_a_write_failing_beside_others_leaves_complete_journaled_shards_and_a_re
                 writer.add_staged([f.info for f in group], torch.cat([f.input_ids for f in group]),
                                   torch.cat([f.loss_mask for f in group]),
                                   {name: torch.cat([f.staged[name] for f in group]) for name in group[0].staged},
-                                  lengths=[len(f.input_ids) for f in group], ending=i + 5 >= len(missing))
+                                  lengths=[len(f.input_ids) for f in group], ending=i + 5 >= len(missing),
+                                  image_mask=torch.cat([f.image_mask_stored for f in group]))
             writer.close()
     finally:
         lock.release()
