@@ -112,13 +112,16 @@ def _random_tensor(name: str, shape, gen: torch.Generator, dtype, device) -> tor
 
     HF's default init (std 0.02) would shrink every state towards zero and make any comparison pass.
     """
-    if name.endswith("norm.weight") or "layernorm" in name:
+    # A vision tower's norms are named norm1, norm2 and ln_q (Qwen's VL towers).
+    if name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight")) or "layernorm" in name:
         return (1.0 + 0.1 * torch.randn(shape, generator=gen, device=device)).to(dtype)
     if name.endswith(".sinks"):  # attention-sink logits (GPT-OSS): O(1), so they take a real share of each softmax
         return torch.randn(shape, generator=gen, device=device).to(dtype)
     if name.endswith(".bias") or len(shape) == 1:
         return (0.02 * torch.randn(shape, generator=gen, device=device)).to(dtype)
-    std = 1.0 if "embed" in name else 1.0 / math.sqrt(shape[-1])
+    # A convolution's fan-in is all of its dimensions but the output channels (a vision tower's patch embedding).
+    fan_in = math.prod(shape[1:]) if len(shape) > 3 else shape[-1]
+    std = 1.0 if "embed" in name and len(shape) == 2 else 1.0 / math.sqrt(fan_in)
     return (std * torch.randn(shape, generator=gen, device=device)).to(dtype)
 
 
@@ -130,12 +133,13 @@ def random_checkpoint(
     device: str = "cpu",
     max_file_bytes: int = 4 << 30,
 ) -> Path:
-    """Write config.json and seeded random weights for any HF causal-LM config, in the layout HF saves.
+    """Write config.json and seeded random weights for any HF causal-LM or vision-language config (one with a
+    vision_config), in the layout HF saves.
 
     Parameter names and shapes come from instantiating the HF model on the meta device, so the same
     function serves every architecture transformers knows.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.core_model_loading import revert_weight_conversion
 
     out = Path(out_dir)
@@ -143,13 +147,15 @@ def random_checkpoint(
     (out / "config.json").write_text(json.dumps(config, indent=2))
     hf_config = AutoConfig.from_pretrained(out)
     with torch.device("meta"):
-        meta_model = AutoModelForCausalLM.from_config(hf_config)
+        auto = AutoModelForImageTextToText if "vision_config" in config else AutoModelForCausalLM
+        meta_model = auto.from_config(hf_config)
     shapes = {k: tuple(v.shape) for k, v in meta_model.state_dict().items()}
 
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors = {name: _random_tensor(name, shape, gen, dtype, device).cpu() for name, shape in shapes.items()}
-    # transformers 5 holds MoE experts fused ([E, 2I, H]); published checkpoints, and so SGLang's loaders,
-    # name every expert's projections separately. Saving does the same split; for dense models it is a no-op.
+    # transformers 5 holds MoE experts fused ([E, 2I, H]) and a vision-language model's decoder under
+    # model.language_model; published checkpoints, and so SGLang's loaders, name every expert's projections
+    # separately and the decoder model.*. Saving does the same; for dense text models it is a no-op.
     tensors = revert_weight_conversion(meta_model, tensors)
 
     files: list[dict[str, torch.Tensor]] = [{}]

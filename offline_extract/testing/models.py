@@ -423,6 +423,70 @@ _WRAPPED = {
 }
 
 
+# Qwen's vision special tokens, which its processors write into the text and SGLang's qwen_vl.py reads back,
+# added to the embedded tokenizer after its own tokens.
+QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+# The embedded chat template (default_model.CHAT_TEMPLATE), with a message's content either a string or
+# OpenAI-style parts, an image part rendered as Qwen's templates render it: one image pad between the vision
+# markers, which the processor widens to the image's token count.
+VL_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "{{ '<|' + m['role'] + '|>' }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] in ('image', 'image_url') %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}\n{% endif %}"
+)
+
+# Images the tiny processors keep at their own size from 28 x 28 up to 16 merged 28 x 28 blocks: a 28 x 56
+# image is 8 patches, 2 image tokens.
+_TINY_IMAGE_SIZE = {"shortest_edge": 28 * 28, "longest_edge": 16 * 28 * 28}
+
+
+def _qwen2_5_vl_config(vocab_size: int, tokens: dict[str, int]) -> dict:
+    # Qwen2.5-VL as released: the Qwen2 decoder's fields at the top level, M-RoPE over (time, height, width)
+    # sections of the head's 32 frequencies, and a two-block vision tower whose second block attends to the
+    # whole image and whose first within 56-pixel windows, merged 2 x 2 into the decoder's width.
+    text = _tiny_qwen2_config(vocab_size)
+    return {
+        **text,
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "model_type": "qwen2_5_vl",
+        "rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]},
+        "vision_start_token_id": tokens["<|vision_start|>"],
+        "vision_end_token_id": tokens["<|vision_end|>"],
+        "image_token_id": tokens["<|image_pad|>"],
+        "video_token_id": tokens["<|video_pad|>"],
+        "vision_config": {
+            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "in_channels": 3,
+            "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+            "fullatt_block_indexes": [1], "hidden_act": "silu", "tokens_per_second": 2,
+            "out_hidden_size": text["hidden_size"],
+        },
+    }
+
+
+def _qwen2_5_vl_processor(tokenizer):
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+    shape = dict(size=_TINY_IMAGE_SIZE, patch_size=14, merge_size=2, temporal_patch_size=2)
+    return Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(**shape), tokenizer=tokenizer,
+                               video_processor=Qwen2VLVideoProcessor(**shape), chat_template=VL_CHAT_TEMPLATE)
+
+
+# Vision-language models with their towers, as (config builder taking the vocab size and the vision tokens'
+# ids, the vision tokens, the HF processor built on the tokenizer): written with the processor's files, so that
+# the model's own AutoProcessor renders and prepares image chats offline.
+VISION_LANGUAGE = {
+    "qwen2_5_vl": (_qwen2_5_vl_config, QWEN_VISION_TOKENS, _qwen2_5_vl_processor),
+}
+
+
 def build_model(
     arch: str,
     out_dir: str | os.PathLike,
@@ -439,7 +503,8 @@ def build_model(
     """Write a seeded random model of `arch` with the embedded tokenizer (from `tokenizer_dir` if given,
     else the cached embedded model).
 
-    `arch` is a key of ARCHITECTURES, or of _WRAPPED: "kimi_k25" holds exactly the weights of "kimi_k2" under
+    `arch` is a key of ARCHITECTURES, of VISION_LANGUAGE (with the tokenizer's vision tokens and the HF
+    processor's files), or of _WRAPPED: "kimi_k25" holds exactly the weights of "kimi_k2" under
     the same seed, wrapped as Kimi-K2.5, so that "kimi_k2" built alongside is its HF reference, and "llama4"
     those of "llama4_text". `device` is where the
     weights are drawn (a GPU makes the 8B-shaped model quick); `overrides` replace top-level config fields
@@ -448,11 +513,23 @@ def build_model(
     mxfp4=True its experts as the GPT-OSS releases are (`quantize_mxfp4_checkpoint`).
     """
     base, wrap = _WRAPPED.get(arch, (arch, None))
-    if base not in ARCHITECTURES:
-        raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join([*ARCHITECTURES, *_WRAPPED])}")
+    if base not in ARCHITECTURES and arch not in VISION_LANGUAGE:
+        raise ValueError(f"unknown architecture {arch!r}; choose from "
+                         f"{', '.join([*ARCHITECTURES, *_WRAPPED, *VISION_LANGUAGE])}")
     tiny = Path(tokenizer_dir) if tokenizer_dir else ensure_tiny_model()
     tiny_config = json.loads((tiny / "config.json").read_text())
-    config = ARCHITECTURES[base](tiny_config["vocab_size"])
+    processor = None
+    if arch in VISION_LANGUAGE:
+        from transformers import AutoTokenizer
+
+        vl_config, vision_tokens, make_processor = VISION_LANGUAGE[arch]
+        tokenizer = AutoTokenizer.from_pretrained(tiny)
+        tokenizer.add_tokens(list(vision_tokens), special_tokens=True)
+        tokenizer.chat_template = VL_CHAT_TEMPLATE
+        processor = make_processor(tokenizer)
+        config = vl_config(len(tokenizer), {t: tokenizer.convert_tokens_to_ids(t) for t in vision_tokens})
+    else:
+        config = ARCHITECTURES[base](tiny_config["vocab_size"])
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         config[key] = tiny_config[key]
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -469,9 +546,12 @@ def build_model(
         (out / "config.json").write_text(json.dumps(config, indent=2))
     if wrap is not None:
         wrap(out)
-    for f in tiny.iterdir():
-        if f.name != "config.json" and not f.name.endswith(".safetensors"):
-            shutil.copy2(f, out / f.name)
+    if processor is not None:
+        processor.save_pretrained(out)
+    else:
+        for f in tiny.iterdir():
+            if f.name != "config.json" and not f.name.endswith(".safetensors"):
+                shutil.copy2(f, out / f.name)
     # The tokenizer states the model's context, as a release's does, not the embedded model's.
     tokenizer_config = out / "tokenizer_config.json"
     tokenizer_config.write_text(json.dumps(
