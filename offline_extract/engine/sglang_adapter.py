@@ -28,6 +28,7 @@ import torch
 
 from offline_extract.data.images import Images
 from offline_extract.engine.kernels import KernelPrebuild, kernel_shapes, prebuild_calls, use_jit_cache
+from offline_extract.engine.multimodal import IMAGE_MODELS, image_model, image_request, init_embedding_cache
 from offline_extract.options import DEFAULT_PORT_BASE, DEFAULT_TOKENS_PER_BATCH, FinalState, check_choice, default
 from offline_extract.final_norm import FinalNorm
 
@@ -232,6 +233,7 @@ CAPTURE_RULES = {
         "qwen2_moe.py:1203, flags set in qwen2_moe.py:891", _PLUS_ONE, _ids_adding_one, in_layer_flags=True
     ),
     "DeepseekV3ForCausalLM": CaptureRule("deepseek_v2.py:3134 (inherited)", _DEEPSEEK, _ids_for_deepseek),
+    "Qwen2_5_VLForConditionalGeneration": CaptureRule("qwen2_5_vl.py:897", _PLUS_ONE, _ids_adding_one),
     "Llama4ForConditionalGeneration": CaptureRule(
         "mllama4.py:983, delegating to llama.py:885 (inherited by llama4.py's Llama4ForCausalLM)", _PLUS_ONE,
         _ids_adding_one, language_model="language_model",
@@ -383,20 +385,6 @@ LOAD_FORMATS = (
     "auto", "pt", "safetensors", "npcache", "dummy", "sharded_state", "presharded", "gguf", "bitsandbytes", "mistral",
     "layered", "flash_rl", "remote", "remote_instance", "fastsafetensors", "private", "runai_streamer",
 )
-
-
-# Vision-language models whose SGLang file takes images, but whose image inputs this engine does not build,
-# by SGLang class name: their image records are refused with the reason; their text records run.
-_IMAGES_UNSUPPORTED = {
-    "Llama4ForConditionalGeneration": "its vision tower's inputs are not built by this engine",
-    "KimiK25ForConditionalGeneration": "its vision tower's inputs are not built by this engine",
-}
-
-
-def refuse_images(architecture: str, model_path: str) -> None:
-    """Raises NotImplementedError naming the architecture when the engine cannot prefill images on it."""
-    reason = _IMAGES_UNSUPPORTED.get(architecture, "it is a text-only model")
-    raise NotImplementedError(f"{architecture} ({model_path}) cannot take image inputs: {reason}")
 
 
 def check_engine_choices(attention_backend: str | None, load_format: str) -> None:
@@ -553,6 +541,8 @@ class Engine:
         self.runner.init_attention_backends()
         self.runner.init_cuda_graphs()
         self.device = self.runner.device
+        if self.architecture in IMAGE_MODELS:
+            init_embedding_cache()
         if self.prebuild is not None:
             self.prebuild.loaded()
 
@@ -702,12 +692,14 @@ class Engine:
         """
         if images is not None and any(im is not None for im in images):
             self._check_images(seqs, images)
-        return self._prefill(seqs, capture=True)
+        else:
+            images = None
+        return self._prefill(seqs, capture=True, images=images)
 
     def _check_images(self, seqs: Sequence[np.ndarray], images: Sequence[Images | None]) -> None:
         if len(images) != len(seqs):
             raise ValueError(f"{len(images)} image entries for {len(seqs)} sequences: one entry (or None) per sequence")
-        refuse_images(self.architecture, self.cfg.model_path)
+        image_model(self.architecture, self.cfg.model_path)
         for ids, im in zip(seqs, images):
             if im is None:
                 continue
@@ -721,13 +713,24 @@ class Engine:
             if len(im.token_mask) != len(ids):
                 raise ValueError(f"an image token mask of {len(im.token_mask)} tokens for a sequence of {len(ids)}")
 
+    def _request(self, i: int, ids: np.ndarray, images: Images | None):
+        if images is None:
+            return _new_req(i, ids)
+        model = self.runner.model
+        spec = image_model(self.architecture, self.cfg.model_path)
+        padded, mm = image_request(model, self.runner.model_config.hf_config, spec, ids, images)
+        req = _new_req(i, padded)
+        req.extend_image_inputs(mm)
+        return req
+
     def prefill(self, seqs: Sequence[np.ndarray]) -> None:
         """SGLang's unmodified prefill of `seqs` (last-token logits only, nothing captured): the ceiling
         the benchmarks hold extraction against."""
         self._prefill(seqs, capture=False)
 
-    def _prefill(self, seqs: Sequence[np.ndarray], capture: bool) -> Captured | None:
-        if self.is_chunked(seqs):
+    def _prefill(self, seqs: Sequence[np.ndarray], capture: bool,
+                 images: Sequence[Images | None] | None = None) -> Captured | None:
+        if self.is_chunked(seqs) and images is None:
             return self._chunked(seqs[0], self.chunk_tokens, capture)
         total = sum(len(s) for s in seqs)
         if total > self.cfg.max_tokens_per_batch or len(seqs) > self.cfg.max_seqs_per_batch:
@@ -737,7 +740,8 @@ class Engine:
             )
         # Fresh Req objects every batch: a Req reused after the pools are cleared would keep its stale
         # req_pool_idx and be treated as a chunk continuation.
-        reqs = [_new_req(i, ids) for i, ids in enumerate(seqs)]
+        images = images or [None] * len(seqs)
+        reqs = [self._request(i, ids, im) for i, (ids, im) in enumerate(zip(seqs, images))]
         try:
             return self._extend(reqs, capture)
         finally:

@@ -1,0 +1,139 @@
+"""A sequence's images handed to SGLang 0.5.17 as its own server hands them to the ModelRunner.
+
+The server's path for a request with images (multimodal/processors/qwen_vl.py and base_processor.py, then
+managers/scheduler.py): the HF processor's outputs become one MultimodalDataItem per image (its pixel
+values as the item's feature, its grid beside them), each at the run of image tokens it fills; each item's
+pad value, derived from a hash of its pixels, replaces its image tokens in the request's input ids (the
+model file's pad_input_ids), which is how the model's embedding step finds where each image's embeddings
+go; and the M-RoPE positions of the whole sequence are computed once, from the token ids and the grids.
+Here the same SGLang functions run on the outputs the model's HF processor already gave the tokenization
+stage (`data.images.Images`), with no tokenizer manager and no HTTP in between.
+"""
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from offline_extract.data.images import Images
+
+
+@dataclass(frozen=True)
+class ImageModel:
+    """How one vision-language architecture's SGLang file takes an image: the processor output it
+    reads as the item's feature, the ones it keeps beside it, and the ones that only restate the tokens."""
+
+    source: str  # the SGLang model file and the processor class that serves it
+    feature: str
+    beside: tuple[str, ...]
+    restating: tuple[str, ...] = ()
+
+
+# Qwen's processors (Qwen2VLImageProcessor behind Qwen2.5-VL's and Qwen3-VL's) return each image's patches
+# flattened, all images' rows concatenated, with one [t, h, w] grid row per image; mm_token_type_ids marks
+# the image tokens, which the token ids already do.
+_QWEN_VL = dict(feature="pixel_values", beside=("image_grid_thw",), restating=("mm_token_type_ids",))
+IMAGE_MODELS = {
+    "Qwen2_5_VLForConditionalGeneration": ImageModel("qwen2_5_vl.py, served by qwen_vl.py's QwenVLImageProcessor",
+                                                     **_QWEN_VL),
+}
+
+# Vision-language models whose SGLang file takes images, but whose image inputs this engine does not build,
+# by SGLang class name: their image records are refused with the reason; their text records run.
+_IMAGES_UNSUPPORTED = {
+    "Llama4ForConditionalGeneration": (
+        "its tiled image inputs (mllama4.py) are not built by this engine: SGLang runs Llama 4 only on the fa3 "
+        "attention backend (its chunked attention), so no parity gate on CPU could hold them against HF"
+    ),
+    "KimiK25ForConditionalGeneration": (
+        "HF transformers has no class for its MoonViT tower (the release ships it as remote code), so no "
+        "parity gate against HF can hold its image tokens' states, and none are stored unchecked"
+    ),
+}
+
+
+def image_model(architecture: str, model_path: str) -> ImageModel:
+    """The architecture's ImageModel; NotImplementedError naming it where the engine cannot prefill images."""
+    spec = IMAGE_MODELS.get(architecture)
+    if spec is None:
+        reason = _IMAGES_UNSUPPORTED.get(architecture, "it is a text-only model")
+        raise NotImplementedError(f"{architecture} ({model_path}) cannot take image inputs: {reason}")
+    return spec
+
+
+def init_embedding_cache() -> None:
+    """SGLang's image-embedding cache, which its scheduler makes (mem_cache/kv_cache_builder.py) and the
+    model's embedding step reads, made empty and kept so: each image's embeddings are computed in the forward
+    that uses them, and no device memory is held for images that may never come again."""
+    from sglang.srt.managers.mm_utils import init_mm_embedding_cache
+
+    init_mm_embedding_cache(0)
+
+
+def image_request(model, hf_config, spec: ImageModel, ids: np.ndarray, images: Images):
+    """(input ids with each image's tokens replaced by its pad value, SGLang's MultimodalInputs) for one
+    sequence: what the scheduler sets as a Req's origin_input_ids and hands to its extend_image_inputs."""
+    from sglang.srt.layers.rotary_embedding import MRotaryEmbedding
+    from sglang.srt.managers.mm_utils import get_new_expanded_mm_items
+    from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem, MultimodalInputs, MultimodalProcessorOutput
+    from sglang.srt.multimodal.processors.base_processor import BaseMultimodalProcessor
+
+    outputs = dict(images.processor_outputs)
+    unknown = outputs.keys() - {spec.feature, *spec.beside, *spec.restating}
+    missing = {spec.feature, *spec.beside} - outputs.keys()
+    if unknown or missing:
+        raise ValueError(
+            f"the processor's outputs {sorted(outputs)} are not what {spec.source} takes for images: "
+            + "; ".join(part for part in (
+                f"missing {sorted(missing)}" if missing else "",
+                f"not taken: {sorted(unknown)} (videos and other inputs are not supported)" if unknown else "",
+            ) if part)
+        )
+    ids_t = torch.from_numpy(np.asarray(ids, dtype=np.int64))
+    image_token = hf_config.image_token_id
+    placed = (ids_t == image_token).numpy()
+    if not np.array_equal(placed, np.asarray(images.token_mask, dtype=bool)):
+        raise ValueError(
+            f"the image token mask ({int(np.count_nonzero(images.token_mask))} tokens) is not where the sequence's "
+            f"image token {image_token} is ({int(placed.sum())} tokens)"
+        )
+    item = MultimodalDataItem(
+        modality=Modality.IMAGE,
+        feature=torch.from_numpy(np.ascontiguousarray(outputs[spec.feature])),
+        model_specific_data={k: torch.from_numpy(np.ascontiguousarray(outputs[k])) for k in spec.beside},
+    )
+    # One run of image tokens per image, as the server finds them (base_processor.process_and_combine_mm_data).
+    item.offsets = BaseMultimodalProcessor.get_mm_items_offset(input_ids=ids_t, mm_token_id=image_token)
+    grid = item.model_specific_data["image_grid_thw"]
+    if len(item.offsets) != len(grid):
+        raise ValueError(f"{len(grid)} images' grids for {len(item.offsets)} runs of image tokens in the sequence")
+    items = get_new_expanded_mm_items([item])
+    if len(items) != len(grid):  # SGLang keeps the bundle whole where the pixel rows do not add up to the grids
+        raise ValueError(
+            f"{len(outputs[spec.feature])} rows of {spec.feature} do not split into the {len(grid)} images' grids "
+            f"({grid.prod(dim=-1).tolist()} patches)"
+        )
+    positions, delta = MRotaryEmbedding.get_rope_index(
+        spatial_merge_size=hf_config.vision_config.spatial_merge_size,
+        image_token_id=image_token,
+        video_token_id=hf_config.video_token_id,
+        vision_start_token_id=hf_config.vision_start_token_id,
+        model_type=hf_config.model_type,
+        tokens_per_second=getattr(hf_config.vision_config, "tokens_per_second", None),
+        input_ids=ids_t.unsqueeze(0),
+        image_grid_thw=grid,
+        video_grid_thw=None,
+    )
+    mm = MultimodalInputs.from_processor_output(MultimodalProcessorOutput(
+        mm_items=items,
+        input_ids=ids_t.tolist(),
+        im_token_id=image_token,
+        im_start_id=hf_config.vision_start_token_id,
+        im_end_id=hf_config.vision_end_token_id,
+        video_token_id=hf_config.video_token_id,
+        mrope_positions=positions.squeeze(1),
+        mrope_position_delta=delta,
+    ))
+    return array("q", model.pad_input_ids(ids_t.tolist(), mm)), mm
