@@ -106,11 +106,11 @@ class ParityGate:
         for s in head:
             if engine.is_moe:
                 with engine.recording_routing() as chosen:
-                    c = engine.capture([s.input_ids])
+                    c = engine.capture([s.input_ids], [s.images])
                 # A sample longer than one forward's budget is routed chunk by chunk.
                 experts = {layer: None if any(i is None for i in ids) else torch.cat(ids) for layer, ids in chosen.items()}
             else:
-                c, experts = engine.capture([s.input_ids]), {}
+                c, experts = engine.capture([s.input_ids], [s.images]), {}
             states.append((s.input_ids.tolist(), c.aux.cpu(), c.last.cpu(), experts))
         mark("gate captured")
         fp8 = checkpoint.is_fp8_block(engine.quantization)
@@ -122,7 +122,7 @@ class ParityGate:
             # would otherwise learn of its exit, without the cause, from torchrun's SIGTERM on its node and
             # from its missing heartbeat, 30 s later, on the others.
             try:
-                rows, result = self._reference(engine, states, preload, fp8)
+                rows, result = self._reference(engine, states, [s.images for s in head], preload, fp8)
             except Exception as e:  # the reference's weights unreadable, HF failing to load or run them
                 said = str(e) if isinstance(e, parity.ParityError) else f"{type(e).__name__}: {e}"
                 failure, error = (f"{where}{said}", False), e
@@ -142,10 +142,11 @@ class ParityGate:
             raise (parity.ParityMismatch if verdict else parity.ParityError)(said)
         return result
 
-    def _reference(self, engine: Engine, states: list, preload: reference.ReferencePreload | None,
+    def _reference(self, engine: Engine, states: list, images: list, preload: reference.ReferencePreload | None,
                    fp8: bool) -> tuple[list, dict]:
         """HF's model of the checkpoint (on the weights read beside the load, where they were) run on the gate's
-        samples and held against the engine's `states`: the rows, and the gate's result for the metadata."""
+        samples (with their `images`) and held against the engine's `states`: the rows, and the gate's result for
+        the metadata."""
         mark = self.timeline.mark
         tensors = preload.take() if preload is not None else None
         mark("hf loading")
@@ -158,7 +159,8 @@ class ParityGate:
         forwards: list[float] = []
         try:
             rows = parity.compare(states, hf, engine.layer_ids, engine.dtype, moe=engine.is_moe,
-                                  final_state=engine.final_state, fp8=fp8, forcing=forcing, timed=forwards.append)
+                                  final_state=engine.final_state, fp8=fp8, forcing=forcing, timed=forwards.append,
+                                  images=images)
         finally:
             if forcing is not None:
                 forcing.remove()

@@ -18,6 +18,7 @@ from typing import Callable, Collection, Iterable, Mapping, Sequence
 
 import torch
 
+from offline_extract.data.images import Images
 
 # fp32 runs the same math in both stacks and must agree to rounding, and rounding scales with the values:
 # the same states differ by a few float32 steps of their largest value (about 3e-7 of it), by how much
@@ -114,11 +115,22 @@ def _decoder(model):
     return decoder if hasattr(decoder, "norm") else decoder.model
 
 
+def hf_image_inputs(images: Images, device) -> dict[str, torch.Tensor]:
+    """What HF's vision-language class takes beside the input ids for a sequence's images: the processor's
+    outputs, and mm_token_type_ids (1 at the image tokens) from the image token mask, which states the same
+    as the processor's own, for a batch of one however the mask was stored."""
+    inputs = {k: torch.as_tensor(v, device=device) for k, v in images.processor_outputs.items()}
+    inputs["mm_token_type_ids"] = torch.as_tensor(images.token_mask, device=device).long()[None]
+    return inputs
+
+
 def hf_hidden_states(
     model, input_ids: Sequence[int], device, final_state: str = "post-norm", keep: Collection[int] | None = None,
+    images: Images | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
-    """HF's hidden_states for one sequence; for a pre-norm final state the last one is replaced by the
-    final norm's input (HF lists only the normed state), so that index -1 is the reference either way.
+    """HF's hidden_states for one sequence (with its `images`, for a vision-language model); for a pre-norm
+    final state the last one is replaced by the final norm's input (HF lists only the normed state), so that
+    index -1 is the reference either way.
 
     With `keep`, only those indices are held, the others None: each decoder layer's output is taken as HF
     makes it, not HF's list of every layer's, which for a 131k-token sample of an 8B model takes 35 GB in
@@ -129,15 +141,22 @@ def hf_hidden_states(
     def taken(index):
         return lambda module, args, out: seen.__setitem__(index, out[0] if isinstance(out, tuple) else out)
 
+    def first_input(layer, args, kwargs):
+        # hidden_states[0] is what the first layer is given: the token embeddings, with a vision-language
+        # model's image embeddings already in place of its image tokens' (the embedding table's output
+        # holds the placeholders' rows).
+        seen[0] = args[0] if args else kwargs["hidden_states"]
+
     hooks = [decoder.norm.register_forward_hook(lambda norm, args, out: seen.update(pre=args[0], post=out))]
     if keep is not None:
-        hooks += [decoder.embed_tokens.register_forward_hook(taken(0))] if 0 in keep else []
+        hooks += [decoder.layers[0].register_forward_pre_hook(first_input, with_kwargs=True)] if 0 in keep else []
         hooks += [layer.register_forward_hook(taken(j + 1)) for j, layer in enumerate(decoder.layers) if j + 1 in keep]
+    extra = hf_image_inputs(images, device) if images is not None else {}
     try:
         with torch.no_grad():
             # One position's logits, not every token's: a 131k-token sample's full-vocab logits would take
             # 34 GB beside the engine on the GPU, and the gate reads only hidden states.
-            out = model(input_ids=ids, output_hidden_states=keep is None, use_cache=False, logits_to_keep=1)
+            out = model(input_ids=ids, output_hidden_states=keep is None, use_cache=False, logits_to_keep=1, **extra)
     finally:
         for hook in hooks:
             hook.remove()
@@ -225,9 +244,11 @@ def compare(
     fp8: bool = False,
     forcing: "ForcedRouting | None" = None,
     timed: Callable[[float], object] = lambda seconds: None,
+    images: Sequence[Images | None] | None = None,
 ) -> list[LayerParity]:
     """engine_states: (input_ids, aux [T, k*H], last [T, H]) per sample, in the engine's compute dtype, and with
     `forcing` (set up on hf_model) a fourth item, the engine's experts {MoE layer: [T, k]}, which HF then takes.
+    `images`, parallel to engine_states (None: all text), are each sample's images, which HF takes too.
     hf_model is in the engine's dtype; where the gate judges against float32 (`judged_against_float32`) it also
     runs in float32 on the same weights (`float32_pass`). `timed` is given each sample's HF forwards' seconds
     (to their end on the device)."""
@@ -235,20 +256,23 @@ def compare(
     exact = judged_against_float32(dtype, moe, fp8)
     keep = reference_indices(layer_ids, len(_decoder(hf_model).layers))
 
-    def reference(ids, experts):
+    def reference(ids, experts, im):
         if forcing is not None:
             forcing.set(experts[0])
         started = time.perf_counter()
-        states = hf_hidden_states(hf_model, ids, device, final_state, keep)
+        states = hf_hidden_states(hf_model, ids, device, final_state, keep, im)
         if exact:
             with float32_pass(hf_model):
-                states = (hf_hidden_states(hf_model, ids, device, final_state, keep), states)
+                states = (hf_hidden_states(hf_model, ids, device, final_state, keep, im), states)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         timed(time.perf_counter() - started)
         return states if exact else (states,)
 
-    pairs = ((aux, last, *reference(ids, experts)) for ids, aux, last, *experts in engine_states)
+    if images is not None and len(images) != len(engine_states):
+        raise ValueError(f"{len(images)} image entries for {len(engine_states)} samples")
+    pairs = ((aux, last, *reference(ids, experts, images[i] if images is not None else None))
+             for i, (ids, aux, last, *experts) in enumerate(engine_states))
     return compare_states(pairs, layer_ids, dtype, moe, final_state, fp8)
 
 
