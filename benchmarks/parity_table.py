@@ -44,6 +44,7 @@ FAMILIES = {
     "Llama 4 (text)": ("llama4", False, None),
     "DeepSeek-V3, Kimi-K2": ("deepseek_v3", True, "fp8"),
     "Kimi-K2.5 (text)": ("kimi_k25", True, None),
+    "Qwen2.5-VL (text and images)": ("qwen2_5_vl", False, None),
 }
 GPU_BACKENDS = ("flashinfer", "fa3")
 START, END = "<!-- parity-table -->", "<!-- /parity-table -->"
@@ -70,10 +71,11 @@ CPU_FP32_MAX_REL = 1e-5
 def _cpu(result: dict | None) -> str:
     if result is None:
         return "no CPU run (docs/architectures.md)"
-    rows = result["rows"]
+    rows = result["rows"] + result.get("image_rows", [])
     rel = max(r["max_rel"] for r in rows)
     verdict = "pass" if rel <= CPU_FP32_MAX_REL else "**FAIL**"
-    return f"{verdict}, {result['dtype']}: max rel {rel:.1e} (max abs {max(r['max_abs'] for r in rows):.1e})"
+    images = ", image chats included" if "image_rows" in result else ""
+    return f"{verdict}, {result['dtype']}: max rel {rel:.1e} (max abs {max(r['max_abs'] for r in rows):.1e}){images}"
 
 
 def _gpu(result: dict | None, moe: bool, arch: str, backend: str) -> str:

@@ -13,6 +13,7 @@ chose (`parity.ForcedRouting`), and reports per MoE layer how often HF's own cho
 experts, which measures how far bf16 arithmetic alone moves the model.
 """
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -25,12 +26,45 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from offline_extract.data.images import Images  # noqa: E402
 from offline_extract.engine import checkpoint, parity  # noqa: E402
+from offline_extract.engine.multimodal import IMAGE_MODELS  # noqa: E402
 from offline_extract.engine.reference import load_hf_model  # noqa: E402
 from offline_extract.engine.distributed import free_port  # noqa: E402
 from offline_extract.engine.sglang_adapter import Engine, EngineConfig, prepare_process  # noqa: E402
 
 LENGTHS = (5, 37, 64)  # several requests in one batch, so packing by request is exercised too
+
+# A vision-language model's image chats, rendered and prepared by its own HF processor: one image, then two
+# of other sizes around the text, so that each image's tokens and positions are found apart; batched with a
+# text sequence, so that image and text requests are packed together.
+IMAGE_CHATS = (
+    ([(28, 56)], "What is in the picture?", "A fox."),
+    ([(56, 56), (28, 28)], "Compare the two.", "The first is larger."),
+)
+
+
+def image_samples(model_dir: str) -> list[tuple[np.ndarray, Images]]:
+    """(input ids, Images) of each IMAGE_CHATS entry, random pixels from a fixed seed."""
+    from PIL import Image
+    from transformers import AutoConfig, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    image_token = AutoConfig.from_pretrained(model_dir).image_token_id
+    rng = np.random.default_rng(0)
+    samples = []
+    for sizes, question, answer in IMAGE_CHATS:
+        pictures = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
+        content = [{"type": "image"}, {"type": "text", "text": question}] + [{"type": "image"}] * (len(sizes) - 1)
+        messages = [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]
+        text = processor.apply_chat_template(messages, tokenize=False)
+        # The template writes the BOS itself.
+        out = processor(text=[text], images=pictures, return_tensors="np", add_special_tokens=False)
+        ids = out.pop("input_ids")[0]
+        out.pop("attention_mask")
+        fingerprint = hashlib.sha256(b"".join(p.tobytes() for p in pictures)).hexdigest()
+        samples.append((ids, Images(dict(out), ids == image_token, fingerprint)))
+    return samples
 
 # The FP8 block-quantized checkpoints the CPU and GPU suites build, and their config overrides.
 # SGLang fuses DeepSeek's q_a_proj and kv_a_proj_with_mqa and concatenates their block scales, which lines up
@@ -90,6 +124,27 @@ def _compare(engine, captured, seqs, hf_states, moe=None, early=False):
     return [r.to_json() for r in rows]
 
 
+def _image_check(engine, hf, samples, text) -> dict:
+    """The image samples and a text sequence captured in one batch, against HF's vision-language class on the
+    same processor outputs: every token, then the image tokens alone; and the gate's verdict on the states
+    compared one layer early."""
+    seqs, images = [ids for ids, _ in samples] + [text], [im for _, im in samples] + [None]
+    captured = engine.capture(seqs, images)
+    device = next(hf.parameters()).device
+    hf_states = [[h.float().cpu() for h in parity.hf_hidden_states(hf, s.tolist(), device, images=im)]
+                 for s, im in zip(seqs, images)]
+    bounds = np.cumsum([0, *map(len, seqs)])
+    masks = [torch.from_numpy(im.token_mask) for im in images[:-1]]
+    image_pairs = ((captured.aux[a:b][m].cpu(), captured.last[a:b][m].cpu(), [h[m] for h in hs])
+                   for a, b, m, hs in zip(bounds, bounds[1:], masks, hf_states))
+    return {
+        "image_tokens": [int(m.sum()) for m in masks],
+        "rows": _compare(engine, captured, seqs, hf_states),
+        "image_token_rows": [r.to_json() for r in parity.compare_states(image_pairs, engine.layer_ids, engine.dtype)],
+        "off_by_one_rows": _compare(engine, captured, seqs, hf_states, early=True),
+    }
+
+
 def _forced_states(hf, seqs, chosen) -> tuple[list, "parity.ForcedRouting"]:
     """HF's states for each sequence with every MoE block sent to the engine's experts, and the forcing's record."""
     bounds = np.cumsum([0, *map(len, seqs)])
@@ -143,20 +198,26 @@ ROW_KEYS = ("layer", "hf_index", "max_abs", "max_rel", "cosine", "median_cosine"
 
 
 def write_result(rep: dict, arch: str, backend: str) -> None:
-    """With OFFLINE_EXTRACT_RESULTS set, a run's rows (each layer once, from the checks in order), the MoE
-    comparisons as reported, and the pytest command that ran them, to <that dir>/<arch>-<backend>.json:
-    what benchmarks/parity_table.py builds docs/parity.md's table from."""
+    """With OFFLINE_EXTRACT_RESULTS set, a run's rows (each layer once, from the checks in order), its image
+    chats' rows likewise (a vision-language model), the MoE comparisons as reported, and the pytest command that
+    ran them, to <that dir>/<arch>-<backend>.json: what benchmarks/parity_table.py builds docs/parity.md's table
+    from."""
     results = os.environ.get("OFFLINE_EXTRACT_RESULTS")
     if not results:
         return
-    rows, seen = [], set()
-    for check in rep["checks"]:
-        for r in check.get("rows", []):
+    def each_layer_once(checks):
+        rows, seen = [], set()
+        for r in (r for check in checks for r in check):
             if r["layer"] not in seen:
                 seen.add(r["layer"])
                 rows.append({k: r[k] for k in ROW_KEYS})
+        return rows
+
     result = {"command": " ".join(["python -m pytest", *sys.argv[1:]]), "architecture": arch, "backend": backend,
-              "dtype": rep["dtype"], "quantization": rep.get("quantization"), "rows": rows}
+              "dtype": rep["dtype"], "quantization": rep.get("quantization"),
+              "rows": each_layer_once(check.get("rows", []) for check in rep["checks"])}
+    if any("images" in check for check in rep["checks"]):
+        result["image_rows"] = each_layer_once(check["images"]["rows"] for check in rep["checks"] if "images" in check)
     if "forced_routing" in rep:
         result["forced_routing"] = rep["forced_routing"]
     Path(results).mkdir(parents=True, exist_ok=True)
@@ -206,6 +267,9 @@ def main() -> None:
             # Which of SGLang's methods runs the experts: shows that a quantized checkpoint took its own path.
             expert_methods=sorted({type(m.quant_method).__name__ for name, m in engine.runner.model.named_modules()
                                    if name.endswith(".experts") and hasattr(m, "quant_method")}),
+            # Which of SGLang's attention backends runs a vision tower (its VisionAttention modules).
+            vision_attention=sorted({m.qkv_backend_name for m in engine.runner.model.modules()
+                                     if hasattr(m, "qkv_backend_name")}),
         )
         rng = np.random.default_rng(0)
         seqs = [rng.integers(6, 380, n).astype(np.int32) for n in LENGTHS]  # inside the tiny tokenizer's vocab
@@ -230,10 +294,20 @@ def main() -> None:
             (again.aux - captured.aux).abs().max().item(), (again.last - captured.last).abs().max().item()
         )
 
+        # A vision-language model's image chats, checked at every layer set as its text is.
+        samples = image_samples(args.model) if engine.architecture in IMAGE_MODELS else []
         # First SGLang's default ids (requested None), as the engine chose them at start.
         checks = [{"requested": None, "layer_ids": list(engine.layer_ids), "capture_points": engine.capture_points,
                    "rows": _compare(engine, captured, seqs, hf_states),
                    "off_by_one_rows": _compare(engine, captured, seqs, hf_states, early=True)}]
+        if samples:
+            checks[0]["images"] = _image_check(engine, hf, samples, seqs[1])
+            # A sequence with images over one forward's budget (1024 tokens here), which is never chunked.
+            ids, images = samples[0]
+            try:
+                engine.capture([np.concatenate([ids, np.full(1024, 6)])], [images])
+            except ValueError as e:
+                report["image_over_budget"] = str(e)
         for spec in [s for s in args.layer_sets.split(";") if s]:
             check = {"requested": [int(x) for x in spec.split(",")]}
             checks.append(check)
@@ -254,6 +328,8 @@ def main() -> None:
             else:
                 states = engine.capture(seqs)
             check["rows"] = _compare(engine, states, seqs, hf_states)
+            if samples:
+                check["images"] = _image_check(engine, hf, samples, seqs[1])
         report["checks"] = checks
         # The warm-up a GPU run starts with: on a MoE model, a forward of each token count it names.
         report["is_moe"], report["warm_up_token_counts"] = engine.is_moe, engine.warm_up_token_counts()

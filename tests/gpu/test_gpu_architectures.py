@@ -15,7 +15,7 @@ import torch
 from arch_parity import beyond_bf16_floor, run_report, write_result
 
 from offline_extract.engine.parity import MOE_HALF_MIN_MEDIAN_COSINE
-from offline_extract.testing.models import build_model
+from offline_extract.testing.models import VISION_LANGUAGE, build_model
 
 pytestmark = pytest.mark.gpu
 
@@ -36,6 +36,7 @@ GPU_MODELS = {
     "qwen2_moe": {},
     "deepseek_v3": {},
     "kimi_k25": {},
+    "qwen2_5_vl": {},
 }
 # Every mixture-of-experts family (Llama 4's top-1 MoE runs without a forceable HF block and is held to the
 # dense rule, which it passes).
@@ -137,6 +138,18 @@ def test_every_state_matches_hf_in_bf16(report):
             forced = check["forced_rows"] if check["requested"] else rep["forced_routing"]["rows"]
             for r in forced:
                 assert r["median_cosine"] >= MOE_HALF_MIN_MEDIAN_COSINE, f"{arch}/{backend} forced {r['layer']}: {r}"
+
+
+def test_image_chats_match_hf_in_bf16(report):
+    arch, backend, rep = report
+    checked = [c for c in rep["checks"] if "images" in c]
+    assert bool(checked) == (arch in VISION_LANGUAGE), arch
+    for check in checked:
+        for kind in ("rows", "image_token_rows"):
+            for r in check["images"][kind]:
+                where = f"{arch}/{backend} ids {check['layer_ids']} {kind} {r['layer']}: {r}"
+                assert r["ok"] and r["median_cosine"] >= MIN_COSINE, where
+                assert r["neighbour_cosine"] < r["median_cosine"] - 0.01, where
 
 
 def test_moe_matches_every_token_with_the_engines_routing(moe_report):

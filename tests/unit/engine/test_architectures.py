@@ -7,6 +7,7 @@
    default ids, then ids starting at 0, at 1 and above 1, each compared with HF hidden_states[k+1].
 """
 import json
+import re
 from itertools import combinations
 from types import SimpleNamespace
 
@@ -17,6 +18,7 @@ from safetensors.torch import load_file
 
 from offline_extract.engine import parity, reference
 from offline_extract.engine.distributed import free_port
+from offline_extract.engine.multimodal import IMAGE_MODELS
 from offline_extract.engine.sglang_adapter import (
     Engine,
     EngineConfig,
@@ -41,6 +43,8 @@ ENGINE_ARCHS = {
     "kimi_k2": ("DeepseekV3ForCausalLM", "kimi_k2"),
     # HF loads Kimi-K2.5 as the DeepSeek-V3 of its text_config, as the product's gate does.
     "kimi_k25": ("KimiK25ForConditionalGeneration", "kimi_k25"),
+    # Text records and image chats through HF's own vision-language class.
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl"),
 }
 DEEPSEEK_FAMILY = {"DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"}
 # Starting at 0 (which deepseek_v2 must not see as a leading 1), at 1 (which it would shift) and above 1, up
@@ -86,6 +90,7 @@ def _stand_ins(num_layers):
     from sglang.srt.models.mllama4 import Llama4ForConditionalGeneration
     from sglang.srt.models.mistral import MistralForCausalLM
     from sglang.srt.models.qwen2 import Qwen2ForCausalLM
+    from sglang.srt.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
     from sglang.srt.models.qwen2_moe import Qwen2MoeForCausalLM, Qwen2MoeModel
     from sglang.srt.models.qwen3 import Qwen3ForCausalLM
     from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeModel
@@ -99,6 +104,7 @@ def _stand_ins(num_layers):
         "LlamaForCausalLM": _stand_in(LlamaForCausalLM, num_layers),
         "MistralForCausalLM": _stand_in(MistralForCausalLM, num_layers),
         "Qwen2ForCausalLM": _stand_in(Qwen2ForCausalLM, num_layers),
+        "Qwen2_5_VLForConditionalGeneration": _stand_in(Qwen2_5_VLForConditionalGeneration, num_layers),
         "Qwen3ForCausalLM": _stand_in(Qwen3ForCausalLM, num_layers),
         "Qwen3MoeForCausalLM": _stand_in(Qwen3MoeForCausalLM, num_layers, Qwen3MoeModel),
         "Qwen2MoeForCausalLM": _stand_in(Qwen2MoeForCausalLM, num_layers, Qwen2MoeModel),
@@ -278,6 +284,28 @@ def test_every_state_matches_hf_in_fp32(report):
         assert rows["last"]["hf_index"] == rep["num_layers"]
     # The gate itself rejects every state compared one layer early.
     assert not any(r["ok"] for r in rep["checks"][0]["off_by_one_rows"]), arch
+
+
+def test_image_chats_match_hfs_vision_language_class_in_fp32(report):
+    arch, rep = report
+    checked = [c for c in rep["checks"] if "images" in c]
+    if ENGINE_ARCHS[arch][0] not in IMAGE_MODELS:
+        assert checked == [], arch
+        return
+    # SGLang's vision tower runs on CPU through torch's SDPA (layers/attention/vision.py's platform default).
+    assert rep["vision_attention"] == ["sdpa"]
+    assert len(checked) == len([c for c in rep["checks"] if "rows" in c])
+    for c in checked:
+        images = c["images"]
+        # 28x56 pixels: 2 tokens; 56x56 and 28x28: 4 and 1 (14-pixel patches merged 2 x 2).
+        assert images["image_tokens"] == [2, 5]
+        for kind in ("rows", "image_token_rows"):
+            for r in images[kind]:
+                where = f"{arch} ids {c['layer_ids']} {kind} {r['layer']} vs HF hidden_states[{r['hf_index']}]"
+                assert r["max_rel"] <= MAX_REL and r["neighbour_gap"] > MIN_NEIGHBOUR_GAP, where
+    assert not any(r["ok"] for r in checked[0]["images"]["off_by_one_rows"]), arch
+    assert re.match(r"a sequence with images of \d{4} tokens exceeds one forward's budget of 1024 tokens",
+                    rep["image_over_budget"])
 
 
 def test_bare_prefill_turns_capture_off_and_back_on(report):
