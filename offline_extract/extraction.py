@@ -204,12 +204,16 @@ def _image_processor(opts: ExtractOptions, model_dir: Path):
         return None
     from transformers import AutoProcessor
 
+    needed = "preprocessor_config.json or processor_config.json, and its tokenizer files"
     try:
-        return AutoProcessor.from_pretrained(model_dir, trust_remote_code=opts.trust_remote_code)
+        processor = AutoProcessor.from_pretrained(model_dir, trust_remote_code=opts.trust_remote_code)
     except (OSError, ValueError) as e:
         raise ValueError(f"{model_dir} is a vision-language model (its config.json has a vision_config), but its HF "
-                         f"processor does not load from it (preprocessor_config.json or processor_config.json, and "
-                         f"its tokenizer files): {e}") from e
+                         f"processor does not load from it ({needed}): {e}") from e
+    if getattr(processor, "image_processor", None) is None:  # AutoProcessor gives the tokenizer alone then
+        raise ValueError(f"{model_dir} is a vision-language model (its config.json has a vision_config), but "
+                         f"AutoProcessor finds no image processor there ({needed})")
+    return processor
 
 
 def _min_loss_run(opts: ExtractOptions) -> int:

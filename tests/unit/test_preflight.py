@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from extract_runs import REVISION, ROOT, hub_cache
+from image_chats import PATCH, qwen_processor, save_image
 from small_shards import write_shards
 
 from offline_extract import extraction, hub, planning, preflight
@@ -547,3 +548,26 @@ def test_a_damaged_config_or_saved_data_set_is_named(tmp_path):
     (saved / "dataset_dict.json").write_text("{")
     with pytest.raises(CorpusReadError, match=rf"{saved / 'dataset_dict.json'} is damaged"):
         open_source(str(saved))
+
+
+def test_a_vision_language_model_tokenizes_with_its_processor_or_is_refused_naming_what_is_missing(tiny_model_dir,
+                                                                                                     tmp_path):
+    model = tmp_path / "vl"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "vision_config": {"depth": 1}}))
+    opts = ExtractOptions(data=(CORPUS,), model=str(model))
+    with pytest.raises(ValueError) as refused:
+        extraction._sample_tokenizer(opts, model)
+    assert str(refused.value) == (
+        f"{model} is a vision-language model (its config.json has a vision_config), but AutoProcessor finds no image "
+        f"processor there (preprocessor_config.json or processor_config.json, and its tokenizer files)")
+    qwen_processor(tiny_model_dir).save_pretrained(model)
+    tokenizer = extraction._sample_tokenizer(opts, model)
+    assert tokenizer.processor is not None and tokenizer.fingerprint()["image_processor_sha256"] is not None
+    save_image(tmp_path / "a.png", PATCH, 2 * PATCH)
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "ok"}],
+                                  "images": ["a.png"]}) + "\n")
+    (sample,) = tokenizer.many(list(read_corpus([corpus])))
+    assert int(sample.images.token_mask.sum()) == 2
