@@ -25,7 +25,7 @@ class PoisonedEngine:
     max_forward_tokens = 8
     chunk_tokens = 3
 
-    def capture(self, seqs):
+    def capture(self, seqs, images=None):
         ids = torch.from_numpy(np.concatenate(seqs)).float()[:, None]
         aux, last = ids.repeat(1, 8), ids.repeat(1, 4)
         aux[ids[:, 0] == 99, 4:] = float("nan")
