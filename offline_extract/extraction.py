@@ -266,7 +266,7 @@ def run(opts: ExtractOptions) -> Summary | None:
         job.load_tokenizer()
         finished = resume.finished(job.out, job.known, job.checked.corpus_paths)
     if finished is not None:
-        return job.output.already_complete(finished)
+        return job.output.already_complete(finished, opts.data, opts.force)
     return job.run()
 
 

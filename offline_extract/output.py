@@ -52,11 +52,14 @@ class OutputDirectory:
         self.out, self.layout, self.coord = out, layout, coord
         self.identity: dict | None = None  # the identity the leader recorded, with the corpus as it was then
 
-    def already_complete(self, finished: dict) -> Summary | None:
+    def already_complete(self, finished: dict, data: Sequence[str], force: bool) -> Summary | None:
         """The directory holds this run's finished output. Every rank finds the same, and no rank loads the
-        model to find nothing to do; the leader checks the shards' checksums and rebuilds a lost index."""
+        model to find nothing to do; the leader checks, as a resume does, that the samples' images are those
+        the corpus `data` (the --data entries) names now, then the shards' checksums, and rebuilds a lost index."""
         if not self.layout.leads:
             return None
+        for line in resume.check_images(self.out, list(finished["shards"]), data, force):
+            note(line)
         for line in resume.settle_finished(self.out, finished):
             note(line)
         note(f"already complete: {self.out} holds this run's finished output, nothing to extract")

@@ -1,6 +1,6 @@
 """Image chats through bin/extract.py on the tiny random Qwen2.5-VL (testing/models.py), on CPU: the image tokens'
 positions in the shards and the datasets, a bad image rejected by name, the dry run's image count, and a resume
-refused once a kept sample's image has changed."""
+or a rerun of the finished run refused once a kept sample's image has changed."""
 import json
 import subprocess
 
@@ -55,6 +55,11 @@ def test_image_chats_extract_with_their_image_tokens_and_a_changed_image_refuses
     assert integrity.verify(out).problems == []
 
     save_image(tmp_path / "square.png", 2 * PATCH, 2 * PATCH, seed=2)
+    changed = "c.jsonl:3 (id 'llava'): its images' bytes differ from those it was extracted from"
     refused = extract(out, *common, "--dry-run")
     assert refused.returncode != 0
-    assert "c.jsonl:3 (id 'llava'): its images' bytes differ from those it was extracted from" in refused.stderr
+    assert changed in refused.stderr
+    # The run is complete: a rerun checks the images as a resume does, rather than saying "already complete".
+    refused = extract(out, *common)
+    assert refused.returncode != 0 and "already complete" not in refused.stderr
+    assert changed in refused.stderr
