@@ -1,7 +1,7 @@
 """Outputs of format version 1, as the extraction of that version wrote them (tests/data/format_v1: the
 embedded tiny model on three records, --max-length 32; bf16, and fp8 + zstd with the pre-norm final state),
-still read, verify, export and resume; and a run document whose key has the wrong type is refused, naming
-the shard and the key."""
+still read, verify and export (test_format_v2.py resumes them); and a run document whose key has the wrong type
+is refused, naming the shard and the key."""
 import json
 import shutil
 from dataclasses import replace
@@ -12,12 +12,11 @@ from extract_runs import ROOT
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from offline_extract.store import integrity, manifest, resume
-from offline_extract.store.index import read_index, shard_paths, write_index
+from offline_extract.store import integrity
+from offline_extract.store.index import shard_paths
 from offline_extract.store.inspection import summarize
 from offline_extract.store.schema import FORMAT_VERSION, METADATA_KEY, Encoding, RunInfo, ShardError
 from offline_extract.store.shard import read_header
-from offline_extract.testing.shards import write_samples
 from offline_extract.training.datasets import HiddenStateDataset
 from offline_extract.training.export import export_specforge, export_speculators, speculators_path
 
@@ -81,32 +80,6 @@ def test_a_flipped_byte_in_a_version_1_shard_fails_its_plain_sha256(v1):
     path.write_bytes(bytes(data))
     (problem,) = integrity.verify(out).problems
     assert problem.startswith(f"{path.name}: sha256 ") and "differs from manifest.json's" in problem
-
-
-def test_this_version_resumes_a_version_1_output(v1):
-    """The same run's facts, as this version records them, are the recorded identity; new shards join the
-    old ones and the directory stays one data set."""
-    out, _ = v1
-    corpus = V1 / "corpus.jsonl"
-    (path,) = shard_paths(out)
-    run = read_header(path).run
-    assert resume.finished(out, run, [corpus]) is not None
-    assert resume.finished(out, replace(run, max_length=64), [corpus]) is None
-    assert resume.check_identity(out, manifest.run_identity(run, [corpus]), force=False) == []
-    with pytest.raises(resume.TakeoverError, match="layer_ids"):
-        resume.check_identity(out, manifest.run_identity(replace(run, layer_ids=(1, 2, 3)), [corpus]), force=True)
-
-    rows = 5
-    (new,) = write_samples(out, run, [rows], torch.arange(rows), torch.ones(rows), torch.randn(rows, 3 * run.hidden_size),
-                           torch.randn(rows, run.hidden_size), indices=[7], index=False, shard_numbers=iter([1]))
-    assert _document(new)["format_version"] == FORMAT_VERSION and "encoding" not in _document(new)
-    manifest.consolidate(out)
-    write_index(out)
-    assert read_index(out)["format_version"] == FORMAT_VERSION
-    assert integrity.verify(out).problems == []
-    dataset = HiddenStateDataset(out, verify_checksums=True)
-    assert dataset.ids == ["geo-1", "corpus.jsonl:3", "s7"]
-    assert dataset[2]["aux_hidden_states"].shape == (rows, 3 * run.hidden_size)
 
 
 @pytest.mark.parametrize("key, value, expected", [

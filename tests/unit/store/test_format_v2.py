@@ -1,8 +1,10 @@
 """An output of format version 2, as the extraction of that version wrote it (tests/data/format_v2: the embedded
 tiny model on the three records of tests/data/format_v1, --max-length 32, bf16), before shards recorded which
-tokens stand for images: still read (an image_mask of zeros), verified, exported and resumed."""
+tokens stand for images: still read (an image_mask of zeros), verified and exported; and this version resumes it, and
+those of version 1 (tests/data/format_v1), into shards that hold the image mask."""
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -51,22 +53,38 @@ def test_a_version_2_output_reads_with_no_image_tokens_verifies_and_exports(v2, 
     assert len(list((tmp_path / "sf").rglob("*.ckpt"))) == 2
 
 
-def test_this_version_resumes_a_version_2_output_into_shards_that_hold_the_image_mask(v2):
-    corpus = V2 / "corpus.jsonl"
-    (path,) = shard_paths(v2)
+# Each older output this version resumes: (version, run); the runs of one version share a corpus.
+OLDER = [(1, "bf16"), (1, "fp8_zstd_pre"), (2, "bf16")]
+
+
+@pytest.mark.parametrize("version, name", OLDER, ids=[f"v{v}-{name}" for v, name in OLDER])
+def test_this_version_resumes_an_older_output_into_shards_that_hold_the_image_mask(tmp_path, version, name):
+    """The same run's facts, as this version records them, are the recorded identity; new shards, with this
+    version's image mask, join the old ones and the directory stays one data set."""
+    older = ROOT / "tests" / "data" / f"format_v{version}"
+    out = tmp_path / name
+    shutil.copytree(older / name, out)
+    corpus = older / "corpus.jsonl"
+    (path,) = shard_paths(out)
     run = read_header(path).run
-    assert resume.check_identity(v2, manifest.run_identity(run, [corpus]), force=False) == []
+    assert resume.finished(out, run, [corpus]) is not None
+    assert resume.finished(out, replace(run, max_length=64), [corpus]) is None
+    assert resume.check_identity(out, manifest.run_identity(run, [corpus]), force=False) == []
+    with pytest.raises(resume.TakeoverError, match="layer_ids"):
+        resume.check_identity(out, manifest.run_identity(replace(run, layer_ids=(1, 2, 3)), [corpus]), force=True)
+
     rows = 5
     image_mask = torch.tensor([0, 1, 1, 0, 0], dtype=torch.uint8)
-    (new,) = write_samples(v2, run, [rows], torch.arange(rows), torch.tensor([1, 0, 0, 1, 1]),
+    (new,) = write_samples(out, run, [rows], torch.arange(rows), torch.tensor([1, 0, 0, 1, 1]),
                            torch.randn(rows, 3 * run.hidden_size), torch.randn(rows, run.hidden_size), indices=[7],
                            index=False, shard_numbers=iter([1]), image_mask=image_mask)
     document, names = _document(new)
-    assert document["format_version"] == FORMAT_VERSION and "image_mask" in names
-    manifest.consolidate(v2)
-    write_index(v2)
-    assert read_index(v2)["format_version"] == FORMAT_VERSION
-    assert integrity.verify(v2).problems == []
-    dataset = HiddenStateDataset(v2, verify_checksums=True)
+    assert document["format_version"] == FORMAT_VERSION and "encoding" not in document and "image_mask" in names
+    manifest.consolidate(out)
+    write_index(out)
+    assert read_index(out)["format_version"] == FORMAT_VERSION
+    assert integrity.verify(out).problems == []
+    dataset = HiddenStateDataset(out, verify_checksums=True)
     assert dataset.ids == ["geo-1", "corpus.jsonl:3", "s7"]
+    assert dataset[2]["aux_hidden_states"].shape == (rows, 3 * run.hidden_size)
     assert dataset[2]["image_mask"].tolist() == image_mask.tolist() and not dataset[0]["image_mask"].any()
