@@ -13,6 +13,16 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen_vl_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny Qwen2.5-VL of testing/models.py, its config and HF processor files alone (no weights): for the
+    tests of image chats that need its processor (AutoProcessor) and no forward."""
+    from offline_extract.testing.models import build_model
+
+    return build_model("qwen2_5_vl", tmp_path_factory.mktemp("qwen_vl") / "m", weights=False,
+                       tokenizer_dir=tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
 def tiny_engine(tiny_model_dir):
     """The embedded model in SGLang's engine on CPU, fp32, once per test process: SGLang keeps its
     parallel groups in process globals, so a second engine in the same process cannot start."""

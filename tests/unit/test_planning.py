@@ -6,8 +6,8 @@ from collections import namedtuple
 import pytest
 
 from extract_runs import ROOT
-from image_chats import PATCH, qwen_processor, save_image
-from transformers import AutoTokenizer
+from image_chats import PATCH, save_image
+from transformers import AutoProcessor, AutoTokenizer
 
 from offline_extract import planning
 from offline_extract.data.corpus import BadRecordError
@@ -150,14 +150,14 @@ def test_a_plan_of_one_sample_says_one_sample(tiny_model_dir, tmp_path):
     assert planning.render(p, tmp_path / "out").splitlines()[0] == "records 2: 1 sample, 0 skipped, 1 rejected"
 
 
-def test_a_plan_counts_the_image_tokens_of_image_chats(tiny_model_dir, tmp_path):
+def test_a_plan_counts_the_image_tokens_of_image_chats(qwen_vl_dir, tmp_path):
     save_image(tmp_path / "a.png", 2 * PATCH, 2 * PATCH)  # 4 image tokens
     save_image(tmp_path / "b.png", PATCH, 3 * PATCH)  # 3
     chat = [{"from": "human", "value": "<image> and <image>"}, {"from": "gpt", "value": "two"}]
     corpus = tmp_path / "c.jsonl"
     corpus.write_text(json.dumps({"conversations": chat, "images": ["a.png", "b.png"]}) + "\n"
                       + json.dumps({"conversations": chat[1:] + chat[1:]}) + "\n")
-    processor = qwen_processor(tiny_model_dir)
+    processor = AutoProcessor.from_pretrained(qwen_vl_dir)
     tok = SampleTokenizer(processor.tokenizer, max_length=4096, processor=processor)
     p = planning.plan([corpus], tok, tmp_path / "out", hidden_size=64, num_aux_layers=3)
     assert (p.samples, p.image_samples, p.image_tokens) == (2, 1, 7)

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from extract_runs import REVISION, ROOT, hub_cache
-from image_chats import PATCH, qwen_processor, save_image
+from image_chats import PATCH, save_image
 from small_shards import write_shards
+from transformers import AutoProcessor
 
 from offline_extract import extraction, hub, planning, preflight
 from offline_extract.data.corpus import BadRecordError, Reject, read_corpus
@@ -551,6 +552,7 @@ def test_a_damaged_config_or_saved_data_set_is_named(tmp_path):
 
 
 def test_a_vision_language_model_tokenizes_with_its_processor_or_is_refused_naming_what_is_missing(tiny_model_dir,
+                                                                                                     qwen_vl_dir,
                                                                                                      tmp_path):
     model = tmp_path / "vl"
     shutil.copytree(tiny_model_dir, model)
@@ -562,7 +564,7 @@ def test_a_vision_language_model_tokenizes_with_its_processor_or_is_refused_nami
     assert str(refused.value) == (
         f"{model} is a vision-language model (its config.json has a vision_config), but AutoProcessor finds no image "
         f"processor there (preprocessor_config.json or processor_config.json, and its tokenizer files)")
-    qwen_processor(tiny_model_dir).save_pretrained(model)
+    AutoProcessor.from_pretrained(qwen_vl_dir).save_pretrained(model)
     tokenizer = extraction._sample_tokenizer(opts, model)
     assert tokenizer.processor is not None and tokenizer.fingerprint()["image_processor_sha256"] is not None
     save_image(tmp_path / "a.png", PATCH, 2 * PATCH)

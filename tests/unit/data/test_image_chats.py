@@ -1,18 +1,20 @@
-"""Chats with images, through a vision-language model's own HF processor (`image_chats.qwen_processor`)."""
+"""Chats with images, through a vision-language model's own HF processor (the tiny Qwen2.5-VL's, `qwen_vl_dir`)."""
 import json
 
 import numpy as np
 import pytest
 from PIL import Image
-from image_chats import PATCH, TEMPLATE, qwen_processor, save_image
+from image_chats import PATCH, save_image
+from transformers import AutoProcessor
 
 from offline_extract.data.corpus import read_corpus
 from offline_extract.data.tokenization import Sample, SampleTokenizer
+from offline_extract.testing.models import VL_CHAT_TEMPLATE
 
 
 @pytest.fixture(scope="module")
-def processor(tiny_model_dir):
-    return qwen_processor(tiny_model_dir)
+def processor(qwen_vl_dir):
+    return AutoProcessor.from_pretrained(qwen_vl_dir)
 
 
 def write_corpus(path, records):
@@ -39,7 +41,7 @@ def test_an_image_chat_is_the_processors_tokens_with_the_loss_on_the_reply_alone
     full = tok.apply_chat_template([[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"},
                                                                   {"type": "image"}]},
                                      {"role": "assistant", "content": "Two pictures."}]],
-                                   chat_template=TEMPLATE, tokenize=False)[0]
+                                   chat_template=VL_CHAT_TEMPLATE, tokenize=False)[0]
     expected = processor(text=[full], images=pictures, return_tensors="np", add_special_tokens=False)
     assert sample.input_ids.tolist() == expected["input_ids"][0].tolist()
     assert sample.images.token_mask.tolist() == (sample.input_ids == pad).tolist()
@@ -115,7 +117,7 @@ def test_trimming_after_the_last_reply_never_drops_a_later_image(tmp_path, proce
     assert trimmed.kind == "skipped" and "(--trim-after-last-loss-token) would cut its images" in trimmed.reason
 
 
-def test_text_chats_of_a_vision_model_render_with_its_processors_template(tmp_path, processor, tiny_model_dir):
+def test_text_chats_of_a_vision_model_render_with_its_processors_template(tmp_path, processor, qwen_vl_dir):
     corpus = write_corpus(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"},
                                                                {"role": "assistant", "content": "hello"}]}])
     (record,) = read_corpus([corpus])
@@ -127,7 +129,7 @@ def test_text_chats_of_a_vision_model_render_with_its_processors_template(tmp_pa
     assert sample.input_ids.tolist() == processor.tokenizer(full, add_special_tokens=False)["input_ids"]
     fingerprint = tokenizer.fingerprint()
     assert fingerprint["image_processor_sha256"] is not None
-    other = qwen_processor(tiny_model_dir, max_pixels=PATCH * PATCH * 16)
+    other = AutoProcessor.from_pretrained(qwen_vl_dir, max_pixels=PATCH * PATCH * 4)
     other_fingerprint = SampleTokenizer(processor.tokenizer, max_length=64, processor=other).fingerprint()
     assert other_fingerprint["image_processor_sha256"] != fingerprint["image_processor_sha256"]
     assert SampleTokenizer(processor.tokenizer, max_length=64).fingerprint()["image_processor_sha256"] is None
