@@ -124,71 +124,90 @@ def main(dry_run, **options):
     mark_process("importing torch")
     import torch  # noqa: F401
     mark_process("torch imported")
-    from offline_extract import extraction, planning
-    from offline_extract.engine.distributed import LeaderFailed, PeerLost, ReportedByLeader
-    from offline_extract.engine.parity import ParityError
-    from offline_extract.extraction import Terminated, raise_terminated
-    from offline_extract.output import StoppedError
-    from offline_extract.store.index import shard_paths
-    from offline_extract.store.schema import REJECTS_FILE
-    from offline_extract.summary import no_sample_verdict
-    from offline_extract.words import plural
+    from offline_extract.extraction import raise_terminated
 
     opts = ExtractOptions(**options)
-    data, out, force = opts.data, opts.out, opts.force
     # Torchrun stops every rank with SIGTERM once one fails, and schedulers preempt with it: stop as on an
     # error (the unfinished shard dropped, the lock released) instead of dying mid-write.
     signal.signal(signal.SIGTERM, raise_terminated)
+    result = _run(opts, dry_run, existed)
+    if dry_run:
+        _refuse_by_the_plan(opts, result)
+    elif result is not None:
+        _report(opts, result)
 
-    def left() -> str:
-        """What a stop leaves in --out, said as it is: a directory that this run made and left empty goes."""
-        if dry_run:
-            return _left_by_a_dry_run(out, existed)
-        shards = shard_paths(Path(out)) if os.path.isdir(out) else []
-        if shards:
-            return (f"; the {plural(len(shards), 'complete shard')} in {out} {'are' if len(shards) > 1 else 'is'} "
-                    f"kept, and re-running the same command resumes from them")
-        if not existed:
-            with contextlib.suppress(OSError):  # not empty: it holds what the run wrote, or another's files
-                os.rmdir(out)
-        return _nothing_written(out) if not os.path.lexists(out) else f" before any shard was written to {out}"
+
+def _run(opts: ExtractOptions, dry_run: bool, existed: bool):
+    """The dry run's plan, or the run's summary (None on every rank but the leader's); a failure ends the
+    command with its message, a stop saying what it leaves in --out (which `existed` before the command, or not)."""
+    from offline_extract import extraction
+    from offline_extract.engine.distributed import LeaderFailed, PeerLost, ReportedByLeader
+    from offline_extract.engine.parity import ParityError
+    from offline_extract.extraction import Terminated
+    from offline_extract.output import StoppedError
 
     try:
         with stopping.as_stop():
-            if dry_run:
-                plan = extraction.dry_run(opts)
-            else:
-                summary = extraction.run(opts)
+            return extraction.dry_run(opts) if dry_run else extraction.run(opts)
     except (OSError, ValueError, NotImplementedError, ParityError, StoppedError, LeaderFailed, PeerLost) as e:
         # Bad input, a failed check or a full disk: the message names it; a traceback would only bury it.
         raise click.ClickException(str(e)) from e
     except ReportedByLeader:
         sys.exit(1)  # rank 0 printed why, once for the whole run
     except KeyboardInterrupt:
-        raise Interrupted(left()) from None
+        raise Interrupted(_left(opts.out, existed, dry_run)) from None
     except Terminated:
         rank = f"rank {os.environ['RANK']}" if "RANK" in os.environ else "dry run" if dry_run else "extraction"
         click.echo(f"{rank}: stopped by SIGTERM (under torchrun: another rank failed, and torchrun's report names "
-                   f"it){left()}", err=True)
+                   f"it){_left(opts.out, existed, dry_run)}", err=True)
         sys.exit(TERMINATED)
+
+
+def _left(out: str, existed: bool, dry_run: bool) -> str:
+    """What a stop leaves in --out, said as it is: a directory that this run made and left empty goes."""
+    from offline_extract.store.index import shard_paths
+    from offline_extract.words import plural
+
     if dry_run:
-        click.echo(planning.render(plan, out))
-        verdict = no_sample_verdict(data, plan.records, {"rejected": plan.rejected, "skipped": plan.skipped})
-        if verdict:
-            raise click.ClickException(verdict)
-        if not plan.writable:
-            raise click.ClickException(f"{out} cannot be written: its filesystem is read-only, or you lack permission")
-        if plan.in_use:
-            raise click.ClickException(plan.in_use)
-        refusal = plan.refusal(out)
-        if refusal and not force:
-            raise click.ClickException(refusal)
-    elif summary is not None:
-        click.echo(summary.report(out), err=True)
-        verdict = summary.no_sample_verdict(data)
-        if verdict:
-            # The manifest says complete (with these counts): re-running would only repeat this verdict.
-            raise click.ClickException(f"{verdict}, see {Path(out) / REJECTS_FILE}" if summary.records else verdict)
+        return _left_by_a_dry_run(out, existed)
+    shards = shard_paths(Path(out)) if os.path.isdir(out) else []
+    if shards:
+        return (f"; the {plural(len(shards), 'complete shard')} in {out} {'are' if len(shards) > 1 else 'is'} "
+                f"kept, and re-running the same command resumes from them")
+    if not existed:
+        with contextlib.suppress(OSError):  # not empty: it holds what the run wrote, or another's files
+            os.rmdir(out)
+    return _nothing_written(out) if not os.path.lexists(out) else f" before any shard was written to {out}"
+
+
+def _refuse_by_the_plan(opts: ExtractOptions, plan) -> None:
+    """The dry run's plan printed; the command fails where the real run would (or would not fit, unless --force)."""
+    from offline_extract import planning
+    from offline_extract.summary import no_sample_verdict
+
+    out = opts.out
+    click.echo(planning.render(plan, out))
+    verdict = no_sample_verdict(opts.data, plan.records, {"rejected": plan.rejected, "skipped": plan.skipped})
+    if verdict:
+        raise click.ClickException(verdict)
+    if not plan.writable:
+        raise click.ClickException(f"{out} cannot be written: its filesystem is read-only, or you lack permission")
+    if plan.in_use:
+        raise click.ClickException(plan.in_use)
+    refusal = plan.refusal(out)
+    if refusal and not opts.force:
+        raise click.ClickException(refusal)
+
+
+def _report(opts: ExtractOptions, summary) -> None:
+    """The leader's report of the run; the command fails where it extracted no sample."""
+    from offline_extract.store.schema import REJECTS_FILE
+
+    click.echo(summary.report(opts.out), err=True)
+    verdict = summary.no_sample_verdict(opts.data)
+    if verdict:
+        # The manifest says complete (with these counts): re-running would only repeat this verdict.
+        raise click.ClickException(f"{verdict}, see {Path(opts.out) / REJECTS_FILE}" if summary.records else verdict)
 
 
 def _nothing_written(out: str) -> str:
