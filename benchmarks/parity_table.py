@@ -18,34 +18,15 @@ from pathlib import Path
 import click
 
 ROOT = Path(__file__).resolve().parents[1]
-# The checkout first, as bin/ scripts put it (run as a file, this imports its own benchmarks and offline_extract),
-# then the test helpers that state which backends the GPU suite runs each family on.
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
+# The checkout first, as bin/ scripts put it (run as a file, this imports its own benchmarks and offline_extract).
+sys.path.insert(0, str(ROOT))
 
 from benchmarks import program  # noqa: E402
+from offline_extract.engine.families import BY_NAME, FAMILIES  # noqa: E402
 from offline_extract.engine.parity import MOE_HALF_MIN_MEDIAN_COSINE  # noqa: E402
-from test_gpu_architectures import ARCH_BACKENDS  # noqa: E402  the backends SGLang runs a family on, where not all
 
 RESULTS = ROOT / "benchmarks" / "results" / "parity"
 PAGE = ROOT / "docs" / "parity.md"
-# Family -> the architecture key its results are filed under, whether --verify forces its routing (a MoE family
-# with a forceable HF block), and its quantized release format, if any.
-FAMILIES = {
-    "Llama 2/3": ("llama", False, None),
-    "Qwen3": ("qwen3", False, "fp8"),
-    "Qwen2, Qwen2.5": ("qwen2", False, None),
-    "Mistral": ("mistral", False, None),
-    "Qwen3-MoE": ("qwen3_moe", True, None),
-    "Qwen2-MoE": ("qwen2_moe", True, None),
-    "Qwen3-Next": ("qwen3_next", True, None),
-    "MiniMax-M2": ("minimax_m2", True, None),
-    "GLM-4.5": ("glm4_moe", True, None),
-    "GPT-OSS": ("gpt_oss", True, "mxfp4"),
-    "Llama 4 (text)": ("llama4", False, None),
-    "DeepSeek-V3, Kimi-K2": ("deepseek_v3", True, "fp8"),
-    "Kimi-K2.5 (text)": ("kimi_k25", True, None),
-    "Qwen2.5-VL (text and images)": ("qwen2_5_vl", False, None),
-}
 GPU_BACKENDS = ("flashinfer", "fa3")
 START, END = "<!-- parity-table -->", "<!-- /parity-table -->"
 
@@ -81,7 +62,7 @@ def _cpu(result: dict | None) -> str:
 def _gpu(result: dict | None, moe: bool, arch: str, backend: str) -> str:
     """The product's gate as --verify applies it: on a MoE model, against HF on the engine's experts."""
     if result is None:
-        runs_on = ARCH_BACKENDS.get(arch, [backend])
+        runs_on = BY_NAME[arch].gpu_backends or [backend]
         return "pending" if backend in runs_on else f"— (SGLang runs it on {' and '.join(runs_on)} only)"
     if moe and "forced_routing" in result:
         return _states(result["forced_routing"]["rows"], moe=True) + " (HF on the engine's experts)"
@@ -128,10 +109,12 @@ def table(results: Path) -> str:
         "| quantized checkpoint |",
         "|---|---|---|---|---|---|",
     ]
-    for family, (arch, moe, fmt) in FAMILIES.items():
+    for family in FAMILIES:
+        # A MoE family with a forceable HF block: --verify forces its routing.
+        arch, moe, fmt = family.name, family.routing is not None, family.quantized
         others = [f"{b}: {_gpu(r, moe, arch, b)}" for b in GPU_BACKENDS if (r := _load(results, f"{arch}-{b}"))]
         lines.append(
-            f"| {family} | {_cpu(_load(results, f'{arch}-cpu'))} | {_gpu(_load(results, f'{arch}-triton'), moe, arch, 'triton')} | "
+            f"| {family.label} | {_cpu(_load(results, f'{arch}-cpu'))} | {_gpu(_load(results, f'{arch}-triton'), moe, arch, 'triton')} | "
             f"{'; '.join(others) or 'pending'} | {_forced(results, arch, moe)} | {_quantized(results, arch, fmt)} |"
         )
     return "\n".join(lines)

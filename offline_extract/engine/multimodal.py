@@ -12,46 +12,19 @@ stage (`data.images.Images`), with no tokenizer manager and no HTTP in between.
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from offline_extract.data.images import Images
+from offline_extract.engine.families import FAMILIES, ImageModel
 
 
-@dataclass(frozen=True)
-class ImageModel:
-    """How one vision-language architecture's SGLang file takes an image: the processor output it
-    reads as the item's feature, the ones it keeps beside it, and the ones that only restate the tokens."""
-
-    source: str  # the SGLang model file and the processor class that serves it
-    feature: str
-    beside: tuple[str, ...]
-    restating: tuple[str, ...] = ()
-
-
-# Qwen's processors (Qwen2VLImageProcessor behind Qwen2.5-VL's and Qwen3-VL's) return each image's patches
-# flattened, all images' rows concatenated, with one [t, h, w] grid row per image; mm_token_type_ids marks
-# the image tokens, which the token ids already do.
-_QWEN_VL = dict(feature="pixel_values", beside=("image_grid_thw",), restating=("mm_token_type_ids",))
-IMAGE_MODELS = {
-    "Qwen2_5_VLForConditionalGeneration": ImageModel("qwen2_5_vl.py, served by qwen_vl.py's QwenVLImageProcessor",
-                                                     **_QWEN_VL),
-}
-
-# Vision-language models whose SGLang file takes images, but whose image inputs this engine does not build,
-# by SGLang class name: their image records are refused with the reason; their text records run.
-_IMAGES_UNSUPPORTED = {
-    "Llama4ForConditionalGeneration": (
-        "its tiled image inputs (mllama4.py) are not built by this engine: SGLang runs Llama 4 only on the fa3 "
-        "attention backend (its chunked attention), so no parity gate on CPU could hold them against HF"
-    ),
-    "KimiK25ForConditionalGeneration": (
-        "HF transformers has no class for its MoonViT tower (the release ships it as remote code), so no "
-        "parity gate against HF can hold its image tokens' states, and none are stored unchecked"
-    ),
-}
+# Vision-language architectures whose image inputs this engine builds, by SGLang class name.
+IMAGE_MODELS = {f.sglang_class: f.images for f in FAMILIES if f.images}
+# Vision-language models whose SGLang file takes images, but whose image inputs this engine does not build:
+# their image records are refused with the reason; their text records run.
+_IMAGES_UNSUPPORTED = {f.sglang_class: f.images_refused for f in FAMILIES if f.images_refused}
 
 
 def image_model(architecture: str, model_path: str) -> ImageModel:

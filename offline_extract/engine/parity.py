@@ -19,6 +19,7 @@ from typing import Callable, Collection, Iterable, Mapping, Sequence
 import torch
 
 from offline_extract.data.images import Images
+from offline_extract.engine.families import HFRouting, hf_routings
 
 # fp32 runs the same math in both stacks and must agree to rounding, and rounding scales with the values:
 # the same states differ by a few float32 steps of their largest value (about 3e-7 of it), by how much
@@ -379,15 +380,6 @@ def check(rows: Sequence[LayerParity], dtype: str, num_samples: int, moe: bool =
         )
 
 
-@dataclass(frozen=True)
-class _HFRouting:
-    """How one of HF transformers' sparse MoE blocks routes: which submodule computes its router logits, and how
-    the weights of the chosen experts follow from those logits, as HF's own code computes them."""
-
-    router: str
-    weights: Callable[[object, torch.Tensor, torch.Tensor], torch.Tensor]  # (block, logits [T, E], experts [T, k])
-
-
 def _softmax_then_top_k(block, logits, experts):
     # Qwen-MoE family: softmax over all experts in fp32, the chosen ones renormalized when norm_topk_prob is set.
     weights = torch.softmax(logits.float(), dim=-1).gather(1, experts)
@@ -414,16 +406,16 @@ def _top_k_then_softmax(block, logits, experts):
     return torch.softmax(logits.gather(1, experts), dim=1, dtype=logits.dtype)
 
 
-# HF transformers' sparse MoE blocks, by class name.
-_HF_ROUTING = {
-    "Qwen3MoeSparseMoeBlock": _HFRouting("gate", _softmax_then_top_k),
-    "Qwen2MoeSparseMoeBlock": _HFRouting("gate", _softmax_then_top_k),
-    "Qwen3NextSparseMoeBlock": _HFRouting("gate", _softmax_then_top_k),
-    "DeepseekV3MoE": _HFRouting("gate", _sigmoid_scaled),
-    "Glm4MoeMoE": _HFRouting("gate", _sigmoid_scaled),
-    "MiniMaxM2SparseMoeBlock": _HFRouting("gate", _sigmoid_renormalized),
-    "GptOssMLP": _HFRouting("router", _top_k_then_softmax),
+# How HF turns a block's router logits [T, E] into the weights of the chosen experts [T, k], by the name a
+# family's `families.HFRouting` gives it.
+SCORING: dict[str, Callable[[object, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "softmax_then_top_k": _softmax_then_top_k,
+    "sigmoid_scaled": _sigmoid_scaled,
+    "sigmoid_renormalized": _sigmoid_renormalized,
+    "top_k_then_softmax": _top_k_then_softmax,
 }
+# HF transformers' sparse MoE blocks, by class name.
+_HF_ROUTING = hf_routings()
 
 
 @dataclass
@@ -492,7 +484,7 @@ class ForcedRouting:
             raise ValueError(f"no forced experts for MoE layers {missing}")
         self._forced = experts
 
-    def _force(self, block, layer: int, routing: _HFRouting, logits: torch.Tensor, args: tuple) -> tuple:
+    def _force(self, block, layer: int, routing: HFRouting, logits: torch.Tensor, args: tuple) -> tuple:
         hidden, own_ids, own_weights = args
         self.own_choice[layer] = own_ids.detach().cpu()
         if self._forced is None:
@@ -503,7 +495,7 @@ class ForcedRouting:
         # In the order HF's top-k lists them (best logit first), so that sums over the chosen experts add up in
         # HF's own order.
         forced = forced.gather(1, logits.gather(1, forced).argsort(dim=-1, descending=True))
-        weights = routing.weights(block, logits, forced).to(own_weights.dtype)
+        weights = SCORING[routing.scoring](block, logits, forced).to(own_weights.dtype)
 
         stats = self.layers[layer]
         own_order, forced_order = own_ids.sort(dim=-1), forced.sort(dim=-1)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from offline_extract.data.images import Images
+from offline_extract.engine.families import FAMILIES, CaptureRule
 from offline_extract.engine.kernels import KernelPrebuild, kernel_shapes, prebuild_calls, use_jit_cache
 from offline_extract.engine.multimodal import IMAGE_MODELS, image_model, image_request, init_embedding_cache
 from offline_extract.options import DEFAULT_PORT_BASE, DEFAULT_TOKENS_PER_BATCH, FinalState, check_choice, default
@@ -161,88 +162,9 @@ def default_attention_backend(device: str) -> str:
         return "triton"
 
 
-# A capture point p means "record the residual stream entering decoder layer p" (SGLang's
-# `layers_to_capture`); storing HF hidden_states[k+1] for layer id k therefore needs capture point k+1.
-# Each SGLang model file turns the ids handed to set_eagle3_layers_to_capture into capture points its own
-# way, so every supported architecture names the inverse: which ids to pass for given capture points.
-# Architectures absent here are refused rather than guessed.
-
-
-def _ids_adding_one(points: list[int]) -> list[int]:
-    return [p - 1 for p in points]
-
-
-def _ids_for_deepseek(points: list[int]) -> list[int]:
-    # deepseek_v2 adds +1 only when ids[0] == 1 and otherwise takes the ids as capture points. Passing the
-    # points themselves is exact unless the first is 1; capture follows layer order, not list order, so a
-    # leading 1 can go to the back. A lone point 1 cannot be expressed at all.
-    if points[0] != 1:
-        return list(points)
-    if len(points) == 1:
-        raise ValueError(
-            "layer id 0 alone cannot be captured by SGLang's deepseek_v2 model file: its "
-            "set_eagle3_layers_to_capture turns [1] into capture point 2 and [0] into capture point 0 "
-            "(the embeddings), so an EAGLE-3 server could not feed a drafter trained on it either"
-        )
-    return points[1:] + [1]
-
-
-@dataclass(frozen=True)
-class CaptureRule:
-    source: str  # where the model file's set_eagle3_layers_to_capture lives, in sglang/srt/models
-    convention: str  # what that method does with the ids it is given
-    ids_for_points: Callable[[list[int]], list[int]]
-    # Qwen-MoE's decoder loop ignores `layers_to_capture` and asks each layer for an `_is_layer_to_capture`
-    # attribute, which set_eagle3_layers_to_capture only ever sets, never clears.
-    in_layer_flags: bool = False
-    # Multimodal wrappers delegate capture to a causal LM held in this attribute; that LM owns the capture
-    # switch, the decoder and the logits processor.
-    language_model: str | None = None
-
-    def causal_lm(self, model):
-        return getattr(model, self.language_model) if self.language_model else model
-
-    def captured_points(self, model) -> list[int]:
-        """The capture points `model` is set to, read from where its decoder loop looks."""
-        decoder = self.causal_lm(model).model
-        if self.in_layer_flags:
-            return [i for i, layer in enumerate(decoder.layers) if getattr(layer, "_is_layer_to_capture", False)]
-        return sorted(decoder.layers_to_capture)
-
-
-_PLUS_ONE = "adds +1 to every id"
-_DEEPSEEK = "adds +1 to every id only if ids[0] == 1, else uses the ids verbatim"
 # Every supported architecture's rule, by SGLang class name: what `capture_rule` answers from, and what the
 # tests hold against SGLang's own model files.
-CAPTURE_RULES = {
-    "LlamaForCausalLM": CaptureRule("llama.py:885", _PLUS_ONE, _ids_adding_one),
-    "MistralForCausalLM": CaptureRule("llama.py:885 (inherited)", _PLUS_ONE, _ids_adding_one),
-    "Qwen2ForCausalLM": CaptureRule("qwen2.py:747", _PLUS_ONE, _ids_adding_one),
-    "Glm4MoeForCausalLM": CaptureRule("glm4_moe.py:1446", _PLUS_ONE, _ids_adding_one),
-    # Ids whose largest equals the layer count pass verbatim there; the ids passed here stay below N - 1.
-    "GptOssForCausalLM": CaptureRule("gpt_oss.py:1328", _PLUS_ONE + " unless the largest id is N", _ids_adding_one),
-    "Qwen3ForCausalLM": CaptureRule("qwen3.py:688", _PLUS_ONE, _ids_adding_one),
-    "Qwen3MoeForCausalLM": CaptureRule(
-        "qwen3_moe.py:1073, flags set in qwen2_moe.py:891", _PLUS_ONE, _ids_adding_one, in_layer_flags=True
-    ),
-    "Qwen3NextForCausalLM": CaptureRule(
-        "qwen3_next.py:1263, flags set in qwen3_next.py:926", _PLUS_ONE, _ids_adding_one, in_layer_flags=True
-    ),
-    "MiniMaxM2ForCausalLM": CaptureRule("minimax_m2.py:1254", _PLUS_ONE, _ids_adding_one),
-    "Qwen2MoeForCausalLM": CaptureRule(
-        "qwen2_moe.py:1203, flags set in qwen2_moe.py:891", _PLUS_ONE, _ids_adding_one, in_layer_flags=True
-    ),
-    "DeepseekV3ForCausalLM": CaptureRule("deepseek_v2.py:3134 (inherited)", _DEEPSEEK, _ids_for_deepseek),
-    "Qwen2_5_VLForConditionalGeneration": CaptureRule("qwen2_5_vl.py:897", _PLUS_ONE, _ids_adding_one),
-    "Llama4ForConditionalGeneration": CaptureRule(
-        "mllama4.py:983, delegating to llama.py:885 (inherited by llama4.py's Llama4ForCausalLM)", _PLUS_ONE,
-        _ids_adding_one, language_model="language_model",
-    ),
-    "KimiK25ForConditionalGeneration": CaptureRule(
-        "kimi_k25.py:920, delegating to deepseek_v2.py:3134", _DEEPSEEK, _ids_for_deepseek,
-        language_model="language_model",
-    ),
-}
+CAPTURE_RULES = {f.sglang_class: f.capture for f in FAMILIES}
 
 
 # Architectures whose SGLang model file captures something other than a layer's output.
@@ -346,22 +268,8 @@ def _refuse_unsupported_attention(model_config, backend: str, model_path: str) -
         )
 
 
-# Architectures SGLang loads on CPU but cannot run there, checked before the weights load: its own error would
-# come after loading and name a module of the shimmed sgl_kernel.
-_CPU_UNSUPPORTED = {
-    "Qwen2MoeForCausalLM": (
-        "its shared expert's sigmoid gate is applied by a fused Triton kernel (fused_gate_sigmoid_mul_add, "
-        "qwen2_moe.py:590) on every platform but AMX and NPU, and Triton has no CPU driver here"
-    ),
-    "MiniMaxM2ForCausalLM": (
-        "its QK norm sums squares over all heads in a Triton kernel that asserts CUDA tensors "
-        "(rms_sumsq_serial, minimax_m2.py:205)"
-    ),
-    "Qwen3NextForCausalLM": (
-        "its hybrid linear-attention backend imports causal_conv1d_update_cpu from sgl_kernel.mamba "
-        "(layers/attention/linear/kda_backend.py:31), a CPU operator the CUDA sgl-kernel wheel does not have"
-    ),
-}
+# Architectures SGLang loads on CPU but cannot run there, checked before the weights load.
+_CPU_UNSUPPORTED = {f.sglang_class: f.not_on_cpu for f in FAMILIES if f.refused_on_cpu}
 
 
 def _refuse_on_cpu(architecture: str, device: str, model_path: str) -> None:

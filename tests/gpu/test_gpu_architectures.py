@@ -14,38 +14,25 @@ import pytest
 import torch
 from arch_parity import beyond_bf16_floor, run_report, write_result
 
+from offline_extract.engine.families import FAMILIES
 from offline_extract.engine.parity import MOE_HALF_MIN_MEDIAN_COSINE
 from offline_extract.testing.models import VISION_LANGUAGE, build_model
 
 pytestmark = pytest.mark.gpu
 
-# Models built, with their config overrides: the tiny Llama's head dim 16 has no FlashInfer kernel, so it
-# gets 64 (test_gpu.py covers the 8B shape through the CLI). HF loads each from the same checkpoint SGLang
-# runs (Llama 4's wrapped one as its Llama4ForCausalLM, as the product's --verify does).
-GPU_MODELS = {
-    "llama": {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64},
-    "qwen3": {},
-    "qwen2": {},
-    "mistral": {},
-    "qwen3_moe": {},
-    "glm4_moe": {},
-    "gpt_oss": {},
-    "llama4": {},
-    "qwen3_next": {},
-    "minimax_m2": {},
-    "qwen2_moe": {},
-    "deepseek_v3": {},
-    "kimi_k25": {},
-    "qwen2_5_vl": {},
-}
-# Every mixture-of-experts family (Llama 4's top-1 MoE runs without a forceable HF block and is held to the
-# dense rule, which it passes).
-MOE_ARCHS = {"qwen3_moe", "glm4_moe", "gpt_oss", "qwen3_next", "minimax_m2", "qwen2_moe", "deepseek_v3", "kimi_k25"}
+# Every family, with its config overrides: the tiny Llama's head dim 16 has no FlashInfer kernel, so it gets 64
+# (test_gpu.py covers the 8B shape through the CLI). HF loads each from the same checkpoint SGLang runs (Llama 4's
+# wrapped one as its Llama4ForCausalLM, as the product's --verify does).
+GPU_OVERRIDES = {"llama": {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}}
+GPU_MODELS = {f.name: GPU_OVERRIDES.get(f.name, {}) for f in FAMILIES}
+# Every mixture-of-experts family whose HF routing can be forced (Llama 4's top-1 MoE runs without a forceable
+# HF block and is held to the dense rule, which it passes).
+MOE_ARCHS = {f.name for f in FAMILIES if f.routing}
 BACKENDS = ["triton", "flashinfer"]
 MOE_BACKENDS = BACKENDS + ["fa3"]
-# SGLang 0.5.17 runs GPT-OSS's attention sinks on triton, trtllm_mha and fa3/fa4 only (server_args.py:5349).
-# Llama 4's chunked attention exists in fa3 only (sglang_adapter refuses the others), so it needs FA3 installed.
-ARCH_BACKENDS = {"gpt_oss": ["triton", "fa3"], "llama4": ["fa3"]}
+# Where SGLang runs a family on some backends only (GPT-OSS's sinks; Llama 4's chunked attention, fa3 alone, so
+# it needs FA3 installed).
+ARCH_BACKENDS = {f.name: list(f.gpu_backends) for f in FAMILIES if f.gpu_backends}
 LAYER_SETS = "0,3,6;2,5"
 MIN_COSINE = 0.999
 

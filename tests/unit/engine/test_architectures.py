@@ -6,6 +6,7 @@
    architecture (SGLang allows one ModelRunner per process), through tests/arch_parity.py: SGLang's
    default ids, then ids starting at 0, at 1 and above 1, each compared with HF hidden_states[k+1].
 """
+import importlib
 import json
 import re
 from itertools import combinations
@@ -18,6 +19,7 @@ from safetensors.torch import load_file
 
 from offline_extract.engine import parity, reference
 from offline_extract.engine.distributed import free_port
+from offline_extract.engine.families import FAMILIES, cpu_models, ids_for_deepseek
 from offline_extract.engine.multimodal import IMAGE_MODELS
 from offline_extract.engine.sglang_adapter import (
     Engine,
@@ -31,22 +33,11 @@ from offline_extract.engine.sglang_adapter import (
 from offline_extract.testing.models import build_model
 
 
-# Architecture -> (its class in SGLang, the HF-loadable model with the same weights).
-ENGINE_ARCHS = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "mistral": ("MistralForCausalLM", "mistral"),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
-    "glm4_moe": ("Glm4MoeForCausalLM", "glm4_moe"),
-    "deepseek_v3": ("DeepseekV3ForCausalLM", "deepseek_v3"),
-    "kimi_k2": ("DeepseekV3ForCausalLM", "kimi_k2"),
-    # HF loads Kimi-K2.5 as the DeepSeek-V3 of its text_config, as the product's gate does.
-    "kimi_k25": ("KimiK25ForConditionalGeneration", "kimi_k25"),
-    # Text records and image chats through HF's own vision-language class.
-    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl"),
-}
-DEEPSEEK_FAMILY = {"DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"}
+# Architecture -> (its class in SGLang, the HF-loadable model with the same weights): every family SGLang runs
+# on CPU, HF loading each from its own checkpoint (Kimi-K2.5's as the DeepSeek-V3 of its text_config, as the
+# product's gate does; Qwen2.5-VL's through HF's own vision-language class, image chats included).
+ENGINE_ARCHS = {name: (f.sglang_class, name) for name, f in cpu_models().items()}
+DEEPSEEK_FAMILY = {f.sglang_class for f in FAMILIES if f.capture.ids_for_points is ids_for_deepseek}
 # Starting at 0 (which deepseek_v2 must not see as a leading 1), at 1 (which it would shift) and above 1, up
 # to the last capturable id; and id 0 alone, which deepseek_v2 cannot express.
 LAYER_SETS = [[0, 3, 6], [1, 2], [2, 5], [0]]
@@ -78,44 +69,32 @@ def _stand_in(cls, num_layers, decoder_cls=None):
     return model
 
 
-def _stand_ins(num_layers):
-    prepare_process("cpu")
-    from sglang.srt.models.deepseek_v2 import DeepseekV3ForCausalLM
-    from sglang.srt.models.glm4_moe import Glm4MoeForCausalLM
-    from sglang.srt.models.gpt_oss import GptOssForCausalLM
-    from sglang.srt.models.kimi_k25 import KimiK25ForConditionalGeneration
-    from sglang.srt.models.llama import LlamaForCausalLM
-    from sglang.srt.models.llama4 import Llama4ForCausalLM
-    from sglang.srt.models.minimax_m2 import MiniMaxM2ForCausalLM
-    from sglang.srt.models.mllama4 import Llama4ForConditionalGeneration
-    from sglang.srt.models.mistral import MistralForCausalLM
-    from sglang.srt.models.qwen2 import Qwen2ForCausalLM
-    from sglang.srt.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
-    from sglang.srt.models.qwen2_moe import Qwen2MoeForCausalLM, Qwen2MoeModel
-    from sglang.srt.models.qwen3 import Qwen3ForCausalLM
-    from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeModel
-    from sglang.srt.models.qwen3_next import Qwen3NextForCausalLM, Qwen3NextModel
+# The causal LM a multimodal wrapper delegates capture to: (its sglang/srt/models file, its class).
+WRAPPED_LMS = {
+    "KimiK25ForConditionalGeneration": ("deepseek_v2", "DeepseekV3ForCausalLM"),
+    "Llama4ForConditionalGeneration": ("llama4", "Llama4ForCausalLM"),
+}
 
-    kimi = _stand_in_class(KimiK25ForConditionalGeneration)()
-    kimi.language_model = _stand_in(DeepseekV3ForCausalLM, num_layers)
-    llama4 = _stand_in_class(Llama4ForConditionalGeneration)()
-    llama4.language_model = _stand_in(Llama4ForCausalLM, num_layers)
-    return {
-        "LlamaForCausalLM": _stand_in(LlamaForCausalLM, num_layers),
-        "MistralForCausalLM": _stand_in(MistralForCausalLM, num_layers),
-        "Qwen2ForCausalLM": _stand_in(Qwen2ForCausalLM, num_layers),
-        "Qwen2_5_VLForConditionalGeneration": _stand_in(Qwen2_5_VLForConditionalGeneration, num_layers),
-        "Qwen3ForCausalLM": _stand_in(Qwen3ForCausalLM, num_layers),
-        "Qwen3MoeForCausalLM": _stand_in(Qwen3MoeForCausalLM, num_layers, Qwen3MoeModel),
-        "Qwen2MoeForCausalLM": _stand_in(Qwen2MoeForCausalLM, num_layers, Qwen2MoeModel),
-        "Qwen3NextForCausalLM": _stand_in(Qwen3NextForCausalLM, num_layers, Qwen3NextModel),
-        "Glm4MoeForCausalLM": _stand_in(Glm4MoeForCausalLM, num_layers),
-        "MiniMaxM2ForCausalLM": _stand_in(MiniMaxM2ForCausalLM, num_layers),
-        "GptOssForCausalLM": _stand_in(GptOssForCausalLM, num_layers),
-        "DeepseekV3ForCausalLM": _stand_in(DeepseekV3ForCausalLM, num_layers),
-        "KimiK25ForConditionalGeneration": kimi,
-        "Llama4ForConditionalGeneration": llama4,
-    }
+
+def _sglang_class(module, name):
+    return getattr(importlib.import_module(f"sglang.srt.models.{module}"), name)
+
+
+def _stand_ins(num_layers):
+    """Every family's stand-in, by SGLang class; a decoder that keeps per-layer flags is the model file's
+    `<Name>Model` beside its `<Name>ForCausalLM`."""
+    prepare_process("cpu")
+    stand_ins = {}
+    for f in FAMILIES:
+        cls = _sglang_class(f.sglang_module, f.sglang_class)
+        if f.capture.language_model:
+            wrapper = _stand_in_class(cls)()
+            setattr(wrapper, f.capture.language_model, _stand_in(_sglang_class(*WRAPPED_LMS[f.sglang_class]), num_layers))
+            stand_ins[f.sglang_class] = wrapper
+        else:
+            decoder = f.sglang_class.replace("ForCausalLM", "Model") if f.capture.in_layer_flags else None
+            stand_ins[f.sglang_class] = _stand_in(cls, num_layers, decoder and _sglang_class(f.sglang_module, decoder))
+    return stand_ins
 
 
 def test_every_rule_is_checked_here():

@@ -9,23 +9,24 @@ import torch
 from arch_parity import beyond_bf16_floor, run_report, write_result
 
 from offline_extract.engine import parity, reference
-from offline_extract.testing.models import build_model
+from offline_extract.engine.families import FAMILIES, cpu_models
+from offline_extract.testing.models import ARCHITECTURES, build_model
 
-# Architecture -> its MoE decoder layers: Qwen3-MoE routes in every layer; DeepSeek-V3's first two are dense,
-# and its routing is the grouped top-k with the correction bias and routed_scaling_factor; GLM-4.5's first is
-# dense, then sigmoid routing with the correction bias, a shared expert and routed_scaling_factor.
-MOE_LAYERS = {"qwen3_moe": list(range(8)), "deepseek_v3": list(range(2, 8)), "glm4_moe": list(range(1, 8))}
-# Every HF MoE block ForcedRouting knows, by the test architecture that has it (SGLang runs the last four
-# on GPU only).
-HF_BLOCKS = {
-    "qwen3_moe": "Qwen3MoeSparseMoeBlock",
-    "deepseek_v3": "DeepseekV3MoE",
-    "glm4_moe": "Glm4MoeMoE",
-    "gpt_oss": "GptOssMLP",
-    "qwen3_next": "Qwen3NextSparseMoeBlock",
-    "minimax_m2": "MiniMaxM2SparseMoeBlock",
-    "qwen2_moe": "Qwen2MoeSparseMoeBlock",
-}
+
+def _moe_layers(arch: str) -> list[int]:
+    # Layers before first_k_dense_replace are dense (DeepSeek-V3's first two, GLM-4.5's first); Qwen3-MoE
+    # routes in every layer.
+    config = ARCHITECTURES[arch](0)
+    return list(range(config.get("first_k_dense_replace", 0), config["num_hidden_layers"]))
+
+
+# Every HF MoE block ForcedRouting knows, by the family that has it, HF building each (a wrapper's block is
+# its text model's).
+HF_BLOCKS = {f.name: f.routing.block for f in FAMILIES if f.routing and not f.capture.language_model}
+# Architecture -> its MoE decoder layers, for the families of HF_BLOCKS that SGLang runs on CPU (DeepSeek-V3's
+# routing is the grouped top-k with the correction bias and routed_scaling_factor; GLM-4.5's sigmoid routing
+# with the correction bias, a shared expert and routed_scaling_factor).
+MOE_LAYERS = {arch: _moe_layers(arch) for arch in HF_BLOCKS if arch in cpu_models()}
 TOKENS = 5 + 37 + 64  # arch_parity.LENGTHS
 # Near-ties only: measured 1-7 % of tokens per layer on these checkpoints; a wrong bias, grouping or scoring
 # function would send most tokens elsewhere.

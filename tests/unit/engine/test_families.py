@@ -1,0 +1,33 @@
+"""The family table against what reads it: each family's random checkpoint is of its SGLang class, its HF
+routing names a scoring the parity gate has, and the README and docs/architectures.md name it."""
+import json
+
+import pytest
+
+from extract_runs import ROOT
+from offline_extract.engine import parity
+from offline_extract.engine.families import BY_NAME, FAMILIES, cpu_models, hf_routings
+from offline_extract.testing.models import build_model
+
+
+@pytest.mark.parametrize("name", [n for f in FAMILIES for n in (f.name, *f.variants)])
+def test_each_familys_random_checkpoint_is_of_its_sglang_class(name, tiny_model_dir, tmp_path):
+    family = BY_NAME.get(name) or cpu_models()[name]
+    config = json.loads((build_model(name, tmp_path / name, tokenizer_dir=tiny_model_dir, weights=False)
+                         / "config.json").read_text())
+    assert config["architectures"] == [family.sglang_class]
+
+
+def test_every_hf_routing_names_a_scoring_the_parity_gate_has():
+    assert {r.scoring for r in hf_routings().values()} <= set(parity.SCORING)
+
+
+def test_names_and_classes_are_each_one_familys():
+    assert len({f.name for f in FAMILIES}) == len(FAMILIES)
+    assert len({f.sglang_class for f in FAMILIES}) == len(FAMILIES)
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/architectures.md"])
+def test_the_model_tables_name_every_family(page):
+    text = (ROOT / page).read_text()
+    assert [f.sglang_class for f in FAMILIES if f"`{f.sglang_class}`" not in text] == []
