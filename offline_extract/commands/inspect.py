@@ -34,58 +34,13 @@ def main(path: str, sample_id: str | None, as_json: bool, verify: bool, allow_pa
     # wait for.
     from rich.console import Console
 
-    from offline_extract.store import inspection, integrity, manifest
-    from offline_extract.store.index import shard_paths
+    from offline_extract.store import inspection
     from offline_extract.store.schema import ShardError
 
     if verify and sample_id is not None:
         raise click.UsageError("--verify checks the whole output and --sample shows one sample: give one of them")
     if verify:
-        given = Path(path)
-        if not given.is_dir():
-            raise click.BadParameter(
-                f"--verify checks an output directory, not one file: give {given.parent}, which holds {given.name}"
-                if given.exists() else f"{path} does not exist", param_hint="PATH")
-        if not (Path(path) / manifest.MANIFEST_NAME).exists() and not shard_paths(path):
-            # Else verify would list what such a run lacks and advise re-running an extraction that never was.
-            raise click.ClickException(f"{path} is not an extraction's output: it holds neither "
-                                       f"{manifest.MANIFEST_NAME} nor shard files")
-        try:
-            report = integrity.verify(path)
-        except ShardError as e:  # e.g. another tool's manifest.json: named, as --verify cannot judge the folder
-            raise click.ClickException(str(e)) from e
-        status = 1 if report.problems or report.refused else 3 if report.unfinished else 0
-        if as_json:
-            click.echo(json.dumps({"path": path, **asdict(report), "exit_status": status}, indent=2))
-            raise SystemExit(status)
-        for line in report.problems + [f"unfinished: {note}" for note in report.unfinished]:
-            click.echo(line)
-        if report.refused:
-            click.echo(f"refused: the run {report.refused}")
-        verdict = plural(len(report.problems), "problem") if report.problems else "no problems"
-        click.echo(f"verified {plural(report.shards, 'shard')} holding {plural(report.samples, 'sample')} in {path}: "
-                   f"{verdict}")
-        # Without manifest.json nothing records the corpus, and a re-run is refused unless --force says it is the same.
-        rerun = "re-run the extraction" if report.manifest else \
-            f"re-run the extraction with --force and the same --data (no {manifest.MANIFEST_NAME} records its corpus)"
-        if report.damaged:
-            their = "its" if len(report.damaged) == 1 else "their"
-            click.echo(f"delete {', '.join(report.damaged)} and {rerun}, which redoes exactly {their} samples")
-        elif report.refused:
-            click.echo("the run extracted nothing: fix what the verdict names (or run in float32, --dtype float32), "
-                       "then re-run")
-        elif report.problems and report.manifest:
-            click.echo("no shard is damaged: delete nothing, re-running the extraction repairs the rest")
-        elif report.problems:
-            click.echo(f"no shard is damaged as far as can be told without checksums: delete nothing; {rerun}, which "
-                       f"rebuilds {manifest.MANIFEST_NAME} (checksumming the shards as they are now) and the rest")
-        if report.unfinished and report.running:
-            click.echo(f"an extraction is writing {path} now ({report.running}): the shards marked unfinished are its "
-                       "complete ones so far; wait for it to end, then verify again")
-        elif report.unfinished:
-            click.echo("the run was interrupted: the shards marked unfinished are sound and kept (delete nothing for "
-                       "them); re-running the same extraction command finishes it")
-        raise SystemExit(status)
+        _verify(path, as_json)
     try:
         if sample_id is not None:
             result = inspection.sample_view(path, sample_id)
@@ -102,6 +57,66 @@ def main(path: str, sample_id: str | None, as_json: bool, verify: bool, allow_pa
         inspection.render_sample(result, Console())
     else:
         inspection.render_summary(result, Console())
+
+
+def _verify(path: str, as_json: bool) -> None:
+    """--verify: the report of the output directory `path`, and what to do about it; exits with its status."""
+    from offline_extract.store import integrity, manifest
+    from offline_extract.store.index import shard_paths
+    from offline_extract.store.schema import ShardError
+
+    given = Path(path)
+    if not given.is_dir():
+        raise click.BadParameter(
+            f"--verify checks an output directory, not one file: give {given.parent}, which holds {given.name}"
+            if given.exists() else f"{path} does not exist", param_hint="PATH")
+    if not (Path(path) / manifest.MANIFEST_NAME).exists() and not shard_paths(path):
+        # Else verify would list what such a run lacks and advise re-running an extraction that never was.
+        raise click.ClickException(f"{path} is not an extraction's output: it holds neither "
+                                   f"{manifest.MANIFEST_NAME} nor shard files")
+    try:
+        report = integrity.verify(path)
+    except ShardError as e:  # e.g. another tool's manifest.json: named, as --verify cannot judge the folder
+        raise click.ClickException(str(e)) from e
+    status = 1 if report.problems or report.refused else 3 if report.unfinished else 0
+    if as_json:
+        click.echo(json.dumps({"path": path, **asdict(report), "exit_status": status}, indent=2))
+        raise SystemExit(status)
+    for line in report.problems + [f"unfinished: {note}" for note in report.unfinished]:
+        click.echo(line)
+    if report.refused:
+        click.echo(f"refused: the run {report.refused}")
+    verdict = plural(len(report.problems), "problem") if report.problems else "no problems"
+    click.echo(f"verified {plural(report.shards, 'shard')} holding {plural(report.samples, 'sample')} in {path}: "
+               f"{verdict}")
+    _advise(report, path)
+    raise SystemExit(status)
+
+
+def _advise(report, path: str) -> None:
+    """What to do about what --verify found in `path`: which shards to delete, and what a re-run repairs."""
+    from offline_extract.store import manifest
+
+    # Without manifest.json nothing records the corpus, and a re-run is refused unless --force says it is the same.
+    rerun = "re-run the extraction" if report.manifest else \
+        f"re-run the extraction with --force and the same --data (no {manifest.MANIFEST_NAME} records its corpus)"
+    if report.damaged:
+        their = "its" if len(report.damaged) == 1 else "their"
+        click.echo(f"delete {', '.join(report.damaged)} and {rerun}, which redoes exactly {their} samples")
+    elif report.refused:
+        click.echo("the run extracted nothing: fix what the verdict names (or run in float32, --dtype float32), "
+                   "then re-run")
+    elif report.problems and report.manifest:
+        click.echo("no shard is damaged: delete nothing, re-running the extraction repairs the rest")
+    elif report.problems:
+        click.echo(f"no shard is damaged as far as can be told without checksums: delete nothing; {rerun}, which "
+                   f"rebuilds {manifest.MANIFEST_NAME} (checksumming the shards as they are now) and the rest")
+    if report.unfinished and report.running:
+        click.echo(f"an extraction is writing {path} now ({report.running}): the shards marked unfinished are its "
+                   "complete ones so far; wait for it to end, then verify again")
+    elif report.unfinished:
+        click.echo("the run was interrupted: the shards marked unfinished are sound and kept (delete nothing for "
+                   "them); re-running the same extraction command finishes it")
 
 
 def _left_out(out: Path, sample_id: str) -> str | None:
