@@ -395,58 +395,76 @@ def open_sources(names: Sequence[str | Path]) -> list[Source]:
 
 
 def open_source(name: str) -> Source:
+    """The --data entry `name`: a datasets.save_to_disk folder, a corpus file, or a hub data set."""
     path = Path(name)
     if path.is_dir():
-        if not any((path / marker).exists() for marker in _SAVED_DATASET):
-            files = sorted(p.name for p in path.iterdir() if p.name.endswith(_FILE_SUFFIXES))
-            raise IsADirectoryError(
-                f"corpus path is a directory that datasets.save_to_disk did not write (no state.json or "
-                f"dataset_dict.json): {name}; to read the files in it, give each its own --data"
-                + (f" (it holds {plural(len(files), 'corpus-like file')}: {', '.join(files[:3])}"
-                   f"{', ...' if len(files) > 3 else ''})" if files else "")
-            )
-        if (path / "dataset_dict.json").exists():
-            try:
-                splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
-            except (ValueError, KeyError) as e:
-                raise CorpusReadError(f"{path / 'dataset_dict.json'} is damaged ({e!r}); save the data set again") from e
-            if len(splits) != 1:
-                raise ValueError(f"{name} holds the splits {', '.join(splits)}: give one, e.g. --data {path / splits[0]}")
-        return Source(name, path, "saved")
+        return _saved_dataset(name, path)
     if path.exists():
-        if not path.is_file():
-            return Source(name, path, "jsonl")  # a pipe (e.g. <(zcat ...)) is read once, as it streams
-        with open(path, "rb") as f:
-            magic = f.read(4)
-        if magic[:2] == _GZIP_MAGIC:
-            if _gzipped_first_byte(path) == b"[":
-                # Read as JSONL, each line of the array would be rejected on its own.
-                raise CorpusReadError(
-                    f"{name} is a gzipped JSON array; gzipped, only JSON lines are read. Convert it to JSONL, which "
-                    f"streams: zcat {name} | jq -c '.[]' | gzip > corpus.jsonl.gz (or decompress it into a .json "
-                    f"file, read as one array)"
-                )
-            return Source(name, path, "jsonl.gz")
-        if magic == _PARQUET_MAGIC:
-            _check_parquet_footer(name, path)
-            return Source(name, path, "parquet")
-        outer = _outer_byte(path)
-        if path.suffix == ".json" and outer == b"[":
-            # The usual truncation (a copy cut short) leaves the array open: named now, not once the model has loaded.
-            if _outer_byte(path, last=True) != b"]":
-                raise CorpusReadError(f"{name} is a JSON array that does not end with its closing ']' (a truncated file?)")
-            return Source(name, path, "json")
-        # Read as JSONL, each of these would have its every line rejected, far from the cause.
-        if path.suffix == ".parquet":
-            raise CorpusReadError(f"{name} is not a parquet file: it does not begin with parquet's magic bytes PAR1 "
-                                  f"(a Git LFS pointer, or a file of another format?)")
-        if outer == b"[" and _one_array(name, path):
-            raise CorpusReadError(f"{name} holds a JSON array, not JSON lines (it begins with '['): name it .json to "
-                                  f"read it as one array of records, or convert it to JSONL: jq -c '.[]' {name} > "
-                                  f"corpus.jsonl")
-        if path.suffix == ".json" and outer == b"{" and (refusal := _one_object(name, path)):
-            raise refusal
-        return Source(name, path, "jsonl")
+        return _corpus_file(name, path)
+    return _hub_dataset(name)
+
+
+def _saved_dataset(name: str, path: Path) -> Source:
+    """A folder that datasets.save_to_disk wrote, of one split; any other folder is refused, naming the corpus
+    files in it."""
+    if not any((path / marker).exists() for marker in _SAVED_DATASET):
+        files = sorted(p.name for p in path.iterdir() if p.name.endswith(_FILE_SUFFIXES))
+        raise IsADirectoryError(
+            f"corpus path is a directory that datasets.save_to_disk did not write (no state.json or "
+            f"dataset_dict.json): {name}; to read the files in it, give each its own --data"
+            + (f" (it holds {plural(len(files), 'corpus-like file')}: {', '.join(files[:3])}"
+               f"{', ...' if len(files) > 3 else ''})" if files else "")
+        )
+    if (path / "dataset_dict.json").exists():
+        try:
+            splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+        except (ValueError, KeyError) as e:
+            raise CorpusReadError(f"{path / 'dataset_dict.json'} is damaged ({e!r}); save the data set again") from e
+        if len(splits) != 1:
+            raise ValueError(f"{name} holds the splits {', '.join(splits)}: give one, e.g. --data {path / splits[0]}")
+    return Source(name, path, "saved")
+
+
+def _corpus_file(name: str, path: Path) -> Source:
+    """A file (or a pipe) by its bytes: gzipped JSONL, parquet, a .json array, or JSONL; a file that reading it as
+    JSONL would reject line by line (a JSON array, a parquet name on other bytes, one JSON object) is refused now."""
+    if not path.is_file():
+        return Source(name, path, "jsonl")  # a pipe (e.g. <(zcat ...)) is read once, as it streams
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic[:2] == _GZIP_MAGIC:
+        if _gzipped_first_byte(path) == b"[":
+            # Read as JSONL, each line of the array would be rejected on its own.
+            raise CorpusReadError(
+                f"{name} is a gzipped JSON array; gzipped, only JSON lines are read. Convert it to JSONL, which "
+                f"streams: zcat {name} | jq -c '.[]' | gzip > corpus.jsonl.gz (or decompress it into a .json "
+                f"file, read as one array)"
+            )
+        return Source(name, path, "jsonl.gz")
+    if magic == _PARQUET_MAGIC:
+        _check_parquet_footer(name, path)
+        return Source(name, path, "parquet")
+    outer = _outer_byte(path)
+    if path.suffix == ".json" and outer == b"[":
+        # The usual truncation (a copy cut short) leaves the array open: named now, not once the model has loaded.
+        if _outer_byte(path, last=True) != b"]":
+            raise CorpusReadError(f"{name} is a JSON array that does not end with its closing ']' (a truncated file?)")
+        return Source(name, path, "json")
+    # Read as JSONL, each of these would have its every line rejected, far from the cause.
+    if path.suffix == ".parquet":
+        raise CorpusReadError(f"{name} is not a parquet file: it does not begin with parquet's magic bytes PAR1 "
+                              f"(a Git LFS pointer, or a file of another format?)")
+    if outer == b"[" and _one_array(name, path):
+        raise CorpusReadError(f"{name} holds a JSON array, not JSON lines (it begins with '['): name it .json to "
+                              f"read it as one array of records, or convert it to JSONL: jq -c '.[]' {name} > "
+                              f"corpus.jsonl")
+    if path.suffix == ".json" and outer == b"{" and (refusal := _one_object(name, path)):
+        raise refusal
+    return Source(name, path, "jsonl")
+
+
+def _hub_dataset(name: str) -> Source:
+    """A hub data set, REPO or REPO:SPLIT (`hub.snapshot`); a name that cannot be one is a corpus file not found."""
     repo_id, _, split = name.partition(":")
     if "/" not in repo_id or name.endswith(_FILE_SUFFIXES) or not hub.looks_like_repo_id(repo_id):
         raise FileNotFoundError(f"corpus file not found: {name}")
