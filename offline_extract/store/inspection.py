@@ -117,34 +117,10 @@ def summarize(path: str | os.PathLike, allow_partial: bool = False) -> dict:
     A directory whose extraction has not finished (or has lost shards) is refused unless allow_partial:
     its counts would read as the whole run's. One sample (`sample_view`) is shown either way.
     """
-    reason = manifest.unfinished(path) if Path(path).is_dir() else None
-    if reason and not allow_partial:
-        refused = (manifest.load(path) or {}).get("status") == manifest.REFUSED
-        raise ShardError(reason if refused else f"{reason}, or summarize what is there with --allow-partial")
-    paths = resolve_shards(path)
-    shards = [open_shard(p) for p in paths]
-    if Path(path).is_dir() and not reason:
-        mismatch = index_mismatch(path, *scan(path, shards))
-        if mismatch:
-            warnings.warn(mismatch)
+    shards = _shards_to_summarize(path, allow_partial)
     run = shards[0].run
     states = shards[0].encoding.states
-    # Widths from a decoded sample: compressed shards record their states as bytes, not as [T, width].
-    widths = _state_widths(shards[0])
-    for s in shards:
-        if s.encoding.states != states or _state_widths(s) != widths:
-            raise ShardError(f"{s.path} holds states {_state_widths(s)}, unlike {paths[0]}'s {widths}")
-    aux_width = widths[STATE_TENSORS[0]]
-    num_aux = run.num_aux_layers
-    hidden = widths.get(FINAL_STATE_TENSOR) or run.hidden_size or (num_aux and aux_width // num_aux)
-    if not hidden or aux_width % hidden:
-        raise ShardError(f"{paths[0]}: aux width {aux_width} is not a multiple of hidden size {hidden}")
-    if num_aux is None:  # a run that records no layer ids (shards written through the library): count them
-        num_aux = aux_width // hidden
-    elif aux_width != num_aux * hidden:
-        raise ShardError(
-            f"run lists {num_aux} layer_ids {list(run.layer_ids)} but aux_hidden_states holds {aux_width // hidden} layers"
-        )
+    widths, hidden, num_aux = _state_shape(shards)
     names = _layer_names(run, num_aux)
     if FINAL_STATE_TENSOR in states:
         names.append((f"last ({run.final_state})", None))
@@ -156,19 +132,7 @@ def summarize(path: str | os.PathLike, allow_partial: bool = False) -> dict:
         loss_tokens += int(shard.tensor("loss_mask").sum(dtype=torch.int64))
         if shard.encoding.image_mask:  # shards of earlier versions hold no image
             image_tokens += int(shard.tensor("image_mask").sum(dtype=torch.int64))
-        # Whole samples at a time, about chunk_rows tokens: a compressed sample is decoded as a unit.
-        first = 0
-        while first < len(shard.samples):
-            stop = first + 1
-            while stop < len(shard.samples) and shard.offsets[stop + 1] - shard.offsets[first] <= chunk_rows:
-                stop += 1
-            rows = shard.read(first, stop, states)
-            aux = rows[STATE_TENSORS[0]].float()
-            for j in range(num_aux):
-                stats[j].update(aux[:, j * hidden : (j + 1) * hidden])
-            if FINAL_STATE_TENSOR in states:
-                stats[-1].update(rows[FINAL_STATE_TENSOR].float())
-            first = stop
+        _add_states(shard, stats, num_aux, hidden, chunk_rows)
 
     num_tokens = sum(s.num_tokens for s in shards)
     return {
@@ -188,6 +152,62 @@ def summarize(path: str | os.PathLike, allow_partial: bool = False) -> dict:
         "num_aux_layers": num_aux,
         "layer_stats": [st.result(name, lid) for st, (name, lid) in zip(stats, names)],
     }
+
+
+def _shards_to_summarize(path: str | os.PathLike, allow_partial: bool) -> list[Shard]:
+    """The shards of `path`, a shard or a directory; an unfinished directory refused unless allow_partial, and an
+    index.json that does not describe the shards warned of."""
+    reason = manifest.unfinished(path) if Path(path).is_dir() else None
+    if reason and not allow_partial:
+        refused = (manifest.load(path) or {}).get("status") == manifest.REFUSED
+        raise ShardError(reason if refused else f"{reason}, or summarize what is there with --allow-partial")
+    shards = [open_shard(p) for p in resolve_shards(path)]
+    if Path(path).is_dir() and not reason:
+        mismatch = index_mismatch(path, *scan(path, shards))
+        if mismatch:
+            warnings.warn(mismatch)
+    return shards
+
+
+def _state_shape(shards: list[Shard]) -> tuple[dict[str, int], int, int]:
+    """The states' widths, which every shard must share, the hidden size and the number of captured layers."""
+    run = shards[0].run
+    states = shards[0].encoding.states
+    # Widths from a decoded sample: compressed shards record their states as bytes, not as [T, width].
+    widths = _state_widths(shards[0])
+    for s in shards:
+        if s.encoding.states != states or _state_widths(s) != widths:
+            raise ShardError(f"{s.path} holds states {_state_widths(s)}, unlike {shards[0].path}'s {widths}")
+    aux_width = widths[STATE_TENSORS[0]]
+    num_aux = run.num_aux_layers
+    hidden = widths.get(FINAL_STATE_TENSOR) or run.hidden_size or (num_aux and aux_width // num_aux)
+    if not hidden or aux_width % hidden:
+        raise ShardError(f"{shards[0].path}: aux width {aux_width} is not a multiple of hidden size {hidden}")
+    if num_aux is None:  # a run that records no layer ids (shards written through the library): count them
+        num_aux = aux_width // hidden
+    elif aux_width != num_aux * hidden:
+        raise ShardError(
+            f"run lists {num_aux} layer_ids {list(run.layer_ids)} but aux_hidden_states holds {aux_width // hidden} layers"
+        )
+    return widths, hidden, num_aux
+
+
+def _add_states(shard: Shard, stats: list[_RunningStats], num_aux: int, hidden: int, chunk_rows: int) -> None:
+    """`shard`'s states added to `stats`: one a captured layer, then the final state where the shard holds it."""
+    states = shard.encoding.states
+    # Whole samples at a time, about chunk_rows tokens: a compressed sample is decoded as a unit.
+    first = 0
+    while first < len(shard.samples):
+        stop = first + 1
+        while stop < len(shard.samples) and shard.offsets[stop + 1] - shard.offsets[first] <= chunk_rows:
+            stop += 1
+        rows = shard.read(first, stop, states)
+        aux = rows[STATE_TENSORS[0]].float()
+        for j in range(num_aux):
+            stats[j].update(aux[:, j * hidden : (j + 1) * hidden])
+        if FINAL_STATE_TENSOR in states:
+            stats[-1].update(rows[FINAL_STATE_TENSOR].float())
+        first = stop
 
 
 def _find_sample(path: str | os.PathLike, sample_id: str) -> tuple[Shard, int]:
