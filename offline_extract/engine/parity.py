@@ -295,55 +295,72 @@ def compare_states(
     they read (4 GB) off the GPU."""
     last_name = "last" if final_state == "post-norm" else f"last ({final_state})"
     names = [f"aux {k}" for k in layer_ids] + [last_name]
-    acc = {n: {"max_abs": 0.0, "max_rel": 0.0, "cos": [], "rel": [], "floor": [], "ncos": [], "gap": float("inf")}
-           for n in names}
+    acc = {n: _StateFigures() for n in names}
     hf_index = {f"aux {k}": k + 1 for k in layer_ids}
-    cosine = torch.nn.functional.cosine_similarity
-
-    def relative(mine, ref):
-        return ((mine - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).cpu()
-
     for aux, last, hs, *floor in pairs:
         floor_hs = floor[0] if floor else None
         hf_index[last_name] = len(hs) - 1
-        device = hs[-1].device
         ours = list(aux.chunk(len(layer_ids), dim=-1)) + [last]
         for name, whole in zip(names, ours):
-            i, a = hf_index[name], acc[name]
-            neighbours = [j for j in (i - 1, i + 1) if j < len(hs)]
-            diff = scale = below = 0.0
-            apart = dict.fromkeys(neighbours, 0.0)
-            for start in range(0, len(whole), COMPARE_TOKENS):
-                rows = slice(start, start + COMPARE_TOKENS)
-                mine, ref = whole[rows].to(device).float(), hs[i][rows].float()
-                diff = max(diff, (mine - ref).abs().max().item())
-                scale = max(scale, ref.abs().max().item())
-                a["cos"].append(cosine(mine, ref, dim=-1).cpu())
-                a["rel"].append(relative(mine, ref))
-                if floor_hs is not None:
-                    a["floor"].append(relative(floor_hs[i][rows].float(), ref))
-                below += cosine(mine, hs[i - 1][rows].float(), dim=-1).sum().item()
-                for j in neighbours:
-                    apart[j] = max(apart[j], (mine - hs[j][rows].float()).abs().max().item())
-            a["max_abs"] = max(a["max_abs"], diff)
-            a["max_rel"] = max(a["max_rel"], diff / (scale or 1.0))
-            a["ncos"].append(below / len(whole))
-            a["gap"] = min(a["gap"], *apart.values())
+            acc[name].fold(whole, hs, hf_index[name], floor_hs)
         # Dropped before the next sample's HF forward, which the loop's next step runs while `hs` still holds
         # this one's states (35 GB for a 131k-token sample of an 8B model).
-        del aux, last, hs, floor, floor_hs, ours, whole, mine, ref
-    rows = []
-    for name in names:
-        a = acc[name]
-        cos, rel = torch.cat(a["cos"]), torch.cat(a["rel"])
-        floor = torch.cat(a["floor"]) if a["floor"] else None
-        row = LayerParity(
-            name, hf_index[name], a["max_abs"], a["max_rel"], cos.min().item(), cos.median().item(),
-            sum(a["ncos"]) / len(a["ncos"]), a["gap"], False, rel.max().item(), rel.median().item(),
+        del aux, last, hs, floor, floor_hs, ours, whole
+    rows = [acc[name].row(name, hf_index[name]) for name in names]
+    return [dataclasses.replace(row, ok=_passes(row, dtype, moe, fp8)) for row in rows]
+
+
+def _relative(mine: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    return ((mine - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).cpu()
+
+
+@dataclass
+class _StateFigures:
+    """One state's comparison with HF over the samples folded so far: the scalars as they stand, the per-token
+    figures as the chunks they came in."""
+
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    cos: list = dataclasses.field(default_factory=list)
+    rel: list = dataclasses.field(default_factory=list)
+    floor: list = dataclasses.field(default_factory=list)
+    ncos: list = dataclasses.field(default_factory=list)
+    gap: float = float("inf")
+
+    def fold(self, whole: torch.Tensor, hs: Sequence[torch.Tensor], i: int, floor_hs) -> None:
+        """One sample's state [T, H] against HF's hidden_states[i] (and HF's own half-precision one in
+        floor_hs, if given), COMPARE_TOKENS tokens at a time on HF's device."""
+        cosine = torch.nn.functional.cosine_similarity
+        device = hs[-1].device
+        neighbours = [j for j in (i - 1, i + 1) if j < len(hs)]
+        diff = scale = below = 0.0
+        apart = dict.fromkeys(neighbours, 0.0)
+        for start in range(0, len(whole), COMPARE_TOKENS):
+            rows = slice(start, start + COMPARE_TOKENS)
+            mine, ref = whole[rows].to(device).float(), hs[i][rows].float()
+            diff = max(diff, (mine - ref).abs().max().item())
+            scale = max(scale, ref.abs().max().item())
+            self.cos.append(cosine(mine, ref, dim=-1).cpu())
+            self.rel.append(_relative(mine, ref))
+            if floor_hs is not None:
+                self.floor.append(_relative(floor_hs[i][rows].float(), ref))
+            below += cosine(mine, hs[i - 1][rows].float(), dim=-1).sum().item()
+            for j in neighbours:
+                apart[j] = max(apart[j], (mine - hs[j][rows].float()).abs().max().item())
+        self.max_abs = max(self.max_abs, diff)
+        self.max_rel = max(self.max_rel, diff / (scale or 1.0))
+        self.ncos.append(below / len(whole))
+        self.gap = min(self.gap, *apart.values())
+
+    def row(self, name: str, hf_index: int) -> LayerParity:
+        """The state's row, not yet judged (ok False)."""
+        cos, rel = torch.cat(self.cos), torch.cat(self.rel)
+        floor = torch.cat(self.floor) if self.floor else None
+        return LayerParity(
+            name, hf_index, self.max_abs, self.max_rel, cos.min().item(), cos.median().item(),
+            sum(self.ncos) / len(self.ncos), self.gap, False, rel.max().item(), rel.median().item(),
             None if floor is None else floor.max().item(), None if floor is None else floor.median().item(),
         )
-        rows.append(dataclasses.replace(row, ok=_passes(row, dtype, moe, fp8)))
-    return rows
 
 
 def _passes(row: LayerParity, dtype: str, moe: bool, fp8: bool = False) -> bool:
