@@ -352,8 +352,6 @@ def export_speculators(
     """Writes every sample of out_dir to dest as speculators' offline training data (see the module
     docstring): the per-sample states first, then the token table and frequencies. An unfinished
     extraction is refused unless allow_partial (see `HiddenStateDataset`)."""
-    import datasets
-
     dataset = HiddenStateDataset(out_dir, allow_partial=allow_partial, verify_checksums=True)
     run = dataset.run
     if run.recipe != "eagle3":
@@ -385,6 +383,17 @@ def export_speculators(
     _write_samples(dataset, lambda i: speculators_path(dest, i), read,
                    lambda item, tmp: _write_bytes(tmp, safetensors_bytes(record(item))),
                    progress, summary)
+    _write_speculators_tokens(dataset, dest)
+    config = speculators_train_config(run, dest, layer_ids, fp8)
+    atomic_write(dest / SPECULATORS_TRAIN_CONFIG, lambda tmp: tmp.write_text(config))
+    return summary
+
+
+def _write_speculators_tokens(dataset: HiddenStateDataset, dest: Path) -> None:
+    """speculators' token table (each sample's input_ids, loss_mask and seq_len, a datasets table saved in `dest`)
+    and the frequencies of the tokens in the loss."""
+    import datasets
+
     freq: Counter[int] = Counter()
 
     def rows():
@@ -414,9 +423,6 @@ def export_speculators(
         if bars:
             datasets.enable_progress_bars()
     atomic_write(dest / SPECULATORS_TOKEN_FREQ, lambda tmp: _write_bytes(tmp, _torch_bytes(dict(freq))))
-    config = speculators_train_config(run, dest, layer_ids, fp8)
-    atomic_write(dest / SPECULATORS_TRAIN_CONFIG, lambda tmp: tmp.write_text(config))
-    return summary
 
 
 # Each format's writer; what the format is (its --help, final state and options): formats.EXPORTERS.
