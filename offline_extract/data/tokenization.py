@@ -73,6 +73,66 @@ def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+@dataclass(frozen=True)
+class _Fit:
+    """What a sample keeps of its record's tokens, by `SampleTokenizer`'s options of these names: at most max_length
+    (or nothing, overlong "skip"), none after the last loss token (trim_after_last_loss), and nothing where its
+    longest run of loss tokens is shorter than min_loss_run."""
+
+    max_length: int
+    overlong: Overlong
+    trim_after_last_loss: bool
+    min_loss_run: int
+
+    def sample(self, record: Record, ids: np.ndarray, mask: np.ndarray, cut: bool,
+               images: Images | None = None) -> Sample | Reject:
+        """The sample of a record's tokens and loss mask (`cut`: of a text or chat cut before tokenizing) and its
+        images: cut to max_length, trimmed, or left out. A cut through an image's tokens leaves the sample out:
+        the engine takes an image whole."""
+        source_len = len(ids)
+        more = "more than " if cut else ""
+        if source_len == 0:
+            return Reject(record.source, record.line, record.index, record.id, "tokenizes to zero tokens")
+        truncated = source_len > self.max_length
+        if truncated:
+            if self.overlong == "skip":
+                return Reject(
+                    record.source,
+                    record.line,
+                    record.index,
+                    record.id,
+                    f"{more}{source_len} tokens > --max-length {self.max_length}",
+                    kind="skipped",
+                )
+            # Cut before tokenizing, a text (every token) or a chat (its assistant turns) had loss tokens past the cut.
+            had_loss = cut or mask.any()
+            ids, mask = ids[: self.max_length], mask[: self.max_length]
+            if (cuts := _cuts_images(record, images, len(ids), f"--max-length {self.max_length}")):
+                return cuts
+            if had_loss and not mask.any():
+                return Reject(record.source, record.line, record.index, record.id,
+                              f"{more}{source_len} tokens truncated to --max-length {self.max_length} leave no loss "
+                              "tokens",
+                              kind="skipped")
+        if self.trim_after_last_loss:
+            # Tokens after the last loss token carry no training signal; states for them are wasted bytes.
+            keep = int(np.flatnonzero(mask)[-1]) + 1 if mask.any() else 0
+            if keep == 0:
+                return Reject(record.source, record.line, record.index, record.id,
+                              "no loss tokens left to keep (--trim-after-last-loss-token)", kind="skipped")
+            ids, mask = ids[:keep], mask[:keep]
+            if (cuts := _cuts_images(record, images, keep, "--trim-after-last-loss-token")):
+                return cuts
+        run = longest_loss_run(mask)
+        if run < self.min_loss_run:
+            return Reject(record.source, record.line, record.index, record.id,
+                          f"its longest run of consecutive loss tokens is {run}, fewer than --min-loss-run "
+                          f"{self.min_loss_run}", kind="skipped")
+        if images is not None and len(images.token_mask) > len(ids):
+            images = replace(images, token_mask=images.token_mask[: len(ids)])
+        return Sample(record.index, record.id, record.source, record.line, ids, mask, source_len, truncated, images)
+
+
 class SampleTokenizer:
     """Callable mapping a Record to a Sample, or to a Reject when the record cannot be used.
 
@@ -113,9 +173,7 @@ class SampleTokenizer:
             raise TypeError("SampleTokenizer needs a fast (Rust) tokenizer: the loss mask uses its character offsets")
         self.tokenizer = tokenizer
         self.max_length = max_length
-        self.overlong = overlong
-        self.trim_after_last_loss = trim_after_last_loss
-        self.min_loss_run = min_loss_run
+        self._fit = _Fit(max_length, overlong, trim_after_last_loss, min_loss_run)
         self.model = model  # its name, for a refusal
         # A vision-language model's HF processor (AutoProcessor), which prepares its image records; None for a
         # text-only model. Its chat template, where it has one, renders every chat, so that text and image
@@ -194,13 +252,13 @@ class SampleTokenizer:
                 except _Unusable as e:
                     r = records[i]
                     done[i] = Reject(r.source, r.line, r.index, r.id, str(e))
-        return [d if isinstance(d, Reject) else self._sample(r, *d) for r, d in zip(records, done)]
+        return [d if isinstance(d, Reject) else self._fit.sample(r, *d) for r, d in zip(records, done)]
 
     def _image_chat(self, record: Record) -> tuple[np.ndarray, np.ndarray, bool, Images]:
         """A chat with images, tokenized by the model's processor, which expands each image's placeholder into
         the image's tokens. The loss mask is the assistant spans' (`_render_chat`) on the chat's text, carried
         over to the expanded tokens, and never at an image token. Not cut before tokenizing: an image is
-        extracted whole or not at all (`_sample`)."""
+        extracted whole or not at all (`_Fit.sample`)."""
         try:
             pictures, fingerprint = load_images(record.images)
         except ImageError as e:
@@ -249,54 +307,6 @@ class SampleTokenizer:
             else:
                 out.append((one, len(cut) < len(text)))
         return out
-
-    def _sample(self, record: Record, ids: np.ndarray, mask: np.ndarray, cut: bool,
-                images: Images | None = None) -> Sample | Reject:
-        """The sample of a record's tokens and loss mask (`cut`: of a text or chat cut before tokenizing) and its
-        images: cut to max_length, trimmed, or left out. A cut through an image's tokens leaves the sample out:
-        the engine takes an image whole."""
-        source_len = len(ids)
-        more = "more than " if cut else ""
-        if source_len == 0:
-            return Reject(record.source, record.line, record.index, record.id, "tokenizes to zero tokens")
-        truncated = source_len > self.max_length
-        if truncated:
-            if self.overlong == "skip":
-                return Reject(
-                    record.source,
-                    record.line,
-                    record.index,
-                    record.id,
-                    f"{more}{source_len} tokens > --max-length {self.max_length}",
-                    kind="skipped",
-                )
-            # Cut before tokenizing, a text (every token) or a chat (its assistant turns) had loss tokens past the cut.
-            had_loss = cut or mask.any()
-            ids, mask = ids[: self.max_length], mask[: self.max_length]
-            if (cuts := _cuts_images(record, images, len(ids), f"--max-length {self.max_length}")):
-                return cuts
-            if had_loss and not mask.any():
-                return Reject(record.source, record.line, record.index, record.id,
-                              f"{more}{source_len} tokens truncated to --max-length {self.max_length} leave no loss "
-                              "tokens",
-                              kind="skipped")
-        if self.trim_after_last_loss:
-            # Tokens after the last loss token carry no training signal; states for them are wasted bytes.
-            keep = int(np.flatnonzero(mask)[-1]) + 1 if mask.any() else 0
-            if keep == 0:
-                return Reject(record.source, record.line, record.index, record.id,
-                              "no loss tokens left to keep (--trim-after-last-loss-token)", kind="skipped")
-            ids, mask = ids[:keep], mask[:keep]
-            if (cuts := _cuts_images(record, images, keep, "--trim-after-last-loss-token")):
-                return cuts
-        run = longest_loss_run(mask)
-        if run < self.min_loss_run:
-            return Reject(record.source, record.line, record.index, record.id,
-                          f"its longest run of consecutive loss tokens is {run}, fewer than --min-loss-run "
-                          f"{self.min_loss_run}", kind="skipped")
-        if images is not None and len(images.token_mask) > len(ids):
-            images = replace(images, token_mask=images.token_mask[: len(ids)])
-        return Sample(record.index, record.id, record.source, record.line, ids, mask, source_len, truncated, images)
 
     def _tokens(self, record: Record) -> tuple[np.ndarray, np.ndarray]:
         if record.input_ids and max(record.input_ids) >= self.vocab_size:
