@@ -340,106 +340,133 @@ def _tear_down_process_groups_at_exit() -> None:
     atexit.register(tear_down)
 
 
+
+def _checkpoint_quantization(model_path: str) -> dict | None:
+    """Where the checkpoint's weights are quantized, as its config.json states it (a wrapper's text model's).
+    Read from the file: SGLang's FP8 loader adds config objects to the in-memory dict later, which would no
+    longer serialize into the run's metadata. Read before SGLang reads the config, whose own model checks
+    (GPT-OSS's attention backends) would otherwise speak first."""
+    raw = json.loads((Path(model_path) / "config.json").read_text())
+    return raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config")
+
+
+def _server_args(cfg: EngineConfig, backend: str):
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(
+        model_path=cfg.model_path,
+        load_format=cfg.load_format,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        tp_size=cfg.tp_size,
+        trust_remote_code=cfg.trust_remote_code,
+        attention_backend=backend,
+        sampling_backend="pytorch",
+        # Prefill graphs would replay without running our capture module; extraction is prefill only.
+        disable_cuda_graph=True,
+        disable_radix_cache=True,
+        disable_overlap_schedule=True,
+        chunked_prefill_size=-1,
+        skip_tokenizer_init=True,
+        # The KV pool holds one forward's tokens, or one chunked sequence with its whole prefix, and no
+        # more: everything else stays activation room.
+        max_total_tokens=max(cfg.max_tokens_per_batch, cfg.context_length or 0) + 64,
+        max_running_requests=cfg.max_seqs_per_batch,
+        context_length=cfg.context_length,
+        mem_fraction_static=cfg.mem_fraction_static,
+        disable_custom_all_reduce=cfg.device == "cpu",
+        log_level="error",
+    )
+
+
+def _model_config(sa, backend: str, cfg: EngineConfig):
+    """SGLang's ModelConfig of the run, after the process-wide kernel configs it reads `sa` into; a model
+    this engine cannot run is refused here, before any weight loads."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.layers.moe.utils import initialize_moe_config
+    from sglang.srt.layers.quantization.fp4_utils import initialize_fp4_gemm_config
+    from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
+    from sglang.srt.layers.quantization.unquant import initialize_bf16_gemm_config
+
+    initialize_moe_config(sa)
+    initialize_fp8_gemm_config(sa)
+    initialize_fp4_gemm_config(sa)
+    initialize_bf16_gemm_config(sa)
+    mc = ModelConfig.from_server_args(sa)
+    _refuse_unsupported_attention(mc, backend, cfg.model_path)
+    _refuse_on_cpu(mc.hf_config.architectures[0], cfg.device, cfg.model_path)
+    return mc
+
+
+def _model_runner(cfg: EngineConfig, mc, sa):
+    """SGLang's ModelRunner of this rank, its weights loaded."""
+    from sglang.srt.distributed.parallel_state_wrapper import ParallelState
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    ps = ParallelState(
+        tp_rank=cfg.tp_rank, tp_size=cfg.tp_size, pp_rank=0, pp_size=1, dp_rank=None, dp_size=1,
+        attn_tp_rank=cfg.tp_rank, attn_tp_size=cfg.tp_size, attn_cp_rank=0, attn_cp_size=1,
+        attn_dp_rank=0, attn_dp_size=1, moe_ep_rank=0, moe_ep_size=1, moe_dp_rank=None, moe_dp_size=1,
+        dcp_size=1, gpu_id=cfg.gpu_id,
+    )
+    threads = torch.get_num_threads()
+    # ModelRunner makes the process groups: from here the process tears them down before it exits.
+    _tear_down_process_groups_at_exit()
+    try:
+        runner = ModelRunner(
+            model_config=mc, mem_fraction_static=sa.mem_fraction_static, gpu_id=cfg.gpu_id, ps=ps,
+            nccl_port=cfg.nccl_port, server_args=sa,
+        )
+    except torch.distributed.DistNetworkError as e:
+        # The replica's TP rank 0 serves its process group's store on that port; torch says only EADDRINUSE.
+        if "EADDRINUSE" not in str(e):
+            raise
+        raise PortTaken(f"port {cfg.nccl_port}, where SGLang's ranks of this replica meet, is taken by another "
+                        f"process") from None
+    # On a GPU, ModelRunner.load_model leaves torch with one intra-op thread (to load weights with fewer
+    # thread conflicts); every batch's states would then be copied into the shard buffers on one core,
+    # and the last batches' copies add to the end of every run.
+    torch.set_num_threads(cfg.host_threads or threads)
+    return runner
+
+
+def routed_expert_count(text_config) -> int:
+    """A decoder's routed experts under any of the names the supported configs use; 0 for a dense model."""
+    return next(
+        (getattr(text_config, key) for key in ("num_experts", "n_routed_experts", "num_local_experts")
+         if getattr(text_config, key, None)), 0,
+    )
+
+
 class Engine:
     """An in-process SGLang ModelRunner that returns hidden states for ragged prefill batches."""
 
     def __init__(self, cfg: EngineConfig):
         self.jit_caches = import_sglang(cfg.device, cfg.jit_cache)
-        from sglang.srt.configs.model_config import ModelConfig
-        from sglang.srt.distributed.parallel_state_wrapper import ParallelState
-        from sglang.srt.layers.moe.utils import initialize_moe_config
-        from sglang.srt.layers.quantization.fp4_utils import initialize_fp4_gemm_config
-        from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
-        from sglang.srt.layers.quantization.unquant import initialize_bf16_gemm_config
-        from sglang.srt.model_executor.model_runner import ModelRunner
-        from sglang.srt.server_args import ServerArgs
-
         check_choice("final_state", cfg.final_state)
         self.cfg = cfg
         self.final_state = cfg.final_state
-        # Where the checkpoint's weights are quantized, as its config.json states it (a wrapper's text
-        # model's). Read from the file: SGLang's FP8 loader adds config objects to the in-memory dict later,
-        # which would no longer serialize into the run's metadata. Checked before SGLang
-        # reads the config, whose own model checks (GPT-OSS's attention backends) would otherwise speak first.
-        raw = json.loads((Path(cfg.model_path) / "config.json").read_text())
-        self.quantization = raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config")
+        self.quantization = _checkpoint_quantization(cfg.model_path)
         _refuse_quantization(cfg.model_path, self.quantization, cfg.device)
         if torch.device(cfg.device).type == "cuda":
             torch.cuda.set_device(cfg.gpu_id)
-        backend = cfg.attention_backend or default_attention_backend(cfg.device)
-        sa = ServerArgs(
-            model_path=cfg.model_path,
-            load_format=cfg.load_format,
-            dtype=cfg.dtype,
-            device=cfg.device,
-            tp_size=cfg.tp_size,
-            trust_remote_code=cfg.trust_remote_code,
-            attention_backend=backend,
-            sampling_backend="pytorch",
-            # Prefill graphs would replay without running our capture module; extraction is prefill only.
-            disable_cuda_graph=True,
-            disable_radix_cache=True,
-            disable_overlap_schedule=True,
-            chunked_prefill_size=-1,
-            skip_tokenizer_init=True,
-            # The KV pool holds one forward's tokens, or one chunked sequence with its whole prefix, and no
-            # more: everything else stays activation room.
-            max_total_tokens=max(cfg.max_tokens_per_batch, cfg.context_length or 0) + 64,
-            max_running_requests=cfg.max_seqs_per_batch,
-            context_length=cfg.context_length,
-            mem_fraction_static=cfg.mem_fraction_static,
-            disable_custom_all_reduce=cfg.device == "cpu",
-            log_level="error",
-        )
-        self.attention_backend = backend
-        initialize_moe_config(sa)
-        initialize_fp8_gemm_config(sa)
-        initialize_fp4_gemm_config(sa)
-        initialize_bf16_gemm_config(sa)
-        mc = ModelConfig.from_server_args(sa)
-        _refuse_unsupported_attention(mc, backend, cfg.model_path)
-        _refuse_on_cpu(mc.hf_config.architectures[0], cfg.device, cfg.model_path)
+        self.attention_backend = cfg.attention_backend or default_attention_backend(cfg.device)
+        sa = _server_args(cfg, self.attention_backend)
+        mc = _model_config(sa, self.attention_backend, cfg)
         # On CPU nothing is compiled: the torch_native path calls none of these modules.
         self.prebuild = (
             KernelPrebuild(lambda: prebuild_calls(kernel_shapes(mc, cfg.tp_size)),
                            self.jit_caches["TVM_FFI_CACHE_DIR"], cfg.gpu_id)
             if torch.device(cfg.device).type == "cuda" else None
         )
-        ps = ParallelState(
-            tp_rank=cfg.tp_rank, tp_size=cfg.tp_size, pp_rank=0, pp_size=1, dp_rank=None, dp_size=1,
-            attn_tp_rank=cfg.tp_rank, attn_tp_size=cfg.tp_size, attn_cp_rank=0, attn_cp_size=1,
-            attn_dp_rank=0, attn_dp_size=1, moe_ep_rank=0, moe_ep_size=1, moe_dp_rank=None, moe_dp_size=1,
-            dcp_size=1, gpu_id=cfg.gpu_id,
-        )
-        threads = torch.get_num_threads()
-        # ModelRunner makes the process groups: from here the process tears them down before it exits.
-        _tear_down_process_groups_at_exit()
-        try:
-            self.runner = ModelRunner(
-                model_config=mc, mem_fraction_static=sa.mem_fraction_static, gpu_id=cfg.gpu_id, ps=ps,
-                nccl_port=cfg.nccl_port, server_args=sa,
-            )
-        except torch.distributed.DistNetworkError as e:
-            # The replica's TP rank 0 serves its process group's store on that port; torch says only EADDRINUSE.
-            if "EADDRINUSE" not in str(e):
-                raise
-            raise PortTaken(f"port {cfg.nccl_port}, where SGLang's ranks of this replica meet, is taken by another "
-                            f"process") from None
-        # On a GPU, ModelRunner.load_model leaves torch with one intra-op thread (to load weights with fewer
-        # thread conflicts); every batch's states would then be copied into the shard buffers on one core,
-        # and the last batches' copies add to the end of every run.
-        torch.set_num_threads(cfg.host_threads or threads)
+        self.runner = _model_runner(cfg, mc, sa)
         model = self.runner.model
         self.architecture = type(model).__name__
         # The decoder's own config: a multimodal wrapper's (Kimi-K2.5) nests it as text_config.
-        self.num_layers = mc.hf_text_config.num_hidden_layers
-        self.hidden_size = mc.hf_text_config.hidden_size
-        # Routed experts under any of the names the supported configs use.
-        self._routed_experts = next(
-            (getattr(mc.hf_text_config, key) for key in ("num_experts", "n_routed_experts", "num_local_experts")
-             if getattr(mc.hf_text_config, key, None)), 0,
-        )
-        self._experts_per_token = getattr(mc.hf_text_config, "num_experts_per_tok", 0)
+        text = mc.hf_text_config
+        self.num_layers, self.hidden_size = text.num_hidden_layers, text.hidden_size
+        self._routed_experts = routed_expert_count(text)
+        self._experts_per_token = getattr(text, "num_experts_per_tok", 0)
         self.is_moe = self._routed_experts > 0
         self.dtype = str(mc.dtype).removeprefix("torch.")
         self.layer_ids = self._configure_capture(model, cfg.layer_ids)
