@@ -387,12 +387,7 @@ class ShardWriter:
         widths: dict[str, int] | None = None,
         buffers: list[_ShardBuffer] | None = None,
     ):
-        if shard_bytes <= 0:
-            raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
-        if writers < 1:
-            raise ValueError(f"writers must be at least 1, got {writers}")
-        if run.store == "fp8" and run.num_aux_layers is None:
-            raise ValueError("an fp8 run must record its layer_ids: each layer gets its own scales")
+        _check_writer(run, shard_bytes, writers)
         self._writes = _Writes(run, writers, on_written, lambda buf: self._buffers.written(buf, self._closed))
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -498,14 +493,8 @@ class ShardWriter:
         sample cannot then be left out (end_sample(keep=False)). A compressed shard is not streamed."""
         self._check_open("begin_sample")
         row_bytes = self._fix_widths(widths)
-        tokens = _token_tensors(input_ids, loss_mask, image_mask)
-        ids = tokens["input_ids"]
-        n = ids.shape[0]
-        if ids.dim() != 1 or any(t.shape != ids.shape for t in tokens.values()):
-            shapes = " and ".join(f"{name} {tuple(t.shape)}" for name, t in tokens.items())
-            raise ShardError(f"{shapes} must be [T] alike")
-        if not n:
-            raise ShardError(_NO_TOKENS.format(ids=[sample.id], lengths=[n]))
+        tokens = _sample_tokens(sample, input_ids, loss_mask, image_mask)
+        n = tokens["input_ids"].shape[0]
         buf = self._buffer()
         rows = buf.reserve(n)
         for name, t in tokens.items():
@@ -529,13 +518,7 @@ class ShardWriter:
         (sample, n, row_bytes), self._open = self._open, None
         filling, self._filling = self._filling, None
         if filling is not None:  # its shard, handed to a writer thread at begin_sample, may now complete
-            if not keep or filling.final != filling.end:
-                filling.abort()
-                raise ShardError(
-                    f"sample {sample.id!r} was streamed into its shard; it cannot be "
-                    + ("left out" if not keep else f"ended with {filling.end - filling.final} of its rows unfilled")
-                )
-            filling.confirm()
+            _end_streamed(sample, filling, keep)
             return
         if keep:
             self._current.record([sample], [n])
@@ -584,10 +567,7 @@ class ShardWriter:
         if buf is None or not (buf.samples or pending):
             return
         shards = buf.contents(pending, parts)
-        paths = [self.out_dir / shard_name(next(self._numbers)) for _ in shards]
-        for path in paths:
-            if path.exists():
-                raise FileExistsError(f"{path} already exists; refusing to overwrite another run's shard")
+        paths = _new_shard_paths(self.out_dir, self._numbers, len(shards))
         buf.writes_left = len(shards)
         for path, (samples, tensors, frames) in zip(paths, shards):
             self._writes.submit(path, buf, samples, tensors, frames, filling)
@@ -624,3 +604,45 @@ class ShardWriter:
             if self._filling is not None:
                 self._filling.abort()
             self._writes.shutdown()
+
+
+def _check_writer(run: RunInfo, shard_bytes: int, writers: int) -> None:
+    if shard_bytes <= 0:
+        raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
+    if writers < 1:
+        raise ValueError(f"writers must be at least 1, got {writers}")
+    if run.store == "fp8" and run.num_aux_layers is None:
+        raise ValueError("an fp8 run must record its layer_ids: each layer gets its own scales")
+
+
+def _sample_tokens(sample: SampleInfo, input_ids, loss_mask, image_mask) -> dict[str, torch.Tensor]:
+    """The token tensors of one sample begun alone (`ShardWriter.begin_sample`), checked: [T] alike, T > 0."""
+    tokens = _token_tensors(input_ids, loss_mask, image_mask)
+    ids = tokens["input_ids"]
+    if ids.dim() != 1 or any(t.shape != ids.shape for t in tokens.values()):
+        shapes = " and ".join(f"{name} {tuple(t.shape)}" for name, t in tokens.items())
+        raise ShardError(f"{shapes} must be [T] alike")
+    if not ids.shape[0]:
+        raise ShardError(_NO_TOKENS.format(ids=[sample.id], lengths=[ids.shape[0]]))
+    return tokens
+
+
+def _end_streamed(sample: SampleInfo, filling: shard_file.Filling, keep: bool) -> None:
+    """Ends a sample streamed into its shard, which a writer thread is writing: its shard completes once every
+    row is filled; one left out or short aborts that write."""
+    if not keep or filling.final != filling.end:
+        filling.abort()
+        raise ShardError(
+            f"sample {sample.id!r} was streamed into its shard; it cannot be "
+            + ("left out" if not keep else f"ended with {filling.end - filling.final} of its rows unfilled")
+        )
+    filling.confirm()
+
+
+def _new_shard_paths(out_dir: Path, numbers: Iterator[int], count: int) -> list[Path]:
+    """The next `count` shards' paths, none of them already on disk."""
+    paths = [out_dir / shard_name(next(numbers)) for _ in range(count)]
+    for path in paths:
+        if path.exists():
+            raise FileExistsError(f"{path} already exists; refusing to overwrite another run's shard")
+    return paths
