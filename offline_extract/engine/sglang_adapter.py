@@ -14,14 +14,12 @@ import functools
 import importlib
 import json
 import os
-import re
 import sys
 import types
 from pathlib import Path
 from array import array
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -29,6 +27,7 @@ import torch
 from offline_extract.data.images import Images
 from offline_extract.engine.families import FAMILIES, CaptureRule
 from offline_extract.engine.kernels import KernelPrebuild, kernel_shapes, prebuild_calls, use_jit_cache
+from offline_extract.engine.moe import recording_routing, routed_expert_count, warm_up_token_counts
 from offline_extract.engine.multimodal import IMAGE_MODELS, image_model, image_request, init_embedding_cache
 from offline_extract.options import DEFAULT_PORT_BASE, DEFAULT_TOKENS_PER_BATCH, FinalState, check_choice, default
 from offline_extract.final_norm import FinalNorm
@@ -430,14 +429,6 @@ def _model_runner(cfg: EngineConfig, mc, sa):
     return runner
 
 
-def routed_expert_count(text_config) -> int:
-    """A decoder's routed experts under any of the names the supported configs use; 0 for a dense model."""
-    return next(
-        (getattr(text_config, key) for key in ("num_experts", "n_routed_experts", "num_local_experts")
-         if getattr(text_config, key, None)), 0,
-    )
-
-
 class Engine:
     """An in-process SGLang ModelRunner that returns hidden states for ragged prefill batches."""
 
@@ -469,9 +460,8 @@ class Engine:
         self._experts_per_token = getattr(text, "num_experts_per_tok", 0)
         self.is_moe = self._routed_experts > 0
         self.dtype = str(mc.dtype).removeprefix("torch.")
+        self._states = _StateCapture(model, cfg.model_path, self.num_layers)
         self.layer_ids = self._configure_capture(model, cfg.layer_ids)
-        self._logits_processor = self._capture_lm.logits_processor
-        self._capture = _CaptureOnly()
         self.runner.alloc_memory_pool()
         self.runner.init_attention_backends()
         self.runner.init_cuda_graphs()
@@ -486,91 +476,22 @@ class Engine:
         return self.prebuild.report() if self.prebuild is not None else {}
 
     def _configure_capture(self, model, requested: tuple[int, ...] | None) -> tuple[int, ...]:
-        rule = model_capture_rule(model, self.cfg.model_path)
-        if requested is None:
-            # Ask SGLang for its own default, so training data matches what EAGLE-3 inference captures.
-            requested = [p - 1 for p in resolve_capture(model, rule, None)]
-        ids = validate_layer_ids(requested, self.num_layers)
-        points = [k + 1 for k in ids]
-        resolved = resolve_capture(model, rule, points)
-        if resolved != points:
-            raise RuntimeError(
-                f"SGLang's {rule.source} ({rule.convention}) resolved layer ids {list(ids)} to capture points "
-                f"{resolved}, expected {points}"
-            )
-        self._capture_rule, self._capture_lm = rule, rule.causal_lm(model)
-        self._pre_norm: torch.Tensor | None = None
-        self._capture_lm.model.norm.register_forward_hook(self._keep_pre_norm)
-        self.capture_points = resolved
-        self._capturing: bool | None = None  # SGLang's capture state now: unknown until the first switch
-        return ids
+        return self._states.configure(model, requested)
+
+    @property
+    def capture_points(self) -> list[int]:
+        """SGLang's capture points, layer id + 1 each."""
+        return self._states.points
 
     def final_norm(self) -> FinalNorm | None:
         """The model's final norm as loaded (weight, epsilon, gain convention), for an export to turn one
         final state into the other; None for a norm other than SGLang's plain or Gemma-style RMSNorm."""
-        from sglang.srt.layers.layernorm import GemmaRMSNorm, RMSNorm
+        return _final_norm(self._states.lm.model.norm)
 
-        norm = self._capture_lm.model.norm
-        if type(norm) is GemmaRMSNorm:
-            offset = 1.0
-        elif type(norm) is RMSNorm and norm.has_weight and norm.variance_size_override is None:
-            offset = 0.0
-        else:
-            return None
-        # RMSNorm is replicated across TP ranks: any rank's weight is the whole weight.
-        return FinalNorm(norm.weight.detach().float().cpu(), float(norm.variance_epsilon), offset)
-
-    def _keep_pre_norm(self, norm, args, output) -> None:
-        """The pre-norm state is the final norm's input. Called as norm(x, residual) the norm returns
-        (normed, x + residual), and its fused CUDA kernel overwrites x in place, so the state is taken from
-        the output; called as norm(x) (the last layer already added its residual), x is the state."""
-        if self._capturing and self.final_state == "pre-norm":
-            self._pre_norm = output[1] if isinstance(output, tuple) else args[0]
-
-    def _set_capture(self, on: bool) -> None:
-        if on == self._capturing:
-            return  # re-routing walks every layer on Qwen-MoE: once per switch, not once per batch
-        route_capture(self._capture_lm, self._capture_rule, self.capture_points if on else [])
-        self._capture_lm.logits_processor = self._capture if on else self._logits_processor
-        self._capturing = on
-
-    @contextmanager
     def recording_routing(self):
-        """Record the routed experts SGLang picks for every token, per MoE layer, while the block runs.
-
-        Yields {decoder layer index: [ids of each forward, [T, experts per token] int64 on the CPU, each row
-        sorted, or None where SGLang's MoE runner routes inside its kernel and exposes no choice]}, empty for a
-        model without SGLang TopK modules. The engine computes exactly as without recording: the hook only
-        reads SGLang's top-k output.
-        """
-        from sglang.srt.layers.moe.topk import TopK
-
-        chosen: dict[int, list[torch.Tensor]] = {}
-        k, routed = self._experts_per_token, self._routed_experts
-
-        def record(layer: int, output) -> None:
-            ids = routed_experts(output)
-            if ids is None:  # a MoE runner that routes inside its kernel (FlashInfer TRT-LLM)
-                chosen.setdefault(layer, []).append(None)
-                return
-            # A shared expert fused into the routed kernel shows up as an extra column with an id past the
-            # routed experts; sorting puts it last.
-            ids = ids.sort(dim=-1).values
-            if ids.shape[1] < k or bool((ids[:, :k] >= routed).any()):
-                raise RuntimeError(f"SGLang's top-k at layer {layer} returned ids {tuple(ids.shape)} outside "
-                                   f"{routed} routed experts x {k} per token")
-            chosen.setdefault(layer, []).append(ids[:, :k].long().cpu())
-
-        handles = []
-        for name, module in self.runner.model.named_modules():
-            if isinstance(module, TopK):
-                layer = int(re.search(r"layers\.(\d+)\.", name).group(1))
-                handles.append(module.register_forward_hook(lambda m, args, out, layer=layer: record(layer, out)))
-        try:
-            yield chosen
-        finally:
-            for h in handles:
-                h.remove()
+        """`moe.recording_routing` of the loaded model: yields {decoder layer index: [ids of each forward]}
+        of the experts SGLang's top-k picks for every token while the block runs."""
+        return recording_routing(self.runner.model, self._experts_per_token, self._routed_experts)
 
     def warm_up(self) -> None:
         """Captures a throwaway batch of two short sequences, so that what compiles on first use
@@ -590,33 +511,10 @@ class Engine:
             torch.cuda.synchronize()
 
     def warm_up_token_counts(self) -> list[int]:
-        """The token counts of the forwards that compile a MoE model's expert kernels for every forward of
-        up to the batch budget (`moe_token_counts`), from the launch config SGLang's Triton MoE runner picks
-        for M tokens (`fused_moe_triton_config.try_get_optimal_moe_config`: the tuned table's nearest entry
-        for the device and the experts' shapes, else its heuristic); for another MoE runner, which picks its
-        kernels its own way (and on CPU), by octaves of M. Empty for a dense model."""
+        """`moe.warm_up_token_counts` for this model and batch budget; empty for a dense model."""
         if not self.is_moe:
             return []
-        from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
-        from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe_triton_config import (
-            get_config_dtype_str, try_get_optimal_moe_config,
-        )
-        from sglang.srt.layers.moe.utils import MoeRunnerBackend
-
-        layer = next((m for m in self.runner.model.modules() if isinstance(m, FusedMoE)), None)
-        runner = getattr(getattr(layer, "quant_method", None), "runner", None)
-        # The tuned tables are looked up by the CUDA device's name; on CPU the experts take torch's own path.
-        on_cuda = torch.device(self.device).type == "cuda"
-        if on_cuda and runner is not None and runner.runner_backend == MoeRunnerBackend.TRITON and not self.quantization:
-            # As fused_moe.py's _prepare_fused_moe_run asks for an unquantized layer (no padding, no blocks).
-            w1, w2, k = tuple(layer.w13_weight.shape), tuple(layer.w2_weight.shape), layer.top_k
-            dtype = get_config_dtype_str(dtype=self.runner.model_config.dtype)
-
-            def config_of(m: int) -> str:
-                return json.dumps(try_get_optimal_moe_config(w1, w2, k, dtype, m, return_down_config=True), sort_keys=True)
-        else:
-            config_of = int.bit_length
-        return moe_token_counts(config_of, self.cfg.max_tokens_per_batch)
+        return warm_up_token_counts(self.runner, self.device, bool(self.quantization), self.cfg.max_tokens_per_batch)
 
     def capture(self, seqs: Sequence[np.ndarray], images: Sequence[Images | None] | None = None) -> Captured:
         """Prefill `seqs` as one EXTEND batch and return their states (still on the device).
@@ -744,42 +642,13 @@ class Engine:
         return max(self.cfg.max_tokens_per_batch, self.cfg.context_length or 0)
 
     def _extend(self, reqs: list, capture: bool) -> Captured | None:
-        from sglang.srt.managers.schedule_batch import ScheduleBatch
-        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
-        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
         if self.prebuild is not None:
             self.prebuild.wait()
-        self._set_capture(capture)
-        batch = ScheduleBatch.init_new(
-            reqs=reqs,
-            req_to_token_pool=self.runner.req_to_token_pool,
-            token_to_kv_pool_allocator=self.runner.token_to_kv_pool_allocator,
-            tree_cache=_NoTreeCache(
-                page_size=self.runner.server_args.page_size,
-                device=self.device,
-                token_to_kv_pool_allocator=self.runner.token_to_kv_pool_allocator,
-            ),
-            model_config=self.runner.model_config,
-            enable_overlap=False,
-            spec_algorithm=SpeculativeAlgorithm.NONE,
-        )
-        batch.prepare_for_extend()
-        batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device, non_blocking=True)
-        batch.prefill_input_ids_cpu = None
-        fb = ForwardBatch.init_new(
-            batch,
-            self.runner,
-            capture_hidden_mode=CaptureHiddenMode.FULL if capture else CaptureHiddenMode.NULL,
-            return_hidden_states_before_norm=False,
-        )
-        with torch.no_grad():
-            self.runner.forward(fb)
+        self._states.switch(capture, pre_norm=self.final_state == "pre-norm")
+        _forward(self.runner, reqs, capture)
         if not capture:
             return None
-        aux, last = self._capture.take()
-        if self.final_state == "pre-norm":
-            last, self._pre_norm = self._pre_norm, None
+        aux, last = self._states.take()
         total = sum(r.extend_range.end - r.extend_range.start for r in reqs)
         if aux.shape[0] != total or aux.shape[1] != len(self.layer_ids) * self.hidden_size:
             raise RuntimeError(
@@ -794,41 +663,105 @@ class Engine:
         self.runner.token_to_kv_pool_allocator.clear()
 
 
-def moe_token_counts(config_of: Callable[[int], object], max_tokens: int) -> list[int]:
-    """Token counts M whose forwards compile every variant of a MoE model's expert kernels that forwards of 1
-    to `max_tokens` tokens can launch. SGLang 0.5.17's Triton MoE kernels take their launch config from M
-    (`config_of(M)`), and Triton compiles a kernel anew for each specialization of its integer arguments:
-    whether each is 1, and whether it is a multiple of 16 (M x top-k, the padded sorted-token count, ...),
-    which M's largest power-of-two divisor up to 16 decides. So: for each config, the smallest M that takes
-    it with each such divisor, and M = 1."""
-    firsts: dict[tuple, int] = {}
-    for m in range(1, max_tokens + 1):
-        firsts.setdefault((config_of(m), m == 1, min(m & -m, 16)), m)
-    return sorted(set(firsts.values()))
+class _StateCapture:
+    """What a forward of SGLang's model records: the capture points routed in the model, its logits processor
+    swapped for one that keeps the states it is handed, and, for a pre-norm run, the final norm's input."""
 
+    def __init__(self, model, model_path: str, num_layers: int):
+        self.model_path, self.num_layers = model_path, num_layers
+        self._logits_processor = model_capture_rule(model, model_path).causal_lm(model).logits_processor
+        self._capture = _CaptureOnly()
+        self._keeps_pre_norm = False  # whether the forwards from the last switch keep the final norm's input
 
-def routed_experts(topk_output) -> torch.Tensor | None:
-    """The experts SGLang's TopK chose, [T, experts per token] in any order within a row, from any output format
-    that states them; None for one that leaves the choice to the MoE kernel (BYPASSED)."""
-    ids = getattr(topk_output, "topk_ids", None)
-    if ids is not None:
+    def configure(self, model, requested: tuple[int, ...] | None) -> tuple[int, ...]:
+        """Capture the layer ids `requested` (None: SGLang's EAGLE-3 default for the model); returns them."""
+        rule = model_capture_rule(model, self.model_path)
+        if requested is None:
+            # Ask SGLang for its own default, so training data matches what EAGLE-3 inference captures.
+            requested = [p - 1 for p in resolve_capture(model, rule, None)]
+        ids = validate_layer_ids(requested, self.num_layers)
+        points = [k + 1 for k in ids]
+        resolved = resolve_capture(model, rule, points)
+        if resolved != points:
+            raise RuntimeError(
+                f"SGLang's {rule.source} ({rule.convention}) resolved layer ids {list(ids)} to capture points "
+                f"{resolved}, expected {points}"
+            )
+        self.rule, self.lm = rule, rule.causal_lm(model)
+        self._pre_norm: torch.Tensor | None = None
+        self.lm.model.norm.register_forward_hook(self._keep_pre_norm)
+        self.points = resolved
+        self._capturing: bool | None = None  # SGLang's capture state now: unknown until the first switch
         return ids
-    routing = getattr(topk_output, "routing_data", None)
-    if routing is None:
+
+    def _keep_pre_norm(self, norm, args, output) -> None:
+        """The pre-norm state is the final norm's input. Called as norm(x, residual) the norm returns
+        (normed, x + residual), and its fused CUDA kernel overwrites x in place, so the state is taken from
+        the output; called as norm(x) (the last layer already added its residual), x is the state."""
+        if self._keeps_pre_norm:
+            self._pre_norm = output[1] if isinstance(output, tuple) else args[0]
+
+    def switch(self, on: bool, pre_norm: bool) -> None:
+        """Capture in the next forwards, their final state the final norm's input where `pre_norm`; or run
+        SGLang's plain prefill."""
+        self._keeps_pre_norm = on and pre_norm
+        if on == self._capturing:
+            return  # re-routing walks every layer on Qwen-MoE: once per switch, not once per batch
+        route_capture(self.lm, self.rule, self.points if on else [])
+        self.lm.logits_processor = self._capture if on else self._logits_processor
+        self._capturing = on
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last capturing forward's (aux, final state)."""
+        aux, last = self._capture.take()
+        if self._keeps_pre_norm:
+            last, self._pre_norm = self._pre_norm, None
+        return aux, last
+
+
+def _final_norm(norm) -> FinalNorm | None:
+    from sglang.srt.layers.layernorm import GemmaRMSNorm, RMSNorm
+
+    if type(norm) is GemmaRMSNorm:
+        offset = 1.0
+    elif type(norm) is RMSNorm and norm.has_weight and norm.variance_size_override is None:
+        offset = 0.0
+    else:
         return None
-    # triton_kernels (GPT-OSS's default MoE runner on Hopper): no id table, but the (token, slot) pairs sorted by
-    # expert, gather_indx.src_indx numbering them token * k + slot, and expt_hist counting each expert's pairs.
-    # Reading the experts back off that order gives each pair its expert (triton_kernels' own reference,
-    # make_bitmatrix_metadata_torch, is a stable argsort of the flat id table).
-    k = routing.n_expts_act
-    pairs = topk_output.gather_indx.src_indx
-    pairs = pairs[pairs >= 0].long()
-    experts = torch.repeat_interleave(
-        torch.arange(routing.n_expts_tot, device=pairs.device), routing.expt_hist.long(), output_size=len(pairs)
+    # RMSNorm is replicated across TP ranks: any rank's weight is the whole weight.
+    return FinalNorm(norm.weight.detach().float().cpu(), float(norm.variance_epsilon), offset)
+
+
+def _forward(runner, reqs: list, capture: bool) -> None:
+    """One EXTEND forward of `reqs` on SGLang's `runner`, the final states kept for the capture (or not)."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    batch = ScheduleBatch.init_new(
+        reqs=reqs,
+        req_to_token_pool=runner.req_to_token_pool,
+        token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
+        tree_cache=_NoTreeCache(
+            page_size=runner.server_args.page_size,
+            device=runner.device,
+            token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
+        ),
+        model_config=runner.model_config,
+        enable_overlap=False,
+        spec_algorithm=SpeculativeAlgorithm.NONE,
     )
-    ids = torch.empty(len(pairs), dtype=torch.long, device=pairs.device)
-    ids[pairs] = experts
-    return ids.view(-1, k)
+    batch.prepare_for_extend()
+    batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device, non_blocking=True)
+    batch.prefill_input_ids_cpu = None
+    fb = ForwardBatch.init_new(
+        batch,
+        runner,
+        capture_hidden_mode=CaptureHiddenMode.FULL if capture else CaptureHiddenMode.NULL,
+        return_hidden_states_before_norm=False,
+    )
+    with torch.no_grad():
+        runner.forward(fb)
 
 
 def _new_req(i: int, ids: np.ndarray):

@@ -13,9 +13,8 @@ from extract_runs import ROOT
 
 from offline_extract.data.images import Images
 from offline_extract.engine import parity, reference
-from offline_extract.engine.sglang_adapter import (
-    Engine, EngineConfig, capture_rule, moe_token_counts, validate_layer_ids,
-)
+from offline_extract.engine.moe import moe_token_counts
+from offline_extract.engine.sglang_adapter import Engine, EngineConfig, capture_rule, validate_layer_ids
 
 
 @pytest.fixture(scope="module")

@@ -126,7 +126,8 @@ def test_forcing_hfs_own_choice_changes_nothing_and_another_choice_moves_that_to
 def test_experts_are_read_back_from_triton_kernels_routing():
     """GPT-OSS's default MoE runner on Hopper (triton_kernels) hands its experts no id table, only the (token,
     slot) pairs sorted by expert and each expert's count; the adapter reads the choice back from those."""
-    from offline_extract.engine.sglang_adapter import prepare_process, routed_experts
+    from offline_extract.engine.moe import routed_experts
+    from offline_extract.engine.sglang_adapter import prepare_process
 
     prepare_process("cpu")
     from sglang.srt.layers.moe.topk import TritonKernelTopKOutput

@@ -1,0 +1,122 @@
+"""What the engine reads of a MoE model's experts in SGLang 0.5.17: how many are routed, which ones its top-k
+picks for each token (for the parity gate's forced routing), and the token counts whose forwards compile
+every variant of its expert kernels (for the warm-up)."""
+from __future__ import annotations
+
+import json
+import re
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+
+
+def routed_expert_count(text_config) -> int:
+    """A decoder's routed experts under any of the names the supported configs use; 0 for a dense model."""
+    return next(
+        (getattr(text_config, key) for key in ("num_experts", "n_routed_experts", "num_local_experts")
+         if getattr(text_config, key, None)), 0,
+    )
+
+
+@contextmanager
+def recording_routing(model, experts_per_token: int, routed: int):
+    """Record the routed experts SGLang picks for every token, per MoE layer of `model`, while the block runs.
+
+    Yields {decoder layer index: [ids of each forward, [T, experts per token] int64 on the CPU, each row
+    sorted, or None where SGLang's MoE runner routes inside its kernel and exposes no choice]}, empty for a
+    model without SGLang TopK modules. The model computes exactly as without recording: the hook only
+    reads SGLang's top-k output.
+    """
+    from sglang.srt.layers.moe.topk import TopK
+
+    chosen: dict[int, list[torch.Tensor]] = {}
+    k = experts_per_token
+
+    def record(layer: int, output) -> None:
+        ids = routed_experts(output)
+        if ids is None:  # a MoE runner that routes inside its kernel (FlashInfer TRT-LLM)
+            chosen.setdefault(layer, []).append(None)
+            return
+        # A shared expert fused into the routed kernel shows up as an extra column with an id past the
+        # routed experts; sorting puts it last.
+        ids = ids.sort(dim=-1).values
+        if ids.shape[1] < k or bool((ids[:, :k] >= routed).any()):
+            raise RuntimeError(f"SGLang's top-k at layer {layer} returned ids {tuple(ids.shape)} outside "
+                               f"{routed} routed experts x {k} per token")
+        chosen.setdefault(layer, []).append(ids[:, :k].long().cpu())
+
+    handles = []
+    for name, module in model.named_modules():
+        if isinstance(module, TopK):
+            layer = int(re.search(r"layers\.(\d+)\.", name).group(1))
+            handles.append(module.register_forward_hook(lambda m, args, out, layer=layer: record(layer, out)))
+    try:
+        yield chosen
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def warm_up_token_counts(runner, device, quantized: bool, max_tokens: int) -> list[int]:
+    """The token counts of the forwards that compile a MoE model's expert kernels for every forward of
+    up to `max_tokens` (`moe_token_counts`), from the launch config SGLang's Triton MoE runner picks
+    for M tokens (`fused_moe_triton_config.try_get_optimal_moe_config`: the tuned table's nearest entry
+    for the device and the experts' shapes, else its heuristic); for another MoE runner, which picks its
+    kernels its own way (and on CPU), by octaves of M. `runner` is SGLang's ModelRunner."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe_triton_config import (
+        get_config_dtype_str, try_get_optimal_moe_config,
+    )
+    from sglang.srt.layers.moe.utils import MoeRunnerBackend
+
+    layer = next((m for m in runner.model.modules() if isinstance(m, FusedMoE)), None)
+    moe_runner = getattr(getattr(layer, "quant_method", None), "runner", None)
+    # The tuned tables are looked up by the CUDA device's name; on CPU the experts take torch's own path.
+    on_cuda = torch.device(device).type == "cuda"
+    if on_cuda and moe_runner is not None and moe_runner.runner_backend == MoeRunnerBackend.TRITON and not quantized:
+        # As fused_moe.py's _prepare_fused_moe_run asks for an unquantized layer (no padding, no blocks).
+        w1, w2, k = tuple(layer.w13_weight.shape), tuple(layer.w2_weight.shape), layer.top_k
+        dtype = get_config_dtype_str(dtype=runner.model_config.dtype)
+
+        def config_of(m: int) -> str:
+            return json.dumps(try_get_optimal_moe_config(w1, w2, k, dtype, m, return_down_config=True), sort_keys=True)
+    else:
+        config_of = int.bit_length
+    return moe_token_counts(config_of, max_tokens)
+
+def moe_token_counts(config_of: Callable[[int], object], max_tokens: int) -> list[int]:
+    """Token counts M whose forwards compile every variant of a MoE model's expert kernels that forwards of 1
+    to `max_tokens` tokens can launch. SGLang 0.5.17's Triton MoE kernels take their launch config from M
+    (`config_of(M)`), and Triton compiles a kernel anew for each specialization of its integer arguments:
+    whether each is 1, and whether it is a multiple of 16 (M x top-k, the padded sorted-token count, ...),
+    which M's largest power-of-two divisor up to 16 decides. So: for each config, the smallest M that takes
+    it with each such divisor, and M = 1."""
+    firsts: dict[tuple, int] = {}
+    for m in range(1, max_tokens + 1):
+        firsts.setdefault((config_of(m), m == 1, min(m & -m, 16)), m)
+    return sorted(set(firsts.values()))
+
+
+def routed_experts(topk_output) -> torch.Tensor | None:
+    """The experts SGLang's TopK chose, [T, experts per token] in any order within a row, from any output format
+    that states them; None for one that leaves the choice to the MoE kernel (BYPASSED)."""
+    ids = getattr(topk_output, "topk_ids", None)
+    if ids is not None:
+        return ids
+    routing = getattr(topk_output, "routing_data", None)
+    if routing is None:
+        return None
+    # triton_kernels (GPT-OSS's default MoE runner on Hopper): no id table, but the (token, slot) pairs sorted by
+    # expert, gather_indx.src_indx numbering them token * k + slot, and expt_hist counting each expert's pairs.
+    # Reading the experts back off that order gives each pair its expert (triton_kernels' own reference,
+    # make_bitmatrix_metadata_torch, is a stable argsort of the flat id table).
+    k = routing.n_expts_act
+    pairs = topk_output.gather_indx.src_indx
+    pairs = pairs[pairs >= 0].long()
+    experts = torch.repeat_interleave(
+        torch.arange(routing.n_expts_tot, device=pairs.device), routing.expt_hist.long(), output_size=len(pairs)
+    )
+    ids = torch.empty(len(pairs), dtype=torch.long, device=pairs.device)
+    ids[pairs] = experts
+    return ids.view(-1, k)
