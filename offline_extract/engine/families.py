@@ -189,6 +189,11 @@ FAMILIES = (
     Family("qwen2_5_vl", "Qwen2.5-VL (text and images)", "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl",
            _plus_one("qwen2_5_vl.py:897"),
            images=ImageModel("qwen2_5_vl.py, served by qwen_vl.py's QwenVLImageProcessor", **_QWEN_VL)),
+    # Its decoder loop records a layer's output before adding the DeepStack features that the next layer
+    # takes (qwen3_vl.py:1164 and 1174), as HF records hidden_states before adding them.
+    Family("qwen3_vl", "Qwen3-VL (text and images)", "Qwen3VLForConditionalGeneration", "qwen3_vl",
+           _plus_one("qwen3_vl.py:1542"),
+           images=ImageModel("qwen3_vl.py, served by qwen_vl.py's QwenVLImageProcessor", **_QWEN_VL)),
 )
 
 BY_NAME = {f.name: f for f in FAMILIES}

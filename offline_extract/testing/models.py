@@ -446,6 +446,9 @@ VL_CHAT_TEMPLATE = (
 # Images the tiny processors keep at their own size from 28 x 28 up to 16 merged 28 x 28 blocks: a 28 x 56
 # image is 8 patches, 2 image tokens.
 _TINY_IMAGE_SIZE = {"shortest_edge": 28 * 28, "longest_edge": 16 * 28 * 28}
+# Qwen3-VL's 16-pixel patches merge into 32-pixel blocks, to which the same images are resized: a 28 x 56
+# image becomes 32 x 64, 8 patches, 2 image tokens, as with Qwen2.5-VL.
+_TINY_IMAGE_SIZE_16 = {"shortest_edge": 32 * 32, "longest_edge": 16 * 32 * 32}
 
 
 def _qwen2_5_vl_config(vocab_size: int, tokens: dict[str, int]) -> dict:
@@ -479,11 +482,48 @@ def _qwen2_5_vl_processor(tokenizer):
                                video_processor=Qwen2VLVideoProcessor(**shape), chat_template=VL_CHAT_TEMPLATE)
 
 
+def _qwen3_vl_config(vocab_size: int, tokens: dict[str, int]) -> dict:
+    # Qwen3-VL as released: the Qwen3 decoder under text_config, its M-RoPE sections interleaved over the
+    # head's 32 frequencies, and a two-block vision tower of 16-pixel patches merged 2 x 2, whose DeepStack
+    # features of both blocks are added to the image tokens' states after decoder layers 0 and 1.
+    text = _tiny_qwen3_config(vocab_size)
+    del text["architectures"]
+    return {
+        "architectures": ["Qwen3VLForConditionalGeneration"],
+        "model_type": "qwen3_vl",
+        "tie_word_embeddings": False,
+        "text_config": {
+            **text,
+            "model_type": "qwen3_vl_text",
+            "rope_scaling": {"rope_type": "default", "mrope_section": [12, 10, 10], "mrope_interleaved": True},
+        },
+        "vision_start_token_id": tokens["<|vision_start|>"],
+        "vision_end_token_id": tokens["<|vision_end|>"],
+        "image_token_id": tokens["<|image_pad|>"],
+        "video_token_id": tokens["<|video_pad|>"],
+        "vision_config": {
+            "model_type": "qwen3_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+            "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+            "hidden_act": "gelu_pytorch_tanh", "num_position_embeddings": 64, "deepstack_visual_indexes": [0, 1],
+            "out_hidden_size": text["hidden_size"],
+        },
+    }
+
+
+def _qwen3_vl_processor(tokenizer):
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    shape = dict(size=_TINY_IMAGE_SIZE_16, patch_size=16, merge_size=2, temporal_patch_size=2)
+    return Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(**shape), tokenizer=tokenizer,
+                            video_processor=Qwen3VLVideoProcessor(**shape), chat_template=VL_CHAT_TEMPLATE)
+
+
 # Vision-language models with their towers, as (config builder taking the vocab size and the vision tokens'
 # ids, the vision tokens, the HF processor built on the tokenizer): written with the processor's files, so that
 # the model's own AutoProcessor renders and prepares image chats offline.
 VISION_LANGUAGE = {
     "qwen2_5_vl": (_qwen2_5_vl_config, QWEN_VISION_TOKENS, _qwen2_5_vl_processor),
+    "qwen3_vl": (_qwen3_vl_config, QWEN_VISION_TOKENS, _qwen3_vl_processor),
 }
 
 
@@ -552,10 +592,12 @@ def build_model(
         for f in tiny.iterdir():
             if f.name != "config.json" and not f.name.endswith(".safetensors"):
                 shutil.copy2(f, out / f.name)
-    # The tokenizer states the model's context, as a release's does, not the embedded model's.
+    # The tokenizer states the model's context, as a release's does, not the embedded model's (a nested text
+    # config's, for Qwen3-VL).
+    context = config.get("text_config", config)["max_position_embeddings"]
     tokenizer_config = out / "tokenizer_config.json"
     tokenizer_config.write_text(json.dumps(
-        {**json.loads(tokenizer_config.read_text()), "model_max_length": config["max_position_embeddings"]}, indent=2
+        {**json.loads(tokenizer_config.read_text()), "model_max_length": context}, indent=2
     ))
     return out
 

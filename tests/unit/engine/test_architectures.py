@@ -35,7 +35,7 @@ from offline_extract.testing.models import build_model
 
 # Architecture -> (its class in SGLang, the HF-loadable model with the same weights): every family SGLang runs
 # on CPU, HF loading each from its own checkpoint (Kimi-K2.5's as the DeepSeek-V3 of its text_config, as the
-# product's gate does; Qwen2.5-VL's through HF's own vision-language class, image chats included).
+# product's gate does; Qwen2.5-VL's and Qwen3-VL's through HF's own vision-language classes, image chats included).
 ENGINE_ARCHS = {name: (f.sglang_class, name) for name, f in cpu_models().items()}
 DEEPSEEK_FAMILY = {f.sglang_class for f in FAMILIES if f.capture.ids_for_points is ids_for_deepseek}
 # Starting at 0 (which deepseek_v2 must not see as a leading 1), at 1 (which it would shift) and above 1, up

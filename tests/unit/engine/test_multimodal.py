@@ -1,6 +1,7 @@
 """A sequence's images turned into SGLang's request inputs (engine/multimodal.py), on SGLang's own functions
-and Qwen2.5-VL's own pad_input_ids, without an engine; the whole path through the real engine against HF is
-in test_architectures.py (qwen2_5_vl)."""
+and each image family's own pad_input_ids, without an engine; the whole path through the real engine against
+HF is in test_architectures.py."""
+import importlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -8,25 +9,29 @@ import pytest
 import torch
 
 from offline_extract.data.images import Images
-from offline_extract.engine.multimodal import IMAGE_MODELS, image_model, image_request
+from offline_extract.engine.families import FAMILIES
+from offline_extract.engine.multimodal import image_model, image_request
 from offline_extract.engine.sglang_adapter import prepare_process
+from offline_extract.testing.models import QWEN_VISION_TOKENS, VISION_LANGUAGE
 
 START, END, IMAGE, VIDEO = 384, 385, 386, 387
-SPEC = IMAGE_MODELS["Qwen2_5_VLForConditionalGeneration"]
 
 
-@pytest.fixture(scope="module")
-def qwen2_5_vl():
-    """What image_request reads of the loaded model: its pad_input_ids (SGLang's own) and its config."""
+@pytest.fixture(scope="module", params=[f for f in FAMILIES if f.images], ids=lambda f: f.name)
+def vl(request):
+    """What image_request reads of the loaded model: its pad_input_ids (SGLang's own) and its config (the random
+    checkpoint's), with the family's ImageModel and the width of its pixel rows."""
     prepare_process("cpu")
-    from sglang.srt.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
-
-    model = SimpleNamespace(pad_input_ids=lambda ids, mm: Qwen2_5_VLForConditionalGeneration.pad_input_ids(None, ids, mm))
-    config = SimpleNamespace(
-        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
-        model_type="qwen2_5_vl", vision_config=SimpleNamespace(spatial_merge_size=2, tokens_per_second=2),
-    )
-    return model, config
+    family = request.param
+    cls = getattr(importlib.import_module(f"sglang.srt.models.{family.sglang_module}"), family.sglang_class)
+    model = SimpleNamespace(pad_input_ids=lambda ids, mm: cls.pad_input_ids(None, ids, mm))
+    make_config, vision_tokens, _ = VISION_LANGUAGE[family.name]
+    assert vision_tokens == QWEN_VISION_TOKENS
+    config = make_config(388, dict(zip(QWEN_VISION_TOKENS, (START, END, IMAGE, VIDEO))))
+    vision = SimpleNamespace(**config["vision_config"])
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    config = SimpleNamespace(**{k: v for k, v in config.items() if k != "vision_config"}, vision_config=vision)
+    return SimpleNamespace(model=model, config=config, spec=family.images, width=width)
 
 
 def _sequence(tokens_per_image):
@@ -37,17 +42,17 @@ def _sequence(tokens_per_image):
     return np.array(ids + [5], dtype=np.int64)
 
 
-def _images(ids, grids, **outputs):
+def _images(ids, grids, width, **outputs):
     grids = np.array(grids, dtype=np.int64)
     rng = np.random.default_rng(0)
-    pixels = rng.standard_normal((int(grids.prod(axis=1).sum()), 1176)).astype(np.float32)
+    pixels = rng.standard_normal((int(grids.prod(axis=1).sum()), width)).astype(np.float32)
     return Images({"pixel_values": pixels, "image_grid_thw": grids, **outputs}, ids == IMAGE, "0" * 64)
 
 
-def test_each_images_tokens_get_its_own_pad_value_and_the_positions_follow_its_grid(qwen2_5_vl):
-    model, config = qwen2_5_vl
+def test_each_images_tokens_get_its_own_pad_value_and_the_positions_follow_its_grid(vl):
+    model, config, spec, width = vl.model, vl.config, vl.spec, vl.width
     ids = _sequence([2, 4])  # grids 1x2x4 and 1x4x4 patches, merged 2x2: 2 and 4 tokens
-    padded, mm = image_request(model, config, SPEC, ids, _images(ids, [[1, 2, 4], [1, 4, 4]]))
+    padded, mm = image_request(model, config, spec, ids, _images(ids, [[1, 2, 4], [1, 4, 4]], width))
     padded = np.array(padded)
     assert len(mm.mm_items) == 2
     first, second = (item.pad_value for item in mm.mm_items)
@@ -56,7 +61,7 @@ def test_each_images_tokens_get_its_own_pad_value_and_the_positions_follow_its_g
     assert np.array_equal(padded[~image], ids[~image])
     assert padded[image].tolist() == [first] * 2 + [second] * 4
     # Each item holds its own image's pixel rows: 8 and 16 patches.
-    assert [tuple(item.feature.shape) for item in mm.mm_items] == [(8, 1176), (16, 1176)]
+    assert [tuple(item.feature.shape) for item in mm.mm_items] == [(8, width), (16, width)]
     # M-RoPE: (time, height, width) positions; an image's tokens share its start position in time and
     # spread over its merged grid's rows and columns, and the text after it continues past its largest.
     positions = mm.mrope_positions
@@ -66,31 +71,31 @@ def test_each_images_tokens_get_its_own_pad_value_and_the_positions_follow_its_g
     assert torch.equal(positions[:, :4], torch.arange(4).repeat(3, 1))
 
 
-def test_processor_outputs_it_does_not_take_are_refused_by_name(qwen2_5_vl):
-    model, config = qwen2_5_vl
+def test_processor_outputs_it_does_not_take_are_refused_by_name(vl):
+    model, config, spec, width = vl.model, vl.config, vl.spec, vl.width
     ids = _sequence([2])
-    videos = _images(ids, [[1, 2, 4]], pixel_values_videos=np.zeros((8, 1176), np.float32))
+    videos = _images(ids, [[1, 2, 4]], width, pixel_values_videos=np.zeros((8, width), np.float32))
     with pytest.raises(ValueError, match=r"not taken: \['pixel_values_videos'\] \(videos"):
-        image_request(model, config, SPEC, ids, videos)
-    no_grid = Images({"pixel_values": np.zeros((8, 1176), np.float32)}, ids == IMAGE, "0" * 64)
+        image_request(model, config, spec, ids, videos)
+    no_grid = Images({"pixel_values": np.zeros((8, width), np.float32)}, ids == IMAGE, "0" * 64)
     with pytest.raises(ValueError, match=r"missing \['image_grid_thw'\]"):
-        image_request(model, config, SPEC, ids, no_grid)
+        image_request(model, config, spec, ids, no_grid)
     # The processor's mm_token_type_ids restates the image tokens and is accepted.
-    image_request(model, config, SPEC, ids, _images(ids, [[1, 2, 4]], mm_token_type_ids=(ids == IMAGE)[None].astype(int)))
+    image_request(model, config, spec, ids, _images(ids, [[1, 2, 4]], width, mm_token_type_ids=(ids == IMAGE)[None].astype(int)))
 
 
-def test_images_that_do_not_fit_the_sequence_are_refused(qwen2_5_vl):
-    model, config = qwen2_5_vl
+def test_images_that_do_not_fit_the_sequence_are_refused(vl):
+    model, config, spec, width = vl.model, vl.config, vl.spec, vl.width
     ids = _sequence([2, 4])
-    images = _images(ids, [[1, 2, 4], [1, 4, 4]])
+    images = _images(ids, [[1, 2, 4], [1, 4, 4]], width)
     shifted = Images(images.processor_outputs, np.roll(images.token_mask, 1), images.fingerprint)
     with pytest.raises(ValueError, match="image token mask .* is not where the sequence's image token 386 is"):
-        image_request(model, config, SPEC, ids, shifted)
+        image_request(model, config, spec, ids, shifted)
     with pytest.raises(ValueError, match="1 images' grids for 2 runs of image tokens"):
-        image_request(model, config, SPEC, ids, _images(ids, [[1, 2, 4]]))
+        image_request(model, config, spec, ids, _images(ids, [[1, 2, 4]], width))
     short = dict(images.processor_outputs, pixel_values=images.processor_outputs["pixel_values"][:-1])
     with pytest.raises(ValueError, match=r"23 rows of pixel_values do not split into the 2 images' grids \(\[8, 16\]"):
-        image_request(model, config, SPEC, ids, Images(short, images.token_mask, images.fingerprint))
+        image_request(model, config, spec, ids, Images(short, images.token_mask, images.fingerprint))
 
 
 @pytest.mark.parametrize("architecture, reason", [

@@ -12,11 +12,11 @@ def test_the_preload_takes_at_most_half_the_available_memory_for_all_the_hosts_r
     assert preload_refusal(1, 1, None) == "the host's available memory is unknown"
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama4", "kimi_k25", "qwen2_5_vl"])
+@pytest.mark.parametrize("arch", ["llama", "llama4", "kimi_k25", "qwen2_5_vl", "qwen3_vl"])
 def test_hf_built_on_the_read_tensors_is_hf_built_from_the_files(arch, tiny_model_dir, tmp_path):
     """The gate's reference on weights read ahead (a plain model; Llama-4, whose config HF builds on its text
-    part; Kimi-K2.5, a wrapper whose tensors are renamed; Qwen2.5-VL, HF's vision-language class, tower and
-    all, on the release's tensor names) has the class and every weight of HF's own load."""
+    part; Kimi-K2.5, a wrapper whose tensors are renamed; Qwen2.5-VL and Qwen3-VL, HF's vision-language
+    classes, tower and all, on each release's tensor names) has the class and every weight of HF's own load."""
     import torch
 
     from offline_extract.engine.checkpoint import checkpoint_tensors
