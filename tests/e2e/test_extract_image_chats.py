@@ -1,12 +1,15 @@
-"""Image chats through bin/extract.py on the tiny random Qwen2.5-VL (testing/models.py), on CPU: the image tokens'
-positions in the shards and the datasets, a bad image rejected by name, the dry run's image count, and a resume
+"""Image chats through bin/extract.py on each image family's tiny random model (testing/models.py), on CPU: the
+image tokens' positions in the shards and the datasets, a bad image rejected by name, the dry run's image count, and a resume
 or a rerun of the finished run refused once a kept sample's image has changed."""
 import json
 import subprocess
 
+import pytest
+
 from extract_runs import ROOT, extract_command
 from image_chats import PATCH, save_image
 
+from offline_extract.engine.families import FAMILIES
 from offline_extract.store import integrity
 from offline_extract.store.shard import read_header
 from offline_extract.testing.models import build_model
@@ -17,8 +20,10 @@ def extract(out, *args):
     return subprocess.run(extract_command(out, *args), capture_output=True, text=True, cwd=ROOT, timeout=600)
 
 
-def test_image_chats_extract_with_their_image_tokens_and_a_changed_image_refuses_the_resume(tmp_path):
-    model = build_model("qwen2_5_vl", tmp_path / "model")
+# Qwen3-VL's processor resizes the same images to its 32-pixel blocks: as many image tokens.
+@pytest.mark.parametrize("family", [f.name for f in FAMILIES if f.images])
+def test_image_chats_extract_with_their_image_tokens_and_a_changed_image_refuses_the_resume(family, tmp_path):
+    model = build_model(family, tmp_path / "model")
     save_image(tmp_path / "wide.png", PATCH, 2 * PATCH)  # 2 image tokens
     save_image(tmp_path / "square.png", 2 * PATCH, 2 * PATCH, seed=1)  # 4
     corpus = tmp_path / "c.jsonl"
