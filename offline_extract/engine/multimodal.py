@@ -45,15 +45,8 @@ def init_embedding_cache() -> None:
     init_mm_embedding_cache(0)
 
 
-def image_request(model, hf_config, spec: ImageModel, ids: np.ndarray, images: Images):
-    """(input ids with each image's tokens replaced by its pad value, SGLang's MultimodalInputs) for one
-    sequence: what the scheduler sets as a Req's origin_input_ids and hands to its extend_image_inputs."""
-    from sglang.srt.layers.rotary_embedding import MRotaryEmbedding
-    from sglang.srt.managers.mm_utils import get_new_expanded_mm_items
-    from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem, MultimodalInputs, MultimodalProcessorOutput
-    from sglang.srt.multimodal.processors.base_processor import BaseMultimodalProcessor
-
-    outputs = dict(images.processor_outputs)
+def _check_processor_outputs(outputs: dict, spec: ImageModel) -> None:
+    """Raises ValueError unless the HF processor gave exactly the image inputs `spec`'s model file takes."""
     unknown = outputs.keys() - {spec.feature, *spec.beside, *spec.restating}
     missing = {spec.feature, *spec.beside} - outputs.keys()
     if unknown or missing:
@@ -64,6 +57,18 @@ def image_request(model, hf_config, spec: ImageModel, ids: np.ndarray, images: I
                 f"not taken: {sorted(unknown)} (videos and other inputs are not supported)" if unknown else "",
             ) if part)
         )
+
+
+def image_request(model, hf_config, spec: ImageModel, ids: np.ndarray, images: Images):
+    """(input ids with each image's tokens replaced by its pad value, SGLang's MultimodalInputs) for one
+    sequence: what the scheduler sets as a Req's origin_input_ids and hands to its extend_image_inputs."""
+    from sglang.srt.layers.rotary_embedding import MRotaryEmbedding
+    from sglang.srt.managers.mm_utils import get_new_expanded_mm_items
+    from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem, MultimodalInputs, MultimodalProcessorOutput
+    from sglang.srt.multimodal.processors.base_processor import BaseMultimodalProcessor
+
+    outputs = dict(images.processor_outputs)
+    _check_processor_outputs(outputs, spec)
     ids_t = torch.from_numpy(np.asarray(ids, dtype=np.int64))
     image_token = hf_config.image_token_id
     placed = (ids_t == image_token).numpy()

@@ -31,6 +31,29 @@ def wrapped_text_config(raw: dict):
 WRAPPED_DECODER_PREFIX = "language_model."
 
 
+def _hf_model_class(model_path: str, raw: dict):
+    """(HF class, its config, the checkpoint's key mapping or None) of the reference for the checkpoint whose
+    config.json is `raw`."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    try:
+        config, key_mapping = AutoConfig.from_pretrained(model_path), None
+    except ValueError:  # a model type transformers does not know
+        config = None
+    if config is not None and type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        # A vision-language model with no causal-LM class (Qwen2.5-VL): its own class, tower and all, which
+        # takes the images too.
+        return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)], config, key_mapping
+    # Where SGLang has registered its own config class for the wrapper, transformers parses it but has no
+    # model for it.
+    if config is None or type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        if "text_config" not in raw:
+            raise ValueError(f"HF transformers has no causal LM for {model_path} (model type {raw.get('model_type')})")
+        config, key_mapping = wrapped_text_config(raw), {f"^{re.escape(WRAPPED_DECODER_PREFIX)}": ""}
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], config, key_mapping
+
+
 def load_hf_model(
     model_path: str, dtype: str, device: str, tensors: dict[str, torch.Tensor] | None = None,
     mark: Callable[[str], object] = lambda point: None,
@@ -43,26 +66,8 @@ def load_hf_model(
     loads (renaming and fusing them as from the files) instead of reading the files. `mark` is told each
     point reached: "hf configured" (transformers' model class and the config), "hf on host" (the weights
     read and converted to `dtype`), "hf on device"."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
-
     raw = json.loads((Path(model_path) / "config.json").read_text())
-    try:
-        config, key_mapping = AutoConfig.from_pretrained(model_path), None
-    except ValueError:  # a model type transformers does not know
-        config = None
-    if config is not None and type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
-        # A vision-language model with no causal-LM class (Qwen2.5-VL): its own class, tower and all, which
-        # takes the images too.
-        model_class = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
-    else:
-        # Where SGLang has registered its own config class for the wrapper, transformers parses it but has no
-        # model for it.
-        if config is None or type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-            if "text_config" not in raw:
-                raise ValueError(f"HF transformers has no causal LM for {model_path} (model type {raw.get('model_type')})")
-            config, key_mapping = wrapped_text_config(raw), {f"^{re.escape(WRAPPED_DECODER_PREFIX)}": ""}
-        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    model_class, config, key_mapping = _hf_model_class(model_path, raw)
     # A multimodal config whose causal LM is its text model's (Llama-4) is built on its text config, as
     # AutoModelForCausalLM builds it.
     config = config if model_class.config_class is type(config) else config.get_text_config()

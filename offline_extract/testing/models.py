@@ -558,18 +558,7 @@ def build_model(
                          f"{', '.join([*ARCHITECTURES, *_WRAPPED, *VISION_LANGUAGE])}")
     tiny = Path(tokenizer_dir) if tokenizer_dir else ensure_tiny_model()
     tiny_config = json.loads((tiny / "config.json").read_text())
-    processor = None
-    if arch in VISION_LANGUAGE:
-        from transformers import AutoTokenizer
-
-        vl_config, vision_tokens, make_processor = VISION_LANGUAGE[arch]
-        tokenizer = AutoTokenizer.from_pretrained(tiny)
-        tokenizer.add_tokens(list(vision_tokens), special_tokens=True)
-        tokenizer.chat_template = VL_CHAT_TEMPLATE
-        processor = make_processor(tokenizer)
-        config = vl_config(len(tokenizer), {t: tokenizer.convert_tokens_to_ids(t) for t in vision_tokens})
-    else:
-        config = ARCHITECTURES[base](tiny_config["vocab_size"])
+    config, processor = _config_and_processor(arch, base, tiny, tiny_config["vocab_size"])
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         config[key] = tiny_config[key]
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -586,20 +575,40 @@ def build_model(
         (out / "config.json").write_text(json.dumps(config, indent=2))
     if wrap is not None:
         wrap(out)
+    # The tokenizer states the model's context, as a release's does, not the embedded model's (a nested text
+    # config's, for Qwen3-VL).
+    _write_tokenizer(out, tiny, processor, config.get("text_config", config)["max_position_embeddings"])
+    return out
+
+
+def _config_and_processor(arch: str, base: str, tiny: Path, vocab_size: int):
+    """(config.json's fields, the HF processor or None) of `arch`; a vision-language model's tokenizer is
+    the tiny one with its vision tokens added."""
+    if arch not in VISION_LANGUAGE:
+        return ARCHITECTURES[base](vocab_size), None
+    from transformers import AutoTokenizer
+
+    vl_config, vision_tokens, make_processor = VISION_LANGUAGE[arch]
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    tokenizer.add_tokens(list(vision_tokens), special_tokens=True)
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    processor = make_processor(tokenizer)
+    return vl_config(len(tokenizer), {t: tokenizer.convert_tokens_to_ids(t) for t in vision_tokens}), processor
+
+
+def _write_tokenizer(out: Path, tiny: Path, processor, context: int) -> None:
+    """The tokenizer's files (the processor's, where there is one) beside the model in `out`, stating the
+    model's `context`."""
     if processor is not None:
         processor.save_pretrained(out)
     else:
         for f in tiny.iterdir():
             if f.name != "config.json" and not f.name.endswith(".safetensors"):
                 shutil.copy2(f, out / f.name)
-    # The tokenizer states the model's context, as a release's does, not the embedded model's (a nested text
-    # config's, for Qwen3-VL).
-    context = config.get("text_config", config)["max_position_embeddings"]
     tokenizer_config = out / "tokenizer_config.json"
     tokenizer_config.write_text(json.dumps(
         {**json.loads(tokenizer_config.read_text()), "model_max_length": context}, indent=2
     ))
-    return out
 
 
 # The FP8 releases (DeepSeek-V3/R1, Kimi-K2, Qwen3-*-FP8): e4m3 weights with one float32 scale per
