@@ -172,7 +172,6 @@ class SampleTokenizer:
         if not getattr(tokenizer, "is_fast", False):
             raise TypeError("SampleTokenizer needs a fast (Rust) tokenizer: the loss mask uses its character offsets")
         self.tokenizer = tokenizer
-        self.max_length = max_length
         self._fit = _Fit(max_length, overlong, trim_after_last_loss, min_loss_run)
         self.model = model  # its name, for a refusal
         # A vision-language model's HF processor (AutoProcessor), which prepares its image records; None for a
@@ -187,6 +186,10 @@ class SampleTokenizer:
         self.vocab_size = len(tokenizer)
         self.chars_per_token = max(map(len, tokenizer.get_vocab()), default=1)
         self._fingerprint: dict | None = None
+
+    @property
+    def max_length(self) -> int:
+        return self._fit.max_length
 
     @property
     def chat_template(self) -> str | dict | None:
