@@ -10,6 +10,9 @@
 #   gate_margin        benchmarks/gate_margin.py on fa3: the correct states' ratio to the rule and the nearest
 #                      wrong state's, per layer (OUTDIR/gate_margin_h200_fa3.json)
 #   qwen2_5_vl         tests/gpu/test_gpu_architectures.py's Qwen2.5-VL rows: image chats against HF on the GPU
+# PART=bytes runs only these, after smol_model (about 150 s):
+#   bytes_S_C          bin/extract.py with --store S --compress C, each of bf16 and fp8 with none and zstd, on the
+#                      same records; each manifest (its shards' bytes and tokens) goes to OUTDIR/runs
 # Every step's command, exit status and seconds go to OUTDIR/steps.jsonl, its output to OUTDIR/<step>.log.
 source "$(dirname "$0")/steps.sh"
 begin "${1:?OUTDIR}" "${2:-540}"
@@ -18,6 +21,16 @@ mkdir -p "$work" "$results/runs"
 step smol_model 120 "python -m offline_extract.testing.real_model --print-path --corpus $work/english.jsonl \
   --records 200 > $work/smol_path"
 smol=$(cat "$work/smol_path")
+if [[ ${PART:-all} == bytes ]]; then
+  for store in bf16 fp8; do
+    for compress in none zstd; do
+      step "bytes_${store}_$compress" 90 "python bin/extract.py --model $smol --data $work/english.jsonl \
+        --store $store --compress $compress --out $work/bytes_${store}_$compress --no-progress \
+        && cp $work/bytes_${store}_$compress/manifest.json $results/runs/bytes_${store}_$compress.json"
+    done
+  done
+  exit 0
+fi
 verify() {  # verify BACKEND LIMIT_SECONDS
   step "verify_$1" "$2" "python bin/extract.py --model $smol --data $work/english.jsonl --out $work/verify_$1 \
     --verify 32 --attention-backend $1 --no-progress && cp $work/verify_$1/manifest.json $results/runs/verify_$1.json"
