@@ -233,9 +233,9 @@ def dry_run(opts: ExtractOptions) -> planning.Plan:
     shards = [path.name for path in shard_paths(out)] if out.is_dir() else []
     done = None
     if shards:
-        resume.check_before_loading(out, known, checked.corpus_paths, opts.force)
+        identity = resume.check_before_loading(out, known, checked.corpus_paths, opts.force)
         done = resume.done_mask(out, shards)  # what the run resuming there keeps (a damaged shard refuses it)
-        resume.check_images(out, shards, opts.data, opts.force)
+        resume.check_images(out, shards, identity, opts.data, opts.force)
     model = checked.model
     tokenizer = _sample_tokenizer(opts, model.path)
     with _progress(opts, "dry run", lambda: _count_records(checked.sources)) as bar:

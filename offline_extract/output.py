@@ -58,7 +58,7 @@ class OutputDirectory:
         the corpus `data` (the --data entries) names now, then the shards' checksums, and rebuilds a lost index."""
         if not self.layout.leads:
             return None
-        for line in resume.check_images(self.out, list(finished["shards"]), data, force):
+        for line in resume.check_images(self.out, list(finished["shards"]), finished["identity"], data, force):
             note(line)
         for line in resume.settle_finished(self.out, finished):
             note(line)
@@ -78,7 +78,7 @@ class OutputDirectory:
             self.identity = identity = manifest.run_identity(meta, corpus_paths)
             notes = resume.check_identity(out, identity, force)
             resume.done_mask(out, existing.shards)  # a damaged shard refuses the run before anything is written
-            notes += resume.check_images(out, existing.shards, data, force)
+            notes += resume.check_images(out, existing.shards, identity, data, force)
             return notes + resume.claim(out, identity)
 
         notes = self.coord.from_leader(claim)

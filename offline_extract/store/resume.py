@@ -181,12 +181,15 @@ def _taken_as_recorded(known: RunInfo, recorded: dict) -> dict:
     return facts
 
 
-def check_before_loading(out: Path, known: RunInfo, data: Sequence[str], force: bool) -> None:
+def check_before_loading(out: Path, known: RunInfo, data: Sequence[str], force: bool) -> dict:
     """`check_identity` as far as a run's facts are known before its model loads (`known`; the rest taken as
-    recorded), for --dry-run into a directory holding shards: raises as the real run will once its model is loaded."""
+    recorded), for --dry-run into a directory holding shards: raises as the real run will once its model is loaded.
+    Returns the identity checked."""
     current = manifest.load(out) or {}
     recorded = current.get("identity") or read_header(shard_paths(out)[0]).run.identity()
-    check_identity(out, manifest.identity_of(_taken_as_recorded(known, recorded), data), force)
+    identity = manifest.identity_of(_taken_as_recorded(known, recorded), data)
+    check_identity(out, identity, force)
+    return identity
 
 
 def tokenizer_decides(out: Path, known: RunInfo, current: dict | None = None) -> bool:
@@ -306,12 +309,15 @@ def done_mask(out: Path, shards: Sequence[str]) -> np.ndarray:
 CHANGED_IMAGES_SHOWN = 5
 
 
-def check_images(out: Path, shards: Sequence[str], data: Sequence[str], force: bool) -> list[str]:
+def check_images(out: Path, shards: Sequence[str], identity: dict, data: Sequence[str], force: bool) -> list[str]:
     """The leader's side, beside `check_identity`: the kept samples with images were extracted from the images
     their records name now. Each recorded its images' fingerprint (SampleInfo.images_sha256); their bytes are
     read again (not decoded) and a change refuses the run, which --force lets through (the kept samples keep the
-    states of the images they had). Nothing is read where no kept sample has images. Returns notes on what was
-    let through."""
+    states of the images they had). `identity` is the run's, as `check_identity` let it through: a text-only
+    model's (no image processor) took no image, so not even the shards' headers are read, and nothing is read
+    where no kept sample has images. Returns notes on what was let through."""
+    if identity.get("image_processor_sha256") is None:
+        return []
     recorded = {info.index: info.images_sha256 for name in shards for info in read_header(out / name).samples
                 if info.images_sha256 is not None}
     if not recorded:

@@ -375,16 +375,17 @@ def test_a_resume_refuses_kept_samples_whose_images_changed_and_force_lets_them_
     records = list(read_corpus([corpus]))
     infos = [SampleInfo(r.index, r.id, r.source, r.line, 2, False, images.fingerprint(r.images) if r.images else None)
              for r in records]
-    writer = ShardWriter(out, RUN)
-    h, k = RUN.hidden_size, RUN.num_aux_layers
+    vision = replace(RUN, image_processor_sha256="p")
+    writer = ShardWriter(out, vision)
+    h, k = vision.hidden_size, vision.num_aux_layers
     writer.add_batch(infos, np.arange(6), np.zeros(6), torch.randn(6, k * h), torch.randn(6, h), lengths=[2, 2, 2])
     shards = [p.name for p in writer.close()]
-    assert resume.check_images(out, shards, [corpus], force=False) == []
+    assert resume.check_images(out, shards, vision.identity(), [corpus], force=False) == []
 
     save_image(corpus_dir / "b.png", 8, 8, seed=99)  # one image changed, another gone
     (corpus_dir / "a.png").unlink()
     with pytest.raises(resume.TakeoverError) as refused:
-        resume.check_images(out, shards, [corpus], force=False)
+        resume.check_images(out, shards, vision.identity(), [corpus], force=False)
     assert str(refused.value).splitlines() == [
         f"{out} holds samples extracted from other images than their records name now, so this run cannot resume "
         f"there (2 kept samples):",
@@ -393,7 +394,23 @@ def test_a_resume_refuses_kept_samples_whose_images_changed_and_force_lets_them_
         "Put the images back as they were, choose another --out, or pass --force to resume anyway (the kept samples "
         "keep the states of the images they were extracted from)",
     ]
-    assert resume.check_images(out, shards, [corpus], force=True) == [
+    assert resume.check_images(out, shards, vision.identity(), [corpus], force=True) == [
         "--force: resuming despite 2 kept samples whose images changed"]
     # Kept text samples alone read no image, and no corpus either.
-    assert resume.check_images(out, [], [tmp_path / "no-such-corpus.jsonl"], force=False) == []
+    assert resume.check_images(out, [], vision.identity(), [tmp_path / "no-such-corpus.jsonl"], force=False) == []
+
+
+def test_a_rerun_of_a_finished_text_only_run_reads_no_shard_header_for_images(tmp_path, monkeypatch):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "a"}\n{"text": "b"}\n')
+    write_shards(tmp_path, [[(0, 2)], [(1, 3)]])
+    counts = {"records": 2, "extracted": 2, "skipped": 0, "rejected": 0, "dropped": 0}
+    finished, _ = manifest.consolidate(tmp_path, identity=manifest.run_identity(RUN, [corpus]), status="complete",
+                                       result=counts)
+    assert finished["identity"]["image_processor_sha256"] is None
+    read = []
+    monkeypatch.setattr(resume, "read_header", lambda path: read.append(path))
+    layout = Layout(rank=0, world_size=1)
+    summary = OutputDirectory(tmp_path, layout, Coordinator(layout, "test")).already_complete(finished, [corpus],
+                                                                                                force=False)
+    assert summary.resumed == 2 and read == []
