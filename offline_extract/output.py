@@ -58,7 +58,8 @@ class OutputDirectory:
         the corpus `data` (the --data entries) names now, then the shards' checksums, and rebuilds a lost index."""
         if not self.layout.leads:
             return None
-        for line in resume.check_images(self.out, list(finished["shards"]), finished["identity"], data, force):
+        for line in resume.check_images(self.out, list(finished["shards"]), finished["identity"], data, force,
+                                        finished=True):
             note(line)
         for line in resume.settle_finished(self.out, finished):
             note(line)

@@ -309,13 +309,15 @@ def done_mask(out: Path, shards: Sequence[str]) -> np.ndarray:
 CHANGED_IMAGES_SHOWN = 5
 
 
-def check_images(out: Path, shards: Sequence[str], identity: dict, data: Sequence[str], force: bool) -> list[str]:
+def check_images(out: Path, shards: Sequence[str], identity: dict, data: Sequence[str], force: bool,
+                 finished: bool = False) -> list[str]:
     """The leader's side, beside `check_identity`: the kept samples with images were extracted from the images
     their records name now. Each recorded its images' fingerprint (SampleInfo.images_sha256); their bytes are
     read again (not decoded) and a change refuses the run, which --force lets through (the kept samples keep the
     states of the images they had). `identity` is the run's, as `check_identity` let it through: a text-only
     model's (no image processor) took no image, so not even the shards' headers are read, and nothing is read
-    where no kept sample has images. Returns notes on what was let through."""
+    where no kept sample has images. `finished`: the shards are a finished run's, which --force keeps as it is
+    (nothing is extracted again). Returns notes on what was let through."""
     if identity.get("image_processor_sha256") is None:
         return []
     recorded = {info.index: info.images_sha256 for name in shards for info in read_header(out / name).samples
@@ -347,6 +349,9 @@ def check_images(out: Path, shards: Sequence[str], identity: dict, data: Sequenc
             f"resume there ({plural(len(changed), 'kept sample')}):\n  " + "\n  ".join(listed)
             + "\nPut the images back as they were, choose another --out, or pass --force to resume anyway (the kept "
             "samples keep the states of the images they were extracted from)")
+    if finished:
+        return [f"--force: the finished run is kept as it is despite {plural(len(changed), 'sample')} whose images "
+                "changed"]
     return [f"--force: resuming despite {plural(len(changed), 'kept sample')} whose images changed"]
 
 

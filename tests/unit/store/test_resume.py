@@ -396,6 +396,9 @@ def test_a_resume_refuses_kept_samples_whose_images_changed_and_force_lets_them_
     ]
     assert resume.check_images(out, shards, vision.identity(), [corpus], force=True) == [
         "--force: resuming despite 2 kept samples whose images changed"]
+    # A rerun of a finished run resumes nothing: --force keeps it as it is, states of the old images and all.
+    assert resume.check_images(out, shards, vision.identity(), [corpus], force=True, finished=True) == [
+        "--force: the finished run is kept as it is despite 2 samples whose images changed"]
     # Kept text samples alone read no image, and no corpus either.
     assert resume.check_images(out, [], vision.identity(), [tmp_path / "no-such-corpus.jsonl"], force=False) == []
 
