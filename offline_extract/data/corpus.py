@@ -71,6 +71,10 @@ class Record:
     loss_mask: tuple[int, ...] | None = None
     images: tuple[ImageRef, ...] = ()
 
+    def reject(self, reason: str, kind: str = "rejected") -> Reject:
+        """The Reject of this record, for `reason`."""
+        return Reject(self.source, self.line, self.index, self.id, reason, kind)
+
 
 @dataclass(frozen=True)
 class Reject:

@@ -92,42 +92,31 @@ class _Fit:
         source_len = len(ids)
         more = "more than " if cut else ""
         if source_len == 0:
-            return Reject(record.source, record.line, record.index, record.id, "tokenizes to zero tokens")
+            return record.reject("tokenizes to zero tokens")
         truncated = source_len > self.max_length
         if truncated:
             if self.overlong == "skip":
-                return Reject(
-                    record.source,
-                    record.line,
-                    record.index,
-                    record.id,
-                    f"{more}{source_len} tokens > --max-length {self.max_length}",
-                    kind="skipped",
-                )
+                return record.reject(f"{more}{source_len} tokens > --max-length {self.max_length}", "skipped")
             # Cut before tokenizing, a text (every token) or a chat (its assistant turns) had loss tokens past the cut.
             had_loss = cut or mask.any()
             ids, mask = ids[: self.max_length], mask[: self.max_length]
             if (cuts := _cuts_images(record, images, len(ids), f"--max-length {self.max_length}")):
                 return cuts
             if had_loss and not mask.any():
-                return Reject(record.source, record.line, record.index, record.id,
-                              f"{more}{source_len} tokens truncated to --max-length {self.max_length} leave no loss "
-                              "tokens",
-                              kind="skipped")
+                return record.reject(f"{more}{source_len} tokens truncated to --max-length {self.max_length} leave "
+                                     "no loss tokens", "skipped")
         if self.trim_after_last_loss:
             # Tokens after the last loss token carry no training signal; states for them are wasted bytes.
             keep = int(np.flatnonzero(mask)[-1]) + 1 if mask.any() else 0
             if keep == 0:
-                return Reject(record.source, record.line, record.index, record.id,
-                              "no loss tokens left to keep (--trim-after-last-loss-token)", kind="skipped")
+                return record.reject("no loss tokens left to keep (--trim-after-last-loss-token)", "skipped")
             ids, mask = ids[:keep], mask[:keep]
             if (cuts := _cuts_images(record, images, keep, "--trim-after-last-loss-token")):
                 return cuts
         run = longest_loss_run(mask)
         if run < self.min_loss_run:
-            return Reject(record.source, record.line, record.index, record.id,
-                          f"its longest run of consecutive loss tokens is {run}, fewer than --min-loss-run "
-                          f"{self.min_loss_run}", kind="skipped")
+            return record.reject(f"its longest run of consecutive loss tokens is {run}, fewer than --min-loss-run "
+                                 f"{self.min_loss_run}", "skipped")
         if images is not None and len(images.token_mask) > len(ids):
             images = replace(images, token_mask=images.token_mask[: len(ids)])
         return Sample(record.index, record.id, record.source, record.line, ids, mask, source_len, truncated, images)
@@ -226,7 +215,7 @@ class SampleTokenizer:
             try:
                 if record.images:
                     if self.processor is None:
-                        self._refuse_images(record)
+                        _refuse_images(record, self.model)
                     done[i] = self._image_chat(record)
                 elif record.format in ("sharegpt", "openai"):
                     kept = _cut_contents(record.messages, self._cut_chars)
@@ -234,11 +223,11 @@ class SampleTokenizer:
                 elif record.format == "text":
                     texts.append((i, record.text))
                 elif record.format == "tokens":
-                    done[i] = (*self._tokens(record), False)
+                    done[i] = (*_given_tokens(record, self.vocab_size), False)
                 else:
                     raise ValueError(f"unknown record format {record.format!r}")
             except _Unusable as e:
-                done[i] = Reject(record.source, record.line, record.index, record.id, str(e))
+                done[i] = record.reject(str(e))
         for (i, _), (enc, cut) in zip(texts, self._encode_many([t for _, t in texts], add_special_tokens=True)):
             ids = np.asarray(enc["input_ids"], dtype=np.int32)
             done[i] = (ids, np.ones(len(ids), dtype=np.uint8), cut)
@@ -253,8 +242,7 @@ class SampleTokenizer:
                 try:
                     done[i] = self._chat_tokens(messages)
                 except _Unusable as e:
-                    r = records[i]
-                    done[i] = Reject(r.source, r.line, r.index, r.id, str(e))
+                    done[i] = records[i].reject(str(e))
         return [d if isinstance(d, Reject) else self._fit.sample(r, *d) for r, d in zip(records, done)]
 
     def _image_chat(self, record: Record) -> tuple[np.ndarray, np.ndarray, bool, Images]:
@@ -288,14 +276,6 @@ class SampleTokenizer:
                   if key not in ("input_ids", "attention_mask") and np.shape(value) != (1, len(ids))}
         return ids, mask, False, Images(inputs, token_mask, fingerprint)
 
-    def _refuse_images(self, record: Record) -> None:
-        """A record with images, for a model that reads none: every such record would fail alike, so the run stops
-        (as for chat records without a chat template), naming the record and the model."""
-        where = f"{record.source}:{record.line} (id {record.id!r})"
-        raise ValueError(f"{where} holds {plural(len(record.images), 'image')}, but {self.model} is a text-only model (its "
-                         f"config.json has no vision_config): nothing of it reads images. Give a vision-language "
-                         f"model, or a corpus without images")
-
     def _encode_many(self, texts: list[str], **options) -> list[tuple[dict, bool]]:
         """`_encode` of each text, the first try of all of them in one call of the tokenizer."""
         if not texts:
@@ -310,15 +290,6 @@ class SampleTokenizer:
             else:
                 out.append((one, len(cut) < len(text)))
         return out
-
-    def _tokens(self, record: Record) -> tuple[np.ndarray, np.ndarray]:
-        if record.input_ids and max(record.input_ids) >= self.vocab_size:
-            i, v = next((i, v) for i, v in enumerate(record.input_ids) if v >= self.vocab_size)
-            raise _Unusable(f"input_ids[{i}] = {v} >= vocab size {self.vocab_size}")
-        ids = np.asarray(record.input_ids, dtype=np.int32)
-        if record.loss_mask is None:
-            return ids, np.ones(len(ids), dtype=np.uint8)
-        return ids, np.asarray(record.loss_mask, dtype=np.uint8)
 
     def _render(self, conversations: list[list[dict]], add_generation_prompt: bool) -> list[str]:
         # Always the batched form: transformers cannot render an empty conversation on its own, and
@@ -385,6 +356,26 @@ class SampleTokenizer:
         return dict(self._fingerprint)
 
 
+def _refuse_images(record: Record, model: str) -> None:
+    """A record with images, for a model that reads none: every such record would fail alike, so the run stops
+    (as for chat records without a chat template), naming the record and the model."""
+    where = f"{record.source}:{record.line} (id {record.id!r})"
+    raise ValueError(f"{where} holds {plural(len(record.images), 'image')}, but {model} is a text-only model (its "
+                     f"config.json has no vision_config): nothing of it reads images. Give a vision-language "
+                     f"model, or a corpus without images")
+
+
+def _given_tokens(record: Record, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """A tokens record's input_ids and loss mask (all ones where it gives none)."""
+    if record.input_ids and max(record.input_ids) >= vocab_size:
+        i, v = next((i, v) for i, v in enumerate(record.input_ids) if v >= vocab_size)
+        raise _Unusable(f"input_ids[{i}] = {v} >= vocab size {vocab_size}")
+    ids = np.asarray(record.input_ids, dtype=np.int32)
+    if record.loss_mask is None:
+        return ids, np.ones(len(ids), dtype=np.uint8)
+    return ids, np.asarray(record.loss_mask, dtype=np.uint8)
+
+
 def _hf_content(content: str | tuple[str | int, ...]) -> str | list[dict]:
     if isinstance(content, str):
         return content
@@ -396,9 +387,8 @@ def _cuts_images(record: Record, images: Images | None, kept: int, why: str) -> 
     if images is None or not images.token_mask[kept:].any():
         return None
     last = int(np.flatnonzero(images.token_mask)[-1]) + 1
-    return Reject(record.source, record.line, record.index, record.id,
-                  f"keeping its first {kept} tokens ({why}) would cut its images, whose tokens run to token {last}: an "
-                  f"image is extracted whole or not at all", kind="skipped")
+    return record.reject(f"keeping its first {kept} tokens ({why}) would cut its images, whose tokens run to token "
+                         f"{last}: an image is extracted whole or not at all", "skipped")
 
 
 def _cut_contents(messages: tuple[tuple[str, str], ...], limit: int) -> tuple[tuple[str, str], ...]:
