@@ -59,10 +59,27 @@ def _check_processor_outputs(outputs: dict, spec: ImageModel) -> None:
         )
 
 
+def _mrope_positions(hf_config, ids_t: torch.Tensor, grid: torch.Tensor):
+    """(M-RoPE positions, their delta) of one sequence, from its tokens and its images' grids `grid` (SGLang's
+    MRotaryEmbedding.get_rope_index)."""
+    from sglang.srt.layers.rotary_embedding import MRotaryEmbedding
+
+    return MRotaryEmbedding.get_rope_index(
+        spatial_merge_size=hf_config.vision_config.spatial_merge_size,
+        image_token_id=hf_config.image_token_id,
+        video_token_id=hf_config.video_token_id,
+        vision_start_token_id=hf_config.vision_start_token_id,
+        model_type=hf_config.model_type,
+        tokens_per_second=getattr(hf_config.vision_config, "tokens_per_second", None),
+        input_ids=ids_t.unsqueeze(0),
+        image_grid_thw=grid,
+        video_grid_thw=None,
+    )
+
+
 def image_request(model, hf_config, spec: ImageModel, ids: np.ndarray, images: Images):
     """(input ids with each image's tokens replaced by its pad value, SGLang's MultimodalInputs) for one
     sequence: what the scheduler sets as a Req's origin_input_ids and hands to its extend_image_inputs."""
-    from sglang.srt.layers.rotary_embedding import MRotaryEmbedding
     from sglang.srt.managers.mm_utils import get_new_expanded_mm_items
     from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem, MultimodalInputs, MultimodalProcessorOutput
     from sglang.srt.multimodal.processors.base_processor import BaseMultimodalProcessor
@@ -93,17 +110,7 @@ def image_request(model, hf_config, spec: ImageModel, ids: np.ndarray, images: I
             f"{len(outputs[spec.feature])} rows of {spec.feature} do not split into the {len(grid)} images' grids "
             f"({grid.prod(dim=-1).tolist()} patches)"
         )
-    positions, delta = MRotaryEmbedding.get_rope_index(
-        spatial_merge_size=hf_config.vision_config.spatial_merge_size,
-        image_token_id=image_token,
-        video_token_id=hf_config.video_token_id,
-        vision_start_token_id=hf_config.vision_start_token_id,
-        model_type=hf_config.model_type,
-        tokens_per_second=getattr(hf_config.vision_config, "tokens_per_second", None),
-        input_ids=ids_t.unsqueeze(0),
-        image_grid_thw=grid,
-        video_grid_thw=None,
-    )
+    positions, delta = _mrope_positions(hf_config, ids_t, grid)
     mm = MultimodalInputs.from_processor_output(MultimodalProcessorOutput(
         mm_items=items,
         input_ids=ids_t.tolist(),
