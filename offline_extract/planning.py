@@ -108,12 +108,33 @@ def plan(
     is told of each record read, with its sample's tokens (0 for one left out). `done[i]` marks record i as
     kept in one of the `kept_shards` complete shards already in `out` (`resume.done_mask`): as the run
     resuming there does, it is counted and not sized again."""
-    records = samples = skipped = rejected = tokens = loss_tokens = kept = image_tokens = image_samples = 0
+    counts, first_rejects = _count(data, tokenizer, strict, advance, done)
+    tokens = counts["tokens"]
+    # The hidden states first (the encoding lists them first): they are nearly all of it.
+    per_token = encoding.bytes_per_token(num_aux_layers, hidden_size)
+    sizes = {name + (" (before zstd)" if name in encoding.compressed else ""): tokens * n for name, n in per_token.items()}
+    compressible = tokens * sum(n for name, n in per_token.items() if name in encoding.compressed)
+    per_sample = [t for t in encoding.tensors if t.rows in ("n", "n+1")]
+    sample_bytes = sum(t.dtype.itemsize for t in per_sample) + _SAMPLE_METADATA_BYTES
+    sizes[", ".join(t.name for t in per_sample) + ", metadata"] = counts["samples"] * sample_bytes
+    existing = Path(out)
+    while not existing.exists():
+        existing = existing.parent
+    return Plan(**counts, bytes_by_tensor=sizes, free_bytes=shutil.disk_usage(existing).free,
+                writable=os.access(existing, os.W_OK), first_rejects=tuple(first_rejects), compressible_bytes=compressible,
+                kept_shards=kept_shards if counts["kept"] else 0)
+
+
+def _count(data, tokenizer: SampleTokenizer, strict: bool, advance: Callable[[int], None] | None,
+           done: np.ndarray | None) -> tuple[dict[str, int], list[Reject]]:
+    """`plan`'s counts of the corpus (by the names of Plan's fields) and its first rejects, as `plan` says."""
+    n = dict.fromkeys(("records", "samples", "skipped", "rejected", "tokens", "loss_tokens", "kept", "image_tokens",
+                       "image_samples"), 0)
     first_rejects = []
     for item in read_corpus(data):
-        records += 1
+        n["records"] += 1
         if done is not None and item.index < len(done) and done[item.index]:
-            kept += 1
+            n["kept"] += 1
             if advance is not None:
                 advance(0)
             continue
@@ -122,33 +143,21 @@ def plan(
         if advance is not None:
             advance(item.num_tokens if isinstance(item, Sample) else 0)
         if isinstance(item, Sample):
-            samples += 1
-            tokens += item.num_tokens
-            loss_tokens += int(item.loss_mask.sum())
+            n["samples"] += 1
+            n["tokens"] += item.num_tokens
+            n["loss_tokens"] += int(item.loss_mask.sum())
             if item.images is not None:
-                image_samples += 1
-                image_tokens += int(item.images.token_mask.sum())
+                n["image_samples"] += 1
+                n["image_tokens"] += int(item.images.token_mask.sum())
         elif item.kind == "skipped":
-            skipped += 1
+            n["skipped"] += 1
         elif strict:
             raise BadRecordError(item)
         else:
-            rejected += 1
+            n["rejected"] += 1
             if len(first_rejects) < REJECTS_SHOWN:
                 first_rejects.append(item)
-    # The hidden states first (the encoding lists them first): they are nearly all of it.
-    per_token = encoding.bytes_per_token(num_aux_layers, hidden_size)
-    sizes = {name + (" (before zstd)" if name in encoding.compressed else ""): tokens * n for name, n in per_token.items()}
-    compressible = tokens * sum(n for name, n in per_token.items() if name in encoding.compressed)
-    per_sample = [t for t in encoding.tensors if t.rows in ("n", "n+1")]
-    sample_bytes = sum(t.dtype.itemsize for t in per_sample) + _SAMPLE_METADATA_BYTES
-    sizes[", ".join(t.name for t in per_sample) + ", metadata"] = samples * sample_bytes
-    existing = Path(out)
-    while not existing.exists():
-        existing = existing.parent
-    return Plan(records, samples, skipped, rejected, tokens, loss_tokens, sizes, shutil.disk_usage(existing).free,
-                writable=os.access(existing, os.W_OK), first_rejects=tuple(first_rejects), compressible_bytes=compressible,
-                kept=kept, kept_shards=kept_shards if kept else 0, image_tokens=image_tokens, image_samples=image_samples)
+    return n, first_rejects
 
 
 def render(p: Plan, out: str | Path) -> str:
