@@ -126,6 +126,15 @@ def _between(pieces: list[tuple[int, memoryview]], starts: list[int], a: int, b:
         i += 1
 
 
+def _blocks(rows: list[tuple[int, int, int]], size: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """The file's checksum blocks, each (start, stop) in the file, and for each the state rows that must be final
+    before its bytes are (`rows` as `_layout` gives them)."""
+    blocks = [(a, min(a + checksum.BLOCK_BYTES, size)) for a in range(0, size, checksum.BLOCK_BYTES)]
+    needs = [max([(min(b, stop) - start - 1) // row + 1 for start, stop, row in rows if start < b and a < stop], default=0)
+             for a, b in blocks]
+    return blocks, needs
+
+
 def write(path: Path, tensors: dict[str, torch.Tensor | Frames], metadata: dict[str, str], pool: ThreadPoolExecutor,
                filling: Filling | None = None) -> str:
     """Write a safetensors file straight from the tensors' memory, without an intermediate bytes copy,
@@ -147,10 +156,7 @@ def write(path: Path, tensors: dict[str, torch.Tensor | Frames], metadata: dict[
     """
     pieces, rows, size = _layout(tensors, metadata, filling)
     starts = [start for start, _ in pieces]
-    blocks = [(a, min(a + checksum.BLOCK_BYTES, size)) for a in range(0, size, checksum.BLOCK_BYTES)]
-    # The rows that must be final before a block's bytes are.
-    needs = [max([(min(b, stop) - start - 1) // row + 1 for start, stop, row in rows if start < b and a < stop], default=0)
-             for a, b in blocks]
+    blocks, needs = _blocks(rows, size)
     digests = [b""] * len(blocks)
 
     def parts(k: int) -> Iterator[tuple[int, memoryview]]:
