@@ -186,33 +186,42 @@ class WrittenShard:
 
 class _Buffers:
     """A writer's shard buffers of `shard_bytes`: at most `count` ever exist, so that host memory is bounded
-    whatever the corpus size. Made as first needed, for the `widths` the writer has fixed by then, or given up
-    front, each goes back (`written`) once a writer thread has written it; a caller that outpaces the disk waits
-    for one in `take` (back-pressure)."""
+    whatever the corpus size. Made as first needed, for the `widths` fixed by then (`fix`), or given up front,
+    each goes back (`written`) once a writer thread has written it; a caller that outpaces the disk waits for
+    one in `take` (back-pressure)."""
 
-    def __init__(self, encoding: Encoding, shard_bytes: int, widths: Callable[[], dict[str, int]], count: int,
-                 touch: bool):
-        self._encoding, self._shard_bytes, self._widths = encoding, shard_bytes, widths
-        self._touch = touch  # whether made buffers are touched: given ones were, or the widths were known ahead
+    def __init__(self, encoding: Encoding, shard_bytes: int, count: int, widths: dict[str, int] | None,
+                 given: list[_ShardBuffer]):
+        self._encoding, self._shard_bytes = encoding, shard_bytes
+        self.widths = widths  # of each staged tensor: given, the given buffers', or fixed by the first batch
+        # Whether made buffers are touched: given ones were, or the widths were known ahead.
+        self._touch = widths is not None or bool(given)
         self.free: queue.Queue[_ShardBuffer] = queue.Queue()
         self.left = count  # how many may still be made or given
         self.waited_s = 0.0  # for the bench: the writes were behind
+        # All shard buffers up front, touched, so that first-touch copies stay off the hot path during the
+        # first shards: given (`shard_buffers`, prepared ahead), or allocated now for `widths`.
+        for buf in given[:count]:
+            self.left -= 1
+            self.free.put(buf)
+            self.widths = buf.widths
+        if widths is not None and not given:
+            while self.left:
+                self.left -= 1
+                self.free.put(self._make())
 
-    def give(self, buf: _ShardBuffer) -> bool:
-        """One made ahead (`shard_buffers`), while fewer than `count` exist; whether it was taken."""
-        if not self.left:
-            return False
-        self.left -= 1
-        self.free.put(buf)
-        return True
+    def fix(self, widths: dict[str, int]) -> int:
+        """Checks the staged tensors' widths against the encoding (`_state_widths`) and the buffers'; returns the
+        state bytes a token."""
+        widths = _state_widths(self._encoding, widths)
+        if self.widths is None:
+            self.widths = widths
+        elif widths != self.widths:
+            raise ShardError(f"state widths changed from {self.widths} to {widths}")
+        return self._encoding.state_bytes(widths)
 
     def _make(self) -> _ShardBuffer:
-        return shard_buffers(self._encoding, self._widths(), self._shard_bytes, 1, touch=self._touch)[0]
-
-    def make_all(self) -> None:
-        while self.left:
-            self.left -= 1
-            self.free.put(self._make())
+        return shard_buffers(self._encoding, self.widths, self._shard_bytes, 1, touch=self._touch)[0]
 
     def take(self) -> _ShardBuffer:
         """A buffer to fill: a new one while fewer than `count` exist, else the next one handed back."""
@@ -397,20 +406,10 @@ class ShardWriter:
         self._numbers = shard_numbers if shard_numbers is not None else itertools.count()
         self._writers = writers
         self._closed = False
-        self._widths: dict[str, int] | None = None  # of each staged tensor, given or fixed by the first batch
         self._current: _ShardBuffer | None = None
         self._open: tuple[SampleInfo, int, int] | None = None  # (sample, tokens, row bytes): begun, not ended
         self._filling: shard_file.Filling | None = None  # the begun sample's rows, when its shard is already being written
-        self._buffers = _Buffers(run.encoding, shard_bytes, lambda: self._widths, writers + 1,
-                                 touch=widths is not None or bool(buffers))
-        # All shard buffers up front, touched, so that first-touch copies stay off the hot path during the
-        # first shards: given (`shard_buffers`, prepared ahead), or allocated now for `widths`.
-        for buf in buffers or ():
-            if self._buffers.give(buf):
-                self._widths = buf.widths
-        if widths is not None and not buffers:
-            self._widths = widths
-            self._buffers.make_all()
+        self._buffers = _Buffers(run.encoding, shard_bytes, writers + 1, widths, buffers or [])
 
     # What the writer threads wrote (`_Writes`): shards, samples, tokens and bytes, the shards' headers as
     # read_header would read them back, and for the bench each write as (perf_counter at its start, seconds,
@@ -463,7 +462,7 @@ class ShardWriter:
         file holds its inode lock)."""
         self._check_open("add_batch")
         lengths, tensors = _packed(samples, lengths, {**_token_tensors(input_ids, loss_mask, image_mask), **staged})
-        row_bytes = self._fix_widths({name: t.shape[1] for name, t in staged.items()})
+        row_bytes = self._buffers.fix({name: t.shape[1] for name, t in staged.items()})
 
         first_sample = first_row = row = 0
         for i, n in enumerate(lengths):
@@ -492,7 +491,7 @@ class ShardWriter:
         written (and hashed) as soon as it is filled, so that the write after the last row is short. Such a
         sample cannot then be left out (end_sample(keep=False)). A compressed shard is not streamed."""
         self._check_open("begin_sample")
-        row_bytes = self._fix_widths(widths)
+        row_bytes = self._buffers.fix(widths)
         tokens = _sample_tokens(sample, input_ids, loss_mask, image_mask)
         n = tokens["input_ids"].shape[0]
         buf = self._buffer()
@@ -533,16 +532,6 @@ class ShardWriter:
             raise ShardError(f"{call} called while sample {self._open[0].id!r} is begun and not ended")
         self._writes.raise_failed()
 
-    def _fix_widths(self, widths: dict[str, int]) -> int:
-        """Checks the staged tensors' widths against the encoding (`_state_widths`) and the writer's; returns the
-        state bytes a token."""
-        widths = _state_widths(self.encoding, widths)
-        if self._widths is None:
-            self._widths = widths
-        elif widths != self._widths:
-            raise ShardError(f"state widths changed from {self._widths} to {widths}")
-        return self.encoding.state_bytes(widths)
-
     def _buffered_tokens(self) -> int:
         return self._current.tokens if self._current is not None else 0
 
@@ -557,7 +546,7 @@ class ShardWriter:
     def _tail_parts(self) -> int:
         """Into how many shards the current buffer is cut when the caller waits for its write: one a writer
         thread, each LAST_SHARD_PART_BYTES or more."""
-        size = self._current.tokens * self.encoding.state_bytes(self._widths) if self._current is not None else 0
+        size = self._current.tokens * self.encoding.state_bytes(self._buffers.widths) if self._current is not None else 0
         return max(1, min(self._writers, size // LAST_SHARD_PART_BYTES))
 
     def _flush(self, pending: tuple[SampleInfo, int] | None = None, filling: shard_file.Filling | None = None, parts: int = 1) -> None:
