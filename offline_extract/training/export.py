@@ -368,14 +368,7 @@ def export_speculators(
     dest = Path(dest)
     _prepare_dest(dest, _manifest("speculators", out_dir, dataset, layer_ids=layer_ids, target_layer_ids=layer_ids[:-1],
                                   store="fp8" if fp8 else "bf16", **_final_state_manifest("speculators", run, convert)))
-    notes = [f"train with --target-layer-ids {' '.join(map(str, layer_ids[:-1]))} (speculators' ids: ours + 1), "
-             f"or --config {dest / SPECULATORS_TRAIN_CONFIG}"]
-    if fp8:
-        notes.append("states kept in fp8 with the run's scales: train with --hidden-states-backend fp8")
-    elif run.store == "fp8":
-        notes.append("states written as bf16, not fp8: the converted final state would be rounded to fp8 a second "
-                     "time; extract with --final-state pre-norm for an fp8 export")
-    summary = ExportSummary(dest, 0, 0, 0, [*notes, *_conversion_note("speculators", run, convert)])
+    summary = ExportSummary(dest, 0, 0, 0, _speculators_notes(run, dest, layer_ids, fp8, convert))
     if fp8:
         read, record = dataset.stored, lambda stored: speculators_fp8_record(stored, run.num_aux_layers)
     else:
@@ -387,6 +380,18 @@ def export_speculators(
     config = speculators_train_config(run, dest, layer_ids, fp8)
     atomic_write(dest / SPECULATORS_TRAIN_CONFIG, lambda tmp: tmp.write_text(config))
     return summary
+
+
+def _speculators_notes(run: RunInfo, dest: Path, layer_ids: list[int], fp8: bool, convert: Convert | None) -> list[str]:
+    """What the user must know to train speculators on the export (`ExportSummary.notes`)."""
+    notes = [f"train with --target-layer-ids {' '.join(map(str, layer_ids[:-1]))} (speculators' ids: ours + 1), "
+             f"or --config {dest / SPECULATORS_TRAIN_CONFIG}"]
+    if fp8:
+        notes.append("states kept in fp8 with the run's scales: train with --hidden-states-backend fp8")
+    elif run.store == "fp8":
+        notes.append("states written as bf16, not fp8: the converted final state would be rounded to fp8 a second "
+                     "time; extract with --final-state pre-norm for an fp8 export")
+    return [*notes, *_conversion_note("speculators", run, convert)]
 
 
 def _write_speculators_tokens(dataset: HiddenStateDataset, dest: Path) -> None:
