@@ -486,8 +486,8 @@ class Job:
                     watch.check(bar.done, bar.total, bar.tokens, writer.tokens_written, writer.bytes_written)
 
             extract_start = time.perf_counter()
-            batches = self._marked(prepared_ahead(counted(batch_by_tokens(samples, self.checked.tokens_per_batch,
-                                                                          opts.seqs_per_batch))))
+            batches = _marked(prepared_ahead(counted(batch_by_tokens(samples, self.checked.tokens_per_batch,
+                                                                     opts.seqs_per_batch))), self.timeline)
             guard = NonFiniteGuard(opts.nonfinite, self.engine.layer_ids, tally.nonfinite)
             try:
                 times = extract_batches(self.engine, batches, writer, advance, staging=staging, nonfinite=guard)
@@ -505,12 +505,14 @@ class Job:
             self.timeline.mark("written")
             tally.summary.extract_seconds = time.perf_counter() - extract_start
 
-    def _marked(self, batches: Iterator) -> Iterator:
-        """`batches`, marking on the timeline when the first is handed to the engine."""
-        for i, batch in enumerate(batches):
-            if not i:
-                self.timeline.mark("first forward")
-            yield batch
+
+def _marked(batches: Iterator, timeline: Timeline) -> Iterator:
+    """`batches`, marking on `timeline` when the first is handed to the engine."""
+    for i, batch in enumerate(batches):
+        if not i:
+            timeline.mark("first forward")
+        yield batch
+
 
 def _stop_at_the_first_bad_record(opts: ExtractOptions, layout: Layout, coord: Coordinator, sources: Sequence[Source],
                                    tokenizer: SampleTokenizer) -> None:
