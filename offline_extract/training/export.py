@@ -61,6 +61,7 @@ renamed into place complete, so existing ones are skipped.
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import io
 import json
 import os
@@ -96,7 +97,7 @@ GZIP_LEVEL = 1
 
 
 class ExportError(ValueError):
-    """The destination cannot take this export."""
+    """This export cannot be made: the run or the destination cannot take it, or a package it needs is missing."""
 
 
 @dataclass
@@ -352,6 +353,10 @@ def export_speculators(
     """Writes every sample of out_dir to dest as speculators' offline training data (see the module
     docstring): the per-sample states first, then the token table and frequencies. An unfinished
     extraction is refused unless allow_partial (see `HiddenStateDataset`)."""
+    # The token table, written once every sample's states are, is a `datasets` table: checked before any work.
+    if importlib.util.find_spec("datasets") is None:
+        raise ExportError("--format speculators needs the datasets package, which is not installed: "
+                          "pip install datasets")
     dataset = HiddenStateDataset(out_dir, allow_partial=allow_partial, verify_checksums=True)
     run = dataset.run
     if run.recipe != "eagle3":

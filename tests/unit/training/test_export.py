@@ -342,6 +342,14 @@ def test_script_exports_to_speculators(pre_norm_dir, tmp_path):
     assert f"train with --target-layer-ids {' '.join(str(k + 1) for k in range(K))} (speculators' ids: ours + 1)" in done.stderr
 
 
+def test_speculators_export_without_datasets_is_refused_before_writing_anything(pre_norm_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` fails as where it is not installed
+    dest = tmp_path / "spec"
+    with pytest.raises(ExportError, match="needs the datasets package, which is not installed: pip install datasets"):
+        export_speculators(pre_norm_dir, dest, progress=False)
+    assert not dest.exists()
+
+
 def test_speculators_export_names_custom_layers_in_its_convention(tmp_path):
     import yaml
 
