@@ -11,12 +11,14 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from offline_extract.default_model import ensure_tiny_model, random_checkpoint, tiny_llama_config
 from offline_extract.engine.checkpoint import E2M1_MAGNITUDES, MXFP4_BLOCK
+from offline_extract.engine.families import FAMILIES, Family
 
 
 def _tiny_qwen3_config(vocab_size: int) -> dict:
@@ -518,13 +520,18 @@ def _qwen3_vl_processor(tokenizer):
                             video_processor=Qwen3VLVideoProcessor(**shape), chat_template=VL_CHAT_TEMPLATE)
 
 
-# Vision-language models with their towers, as (config builder taking the vocab size and the vision tokens'
-# ids, the vision tokens, the HF processor built on the tokenizer): written with the processor's files, so that
-# the model's own AutoProcessor renders and prepares image chats offline.
-VISION_LANGUAGE = {
-    "qwen2_5_vl": (_qwen2_5_vl_config, QWEN_VISION_TOKENS, _qwen2_5_vl_processor),
-    "qwen3_vl": (_qwen3_vl_config, QWEN_VISION_TOKENS, _qwen3_vl_processor),
-}
+def towers(families: Iterable[Family]) -> dict[str, tuple]:
+    """The vision-language models among `families`, those whose images are extracted (`Family.images`), with their
+    towers, as (config builder taking the vocab size and the vision tokens' ids, the vision tokens, the HF processor
+    built on the tokenizer): a family's builders are `_{name}_config` and `_{name}_processor` here, and its vision
+    tokens Qwen's, which VL_CHAT_TEMPLATE writes. Written with the processor's files, so that the model's own
+    AutoProcessor renders and prepares image chats offline."""
+    builders = globals()
+    return {f.name: (builders[f"_{f.name}_config"], QWEN_VISION_TOKENS, builders[f"_{f.name}_processor"])
+            for f in families if f.images}
+
+
+VISION_LANGUAGE = towers(FAMILIES)
 
 
 def build_model(

@@ -1,13 +1,14 @@
 """The family table against what reads it: each family's random checkpoint is of its SGLang class, its HF
 routing names a scoring the parity gate has, and the README and docs/architectures.md name it."""
 import json
+from dataclasses import replace
 
 import pytest
 
 from extract_runs import ROOT
 from offline_extract.engine import parity
 from offline_extract.engine.families import BY_NAME, FAMILIES, cpu_models, hf_routings
-from offline_extract.testing.models import build_model
+from offline_extract.testing.models import VISION_LANGUAGE, build_model, towers
 
 
 @pytest.mark.parametrize("name", [n for f in FAMILIES for n in (f.name, *f.variants)])
@@ -16,6 +17,12 @@ def test_each_familys_random_checkpoint_is_of_its_sglang_class(name, tiny_model_
     config = json.loads((build_model(name, tmp_path / name, tokenizer_dir=tiny_model_dir, weights=False)
                          / "config.json").read_text())
     assert config["architectures"] == [family.sglang_class]
+
+
+def test_the_vision_language_models_are_the_families_whose_images_are_extracted():
+    assert list(VISION_LANGUAGE) == [f.name for f in FAMILIES if f.images]
+    # Family.images alone says which take images: a family without it has no tower.
+    assert towers([replace(BY_NAME["qwen3_vl"], images=None)]) == {}
 
 
 def test_every_hf_routing_names_a_scoring_the_parity_gate_has():
