@@ -1,7 +1,8 @@
 """Every command the README, CONTRIBUTING.md and docs/ give can be pasted as it stands: a bin/ or benchmarks/
 command line parses with the program's own options, torchrun's part with torchrun's parser, a script or test
 file it names exists, and no `...` stands in for what the reader would have to guess. The training snippet
-runs on an output directory."""
+runs on an output directory, and every name the pages give in an engine module is defined there."""
+import ast
 import importlib
 import importlib.util
 import re
@@ -127,3 +128,25 @@ def test_the_training_snippet_runs_on_an_output_directory(tmp_path, capsys):
     epochs = [line.split()[0] for line in printed]
     assert set(epochs) == {"0", "1"}, printed
     assert sum(int(line.split()[-1]) for line in printed) == 2 * sum([5, 3, 7, 2, 9, 4, 6, 8, 3, 5]), printed
+
+
+def _defined(module) -> set[str]:
+    """The names `module` defines at its top level, read from its source: importing the engine imports SGLang."""
+    names = set()
+    for node in ast.parse(module.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return names
+
+
+def test_the_docs_name_engine_functions_where_they_are_defined():
+    # A function moved out of one engine module into another leaves the pages pointing at the old one.
+    engine = {path.stem: _defined(path) for path in (ROOT / "offline_extract" / "engine").glob("*.py")}
+    named = [(page.name, module, name) for page in PAGES
+             for module, name in re.findall(r"`(?:engine/)?(\w+)\.(\w+)", page.read_text())
+             if module in engine and name != "py"]
+    assert len(named) > 20, "the pattern finds the pages' engine names"
+    assert [n for n in named if n[2] not in engine[n[1]]] == []
