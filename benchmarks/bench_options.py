@@ -1,5 +1,6 @@
 """bin/bench.py's options and the peers it can run beside ours, apart from the code that runs them: its
 --help shows their defaults, and should not wait seconds for torch and SGLang to import."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -8,6 +8,7 @@ implementation's parity, the engine's included (docs/moe-bf16-investigation.md).
 
 Per architecture and layer: the worst and the median token's cosine, over sequences of 5, 37 and 64 tokens.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,8 +51,10 @@ def _runs(hf, seqs, device, experts=None):
 def _rows(bf16, fp32) -> list[dict]:
     every_id = range(len(fp32[0]) - 2)
     pairs = ((torch.cat([hs[k + 1] for k in every_id], dim=-1), hs[-1], ref) for hs, ref in zip(bf16, fp32))
-    return [{k: r[k] for k in ("layer", "cosine", "median_cosine")} for r in
-            (row.to_json() for row in parity.compare_states(pairs, every_id, "bfloat16"))]
+    return [
+        {k: r[k] for k in ("layer", "cosine", "median_cosine")}
+        for r in (row.to_json() for row in parity.compare_states(pairs, every_id, "bfloat16"))
+    ]
 
 
 def measure(arch: str, root: Path, device: str) -> dict:
@@ -71,14 +74,20 @@ def measure(arch: str, root: Path, device: str) -> dict:
 @program(__doc__)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--archs", default=",".join(ARCHS), show_default=True, help="Comma-separated architectures.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), show_default="benchmarks/results/bf16_floor_cpu.json",
-              default=Path(__file__).resolve().parent / "results" / "bf16_floor_cpu.json")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    show_default="benchmarks/results/bf16_floor_cpu.json",
+    default=Path(__file__).resolve().parent / "results" / "bf16_floor_cpu.json",
+)
 def main(device: str, archs: str, out: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         results = {arch: measure(arch, Path(tmp), device) for arch in archs.split(",")}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "device": device,
-                               "architectures": results}, indent=2) + "\n")
+    out.write_text(
+        json.dumps({"command": " ".join(["python", *sys.argv]), "device": device, "architectures": results}, indent=2)
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ it is below the hashing rate.
     python benchmarks/checksum_throughput.py --json benchmarks/results/checksum_throughput_cpu.json
     python benchmarks/checksum_throughput.py --files 16 --threads 8 --dir /some/nvme/dir --json RESULT.json
 """
+
 from __future__ import annotations
 
 import os
@@ -34,7 +35,9 @@ from pathlib import Path
 
 import click
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: this checkout's benchmarks and offline_extract
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # run as a file: this checkout's benchmarks and offline_extract
 
 from benchmarks import command_line, emit, program  # noqa: E402
 
@@ -70,9 +73,12 @@ def _timed(fn) -> float:
 
 def _rate(total_bytes: int, seconds: list[float]) -> dict:
     best, median = min(seconds), statistics.median(seconds)
-    return {"seconds": [round(s, 3) for s in seconds], "best_gb_s": round(total_bytes / best / 1e9, 3),
-            "median_gb_s": round(total_bytes / median / 1e9, 3),
-            "seconds_for_100_gb_at_median": round(OUTPUT_BYTES / (total_bytes / median), 1)}
+    return {
+        "seconds": [round(s, 3) for s in seconds],
+        "best_gb_s": round(total_bytes / best / 1e9, 3),
+        "median_gb_s": round(total_bytes / median / 1e9, 3),
+        "seconds_for_100_gb_at_median": round(OUTPUT_BYTES / (total_bytes / median), 1),
+    }
 
 
 def run(files: int, gb_per_file: float, threads: int, repeats: int, work: Path) -> dict:
@@ -84,8 +90,9 @@ def run(files: int, gb_per_file: float, threads: int, repeats: int, work: Path) 
     total = size * files
 
     one_core = [_timed(lambda: [checksum.file_checksum(p) for p in paths]) for _ in range(repeats)]
-    one_core_sha256 = [_timed(lambda: [checksum.file_checksum(p, checksum.BLOCK_SHA256_KEY) for p in paths])
-                       for _ in range(repeats)]
+    one_core_sha256 = [
+        _timed(lambda: [checksum.file_checksum(p, checksum.BLOCK_SHA256_KEY) for p in paths]) for _ in range(repeats)
+    ]
     threaded = [_timed(lambda: manifest.checksums(paths, entries, threads)) for _ in range(repeats)]
 
     def cold() -> float:
@@ -99,10 +106,19 @@ def run(files: int, gb_per_file: float, threads: int, repeats: int, work: Path) 
     kept = [_timed(lambda: verdicts.damaged_shards(work, recorded, threads)) for _ in range(repeats)]
     return {
         "command": command_line("python benchmarks/checksum_throughput.py"),
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "offline_extract": __version__, "dir": str(work),
-                    "load_average_1_5_15_min": os.getloadavg()},
-        "files": files, "bytes_per_file": size, "threads": threads, "repeats": repeats, "checksum": checksum.KEY,
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "offline_extract": __version__,
+            "dir": str(work),
+            "load_average_1_5_15_min": os.getloadavg(),
+        },
+        "files": files,
+        "bytes_per_file": size,
+        "threads": threads,
+        "repeats": repeats,
+        "checksum": checksum.KEY,
         "one_core_warm": _rate(total, one_core),
         "one_core_warm_block_sha256": _rate(total, one_core_sha256),
         "threads_warm": _rate(total, threaded),
@@ -115,8 +131,12 @@ def run(files: int, gb_per_file: float, threads: int, repeats: int, work: Path) 
 @program(__doc__)
 @click.option("--files", default=2, show_default=True, help="Shard-sized files to hash.")
 @click.option("--gb-per-file", default=1.0, show_default=True, help="Each file's size, GB.")
-@click.option("--threads", default=min(8, os.cpu_count() or 1), show_default="min(8, cores)",
-              help="Threads hashing side by side, as the datasets' check uses.")
+@click.option(
+    "--threads",
+    default=min(8, os.cpu_count() or 1),
+    show_default="min(8, cores)",
+    help="Threads hashing side by side, as the datasets' check uses.",
+)
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--dir", "dir_", default=None, help="Where the files go (a temporary directory under it).")
 @click.option("--json", "json_path", default=None, help="Also save the result to this file.")

@@ -17,6 +17,7 @@ own notes (nothing of Python's: no traceback, no C++ terminate), and a rerun tha
 \b
     python -m benchmarks.ctrl_c_campaign --runs 60 --json benchmarks/results/ctrl_c_campaign_DATE.json
 """
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,17 @@ def _burn(stop) -> None:
 
 
 def _command(out: Path) -> list[str]:
-    return [sys.executable, str(ROOT / "bin" / "extract.py"), "--data", str(CORPUS), "--out", str(out), "--verify", "4",
-            "--no-progress"]
+    return [
+        sys.executable,
+        str(ROOT / "bin" / "extract.py"),
+        "--data",
+        str(CORPUS),
+        "--out",
+        str(out),
+        "--verify",
+        "4",
+        "--no-progress",
+    ]
 
 
 def _what_is_in(out: Path) -> str:
@@ -114,10 +124,16 @@ def good(row: dict, samples: int) -> bool:
     if not row["sent"]:
         return row["returncode"] == 0
     rerun = row.get("rerun")
-    resumed = rerun is None or (rerun["returncode"] == 0 and rerun["status"] == "complete"
-                                and rerun["extracted"] == samples)
-    return (row["returncode"] == 130 and row["stop_lines"] == 1 and row["last_line"].startswith("stopped (Ctrl-C)")
-            and not row["foreign"] and resumed)
+    resumed = rerun is None or (
+        rerun["returncode"] == 0 and rerun["status"] == "complete" and rerun["extracted"] == samples
+    )
+    return (
+        row["returncode"] == 130
+        and row["stop_lines"] == 1
+        and row["last_line"].startswith("stopped (Ctrl-C)")
+        and not row["foreign"]
+        and resumed
+    )
 
 
 @program(__doc__)
@@ -128,8 +144,9 @@ def good(row: dict, samples: int) -> bool:
 @click.option("--burners", default=0, show_default=True, help="Processes that spin meanwhile, for a loaded machine.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--json", "json_path", default=None, help="Also save the result to this file.")
-def main(runs: int, earliest: float, latest: float, after_take_over: bool, burners: int, seed: int,
-         json_path: str | None) -> None:
+def main(
+    runs: int, earliest: float, latest: float, after_take_over: bool, burners: int, seed: int, json_path: str | None
+) -> None:
     rng = random.Random(seed)
     samples = sum(1 for line in CORPUS.read_text().splitlines() if line.strip())
     stop = multiprocessing.Event()
@@ -144,8 +161,13 @@ def main(runs: int, earliest: float, latest: float, after_take_over: bool, burne
             row = one_run(out, rng.uniform(earliest, latest), after_take_over)
             row["good"] = good(row, samples)
             rows.append(row)
-            print(json.dumps({"run": k, **{key: row[key] for key in ("delay_s", "sent", "returncode", "last_line", "good")}}),
-                  file=sys.stderr, flush=True)
+            print(
+                json.dumps(
+                    {"run": k, **{key: row[key] for key in ("delay_s", "sent", "returncode", "last_line", "good")}}
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
             shutil.rmtree(out, ignore_errors=True)
             if json_path:  # so far, in case the campaign is cut short
                 Path(json_path).write_text(json.dumps(summary(rows, runs), indent=2) + "\n")
@@ -177,6 +199,7 @@ def summary(rows: list[dict], runs: int) -> dict:
         "exit_s_max": max((row["exit_s"] for row in sent if row.get("exit_s") is not None), default=None),
         "rows": rows,
     }
+
 
 if __name__ == "__main__":
     main()

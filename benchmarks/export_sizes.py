@@ -7,6 +7,7 @@ are activation-like (Gaussian, a few large channels, tokens of varied norm), 3 a
 
     python -m benchmarks.export_sizes --json benchmarks/results/export_sizes_cpu.json
 """
+
 from __future__ import annotations
 
 import shutil
@@ -40,18 +41,40 @@ def main(hidden: int, samples: int, sample_tokens: int, json_path: str | None) -
         for store, compress in (("bf16", "none"), ("bf16", "zstd"), ("fp8", "none"), ("fp8", "zstd")):
             out = root / f"{store}-{compress}"
             run = synthetic_run((1, 3, 4), num_layers=8, store=store, compress=compress)
-            write_samples(out, run, [t] * n, torch.zeros(n * t, dtype=torch.int32), torch.ones(n * t, dtype=torch.uint8),
-                          x[:, :K].reshape(n * t, -1), x[:, K])
+            write_samples(
+                out,
+                run,
+                [t] * n,
+                torch.zeros(n * t, dtype=torch.int32),
+                torch.ones(n * t, dtype=torch.uint8),
+                x[:, :K].reshape(n * t, -1),
+                x[:, K],
+            )
             run_bytes = sum(p.stat().st_size for p in out.glob("shard_*"))
             for gzipped in (False, True):
                 start = time.perf_counter()
-                summary = export_specforge(out, root / f"sf-{store}-{compress}-{gzipped}", gzipped=gzipped, progress=False)
-                rows.append({"store": store, "compress": compress, "gzip": gzipped, "run_bytes": run_bytes,
-                             "export_bytes": summary.bytes_written, "export_over_run": round(summary.bytes_written / run_bytes, 3),
-                             "export_s": round(time.perf_counter() - start, 2)})
+                summary = export_specforge(
+                    out, root / f"sf-{store}-{compress}-{gzipped}", gzipped=gzipped, progress=False
+                )
+                rows.append(
+                    {
+                        "store": store,
+                        "compress": compress,
+                        "gzip": gzipped,
+                        "run_bytes": run_bytes,
+                        "export_bytes": summary.bytes_written,
+                        "export_over_run": round(summary.bytes_written / run_bytes, 3),
+                        "export_s": round(time.perf_counter() - start, 2),
+                    }
+                )
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    result = {"command": command_line("python -m benchmarks.export_sizes"), "hidden": hidden, "tokens": n * t, "rows": rows}
+    result = {
+        "command": command_line("python -m benchmarks.export_sizes"),
+        "hidden": hidden,
+        "tokens": n * t,
+        "rows": rows,
+    }
     return emit(result, json_path)
 
 

@@ -16,6 +16,7 @@ The result JSONs are rewritten as each of these parts finishes (`ResultFiles`): 
 it measured.
 Under torchrun every data-parallel replica runs its share and the figures are aggregated.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,7 +58,9 @@ from offline_extract.timeline import Timeline
 PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
 
 
-def synthetic_corpus(tokenizer: SampleTokenizer, opts: BenchOptions, dp_rank: int = 0, dp_size: int = 1) -> list[Sample]:
+def synthetic_corpus(
+    tokenizer: SampleTokenizer, opts: BenchOptions, dp_rank: int = 0, dp_size: int = 1
+) -> list[Sample]:
     """Chat-formatted samples with a realistic length distribution, so loss masks are real.
 
     Each sample's length is drawn first: lognormal (sigma 0.8) with mean `mean_length`, capped by
@@ -80,7 +83,9 @@ def synthetic_corpus(tokenizer: SampleTokenizer, opts: BenchOptions, dp_rank: in
             n = max(2, target // turns + 8)
             messages.append(("user", " ".join(rng.choice(words, max(1, n // 5)))))
             messages.append(("assistant", " ".join(rng.choice(words, n - n // 5))))
-        record = Record(source="synthetic", line=i + 1, index=i, id=f"synthetic-{i}", format="openai", messages=tuple(messages))
+        record = Record(
+            source="synthetic", line=i + 1, index=i, id=f"synthetic-{i}", format="openai", messages=tuple(messages)
+        )
         sample = tokenizer(record)
         sample = dataclasses.replace(
             sample, input_ids=sample.input_ids[:target], loss_mask=sample.loss_mask[:target], truncated=True
@@ -108,7 +113,15 @@ def attention_flops(config, start: int, stop: int) -> float:
     chunking moves attention work between forwards, it does not add any. Kernels that compute whole
     masked tiles do a little more; that is not counted (MFU counts the model's FLOPs).
     """
-    return 4 * config.num_hidden_layers * config.num_attention_heads * _head_dim(config) * (stop - start) * (start + stop + 1) / 2
+    return (
+        4
+        * config.num_hidden_layers
+        * config.num_attention_heads
+        * _head_dim(config)
+        * (stop - start)
+        * (start + stop + 1)
+        / 2
+    )
 
 
 def model_flops_per_token(config, samples: list[Sample]) -> float:
@@ -197,7 +210,9 @@ def _timed(coord: Coordinator, fn, clock: "_ForwardClock | None" = None) -> floa
 def jit_cache_entries(caches: dict[str, str]) -> int:
     """Files in the compilers' caches (`Engine.jit_caches`): every kernel compiled or module built adds some;
     one loaded from the cache adds none."""
-    return sum(1 for folder in set(caches.values()) if os.path.isdir(folder) for f in Path(folder).rglob("*") if f.is_file())
+    return sum(
+        1 for folder in set(caches.values()) if os.path.isdir(folder) for f in Path(folder).rglob("*") if f.is_file()
+    )
 
 
 def _host_thread_sweep(counts: tuple[int, ...], timed_extraction, root: Path, tokens: int) -> dict[str, float]:
@@ -332,11 +347,16 @@ class _ForwardClock:
         and before it outside any forward (the hand-off of the batch before: waits for staging, the
         writer), and on a GPU its GPU seconds and the GPU's idle seconds before it."""
         ends = [self.started] + [a + s for a, s in self._host]
-        out = {"host_s": [s for _, s in self._host], "host_before_s": [a - end for (a, _), end in zip(self._host, ends)]}
+        out = {
+            "host_s": [s for _, s in self._host],
+            "host_before_s": [a - end for (a, _), end in zip(self._host, ends)],
+        }
         if self._on_gpu and self._events:
             out["gpu_s"] = [begin.elapsed_time(end) / 1e3 for begin, end in self._events]
-            out["gpu_idle_before_s"] = [max(0.0, end.elapsed_time(begin)) / 1e3 for (_, end), (begin, _)
-                                        in zip([(None, self._origin)] + self._events, self._events)]
+            out["gpu_idle_before_s"] = [
+                max(0.0, end.elapsed_time(begin)) / 1e3
+                for (_, end), (begin, _) in zip([(None, self._origin)] + self._events, self._events)
+            ]
         return {k: [round(x, 5) for x in v] for k, v in out.items()}
 
     def __getattr__(self, name):
@@ -379,8 +399,10 @@ def run_bench(opts: BenchOptions) -> list[dict]:
         raise ValueError("--baseline hf runs HF on one GPU; it cannot be combined with --tp > 1")
     layout = layout_from_env(opts.tp)
     if set(opts.baselines) - {"hf"} and layout.world_size > 1:
-        raise ValueError(f"--baseline sglang-engine and specforge run on one GPU; they cannot be combined with "
-                         f"--tp or torchrun (world size {layout.world_size})")
+        raise ValueError(
+            f"--baseline sglang-engine and specforge run on one GPU; they cannot be combined with "
+            f"--tp or torchrun (world size {layout.world_size})"
+        )
     if opts.baselines:
         peers.check_names(opts.baselines)
     torch.cuda.set_device(layout.local_rank)
@@ -401,8 +423,14 @@ def run_bench(opts: BenchOptions) -> list[dict]:
     tokens = sum(b.num_tokens for b in timed) if layout.writes else 0
     config = AutoConfig.from_pretrained(model_dir)
     files = ResultFiles(opts, layout)
-    pending = peers_first(opts, files, model_dir, tokenizer.tokenizer, [[s.input_ids for s in b.samples] for b in batches],
-                          config.num_hidden_layers)
+    pending = peers_first(
+        opts,
+        files,
+        model_dir,
+        tokenizer.tokenizer,
+        [[s.input_ids for s in b.samples] for b in batches],
+        config.num_hidden_layers,
+    )
     jit_cache = opts.jit_cache
     if opts.cold:
         jit_cache = tempfile.mkdtemp(prefix="offline_extract_cold_jit_")
@@ -411,9 +439,16 @@ def run_bench(opts: BenchOptions) -> list[dict]:
     timeline.mark("engine")
     # Through extract's own options and engine_config, so that the engine measured is the one a run gets.
     run = ExtractOptions(
-        data=(), model=str(model_dir), dtype=opts.dtype, tp=opts.tp, max_length=opts.longest,
-        tokens_per_batch=opts.tokens_per_batch, chunk_tokens=opts.chunk_tokens,
-        attention_backend=opts.attention_backend, load_format=opts.load_format, jit_cache=jit_cache,
+        data=(),
+        model=str(model_dir),
+        dtype=opts.dtype,
+        tp=opts.tp,
+        max_length=opts.longest,
+        tokens_per_batch=opts.tokens_per_batch,
+        chunk_tokens=opts.chunk_tokens,
+        attention_backend=opts.attention_backend,
+        load_format=opts.load_format,
+        jit_cache=jit_cache,
     )
     engine = Engine(engine_config(run, layout, model_dir, "cuda", opts.tokens_per_batch, layer_ids=None))
     timeline.mark("loaded")
@@ -444,8 +479,12 @@ def run_bench(opts: BenchOptions) -> list[dict]:
             shutil.rmtree(root, ignore_errors=True)
             disk_rate = disk_write_rate(root / "probe", opts.disk_probe_bytes, opts.writers) if layout.writes else 0.0
             torch.cuda.reset_peak_memory_stats()
-            run = RunInfo(model=str(model_dir), layer_ids=tuple(engine.layer_ids), store=encoding.store,
-                          compress=encoding.compress)
+            run = RunInfo(
+                model=str(model_dir),
+                layer_ids=tuple(engine.layer_ids),
+                store=encoding.store,
+                compress=encoding.compress,
+            )
 
             def writer(name: str) -> ShardWriter | None:
                 # Created before the clock starts, as a run creates it before its first batch.
@@ -472,88 +511,94 @@ def run_bench(opts: BenchOptions) -> list[dict]:
             total_tokens = sum(coord.all_gather(tokens))
             row_bytes = sum(encoding.bytes_per_token(len(engine.layer_ids), engine.hidden_size).values())
             written = sum(coord.all_gather(w.bytes_written if w is not None else 0))
-            results.append({
-                "command": opts.command,
-                "device": torch.cuda.get_device_name(),
-                "world_size": layout.world_size,
-                "tp_size": layout.tp_size,
-                "dp_size": layout.dp_size,
-                "sglang_version": importlib.metadata.version("sglang"),
-                "torch_version": torch.__version__,
-                "model": opts.model or f"{opts.shape} (generated config, load_format={opts.load_format})",
-                "dtype": opts.dtype,
-                "attention_backend": engine.attention_backend,
-                "layer_ids": list(engine.layer_ids),
-                "lengths": opts.lengths if opts.lengths == "fixed" else f"lognormal mean {opts.mean_length} cap {opts.max_length}",
-                "num_samples": sum(coord.all_gather(sum(len(b.samples) for b in timed) if layout.writes else 0)),
-                "num_tokens": total_tokens,
-                "tokens_per_batch": opts.tokens_per_batch,
-                "chunk_tokens": engine.chunk_tokens,
-                "longest_sample": longest,
-                # On warm kernels: the same batches ran once before (`first_pass`), so that nothing compiles
-                # while a mode is timed; `timed_compiled` counts what did.
-                "bare_prefill_tok_s": total_tokens / bare_s,
-                "bare_first_pass_tok_s": total_tokens / first_pass["seconds"],
-                "bare_first_pass_s": first_pass["seconds"],
-                "bare_first_pass_compiled": first_pass["compiled"],
-                "first_pass_over_warm": bare_s / first_pass["seconds"],
-                # Files added to the JIT caches from the end of the first pass to the end of this extraction:
-                # 0 says every timed mode ran on warm kernels.
-                "timed_compiled": max(coord.all_gather(jit_cache_entries(engine.jit_caches) - warm_entries)),
-                "extract_tok_s": total_tokens / extract_s,
-                "extract_over_bare": bare_s / extract_s,
-                # Diagnostics: copy-out without writing, and where the main thread's time went.
-                "copy_only_tok_s": total_tokens / copy_only_s,
-                "bare_forward_s": bare_forward_s,
-                "bare_wall_s": bare_s,
-                "extract_forward_s": clock.seconds,
-                "extract_wall_s": extract_s,
-                # Start-up and tail, from CUDA events (see _ForwardClock): this rank's, not the slowest's.
-                **{f"bare_{k}": v for k, v in bare_phases.items()},
-                **{f"extract_{k}": v for k, v in clock.phases().items()},
-                # Every rank's own (TP ranks that do not write included), forward by forward, and on writing
-                # ranks where the host's time went around the forwards: waits for staging (the consumer is
-                # behind), for the copies, in the consumer, for shard buffers (the writes are behind), and
-                # each shard's write (_rank_report).
-                "bare_ranks": bare_ranks,
-                "extract_ranks": extract_ranks,
-                # The cold start of this process: command -> model loaded -> first warm-up batches, timed
-                # as they ran (this rank's); `bare_prefill_tok_s` is the warm figure beside them.
-                **cold,
-                "cold_over_warm": cold["cold_tok_s"] / (total_tokens / bare_s) if cold.get("cold_tok_s") else None,
-                "jit_cache": engine.jit_caches,
-                "jit_cache_cold": opts.cold,
-                "writers": opts.writers,
-                "out": out,
-                "out_kind": out_kind(out),
-                "disk_write_bytes_s": sum(coord.all_gather(disk_rate)),
-                "store": encoding.store,
-                "compress": encoding.compress,
-                # Per token before compression (states, fp8 scales, input_ids, loss_mask), and as written
-                # (compression, offsets, metadata and headers included).
-                "bytes_per_token": row_bytes,
-                "bytes_per_token_written": written / total_tokens,
-                "compression_ratio": total_tokens * row_bytes / written,
-                "extract_bytes_s": total_tokens * row_bytes / extract_s,
-                "written_bytes_s": written / extract_s,
-                **({"fp8_cosine_vs_bf16": fp8_error} if encoding.store == "fp8" else {}),
-                # Counting causal attention (attention_flops) as well as the matmuls.
-                "flops_per_token": model_flops_per_token(config, samples),
-                "mfu_bare": _mfu(config, samples, total_tokens / bare_s / layout.world_size),
-                "mfu_extract": _mfu(config, samples, total_tokens / extract_s / layout.world_size),
-                **({"bare_tok_s_by_chunk": bare_by_chunk} if bare_by_chunk else {}),
-                "host_peak_rss_bytes": max(coord.all_gather(_host_peak_rss())),
-                # Intra-op threads of the host-side copies into shard buffers, once the model is loaded.
-                "host_torch_threads": torch.get_num_threads(),
-                "gpu_peak_bytes": max(coord.all_gather(torch.cuda.max_memory_allocated())),
-            })
+            results.append(
+                {
+                    "command": opts.command,
+                    "device": torch.cuda.get_device_name(),
+                    "world_size": layout.world_size,
+                    "tp_size": layout.tp_size,
+                    "dp_size": layout.dp_size,
+                    "sglang_version": importlib.metadata.version("sglang"),
+                    "torch_version": torch.__version__,
+                    "model": opts.model or f"{opts.shape} (generated config, load_format={opts.load_format})",
+                    "dtype": opts.dtype,
+                    "attention_backend": engine.attention_backend,
+                    "layer_ids": list(engine.layer_ids),
+                    "lengths": opts.lengths
+                    if opts.lengths == "fixed"
+                    else f"lognormal mean {opts.mean_length} cap {opts.max_length}",
+                    "num_samples": sum(coord.all_gather(sum(len(b.samples) for b in timed) if layout.writes else 0)),
+                    "num_tokens": total_tokens,
+                    "tokens_per_batch": opts.tokens_per_batch,
+                    "chunk_tokens": engine.chunk_tokens,
+                    "longest_sample": longest,
+                    # On warm kernels: the same batches ran once before (`first_pass`), so that nothing compiles
+                    # while a mode is timed; `timed_compiled` counts what did.
+                    "bare_prefill_tok_s": total_tokens / bare_s,
+                    "bare_first_pass_tok_s": total_tokens / first_pass["seconds"],
+                    "bare_first_pass_s": first_pass["seconds"],
+                    "bare_first_pass_compiled": first_pass["compiled"],
+                    "first_pass_over_warm": bare_s / first_pass["seconds"],
+                    # Files added to the JIT caches from the end of the first pass to the end of this extraction:
+                    # 0 says every timed mode ran on warm kernels.
+                    "timed_compiled": max(coord.all_gather(jit_cache_entries(engine.jit_caches) - warm_entries)),
+                    "extract_tok_s": total_tokens / extract_s,
+                    "extract_over_bare": bare_s / extract_s,
+                    # Diagnostics: copy-out without writing, and where the main thread's time went.
+                    "copy_only_tok_s": total_tokens / copy_only_s,
+                    "bare_forward_s": bare_forward_s,
+                    "bare_wall_s": bare_s,
+                    "extract_forward_s": clock.seconds,
+                    "extract_wall_s": extract_s,
+                    # Start-up and tail, from CUDA events (see _ForwardClock): this rank's, not the slowest's.
+                    **{f"bare_{k}": v for k, v in bare_phases.items()},
+                    **{f"extract_{k}": v for k, v in clock.phases().items()},
+                    # Every rank's own (TP ranks that do not write included), forward by forward, and on writing
+                    # ranks where the host's time went around the forwards: waits for staging (the consumer is
+                    # behind), for the copies, in the consumer, for shard buffers (the writes are behind), and
+                    # each shard's write (_rank_report).
+                    "bare_ranks": bare_ranks,
+                    "extract_ranks": extract_ranks,
+                    # The cold start of this process: command -> model loaded -> first warm-up batches, timed
+                    # as they ran (this rank's); `bare_prefill_tok_s` is the warm figure beside them.
+                    **cold,
+                    "cold_over_warm": cold["cold_tok_s"] / (total_tokens / bare_s) if cold.get("cold_tok_s") else None,
+                    "jit_cache": engine.jit_caches,
+                    "jit_cache_cold": opts.cold,
+                    "writers": opts.writers,
+                    "out": out,
+                    "out_kind": out_kind(out),
+                    "disk_write_bytes_s": sum(coord.all_gather(disk_rate)),
+                    "store": encoding.store,
+                    "compress": encoding.compress,
+                    # Per token before compression (states, fp8 scales, input_ids, loss_mask), and as written
+                    # (compression, offsets, metadata and headers included).
+                    "bytes_per_token": row_bytes,
+                    "bytes_per_token_written": written / total_tokens,
+                    "compression_ratio": total_tokens * row_bytes / written,
+                    "extract_bytes_s": total_tokens * row_bytes / extract_s,
+                    "written_bytes_s": written / extract_s,
+                    **({"fp8_cosine_vs_bf16": fp8_error} if encoding.store == "fp8" else {}),
+                    # Counting causal attention (attention_flops) as well as the matmuls.
+                    "flops_per_token": model_flops_per_token(config, samples),
+                    "mfu_bare": _mfu(config, samples, total_tokens / bare_s / layout.world_size),
+                    "mfu_extract": _mfu(config, samples, total_tokens / extract_s / layout.world_size),
+                    **({"bare_tok_s_by_chunk": bare_by_chunk} if bare_by_chunk else {}),
+                    "host_peak_rss_bytes": max(coord.all_gather(_host_peak_rss())),
+                    # Intra-op threads of the host-side copies into shard buffers, once the model is loaded.
+                    "host_torch_threads": torch.get_num_threads(),
+                    "gpu_peak_bytes": max(coord.all_gather(torch.cuda.max_memory_allocated())),
+                }
+            )
             if opts.host_threads and len(results) == 1:
+
                 def timed_into(name: str) -> float:
                     w = writer(name)
                     return _timed(coord, lambda: extract(timed, w), clock)
 
                 results[-1]["extract_tok_s_by_host_threads"] = _host_thread_sweep(
-                    opts.host_threads, timed_into, root, total_tokens)
+                    opts.host_threads, timed_into, root, total_tokens
+                )
             files.measured(len(results) - 1, results[-1])
             if layout.leads:
                 print(summary_line(results[-1]), file=sys.stderr, flush=True)
@@ -564,8 +609,15 @@ def run_bench(opts: BenchOptions) -> list[dict]:
         # Only the same weights make HF's states comparable with ours; the dummy loader draws its own.
         weights = model_dir if opts.load_format != "dummy" else None
         start = time.perf_counter()
-        hf_s, hf_states = _hf_baseline(config, engine, warm, timed, coord, weights,
-                                       lambda model: peers.states_of(model, engine.layer_ids, check) if weights else None)
+        hf_s, hf_states = _hf_baseline(
+            config,
+            engine,
+            warm,
+            timed,
+            coord,
+            weights,
+            lambda model: peers.states_of(model, engine.layer_ids, check) if weights else None,
+        )
         for r in results:
             r["hf_tok_s"] = r["num_tokens"] / hf_s
             r["extract_over_hf"] = hf_s * r["extract_tok_s"] / r["num_tokens"]
@@ -598,21 +650,31 @@ def summary_line(r: dict) -> str:
     """One result in a line: every timed figure on warm kernels, beside the cold ones (the warm-up batches on
     the fresh engine, and bare prefill's first pass over the timed batches)."""
     warm = "warm kernels" if r["timed_compiled"] == 0 else f"{r['timed_compiled']} JIT cache files added while timed"
-    return (f"bench {r['store']}/{r['compress']} -> {r['out']} ({r['out_kind']}), tok/s on {warm}: bare "
-            f"{r['bare_prefill_tok_s']:,.0f}, extract {r['extract_tok_s']:,.0f} ({r['extract_over_bare']:.3f} of bare), "
-            f"copy-only {r['copy_only_tok_s']:,.0f}; cold: bare's first pass {r['bare_first_pass_tok_s']:,.0f} "
-            f"({r['bare_first_pass_compiled']} JIT cache files added), warm-up batches "
-            + (f"{r['cold_tok_s']:,.0f}" if r.get("cold_tok_s") else "none"))
+    return (
+        f"bench {r['store']}/{r['compress']} -> {r['out']} ({r['out_kind']}), tok/s on {warm}: bare "
+        f"{r['bare_prefill_tok_s']:,.0f}, extract {r['extract_tok_s']:,.0f} ({r['extract_over_bare']:.3f} of bare), "
+        f"copy-only {r['copy_only_tok_s']:,.0f}; cold: bare's first pass {r['bare_first_pass_tok_s']:,.0f} "
+        f"({r['bare_first_pass_compiled']} JIT cache files added), warm-up batches "
+        + (f"{r['cold_tok_s']:,.0f}" if r.get("cold_tok_s") else "none")
+    )
 
 
-def peers_first(opts: BenchOptions, files: ResultFiles, model_dir: Path, tokenizer, batches: list[list[np.ndarray]],
-                num_layers: int) -> list[peers.Pending]:
+def peers_first(
+    opts: BenchOptions, files: ResultFiles, model_dir: Path, tokenizer, batches: list[list[np.ndarray]], num_layers: int
+) -> list[peers.Pending]:
     """The peers of --baseline that run in their own processes, before our engine takes the GPU: each one's
     row is saved as soon as it finishes."""
     pending = []
     for peer in peers.run_subprocess_peers(
-        opts.baselines, opts.peer_options, model_dir=model_dir, tokenizer=tokenizer,
-        batches=batches, warmup=opts.warmup_batches, max_length=opts.longest, dtype=opts.dtype, num_layers=num_layers,
+        opts.baselines,
+        opts.peer_options,
+        model_dir=model_dir,
+        tokenizer=tokenizer,
+        batches=batches,
+        warmup=opts.warmup_batches,
+        max_length=opts.longest,
+        dtype=opts.dtype,
+        num_layers=num_layers,
         load_format=opts.load_format,
     ):
         pending.append(peer)
@@ -638,12 +700,20 @@ def shard_writes(writes: list[tuple[float, float, int]], started: float) -> dict
     }
 
 
-def _rank_report(layout: Layout, clock: _ForwardClock, host_times: dict | None = None,
-                 writer: ShardWriter | None = None) -> dict:
+def _rank_report(
+    layout: Layout, clock: _ForwardClock, host_times: dict | None = None, writer: ShardWriter | None = None
+) -> dict:
     """This rank's side of the last timed mode: its forwards (`_ForwardClock`), and on a writing rank where
     the host's time went around them (`HostOffload.times`) and the writer's waits and writes."""
-    report = {"rank": layout.rank, "writes": layout.writes, "forward_s": clock.seconds, "wall_s": clock.wall_s,
-              **clock.phases(), **(host_times or {}), "per_forward": clock.per_forward()}
+    report = {
+        "rank": layout.rank,
+        "writes": layout.writes,
+        "forward_s": clock.seconds,
+        "wall_s": clock.wall_s,
+        **clock.phases(),
+        **(host_times or {}),
+        "per_forward": clock.per_forward(),
+    }
     if writer is not None:
         report["writer_buffer_wait_s"] = writer.buffer_wait_s
         report.update(shard_writes(writer.writes, clock.started))
@@ -688,10 +758,15 @@ def _fp8_error(engine: Engine, batches: list[Batch], max_tokens: int) -> dict:
         seen += batch.num_tokens
         bf16 = {STATE_TENSORS[0]: captured.aux.to(torch.bfloat16), FINAL_STATE_TENSOR: captured.last.to(torch.bfloat16)}
         decoded = fp8.decode(fp8.encode(bf16[STATE_TENSORS[0]], bf16[FINAL_STATE_TENSOR], k))
-        for name, layers in ((STATE_TENSORS[0], [f"layer {i}" for i in engine.layer_ids]), (FINAL_STATE_TENSOR, ["last"])):
+        for name, layers in (
+            (STATE_TENSORS[0], [f"layer {i}" for i in engine.layer_ids]),
+            (FINAL_STATE_TENSOR, ["last"]),
+        ):
             rows = bf16[name].shape[0]
             cos = torch.nn.functional.cosine_similarity(
-                decoded[name].float().reshape(rows, len(layers), -1), bf16[name].float().reshape(rows, len(layers), -1), dim=-1
+                decoded[name].float().reshape(rows, len(layers), -1),
+                bf16[name].float().reshape(rows, len(layers), -1),
+                dim=-1,
             )
             for j, layer in enumerate(layers):
                 cosines.setdefault(layer, []).append(cos[:, j].cpu())
@@ -716,7 +791,11 @@ def _hf_baseline(config, engine: Engine, warm, timed, coord: Coordinator, weight
         with torch.device("cuda"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
     else:
-        model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+        model = (
+            AutoModelForCausalLM.from_pretrained(weights, dtype=torch.bfloat16, attn_implementation="sdpa")
+            .cuda()
+            .eval()
+        )
     _hf_pass(model, warm, engine.layer_ids, "cuda")
     seconds = _timed(coord, functools.partial(_hf_pass, model, timed, engine.layer_ids, "cuda"))
     kept = after(model)
@@ -771,7 +850,9 @@ def _generated_config(shape: str, longest: int, layout: Layout, coord: Coordinat
         build_model(shape, path, dtype=torch.bfloat16, weights=False)
         # SGLang refuses a context longer than the config's positions.
         if json.loads((path / "config.json").read_text()).get("max_position_embeddings", 0) < longest:
-            build_model(shape, path, dtype=torch.bfloat16, weights=False, overrides={"max_position_embeddings": longest})
+            build_model(
+                shape, path, dtype=torch.bfloat16, weights=False, overrides={"max_position_embeddings": longest}
+            )
     coord.barrier()
     return path
 
@@ -787,16 +868,24 @@ class ResultFiles:
         self._writes = layout.leads
         stamp = time.strftime("%Y%m%d-%H%M%S")
         model = opts.shape if not opts.model else Path(opts.model).name
-        self._names = [f"bench_{model}_{opts.lengths}_{out_kind(out)}_{store}_{compress}_w{layout.world_size}"
-                       f"_tp{layout.tp_size}_{stamp}.json" for store, compress in opts.encodings for out in opts.outs]
+        self._names = [
+            f"bench_{model}_{opts.lengths}_{out_kind(out)}_{store}_{compress}_w{layout.world_size}"
+            f"_tp{layout.tp_size}_{stamp}.json"
+            for store, compress in opts.encodings
+            for out in opts.outs
+        ]
         self._command = opts.command
         self.ours: list[dict | None] = [None] * len(self._names)  # in the order run_bench measures them
         self._peers = [] if opts.baselines else None
         # The order run_bench takes them in: the peers in their own processes first (see peers/README.md).
         own_process = [n for n in opts.baselines if n in peers.OWN_PROCESS]
         in_process = [n for n in opts.baselines if n not in peers.OWN_PROCESS]
-        self._planned = [*(f"peer {n}" for n in own_process), "ours", *(f"peer {n}" for n in in_process),
-                         *(f"cross-check {n}" for n in own_process + in_process)]
+        self._planned = [
+            *(f"peer {n}" for n in own_process),
+            "ours",
+            *(f"peer {n}" for n in in_process),
+            *(f"cross-check {n}" for n in own_process + in_process),
+        ]
         self._done: set[str] = set()
 
     def measured(self, index: int, result: dict) -> None:
@@ -817,11 +906,13 @@ class ResultFiles:
         docs = []
         for ours in self.ours:
             done = [p for p in self._planned if p in self._done or (p == "ours" and ours is not None)]
-            docs.append({
-                **(ours or {"command": self._command}),
-                **({"peers": [row.to_json() for row in self._peers]} if self._peers is not None else {}),
-                "parts": {"done": done, "left": [p for p in self._planned if p not in done]},
-            })
+            docs.append(
+                {
+                    **(ours or {"command": self._command}),
+                    **({"peers": [row.to_json() for row in self._peers]} if self._peers is not None else {}),
+                    "parts": {"done": done, "left": [p for p in self._planned if p not in done]},
+                }
+            )
         return docs
 
     def write(self, final: bool = False) -> list[dict]:
@@ -837,6 +928,10 @@ class ResultFiles:
             if final:
                 print(json.dumps(doc, indent=2), file=sys.stderr)
         parts = docs[-1]["parts"]  # the last file's: ours is measured into the files in their order
-        print(f"bench: saved {len(docs)} result file(s) in {self._dir} (done: {', '.join(parts['done']) or 'nothing'}; "
-              f"left: {', '.join(parts['left']) or 'nothing'})", file=sys.stderr, flush=True)
+        print(
+            f"bench: saved {len(docs)} result file(s) in {self._dir} (done: {', '.join(parts['done']) or 'nothing'}; "
+            f"left: {', '.join(parts['left']) or 'nothing'})",
+            file=sys.stderr,
+            flush=True,
+        )
         return docs

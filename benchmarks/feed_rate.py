@@ -11,6 +11,7 @@ these fall below its forwards' tokens/s.
 `--threads 1` holds the tokenizer to one core (RAYON_NUM_THREADS, read when it first tokenizes), for the
 rate of one core.
 """
+
 import os
 import sys
 import time
@@ -34,9 +35,15 @@ def _rate(records, tokenize, budget: int) -> dict:
     batches = list(batch_by_tokens(samples, budget, 256))
     seconds = time.perf_counter() - start
     tokens = sum(s.num_tokens for s in samples)
-    return {"records": len(records), "samples": len(samples), "tokens": tokens, "batches": len(batches),
-            "records_s": len(records) / seconds, "tokens_s": tokens / seconds,
-            "batching_s": seconds - (tokenized - start)}
+    return {
+        "records": len(records),
+        "samples": len(samples),
+        "tokens": tokens,
+        "batches": len(batches),
+        "records_s": len(records) / seconds,
+        "tokens_s": tokens / seconds,
+        "batching_s": seconds - (tokenized - start),
+    }
 
 
 @program(help=__doc__)
@@ -45,7 +52,9 @@ def _rate(records, tokenize, budget: int) -> dict:
 @click.option("--max-length", default=8192, show_default=True)
 @click.option("--tokens-per-batch", default=16384, show_default=True)
 @click.option("--together", default=64, show_default=True, help="Records a call of the tokenizer (a run's: 64).")
-@click.option("--threads", default=None, type=int, help="The tokenizer's threads (RAYON_NUM_THREADS); default: all cores.")
+@click.option(
+    "--threads", default=None, type=int, help="The tokenizer's threads (RAYON_NUM_THREADS); default: all cores."
+)
 @click.option("--json", "json_path", default=None, help="Also write the result here.")
 def main(model, data, max_length, tokens_per_batch, together, threads, json_path):
     if threads:
@@ -58,16 +67,22 @@ def main(model, data, max_length, tokens_per_batch, together, threads, json_path
     st = SampleTokenizer(AutoTokenizer.from_pretrained(model), max_length=max_length)
     records = [r for r in read_corpus([data]) if isinstance(r, Record)]
     st.many(records[:8])  # the tokenizer's first call sets up its threads
-    result = {"command": command_line("python benchmarks/feed_rate.py"), "cpu_count": os.cpu_count(),
-              "tokenizer_threads": threads or "all cores"}
+    result = {
+        "command": command_line("python benchmarks/feed_rate.py"),
+        "cpu_count": os.cpu_count(),
+        "tokenizer_threads": threads or "all cores",
+    }
     for kind in ("text", "chat"):
         chosen = [r for r in records if (r.format == "text") == (kind == "text")]
         if not chosen:
             continue
         result[kind] = {
             "one_by_one": _rate(chosen, lambda rs: [st(r) for r in rs], tokens_per_batch),
-            "together": _rate(chosen, lambda rs: [s for i in range(0, len(rs), together)
-                                                  for s in st.many(rs[i: i + together])], tokens_per_batch),
+            "together": _rate(
+                chosen,
+                lambda rs: [s for i in range(0, len(rs), together) for s in st.many(rs[i : i + together])],
+                tokens_per_batch,
+            ),
         }
     emit(result, json_path)
 

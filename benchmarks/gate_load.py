@@ -17,6 +17,7 @@ up, and what each way of getting HF's weights onto the device costs.
 
 Seconds are wall time, the device synchronized at each end.
 """
+
 from __future__ import annotations
 
 import gc
@@ -56,12 +57,16 @@ def _load(model: str, dtype: str, device: torch.device, tensors=None) -> tuple[t
     """load_hf_model, split at the points it marks."""
     at = {}
     start = time.perf_counter()
-    hf = reference.load_hf_model(model, dtype, str(device), tensors=tensors,
-                              mark=lambda point: at.__setitem__(point, time.perf_counter()))
+    hf = reference.load_hf_model(
+        model, dtype, str(device), tensors=tensors, mark=lambda point: at.__setitem__(point, time.perf_counter())
+    )
     _sync(device)
     end = time.perf_counter()
-    return hf, {"config_s": at["hf configured"] - start, "to_host_s": at["hf on host"] - at["hf configured"],
-                "to_device_s": end - at["hf on host"]}
+    return hf, {
+        "config_s": at["hf configured"] - start,
+        "to_host_s": at["hf on host"] - at["hf configured"],
+        "to_device_s": end - at["hf on host"],
+    }
 
 
 def _copy_to_device(tensors: dict, device: torch.device) -> float:
@@ -109,9 +114,14 @@ def _forwards_and_comparison(hf, device: torch.device, dtype: str, samples: int,
     start = time.perf_counter()
     rows = parity.compare(held, hf, layer_ids, dtype, timed=forwards.append)
     total = time.perf_counter() - start
-    return {"forwards_s": sum(forwards), "first_forward_s": forwards[0], "compare_s": total - sum(forwards),
-            "against_float32": rows[0].floor_rel_err is not None, "rows_ok": all(row.ok for row in rows),
-            "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+    return {
+        "forwards_s": sum(forwards),
+        "first_forward_s": forwards[0],
+        "compare_s": total - sum(forwards),
+        "against_float32": rows[0].floor_rel_err is not None,
+        "rows_ok": all(row.ok for row in rows),
+        "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+    }
 
 
 @program(__doc__)
@@ -125,8 +135,14 @@ def main(model: str, dtype: str, device_name: str, samples: int, length: int, js
     device = torch.device(device_name)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    result = {"model": model, "dtype": dtype, "device": str(device),
-              "checkpoint_bytes": checkpoint.checkpoint_bytes(model), "samples": samples, "length": length}
+    result = {
+        "model": model,
+        "dtype": dtype,
+        "device": str(device),
+        "checkpoint_bytes": checkpoint.checkpoint_bytes(model),
+        "samples": samples,
+        "length": length,
+    }
     # In a run SGLang has imported transformers' modeling code by the gate; here it is imported first, apart.
     start = time.perf_counter()
     _import_model_class(model)

@@ -21,6 +21,7 @@ own comparison (parity.compare_states) judges, against those references:
 Per layer, `ratio` is parity.LayerParity.floor_ratio (at most 1 passes); `margin` is the nearest wrong
 state's ratio over the correct one's, and `wrong_all_fail` whether every wrong state failed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -91,9 +92,18 @@ def measure(model: str, data: str, samples: int, device: str, dtype: str, attent
 
     prepare_process(device)
     seqs = _samples(model, data, samples)
-    engine = Engine(EngineConfig(model_path=model, device=device, dtype=dtype, attention_backend=attention_backend,
-                                 max_tokens_per_batch=8192, context_length=8192, nccl_port=free_port(),
-                                 mem_fraction_static=0.5))
+    engine = Engine(
+        EngineConfig(
+            model_path=model,
+            device=device,
+            dtype=dtype,
+            attention_backend=attention_backend,
+            max_tokens_per_batch=8192,
+            context_length=8192,
+            nccl_port=free_port(),
+            mem_fraction_static=0.5,
+        )
+    )
     default_ids = list(engine.layer_ids)
     hf = reference.load_hf_model(model, dtype, device)
     hf_device = next(hf.parameters()).device
@@ -121,34 +131,68 @@ def measure(model: str, data: str, samples: int, device: str, dtype: str, attent
             if perturb:
                 aux, final = _perturbed(aux, len(default_ids), generator), _perturbed(final, 1, generator)
             pairs.append((aux, final, exact, half))
-        return [r.to_json() | {"ratio": r.floor_ratio()} for r in
-                parity.compare_states(iter(pairs), default_ids, dtype, final_state=reference)]
+        return [
+            r.to_json() | {"ratio": r.floor_ratio()}
+            for r in parity.compare_states(iter(pairs), default_ids, dtype, final_state=reference)
+        ]
 
-    variants = {"correct": judged(), "ids -1": judged(shift=-1), "ids +1": judged(shift=1),
-                "perturbed 1%": judged(perturb=True), "pre for post": judged(ours="pre-norm"),
-                "post for pre": judged(reference="pre-norm")}
+    variants = {
+        "correct": judged(),
+        "ids -1": judged(shift=-1),
+        "ids +1": judged(shift=1),
+        "perturbed 1%": judged(perturb=True),
+        "pre for post": judged(ours="pre-norm"),
+        "post for pre": judged(reference="pre-norm"),
+    }
 
     # Which rows each wrong state makes wrong: the ids' the aux layers, the norm's the final state.
-    wrong_rows = {"ids -1": "aux", "ids +1": "aux", "perturbed 1%": "all", "pre for post": "last",
-                  "post for pre": "last"}
+    wrong_rows = {
+        "ids -1": "aux",
+        "ids +1": "aux",
+        "perturbed 1%": "all",
+        "pre for post": "last",
+        "post for pre": "last",
+    }
     layers = {}
     for i, row in enumerate(variants["correct"]):
         name = row["layer"]
-        wrong = {v: variants[v][i]["ratio"] for v, rows in wrong_rows.items()
-                 if rows == "all" or (rows == "aux") == name.startswith("aux")}
+        wrong = {
+            v: variants[v][i]["ratio"]
+            for v, rows in wrong_rows.items()
+            if rows == "all" or (rows == "aux") == name.startswith("aux")
+        }
         correct = row["ratio"]
         nearest = min(wrong, key=wrong.get)
-        layers[name] = {"correct_ratio": correct, "nearest_wrong": nearest, "nearest_wrong_ratio": wrong[nearest],
-                        "margin": wrong[nearest] / correct, "wrong_ratios": wrong,
-                        "correct_passes": correct <= 1, "wrong_all_fail": all(r > 1 for r in wrong.values())}
-    return {"model": model, "device": device, "dtype": dtype, "attention_backend": engine.attention_backend,
-            "layer_ids": default_ids, "samples": len(seqs), "tokens": sum(map(len, seqs)),
-            "rule": parity.HALF_FLOOR, "perturbation": PERTURBATION, "layers": layers, "variants": variants}
+        layers[name] = {
+            "correct_ratio": correct,
+            "nearest_wrong": nearest,
+            "nearest_wrong_ratio": wrong[nearest],
+            "margin": wrong[nearest] / correct,
+            "wrong_ratios": wrong,
+            "correct_passes": correct <= 1,
+            "wrong_all_fail": all(r > 1 for r in wrong.values()),
+        }
+    return {
+        "model": model,
+        "device": device,
+        "dtype": dtype,
+        "attention_backend": engine.attention_backend,
+        "layer_ids": default_ids,
+        "samples": len(seqs),
+        "tokens": sum(map(len, seqs)),
+        "rule": parity.HALF_FLOOR,
+        "perturbation": PERTURBATION,
+        "layers": layers,
+        "variants": variants,
+    }
 
 
 @program(__doc__)
-@click.option("--model", required=True, help="A checkpoint directory (the real model: python -m "
-                                             "offline_extract.testing.real_model --print-path).")
+@click.option(
+    "--model",
+    required=True,
+    help="A checkpoint directory (the real model: python -m offline_extract.testing.real_model --print-path).",
+)
 @click.option("--data", required=True, help="A corpus of real English (real_model --corpus FILE).")
 @click.option("--samples", default=32, show_default=True)
 @click.option("--device", default="cpu", show_default=True)

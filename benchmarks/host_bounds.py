@@ -11,6 +11,7 @@ tokens/s.
 
 Runs on a GPU host (the staging is pinned there) or, pinned memory aside, on any host.
 """
+
 import hashlib
 import os
 import shutil

@@ -1,13 +1,14 @@
 """Inputs and outputs of the main job as users run it (benchmarks/main_job.sh).
 
-    python benchmarks/main_job.py corpus MODEL_DIR CORPUS.jsonl --num-tokens N
-        a chat corpus (OpenAI `messages`) of the bench's lognormal lengths (mean 1,700 tokens, cap
-        8,192), so that the command's samples are the bench's and its figures compare with the bench's;
-    python benchmarks/main_job.py stacks ARGS...
-        runs `ARGS` (a Python script and its arguments) with every thread's stack dumped every
-        $OE_STACKS_EVERY seconds (default 5) into $OE_STACKS: where a cold start's minute goes, on a machine
-        with no profiler.
+python benchmarks/main_job.py corpus MODEL_DIR CORPUS.jsonl --num-tokens N
+    a chat corpus (OpenAI `messages`) of the bench's lognormal lengths (mean 1,700 tokens, cap
+    8,192), so that the command's samples are the bench's and its figures compare with the bench's;
+python benchmarks/main_job.py stacks ARGS...
+    runs `ARGS` (a Python script and its arguments) with every thread's stack dumped every
+    $OE_STACKS_EVERY seconds (default 5) into $OE_STACKS: where a cold start's minute goes, on a machine
+    with no profiler.
 """
+
 from __future__ import annotations
 
 import faulthandler

@@ -8,6 +8,7 @@ tests/gpu/test_gpu_fp8.py and tests/gpu/test_gpu_mxfp4.py on the GPU; `benchmark
 prints the table, or with --page replaces the one between its parity-table markers. RESULTS_DIR defaults to
 benchmarks/results/parity. A family whose run has no file yet reads "pending".
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,10 @@ def _states(rows: list[dict], moe: bool = False) -> str:
     """Over all layers compared: pass or FAIL under the product's gate (a MoE model's median token, else every
     token), the worst token and the worst median."""
     passed = all(r["median_cosine"] >= MOE_HALF_MIN_MEDIAN_COSINE for r in rows) if moe else all(r["ok"] for r in rows)
-    return (f"{'pass' if passed else '**FAIL**'}: worst token {min(r['cosine'] for r in rows):.4f}, "
-            f"median ≥ {min(r['median_cosine'] for r in rows):.5f}")
+    return (
+        f"{'pass' if passed else '**FAIL**'}: worst token {min(r['cosine'] for r in rows):.4f}, "
+        f"median ≥ {min(r['median_cosine'] for r in rows):.5f}"
+    )
 
 
 # The CPU suite's fp32 rule (tests/unit/engine/test_architectures.py): relative to the states' scale, which grows to about 11
@@ -121,9 +124,18 @@ def table(results: Path) -> str:
 
 
 @program(__doc__)
-@click.argument("results", metavar="[RESULTS_DIR]", required=False, default=RESULTS, type=click.Path(file_okay=False, path_type=Path))
-@click.option("--page", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Replace the table between the parity-table markers in this file.")
+@click.argument(
+    "results",
+    metavar="[RESULTS_DIR]",
+    required=False,
+    default=RESULTS,
+    type=click.Path(file_okay=False, path_type=Path),
+)
+@click.option(
+    "--page",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Replace the table between the parity-table markers in this file.",
+)
 def main(results: Path, page: Path | None) -> None:
     text = table(results)
     if page is None:
@@ -132,8 +144,9 @@ def main(results: Path, page: Path | None) -> None:
     current = page.read_text()
     if START not in current or END not in current:
         raise click.ClickException(f"{page} has no {START} ... {END} markers")
-    page.write_text(re.sub(f"{re.escape(START)}.*?{re.escape(END)}", lambda m: f"{START}\n{text}\n{END}",
-                             current, flags=re.S))
+    page.write_text(
+        re.sub(f"{re.escape(START)}.*?{re.escape(END)}", lambda m: f"{START}\n{text}\n{END}", current, flags=re.S)
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ run_benchmark below describes the method.
     python benchmarks/read_throughput.py
     python benchmarks/read_throughput.py --samples 64 --hidden-size 1024 --out /tmp/small.json
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -29,7 +30,9 @@ import click
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: this checkout's benchmarks and offline_extract
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # run as a file: this checkout's benchmarks and offline_extract
 
 from benchmarks import program  # noqa: E402
 
@@ -156,8 +159,12 @@ def run_benchmark(config: BenchConfig, work_dir: str | os.PathLike | None = None
         state_bytes = sum(lengths) * Encoding().state_bytes_per_token(config.num_aux, config.hidden_size)
         start = time.perf_counter()
         write_synthetic(
-            out_dir, lengths, hidden_size=config.hidden_size, num_aux=config.num_aux,
-            shard_bytes=config.shard_mb << 20, seed=config.seed,
+            out_dir,
+            lengths,
+            hidden_size=config.hidden_size,
+            num_aux=config.num_aux,
+            shard_bytes=config.shard_mb << 20,
+            seed=config.seed,
         )
         write_seconds = time.perf_counter() - start
         start = time.perf_counter()
@@ -231,23 +238,40 @@ RESULTS = Path(__file__).resolve().parent / "results" / "read_throughput_cpu.jso
 @click.option("--samples", default=DEFAULTS.num_samples, show_default=True)
 @click.option("--hidden-size", default=DEFAULTS.hidden_size, show_default=True)
 @click.option("--num-aux", default=DEFAULTS.num_aux, show_default=True, help="EAGLE-3 layers (k).")
-@click.option("--median-len", default=DEFAULTS.median_len, show_default=True,
-              help="Median sample length; lengths are log-normal, clipped to [--min-len, --max-len].")
+@click.option(
+    "--median-len",
+    default=DEFAULTS.median_len,
+    show_default=True,
+    help="Median sample length; lengths are log-normal, clipped to [--min-len, --max-len].",
+)
 @click.option("--sigma", default=DEFAULTS.sigma, show_default=True, help="Log-normal sigma of the lengths.")
 @click.option("--min-len", default=DEFAULTS.min_len, show_default=True)
 @click.option("--max-len", default=DEFAULTS.max_len, show_default=True)
 @click.option("--shard-mb", default=DEFAULTS.shard_mb, show_default=True)
 @click.option("--passes", default=DEFAULTS.passes, show_default=True, help="Timed passes per reader.")
 @click.option("--seed", default=DEFAULTS.seed, show_default=True)
-@click.option("--work-dir", type=click.Path(file_okay=False, path_type=str), default=None,
-              help="Where to build the data (default: the system temporary directory).")
+@click.option(
+    "--work-dir",
+    type=click.Path(file_okay=False, path_type=str),
+    default=None,
+    help="Where to build the data (default: the system temporary directory).",
+)
 @click.option("--keep", is_flag=True, help="Keep the generated data.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=RESULTS, show_default=True)
-def main(samples, hidden_size, num_aux, median_len, sigma, min_len, max_len, shard_mb, passes, seed, work_dir,
-         keep, out):
+def main(
+    samples, hidden_size, num_aux, median_len, sigma, min_len, max_len, shard_mb, passes, seed, work_dir, keep, out
+):
     config = BenchConfig(
-        num_samples=samples, hidden_size=hidden_size, num_aux=num_aux, median_len=median_len, sigma=sigma,
-        min_len=min_len, max_len=max_len, shard_mb=shard_mb, passes=passes, seed=seed,
+        num_samples=samples,
+        hidden_size=hidden_size,
+        num_aux=num_aux,
+        median_len=median_len,
+        sigma=sigma,
+        min_len=min_len,
+        max_len=max_len,
+        shard_mb=shard_mb,
+        passes=passes,
+        seed=seed,
     )
     result = run_benchmark(config, work_dir=work_dir, keep=keep)
     out.parent.mkdir(parents=True, exist_ok=True)

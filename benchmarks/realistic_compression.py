@@ -16,6 +16,7 @@ weights as the source of the ratio, it does not predict a large model's to the p
     python -m benchmarks.realistic_compression --train-seconds 150 \
         --json benchmarks/results/realistic_compression_cpu.json
 """
+
 from __future__ import annotations
 
 import time
@@ -62,8 +63,12 @@ def train(model, stream: torch.Tensor, seconds: float, seq: int, batch: int, lr:
         losses.append(loss.item())
         step += 1
     model.eval()
-    return {"steps": step, "seconds": round(time.perf_counter() - start, 1), "first_loss": round(losses[0], 3),
-            "last_loss": round(float(np.mean(losses[-20:])), 3)}
+    return {
+        "steps": step,
+        "seconds": round(time.perf_counter() - start, 1),
+        "first_loss": round(losses[0], 3),
+        "last_loss": round(float(np.mean(losses[-20:])), 3),
+    }
 
 
 @torch.no_grad()
@@ -104,11 +109,25 @@ def ratios(model, samples: list[torch.Tensor], layer_ids: tuple[int, ...] = LAYE
 @click.option("--sample-tokens", default=512, show_default=True)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--model-dir", default=None, help="Where the tiny model is built (default: the user cache).")
-@click.option("--threads", default=1, show_default=True,
-              help="Torch threads (a model this small runs 4-5x slower on 2 threads of a busy 2-core machine).")
+@click.option(
+    "--threads",
+    default=1,
+    show_default=True,
+    help="Torch threads (a model this small runs 4-5x slower on 2 threads of a busy 2-core machine).",
+)
 @click.option("--json", "json_path", default=None, help="Write the result here.")
-def main(train_seconds: float, seq: int, batch: int, lr: float, samples: int, sample_tokens: int, seed: int,
-         model_dir: str | None, threads: int, json_path: str | None) -> dict:
+def main(
+    train_seconds: float,
+    seq: int,
+    batch: int,
+    lr: float,
+    samples: int,
+    sample_tokens: int,
+    seed: int,
+    model_dir: str | None,
+    threads: int,
+    json_path: str | None,
+) -> dict:
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
 
@@ -123,11 +142,15 @@ def main(train_seconds: float, seq: int, batch: int, lr: float, samples: int, sa
     n = sample_tokens
     held_out = [test_stream[i * n : (i + 1) * n] for i in range(min(samples, len(test_stream) // n))]
 
-    result = {"command": command_line("python -m benchmarks.realistic_compression"),
-              "model": "offline_extract tiny Llama (hidden 64, 8 layers, vocab 384)",
-              "text": "pydoc_data.topics (Python reference documentation): 85% of topics train, the rest held out",
-              "train_tokens": len(train_stream), "measured_tokens": sum(len(s) for s in held_out),
-              "layer_ids": list(LAYER_IDS), "final_state": "post-norm"}
+    result = {
+        "command": command_line("python -m benchmarks.realistic_compression"),
+        "model": "offline_extract tiny Llama (hidden 64, 8 layers, vocab 384)",
+        "text": "pydoc_data.topics (Python reference documentation): 85% of topics train, the rest held out",
+        "train_tokens": len(train_stream),
+        "measured_tokens": sum(len(s) for s in held_out),
+        "layer_ids": list(LAYER_IDS),
+        "final_state": "post-norm",
+    }
     result["random_weights"] = {"held_out_loss": round(held_out_loss(model, held_out), 3), **ratios(model, held_out)}
     result["training"] = train(model, train_stream, train_seconds, seq, batch, lr, seed)
     result["trained"] = {"held_out_loss": round(held_out_loss(model, held_out), 3), **ratios(model, held_out)}

@@ -19,6 +19,7 @@ separate tensors where SGLang merges them; each is drawn alike, which does not m
 
     python -m benchmarks.weights_compression --json benchmarks/results/weights_compression_cpu.json
 """
+
 from __future__ import annotations
 
 import click
@@ -41,7 +42,9 @@ def initialise(model, kind: str) -> None:
         if kind == "generated":  # as build_model draws them, in bf16 as make_8b_model.sh writes them
             p.copy_(_random_tensor(name, tuple(p.shape), gen, torch.bfloat16, "cpu"))
         else:
-            drawn = torch.empty(p.shape).uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=torch.Generator().manual_seed(DUMMY_SEED))
+            drawn = torch.empty(p.shape).uniform_(
+                -DUMMY_RANGE, DUMMY_RANGE, generator=torch.Generator().manual_seed(DUMMY_SEED)
+            )
             p.copy_(drawn.bfloat16())
 
 
@@ -69,24 +72,48 @@ def main(hidden: int, layers: int, num_tokens: int, threads: int, json_path: str
 
     tiny = ensure_tiny_model()
     tokenizer = SampleTokenizer(AutoTokenizer.from_pretrained(tiny), max_length=8192)
-    samples = [torch.as_tensor(np.asarray(s.input_ids)) for s in synthetic_corpus(tokenizer, BenchOptions(num_tokens=num_tokens))]
-    shape = {**ARCHITECTURES["llama3_8b"](0), "hidden_size": hidden, "intermediate_size": hidden * 7 // 2,
-             "num_hidden_layers": layers, "num_attention_heads": hidden // 128,
-             "num_key_value_heads": max(1, hidden // 512), "max_position_embeddings": 16384,
-             "torch_dtype": "float32"}
+    samples = [
+        torch.as_tensor(np.asarray(s.input_ids))
+        for s in synthetic_corpus(tokenizer, BenchOptions(num_tokens=num_tokens))
+    ]
+    shape = {
+        **ARCHITECTURES["llama3_8b"](0),
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 7 // 2,
+        "num_hidden_layers": layers,
+        "num_attention_heads": hidden // 128,
+        "num_key_value_heads": max(1, hidden // 512),
+        "max_position_embeddings": 16384,
+        "torch_dtype": "float32",
+    }
     config = AutoConfig.for_model(**{k: v for k, v in shape.items() if k != "architectures"})
     model = AutoModel.from_config(config).eval()  # the decoder and its final norm; no LM head
     # SGLang's EAGLE-3 default for this depth, as for the 8B shape: [1, N/2 - 1, N - 4].
     layer_ids = (1, layers // 2 - 1, layers - 4)
-    result = {"command": command_line("python -m benchmarks.weights_compression"),
-              "shape": {k: shape[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                               "num_attention_heads", "num_key_value_heads", "head_dim")},
-              "layer_ids": list(layer_ids), "final_state": "post-norm",
-              "tokens": int(sum(len(s) for s in samples)), "samples": len(samples)}
+    result = {
+        "command": command_line("python -m benchmarks.weights_compression"),
+        "shape": {
+            k: shape[k]
+            for k in (
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+            )
+        },
+        "layer_ids": list(layer_ids),
+        "final_state": "post-norm",
+        "tokens": int(sum(len(s) for s in samples)),
+        "samples": len(samples),
+    }
     for kind in ("dummy", "generated"):
         initialise(model, kind)
-        result[kind] = {**ratios(model, samples, layer_ids),
-                        "cosine_to_embedding": cosine_to_embedding(model, samples, layer_ids)}
+        result[kind] = {
+            **ratios(model, samples, layer_ids),
+            "cosine_to_embedding": cosine_to_embedding(model, samples, layer_ids),
+        }
     return emit(result, json_path)
 
 

@@ -16,6 +16,7 @@ are listed, to show that a change to the writer left the bytes alone.
     python -m benchmarks.writer_tail --case batches --compress zstd --writers 12
     python -m benchmarks.writer_tail --case long --tokens 131072
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -95,8 +96,15 @@ def run(case: str, out: Path, store: str, compress: str, writers: int, pace: flo
             stop = min(start + BATCH_TOKENS, tokens)
             if start == 0:
                 n = torch.arange(tokens, dtype=torch.int32)
-                rows.update(writer.begin_sample(_info(0, tokens), n, torch.ones(tokens, dtype=torch.uint8),
-                                                {name: t.shape[1] for name, t in staged.items()}, stream=True))
+                rows.update(
+                    writer.begin_sample(
+                        _info(0, tokens),
+                        n,
+                        torch.ones(tokens, dtype=torch.uint8),
+                        {name: t.shape[1] for name, t in staged.items()},
+                        stream=True,
+                    )
+                )
             for name, t in staged.items():
                 rows[name][start:stop].copy_(t[: stop - start])
             writer.filled(stop)
@@ -117,7 +125,11 @@ def run(case: str, out: Path, store: str, compress: str, writers: int, pace: flo
     written = sum(p.stat().st_size for p in paths)
     shutil.rmtree(out, ignore_errors=True)
     return {
-        "case": case, "store": store, "compress": compress, "writers": writers, "pace_s": pace,
+        "case": case,
+        "store": store,
+        "compress": compress,
+        "writers": writers,
+        "pace_s": pace,
         "tokens": tokens if case == "long" else batches * BATCH_TOKENS,
         "bytes_written": written,
         "last_batch_handover_s": handed - start,
@@ -139,8 +151,17 @@ def run(case: str, out: Path, store: str, compress: str, writers: int, pace: flo
 @click.option("--batches", default=6, show_default=True, help="Batches of 16,384 tokens (--case batches).")
 @click.option("--tokens", default=131072, show_default=True, help="The long sample's length (--case long).")
 @click.option("--json", "json_path", default=None, help="Also save the result to this file.")
-def main(case: str, out: str, store: str, compress: str, writers: int, pace: float, batches: int, tokens: int,
-         json_path: str | None) -> None:
+def main(
+    case: str,
+    out: str,
+    store: str,
+    compress: str,
+    writers: int,
+    pace: float,
+    batches: int,
+    tokens: int,
+    json_path: str | None,
+) -> None:
     emit(run(case, Path(out), store, compress, writers, pace, batches, tokens), json_path)
 
 

@@ -12,6 +12,7 @@ Writes benchmarks/results/writer_throughput_<host>[_<store>_<compress>].json wit
 states are Gaussian with a few large channels per layer, which zstd compresses about as it does real
 activations (ones, as before, would compress to nothing and hide its cost).
 """
+
 import json
 import os
 import platform
@@ -34,6 +35,7 @@ from offline_extract.options import choices, default  # noqa: E402
 from offline_extract.store.schema import Encoding, RunInfo, SampleInfo  # noqa: E402
 from offline_extract.store.writer import WRITER_THREADS, ShardWriter  # noqa: E402
 from offline_extract.testing.states import activation_like  # noqa: E402
+
 K = 3  # aux layers, beside the last state
 H = 4096  # the 8B shape's hidden size; --hidden gives another (576: SmolLM2-135M)
 BATCH_TOKENS = 16384
@@ -74,8 +76,16 @@ class _PeakRSS:
         self._thread.join()
 
 
-def _writer_rate(out: Path, total_bytes: int, preallocate: bool, shard_bytes: int, encoding: Encoding = Encoding(),
-                 writers: int = WRITER_THREADS, hidden: int = H, samples: int = 8) -> dict:
+def _writer_rate(
+    out: Path,
+    total_bytes: int,
+    preallocate: bool,
+    shard_bytes: int,
+    encoding: Encoding = Encoding(),
+    writers: int = WRITER_THREADS,
+    hidden: int = H,
+    samples: int = 8,
+) -> dict:
     """Bytes/s that add_batch + close sustain for batches of `samples` samples of `hidden`-wide states (the
     consumer thread's view)."""
     shutil.rmtree(out, ignore_errors=True)
@@ -88,15 +98,28 @@ def _writer_rate(out: Path, total_bytes: int, preallocate: bool, shard_bytes: in
     with _PeakRSS() as rss:
         created = time.perf_counter()
         run = RunInfo(layer_ids=tuple(range(K)), store=encoding.store, compress=encoding.compress)
-        writer = ShardWriter(out, run, shard_bytes=shard_bytes, writers=writers,
-                             widths=encoding.widths(K, hidden) if preallocate else None)
+        writer = ShardWriter(
+            out,
+            run,
+            shard_bytes=shard_bytes,
+            writers=writers,
+            widths=encoding.widths(K, hidden) if preallocate else None,
+        )
         n = BATCH_TOKENS // samples
         lengths = [n] * (samples - 1) + [BATCH_TOKENS - n * (samples - 1)]
         start = time.perf_counter()
         for b in range(batches):
-            infos = [SampleInfo(index=b * samples + i, id=f"s{b * samples + i}", source="synthetic",
-                                line=b * samples + i + 1, source_len=length, truncated=False)
-                     for i, length in enumerate(lengths)]
+            infos = [
+                SampleInfo(
+                    index=b * samples + i,
+                    id=f"s{b * samples + i}",
+                    source="synthetic",
+                    line=b * samples + i + 1,
+                    source_len=length,
+                    truncated=False,
+                )
+                for i, length in enumerate(lengths)
+            ]
             writer.add_batch(infos, ids, mask, aux, last, lengths=lengths)
         fed = time.perf_counter()
         writer.close()
@@ -136,8 +159,12 @@ def _record(suffix: str, measured: dict) -> None:
 @program(__doc__)
 @click.option("--out", default="/dev/shm/oe-writer", show_default=True)
 @click.option("--gb", default=4.0, show_default=True, help="Hidden-state bytes to push through each writer.")
-@click.option("--store", type=click.Choice(choices("store")), default=None,
-              help="Measure this store only (with --compress), at 512 MB shards, preallocated.")
+@click.option(
+    "--store",
+    type=click.Choice(choices("store")),
+    default=None,
+    help="Measure this store only (with --compress), at 512 MB shards, preallocated.",
+)
 @click.option("--compress", type=click.Choice(choices("compress")), default=default("compress"), show_default=True)
 @click.option("--writers", default=WRITER_THREADS, show_default=True)
 @click.option("--hidden", default=H, show_default=True, help="Hidden size of the states (576: SmolLM2-135M).")
@@ -149,16 +176,19 @@ def main(out: str, gb: float, store: str | None, compress: str, writers: int, hi
         suffix = f"_{store}_{compress}" + (f"_h{hidden}_s{samples}" if (hidden, samples) != (H, 8) else "")
         _record(suffix, {"writer": _writer_rate(Path(out), total, True, 512 << 20, encoding, writers, hidden, samples)})
         return
-    _record("", {
-        "torch_threads": torch.get_num_threads(),
-        "first_touch_copy_bytes_s": _copy_rate(1 << 30, warm=False),
-        "resident_copy_bytes_s": _copy_rate(1 << 30, warm=True),
-        "writer": [
-            _writer_rate(Path(out), total, preallocate, shard_bytes)
-            for shard_bytes in (1 << 30, 512 << 20)
-            for preallocate in (False, True)
-        ],
-    })
+    _record(
+        "",
+        {
+            "torch_threads": torch.get_num_threads(),
+            "first_touch_copy_bytes_s": _copy_rate(1 << 30, warm=False),
+            "resident_copy_bytes_s": _copy_rate(1 << 30, warm=True),
+            "writer": [
+                _writer_rate(Path(out), total, preallocate, shard_bytes)
+                for shard_bytes in (1 << 30, 512 << 20)
+                for preallocate in (False, True)
+            ],
+        },
+    )
 
 
 if __name__ == "__main__":

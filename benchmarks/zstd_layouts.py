@@ -16,6 +16,7 @@ decides is the relative order of the layouts, and their speed.
     python -m benchmarks.zstd_layouts --hidden 2048 --layers 8 --tokens 8192 --repeat 2 \\
         --json benchmarks/results/zstd_layouts_cpu.json
 """
+
 from __future__ import annotations
 
 import json
@@ -28,18 +29,30 @@ import zstandard
 
 from benchmarks import command_line, program
 from offline_extract.store.codecs import (
-    ZSTD_LEVEL, compress_frame, compressor, decompress_frame, decompressor, fp8_quantize,
+    ZSTD_LEVEL,
+    compress_frame,
+    compressor,
+    decompress_frame,
+    decompressor,
+    fp8_quantize,
 )
 
 
-def activations(hidden: int, layers: int, tokens: int, sample_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def activations(
+    hidden: int, layers: int, tokens: int, sample_tokens: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(aux [T, 3H], final [T, H]) in bf16 from a random Llama: ids [1, N/2-1, N-4] + the post-norm state."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers, num_attention_heads=hidden // 128,
-        num_key_value_heads=max(1, hidden // 512), vocab_size=32000, max_position_embeddings=sample_tokens,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 128,
+        num_key_value_heads=max(1, hidden // 512),
+        vocab_size=32000,
+        max_position_embeddings=sample_tokens,
     )
     model = LlamaForCausalLM(config).eval()
     ids = [1, layers // 2 - 1, layers - 4]
@@ -62,8 +75,12 @@ def measure(name: str, tensors: list[torch.Tensor], frames_of, repeat: int) -> d
     best_c = best_d = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()
-        frames = [compress_frame(c, cctx) if name.endswith("planes")
-                  else cctx.compress(c.contiguous().view(torch.uint8).numpy()) for c in chunks]
+        frames = [
+            compress_frame(c, cctx)
+            if name.endswith("planes")
+            else cctx.compress(c.contiguous().view(torch.uint8).numpy())
+            for c in chunks
+        ]
         best_c = min(best_c, time.perf_counter() - t0)
         t0 = time.perf_counter()
         for c, f in zip(chunks, frames):
@@ -74,8 +91,13 @@ def measure(name: str, tensors: list[torch.Tensor], frames_of, repeat: int) -> d
         best_d = min(best_d, time.perf_counter() - t0)
     packed = sum(len(f) for f in frames)
     return {
-        "layout": name, "frames": len(frames), "raw_bytes": raw, "compressed_bytes": packed,
-        "ratio": raw / packed, "compress_MBps": raw / best_c / 1e6, "decompress_MBps": raw / best_d / 1e6,
+        "layout": name,
+        "frames": len(frames),
+        "raw_bytes": raw,
+        "compressed_bytes": packed,
+        "ratio": raw / packed,
+        "compress_MBps": raw / best_c / 1e6,
+        "decompress_MBps": raw / best_d / 1e6,
     }
 
 
@@ -86,9 +108,16 @@ def measure(name: str, tensors: list[torch.Tensor], frames_of, repeat: int) -> d
 @click.option("--sample-tokens", default=1700, show_default=True)
 @click.option("--repeat", default=3, show_default=True)
 @click.option("--seed", default=0, show_default=True)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Also write the result to this file.")
-def main(hidden: int, layers: int, tokens: int, sample_tokens: int, repeat: int, seed: int, json_path: Path | None) -> None:
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the result to this file.",
+)
+def main(
+    hidden: int, layers: int, tokens: int, sample_tokens: int, repeat: int, seed: int, json_path: Path | None
+) -> None:
     torch.set_num_threads(1)
     aux, last = activations(hidden, layers, tokens, sample_tokens, seed)
     bounds = list(range(0, tokens, sample_tokens)) + [tokens]
@@ -111,15 +140,34 @@ def main(hidden: int, layers: int, tokens: int, sample_tokens: int, repeat: int,
             else:
                 row = measure(name, tensors, frames_of, repeat)
             rows.append({"store": store, **row})
-            print(f"{store:5} {name:14} ratio {row['ratio']:.3f}  compress {row['compress_MBps']:7.0f} MB/s  "
-                  f"decompress {row['decompress_MBps']:7.0f} MB/s  ({row['frames']} frames)", flush=True)
+            print(
+                f"{store:5} {name:14} ratio {row['ratio']:.3f}  compress {row['compress_MBps']:7.0f} MB/s  "
+                f"decompress {row['decompress_MBps']:7.0f} MB/s  ({row['frames']} frames)",
+                flush=True,
+            )
     if json_path:
-        args = {"hidden": hidden, "layers": layers, "tokens": tokens, "sample_tokens": sample_tokens, "repeat": repeat,
-                "seed": seed, "json": str(json_path)}
+        args = {
+            "hidden": hidden,
+            "layers": layers,
+            "tokens": tokens,
+            "sample_tokens": sample_tokens,
+            "repeat": repeat,
+            "seed": seed,
+            "json": str(json_path),
+        }
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({"command": command_line("python -m benchmarks.zstd_layouts"), "args": args,
-                                         "zstd_level": ZSTD_LEVEL, "zstandard": zstandard.__version__, "rows": rows},
-                                        indent=1))
+        json_path.write_text(
+            json.dumps(
+                {
+                    "command": command_line("python -m benchmarks.zstd_layouts"),
+                    "args": args,
+                    "zstd_level": ZSTD_LEVEL,
+                    "zstandard": zstandard.__version__,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ single-thread speed as the best of a few runs.
 
     python -m benchmarks.zstd_params --json benchmarks/results/zstd_params_cpu.json
 """
+
 from __future__ import annotations
 
 import time
@@ -44,10 +45,21 @@ def main(tokens: int, width: int, repeat: int, seeds: int, json_path: str | None
         bf16 = activation_like(tokens, 1, width, seed).reshape(tokens, width)
         fp8, _ = fp8_quantize(bf16, 3)
         for store, tensor in (("bf16", bf16), ("fp8", fp8)):
-            rows.append({"seed": seed, "store": store, "level_1": _measure(tensor, plain, repeat),
-                         "ours": _measure(tensor, compressor(), repeat)})
-    result = {"command": command_line("python -m benchmarks.zstd_params"), "tokens": tokens, "width": width, "threads": 1,
-              "rows": rows}
+            rows.append(
+                {
+                    "seed": seed,
+                    "store": store,
+                    "level_1": _measure(tensor, plain, repeat),
+                    "ours": _measure(tensor, compressor(), repeat),
+                }
+            )
+    result = {
+        "command": command_line("python -m benchmarks.zstd_params"),
+        "tokens": tokens,
+        "width": width,
+        "threads": 1,
+        "rows": rows,
+    }
     return emit(result, json_path)
 
 

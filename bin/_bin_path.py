@@ -5,9 +5,9 @@ library's `inspect` for every later import (click, torch, ...). This takes bin/ 
 puts this checkout's root in its place, so that a script runs the package beside it rather than whichever
 checkout an editable install points at.
 """
+
 import os
 import sys
 
 _here = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [os.path.dirname(_here)] + [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
-

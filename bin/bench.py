@@ -24,6 +24,7 @@ peer bundle). The two SGLang-based peers load the model from its files, so they 
 weights and --load-format auto. Each peer's row, with its per-layer cosine against our states for the
 first --cross-check-samples samples, goes to the result's `peers` list.
 """
+
 import _bin_path  # noqa: F401  (must come first: see its docstring)
 import offline_extract.commands  # noqa: F401  (before the heavy imports: Ctrl-C during them exits 130)
 import os
@@ -46,90 +47,263 @@ def _command() -> str:
 
 @command(help=__doc__)
 @click.option("--model", default=None, help="HF model directory. Default: a generated config of --shape.")
-@click.option("--shape", default=BenchOptions.shape, show_default=True,
-              help="Generated model shape (see offline_extract.testing.models.ARCHITECTURES).")
-@click.option("--load-format", default=BenchOptions.load_format, show_default=True, help="'dummy': random weights, no files needed.")
-@click.option("--dtype", type=click.Choice(choices("dtype")), default=BenchOptions.dtype, show_default=True,
-              help="Compute dtype (as extract.py --dtype).")
-@click.option("--tp", default=BenchOptions.tp, show_default=True, help="Tensor-parallel size; under torchrun the rest is data-parallel.")
+@click.option(
+    "--shape",
+    default=BenchOptions.shape,
+    show_default=True,
+    help="Generated model shape (see offline_extract.testing.models.ARCHITECTURES).",
+)
+@click.option(
+    "--load-format",
+    default=BenchOptions.load_format,
+    show_default=True,
+    help="'dummy': random weights, no files needed.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(choices("dtype")),
+    default=BenchOptions.dtype,
+    show_default=True,
+    help="Compute dtype (as extract.py --dtype).",
+)
+@click.option(
+    "--tp",
+    default=BenchOptions.tp,
+    show_default=True,
+    help="Tensor-parallel size; under torchrun the rest is data-parallel.",
+)
 @click.option("--attention-backend", default=None, help="Default: fa3 on Hopper when installed, else triton.")
-@click.option("--out", "outs", multiple=True, default=BenchOptions.outs, show_default=True,
-              help="Where extraction writes shards; repeat to measure several targets in one run.")
-@click.option("--lengths", type=click.Choice(["lognormal", "fixed"]), default=BenchOptions.lengths, show_default=True,
-              help="Sample lengths of the synthetic corpus: log-normal of mean --mean-length, capped at --max-length, "
-                   "or all exactly --mean-length.")
-@click.option("--mean-length", default=BenchOptions.mean_length, show_default=True,
-              help="Mean (lognormal) or exact (fixed) tokens a sample.")
+@click.option(
+    "--out",
+    "outs",
+    multiple=True,
+    default=BenchOptions.outs,
+    show_default=True,
+    help="Where extraction writes shards; repeat to measure several targets in one run.",
+)
+@click.option(
+    "--lengths",
+    type=click.Choice(["lognormal", "fixed"]),
+    default=BenchOptions.lengths,
+    show_default=True,
+    help="Sample lengths of the synthetic corpus: log-normal of mean --mean-length, capped at --max-length, "
+    "or all exactly --mean-length.",
+)
+@click.option(
+    "--mean-length",
+    default=BenchOptions.mean_length,
+    show_default=True,
+    help="Mean (lognormal) or exact (fixed) tokens a sample.",
+)
 @click.option("--max-length", default=BenchOptions.max_length, show_default=True, help="Cap of the lognormal lengths.")
-@click.option("--num-tokens", default=BenchOptions.num_tokens, show_default=True, help="Synthetic corpus size in tokens.")
-@click.option("--tokens-per-batch", default=BenchOptions.tokens_per_batch, show_default=True,
-              help="Token budget of one forward (as extract.py --tokens-per-batch).")
-@click.option("--chunk-tokens", default=None, type=int,
-              help="Tokens a forward for samples longer than --tokens-per-batch (chunked prefill). Default: --tokens-per-batch.")
-@click.option("--chunk-sweep", default="", help="Comma-separated chunk sizes: also time bare chunked prefill of the "
-              "first timed batch at each (`bare_tok_s_by_chunk`), to choose --chunk-tokens.")
-@click.option("--warmup-batches", default=BenchOptions.warmup_batches, show_default=True,
-              help="Batches run first, each timed on its own: the cold start (`cold_batch_s`, `cold_tok_s`, beside "
-                   "the command-to-first-forward `startup_to_first_forward_s`), then untimed before each mode.")
-@click.option("--cold", is_flag=True,
-              help="Compile into an empty JIT cache (a temporary folder, removed after), as a fresh machine or "
-                   "container does, whatever the environment's caches hold.")
-@click.option("--jit-cache", default=None,
-              help="Where compiled kernels are kept between runs (as extract.py --jit-cache). "
-                   "Default: $XDG_CACHE_HOME/offline_extract.")
-@click.option("--baseline", "baselines", multiple=True, type=click.Choice(BASELINES),
-              help="Also run this peer (repeatable); see above.")
+@click.option(
+    "--num-tokens", default=BenchOptions.num_tokens, show_default=True, help="Synthetic corpus size in tokens."
+)
+@click.option(
+    "--tokens-per-batch",
+    default=BenchOptions.tokens_per_batch,
+    show_default=True,
+    help="Token budget of one forward (as extract.py --tokens-per-batch).",
+)
+@click.option(
+    "--chunk-tokens",
+    default=None,
+    type=int,
+    help="Tokens a forward for samples longer than --tokens-per-batch (chunked prefill). Default: --tokens-per-batch.",
+)
+@click.option(
+    "--chunk-sweep",
+    default="",
+    help="Comma-separated chunk sizes: also time bare chunked prefill of the "
+    "first timed batch at each (`bare_tok_s_by_chunk`), to choose --chunk-tokens.",
+)
+@click.option(
+    "--warmup-batches",
+    default=BenchOptions.warmup_batches,
+    show_default=True,
+    help="Batches run first, each timed on its own: the cold start (`cold_batch_s`, `cold_tok_s`, beside "
+    "the command-to-first-forward `startup_to_first_forward_s`), then untimed before each mode.",
+)
+@click.option(
+    "--cold",
+    is_flag=True,
+    help="Compile into an empty JIT cache (a temporary folder, removed after), as a fresh machine or "
+    "container does, whatever the environment's caches hold.",
+)
+@click.option(
+    "--jit-cache",
+    default=None,
+    help="Where compiled kernels are kept between runs (as extract.py --jit-cache). "
+    "Default: $XDG_CACHE_HOME/offline_extract.",
+)
+@click.option(
+    "--baseline",
+    "baselines",
+    multiple=True,
+    type=click.Choice(BASELINES),
+    help="Also run this peer (repeatable); see above.",
+)
 @click.option("--baseline-hf", is_flag=True, help="The same as --baseline hf (kept for earlier results' commands).")
-@click.option("--cross-check-samples", default=PeerOptions.cross_check_samples, show_default=True,
-              help="Samples whose states each peer's are compared with ours.")
-@click.option("--peer-workdir", default=PeerOptions.workdir, show_default=True,
-              help="Peers' inputs, outputs and logs (SpecForge writes its states here).")
-@click.option("--peer-site", default=PeerOptions.peer_site, show_default=True,
-              help="SGLang 0.5.14 + SpecForge 0.2.0, installed by the peer bundle (benchmarks/peers/make_peer_bundle.sh).")
-@click.option("--specforge-attention-backend", default=PeerOptions.specforge_attention_backend, show_default=True,
-              help="SpecForge's --sglang-attention-backend (its own default is flashinfer).")
-@click.option("--disk-probe-gb", default=BenchOptions.disk_probe_bytes / (1 << 30), show_default=True,
-              help="GiB written to each --out to measure its write rate.")
-@click.option("--writers", default=BenchOptions.writers, show_default=True,
-              help="Shard writer threads, one file each (they also compress under zstd); bin/extract.py --writers.")
-@click.option("--store", "stores", multiple=True, type=click.Choice(choices("store")), default=["bf16"], show_default=True,
-              help="How states are stored (as extract.py --store); repeat to measure several with one model load. "
-                   "fp8 also records the per-token cosine of the decoded states against the bf16 ones of the same "
-                   "forward passes, worst and median per layer.")
-@click.option("--compress", "compressions", multiple=True, type=click.Choice(choices("compress")), default=["none"],
-              show_default=True, help="As extract.py --compress; repeat for several (every --store is measured with "
-                                      "every --compress). Results record the compression ratio and bytes written per "
-                                      "second.")
-@click.option("--results-dir", default=BenchOptions.results_dir, show_default=True,
-              help="Where the result JSONs go (a relative path: from the current directory).")
-@click.option("--profile", default=None, help="Write torch-profiler tables and traces of bare prefill and of "
-              "extraction of the first --profile-batches timed batches to this directory.")
-@click.option("--profile-batches", default=BenchOptions.profile_batches, show_default=True,
-              help="Timed batches that --profile records.")
-@click.option("--single-gpu-result", "single_gpu_results", multiple=True, type=click.Path(exists=True, dir_okay=False),
-              help="A one-GPU result JSON from the same session: adds `scaling` (aggregate / one GPU) to the "
-                   "results of the same out kind (tmpfs, disk); repeat for each kind.")
-@click.option("--host-threads", default="", help="Comma-separated counts: also time the first --store/--out's "
-              "extraction with torch's intra-op threads (the copies into shard buffers) at each "
-              "(`extract_tok_s_by_host_threads`).")
-def main(model, shape, load_format, dtype, tp, attention_backend, outs, lengths, mean_length, max_length, num_tokens,
-         tokens_per_batch, chunk_tokens, chunk_sweep, warmup_batches, cold, jit_cache, baselines, baseline_hf, cross_check_samples,
-         peer_workdir, peer_site, specforge_attention_backend, disk_probe_gb, writers, stores, compressions, results_dir,
-         profile, profile_batches, single_gpu_results, host_threads):
-    peer_options = PeerOptions(workdir=peer_workdir, cross_check_samples=cross_check_samples, peer_site=peer_site,
-                               specforge_attention_backend=specforge_attention_backend)
+@click.option(
+    "--cross-check-samples",
+    default=PeerOptions.cross_check_samples,
+    show_default=True,
+    help="Samples whose states each peer's are compared with ours.",
+)
+@click.option(
+    "--peer-workdir",
+    default=PeerOptions.workdir,
+    show_default=True,
+    help="Peers' inputs, outputs and logs (SpecForge writes its states here).",
+)
+@click.option(
+    "--peer-site",
+    default=PeerOptions.peer_site,
+    show_default=True,
+    help="SGLang 0.5.14 + SpecForge 0.2.0, installed by the peer bundle (benchmarks/peers/make_peer_bundle.sh).",
+)
+@click.option(
+    "--specforge-attention-backend",
+    default=PeerOptions.specforge_attention_backend,
+    show_default=True,
+    help="SpecForge's --sglang-attention-backend (its own default is flashinfer).",
+)
+@click.option(
+    "--disk-probe-gb",
+    default=BenchOptions.disk_probe_bytes / (1 << 30),
+    show_default=True,
+    help="GiB written to each --out to measure its write rate.",
+)
+@click.option(
+    "--writers",
+    default=BenchOptions.writers,
+    show_default=True,
+    help="Shard writer threads, one file each (they also compress under zstd); bin/extract.py --writers.",
+)
+@click.option(
+    "--store",
+    "stores",
+    multiple=True,
+    type=click.Choice(choices("store")),
+    default=["bf16"],
+    show_default=True,
+    help="How states are stored (as extract.py --store); repeat to measure several with one model load. "
+    "fp8 also records the per-token cosine of the decoded states against the bf16 ones of the same "
+    "forward passes, worst and median per layer.",
+)
+@click.option(
+    "--compress",
+    "compressions",
+    multiple=True,
+    type=click.Choice(choices("compress")),
+    default=["none"],
+    show_default=True,
+    help="As extract.py --compress; repeat for several (every --store is measured with "
+    "every --compress). Results record the compression ratio and bytes written per "
+    "second.",
+)
+@click.option(
+    "--results-dir",
+    default=BenchOptions.results_dir,
+    show_default=True,
+    help="Where the result JSONs go (a relative path: from the current directory).",
+)
+@click.option(
+    "--profile",
+    default=None,
+    help="Write torch-profiler tables and traces of bare prefill and of "
+    "extraction of the first --profile-batches timed batches to this directory.",
+)
+@click.option(
+    "--profile-batches",
+    default=BenchOptions.profile_batches,
+    show_default=True,
+    help="Timed batches that --profile records.",
+)
+@click.option(
+    "--single-gpu-result",
+    "single_gpu_results",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="A one-GPU result JSON from the same session: adds `scaling` (aggregate / one GPU) to the "
+    "results of the same out kind (tmpfs, disk); repeat for each kind.",
+)
+@click.option(
+    "--host-threads",
+    default="",
+    help="Comma-separated counts: also time the first --store/--out's "
+    "extraction with torch's intra-op threads (the copies into shard buffers) at each "
+    "(`extract_tok_s_by_host_threads`).",
+)
+def main(
+    model,
+    shape,
+    load_format,
+    dtype,
+    tp,
+    attention_backend,
+    outs,
+    lengths,
+    mean_length,
+    max_length,
+    num_tokens,
+    tokens_per_batch,
+    chunk_tokens,
+    chunk_sweep,
+    warmup_batches,
+    cold,
+    jit_cache,
+    baselines,
+    baseline_hf,
+    cross_check_samples,
+    peer_workdir,
+    peer_site,
+    specforge_attention_backend,
+    disk_probe_gb,
+    writers,
+    stores,
+    compressions,
+    results_dir,
+    profile,
+    profile_batches,
+    single_gpu_results,
+    host_threads,
+):
+    peer_options = PeerOptions(
+        workdir=peer_workdir,
+        cross_check_samples=cross_check_samples,
+        peer_site=peer_site,
+        specforge_attention_backend=specforge_attention_backend,
+    )
     options = BenchOptions(
-        model=model, shape=shape, load_format=load_format, dtype=dtype, tp=tp, attention_backend=attention_backend,
-        outs=tuple(outs), lengths=lengths, mean_length=mean_length, max_length=max_length, num_tokens=num_tokens,
-        tokens_per_batch=tokens_per_batch, chunk_tokens=chunk_tokens,
-        chunk_sweep=tuple(int(c) for c in chunk_sweep.split(",") if c), warmup_batches=warmup_batches,
-        cold=cold, jit_cache=jit_cache,
-        baselines=tuple(dict.fromkeys((*baselines, *(["hf"] if baseline_hf else [])))), peer_options=peer_options,
-        disk_probe_bytes=int(disk_probe_gb * (1 << 30)), writers=writers,
+        model=model,
+        shape=shape,
+        load_format=load_format,
+        dtype=dtype,
+        tp=tp,
+        attention_backend=attention_backend,
+        outs=tuple(outs),
+        lengths=lengths,
+        mean_length=mean_length,
+        max_length=max_length,
+        num_tokens=num_tokens,
+        tokens_per_batch=tokens_per_batch,
+        chunk_tokens=chunk_tokens,
+        chunk_sweep=tuple(int(c) for c in chunk_sweep.split(",") if c),
+        warmup_batches=warmup_batches,
+        cold=cold,
+        jit_cache=jit_cache,
+        baselines=tuple(dict.fromkeys((*baselines, *(["hf"] if baseline_hf else [])))),
+        peer_options=peer_options,
+        disk_probe_bytes=int(disk_probe_gb * (1 << 30)),
+        writers=writers,
         encodings=tuple((store, compress) for store in stores for compress in compressions),
         results_dir=results_dir,
-        profile=profile, profile_batches=profile_batches, single_gpu_results=tuple(single_gpu_results),
-        host_threads=tuple(int(n) for n in host_threads.split(",") if n), command=_command(),
+        profile=profile,
+        profile_batches=profile_batches,
+        single_gpu_results=tuple(single_gpu_results),
+        host_threads=tuple(int(n) for n in host_threads.split(",") if n),
+        command=_command(),
     )
     # Here, not at the top: torch and SGLang take seconds to import, which --help and --version need not wait for.
     from benchmarks.extraction_vs_prefill import run_bench

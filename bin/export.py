@@ -1,5 +1,6 @@
 #!/usr/bin/env python
 """`offline-extract-export` from this checkout; the command is offline_extract/commands/export.py."""
+
 import _bin_path  # noqa: F401  (must come first: see its docstring)
 from offline_extract.commands.export import main
 

@@ -11,6 +11,7 @@ The public API::
 
 Everything else is internal and may change between versions.
 """
+
 from __future__ import annotations
 
 import importlib

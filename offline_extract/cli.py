@@ -1,5 +1,6 @@
 """What every command shares: -h as well as --help, --version, exit status 130 on Ctrl-C, and warnings as
 one line of their own words."""
+
 from __future__ import annotations
 
 import contextlib

@@ -4,6 +4,7 @@ Everything here is generated from fixed seeds, so two machines build the same fi
 downloaded. offline_extract.testing.models writes, with the same tokenizer, every other architecture the
 parity suites check.
 """
+
 from __future__ import annotations
 
 import json

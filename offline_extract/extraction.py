@@ -5,6 +5,7 @@ attempts into the same directory already wrote, and `distributed.Share` which of
 job's methods are its phases; feeding the batches to the engine and the writer is `feed`, the counting is
 `summary`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -115,7 +116,11 @@ def _known_before_loading(opts: ExtractOptions, checked: preflight.Checked) -> R
 
 
 def engine_config(
-    opts: ExtractOptions, layout: Layout, model_path: Path, device: str, tokens_per_batch: int,
+    opts: ExtractOptions,
+    layout: Layout,
+    model_path: Path,
+    device: str,
+    tokens_per_batch: int,
     layer_ids: tuple[int, ...] | None,
 ) -> EngineConfig:
     """The engine a run of `opts` loads on this rank, from what preflight resolved (the bench builds its
@@ -156,7 +161,8 @@ def run_metadata(known: RunInfo, engine: Engine) -> RunInfo:
         known,
         architecture=engine.architecture,
         layer_ids=tuple(engine.layer_ids),
-        layer_convention=LAYER_CONVENTION + (f"; last = {FINAL_STATES[known.final_state]}" if known.final_state else ""),
+        layer_convention=LAYER_CONVENTION
+        + (f"; last = {FINAL_STATES[known.final_state]}" if known.final_state else ""),
         sglang_capture_points=tuple(engine.capture_points),
         num_layers=engine.num_layers,
         hidden_size=engine.hidden_size,
@@ -176,15 +182,20 @@ def _sample_tokenizer(opts: ExtractOptions, model_dir: Path) -> SampleTokenizer:
     where = f"put the model's tokenizer files (tokenizer.json, or tokenizer.model) beside {model_dir / 'config.json'}"
     processor = _image_processor(opts, model_dir)
     try:
-        tokenizer = processor.tokenizer if processor is not None else \
-            AutoTokenizer.from_pretrained(model_dir, trust_remote_code=opts.trust_remote_code)
+        tokenizer = (
+            processor.tokenizer
+            if processor is not None
+            else AutoTokenizer.from_pretrained(model_dir, trust_remote_code=opts.trust_remote_code)
+        )
     except (OSError, ValueError) as e:  # its words name neither the directory nor, often, the cause
         raise ValueError(f"no tokenizer loads from {model_dir} ({where}): {e}") from e
     if len(tokenizer) <= len(tokenizer.all_special_tokens):
         # transformers 5 builds this for some model types (Qwen) from a directory without tokenizer files: text
         # would tokenize to nothing, and every chat record would fail for want of a chat template.
-        raise ValueError(f"{model_dir} holds no tokenizer: transformers built one of special tokens alone "
-                         f"({', '.join(tokenizer.all_special_tokens) or 'none'}); {where}")
+        raise ValueError(
+            f"{model_dir} holds no tokenizer: transformers built one of special tokens alone "
+            f"({', '.join(tokenizer.all_special_tokens) or 'none'}); {where}"
+        )
     return SampleTokenizer(
         tokenizer,
         max_length=opts.max_length,
@@ -208,11 +219,15 @@ def _image_processor(opts: ExtractOptions, model_dir: Path):
     try:
         processor = AutoProcessor.from_pretrained(model_dir, trust_remote_code=opts.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise ValueError(f"{model_dir} is a vision-language model (its config.json has a vision_config), but its HF "
-                         f"processor does not load from it ({needed}): {e}") from e
+        raise ValueError(
+            f"{model_dir} is a vision-language model (its config.json has a vision_config), but its HF "
+            f"processor does not load from it ({needed}): {e}"
+        ) from e
     if getattr(processor, "image_processor", None) is None:  # AutoProcessor gives the tokenizer alone then
-        raise ValueError(f"{model_dir} is a vision-language model (its config.json has a vision_config), but "
-                         f"AutoProcessor finds no image processor there ({needed})")
+        raise ValueError(
+            f"{model_dir} is a vision-language model (its config.json has a vision_config), but "
+            f"AutoProcessor finds no image processor there ({needed})"
+        )
     return processor
 
 
@@ -239,9 +254,18 @@ def dry_run(opts: ExtractOptions) -> planning.Plan:
     model = checked.model
     tokenizer = _sample_tokenizer(opts, model.path)
     with _progress(opts, "dry run", lambda: _count_records(checked.sources)) as bar:
-        plan = planning.plan(opts.data, tokenizer, opts.out, model.hidden_size, _num_aux_layers(checked),
-                             encoding(opts), strict=opts.strict, advance=lambda tokens: bar.advance(1, tokens, 0),
-                             done=done, kept_shards=len(shards))
+        plan = planning.plan(
+            opts.data,
+            tokenizer,
+            opts.out,
+            model.hidden_size,
+            _num_aux_layers(checked),
+            encoding(opts),
+            strict=opts.strict,
+            advance=lambda tokens: bar.advance(1, tokens, 0),
+            done=done,
+            kept_shards=len(shards),
+        )
     if resume.finished(out, replace(known, **tokenizer.fingerprint()), checked.corpus_paths):
         return replace(plan, finished=True)  # the run says "already complete" without taking the directory
     # Looked at last: the state the run would meet if started now, after a dry run that may have taken minutes.
@@ -346,7 +370,11 @@ class Job:
         done = self.output.claim(existing, self.meta, self.checked.corpus_paths, self.opts.data, self.opts.force)
         self.share = Share(layout, done)
         with resumable(self.out), ExitStack() as journals:
-            rejects = journals.enter_context(Journal(self.out / resume.REJECTS_PART.format(layout.dp_rank))) if layout.writes else None
+            rejects = (
+                journals.enter_context(Journal(self.out / resume.REJECTS_PART.format(layout.dp_rank)))
+                if layout.writes
+                else None
+            )
             tally = Tally(rejects, opts.strict, opts.nonfinite)
             samples = self._pending(done, tally)
             head = list(islice(samples, opts.parity_samples))
@@ -380,8 +408,9 @@ class Job:
         """SGLang's imports, then its model load and the warm-up, with the tokenizer (unless it is loaded
         already) on a thread of its own beside them: the run waits only for what of it they did not cover."""
         opts, checked, layout = self.opts, self.checked, self.layout
-        cfg = engine_config(opts, layout, checked.model.path, checked.device, checked.tokens_per_batch,
-                            checked.layer_ids)
+        cfg = engine_config(
+            opts, layout, checked.model.path, checked.device, checked.tokens_per_batch, checked.layer_ids
+        )
         self.timeline.mark("loading")
         with foreign_output_hidden(not opts.verbose):
             import_sglang(cfg.device, cfg.jit_cache)
@@ -421,7 +450,9 @@ class Job:
         items = iter(read_corpus(self.opts.data, owns=self.share))
         while chunk := list(islice(items, TOKENIZED_TOGETHER)):
             resumed = [item.index < len(done) and bool(done[item.index]) for item in chunk]
-            samples = iter(self.tokenizer.many([item for item, r in zip(chunk, resumed) if not r and isinstance(item, Record)]))
+            samples = iter(
+                self.tokenizer.many([item for item, r in zip(chunk, resumed) if not r and isinstance(item, Record)])
+            )
             for item, r in zip(chunk, resumed):
                 if r:
                     tally.resumed()
@@ -441,8 +472,9 @@ class Job:
         return verified["rows"]
 
     def _timings(self) -> dict:
-        return run_timings(self.timeline, self.layout.dp_size, self.input_wait_s, self.gate.timings,
-                           self.engine.prebuild_report)
+        return run_timings(
+            self.timeline, self.layout.dp_size, self.input_wait_s, self.gate.timings, self.engine.prebuild_report
+        )
 
     def _writer(self, existing: resume.Existing, journals: ExitStack, buffers: list, on_gpu: bool) -> ShardWriter:
         shard_log = journals.enter_context(Journal(manifest.journal_path(self.out, self.layout.dp_rank), durable=True))
@@ -459,14 +491,15 @@ class Job:
             buffers=buffers,
         )
 
-    def _extract(self, samples: Iterator[Sample], writer: ShardWriter | None, staging: list | None, tally: Tally) -> None:
+    def _extract(
+        self, samples: Iterator[Sample], writer: ShardWriter | None, staging: list | None, tally: Tally
+    ) -> None:
         opts, layout = self.opts, self.layout
         label = f"dp {layout.dp_rank}/{layout.dp_size}" if layout.dp_size > 1 else "extract"
         # The leader's share stands for every replica's; its progress counts the records, shown or not.
         watch = planning.OutputWatch(self.out, layout.dp_size) if layout.leads and writer is not None else None
         count = (lambda: _count_owned(self.share, self.checked.sources)) if layout.leads else None
         with _progress(opts, label, count, shown=layout.leads) as bar:
-
             # The records read up to each batch, counted as the batch is made: the batches are made ahead of
             # the forwards (prepared_ahead), so the records read by the time a batch is done run ahead of it.
             read_by_batch: deque[int] = deque()
@@ -486,8 +519,10 @@ class Job:
                     watch.check(bar.done, bar.total, bar.tokens, writer.tokens_written, writer.bytes_written)
 
             extract_start = time.perf_counter()
-            batches = _marked(prepared_ahead(counted(batch_by_tokens(samples, self.checked.tokens_per_batch,
-                                                                     opts.seqs_per_batch))), self.timeline)
+            batches = _marked(
+                prepared_ahead(counted(batch_by_tokens(samples, self.checked.tokens_per_batch, opts.seqs_per_batch))),
+                self.timeline,
+            )
             guard = NonFiniteGuard(opts.nonfinite, self.engine.layer_ids, tally.nonfinite)
             try:
                 times = extract_batches(self.engine, batches, writer, advance, staging=staging, nonfinite=guard)
@@ -514,8 +549,9 @@ def _marked(batches: Iterator, timeline: Timeline) -> Iterator:
         yield batch
 
 
-def _stop_at_the_first_bad_record(opts: ExtractOptions, layout: Layout, coord: Coordinator, sources: Sequence[Source],
-                                   tokenizer: SampleTokenizer) -> None:
+def _stop_at_the_first_bad_record(
+    opts: ExtractOptions, layout: Layout, coord: Coordinator, sources: Sequence[Source], tokenizer: SampleTokenizer
+) -> None:
     """--strict: each replica reads and tokenizes its share before the model loads, and the run stops at
     the first bad record in corpus order, whichever replica holds it, reported once."""
     first = None
@@ -596,12 +632,18 @@ def _pending_signals_run() -> None:
     call to this one takes the signal where the caller catches what it raises."""
 
 
-def _progress(opts: ExtractOptions, label: str, count: Callable[[], int | None] | None, shown: bool = True) -> RunProgress:
+def _progress(
+    opts: ExtractOptions, label: str, count: Callable[[], int | None] | None, shown: bool = True
+) -> RunProgress:
     """The bar, or with --no-progress a line every --progress-every seconds, over a pass through the records:
     the extraction, and the reading and tokenizing of the whole corpus that --dry-run and --strict make before
     any forward, which on a large corpus takes minutes that would otherwise pass in silence."""
-    return RunProgress(count, label, enabled=shown and (opts.progress or opts.progress_every > 0),
-                       heartbeat=None if opts.progress else opts.progress_every)
+    return RunProgress(
+        count,
+        label,
+        enabled=shown and (opts.progress or opts.progress_every > 0),
+        heartbeat=None if opts.progress else opts.progress_every,
+    )
 
 
 def _count_records(sources: Sequence[Source]) -> int | None:

@@ -4,6 +4,7 @@ Each batch is one forward (or a long sample's chunks, one forward each); its sta
 device and copied to pinned host rows on a side stream (`engine.offload`) while the next forward runs,
 then handed to the `ShardWriter`, screened for NaN/Inf on the way.
 """
+
 from __future__ import annotations
 
 import queue
@@ -34,8 +35,12 @@ def _image_mask(samples) -> np.ndarray | None:
     """The packed samples' image-token mask (None where none has images)."""
     if all(s.images is None for s in samples):
         return None
-    return np.concatenate([np.zeros(s.num_tokens, np.uint8) if s.images is None else s.images.token_mask.astype(np.uint8)
-                           for s in samples])
+    return np.concatenate(
+        [
+            np.zeros(s.num_tokens, np.uint8) if s.images is None else s.images.token_mask.astype(np.uint8)
+            for s in samples
+        ]
+    )
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,9 @@ class _WriterFeed:
         if piece.start == 0:
             widths = {name: t.shape[1] for name, t in staged.items()}
             stream = self.guard.policy != "drop"
-            self._rows = self.writer.begin_sample(_info(sample), sample.input_ids, sample.loss_mask, widths, stream=stream)
+            self._rows = self.writer.begin_sample(
+                _info(sample), sample.input_ids, sample.loss_mask, widths, stream=stream
+            )
             self._flagged = False
         for name, t in staged.items():
             self._rows[name][piece.start : piece.stop].copy_(t)
@@ -247,8 +254,9 @@ class HostMemory:
     the prepared memory is dropped and allocated anew.
     """
 
-    def __init__(self, encoding: Encoding, widths: dict[str, int], forward_tokens: int, gpu: int, shard_bytes: int,
-                 writers: int):
+    def __init__(
+        self, encoding: Encoding, widths: dict[str, int], forward_tokens: int, gpu: int, shard_bytes: int, writers: int
+    ):
         self.encoding = encoding
         self.widths = widths
         self.forward_tokens = forward_tokens
@@ -268,4 +276,3 @@ class HostMemory:
         if (self.widths, self.forward_tokens) != (widths, engine.max_forward_tokens):
             return staging_buffers(engine, self.encoding), []
         return staging, buffers
-

@@ -19,6 +19,7 @@ the run fact `final_norm` (store/schema.py `RunInfo`), so either run feeds eithe
 A gain element of exactly 0 leaves nothing of that coordinate in the post-norm state; it comes back as 0
 (the norm maps it to 0 either way).
 """
+
 from __future__ import annotations
 
 import base64
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 
 @dataclass(frozen=True)
 class FinalNorm:
@@ -35,8 +37,12 @@ class FinalNorm:
 
     def to_json(self) -> dict:
         raw = self.weight.to(torch.float32).contiguous().numpy().astype("<f4").tobytes()
-        return {"kind": "rmsnorm", "eps": self.eps, "weight_offset": self.weight_offset,
-                "weight_float32_base64": base64.b64encode(raw).decode("ascii")}
+        return {
+            "kind": "rmsnorm",
+            "eps": self.eps,
+            "weight_offset": self.weight_offset,
+            "weight_float32_base64": base64.b64encode(raw).decode("ascii"),
+        }
 
     @classmethod
     def from_json(cls, document: dict) -> "FinalNorm":

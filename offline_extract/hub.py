@@ -5,6 +5,7 @@ machine without network runs what it has, then the hub unless HF_HUB_OFFLINE is 
 reads that folder, like any local path, and records the commit it came from, so that a later run
 of the same id can tell a moved `main` apart from the same data.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ class Snapshot:
 
 
 def looks_like_repo_id(name: str) -> bool:
-    """"org/name" or "name" as the hub spells them; a path (absolute, relative with ./ or ../, ~, or
+    """ "org/name" or "name" as the hub spells them; a path (absolute, relative with ./ or ../, ~, or
     deeper than org/name) never is, so a missing directory is reported as one."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -51,8 +52,9 @@ def snapshot(
     from huggingface_hub import constants, snapshot_download
 
     def fetch(local: bool) -> Path:
-        return Path(snapshot_download(repo_id, repo_type=repo_type, allow_patterns=allow_patterns,
-                                      local_files_only=local))
+        return Path(
+            snapshot_download(repo_id, repo_type=repo_type, allow_patterns=allow_patterns, local_files_only=local)
+        )
 
     what = f"{repo_type} {repo_id}"
     try:

@@ -4,6 +4,7 @@ On the bottom floor, where importing it costs neither torch nor SGLang, so that 
 option answer at once. The command line takes its choices and defaults from here; the modules that
 implement a choice key their tables by these names and check a value with `check_choice`.
 """
+
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -66,145 +67,221 @@ class ExtractOptions:
     data: tuple[str, ...] = _option(
         group="input",
         help="Corpus: a .jsonl or .jsonl.gz file (JSONL also through a pipe, read once: not with --strict "
-             "or torchrun), a .json file of one JSON array (read whole into memory: convert a large one to "
-             "JSONL), a .parquet file, a datasets.save_to_disk folder, or a hub "
-             "data set id (org/name, or org/name:split; the local hub cache first, HF_HUB_OFFLINE honoured). "
-             "Repeat for several (records are numbered across them in order).")
-    out: str = _option("out", group="storage", directory=True,
-                       help="Output directory for shards, index.json, manifest.json and rejects.jsonl.")
+        "or torchrun), a .json file of one JSON array (read whole into memory: convert a large one to "
+        "JSONL), a .parquet file, a datasets.save_to_disk folder, or a hub "
+        "data set id (org/name, or org/name:split; the local hub cache first, HF_HUB_OFFLINE honoured). "
+        "Repeat for several (records are numbered across them in order).",
+    )
+    out: str = _option(
+        "out",
+        group="storage",
+        directory=True,
+        help="Output directory for shards, index.json, manifest.json and rejects.jsonl.",
+    )
     model: str | None = _option(  # None: the embedded tiny Llama, on CPU
-        None, group="model",
+        None,
+        group="model",
         help="HF model directory, or a hub id (org/name) taken from the local hub cache, else downloaded "
-             "unless HF_HUB_OFFLINE is set; the commit it resolved to is recorded. Default: the embedded tiny "
-             "random Llama, built once into $XDG_CACHE_HOME/offline_extract (~/.cache/offline_extract), run "
-             "on CPU.")
+        "unless HF_HUB_OFFLINE is set; the commit it resolved to is recorded. Default: the embedded tiny "
+        "random Llama, built once into $XDG_CACHE_HOME/offline_extract (~/.cache/offline_extract), run "
+        "on CPU.",
+    )
     device: Device | None = _option(  # None: cuda if available, else cpu
-        None, group="model",
+        None,
+        group="model",
         help="Default: cpu for the embedded tiny model (no --model), also on a GPU machine; otherwise cuda when a "
-             "GPU is visible, else cpu. A cpu run hides the GPUs from its own process (SGLang chooses its kernels "
-             "from whether torch sees a GPU).")
+        "GPU is visible, else cpu. A cpu run hides the GPUs from its own process (SGLang chooses its kernels "
+        "from whether torch sees a GPU).",
+    )
     dtype: ComputeDtype = _option(
-        "auto", group="model",
+        "auto",
+        group="model",
         help="Compute dtype (auto = the checkpoint's; float32 on CPU only, SGLang's CUDA kernels take half "
-             "precision). How the states are stored is --store's.")
+        "precision). How the states are stored is --store's.",
+    )
     tp: int = _option(1, group="parallelism", help="Tensor-parallel size; world size / tp replicas run data-parallel.")
     layers: tuple[int, ...] | None = _option(
-        None, group="layers",
+        None,
+        group="layers",
         help="Comma-separated layer ids stored as aux_hidden_states (id k = output of decoder layer k). "
-             "Default: the --recipe's: SGLang's EAGLE-3 default for the model under eagle3, e.g. "
-             "[1, N/2-1, N-4] for Llama; 5 layers spread over 1..N-3 under dflash and dspark.")
+        "Default: the --recipe's: SGLang's EAGLE-3 default for the model under eagle3, e.g. "
+        "[1, N/2-1, N-4] for Llama; 5 layers spread over 1..N-3 under dflash and dspark.",
+    )
     max_length: int = _option(
-        4096, group="input",
+        4096,
+        group="input",
         help="Longest sample in tokens, at most the model's context length; a longer one is cut or skipped "
-             "(--overlong).")
+        "(--overlong).",
+    )
     overlong: Overlong = _option(
-        "truncate", group="input",
+        "truncate",
+        group="input",
         help="What to do with a sample longer than --max-length (recorded per sample either way). A "
-             "truncated sample whose loss tokens all lay past the cut is skipped, listed in rejects.jsonl "
-             "and counted as skipped: it has nothing left to train on.")
+        "truncated sample whose loss tokens all lay past the cut is skipped, listed in rejects.jsonl "
+        "and counted as skipped: it has nothing left to train on.",
+    )
     tokens_per_batch: int | None = _option(  # None: DEFAULT_TOKENS_PER_BATCH of the device
-        None, group="parallelism",
+        None,
+        group="parallelism",
         help=f"Token budget of one forward. Default: {DEFAULT_TOKENS_PER_BATCH['cuda']} on GPU, "
-             f"{DEFAULT_TOKENS_PER_BATCH['cpu']} on CPU. A longer sample is prefilled alone, in chunks of "
-             "--chunk-tokens.")
+        f"{DEFAULT_TOKENS_PER_BATCH['cpu']} on CPU. A longer sample is prefilled alone, in chunks of "
+        "--chunk-tokens.",
+    )
     chunk_tokens: int | None = _option(  # for samples longer than tokens_per_batch; None: tokens_per_batch
-        None, group="parallelism",
+        None,
+        group="parallelism",
         help="Tokens a forward when a sample longer than --tokens-per-batch is prefilled in chunks. "
-             "Default: --tokens-per-batch.")
+        "Default: --tokens-per-batch.",
+    )
     seqs_per_batch: int = _option(256, group="parallelism", help="Most sequences in one forward.")
     shard_bytes: int = _option(
-        512 << 20, group="storage", flag="--shard-size-mb", unit=1 << 20, minimum=0, minimum_taken=False,
-        help="Target hidden-state MiB per shard (a shard closes once it reaches this).")
+        512 << 20,
+        group="storage",
+        flag="--shard-size-mb",
+        unit=1 << 20,
+        minimum=0,
+        minimum_taken=False,
+        help="Target hidden-state MiB per shard (a shard closes once it reaches this).",
+    )
     writers: int = _option(  # shard-writing threads (one file each) and so shard buffers in flight, writers + 1
-        4, group="storage", minimum=1,
+        4,
+        group="storage",
+        minimum=1,
         help="Threads writing shards, one file each, side by side; host memory holds writers + 1 shard "
-             "buffers. Raise it when one writing rank produces states faster than that many files at once "
-             "can take (TP on many GPUs, a fast array) or zstd's compression, which these threads also run, "
-             "falls behind.")
+        "buffers. Raise it when one writing rank produces states faster than that many files at once "
+        "can take (TP on many GPUs, a fast array) or zstd's compression, which these threads also run, "
+        "falls behind.",
+    )
     attention_backend: str | None = _option(
-        None, group="model",
-        help="SGLang attention backend. Default: fa3 on Hopper when installed, else triton; torch_native on CPU.")
+        None,
+        group="model",
+        help="SGLang attention backend. Default: fa3 on Hopper when installed, else triton; torch_native on CPU.",
+    )
     load_format: str = _option(
-        "auto", group="model",
+        "auto",
+        group="model",
         help="SGLang load format; 'dummy' gives random weights (benchmarks only; refused with --verify, whose HF "
-             "reference reads the real ones).")
+        "reference reads the real ones).",
+    )
     mem_fraction_static: float = _option(
-        0.85, group="parallelism", help="GPU memory fraction for weights plus the (prefill-sized) KV pool.")
+        0.85, group="parallelism", help="GPU memory fraction for weights plus the (prefill-sized) KV pool."
+    )
     port_base: int | None = _option(  # None: DEFAULT_PORT_BASE under torchrun, else a free port
-        None, group="parallelism",
+        None,
+        group="parallelism",
         help="Each data-parallel replica's SGLang rendezvous uses port-base + dp_rank. "
-             f"Default: a free port alone, {DEFAULT_PORT_BASE} under torchrun.")
-    parity_samples: int = _option(  # --verify N: the HF parity gate's samples a replica (integrity is store.integrity.verify)
-        0, group="run", flag="--verify",
-        help="Before extracting, compare each replica's first N samples against HF transformers and stop "
-             "on mismatch. HF loads the whole model on the GPU of each replica's tp_rank 0, so for a model "
-             "that needs TP, verify a smaller sibling of the same architecture. 0: no gate.")
+        f"Default: a free port alone, {DEFAULT_PORT_BASE} under torchrun.",
+    )
+    parity_samples: int = (
+        _option(  # --verify N: the HF parity gate's samples a replica (integrity is store.integrity.verify)
+            0,
+            group="run",
+            flag="--verify",
+            help="Before extracting, compare each replica's first N samples against HF transformers and stop "
+            "on mismatch. HF loads the whole model on the GPU of each replica's tp_rank 0, so for a model "
+            "that needs TP, verify a smaller sibling of the same architecture. 0: no gate.",
+        )
+    )
     trim_after_last_loss: bool = _option(
-        False, group="input", flag="--trim-after-last-loss-token",
-        help="Drop each sample's tokens after its last loss token (they carry no training signal).")
+        False,
+        group="input",
+        flag="--trim-after-last-loss-token",
+        help="Drop each sample's tokens after its last loss token (they carry no training signal).",
+    )
     trust_remote_code: bool = _option(False, group="model", help="Allow model code from the model directory.")
     progress: bool = _option(
-        True, group="run", inverse=True,
+        True,
+        group="run",
+        inverse=True,
         help="No progress bar (e.g. for logs): a line every --progress-every seconds instead. The bar or lines "
-             "also follow --dry-run's and --strict's pass through the corpus.")
+        "also follow --dry-run's and --strict's pass through the corpus.",
+    )
     progress_every: float = _option(  # without the bar (progress=False): a progress line this often, in seconds
-        60.0, group="run", minimum=0,
+        60.0,
+        group="run",
+        minimum=0,
         help="With --no-progress, seconds between progress lines (samples, tokens, tok/s, bytes written, ETA); "
-             "0: none.")
+        "0: none.",
+    )
     verbose: bool = _option(
-        False, group="run",
+        False,
+        group="run",
         help="Also show what SGLang, torch and HF print while loading (warnings, log lines, loading bars); "
-             "without it they are shown only if loading fails.")
+        "without it they are shown only if loading fails.",
+    )
     strict: bool = _option(
-        False, group="input",
+        False,
+        group="input",
         help="Stop at the first bad record in corpus order (named by source and line) instead of listing it in "
-             "rejects.jsonl. Every record is read and tokenized first (each replica its share), so the run stops "
-             "before the model loads and writes nothing.")
+        "rejects.jsonl. Every record is read and tokenized first (each replica its share), so the run stops "
+        "before the model loads and writes nothing.",
+    )
     nonfinite: Nonfinite = _option(
-        "fail", group="run",
+        "fail",
+        group="run",
         help="A sample whose hidden states hold NaN or Inf: stop the run, drop it (listed in rejects.jsonl "
-             "as dropped), or keep it with a warning.")
+        "as dropped), or keep it with a warning.",
+    )
     final_state: FinalState = _option(
-        "post-norm", group="layers",
+        "post-norm",
+        group="layers",
         help="Which final state to store as hidden_states: after the model's final norm (SGLang's EAGLE-3 and "
-             "SpecForge train on it) or before it (vLLM and speculators store this one and apply the "
-             "verifier's norm while training). A drafter trained on the other one is silently wrong.")
+        "SpecForge train on it) or before it (vLLM and speculators store this one and apply the "
+        "verifier's norm while training). A drafter trained on the other one is silently wrong.",
+    )
     recipe: RecipeName = _option(
-        "eagle3", group="layers",
+        "eagle3",
+        group="layers",
         help="Which drafter the states are for (SpecForge's data preparation). eagle3: SGLang's EAGLE-3 "
-             "layers plus the final state. dflash (also Domino): 5 layers spread evenly over 1..N-3, no final "
-             "state, and only samples with consecutive loss tokens. dspark: the dflash layers and rule plus "
-             "the final state. --layers overrides the layers; the recipe is recorded in the manifest.")
+        "layers plus the final state. dflash (also Domino): 5 layers spread evenly over 1..N-3, no final "
+        "state, and only samples with consecutive loss tokens. dspark: the dflash layers and rule plus "
+        "the final state. --layers overrides the layers; the recipe is recorded in the manifest.",
+    )
     min_loss_run: int | None = _option(  # None: the recipe's
-        None, group="layers", minimum=0,
+        None,
+        group="layers",
+        minimum=0,
         help="Skip samples without this many consecutive loss tokens (listed in rejects.jsonl as skipped). "
-             "Default: the recipe's (dflash, dspark: 2; eagle3: no rule).")
+        "Default: the recipe's (dflash, dspark: 2; eagle3: no rule).",
+    )
     store: Store = _option(
-        "bf16", group="storage",
+        "bf16",
+        group="storage",
         help="How states are stored. fp8: float8 e4m3 with one float32 scale per token per layer "
-             "(absmax/448), quantized on the GPU before the copy to host: about half the bytes. Readers, "
-             "export and inspect decode to bf16.")
+        "(absmax/448), quantized on the GPU before the copy to host: about half the bytes. Readers, "
+        "export and inspect decode to bf16.",
+    )
     compress: Compression = _option(
-        "none", group="storage",
+        "none",
+        group="storage",
         help="zstd: lossless, one frame per sample per state tensor with its bytes grouped by significance; "
-             "compressed by the writer threads. Saves most on bf16 states; costs CPU while writing.")
+        "compressed by the writer threads. Saves most on bf16 states; costs CPU while writing.",
+    )
     force: bool = _option(
-        False, group="run",
+        False,
+        group="run",
         help="Go ahead even if a check says no: --dry-run's free space, or resuming into an --out whose "
-             "manifest records another corpus (right when records were only appended). An --out holding "
-             "shards of another model, tokenizer, layers, compute dtype or length policy is refused even so, "
-             "before anything is written: mixed, its shards would not be one data set.")
+        "manifest records another corpus (right when records were only appended). An --out holding "
+        "shards of another model, tokenizer, layers, compute dtype or length policy is refused even so, "
+        "before anything is written: mixed, its shards would not be one data set.",
+    )
     jit_cache: str | None = _option(  # None: the engine's default
-        None, group="run", directory=True,
+        None,
+        group="run",
+        directory=True,
         help="Where the kernels SGLang compiles on first use (Triton, nvcc-built modules, Inductor, "
-             "FlashInfer, DeepGEMM) are kept between runs; a cold cache costs the first run tens of seconds. "
-             "Keep it on storage that outlives the machine or container. Variables such as TRITON_CACHE_DIR "
-             "that are already set win. Default: $XDG_CACHE_HOME/offline_extract (~/.cache/offline_extract).")
+        "FlashInfer, DeepGEMM) are kept between runs; a cold cache costs the first run tens of seconds. "
+        "Keep it on storage that outlives the machine or container. Variables such as TRITON_CACHE_DIR "
+        "that are already set win. Default: $XDG_CACHE_HOME/offline_extract (~/.cache/offline_extract).",
+    )
     warm_up: bool = _option(
-        True, group="run", inverse=True,
+        True,
+        group="run",
+        inverse=True,
         help="Skip the throwaway batch that compiles those kernels right after the model loads (then the "
-             "first real batch compiles them; start-up and tail are printed and kept in manifest.json either "
-             "way).")
+        "first real batch compiles them; start-up and tail are printed and kept in manifest.json either "
+        "way).",
+    )
 
     def __post_init__(self):
         for name in _CHOICES:
@@ -221,7 +298,8 @@ def _literal_values(hint) -> tuple[str, ...] | None:
 
 
 _CHOICES = {
-    name: values for name, hint in get_type_hints(ExtractOptions).items()
+    name: values
+    for name, hint in get_type_hints(ExtractOptions).items()
     if (values := _literal_values(hint)) is not None
 }
 _DEFAULTS = {f.name: f.default for f in fields(ExtractOptions) if f.default is not MISSING}
@@ -250,8 +328,14 @@ def check_choice(option: str, value: str) -> None:
 
 # What each final state is, in the words the run metadata records. Trainers disagree, and a drafter fed
 # the other one is silently wrong (GPT-OSS drafters broke exactly so, sglang#32334).
-FINAL_STATES = dict(zip(choices("final_state"), (
-    "the last decoder layer's output after the model's final norm (SGLang's EAGLE-3 and SpecForge)",
-    "the last decoder layer's output before the model's final norm (vLLM and speculators, which "
-    "apply the verifier's norm at training time)",
-), strict=True))
+FINAL_STATES = dict(
+    zip(
+        choices("final_state"),
+        (
+            "the last decoder layer's output after the model's final norm (SGLang's EAGLE-3 and SpecForge)",
+            "the last decoder layer's output before the model's final norm (vLLM and speculators, which "
+            "apply the verifier's norm at training time)",
+        ),
+        strict=True,
+    )
+)

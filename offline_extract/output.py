@@ -3,6 +3,7 @@ described whole by the leader once every replica has written (`finish`: rejects.
 manifest); or found already complete (`already_complete`). A failure a re-run recovers from says so
 (`resumable`, `StoppedError`).
 """
+
 from __future__ import annotations
 
 import json
@@ -58,18 +59,25 @@ class OutputDirectory:
         the corpus `data` (the --data entries) names now, then the shards' checksums, and rebuilds a lost index."""
         if not self.layout.leads:
             return None
-        for line in resume.check_images(self.out, list(finished["shards"]), finished["identity"], data, force,
-                                        finished=True):
+        for line in resume.check_images(
+            self.out, list(finished["shards"]), finished["identity"], data, force, finished=True
+        ):
             note(line)
         for line in resume.settle_finished(self.out, finished):
             note(line)
         note(f"already complete: {self.out} holds this run's finished output, nothing to extract")
         counts = finished["result"]
-        return Summary(records=counts["records"], resumed=counts["extracted"], skipped=counts["skipped"],
-                       rejected=counts["rejected"], dropped=counts["dropped"])
+        return Summary(
+            records=counts["records"],
+            resumed=counts["extracted"],
+            skipped=counts["skipped"],
+            rejected=counts["rejected"],
+            dropped=counts["dropped"],
+        )
 
-    def claim(self, existing: resume.Existing, meta: RunInfo, corpus_paths: Sequence[Path], data: Sequence[str],
-              force: bool) -> np.ndarray:
+    def claim(
+        self, existing: resume.Existing, meta: RunInfo, corpus_paths: Sequence[Path], data: Sequence[str], force: bool
+    ) -> np.ndarray:
         """Checks that the directory's earlier shards come from this same run (once the model is loaded: the
         default layer ids and the compute dtype come from SGLang), and from the images the corpus `data` (the
         --data entries) names now, and returns which records they hold."""
@@ -92,8 +100,14 @@ class OutputDirectory:
                 note(f"resuming in {out}: {kept} are kept")
         return done
 
-    def finish(self, summary: Summary, written: list, sources: Sequence[Source], timeline: Timeline,
-               take_timings: Callable[[], dict]) -> Summary | None:
+    def finish(
+        self,
+        summary: Summary,
+        written: list,
+        sources: Sequence[Source],
+        timeline: Timeline,
+        take_timings: Callable[[], dict],
+    ) -> Summary | None:
         """Every replica has finished writing: the leader describes the whole directory (rejects.jsonl, the
         index of the shards `written`, then the manifest with the run's timings, taken once the rest is written)
         and gets the run's summary."""
@@ -114,8 +128,12 @@ class OutputDirectory:
             timings = take_timings()
             # Last, so that a manifest saying "complete" means the index and rejects.jsonl are final too.
             counts = {key: getattr(total, key) for key in ("records", "skipped", "rejected", "dropped")}
-            manifest.consolidate(self.out, status="complete", result={**counts, "extracted": total.extracted + total.resumed},
-                                 timings=timings)
+            manifest.consolidate(
+                self.out,
+                status="complete",
+                result={**counts, "extracted": total.extracted + total.resumed},
+                timings=timings,
+            )
         note(timing_line(timings))
         return total
 
@@ -133,7 +151,8 @@ class OutputDirectory:
         changed += manifest.corpus_differences(self.identity, {"corpus": now}, pipes=False)
         if changed:
             raise StoppedError(
-                "the corpus changed while this run read it:\n  " + "\n  ".join(changed)
+                "the corpus changed while this run read it:\n  "
+                + "\n  ".join(changed)
                 + f"\n{self.out} holds the samples of the {plural(total.records, 'record')} read, which are not the "
                 f"corpus recorded when the run began, so the run is not marked complete. Put the corpus back as it "
                 f"was and re-run the same command to finish it; or, to take the corpus as it is now, re-run with "

@@ -3,6 +3,7 @@ HF's model of the checkpoint before extraction spends any time (`engine/parity`)
 rank stops if any replica fails. The reference's weights are read beside the model's load where the host has room
 (`start_preload`), and the gate's seconds are split for the run's timings (`timings`).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,8 +25,10 @@ def parity_lines(rows: list[dict]) -> list[str]:
     def floor(row: dict) -> str:
         if row.get("floor_rel_err") is None:
             return ""
-        return (f", relative error median {row['median_rel_err']:.3g} worst {row['rel_err']:.3g} (HF's own "
-                f"{row['floor_median_rel_err']:.3g}, {row['floor_rel_err']:.3g})")
+        return (
+            f", relative error median {row['median_rel_err']:.3g} worst {row['rel_err']:.3g} (HF's own "
+            f"{row['floor_median_rel_err']:.3g}, {row['floor_rel_err']:.3g})"
+        )
 
     return [
         f"parity {row['layer']:>8} vs HF{' float32' if row.get('floor_rel_err') is not None else ''} "
@@ -73,8 +76,10 @@ class ParityGate:
         nbytes = checkpoint.checkpoint_bytes(model)
         readers = self.layout.local_world_size // self.layout.tp_size  # the writing ranks on this host
         refusal = reference.preload_refusal(nbytes, readers, _available_host_memory())
-        self.preload_figures = {"gate_preload": f"skipped: {refusal}" if refusal else "beside the load",
-                                "gate_preload_bytes": nbytes}
+        self.preload_figures = {
+            "gate_preload": f"skipped: {refusal}" if refusal else "beside the load",
+            "gate_preload_bytes": nbytes,
+        }
         if refusal is None:
             self.preload = reference.ReferencePreload(model, mark=self.timeline.mark).start()
 
@@ -88,8 +93,10 @@ class ParityGate:
             asked = self.opts.parity_samples
             if len(head) < asked:  # a gate on fewer samples than asked passes as easily: say so
                 who = "this replica" if self.layout.dp_size > 1 else "the run"
-                note(f"parity gate: {plural(len(head), 'sample')} compared of the {asked} --verify asked for: {who} "
-                     f"had no more to extract")
+                note(
+                    f"parity gate: {plural(len(head), 'sample')} compared of the {asked} --verify asked for: {who} "
+                    f"had no more to extract"
+                )
         return verified
 
     def judge(self, engine: Engine, head: list[Sample]) -> dict:
@@ -108,7 +115,9 @@ class ParityGate:
                 with engine.recording_routing() as chosen:
                     c = engine.capture([s.input_ids], [s.images])
                 # A sample longer than one forward's budget is routed chunk by chunk.
-                experts = {layer: None if any(i is None for i in ids) else torch.cat(ids) for layer, ids in chosen.items()}
+                experts = {
+                    layer: None if any(i is None for i in ids) else torch.cat(ids) for layer, ids in chosen.items()
+                }
             else:
                 c, experts = engine.capture([s.input_ids], [s.images]), {}
             states.append((s.input_ids.tolist(), c.aux.cpu(), c.last.cpu(), experts))
@@ -142,8 +151,9 @@ class ParityGate:
             raise (parity.ParityMismatch if verdict else parity.ParityError)(said)
         return result
 
-    def _reference(self, engine: Engine, states: list, images: list, preload: reference.ReferencePreload | None,
-                   fp8: bool) -> tuple[list, dict]:
+    def _reference(
+        self, engine: Engine, states: list, images: list, preload: reference.ReferencePreload | None, fp8: bool
+    ) -> tuple[list, dict]:
         """HF's model of the checkpoint (on the weights read beside the load, where they were) run on the gate's
         samples (with their `images`) and held against the engine's `states`: the rows, and the gate's result for
         the metadata."""
@@ -151,16 +161,26 @@ class ParityGate:
         tensors = preload.take() if preload is not None else None
         mark("hf loading")
         with foreign_output_hidden(not self.opts.verbose):
-            hf = reference.load_hf_model(str(self.model_path), engine.dtype, str(engine.device),
-                                      tensors=tensors, mark=mark)
+            hf = reference.load_hf_model(
+                str(self.model_path), engine.dtype, str(engine.device), tensors=tensors, mark=mark
+            )
         del tensors  # the host's copy goes once HF's model is on the device
         exposed = all(experts and all(ids is not None for ids in experts.values()) for _, _, _, experts in states)
         forcing = parity.ForcedRouting(hf) if engine.is_moe and exposed and parity.ForcedRouting.supports(hf) else None
         forwards: list[float] = []
         try:
-            rows = parity.compare(states, hf, engine.layer_ids, engine.dtype, moe=engine.is_moe,
-                                  final_state=engine.final_state, fp8=fp8, forcing=forcing, timed=forwards.append,
-                                  images=images)
+            rows = parity.compare(
+                states,
+                hf,
+                engine.layer_ids,
+                engine.dtype,
+                moe=engine.is_moe,
+                final_state=engine.final_state,
+                fp8=fp8,
+                forcing=forcing,
+                timed=forwards.append,
+                images=images,
+            )
         finally:
             if forcing is not None:
                 forcing.remove()

@@ -4,6 +4,7 @@ It reads and tokenizes the whole corpus exactly as extraction would (same polici
 turns the token count into bytes per output tensor, set against the free space at the output. During a
 run, `OutputWatch` sets the shards written so far (compressed, if so, as no dry run can know) against it.
 """
+
 from __future__ import annotations
 
 import os
@@ -93,15 +94,24 @@ class Plan:
         condition = self._zstd_condition()
         if condition is None:
             return f"the output would not fit in {out}; free space first or pass --force"
-        return (f"the output fits in {out} only if {condition}, which only the run can tell; free space first, or "
-                f"pass --force to try (a run that fills the disk stops with its complete shards kept, and re-running "
-                f"it resumes once there is room)")
+        return (
+            f"the output fits in {out} only if {condition}, which only the run can tell; free space first, or "
+            f"pass --force to try (a run that fills the disk stops with its complete shards kept, and re-running "
+            f"it resumes once there is room)"
+        )
 
 
 def plan(
-    data, tokenizer: SampleTokenizer, out: str | Path, hidden_size: int, num_aux_layers: int,
-    encoding: Encoding = Encoding(), strict: bool = False, advance: Callable[[int], None] | None = None,
-    done: np.ndarray | None = None, kept_shards: int = 0,
+    data,
+    tokenizer: SampleTokenizer,
+    out: str | Path,
+    hidden_size: int,
+    num_aux_layers: int,
+    encoding: Encoding = Encoding(),
+    strict: bool = False,
+    advance: Callable[[int], None] | None = None,
+    done: np.ndarray | None = None,
+    kept_shards: int = 0,
 ) -> Plan:
     """Under `strict`, the first bad record raises BadRecordError, as it stops the real run. Compressed
     states are sized as they are before compression: how much zstd saves depends on the states. `advance`
@@ -112,7 +122,9 @@ def plan(
     tokens = counts["tokens"]
     # The hidden states first (the encoding lists them first): they are nearly all of it.
     per_token = encoding.bytes_per_token(num_aux_layers, hidden_size)
-    sizes = {name + (" (before zstd)" if name in encoding.compressed else ""): tokens * n for name, n in per_token.items()}
+    sizes = {
+        name + (" (before zstd)" if name in encoding.compressed else ""): tokens * n for name, n in per_token.items()
+    }
     compressible = tokens * sum(n for name, n in per_token.items() if name in encoding.compressed)
     per_sample = [t for t in encoding.tensors if t.rows in ("n", "n+1")]
     sample_bytes = sum(t.dtype.itemsize for t in per_sample) + _SAMPLE_METADATA_BYTES
@@ -120,16 +132,25 @@ def plan(
     existing = Path(out)
     while not existing.exists():
         existing = existing.parent
-    return Plan(**counts, bytes_by_tensor=sizes, free_bytes=shutil.disk_usage(existing).free,
-                writable=os.access(existing, os.W_OK), first_rejects=tuple(first_rejects), compressible_bytes=compressible,
-                kept_shards=kept_shards if counts["kept"] else 0)
+    return Plan(
+        **counts,
+        bytes_by_tensor=sizes,
+        free_bytes=shutil.disk_usage(existing).free,
+        writable=os.access(existing, os.W_OK),
+        first_rejects=tuple(first_rejects),
+        compressible_bytes=compressible,
+        kept_shards=kept_shards if counts["kept"] else 0,
+    )
 
 
-def _count(data, tokenizer: SampleTokenizer, strict: bool, advance: Callable[[int], None] | None,
-           done: np.ndarray | None) -> tuple[dict[str, int], list[Reject]]:
+def _count(
+    data, tokenizer: SampleTokenizer, strict: bool, advance: Callable[[int], None] | None, done: np.ndarray | None
+) -> tuple[dict[str, int], list[Reject]]:
     """`plan`'s counts of the corpus (by the names of Plan's fields) and its first rejects, as `plan` says."""
-    n = dict.fromkeys(("records", "samples", "skipped", "rejected", "tokens", "loss_tokens", "kept", "image_tokens",
-                       "image_samples"), 0)
+    n = dict.fromkeys(
+        ("records", "samples", "skipped", "rejected", "tokens", "loss_tokens", "kept", "image_tokens", "image_samples"),
+        0,
+    )
     first_rejects = []
     for item in read_corpus(data):
         n["records"] += 1
@@ -168,8 +189,14 @@ def render(p: Plan, out: str | Path) -> str:
         *(f"  rejected {r.source}:{r.line}{f' (id {r.id!r})' if r.id else ''}: {r.reason}" for r in p.first_rejects),
         *([f"  ... and {number(p.rejected - len(p.first_rejects))} more"] if p.rejected > len(p.first_rejects) else []),
         f"tokens {number(p.tokens)} ({number(p.loss_tokens)} in the loss, {p.loss_tokens / max(p.tokens, 1):.1%})",
-        *([f"  image tokens {number(p.image_tokens)} ({p.image_tokens / max(p.tokens, 1):.1%}), in "
-           f"{plural(p.image_samples, 'sample')} with images"] if p.image_samples else []),
+        *(
+            [
+                f"  image tokens {number(p.image_tokens)} ({p.image_tokens / max(p.tokens, 1):.1%}), in "
+                f"{plural(p.image_samples, 'sample')} with images"
+            ]
+            if p.image_samples
+            else []
+        ),
     ]
     lines += [f"  {name:<32} {human_bytes(size):>12}" for name, size in p.bytes_by_tensor.items()]
     lines.append(f"  {'total':<32} {human_bytes(p.total_bytes):>12}")
@@ -179,9 +206,11 @@ def render(p: Plan, out: str | Path) -> str:
     if p.finished:
         lines.append(f"{out} already holds this run's finished output: running it extracts nothing")
     elif p.kept:
-        lines.append(f"{out} holds {plural(p.kept, 'sample')} of an earlier attempt in "
-                     f"{plural(p.kept_shards, 'complete shard')}: the run resumes, extracting the "
-                     f"{plural(p.samples, 'sample')} left (sized above)")
+        lines.append(
+            f"{out} holds {plural(p.kept, 'sample')} of an earlier attempt in "
+            f"{plural(p.kept_shards, 'complete shard')}: the run resumes, extracting the "
+            f"{plural(p.samples, 'sample')} left (sized above)"
+        )
     if p.in_use:
         lines.append(f"{out} is in use by another extraction now: the run would be refused")
     return "\n".join(lines)
@@ -198,9 +227,16 @@ class OutputWatch:
         self._bytes_seen = 0  # bytes written at the last look: one look a new shard
         self.warned = False
 
-    def check(self, records_done: int, records_total: int | None, tokens_done: int, tokens_written: int,
-              bytes_written: int) -> None:
-        if self.warned or records_total is None or not records_done or not tokens_written or bytes_written == self._bytes_seen:
+    def check(
+        self, records_done: int, records_total: int | None, tokens_done: int, tokens_written: int, bytes_written: int
+    ) -> None:
+        if (
+            self.warned
+            or records_total is None
+            or not records_done
+            or not tokens_written
+            or bytes_written == self._bytes_seen
+        ):
             return
         self._bytes_seen = bytes_written
         tokens_left = max(tokens_done * records_total / records_done - tokens_written, 0)
@@ -208,6 +244,8 @@ class OutputWatch:
         free = shutil.disk_usage(self.out).free
         if needed > free:
             self.warned = True
-            note(f"warning: at the {number(round(bytes_written / tokens_written))} bytes a token written so far, the output needs "
-                 f"about {human_bytes(needed)} more and {self.out} has {human_bytes(free)} free: the run will stop when "
-                 f"the disk is full, keeping its complete shards (free space, then re-run the same command to resume)")
+            note(
+                f"warning: at the {number(round(bytes_written / tokens_written))} bytes a token written so far, the output needs "
+                f"about {human_bytes(needed)} more and {self.out} has {human_bytes(free)} free: the run will stop when "
+                f"the disk is full, keeping its complete shards (free space, then re-run the same command to resume)"
+            )

@@ -4,6 +4,7 @@ model (a directory or a hub id; its architecture, depth and context length, read
 alone) and the device. A real run and --dry-run make exactly these checks, so a dry run that passes
 means the real one starts.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,7 +21,12 @@ from offline_extract.engine.checkpoint import DAMAGED_MODEL_FILE
 from offline_extract.engine.distributed import layout_from_env
 from offline_extract.engine.reference import wrapped_text_config
 from offline_extract.engine.sglang_adapter import (
-    CONTEXT_KEYS, capture_rule, check_engine_choices, context_length, hide_gpus, validate_layer_ids,
+    CONTEXT_KEYS,
+    capture_rule,
+    check_engine_choices,
+    context_length,
+    hide_gpus,
+    validate_layer_ids,
 )
 from offline_extract.options import DEFAULT_TOKENS_PER_BATCH, ExtractOptions, default
 from offline_extract.recipes import RECIPES
@@ -78,7 +84,9 @@ def check(opts: ExtractOptions) -> Checked:
             raise ValueError(f"{name} must be at least {least}, got {value}")
     if not 0 < opts.mem_fraction_static <= 1:
         # SGLang would take it and fail only once the model is loaded, with a message about its KV pool.
-        raise ValueError(f"--mem-fraction-static is a fraction of the GPU's memory, above 0 and at most 1, got {opts.mem_fraction_static}")
+        raise ValueError(
+            f"--mem-fraction-static is a fraction of the GPU's memory, above 0 and at most 1, got {opts.mem_fraction_static}"
+        )
     if opts.port_base is not None:
         # SGLang takes any integer and refuses it only once the model is loaded, without naming the option.
         replicas = layout_from_env(opts.tp).dp_size
@@ -104,7 +112,9 @@ def check(opts: ExtractOptions) -> Checked:
     model = resolve_model(opts.model, opts.trust_remote_code)
     recipe = RECIPES[opts.recipe]
     if not recipe.keeps_final_state and opts.final_state != default("final_state"):
-        raise ValueError(f"--recipe {opts.recipe} stores no final state, so --final-state {opts.final_state} has no effect")
+        raise ValueError(
+            f"--recipe {opts.recipe} stores no final state, so --final-state {opts.final_state} has no effect"
+        )
     layer_ids = opts.layers if opts.layers is not None else recipe.layer_ids(model.num_layers)
     if layer_ids is not None:
         layer_ids = validate_layer_ids(layer_ids, model.num_layers)
@@ -128,8 +138,9 @@ def check_out(out: str) -> None:
     existing = Path(out)
     while not existing.exists():
         if existing.is_symlink():  # one that loops or leads nowhere: making the directory would fail at the run
-            raise ValueError(f"--out {out} cannot be made: {_broken_link(existing)}. Remove the link, or point it at "
-                             f"a directory")
+            raise ValueError(
+                f"--out {out} cannot be made: {_broken_link(existing)}. Remove the link, or point it at a directory"
+            )
         existing = existing.parent
     if not existing.is_dir():
         where = "is a file" if existing == Path(out) else f"cannot be made: {existing} is a file"

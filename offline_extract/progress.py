@@ -1,5 +1,6 @@
 """What a run shows while it works: a bar or heartbeat lines (samples, tokens/s, bytes written, ETA),
 and nothing of what the libraries it loads print unless asked."""
+
 from __future__ import annotations
 
 import io
@@ -90,9 +91,7 @@ class RunProgress:
         self.done += samples
         now = time.perf_counter()
         rate = self.tokens / max(now - self.start, 1e-9)
-        self._progress.update(
-            self._task, advance=samples, rate=number(round(rate)), written=human_bytes(bytes_written)
-        )
+        self._progress.update(self._task, advance=samples, rate=number(round(rate)), written=human_bytes(bytes_written))
         if self.heartbeat and now - self._last_beat >= self.heartbeat:
             self._last_beat = now
             print(self.beat(now, rate, bytes_written), file=sys.stderr, flush=True)

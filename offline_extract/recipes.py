@@ -10,6 +10,7 @@ data preparation for each.
 Layer ids follow the same convention everywhere: id k is the output of decoder layer k, HF
 `hidden_states[k+1]`; SpecForge's DFlash reads `hidden_states[k + 1]` for its target layer id k.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -16,6 +16,7 @@ shard, keeps its journals and releases its lock on the way out. It is raised:
 and an error raised after Ctrl-C, or a command that returns all the same, ends as the stop (`as_stop`):
 it is the stop's doing, not a fault of its own.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """What one extraction attempt counted: every record read is exactly one of extracted, resumed, skipped,
 rejected or dropped (`Tally` counts them as they go by), and the report and verdict made of the counts."""
+
 from __future__ import annotations
 
 import operator
@@ -16,6 +17,7 @@ from offline_extract.store.journal import Journal
 from offline_extract.store.schema import REJECTS_FILE
 from offline_extract.store.writer import ShardWriter
 from offline_extract.words import human_bytes, number, plural
+
 
 @dataclass
 class Summary:
@@ -40,10 +42,12 @@ class Summary:
 
     def merge(self, other: "Summary") -> "Summary":
         """Two replicas' summaries as one: counts add up, unless a field's metadata says otherwise."""
-        return Summary(**{
-            f.name: f.metadata.get("merge", operator.add)(getattr(self, f.name), getattr(other, f.name))
-            for f in fields(self)
-        })
+        return Summary(
+            **{
+                f.name: f.metadata.get("merge", operator.add)(getattr(self, f.name), getattr(other, f.name))
+                for f in fields(self)
+            }
+        )
 
     def no_sample_verdict(self, data: Sequence[str]) -> str | None:
         left_out = {"rejected": self.rejected, "skipped": self.skipped, "dropped": self.dropped}
@@ -89,7 +93,6 @@ def no_sample_verdict(data: Sequence[str], records: int, left_out: dict[str, int
     if len(kinds) == 1:
         return f"{which} {next(iter(kinds))}"
     return f"{which} left out ({', '.join(f'{number(n)} {kind}' for kind, n in kinds.items())})"
-
 
 
 class Tally:
@@ -152,4 +155,3 @@ class Tally:
     def _journal(self, reject: Reject) -> None:
         if self._rejects is not None:
             self._rejects.append(reject.to_json())
-

@@ -3,6 +3,7 @@ user waits for (interpreter start-up and imports included) is on record, not onl
 
 The package's first import (`offline_extract/__init__.py`, before anything else of ours runs) fixes that
 moment."""
+
 from __future__ import annotations
 
 import threading

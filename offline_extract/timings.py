@@ -1,6 +1,7 @@
 """Where a run's seconds went, from its timeline: the start-up to the first forward, ours and SGLang's, and the
 tail after the last (`run_timings`, kept in the manifest), and that in the one line a run prints (`timing_line`).
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -10,8 +11,9 @@ from offline_extract.timeline import Timeline
 Span = Callable[[str, str], float]  # the seconds between two marks of the timeline, 0 where one is missing
 
 
-def run_timings(timeline: Timeline, dp_size: int, input_wait_s: float, gate: Callable[[Span], dict],
-                prebuild: Callable[[], dict]) -> dict:
+def run_timings(
+    timeline: Timeline, dp_size: int, input_wait_s: float, gate: Callable[[Span], dict], prebuild: Callable[[], dict]
+) -> dict:
     """Where this rank's start-up and tail went, in seconds: from the command to the first forward (ours;
     SGLang's: the torch and SGLang imports, the model load and the warm-up; the parity gate), and from
     the last forward enqueued to the run's end (its states to the host, the last shards, under data
@@ -29,9 +31,12 @@ def run_timings(timeline: Timeline, dp_size: int, input_wait_s: float, gate: Cal
         return timeline.between(first, then) if first in marks and then in marks else 0.0
 
     # torch's import is timed where the command imports it (commands/extract.py); SGLang cannot run without it.
-    sglang = {"torch_import_s": span("importing torch", "torch imported"),
-              "sglang_import_s": span("loading", "sglang imported"), "model_load_s": span("sglang imported", "loaded"),
-              "warm_up_s": span("loaded", "warm")}
+    sglang = {
+        "torch_import_s": span("importing torch", "torch imported"),
+        "sglang_import_s": span("loading", "sglang imported"),
+        "model_load_s": span("sglang imported", "loaded"),
+        "warm_up_s": span("loaded", "warm"),
+    }
     beside = "tokenizer waited" in marks
     tokenizer_waited = span("warm", "tokenizer waited") if beside else span("tokenizer loading", "tokenizer loaded")
     startup, verify = marks["first forward"], span("verifying", "verified")
@@ -68,8 +73,11 @@ def timing_line(t: dict) -> str:
     if "startup_s" not in t:
         return f"start-up: no forward ran ({t['marks'].get('checked', 0.0):.1f} s of imports and checks)"
     gate = f"; parity gate {t['parity_gate_s']:.1f} s{_gate_words(t)}" if t["parity_gate_s"] >= 0.05 else ""
-    prebuild = (f" (kernel prebuild {t['prebuild_s']:.1f} s, {t['prebuild_during_load_s']:.1f} s of it during "
-                f"the load)" if "prebuild_s" in t else "")
+    prebuild = (
+        f" (kernel prebuild {t['prebuild_s']:.1f} s, {t['prebuild_during_load_s']:.1f} s of it during the load)"
+        if "prebuild_s" in t
+        else ""
+    )
     beside = " beside the load" if t["tokenizer_beside_load"] else ""
     waited = f"the other replicas {t['replicas_waited_s']:.2f} s, " if "replicas_waited_s" in t else ""
     return (
@@ -89,10 +97,14 @@ def _gate_words(t: dict) -> str:
     if "gate_hf_to_device_s" not in t:
         return ""
     if "gate_preload_s" in t:
-        weights = (f"waited {t['gate_preload_waited_s']:.1f} s for its weights read beside the load in "
-                   f"{t['gate_preload_s']:.1f} s, ")
+        weights = (
+            f"waited {t['gate_preload_waited_s']:.1f} s for its weights read beside the load in "
+            f"{t['gate_preload_s']:.1f} s, "
+        )
     else:
         weights = f"weights not read ahead ({t.get('gate_preload', 'no preload')}), "
-    return (f" (engine {t['gate_engine_s']:.1f} s; HF: {weights}model class and config {t['gate_hf_config_s']:.1f} s, "
-            f"weights to host {t['gate_hf_to_host_s']:.1f} s, to the device {t['gate_hf_to_device_s']:.1f} s, "
-            f"forwards {t['gate_hf_forwards_s']:.1f} s, comparison {t['gate_compare_s']:.1f} s)")
+    return (
+        f" (engine {t['gate_engine_s']:.1f} s; HF: {weights}model class and config {t['gate_hf_config_s']:.1f} s, "
+        f"weights to host {t['gate_hf_to_host_s']:.1f} s, to the device {t['gate_hf_to_device_s']:.1f} s, "
+        f"forwards {t['gate_hf_forwards_s']:.1f} s, comparison {t['gate_compare_s']:.1f} s)"
+    )

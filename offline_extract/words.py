@@ -1,6 +1,7 @@
 """How our messages word counts and sizes: on the bottom floor, since every part of the package words its
 errors and notes. Every count a message shows goes through `number` (or `plural`), every size in bytes
 through `human_bytes`, so that one line does not say 20000 and the next 20,000, nor 328.6 KB and 0.000 GB."""
+
 from __future__ import annotations
 
 

@@ -12,6 +12,7 @@ chose (`parity.ForcedRouting`), and reports per MoE layer how often HF's own cho
 --fp32-reference, the engine's states and HF's own bf16 states are each compared against HF in fp32 on the same
 experts, which measures how far bf16 arithmetic alone moves the model.
 """
+
 import argparse
 import hashlib
 import json
@@ -66,6 +67,7 @@ def image_samples(model_dir: str) -> list[tuple[np.ndarray, Images]]:
         samples.append((ids, Images(dict(out), ids == image_token, fingerprint)))
     return samples
 
+
 # The FP8 block-quantized checkpoints the CPU and GPU suites build, and their config overrides.
 # SGLang fuses DeepSeek's q_a_proj and kv_a_proj_with_mqa and concatenates their block scales, which lines up
 # only when q_lora_rank is a whole number of 128-blocks (DeepSeek-V3's 1536 is; the tiny config's 192 is not).
@@ -119,8 +121,13 @@ def _compare(engine, captured, seqs, hf_states, moe=None, early=False):
         (captured.aux[a:b].cpu(), captured.last[a:b].cpu(), [hs[0], *hs[:-1]] if early else hs)
         for a, b, hs in zip(bounds, bounds[1:], hf_states)
     )
-    rows = parity.compare_states(pairs, engine.layer_ids, engine.dtype, moe=engine.is_moe if moe is None else moe,
-                                 fp8=checkpoint.is_fp8_block(engine.quantization))
+    rows = parity.compare_states(
+        pairs,
+        engine.layer_ids,
+        engine.dtype,
+        moe=engine.is_moe if moe is None else moe,
+        fp8=checkpoint.is_fp8_block(engine.quantization),
+    )
     return [r.to_json() for r in rows]
 
 
@@ -131,12 +138,16 @@ def _image_check(engine, hf, samples, text) -> dict:
     seqs, images = [ids for ids, _ in samples] + [text], [im for _, im in samples] + [None]
     captured = engine.capture(seqs, images)
     device = next(hf.parameters()).device
-    hf_states = [[h.float().cpu() for h in parity.hf_hidden_states(hf, s.tolist(), device, images=im)]
-                 for s, im in zip(seqs, images)]
+    hf_states = [
+        [h.float().cpu() for h in parity.hf_hidden_states(hf, s.tolist(), device, images=im)]
+        for s, im in zip(seqs, images)
+    ]
     bounds = np.cumsum([0, *map(len, seqs)])
     masks = [torch.from_numpy(im.token_mask) for im in images[:-1]]
-    image_pairs = ((captured.aux[a:b][m].cpu(), captured.last[a:b][m].cpu(), [h[m] for h in hs])
-                   for a, b, m, hs in zip(bounds, bounds[1:], masks, hf_states))
+    image_pairs = (
+        (captured.aux[a:b][m].cpu(), captured.last[a:b][m].cpu(), [h[m] for h in hs])
+        for a, b, m, hs in zip(bounds, bounds[1:], masks, hf_states)
+    )
     return {
         "image_tokens": [int(m.sum()) for m in masks],
         "rows": _compare(engine, captured, seqs, hf_states),
@@ -149,8 +160,10 @@ def _forced_states(hf, seqs, chosen) -> tuple[list, "parity.ForcedRouting"]:
     """HF's states for each sequence with every MoE block sent to the engine's experts, and the forcing's record."""
     bounds = np.cumsum([0, *map(len, seqs)])
     if any(len(ids) != 1 or len(ids[0]) != bounds[-1] for ids in chosen.values()):
-        raise RuntimeError(f"expected one routing of {bounds[-1]} tokens per MoE layer, got "
-                           f"{ {layer: [tuple(t.shape) for t in ids] for layer, ids in chosen.items()} }")
+        raise RuntimeError(
+            f"expected one routing of {bounds[-1]} tokens per MoE layer, got "
+            f"{ {layer: [tuple(t.shape) for t in ids] for layer, ids in chosen.items()} }"
+        )
     forcing = parity.ForcedRouting(hf)
     device = next(hf.parameters()).device
     try:
@@ -205,6 +218,7 @@ def write_result(rep: dict, arch: str, backend: str) -> None:
     results = os.environ.get("OFFLINE_EXTRACT_RESULTS")
     if not results:
         return
+
     def each_layer_once(checks):
         rows, seen = [], set()
         for r in (r for check in checks for r in check):
@@ -213,9 +227,14 @@ def write_result(rep: dict, arch: str, backend: str) -> None:
                 rows.append({k: r[k] for k in ROW_KEYS})
         return rows
 
-    result = {"command": " ".join(["python -m pytest", *sys.argv[1:]]), "architecture": arch, "backend": backend,
-              "dtype": rep["dtype"], "quantization": rep.get("quantization"),
-              "rows": each_layer_once(check.get("rows", []) for check in rep["checks"])}
+    result = {
+        "command": " ".join(["python -m pytest", *sys.argv[1:]]),
+        "architecture": arch,
+        "backend": backend,
+        "dtype": rep["dtype"],
+        "quantization": rep.get("quantization"),
+        "rows": each_layer_once(check.get("rows", []) for check in rep["checks"]),
+    }
     if any("images" in check for check in rep["checks"]):
         result["image_rows"] = each_layer_once(check["images"]["rows"] for check in rep["checks"] if "images" in check)
     if "forced_routing" in rep:
@@ -245,8 +264,11 @@ def main() -> None:
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--layer-sets", default="", help="';'-separated comma lists of layer ids to re-point capture to")
     ap.add_argument("--forced-routing", action="store_true", help="also compare against HF routed like the engine")
-    ap.add_argument("--fp32-reference", action="store_true",
-                    help="with --forced-routing: also compare the engine and HF's own run against HF in fp32")
+    ap.add_argument(
+        "--fp32-reference",
+        action="store_true",
+        help="with --forced-routing: also compare the engine and HF's own run against HF in fp32",
+    )
     args = ap.parse_args()
 
     report = {"model": args.model, "device": args.device, "dtype": args.dtype}
@@ -256,20 +278,34 @@ def main() -> None:
             _route_mla_prefill_to_absorbed_path()
         engine = Engine(
             EngineConfig(
-                model_path=args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-                max_tokens_per_batch=1024, max_seqs_per_batch=8, context_length=1024, nccl_port=free_port(),
+                model_path=args.model,
+                device=args.device,
+                dtype=args.dtype,
+                attention_backend=args.attention_backend,
+                max_tokens_per_batch=1024,
+                max_seqs_per_batch=8,
+                context_length=1024,
+                nccl_port=free_port(),
                 mem_fraction_static=0.5,
             )
         )
         report.update(
-            architecture=engine.architecture, num_layers=engine.num_layers, attention_backend=engine.attention_backend,
+            architecture=engine.architecture,
+            num_layers=engine.num_layers,
+            attention_backend=engine.attention_backend,
             quantization=engine.quantization,
             # Which of SGLang's methods runs the experts: shows that a quantized checkpoint took its own path.
-            expert_methods=sorted({type(m.quant_method).__name__ for name, m in engine.runner.model.named_modules()
-                                   if name.endswith(".experts") and hasattr(m, "quant_method")}),
+            expert_methods=sorted(
+                {
+                    type(m.quant_method).__name__
+                    for name, m in engine.runner.model.named_modules()
+                    if name.endswith(".experts") and hasattr(m, "quant_method")
+                }
+            ),
             # Which of SGLang's attention backends runs a vision tower (its VisionAttention modules).
-            vision_attention=sorted({m.qkv_backend_name for m in engine.runner.model.modules()
-                                     if hasattr(m, "qkv_backend_name")}),
+            vision_attention=sorted(
+                {m.qkv_backend_name for m in engine.runner.model.modules() if hasattr(m, "qkv_backend_name")}
+            ),
         )
         rng = np.random.default_rng(0)
         seqs = [rng.integers(6, 380, n).astype(np.int32) for n in LENGTHS]  # inside the tiny tokenizer's vocab
@@ -285,7 +321,8 @@ def main() -> None:
             report["forced_routing"], forced_states = _forced_routing(engine, hf, captured, seqs, chosen)
         if args.fp32_reference:
             report["forced_routing"]["fp32_reference"] = _exact_reference(
-                engine, args.hf_reference or args.model, args.device, captured, seqs, chosen, forced_states)
+                engine, args.hf_reference or args.model, args.device, captured, seqs, chosen, forced_states
+            )
 
         # Bare prefill must turn capture fully off, and capture must come back unchanged after it.
         report["bare_prefill_returned"] = engine.prefill(seqs) is not None
@@ -297,9 +334,15 @@ def main() -> None:
         # A vision-language model's image chats, checked at every layer set as its text is.
         samples = image_samples(args.model) if engine.architecture in IMAGE_MODELS else []
         # First SGLang's default ids (requested None), as the engine chose them at start.
-        checks = [{"requested": None, "layer_ids": list(engine.layer_ids), "capture_points": engine.capture_points,
-                   "rows": _compare(engine, captured, seqs, hf_states),
-                   "off_by_one_rows": _compare(engine, captured, seqs, hf_states, early=True)}]
+        checks = [
+            {
+                "requested": None,
+                "layer_ids": list(engine.layer_ids),
+                "capture_points": engine.capture_points,
+                "rows": _compare(engine, captured, seqs, hf_states),
+                "off_by_one_rows": _compare(engine, captured, seqs, hf_states, early=True),
+            }
+        ]
         if samples:
             checks[0]["images"] = _image_check(engine, hf, samples, seqs[1])
             # A sequence with images over one forward's budget (1024 tokens here), which is never chunked.
@@ -322,7 +365,9 @@ def main() -> None:
                     states = engine.capture(seqs)
                 # The same inputs route the same way unless a kernel sums in a varying order (atomics) and a
                 # near-tie flips; HF then follows this capture's routing.
-                check["rerouted"] = any(not torch.equal(again_chosen[layer][0], ids[0]) for layer, ids in chosen.items())
+                check["rerouted"] = any(
+                    not torch.equal(again_chosen[layer][0], ids[0]) for layer, ids in chosen.items()
+                )
                 reference = _forced_states(hf, seqs, again_chosen)[0] if check["rerouted"] else forced_states
                 check["forced_rows"] = _compare(engine, states, seqs, reference, moe=False)
             else:

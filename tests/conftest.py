@@ -18,8 +18,9 @@ def qwen_vl_dir(tiny_model_dir, tmp_path_factory):
     tests of image chats that need its processor (AutoProcessor) and no forward."""
     from offline_extract.testing.models import build_model
 
-    return build_model("qwen2_5_vl", tmp_path_factory.mktemp("qwen_vl") / "m", weights=False,
-                       tokenizer_dir=tiny_model_dir)
+    return build_model(
+        "qwen2_5_vl", tmp_path_factory.mktemp("qwen_vl") / "m", weights=False, tokenizer_dir=tiny_model_dir
+    )
 
 
 @pytest.fixture(scope="session")
@@ -31,8 +32,13 @@ def tiny_engine(tiny_model_dir):
 
     return Engine(
         EngineConfig(
-            model_path=str(tiny_model_dir), device="cpu", dtype="float32", max_tokens_per_batch=2048,
-            max_seqs_per_batch=16, context_length=4096, nccl_port=free_port(),
+            model_path=str(tiny_model_dir),
+            device="cpu",
+            dtype="float32",
+            max_tokens_per_batch=2048,
+            max_seqs_per_batch=16,
+            context_length=4096,
+            nccl_port=free_port(),
         )
     )
 

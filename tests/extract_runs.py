@@ -1,5 +1,6 @@
 """How the end-to-end tests start bin/extract.py (alone, under torchrun, or as several torchrun "nodes" on
 localhost) and compare what runs wrote, and the hub cache they find models in."""
+
 import hashlib
 import os
 import signal
@@ -22,23 +23,50 @@ from offline_extract.store.shard import read_header
 ROOT = Path(__file__).resolve().parents[1]
 
 # The parts of a run's parity gate (manifest timings) that add up to its parity_gate_s on a rank that ran HF.
-GATE_PARTS = ("gate_engine_s", "gate_preload_waited_s", "gate_hf_config_s", "gate_hf_to_host_s", "gate_hf_to_device_s",
-              "gate_hf_forwards_s", "gate_compare_s", "gate_other_s")
+GATE_PARTS = (
+    "gate_engine_s",
+    "gate_preload_waited_s",
+    "gate_hf_config_s",
+    "gate_hf_to_host_s",
+    "gate_hf_to_device_s",
+    "gate_hf_forwards_s",
+    "gate_compare_s",
+    "gate_other_s",
+)
 
 
 def extract_command(out, *args, torchrun: int | None = None) -> list[str]:
     cmd = [sys.executable, str(ROOT / "bin" / "extract.py"), "--out", str(out), "--no-progress", *map(str, args)]
     if torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun),
-               "--master-port", str(free_port()), *cmd[1:]]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(torchrun),
+            "--master-port",
+            str(free_port()),
+            *cmd[1:],
+        ]
     return cmd
 
 
 def node_commands(out, *args, nodes: int = 2, nproc_per_node: int = 1) -> list[list[str]]:
     """One torchrun command per "node", all on localhost: the static rendezvous of a real multi-node job
     (node 0 serves the store at --master-addr:--master-port, the others join it)."""
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node",
-              str(nproc_per_node), "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    launch = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nodes),
+        "--nproc-per-node",
+        str(nproc_per_node),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+    ]
     extract = [str(ROOT / "bin" / "extract.py"), "--out", str(out), "--no-progress", *map(str, args)]
     return [[*launch, "--node-rank", str(node), *extract] for node in range(nodes)]
 
@@ -78,8 +106,10 @@ def wait_nodes(nodes: list[Node], timeout: float) -> list[str]:
             running = [i for i, n in enumerate(nodes) if n.proc.poll() is None]
             for n in nodes:
                 kill_tree(n.proc.pid)
-            logs = "\n".join(f"--- node {i} (exit status {n.proc.wait()}), {n.log}:\n{n.log.read_text()[-4000:]}"
-                              for i, n in enumerate(nodes))
+            logs = "\n".join(
+                f"--- node {i} (exit status {n.proc.wait()}), {n.log}:\n{n.log.read_text()[-4000:]}"
+                for i, n in enumerate(nodes)
+            )
             raise AssertionError(f"node(s) {running} still running after {timeout:.0f} s, killed\n{logs}") from None
     return [node.log.read_text() for node in nodes]
 
@@ -155,8 +185,11 @@ def assert_only_complete_shards(out, killed: tuple[int, int] | None = None) -> N
     its writer threads were writing (nothing can clean up after SIGKILL; the rerun removes them), numbered as
     its shards are in a fresh run; every other replica leaves none."""
     unfinished = sorted(p.name for p in out.iterdir() if p.name.endswith(".tmp"))
-    its = [n for n in unfinished if killed and n.startswith(".shard_")
-               and shard_number(Path(n[1:-len(".tmp")])) % killed[1] == killed[0]]
+    its = [
+        n
+        for n in unfinished
+        if killed and n.startswith(".shard_") and shard_number(Path(n[1 : -len(".tmp")])) % killed[1] == killed[0]
+    ]
     assert unfinished == its, f"no unfinished file but the killed replica's: {unfinished}"
     for path in shard_paths(out):
         read_header(path)  # every shard on disk is whole

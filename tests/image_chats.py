@@ -1,5 +1,6 @@
 """Images for the tests of image chats; the tiny Qwen2.5-VL's processor that reads them is `qwen_vl_dir`'s
 (tests/conftest.py)."""
+
 import numpy as np
 from PIL import Image
 

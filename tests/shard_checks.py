@@ -1,6 +1,7 @@
 """Checks that an output directory holds exactly the samples a ShardWriter was handed, every byte as
 handed, read back through the package's own readers (the shard, the index, the training reader and
 inspect --verify's check), with the checksums the writer journaled."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,10 +64,14 @@ def check_shard(path, run, want: list[Fed], shard_bytes: int) -> None:
     lengths = [len(f.input_ids) for f in want]
     assert shard.offsets == np.cumsum([0, *lengths]).tolist(), path.name
     assert shard.tensor("sample_index").tolist() == [f.info.index for f in want]
-    assert (shard.num_tokens - lengths[-1]) * run.encoding.state_bytes_per_token(run.num_aux_layers, run.hidden_size) < shard_bytes
+    assert (shard.num_tokens - lengths[-1]) * run.encoding.state_bytes_per_token(
+        run.num_aux_layers, run.hidden_size
+    ) < shard_bytes
     packed = shard.read(0, len(want))
     for name in packed:
-        assert same(packed[name], torch.cat([expected(f, decode)[name] for f in want])), f"{path.name}: {name} read whole differs"
+        assert same(packed[name], torch.cat([expected(f, decode)[name] for f in want])), (
+            f"{path.name}: {name} read whole differs"
+        )
     for pos, f in enumerate(want):
         assert_sample(shard.sample(pos), f, decode, f"{path.name} position {pos}")
 
@@ -79,7 +84,10 @@ def check_journal(out, paths) -> None:
         path, header = out / name, read_header(out / name)
         assert entry[checksum.KEY] == checksum.file_checksum(path), name
         assert (entry["bytes"], entry["num_samples"], entry["num_tokens"]) == (
-            path.stat().st_size, len(header.samples), header.num_tokens)
+            path.stat().st_size,
+            len(header.samples),
+            header.num_tokens,
+        )
 
 
 def check_finished(out, run, kept: list[Fed], headers=()) -> None:
@@ -105,8 +113,6 @@ def check_finished(out, run, kept: list[Fed], headers=()) -> None:
         assert data[i]["id"] == by_index[index].info.id
         assert_sample(data[i], by_index[index], decode, f"dataset item {i}")
         assert_sample(data.stored(i), by_index[index], None, f"dataset stored item {i}")
-
-
 
 
 def check_in_order(run, handed: list[Fed], paths, shard_bytes: int) -> None:
@@ -141,8 +147,15 @@ class KeepingWriter(ShardWriter):
         for s, n in zip(samples, lengths):
             rows = slice(start, start + n)
             images = None if image_mask is None else torch.as_tensor(image_mask[rows]).to(torch.uint8)
-            self.handed.append(Fed(s, torch.as_tensor(input_ids[rows]).to(torch.int32), torch.as_tensor(loss_mask[rows]).to(torch.uint8),
-                                   {name: t[rows].clone() for name, t in staged.items()}, images))
+            self.handed.append(
+                Fed(
+                    s,
+                    torch.as_tensor(input_ids[rows]).to(torch.int32),
+                    torch.as_tensor(loss_mask[rows]).to(torch.uint8),
+                    {name: t[rows].clone() for name, t in staged.items()},
+                    images,
+                )
+            )
             start += n
         super().add_staged(samples, input_ids, loss_mask, staged, lengths=lengths, ending=ending, image_mask=image_mask)
 
@@ -154,6 +167,12 @@ class KeepingWriter(ShardWriter):
     def end_sample(self, keep=True, ending=False):
         sample, ids, mask, rows = self._begun
         if keep:  # every row is filled by now
-            self.handed.append(Fed(sample, torch.as_tensor(ids).to(torch.int32), torch.as_tensor(mask).to(torch.uint8),
-                                   {name: t.clone() for name, t in rows.items()}))
+            self.handed.append(
+                Fed(
+                    sample,
+                    torch.as_tensor(ids).to(torch.int32),
+                    torch.as_tensor(mask).to(torch.uint8),
+                    {name: t.clone() for name, t in rows.items()},
+                )
+            )
         super().end_sample(keep, ending)

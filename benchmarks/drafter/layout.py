@@ -12,6 +12,7 @@ skipped, and an incomplete one is run again, each of its parts either skipped be
 (a part file renamed into place, a resumed extraction or export, SpecForge's own skip of the files it
 has) or made again from the start.
 """
+
 from __future__ import annotations
 
 import json
@@ -126,8 +127,19 @@ def run_logged(layout: Layout, step: str, argv: list[str], log: Path, env: dict 
 def record_command(layout: Layout, step: str, argv: list[str], wall_s: float, rc: int) -> None:
     layout.commands.parent.mkdir(parents=True, exist_ok=True)
     with open(layout.commands, "a") as f:
-        f.write(json.dumps({"step": step, "argv": argv, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - wall_s)),
-                            "wall_s": round(wall_s, 1), "rc": rc, "host": os.uname().nodename}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "step": step,
+                    "argv": argv,
+                    "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - wall_s)),
+                    "wall_s": round(wall_s, 1),
+                    "rc": rc,
+                    "host": os.uname().nodename,
+                }
+            )
+            + "\n"
+        )
 
 
 def python() -> str:

@@ -17,6 +17,7 @@ A step that is complete is skipped, so rerunning a command after a cut call goes
 DATA (small: prompts, responses, records; carried) and SCRATCH (large, one machine): layout.py.
 Device calls, in order, with their time estimates: benchmarks/drafter/README.md.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,22 +45,45 @@ LAUNCHER = "python benchmarks/drafter/pipeline.py"
 
 
 @click.group(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--data", type=click.Path(file_okay=False, path_type=Path), default=lay.DEFAULT_DATA, show_default=True,
-              help="DATA: what is kept across calls and machines (carried to the GPU machine).")
-@click.option("--scratch", type=click.Path(file_okay=False, path_type=Path), default=lay.DEFAULT_SCRATCH,
-              show_default=True, help="SCRATCH: stores, features, training runs and drafters of this machine.")
-@click.option("--model", type=click.Path(file_okay=False), default=None,
-              help="The target's model directory (SmolLM2-135M-Instruct converted by the real-model fixture).")
-@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
-              help="Where sglang.Engine runs the responses and serve steps; cpu: the tests, on the embedded model.")
+@click.option(
+    "--data",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=lay.DEFAULT_DATA,
+    show_default=True,
+    help="DATA: what is kept across calls and machines (carried to the GPU machine).",
+)
+@click.option(
+    "--scratch",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=lay.DEFAULT_SCRATCH,
+    show_default=True,
+    help="SCRATCH: stores, features, training runs and drafters of this machine.",
+)
+@click.option(
+    "--model",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="The target's model directory (SmolLM2-135M-Instruct converted by the real-model fixture).",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["cuda", "cpu"]),
+    default="cuda",
+    show_default=True,
+    help="Where sglang.Engine runs the responses and serve steps; cpu: the tests, on the embedded model.",
+)
 @click.pass_context
 def main(ctx, data, scratch, model, device):
     if device == "cpu":
         from offline_extract.engine.sglang_adapter import prepare_process
 
         prepare_process("cpu")
-    ctx.obj = {"layout": lay.Layout(data.resolve(), scratch.resolve()), "model": model, "start": time.time(),
-               "device": device}
+    ctx.obj = {
+        "layout": lay.Layout(data.resolve(), scratch.resolve()),
+        "model": model,
+        "start": time.time(),
+        "device": device,
+    }
 
 
 def _record(ctx, step: str) -> None:
@@ -75,8 +99,12 @@ def _model(ctx) -> str:
 
 
 @main.command(help="Training and held-out prompts into DATA/prompts (here, on CPU; deterministic).")
-@click.option("--train", default=20480, show_default=True, help="Training prompts (a multiple of SpecForge's "
-              "generator batch keeps it from dropping a last incomplete batch).")
+@click.option(
+    "--train",
+    default=20480,
+    show_default=True,
+    help="Training prompts (a multiple of SpecForge's generator batch keeps it from dropping a last incomplete batch).",
+)
 @click.option("--heldout", default=200, show_default=True, help="Held-out prompts, from other modules.")
 @click.pass_context
 def prompts(ctx, train, heldout):
@@ -96,8 +124,12 @@ def prompts(ctx, train, heldout):
 @main.command(help="The target's greedy responses to the training prompts, with sglang.Engine.")
 @click.option("--chunk", default=2048, show_default=True, help="Prompts a part file (one generate call).")
 @click.option("--max-new-tokens", default=128, show_default=True)
-@click.option("--seconds", default=480, show_default=True, help="Start no part after this many seconds of the step "
-              "(a device call's limit); rerun to go on.")
+@click.option(
+    "--seconds",
+    default=480,
+    show_default=True,
+    help="Start no part after this many seconds of the step (a device call's limit); rerun to go on.",
+)
 @click.pass_context
 def responses(ctx, chunk, max_new_tokens, seconds):
     from benchmarks.drafter.sglang_runs import responses as run
@@ -106,8 +138,14 @@ def responses(ctx, chunk, max_new_tokens, seconds):
     if lay.is_done(layout.responses):
         click.echo("responses: complete")
         return
-    done = run(layout, _model(ctx), chunk=chunk, max_new_tokens=max_new_tokens, deadline=ctx.obj["start"] + seconds,
-               device=ctx.obj["device"])
+    done = run(
+        layout,
+        _model(ctx),
+        chunk=chunk,
+        max_new_tokens=max_new_tokens,
+        deadline=ctx.obj["start"] + seconds,
+        device=ctx.obj["device"],
+    )
     _record(ctx, "responses")
     state = "complete" if lay.is_done(layout.responses) else "not complete: rerun to go on"
     click.echo(f"responses: {done['written']} parts written, {done['kept']} kept, of {done['parts']}; {state}")
@@ -123,10 +161,19 @@ def responses(ctx, chunk, max_new_tokens, seconds):
 def states(ctx, variant, max_length, keep_store, specforge_batch_size, attention_backend):
     from benchmarks.drafter.states import states as run
 
-    facts = run(ctx.obj["layout"], variant, _model(ctx), max_length=max_length, keep_store=keep_store,
-                specforge_batch_size=specforge_batch_size, attention_backend=attention_backend)
-    click.echo(f"states {variant}: {'complete, skipped' if facts.get('skipped') else 'made'}: "
-               f"{facts['view_samples']:,} samples in {ctx.obj['layout'].view(variant)}")
+    facts = run(
+        ctx.obj["layout"],
+        variant,
+        _model(ctx),
+        max_length=max_length,
+        keep_store=keep_store,
+        specforge_batch_size=specforge_batch_size,
+        attention_backend=attention_backend,
+    )
+    click.echo(
+        f"states {variant}: {'complete, skipped' if facts.get('skipped') else 'made'}: "
+        f"{facts['view_samples']:,} samples in {ctx.obj['layout'].view(variant)}"
+    )
 
 
 @main.command(help="Train one drafter on a variant's view with SpecForge 0.2.0, and export it for SGLang.")
@@ -146,10 +193,20 @@ def train(ctx, variant, seed, steps, batch_size, max_length, learning_rate):
         if not lay.is_done(view):
             raise click.ClickException(f"{view} is not complete: run `states {variant}` first (on this machine)")
         steps = lay.read_json(lay.marker(view))["view_samples"] // batch_size
-    facts = run(layout, variant, _model(ctx), seed=seed, steps=steps, batch_size=batch_size, max_length=max_length,
-                learning_rate=learning_rate)
-    click.echo(f"train {facts['run']}: {'complete, skipped' if facts.get('skipped') else 'trained'}, "
-               f"{facts['steps']} steps -> {layout.drafter(facts['run'])}")
+    facts = run(
+        layout,
+        variant,
+        _model(ctx),
+        seed=seed,
+        steps=steps,
+        batch_size=batch_size,
+        max_length=max_length,
+        learning_rate=learning_rate,
+    )
+    click.echo(
+        f"train {facts['run']}: {'complete, skipped' if facts.get('skipped') else 'trained'}, "
+        f"{facts['steps']} steps -> {layout.drafter(facts['run'])}"
+    )
 
 
 @main.command(help="Serve the held-out prompts with drafter NAME (VARIANT-sSEED), or `target` alone.")
@@ -171,13 +228,21 @@ def serve(ctx, name, max_new_tokens, speed_prompts):
         drafter = layout.drafter(name)
         if not lay.is_done(drafter):
             raise click.ClickException(f"drafter {name} is not on this machine ({drafter}): run states and train first")
-    result = run(_model(ctx), drafter and str(drafter), load_jsonl_gz(layout.prompts / "heldout.jsonl.gz"),
-                 max_new_tokens=max_new_tokens, speed_prompts=speed_prompts, device=ctx.obj["device"])
+    result = run(
+        _model(ctx),
+        drafter and str(drafter),
+        load_jsonl_gz(layout.prompts / "heldout.jsonl.gz"),
+        max_new_tokens=max_new_tokens,
+        speed_prompts=speed_prompts,
+        device=ctx.obj["device"],
+    )
     result["command"] = command_line(LAUNCHER)
     lay.write_json(out, result)
     _record(ctx, f"serve {name}")
-    click.echo(f"serve {name}: accept length {result.get('accept_length')}, "
-               f"{result['batch1_decode_tok_s']:.0f} tok/s at batch 1 -> {out}")
+    click.echo(
+        f"serve {name}: accept length {result.get('accept_length')}, "
+        f"{result['batch1_decode_tok_s']:.0f} tok/s at batch 1 -> {out}"
+    )
 
 
 @main.command(help="Every measurement so far as one JSON (--json) and the markdown table.")
@@ -193,8 +258,10 @@ def table(ctx, json_path):
     click.echo(result["markdown"])
 
 
-@main.command(help="Pack DATA's responses and records (not the prompts, already here) and SCRATCH's logs into "
-                   "DIR/drafter-data.tgz.")
+@main.command(
+    help="Pack DATA's responses and records (not the prompts, already here) and SCRATCH's logs into "
+    "DIR/drafter-data.tgz."
+)
 @click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
 @click.pass_context
 def pack(ctx, dest):

@@ -14,6 +14,7 @@ their path and the first ones go to the held-out set until it has `heldout` prom
 docstring there); every other module's docstrings each give TEMPLATES_PER_DOC prompts with different
 templates, and `train` of those are kept in a fixed pseudo-random order.
 """
+
 from __future__ import annotations
 
 import ast
@@ -114,8 +115,11 @@ def prompt(doc: Doc, template: int) -> str:
 def record(kind: str, i: int, doc: Doc, template: int) -> dict:
     """A chat record as both our reader and SpecForge's read it (`conversations` of from/value turns);
     `source` names the document, for the held-out check."""
-    return {"id": f"{kind}-{i:06d}", "source": doc.module,
-            "conversations": [{"from": "system", "value": SYSTEM}, {"from": "human", "value": prompt(doc, template)}]}
+    return {
+        "id": f"{kind}-{i:06d}",
+        "source": doc.module,
+        "conversations": [{"from": "system", "value": SYSTEM}, {"from": "human", "value": prompt(doc, template)}],
+    }
 
 
 @dataclass
@@ -147,17 +151,27 @@ def build(train: int, heldout: int, root: Path | None = None) -> Built:
                 order = sorted(range(len(TEMPLATES)), key=lambda t: _key(d.module, d.name, str(t)))
                 pool.extend((d, t) for t in order[:TEMPLATES_PER_DOC])
     if len(pool) < train or len(held) < heldout:
-        raise ValueError(f"{root} gives {len(pool)} training and {len(held)} held-out prompts, fewer than the "
-                         f"{train} and {heldout} asked for")
+        raise ValueError(
+            f"{root} gives {len(pool)} training and {len(held)} held-out prompts, fewer than the "
+            f"{train} and {heldout} asked for"
+        )
     random.Random(SEED).shuffle(pool)
     source = {
         "text": f"docstrings of Python {sys.version.split()[0]}'s standard library ({root}), tests excluded",
-        "licence": LICENCE, "python": sys.version.split()[0], "train": train, "heldout": heldout,
-        "heldout_modules": held_modules, "templates": list(TEMPLATES), "system": SYSTEM,
+        "licence": LICENCE,
+        "python": sys.version.split()[0],
+        "train": train,
+        "heldout": heldout,
+        "heldout_modules": held_modules,
+        "templates": list(TEMPLATES),
+        "system": SYSTEM,
         "files_sha256": hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest(),
     }
-    return Built([record("train", i, d, t) for i, (d, t) in enumerate(pool[:train])],
-                 [record("heldout", i, d, t) for i, (d, t) in enumerate(held[:heldout])], source)
+    return Built(
+        [record("train", i, d, t) for i, (d, t) in enumerate(pool[:train])],
+        [record("heldout", i, d, t) for i, (d, t) in enumerate(held[:heldout])],
+        source,
+    )
 
 
 def dump_jsonl_gz(records: list[dict]) -> bytes:

@@ -6,6 +6,7 @@ CUDA graphs are off in both: with them on, SGLang 0.5.17's EAGLE-3 start-up impo
 GPU machine's SGLang bundle lacks; the responses are made the same way so that the target's greedy
 tokens come from the engine configuration the drafter is measured on.
 """
+
 from __future__ import annotations
 
 import time
@@ -15,13 +16,23 @@ from benchmarks.drafter import layout as lay
 from benchmarks.drafter.prompts import dump_jsonl_gz, load_jsonl_gz
 
 # SGLang 0.5.17's EAGLE-3 settings the issue measures at: 3 draft steps, top-1, 4 draft tokens.
-SPECULATIVE = {"speculative_algorithm": "EAGLE3", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
-               "speculative_num_draft_tokens": 4}
+SPECULATIVE = {
+    "speculative_algorithm": "EAGLE3",
+    "speculative_num_steps": 3,
+    "speculative_eagle_topk": 1,
+    "speculative_num_draft_tokens": 4,
+}
 ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
 # The engine on CPU, for the tests on the embedded model: SGLang's CPU path takes the native attention and
 # sampler, and a KV pool sized by hand (it would otherwise take a share of the host's memory).
-CPU_ENGINE = {"device": "cpu", "attention_backend": "torch_native", "sampling_backend": "pytorch", "dtype": "float32",
-              "max_total_tokens": 8192, "mem_fraction_static": 0.5}
+CPU_ENGINE = {
+    "device": "cpu",
+    "attention_backend": "torch_native",
+    "sampling_backend": "pytorch",
+    "dtype": "float32",
+    "max_total_tokens": 8192,
+    "mem_fraction_static": 0.5,
+}
 
 
 def messages(record: dict) -> list[dict]:
@@ -51,8 +62,9 @@ def part_path(layout: lay.Layout, k: int) -> Path:
     return layout.responses / f"part_{k:04d}.jsonl.gz"
 
 
-def responses(layout: lay.Layout, model: str, *, chunk: int, max_new_tokens: int, deadline: float,
-              device: str = "cuda") -> dict:
+def responses(
+    layout: lay.Layout, model: str, *, chunk: int, max_new_tokens: int, deadline: float, device: str = "cuda"
+) -> dict:
     """Greedy responses of the target to every training prompt, `chunk` prompts a part file; parts already
     written are kept. Stops before a part that would start after `deadline` (time.time()), leaving the
     step to be resumed; returns what it did."""
@@ -61,8 +73,13 @@ def responses(layout: lay.Layout, model: str, *, chunk: int, max_new_tokens: int
     prompts = load_jsonl_gz(layout.prompts / "train.jsonl.gz")
     parts = range((len(prompts) + chunk - 1) // chunk)
     todo = [k for k in parts if not part_path(layout, k).exists()]
-    done = {"parts": len(parts), "written": 0, "kept": len(parts) - len(todo), "chunk": chunk,
-            "max_new_tokens": max_new_tokens}
+    done = {
+        "parts": len(parts),
+        "written": 0,
+        "kept": len(parts) - len(todo),
+        "chunk": chunk,
+        "max_new_tokens": max_new_tokens,
+    }
     if todo:
         tokenizer = AutoTokenizer.from_pretrained(model)
         llm = engine(model, device)
@@ -70,18 +87,30 @@ def responses(layout: lay.Layout, model: str, *, chunk: int, max_new_tokens: int
             for k in todo:
                 if time.time() > deadline:
                     break
-                batch = prompts[k * chunk:(k + 1) * chunk]
+                batch = prompts[k * chunk : (k + 1) * chunk]
                 start = time.time()
-                outs = llm.generate(input_ids=[prompt_ids(tokenizer, r) for r in batch],
-                                    sampling_params=greedy(max_new_tokens, tokenizer))
-                rows = [{"id": r["id"], "text": o["text"], "completion_tokens": o["meta_info"]["completion_tokens"],
-                         "finish_reason": _finish(o)} for r, o in zip(batch, outs, strict=True)]
+                outs = llm.generate(
+                    input_ids=[prompt_ids(tokenizer, r) for r in batch],
+                    sampling_params=greedy(max_new_tokens, tokenizer),
+                )
+                rows = [
+                    {
+                        "id": r["id"],
+                        "text": o["text"],
+                        "completion_tokens": o["meta_info"]["completion_tokens"],
+                        "finish_reason": _finish(o),
+                    }
+                    for r, o in zip(batch, outs, strict=True)
+                ]
                 data = dump_jsonl_gz(rows)
                 layout.responses.mkdir(parents=True, exist_ok=True)
                 lay.atomic_write(part_path(layout, k), lambda tmp, data=data: Path(tmp).write_bytes(data))
                 done["written"] += 1
-                print(f"responses: part {k + 1}/{len(parts)}, {sum(r['completion_tokens'] for r in rows):,} tokens "
-                      f"in {time.time() - start:.1f} s", flush=True)
+                print(
+                    f"responses: part {k + 1}/{len(parts)}, {sum(r['completion_tokens'] for r in rows):,} tokens "
+                    f"in {time.time() - start:.1f} s",
+                    flush=True,
+                )
         finally:
             llm.shutdown()
     if all(part_path(layout, k).exists() for k in parts):
@@ -116,14 +145,24 @@ def acceptance(metas: list[dict]) -> dict:
             hist.extend([0] * (k + 1 - len(hist)))
             hist[k] += n
     steps = sum(hist)
-    return {"completion_tokens": tokens, "verify_steps": verify,
-            "accept_length": tokens / verify if verify else None,
-            "first_position_accept_rate": (steps - hist[0]) / steps if steps else None,
-            "accept_histogram": hist}
+    return {
+        "completion_tokens": tokens,
+        "verify_steps": verify,
+        "accept_length": tokens / verify if verify else None,
+        "first_position_accept_rate": (steps - hist[0]) / steps if steps else None,
+        "accept_histogram": hist,
+    }
 
 
-def serve(model: str, drafter: str | None, heldout: list[dict], *, max_new_tokens: int, speed_prompts: int,
-          device: str = "cuda") -> dict:
+def serve(
+    model: str,
+    drafter: str | None,
+    heldout: list[dict],
+    *,
+    max_new_tokens: int,
+    speed_prompts: int,
+    device: str = "cuda",
+) -> dict:
     """The held-out prompts served greedily, all at once for acceptance, then the first `speed_prompts`
     one at a time for decode tokens/s at batch 1 (each request's wall time, its short prefill included)."""
     from transformers import AutoTokenizer
@@ -146,10 +185,16 @@ def serve(model: str, drafter: str | None, heldout: list[dict], *, max_new_token
             tokens += out["meta_info"]["completion_tokens"]
     finally:
         llm.shutdown()
-    result = {"drafter": drafter, "prompts": len(ids), "max_new_tokens": max_new_tokens, "engine_start_s": round(started, 1),
-              "batch1_prompts": min(speed_prompts, len(ids)), "batch1_tokens": tokens,
-              "batch1_decode_tok_s": tokens / timed if timed else None,
-              "outputs_sha256": _digest([o["output_ids"] for o in outs])}
+    result = {
+        "drafter": drafter,
+        "prompts": len(ids),
+        "max_new_tokens": max_new_tokens,
+        "engine_start_s": round(started, 1),
+        "batch1_prompts": min(speed_prompts, len(ids)),
+        "batch1_tokens": tokens,
+        "batch1_decode_tok_s": tokens / timed if timed else None,
+        "outputs_sha256": _digest([o["output_ids"] for o in outs]),
+    }
     if drafter:
         result.update(acceptance([o["meta_info"] for o in outs]), speculative=SPECULATIVE)
     return result

@@ -12,6 +12,7 @@ the same layout whatever made it: `rows_{k}-{k+2000}/data_{j}.ckpt` linking to t
 corpus record j, so that SpecForge's trainer, which lists and sorts the files, sees the samples in the
 same order for every variant (SpecForge's own generator numbers its files in its shuffled order).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -76,15 +77,36 @@ def extract_argv(layout: lay.Layout, variant: str, model: str, max_length: int) 
     options = EXTRACT_OPTIONS[variant]
     if options is None:
         options = ["--layers", ",".join(map(str, offbyone_layers(num_layers(model))))]
-    return [lay.python(), str(lay.ROOT / "bin" / "extract.py"), "--model", model, "--data", str(layout.corpus),
-            "--out", str(layout.store(variant)), "--max-length", str(max_length), "--no-progress", *options]
+    return [
+        lay.python(),
+        str(lay.ROOT / "bin" / "extract.py"),
+        "--model",
+        model,
+        "--data",
+        str(layout.corpus),
+        "--out",
+        str(layout.store(variant)),
+        "--max-length",
+        str(max_length),
+        "--no-progress",
+        *options,
+    ]
 
 
 def export_argv(layout: lay.Layout, variant: str) -> list[str]:
     # --no-gzip: an fp8 run is gzipped by default; SpecForge then inflates each file whole as it reads it,
     # which changes its speed and nothing it trains on.
-    return [lay.python(), str(lay.ROOT / "bin" / "export.py"), str(layout.store(variant)), "--to",
-            str(layout.features(variant)), "--format", "specforge", "--no-gzip", "--no-progress"]
+    return [
+        lay.python(),
+        str(lay.ROOT / "bin" / "export.py"),
+        str(layout.store(variant)),
+        "--to",
+        str(layout.features(variant)),
+        "--format",
+        "specforge",
+        "--no-gzip",
+        "--no-progress",
+    ]
 
 
 def write_prenorm_as_postnorm(store: Path, dest: Path) -> int:
@@ -107,8 +129,14 @@ def write_prenorm_as_postnorm(store: Path, dest: Path) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         record = specforge_record(dataset[i])
         atomic_write(path, lambda tmp, record=record: torch.save(record, tmp), durable=False)
-    lay.write_json(dest / "export_manifest.json", {
-        "format": "specforge", "fault": "the pre-norm final state under hidden_state, not converted", "ids": dataset.ids})
+    lay.write_json(
+        dest / "export_manifest.json",
+        {
+            "format": "specforge",
+            "fault": "the pre-norm final state under hidden_state, not converted",
+            "ids": dataset.ids,
+        },
+    )
     return len(dataset)
 
 
@@ -117,13 +145,17 @@ def ours(layout: lay.Layout, variant: str, model: str, *, max_length: int, keep_
     feats = layout.features(variant)
     logs = layout.scratch / "logs"
     facts = {"variant": variant, "extract": extract_argv(layout, variant, model, max_length)}
-    facts["extract_s"] = lay.run_logged(layout, f"states {variant}: extract", facts["extract"], logs / f"extract_{variant}.log")
+    facts["extract_s"] = lay.run_logged(
+        layout, f"states {variant}: extract", facts["extract"], logs / f"extract_{variant}.log"
+    )
     if variant == "prenorm":
         facts["export"] = "benchmarks.drafter.states.write_prenorm_as_postnorm"
         write_prenorm_as_postnorm(layout.store(variant), feats)
     else:
         facts["export"] = export_argv(layout, variant)
-        facts["export_s"] = lay.run_logged(layout, f"states {variant}: export", facts["export"], logs / f"export_{variant}.log")
+        facts["export_s"] = lay.run_logged(
+            layout, f"states {variant}: export", facts["export"], logs / f"export_{variant}.log"
+        )
     ids = lay.read_json(feats / "export_manifest.json")["ids"]
     files = len(sorted_files(feats))
     if files != len(ids):
@@ -146,21 +178,38 @@ def sorted_files(folder: Path) -> list[str]:
     return sorted(str(p) for p in folder.rglob("data_*.ckpt*"))
 
 
-def specforge_argv(layout: lay.Layout, model: str, *, max_length: int, batch_size: int, attention_backend: str) -> list[str]:
+def specforge_argv(
+    layout: lay.Layout, model: str, *, max_length: int, batch_size: int, attention_backend: str
+) -> list[str]:
     bundle = lay.ROOT / ".peer-bundle" / "specforge"
-    return peer.command(bundle / "scripts" / "prepare_hidden_states.py", Path(model), layout.corpus,
-                        layout.features("specforge"), layout.scratch / "cache" / "specforge", max_length=max_length,
-                        batch_size=batch_size, attention_backend=attention_backend, draft_config=layout.draft_config)
+    return peer.command(
+        bundle / "scripts" / "prepare_hidden_states.py",
+        Path(model),
+        layout.corpus,
+        layout.features("specforge"),
+        layout.scratch / "cache" / "specforge",
+        max_length=max_length,
+        batch_size=batch_size,
+        attention_backend=attention_backend,
+        draft_config=layout.draft_config,
+    )
 
 
 def specforge(layout: lay.Layout, model: str, *, max_length: int, batch_size: int, attention_backend: str) -> dict:
     """SpecForge's generator on the same corpus, in the peer bundle's site (SGLang 0.5.14); rerun, it
     skips the files it wrote."""
-    argv = specforge_argv(layout, model, max_length=max_length, batch_size=batch_size, attention_backend=attention_backend)
+    argv = specforge_argv(
+        layout, model, max_length=max_length, batch_size=batch_size, attention_backend=attention_backend
+    )
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PEER_SITE), env.get("PYTHONPATH", "")) if p)
     wall = lay.run_logged(layout, "states specforge", argv, layout.scratch / "logs" / "states_specforge.log", env=env)
-    return {"variant": "specforge", "command": argv, "wall_s": wall, "samples": len(sorted_files(layout.features("specforge")))}
+    return {
+        "variant": "specforge",
+        "command": argv,
+        "wall_s": wall,
+        "samples": len(sorted_files(layout.features("specforge"))),
+    }
 
 
 def expected_ids(layout: lay.Layout, tokenizer, max_length: int) -> dict[str, int]:
@@ -169,7 +218,9 @@ def expected_ids(layout: lay.Layout, tokenizer, max_length: int) -> dict[str, in
     out = {}
     with open(layout.corpus) as f:
         for j, line in enumerate(f):
-            text = tokenizer.apply_chat_template(messages(json.loads(line)), tokenize=False, add_generation_prompt=False)
+            text = tokenizer.apply_chat_template(
+                messages(json.loads(line)), tokenize=False, add_generation_prompt=False
+            )
             ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"][:max_length], dtype=np.int64)
             out[_ids_key(ids)] = j
     return out
@@ -221,8 +272,16 @@ def make_view(layout: lay.Layout, variant: str, positions: dict[int, str]) -> in
     return len(positions)
 
 
-def states(layout: lay.Layout, variant: str, model: str, *, max_length: int, keep_store: bool,
-           specforge_batch_size: int, attention_backend: str) -> dict:
+def states(
+    layout: lay.Layout,
+    variant: str,
+    model: str,
+    *,
+    max_length: int,
+    keep_store: bool,
+    specforge_batch_size: int,
+    attention_backend: str,
+) -> dict:
     """One variant's states and view; skipped when its view is complete."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
@@ -234,8 +293,9 @@ def states(layout: lay.Layout, variant: str, model: str, *, max_length: int, kee
         from benchmarks.drafter.train import write_draft_config
 
         write_draft_config(model, layout.draft_config)
-        facts = specforge(layout, model, max_length=max_length, batch_size=specforge_batch_size,
-                          attention_backend=attention_backend)
+        facts = specforge(
+            layout, model, max_length=max_length, batch_size=specforge_batch_size, attention_backend=attention_backend
+        )
         positions, unmatched = specforge_positions(layout, model, max_length)
         facts["unmatched_files"] = len(unmatched)
     else:

@@ -1,5 +1,6 @@
 """The result: one JSON of every drafter's serving figures, its training record and the commands that made
 them, and the markdown table of the README's "Does it train a good drafter?"."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,13 @@ from statistics import mean
 from benchmarks.drafter import layout as lay
 
 TARGET = "target"
-LABELS = {"ours": "(a) ours", "specforge": "(b) SpecForge's generator", "offbyone": "(c) ours, aux layers one deeper",
-          "prenorm": "(d) ours, pre-norm final state as post-norm", "fp8": "(e) ours, --store fp8"}
+LABELS = {
+    "ours": "(a) ours",
+    "specforge": "(b) SpecForge's generator",
+    "offbyone": "(c) ours, aux layers one deeper",
+    "prenorm": "(d) ours, pre-norm final state as post-norm",
+    "fp8": "(e) ours, --store fp8",
+}
 # (a) must reach this share of (b)'s acceptance length (issue 36).
 PARITY = 0.98
 
@@ -36,8 +42,7 @@ def verdicts(serve: dict) -> dict:
     lengths = {v: mean(xs) for v, xs in _by_variant(serve).items()}
     spread = {v: max(xs) - min(xs) for v, xs in _by_variant(serve).items() if len(xs) > 1}
     a, b = lengths.get("ours"), lengths.get("specforge")
-    out = {"accept_length_mean": lengths, "seed_spread": spread,
-           "ours_over_specforge": a / b if a and b else None}
+    out = {"accept_length_mean": lengths, "seed_spread": spread, "ours_over_specforge": a / b if a and b else None}
     out["ours_reaches_parity"] = out["ours_over_specforge"] >= PARITY if out["ours_over_specforge"] else None
     for fault in ("offbyone", "prenorm"):
         f = lengths.get(fault)
@@ -53,21 +58,30 @@ def _f(x, digits=3) -> str:
 def markdown(result: dict) -> str:
     serve = result["serve"]
     base = (serve.get(TARGET) or {}).get("batch1_decode_tok_s")
-    lines = ["| drafter | seed | samples | acceptance length | first-position acceptance | decode tok/s (batch 1) | vs target alone |",
-             "|---|---|---|---|---|---|---|",
-             f"| none (target alone) | | | | | {_f(base, 0)} | 1.00 |"]
+    lines = [
+        "| drafter | seed | samples | acceptance length | first-position acceptance | decode tok/s (batch 1) | vs target alone |",
+        "|---|---|---|---|---|---|---|",
+        f"| none (target alone) | | | | | {_f(base, 0)} | 1.00 |",
+    ]
     for name in sorted(n for n in serve if n != TARGET):
         r, t = serve[name], result["train"].get(name, {})
         variant, seed = name.rsplit("-s", 1)
         speed = r.get("batch1_decode_tok_s")
-        lines.append(f"| {LABELS.get(variant, variant)} | {seed} | {t.get('view', {}).get('view_samples', '')} | "
-                     f"{_f(r.get('accept_length'))} | {_f(r.get('first_position_accept_rate'))} | {_f(speed, 0)} | "
-                     f"{_f(speed / base if speed and base else None, 2)} |")
+        lines.append(
+            f"| {LABELS.get(variant, variant)} | {seed} | {t.get('view', {}).get('view_samples', '')} | "
+            f"{_f(r.get('accept_length'))} | {_f(r.get('first_position_accept_rate'))} | {_f(speed, 0)} | "
+            f"{_f(speed / base if speed and base else None, 2)} |"
+        )
     v = result["verdicts"]
     spread = ", ".join(f"{k} {_f(x)}" for k, x in v["seed_spread"].items()) or "not measured"
-    lines += ["", (f"(a) / (b) acceptance length: {_f(v['ours_over_specforge'])} (target ≥ {PARITY}); "
-                   f"spread between seeds: {spread}; (c) below both: {v['offbyone_below_both']}; "
-                   f"(d) below both: {v['prenorm_below_both']}; (e) / (a): {_f(v['fp8_over_ours'])}.")]
+    lines += [
+        "",
+        (
+            f"(a) / (b) acceptance length: {_f(v['ours_over_specforge'])} (target ≥ {PARITY}); "
+            f"spread between seeds: {spread}; (c) below both: {v['offbyone_below_both']}; "
+            f"(d) below both: {v['prenorm_below_both']}; (e) / (a): {_f(v['fp8_over_ours'])}."
+        ),
+    ]
     return "\n".join(lines)
 
 

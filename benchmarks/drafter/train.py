@@ -11,6 +11,7 @@ neither, so SpecForge gets a copy it can load: links to the target's files plus 
 `model.safetensors.index.json` mapping every tensor to `model.safetensors`, with `lm_head_key` the
 embedding (tied weights are the same matrix). Nothing of the target is changed.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,18 +26,37 @@ from benchmarks.drafter.states import PEER_SITE
 EMBEDDING_KEY = "model.embed_tokens.weight"
 LM_HEAD_KEY = "lm_head.weight"
 DRAFT_VOCAB = 32000  # SpecForge's EAGLE-3 default (TargetDerivedDraftDefaults)
-TARGET_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-               "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings",
-               "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "attention_bias")
+TARGET_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "max_position_embeddings",
+    "vocab_size",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "attention_bias",
+)
 
 
 def write_draft_config(model: str, dest: Path) -> dict:
     """One EAGLE-3 draft layer shaped after the target, as SpecForge derives it when given none."""
     target = json.loads((Path(model) / "config.json").read_text())
     draft = {k: target[k] for k in TARGET_KEYS if k in target}
-    draft.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
-                 tie_word_embeddings=False, draft_vocab_size=min(DRAFT_VOCAB, target["vocab_size"]),
-                 torch_dtype="bfloat16")
+    draft.update(
+        architectures=["LlamaForCausalLMEagle3"],
+        model_type="llama",
+        num_hidden_layers=1,
+        tie_word_embeddings=False,
+        draft_vocab_size=min(DRAFT_VOCAB, target["vocab_size"]),
+        torch_dtype="bfloat16",
+    )
     lay.write_json(dest, draft)
     return draft
 
@@ -64,26 +84,56 @@ def target_copy(model: str, dest: Path) -> dict:
     made = None
     if not list(src.glob("*.index.json")):
         made = dest / "model.safetensors.index.json"
-        lay.write_json(made, {"metadata": {"note": "added for SpecForge, which reads only indexed checkpoints"},
-                              "weight_map": names})
+        lay.write_json(
+            made,
+            {"metadata": {"note": "added for SpecForge, which reads only indexed checkpoints"}, "weight_map": names},
+        )
     lm_head = LM_HEAD_KEY if LM_HEAD_KEY in names else EMBEDDING_KEY
-    return {"target_copy": str(dest), "index_added": made is not None, "lm_head_key": lm_head,
-            "embedding_key": EMBEDDING_KEY}
+    return {
+        "target_copy": str(dest),
+        "index_added": made is not None,
+        "lm_head_key": lm_head,
+        "embedding_key": EMBEDDING_KEY,
+    }
 
 
-def config(layout: lay.Layout, run: str, view: Path, keys: dict, *, seed: int, steps: int, batch_size: int,
-           max_length: int, learning_rate: float) -> dict:
+def config(
+    layout: lay.Layout,
+    run: str,
+    view: Path,
+    keys: dict,
+    *,
+    seed: int,
+    steps: int,
+    batch_size: int,
+    max_length: int,
+    learning_rate: float,
+) -> dict:
     out = layout.train_dir(run)
     return {
         "run_id": run,
         "output_dir": str(out),
-        "model": {"target_model_path": keys["target_copy"], "draft_model_config": str(layout.draft_config),
-                  "embedding_key": keys["embedding_key"], "lm_head_key": keys["lm_head_key"],
-                  "torch_dtype": "bfloat16"},
+        "model": {
+            "target_model_path": keys["target_copy"],
+            "draft_model_config": str(layout.draft_config),
+            "embedding_key": keys["embedding_key"],
+            "lm_head_key": keys["lm_head_key"],
+            "torch_dtype": "bfloat16",
+        },
         "data": {"hidden_states_path": str(view), "max_length": max_length, "cache_dir": str(out / "cache")},
-        "training": {"strategy": "eagle3", "num_epochs": 1, "max_steps": steps, "batch_size": batch_size,
-                     "learning_rate": learning_rate, "max_grad_norm": 0.5, "ttt_length": 7,
-                     "attention_backend": "sdpa", "save_interval": 500, "log_interval": 50, "seed": seed},
+        "training": {
+            "strategy": "eagle3",
+            "num_epochs": 1,
+            "max_steps": steps,
+            "batch_size": batch_size,
+            "learning_rate": learning_rate,
+            "max_grad_norm": 0.5,
+            "ttt_length": 7,
+            "attention_backend": "sdpa",
+            "save_interval": 500,
+            "log_interval": 50,
+            "seed": seed,
+        },
         "deployment": {"mode": "local_colocated", "trainer": {"nnodes": 1, "nproc_per_node": 1}},
     }
 
@@ -92,8 +142,17 @@ def run_name(variant: str, seed: int) -> str:
     return f"{variant}-s{seed}"
 
 
-def train(layout: lay.Layout, variant: str, model: str, *, seed: int, steps: int, batch_size: int,
-          max_length: int, learning_rate: float) -> dict:
+def train(
+    layout: lay.Layout,
+    variant: str,
+    model: str,
+    *,
+    seed: int,
+    steps: int,
+    batch_size: int,
+    max_length: int,
+    learning_rate: float,
+) -> dict:
     """Trains and exports one drafter; a run cut short resumes from its last checkpoint."""
     run = run_name(variant, seed)
     drafter = layout.drafter(run)
@@ -105,8 +164,17 @@ def train(layout: lay.Layout, variant: str, model: str, *, seed: int, steps: int
     write_draft_config(model, layout.draft_config)
     keys = target_copy(model, layout.target_copy)
     out = layout.train_dir(run)
-    cfg = config(layout, run, view, keys, seed=seed, steps=steps, batch_size=batch_size, max_length=max_length,
-                 learning_rate=learning_rate)
+    cfg = config(
+        layout,
+        run,
+        view,
+        keys,
+        seed=seed,
+        steps=steps,
+        batch_size=batch_size,
+        max_length=max_length,
+        learning_rate=learning_rate,
+    )
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "config.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -118,12 +186,35 @@ def train(layout: lay.Layout, variant: str, model: str, *, seed: int, steps: int
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PEER_SITE), env.get("PYTHONPATH", "")) if p)
     logs = layout.scratch / "logs"
     wall = lay.run_logged(layout, f"train {run}", argv, logs / f"train_{run}.log", env=env)
-    export = [lay.python(), "-m", "specforge.cli", "export", "--to", "sglang", "--checkpoint", str(latest),
-              "--draft-config", str(layout.draft_config), "--output-dir", str(drafter)]
+    export = [
+        lay.python(),
+        "-m",
+        "specforge.cli",
+        "export",
+        "--to",
+        "sglang",
+        "--checkpoint",
+        str(latest),
+        "--draft-config",
+        str(layout.draft_config),
+        "--output-dir",
+        str(drafter),
+    ]
     lay.run_logged(layout, f"export {run}", export, logs / f"export_{run}.log", env=env)
-    facts = {"run": run, "variant": variant, "seed": seed, "steps": steps, "batch_size": batch_size,
-             "learning_rate": learning_rate, "train": argv, "export": export, "train_wall_s": round(wall, 1),
-             "config": cfg, **keys, "view": lay.read_json(lay.marker(view))}
+    facts = {
+        "run": run,
+        "variant": variant,
+        "seed": seed,
+        "steps": steps,
+        "batch_size": batch_size,
+        "learning_rate": learning_rate,
+        "train": argv,
+        "export": export,
+        "train_wall_s": round(wall, 1),
+        "config": cfg,
+        **keys,
+        "view": lay.read_json(lay.marker(view)),
+    }
     lay.mark_done(drafter, **facts)
     lay.write_json(layout.train_record(run), facts)
     return facts

@@ -5,6 +5,7 @@ A peer's state is compared token by token with ours for the same token ids: the 
 is the same vector, the norm ratio (peer / ours) tells a missing or extra final norm (the residual
 stream before the norm is many times larger than after it) from bf16 noise.
 """
+
 from __future__ import annotations
 
 import math
@@ -98,7 +99,9 @@ class LayerTally:
                 continue
             other = theirs[key]
             if mine.shape != other.shape:
-                raise ValueError(f"sample {sample_id}, layer {key}: ours {tuple(mine.shape)} vs peer {tuple(other.shape)}")
+                raise ValueError(
+                    f"sample {sample_id}, layer {key}: ours {tuple(mine.shape)} vs peer {tuple(other.shape)}"
+                )
             a, b = mine.float(), other.float()
             cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
             ratio = b.norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-30)
@@ -132,4 +135,3 @@ def split_layers(aux: torch.Tensor, last: torch.Tensor | None, layer_ids) -> dic
     if last is not None:
         out["final"] = last
     return out
-

@@ -6,6 +6,7 @@ After our run, our engine prefills exactly those token ids and every layer a pee
 with ours (`accounting.LayerTally`). The HF loop runs inside the bench process (`extraction_vs_prefill._hf_pass`);
 its cross-check loads the same weights, so it needs a model directory with weights (`--model`).
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -29,6 +30,7 @@ from . import sglang_engine, specforge
 from .accounting import LayerTally, PeerRow, split_layers
 from .corpus import save_batches
 
+
 @dataclass
 class Pending:
     """A peer that has run; its row is finished once our engine can cross-check its states."""
@@ -44,16 +46,27 @@ def check_names(names) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def run_subprocess_peers(names, popts: PeerOptions, *, model_dir: Path, tokenizer, batches: list[list[np.ndarray]],
-                         warmup: int, max_length: int, dtype: str, num_layers: int,
-                         load_format: str) -> Iterator[Pending]:
+def run_subprocess_peers(
+    names,
+    popts: PeerOptions,
+    *,
+    model_dir: Path,
+    tokenizer,
+    batches: list[list[np.ndarray]],
+    warmup: int,
+    max_length: int,
+    dtype: str,
+    num_layers: int,
+    load_format: str,
+) -> Iterator[Pending]:
     """Run sglang-engine and specforge (those of `names`) on our batches, before our engine takes the GPU;
     each peer is yielded as soon as it finishes, so that its row can be saved before the next part starts."""
     work = Path(popts.workdir)
     runs = {
         sglang_engine.NAME: lambda: _sglang_engine(popts, work, model_dir, batches, warmup, max_length, dtype),
-        specforge.NAME: lambda: _specforge(popts, work, model_dir, tokenizer, batches, warmup, max_length,
-                                           specforge.capture_layers(num_layers)),
+        specforge.NAME: lambda: _specforge(
+            popts, work, model_dir, tokenizer, batches, warmup, max_length, specforge.capture_layers(num_layers)
+        ),
     }
     for name in (n for n in names if n in OWN_PROCESS):
         _needs_weights(name, load_format)
@@ -82,18 +95,44 @@ def summary(row: PeerRow, seconds: float) -> str:
 
 def _needs_weights(name: str, load_format: str) -> None:
     if load_format == "dummy":
-        raise ValueError(f"--baseline {name} loads the model from its files: pass --model DIR with weights "
-                         f"and --load-format auto (the dummy loader draws other random weights in each process)")
+        raise ValueError(
+            f"--baseline {name} loads the model from its files: pass --model DIR with weights "
+            f"and --load-format auto (the dummy loader draws other random weights in each process)"
+        )
 
 
 def _sglang_engine(popts, work, model_dir, batches, warmup, max_length, dtype) -> Pending:
-    batches_file, result, dump = work / "batches.npz", work / "sglang_engine.json", work / "sglang_engine_states.safetensors"
+    batches_file, result, dump = (
+        work / "batches.npz",
+        work / "sglang_engine.json",
+        work / "sglang_engine_states.safetensors",
+    )
     save_batches(batches_file, batches, warmup)
-    argv = [sys.executable, "-m", "benchmarks.peers.sglang_engine", "--model", str(model_dir), "--batches", str(batches_file),
-            "--result", str(result), "--dump", str(dump), "--dump-samples", str(popts.cross_check_samples),
-            "--dtype", dtype, "--max-length", str(max_length), "--device", popts.device]
-    for flag, value in (("--attention-backend", popts.sglang_attention_backend),
-                        ("--mem-fraction-static", popts.sglang_mem_fraction_static)):
+    argv = [
+        sys.executable,
+        "-m",
+        "benchmarks.peers.sglang_engine",
+        "--model",
+        str(model_dir),
+        "--batches",
+        str(batches_file),
+        "--result",
+        str(result),
+        "--dump",
+        str(dump),
+        "--dump-samples",
+        str(popts.cross_check_samples),
+        "--dtype",
+        dtype,
+        "--max-length",
+        str(max_length),
+        "--device",
+        popts.device,
+    ]
+    for flag, value in (
+        ("--attention-backend", popts.sglang_attention_backend),
+        ("--mem-fraction-static", popts.sglang_mem_fraction_static),
+    ):
         if value is not None:
             argv += [flag, str(value)]
     launched = time.perf_counter()
@@ -101,18 +140,28 @@ def _sglang_engine(popts, work, model_dir, batches, warmup, max_length, dtype) -
     launch_to_exit_s = time.perf_counter() - launched
     cmd = shlex.join(["python", *argv[1:]])
     if proc.returncode != 0:
-        return Pending(PeerRow(sglang_engine.NAME, _version("sglang"), cmd, None, None, None, None,
-                               error=proc.stderr[-4000:]), [])
+        return Pending(
+            PeerRow(sglang_engine.NAME, _version("sglang"), cmd, None, None, None, None, error=proc.stderr[-4000:]), []
+        )
     r = json.loads(result.read_text())
     row = PeerRow(
-        name=sglang_engine.NAME, version=r["version"], command=cmd, tok_s=r["tok_s"], bytes_per_token=r["bytes_per_token"],
-        host_peak_rss_bytes=r["host_peak_rss_bytes"], cosine_vs_ours=None,
-        notes={"stores": r["stores"], "num_tokens": r["num_tokens"], "wall_s": r["wall_s"],
-               "tok_s": f"prompt tokens a second over its {r['num_tokens']:,} timed tokens ({r['wall_s']:.0f} s), "
-                        "after its warm-up batches; start-up excluded",
-               # As SpecForge's: every token it was given (warm-up batches too) over its launch-to-exit seconds.
-               "end_to_end_tok_s": sum(len(ids) for batch in batches for ids in batch) / launch_to_exit_s,
-               "bytes_per_token": "nothing is written: its returned state stored as bf16, plus an int32 id"},
+        name=sglang_engine.NAME,
+        version=r["version"],
+        command=cmd,
+        tok_s=r["tok_s"],
+        bytes_per_token=r["bytes_per_token"],
+        host_peak_rss_bytes=r["host_peak_rss_bytes"],
+        cosine_vs_ours=None,
+        notes={
+            "stores": r["stores"],
+            "num_tokens": r["num_tokens"],
+            "wall_s": r["wall_s"],
+            "tok_s": f"prompt tokens a second over its {r['num_tokens']:,} timed tokens ({r['wall_s']:.0f} s), "
+            "after its warm-up batches; start-up excluded",
+            # As SpecForge's: every token it was given (warm-up batches too) over its launch-to-exit seconds.
+            "end_to_end_tok_s": sum(len(ids) for batch in batches for ids in batch) / launch_to_exit_s,
+            "bytes_per_token": "nothing is written: its returned state stored as bf16, plus an int32 id",
+        },
     )
     return Pending(row, dumped_states(dump))
 
@@ -122,8 +171,10 @@ def dumped_states(dump: Path) -> list[tuple[str, np.ndarray, dict[str, torch.Ten
     from safetensors.torch import load_file
 
     dumped = load_file(str(dump))
-    return [(f"sglang-engine #{i}", dumped[f"{i}.input_ids"].numpy(), {"final": dumped[f"{i}.final"]})
-            for i in range(len(dumped) // 2)]
+    return [
+        (f"sglang-engine #{i}", dumped[f"{i}.input_ids"].numpy(), {"final": dumped[f"{i}.final"]})
+        for i in range(len(dumped) // 2)
+    ]
 
 
 def _specforge(popts, work, model_dir, tokenizer, batches, warmup, max_length, layer_ids) -> Pending:
@@ -131,7 +182,9 @@ def _specforge(popts, work, model_dir, tokenizer, batches, warmup, max_length, l
     script, draft = sf / "scripts" / "prepare_hidden_states.py", sf / specforge.DRAFT_CONFIG
     for path in (script, draft, Path(popts.peer_site)):
         if not path.exists():
-            raise FileNotFoundError(f"{path} is missing: build and stage the peer bundle (benchmarks/peers/make_peer_bundle.sh)")
+            raise FileNotFoundError(
+                f"{path} is missing: build and stage the peer bundle (benchmarks/peers/make_peer_bundle.sh)"
+            )
     source = (sf / "SOURCE").read_text().strip() if (sf / "SOURCE").exists() else "unknown"
     timed = [s for b in batches[warmup:] for s in b]  # its own first batch is its warm-up
     prepared = specforge.prepare(work / "specforge_in", timed, tokenizer, max_length)
@@ -140,20 +193,43 @@ def _specforge(popts, work, model_dir, tokenizer, batches, warmup, max_length, l
     # (one of them beside the script): a previous run's would stand in for this corpus.
     for stale in (out, work / "specforge_cache", sf / "cache"):
         shutil.rmtree(stale, ignore_errors=True)
-    argv = specforge.command(script, model_dir, prepared.data, out, work / "specforge_cache", max_length=max_length,
-                             batch_size=popts.specforge_batch_size, attention_backend=popts.specforge_attention_backend,
-                             draft_config=draft)
+    argv = specforge.command(
+        script,
+        model_dir,
+        prepared.data,
+        out,
+        work / "specforge_cache",
+        max_length=max_length,
+        batch_size=popts.specforge_batch_size,
+        attention_backend=popts.specforge_attention_backend,
+        draft_config=draft,
+    )
     ran = specforge.run(argv, Path(popts.peer_site), work / "specforge.log")
     cmd = shlex.join(argv)
     notes = {"source": source, "log": str(ran.log), "wall_s": ran.wall_s}
     if ran.returncode != 0:
         tail = ran.log.read_text()[-4000:]
-        return Pending(PeerRow(specforge.NAME, specforge.VERSION, cmd, None, None, ran.host_peak_rss_bytes, None,
-                               notes=notes, error=f"exit {ran.returncode}: {tail}"), [])
+        return Pending(
+            PeerRow(
+                specforge.NAME,
+                specforge.VERSION,
+                cmd,
+                None,
+                None,
+                ran.host_peak_rss_bytes,
+                None,
+                notes=notes,
+                error=f"exit {ran.returncode}: {tail}",
+            ),
+            [],
+        )
     output = specforge.read_output(out, prepared, popts.specforge_batch_size)
     notes.update(
-        files=output.files, real_tokens=output.real_tokens, stored_tokens=output.stored_tokens,
-        padding_share=1 - output.real_tokens / output.stored_tokens, unmatched_files=len(output.unmatched),
+        files=output.files,
+        real_tokens=output.real_tokens,
+        stored_tokens=output.stored_tokens,
+        padding_share=1 - output.real_tokens / output.stored_tokens,
+        unmatched_files=len(output.unmatched),
         end_to_end_tok_s=output.real_tokens / ran.wall_s,
         tok_s="real (unpadded) tokens a second from the end of its first batch to its last file",
         stores={"layers": [*map(str, layer_ids), "final"], "norm": "post-norm (Llama)", "padded_rows": True},
@@ -163,9 +239,14 @@ def _specforge(popts, work, model_dir, tokenizer, batches, warmup, max_length, l
         layers, ids = specforge.load_states(path, len(own), layer_ids)
         states.append((str(path), ids, layers))
     row = PeerRow(
-        name=specforge.NAME, version=specforge.VERSION, command=cmd, tok_s=output.steady_tok_s,
-        bytes_per_token=output.bytes / output.real_tokens, host_peak_rss_bytes=ran.host_peak_rss_bytes,
-        cosine_vs_ours=None, notes=notes,
+        name=specforge.NAME,
+        version=specforge.VERSION,
+        command=cmd,
+        tok_s=output.steady_tok_s,
+        bytes_per_token=output.bytes / output.real_tokens,
+        host_peak_rss_bytes=ran.host_peak_rss_bytes,
+        cosine_vs_ours=None,
+        notes=notes,
     )
     return Pending(row, states)
 
@@ -198,8 +279,11 @@ def states_of(model, layer_ids, seqs: list[np.ndarray]) -> list[tuple[str, np.nd
     out = []
     for i, ids in enumerate(seqs):
         with torch.no_grad():
-            hs = model(input_ids=torch.from_numpy(ids.astype(np.int64))[None].to(model.device),
-                       output_hidden_states=True, use_cache=False).hidden_states
+            hs = model(
+                input_ids=torch.from_numpy(ids.astype(np.int64))[None].to(model.device),
+                output_hidden_states=True,
+                use_cache=False,
+            ).hidden_states
         out.append((f"hf #{i}", ids, {**{str(k): hs[k + 1][0].cpu() for k in layer_ids}, "final": hs[-1][0].cpu()}))
     return out
 
@@ -207,13 +291,20 @@ def states_of(model, layer_ids, seqs: list[np.ndarray]) -> list[tuple[str, np.nd
 def hf_row(tok_s: float, command: str, states: list[tuple[str, np.ndarray, dict]] | None) -> Pending:
     return Pending(
         PeerRow(
-            name="hf", version=_version("transformers"), command=command, tok_s=tok_s, bytes_per_token=None,
-            host_peak_rss_bytes=None, cosine_vs_ours=None,
-            notes={"tok_s": "tokens a second over the bench's timed batches, after its warm-up batches; "
-                            "model load excluded",
-                   "bytes_per_token": "writes nothing: copies the layers to host memory and drops them",
-                   "host_peak_rss_bytes": "runs inside the bench process, so its memory is not told apart from ours",
-                   "stores": {"layers": "output_hidden_states[k+1] and [-1]", "norm": "post-norm"}},
+            name="hf",
+            version=_version("transformers"),
+            command=command,
+            tok_s=tok_s,
+            bytes_per_token=None,
+            host_peak_rss_bytes=None,
+            cosine_vs_ours=None,
+            notes={
+                "tok_s": "tokens a second over the bench's timed batches, after its warm-up batches; "
+                "model load excluded",
+                "bytes_per_token": "writes nothing: copies the layers to host memory and drops them",
+                "host_peak_rss_bytes": "runs inside the bench process, so its memory is not told apart from ours",
+                "stores": {"layers": "output_hidden_states[k+1] and [-1]", "norm": "post-norm"},
+            },
         ),
         states or [],
     )

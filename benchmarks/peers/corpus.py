@@ -5,6 +5,7 @@ forwards we did. `chat_records` turns the same samples back into chat records fo
 conversations (SpecForge): rendered with the tokenizer's own template they give the sample's tokens
 again, plus at most the few template tokens that close the message the sample was cut in.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,7 +35,9 @@ def load_batches(path: Path) -> tuple[list[list[np.ndarray]], int]:
     return [seqs[bounds[b] : bounds[b + 1]] for b in range(len(sizes))], warmup
 
 
-def chat_records(seqs: list[np.ndarray], tokenizer, roles: tuple[str, ...] = ("system", "user", "assistant")) -> list[dict]:
+def chat_records(
+    seqs: list[np.ndarray], tokenizer, roles: tuple[str, ...] = ("system", "user", "assistant")
+) -> list[dict]:
     """ShareGPT-style `conversations` records whose rendering starts with each sequence's tokens.
 
     The tokens are decoded with their special tokens and split at the role headers of the tokenizer's

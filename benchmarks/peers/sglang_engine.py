@@ -23,6 +23,7 @@ sample's states to a bf16 tensor as a user would before saving them, and writes 
 \b
     python -m benchmarks.peers.sglang_engine --model DIR --batches batches.npz --result r.json --dump s.safetensors
 """
+
 from __future__ import annotations
 
 import json
@@ -66,8 +67,19 @@ def returned_states(output: dict, num_tokens: int, sample: str) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.bfloat16)
 
 
-def run(model: str, batches_path: Path, result: Path, dump: Path | None, dump_samples: int, dtype: str, device: str,
-        attention_backend: str | None, mem_fraction_static: float | None, max_length: int, command: str) -> dict:
+def run(
+    model: str,
+    batches_path: Path,
+    result: Path,
+    dump: Path | None,
+    dump_samples: int,
+    dtype: str,
+    device: str,
+    attention_backend: str | None,
+    mem_fraction_static: float | None,
+    max_length: int,
+    command: str,
+) -> dict:
     if device == "cpu":
         from offline_extract.engine.sglang_adapter import prepare_process
 
@@ -77,23 +89,37 @@ def run(model: str, batches_path: Path, result: Path, dump: Path | None, dump_sa
 
     batches, warmup = load_batches(batches_path)
     largest = max(sum(len(s) for s in b) for b in batches)
-    kwargs = {k: v for k, v in (("attention_backend", attention_backend), ("mem_fraction_static", mem_fraction_static)) if v}
+    kwargs = {
+        k: v for k, v in (("attention_backend", attention_backend), ("mem_fraction_static", mem_fraction_static)) if v
+    }
     with TreePeakRss(os.getpid()) as rss:
         engine = sglang.Engine(
-            model_path=model, dtype=dtype, device=device, enable_return_hidden_states=True, skip_tokenizer_init=True,
-            disable_radix_cache=True, chunked_prefill_size=-1, max_prefill_tokens=max(largest, max_length),
+            model_path=model,
+            dtype=dtype,
+            device=device,
+            enable_return_hidden_states=True,
+            skip_tokenizer_init=True,
+            disable_radix_cache=True,
+            chunked_prefill_size=-1,
+            max_prefill_tokens=max(largest, max_length),
             # KV room for one of our batches: the scheduler packs prefills as ours are packed. SGLang 0.5.17
             # admits an input only under its context less 6 (the generated token and 5 more,
             # TpModelWorker.get_worker_info), so the longest sample needs that much room above it.
-            max_total_tokens=max(largest, max_length) + 64, context_length=max_length + 6 + 1,
+            max_total_tokens=max(largest, max_length) + 64,
+            context_length=max_length + 6 + 1,
             # Graphs serve decode steps only, which a max_new_tokens=1 request never takes; its one sampled
             # token costs the same on any sampler, and PyTorch's runs on every device.
-            disable_cuda_graph=True, sampling_backend="pytorch", log_level="error", **kwargs,
+            disable_cuda_graph=True,
+            sampling_backend="pytorch",
+            log_level="error",
+            **kwargs,
         )
         try:
+
             def prefill(batch, keep: dict | None) -> int:
                 outs = engine.generate(
-                    input_ids=[s.tolist() for s in batch], sampling_params={"max_new_tokens": 1},
+                    input_ids=[s.tolist() for s in batch],
+                    sampling_params={"max_new_tokens": 1},
                     return_hidden_states=True,
                 )
                 for ids, out in zip(batch, outs):
@@ -136,22 +162,43 @@ def run(model: str, batches_path: Path, result: Path, dump: Path | None, dump_sa
 
 @program(__doc__)
 @click.option("--model", required=True, help="HF model directory with weights.")
-@click.option("--batches", "batches_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Token batches written by benchmarks.peers.corpus.save_batches.")
+@click.option(
+    "--batches",
+    "batches_path",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Token batches written by benchmarks.peers.corpus.save_batches.",
+)
 @click.option("--result", required=True, type=click.Path(dir_okay=False, path_type=Path), help="JSON result to write.")
-@click.option("--dump", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="safetensors file for the first --dump-samples timed samples' ids and states.")
+@click.option(
+    "--dump",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="safetensors file for the first --dump-samples timed samples' ids and states.",
+)
 @click.option("--dump-samples", default=32, show_default=True)
 @click.option("--dtype", default="bfloat16", show_default=True)
 @click.option("--device", default="cuda", show_default=True, help="'cpu' with --attention-backend torch_native: tests.")
 @click.option("--attention-backend", default=None, help="Default: SGLang's own choice (fa3 on Hopper).")
 @click.option("--mem-fraction-static", default=None, type=float, help="Default: SGLang's own.")
 @click.option("--max-length", default=8192, show_default=True, help="Longest sample in tokens.")
-def main(model, batches_path, result, dump, dump_samples, dtype, device, attention_backend, mem_fraction_static,
-         max_length):
+def main(
+    model, batches_path, result, dump, dump_samples, dtype, device, attention_backend, mem_fraction_static, max_length
+):
     command = command_line("python -m benchmarks.peers.sglang_engine")
-    row = run(model, batches_path, result, dump, dump_samples, dtype, device, attention_backend, mem_fraction_static,
-              max_length, command)
+    row = run(
+        model,
+        batches_path,
+        result,
+        dump,
+        dump_samples,
+        dtype,
+        device,
+        attention_backend,
+        mem_fraction_static,
+        max_length,
+        command,
+    )
     print(json.dumps(row, indent=2))
 
 

@@ -17,6 +17,7 @@ What it stores (read from its source at the commit recorded in `.peer-bundle/spe
 - `hidden_state`: the input of SGLang's logits processor, i.e. after the final norm on Llama;
 - its data loader drops the last incomplete batch (`drop_last=True`), and samples with a NaN are skipped.
 """
+
 from __future__ import annotations
 
 import os
@@ -75,22 +76,47 @@ def prepare(workdir: Path, seqs: list[np.ndarray], tokenizer, max_length: int) -
     return Prepared(data=data, expected=expected)
 
 
-def command(script: Path, model_dir: Path, data: Path, out: Path, cache: Path, *, max_length: int,
-            batch_size: int, attention_backend: str, draft_config: Path) -> list[str]:
+def command(
+    script: Path,
+    model_dir: Path,
+    data: Path,
+    out: Path,
+    cache: Path,
+    *,
+    max_length: int,
+    batch_size: int,
+    attention_backend: str,
+    draft_config: Path,
+) -> list[str]:
     """The documented launch (torchrun, one process a GPU), on one GPU."""
     return [
-        "torchrun", "--standalone", "--nproc_per_node", "1", str(script),
-        "--strategy", "eagle3",
-        "--target-model-path", str(model_dir),
-        "--draft-model-config", str(draft_config),
-        "--data-path", str(data),
-        "--output-path", str(out),
-        "--cache-dir", str(cache),
-        "--chat-template", CHAT_TEMPLATE,
-        "--max-length", str(max_length),
-        "--tp-size", "1",
-        "--batch-size", str(batch_size),
-        "--sglang-attention-backend", attention_backend,
+        "torchrun",
+        "--standalone",
+        "--nproc_per_node",
+        "1",
+        str(script),
+        "--strategy",
+        "eagle3",
+        "--target-model-path",
+        str(model_dir),
+        "--draft-model-config",
+        str(draft_config),
+        "--data-path",
+        str(data),
+        "--output-path",
+        str(out),
+        "--cache-dir",
+        str(cache),
+        "--chat-template",
+        CHAT_TEMPLATE,
+        "--max-length",
+        str(max_length),
+        "--tp-size",
+        "1",
+        "--batch-size",
+        str(batch_size),
+        "--sglang-attention-backend",
+        attention_backend,
     ]
 
 
@@ -153,8 +179,13 @@ def read_output(out: Path, prepared: Prepared, batch_size: int) -> Output:
     later = real[batch_size:]
     span = mtimes[-1] - mtimes[batch_size - 1] if len(files) > batch_size else 0.0
     return Output(
-        files=len(files), bytes=sum(p.stat().st_size for p in files), real_tokens=sum(real), stored_tokens=stored,
-        steady_tok_s=sum(later) / span if span > 0 else None, matched=matched, unmatched=unmatched,
+        files=len(files),
+        bytes=sum(p.stat().st_size for p in files),
+        real_tokens=sum(real),
+        stored_tokens=stored,
+        steady_tok_s=sum(later) / span if span > 0 else None,
+        matched=matched,
+        unmatched=unmatched,
     )
 
 

@@ -4,6 +4,7 @@
 \b
     python -m benchmarks.peers.table $OUT/bench_*.json
 """
+
 from __future__ import annotations
 
 import json
@@ -34,18 +35,26 @@ def rows(result: dict, name: str) -> list[str]:
     if ours is None:  # a run cut short before ours was measured (its `parts` say what it holds)
         out = [f"| ours **not measured**: parts left {', '.join(result['parts']['left'])} | | | | | | | | `{name}` |"]
     else:
-        out = [f"| ours ({result['out_kind']}) | | {_num(ours)} | 1.00 | {_num(result['bytes_per_token'])} | "
-               f"{_num(result['host_peak_rss_bytes'] / 1e9, 1)} GB | (reference) | (reference) | `{name}` |"]
+        out = [
+            f"| ours ({result['out_kind']}) | | {_num(ours)} | 1.00 | {_num(result['bytes_per_token'])} | "
+            f"{_num(result['host_peak_rss_bytes'] / 1e9, 1)} GB | (reference) | (reference) | `{name}` |"
+        ]
     for p in result.get("peers", []):
         cos = p["cosine_vs_ours"] or {}
         aux = [k for k in cos if k != "final"]
         final = cos.get("final")
-        final_cell = "" if not final else f"{final['cosine_mean']:.5f} / {final['cosine_min']:.4f}, {final['norm_ratio_mean']:.3f}"
+        final_cell = (
+            ""
+            if not final
+            else f"{final['cosine_mean']:.5f} / {final['cosine_min']:.4f}, {final['norm_ratio_mean']:.3f}"
+        )
         ratio = f"{ours / p['tok_s']:.2f}" if p["tok_s"] and ours else ""
         rss = "" if p["host_peak_rss_bytes"] is None else f"{p['host_peak_rss_bytes'] / 1e9:.1f} GB"
         status = f" **error**: {p['error'].strip().splitlines()[-1]}" if p.get("error") else ""
-        out.append(f"| {p['name']}{status} | {p['version']} | {_num(p['tok_s'])} | {ratio} | "
-                   f"{_num(p['bytes_per_token'])} | {rss} | {_cos(cos, aux)} | {final_cell} | `{name}` |")
+        out.append(
+            f"| {p['name']}{status} | {p['version']} | {_num(p['tok_s'])} | {ratio} | "
+            f"{_num(p['bytes_per_token'])} | {rss} | {_cos(cos, aux)} | {final_cell} | `{name}` |"
+        )
     return out
 
 

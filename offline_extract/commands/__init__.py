@@ -5,6 +5,7 @@ Both import this package before anything heavy (torch, SGLang), so Ctrl-C while 
 command with the shell's status for it and one line, not a traceback of the import; once the command runs,
 `offline_extract.stopping` takes Ctrl-C (cli._Command.invoke), so that an interrupted run cleans up.
 """
+
 import atexit
 import gc
 import os

@@ -31,6 +31,7 @@ Re-running the same command into the same --out resumes: samples in complete sha
 are extracted (on any number of GPUs). A run that stopped (crash, full disk) loses at most the shards
 it was writing.
 """
+
 import contextlib
 import dataclasses
 import os
@@ -52,7 +53,9 @@ def _comma_separated(ctx, param, value: str | None) -> tuple[int, ...] | None:
     try:
         return tuple(int(x) for x in value.split(",")) if value.strip() else ()
     except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {value!r}", param_hint=param.opts[0]) from None
+        raise click.BadParameter(
+            f"expected comma-separated integers, got {value!r}", param_hint=param.opts[0]
+        ) from None
 
 
 def _in_units(unit: int):
@@ -97,19 +100,24 @@ def _options(function):
 
 # --help's sections (options.GROUPS), each with its options: the fields', and --dry-run's.
 SECTIONS = {
-    title: (*(f.name for f in dataclasses.fields(ExtractOptions) if f.metadata["cli"].group == group),
-            *(("dry_run",) if group == "run" else ()))
+    title: (
+        *(f.name for f in dataclasses.fields(ExtractOptions) if f.metadata["cli"].group == group),
+        *(("dry_run",) if group == "run" else ()),
+    )
     for group, title in GROUPS.items()
 }
 
 
 @command(help=__doc__, sections=SECTIONS)
 @_options
-@click.option("--dry-run", is_flag=True,
-              help="Tokenize the corpus, print samples, tokens, the first rejected records (line and reason), bytes "
-                   "per output tensor and free space at --out, and stop; exits non-zero if the output would not fit "
-                   "(unless --force), --out cannot be written, or another extraction is running into --out (it names "
-                   "it, as the run would). It writes nothing into --out.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Tokenize the corpus, print samples, tokens, the first rejected records (line and reason), bytes "
+    "per output tensor and free space at --out, and stop; exits non-zero if the output would not fit "
+    "(unless --force), --out cannot be written, or another extraction is running into --out (it names "
+    "it, as the run would). It writes nothing into --out.",
+)
 def main(dry_run, **options):
     out = options["out"]
     existed = os.path.lexists(out)
@@ -123,6 +131,7 @@ def main(dry_run, **options):
     # (timings.run_timings), not ours.
     mark_process("importing torch")
     import torch  # noqa: F401
+
     mark_process("torch imported")
     from offline_extract.extraction import raise_terminated
 
@@ -158,8 +167,11 @@ def _run(opts: ExtractOptions, dry_run: bool, existed: bool):
         raise Interrupted(_left(opts.out, existed, dry_run)) from None
     except Terminated:
         rank = f"rank {os.environ['RANK']}" if "RANK" in os.environ else "dry run" if dry_run else "extraction"
-        click.echo(f"{rank}: stopped by SIGTERM (under torchrun: another rank failed, and torchrun's report names "
-                   f"it){_left(opts.out, existed, dry_run)}", err=True)
+        click.echo(
+            f"{rank}: stopped by SIGTERM (under torchrun: another rank failed, and torchrun's report names "
+            f"it){_left(opts.out, existed, dry_run)}",
+            err=True,
+        )
         sys.exit(TERMINATED)
 
 
@@ -172,8 +184,10 @@ def _left(out: str, existed: bool, dry_run: bool) -> str:
         return _left_by_a_dry_run(out, existed)
     shards = shard_paths(Path(out)) if os.path.isdir(out) else []
     if shards:
-        return (f"; the {plural(len(shards), 'complete shard')} in {out} {'are' if len(shards) > 1 else 'is'} "
-                f"kept, and re-running the same command resumes from them")
+        return (
+            f"; the {plural(len(shards), 'complete shard')} in {out} {'are' if len(shards) > 1 else 'is'} "
+            f"kept, and re-running the same command resumes from them"
+        )
     if not existed:
         with contextlib.suppress(OSError):  # not empty: it holds what the run wrote, or another's files
             os.rmdir(out)

@@ -1,5 +1,6 @@
 """Summarize offline_extract shards: counts, run facts, per-layer statistics, or one sample's tokens;
 or verify an output directory."""
+
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -12,19 +13,33 @@ from offline_extract.words import plural
 
 @command()
 @click.argument("path", type=click.Path(path_type=str))
-@click.option("--sample", "sample_id", help="Show the sample of this id (the record's \"id\", else NAME:LINE, NAME the "
-              "corpus file's name), or of SOURCE:LINE as --data named the source: its text, the tokens in the loss "
-              "highlighted (in [[ ]] where the output takes no colours: a pipe, a file).")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print the result (the summary, the sample, or --verify's report) as JSON instead of tables.")
-@click.option("--verify", is_flag=True,
-              help="Re-hash every shard against manifest.json and check shapes, dtypes, offsets and index.json; "
-                   "list every problem and say which shards are damaged (delete those and re-run the extraction). "
-                   "An interrupted run's complete shards, not yet in manifest.json, are listed as unfinished, not "
-                   "as problems. Exit status: 0 complete and sound, 1 problems, 3 unfinished but sound.")
-@click.option("--allow-partial", is_flag=True,
-              help="Summarize an extraction that has not finished (or has lost shards) as it is; without this "
-                   "it is refused, saying how many samples are missing. --sample works on it either way.")
+@click.option(
+    "--sample",
+    "sample_id",
+    help='Show the sample of this id (the record\'s "id", else NAME:LINE, NAME the '
+    "corpus file's name), or of SOURCE:LINE as --data named the source: its text, the tokens in the loss "
+    "highlighted (in [[ ]] where the output takes no colours: a pipe, a file).",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the result (the summary, the sample, or --verify's report) as JSON instead of tables.",
+)
+@click.option(
+    "--verify",
+    is_flag=True,
+    help="Re-hash every shard against manifest.json and check shapes, dtypes, offsets and index.json; "
+    "list every problem and say which shards are damaged (delete those and re-run the extraction). "
+    "An interrupted run's complete shards, not yet in manifest.json, are listed as unfinished, not "
+    "as problems. Exit status: 0 complete and sound, 1 problems, 3 unfinished but sound.",
+)
+@click.option(
+    "--allow-partial",
+    is_flag=True,
+    help="Summarize an extraction that has not finished (or has lost shards) as it is; without this "
+    "it is refused, saying how many samples are missing. --sample works on it either way.",
+)
 def main(path: str, sample_id: str | None, as_json: bool, verify: bool, allow_partial: bool) -> None:
     """Summarize extracted shards: sample and token counts, the run's facts, and each stored layer's mean,
     std, absmax and NaN/Inf counts; or show one sample (--sample), or verify an output directory (--verify).
@@ -69,11 +84,15 @@ def _verify(path: str, as_json: bool) -> None:
     if not given.is_dir():
         raise click.BadParameter(
             f"--verify checks an output directory, not one file: give {given.parent}, which holds {given.name}"
-            if given.exists() else f"{path} does not exist", param_hint="PATH")
+            if given.exists()
+            else f"{path} does not exist",
+            param_hint="PATH",
+        )
     if not (Path(path) / manifest.MANIFEST_NAME).exists() and not shard_paths(path):
         # Else verify would list what such a run lacks and advise re-running an extraction that never was.
-        raise click.ClickException(f"{path} is not an extraction's output: it holds neither "
-                                   f"{manifest.MANIFEST_NAME} nor shard files")
+        raise click.ClickException(
+            f"{path} is not an extraction's output: it holds neither {manifest.MANIFEST_NAME} nor shard files"
+        )
     try:
         report = integrity.verify(path)
     except ShardError as e:  # e.g. another tool's manifest.json: named, as --verify cannot judge the folder
@@ -87,8 +106,9 @@ def _verify(path: str, as_json: bool) -> None:
     if report.refused:
         click.echo(f"refused: the run {report.refused}")
     verdict = plural(len(report.problems), "problem") if report.problems else "no problems"
-    click.echo(f"verified {plural(report.shards, 'shard')} holding {plural(report.samples, 'sample')} in {path}: "
-               f"{verdict}")
+    click.echo(
+        f"verified {plural(report.shards, 'shard')} holding {plural(report.samples, 'sample')} in {path}: {verdict}"
+    )
     _advise(report, path)
     raise SystemExit(status)
 
@@ -98,25 +118,35 @@ def _advise(report, path: str) -> None:
     from offline_extract.store import manifest
 
     # Without manifest.json nothing records the corpus, and a re-run is refused unless --force says it is the same.
-    rerun = "re-run the extraction" if report.manifest else \
-        f"re-run the extraction with --force and the same --data (no {manifest.MANIFEST_NAME} records its corpus)"
+    rerun = (
+        "re-run the extraction"
+        if report.manifest
+        else f"re-run the extraction with --force and the same --data (no {manifest.MANIFEST_NAME} records its corpus)"
+    )
     if report.damaged:
         their = "its" if len(report.damaged) == 1 else "their"
         click.echo(f"delete {', '.join(report.damaged)} and {rerun}, which redoes exactly {their} samples")
     elif report.refused:
-        click.echo("the run extracted nothing: fix what the verdict names (or run in float32, --dtype float32), "
-                   "then re-run")
+        click.echo(
+            "the run extracted nothing: fix what the verdict names (or run in float32, --dtype float32), then re-run"
+        )
     elif report.problems and report.manifest:
         click.echo("no shard is damaged: delete nothing, re-running the extraction repairs the rest")
     elif report.problems:
-        click.echo(f"no shard is damaged as far as can be told without checksums: delete nothing; {rerun}, which "
-                   f"rebuilds {manifest.MANIFEST_NAME} (checksumming the shards as they are now) and the rest")
+        click.echo(
+            f"no shard is damaged as far as can be told without checksums: delete nothing; {rerun}, which "
+            f"rebuilds {manifest.MANIFEST_NAME} (checksumming the shards as they are now) and the rest"
+        )
     if report.unfinished and report.running:
-        click.echo(f"an extraction is writing {path} now ({report.running}): the shards marked unfinished are its "
-                   "complete ones so far; wait for it to end, then verify again")
+        click.echo(
+            f"an extraction is writing {path} now ({report.running}): the shards marked unfinished are its "
+            "complete ones so far; wait for it to end, then verify again"
+        )
     elif report.unfinished:
-        click.echo("the run was interrupted: the shards marked unfinished are sound and kept (delete nothing for "
-                   "them); re-running the same extraction command finishes it")
+        click.echo(
+            "the run was interrupted: the shards marked unfinished are sound and kept (delete nothing for "
+            "them); re-running the same extraction command finishes it"
+        )
 
 
 def _left_out(out: Path, sample_id: str) -> str | None:

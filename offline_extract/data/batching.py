@@ -4,6 +4,7 @@ SGLang's EXTEND batches take sequences of any lengths packed end to end, so a ba
 consecutive samples. Packing keeps corpus order, which makes batches a pure function of the corpus and
 the options. A sample longer than the budget travels alone; the engine prefills it in chunks.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -8,6 +8,7 @@ a `data:` URL); their bytes are read and decoded with the tokenization (`data/im
 Every record (a non-blank line, an array's element, or a row) becomes either a `Record` or a `Reject`;
 nothing is dropped silently, and a bad record never stops the ones after it from being read.
 """
+
 from __future__ import annotations
 
 import json
@@ -139,8 +140,10 @@ class _Images:
         """A turn's content: its text (`_content`), or its parts where it holds an image."""
         if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in content):
             if self.listed is not None:
-                raise _BadRecord(f"{where} holds image_url parts and the record lists images too: give a chat's "
-                                 f"images one way, as image_url parts or as {IMAGE_MARKER} markers with images")
+                raise _BadRecord(
+                    f"{where} holds image_url parts and the record lists images too: give a chat's "
+                    f"images one way, as image_url parts or as {IMAGE_MARKER} markers with images"
+                )
             return tuple(self._part(part, f"{where}[{i}]") for i, part in enumerate(content))
         text = _content(content, where)
         if self.listed is None or IMAGE_MARKER not in text:
@@ -149,8 +152,11 @@ class _Images:
         parts: list[str | int] = [pieces[0]] if pieces[0] else []
         for piece in pieces[1:]:
             if self.markers < len(self.listed):
-                self.refs.append(ImageRef(f"images[{self.markers}]", self._located(self.listed[self.markers],
-                                                                                  f"images[{self.markers}]")))
+                self.refs.append(
+                    ImageRef(
+                        f"images[{self.markers}]", self._located(self.listed[self.markers], f"images[{self.markers}]")
+                    )
+                )
             parts.append(self.markers)
             self.markers += 1
             if piece:
@@ -182,15 +188,19 @@ class _Images:
         if scheme == "file":
             return str(self.base / urllib.request.url2pathname(urllib.parse.urlsplit(url).path))
         if len(scheme) > 1:  # a single letter is a Windows drive, a path
-            raise _BadRecord(f"{where} is a {scheme}: URL ({url[:80]}); images are read from files or data: URLs, "
-                             f"never fetched: download them and give their paths")
+            raise _BadRecord(
+                f"{where} is a {scheme}: URL ({url[:80]}); images are read from files or data: URLs, "
+                f"never fetched: download them and give their paths"
+            )
         return str(self.base / url)
 
     def check_count(self) -> None:
         if self.listed is not None and self.markers != len(self.listed):
-            raise _BadRecord(f"the chat has {plural(self.markers, IMAGE_MARKER + ' marker')} and the record lists "
-                             f"{plural(len(self.listed), 'image')}: each image needs its {IMAGE_MARKER} marker where "
-                             f"it goes in the text")
+            raise _BadRecord(
+                f"the chat has {plural(self.markers, IMAGE_MARKER + ' marker')} and the record lists "
+                f"{plural(len(self.listed), 'image')}: each image needs its {IMAGE_MARKER} marker where "
+                f"it goes in the text"
+            )
 
 
 def _listed_images(images) -> list[str]:
@@ -287,9 +297,11 @@ def _mask_from_labels(labels, ids: tuple[int, ...]) -> tuple[int, ...]:
         raise _BadRecord(f"labels length {len(labels)} != input_ids length {len(ids)}")
     if not all(type(label) is int and label in (token, IGNORE_INDEX) for label, token in zip(labels, ids)):
         i, label = next((i, v) for i, v in enumerate(labels) if type(v) is not int or v not in (ids[i], IGNORE_INDEX))
-        raise _BadRecord(f"labels[{i}] is {json.dumps(label)} where input_ids[{i}] is {ids[i]}: labels are read as HF "
-                         f"gives them, the token itself where it is in the loss and {IGNORE_INDEX} where it is not "
-                         "(labels shifted to the next token would move the loss by one); or give loss_mask instead")
+        raise _BadRecord(
+            f"labels[{i}] is {json.dumps(label)} where input_ids[{i}] is {ids[i]}: labels are read as HF "
+            f"gives them, the token itself where it is in the loss and {IGNORE_INDEX} where it is not "
+            "(labels shifted to the next token would move the loss by one); or give loss_mask instead"
+        )
     return tuple(int(label != IGNORE_INDEX) for label in labels)
 
 
@@ -298,8 +310,10 @@ def _check_mask_fields(obj: dict, key: str) -> None:
     author meant (every token, or the assistant turns)."""
     if key != "input_ids" and obj.get("loss_mask") is not None:
         kept = "every token" if key == "text" else "the assistant turns"
-        raise _BadRecord(f"loss_mask is read with input_ids only: a {key} record's loss mask covers {kept}; leave loss_mask "
-                         "out, or give the record as input_ids with its loss_mask")
+        raise _BadRecord(
+            f"loss_mask is read with input_ids only: a {key} record's loss mask covers {kept}; leave loss_mask "
+            "out, or give the record as input_ids with its loss_mask"
+        )
 
 
 def _check_surrogates(raw: bytes, obj: dict, key: str) -> None:

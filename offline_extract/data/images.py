@@ -1,5 +1,6 @@
 """A sample's images, as the target model's own HF processor prepared them for its tokens, and a record's
 images read and decoded for that processor (their bytes fingerprinted on the way)."""
+
 from __future__ import annotations
 
 import base64

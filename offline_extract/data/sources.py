@@ -6,6 +6,7 @@ Each source yields its records in a fixed order with a 1-based position: the lin
 keep their number), the element for a JSON array, the row for the tabular kinds. Records are numbered
 across sources in the order given, and a reject names its source and that position, whatever the kind.
 """
+
 from __future__ import annotations
 
 import array
@@ -50,8 +51,10 @@ class LineTooLong:
 
     @property
     def reason(self) -> str:
-        return (f"the line is {human_bytes(self.nbytes)}, past the {human_bytes(MAX_LINE_BYTES)} a record may be: "
-                f"split it into records, or cut its text (only --max-length tokens of it are extracted)")
+        return (
+            f"the line is {human_bytes(self.nbytes)}, past the {human_bytes(MAX_LINE_BYTES)} a record may be: "
+            f"split it into records, or cut its text (only --max-length tokens of it are extracted)"
+        )
 
 
 class CorpusReadError(ValueError):
@@ -125,8 +128,10 @@ class Source:
             # Every element's place first, so that a damaged array is named before any of its records is used.
             bounds = self._elements(text)
             # Each element's own bytes, which the corpus validates as it does a JSONL line: one rule for both.
-            yield from ((i + 1, text[bounds[2 * i]:bounds[2 * i + 1]].encode("utf-8", "surrogateescape"))
-                        for i in range(len(bounds) // 2))
+            yield from (
+                (i + 1, text[bounds[2 * i] : bounds[2 * i + 1]].encode("utf-8", "surrogateescape"))
+                for i in range(len(bounds) // 2)
+            )
             return
         yield from enumerate((_present(row) for batch in self._batches() for row in batch), start=1)
 
@@ -314,8 +319,10 @@ def _refuse_too_deep(name: str, alone: bool) -> None:
     """A first line nested past what Python's json reads cannot say what the file is: JSON lines, where other
     lines follow (that line is then rejected on its own), else one value that holds no record to read."""
     if alone:
-        raise CorpusReadError(f"{name} is one JSON value nested too deep to read (Python's json stops near "
-                              f"{sys.getrecursionlimit()} levels of [ and {{), not records: a damaged or generated file?")
+        raise CorpusReadError(
+            f"{name} is one JSON value nested too deep to read (Python's json stops near "
+            f"{sys.getrecursionlimit()} levels of [ and {{), not records: a damaged or generated file?"
+        )
 
 
 def _cut_at_line_end(line: str, error: ValueError) -> bool:
@@ -343,27 +350,38 @@ def _one_object(name: str, path: Path) -> CorpusReadError | None:
         except (ValueError, RecursionError):
             return None  # damaged as a whole: its lines are judged one by one
         return _object_advice(name, value, spread=True) if isinstance(value, dict) else None
-    wrapper = isinstance(value, dict) and not FORMAT_KEYS.keys() & value.keys() and any(
-        isinstance(field, list) for field in value.values())
+    wrapper = (
+        isinstance(value, dict)
+        and not FORMAT_KEYS.keys() & value.keys()
+        and any(isinstance(field, list) for field in value.values())
+    )
     return _object_advice(name, value, spread=False) if wrapper and alone else None
 
 
 def _object_advice(name: str, value: dict, spread: bool) -> CorpusReadError:
     what = f"{name} holds one JSON object{' spread over lines' if spread else ''}, not records"
     if FORMAT_KEYS.keys() & value.keys():
-        return CorpusReadError(f"{what} one per line (JSONL) or in a JSON array: it is one record; put it on one "
-                               f"line (jq -c . {name} > corpus.jsonl)")
+        return CorpusReadError(
+            f"{what} one per line (JSONL) or in a JSON array: it is one record; put it on one "
+            f"line (jq -c . {name} > corpus.jsonl)"
+        )
     lists = [key for key, field in value.items() if isinstance(field, list)]
     if not lists:
-        return CorpusReadError(f"{what}: it has no list of records ({', '.join(map(repr, value)) or 'no keys'}). "
-                               f"A corpus is JSON lines, one record per line, or a .json file of one JSON array of records")
+        return CorpusReadError(
+            f"{what}: it has no list of records ({', '.join(map(repr, value)) or 'no keys'}). "
+            f"A corpus is JSON lines, one record per line, or a .json file of one JSON array of records"
+        )
     path = [f".{key}[]" if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key) else f".[{json.dumps(key)}][]" for key in lists]
     if len(lists) == 1:
         held = plural(len(value[lists[0]]), "element")
-        return CorpusReadError(f"{what}: the records are presumably its list under {lists[0]!r} ({held}). Convert "
-                               f"them to JSONL: jq -c '{path[0]}' {name} > corpus.jsonl")
-    return CorpusReadError(f"{what}: it holds lists under {', '.join(map(repr, lists))}. Convert the one of records "
-                           f"to JSONL, e.g. jq -c '{path[0]}' {name} > corpus.jsonl")
+        return CorpusReadError(
+            f"{what}: the records are presumably its list under {lists[0]!r} ({held}). Convert "
+            f"them to JSONL: jq -c '{path[0]}' {name} > corpus.jsonl"
+        )
+    return CorpusReadError(
+        f"{what}: it holds lists under {', '.join(map(repr, lists))}. Convert the one of records "
+        f"to JSONL, e.g. jq -c '{path[0]}' {name} > corpus.jsonl"
+    )
 
 
 def _check_parquet_footer(name: str, path: Path) -> None:
@@ -388,8 +406,10 @@ def open_sources(names: Sequence[str | Path]) -> list[Source]:
         j = first.setdefault(source._same_as, i)
         if j != i:
             same = "" if source.name == sources[j].name else f" ({sources[j].name} and {source.name} are one file)"
-            raise ValueError(f"--data {sources[j].name} is given twice, as entries {j + 1} and {i + 1}{same}: each "
-                             f"of its records would be a duplicate of itself. Give it once")
+            raise ValueError(
+                f"--data {sources[j].name} is given twice, as entries {j + 1} and {i + 1}{same}: each "
+                f"of its records would be a duplicate of itself. Give it once"
+            )
     names_used = Counter(source.label for source in sources)
     return [replace(source, qualified=True) if names_used[source.label] > 1 else source for source in sources]
 
@@ -412,8 +432,12 @@ def _saved_dataset(name: str, path: Path) -> Source:
         raise IsADirectoryError(
             f"corpus path is a directory that datasets.save_to_disk did not write (no state.json or "
             f"dataset_dict.json): {name}; to read the files in it, give each its own --data"
-            + (f" (it holds {plural(len(files), 'corpus-like file')}: {', '.join(files[:3])}"
-               f"{', ...' if len(files) > 3 else ''})" if files else "")
+            + (
+                f" (it holds {plural(len(files), 'corpus-like file')}: {', '.join(files[:3])}"
+                f"{', ...' if len(files) > 3 else ''})"
+                if files
+                else ""
+            )
         )
     if (path / "dataset_dict.json").exists():
         try:
@@ -452,12 +476,16 @@ def _corpus_file(name: str, path: Path) -> Source:
         return Source(name, path, "json")
     # Read as JSONL, each of these would have its every line rejected, far from the cause.
     if path.suffix == ".parquet":
-        raise CorpusReadError(f"{name} is not a parquet file: it does not begin with parquet's magic bytes PAR1 "
-                              f"(a Git LFS pointer, or a file of another format?)")
+        raise CorpusReadError(
+            f"{name} is not a parquet file: it does not begin with parquet's magic bytes PAR1 "
+            f"(a Git LFS pointer, or a file of another format?)"
+        )
     if outer == b"[" and _one_array(name, path):
-        raise CorpusReadError(f"{name} holds a JSON array, not JSON lines (it begins with '['): name it .json to "
-                              f"read it as one array of records, or convert it to JSONL: jq -c '.[]' {name} > "
-                              f"corpus.jsonl")
+        raise CorpusReadError(
+            f"{name} holds a JSON array, not JSON lines (it begins with '['): name it .json to "
+            f"read it as one array of records, or convert it to JSONL: jq -c '.[]' {name} > "
+            f"corpus.jsonl"
+        )
     if path.suffix == ".json" and outer == b"{" and (refusal := _one_object(name, path)):
         raise refusal
     return Source(name, path, "jsonl")

@@ -4,6 +4,7 @@ Chat records are rendered with the tokenizer's own chat template, so the tokens 
 target model sees at inference. The loss covers what the model generates there: each assistant
 turn's content and its end-of-turn marker, never the headers the template inserts before it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,7 +21,6 @@ from offline_extract.data.corpus import Record, Reject
 from offline_extract.data.images import ImageError, Images, load_images
 from offline_extract.options import Overlong, check_choice
 from offline_extract.words import plural
-
 
 
 # eq=False: the generated __eq__/__hash__ would compare numpy arrays, which raises.
@@ -84,8 +84,9 @@ class _Fit:
     trim_after_last_loss: bool
     min_loss_run: int
 
-    def sample(self, record: Record, ids: np.ndarray, mask: np.ndarray, cut: bool,
-               images: Images | None = None) -> Sample | Reject:
+    def sample(
+        self, record: Record, ids: np.ndarray, mask: np.ndarray, cut: bool, images: Images | None = None
+    ) -> Sample | Reject:
         """The sample of a record's tokens and loss mask (`cut`: of a text or chat cut before tokenizing) and its
         images: cut to max_length, trimmed, or left out. A cut through an image's tokens leaves the sample out:
         the engine takes an image whole."""
@@ -100,23 +101,27 @@ class _Fit:
             # Cut before tokenizing, a text (every token) or a chat (its assistant turns) had loss tokens past the cut.
             had_loss = cut or mask.any()
             ids, mask = ids[: self.max_length], mask[: self.max_length]
-            if (cuts := _cuts_images(record, images, len(ids), f"--max-length {self.max_length}")):
+            if cuts := _cuts_images(record, images, len(ids), f"--max-length {self.max_length}"):
                 return cuts
             if had_loss and not mask.any():
-                return record.reject(f"{more}{source_len} tokens truncated to --max-length {self.max_length} leave "
-                                     "no loss tokens", "skipped")
+                return record.reject(
+                    f"{more}{source_len} tokens truncated to --max-length {self.max_length} leave no loss tokens",
+                    "skipped",
+                )
         if self.trim_after_last_loss:
             # Tokens after the last loss token carry no training signal; states for them are wasted bytes.
             keep = int(np.flatnonzero(mask)[-1]) + 1 if mask.any() else 0
             if keep == 0:
                 return record.reject("no loss tokens left to keep (--trim-after-last-loss-token)", "skipped")
             ids, mask = ids[:keep], mask[:keep]
-            if (cuts := _cuts_images(record, images, keep, "--trim-after-last-loss-token")):
+            if cuts := _cuts_images(record, images, keep, "--trim-after-last-loss-token"):
                 return cuts
         run = longest_loss_run(mask)
         if run < self.min_loss_run:
-            return record.reject(f"its longest run of consecutive loss tokens is {run}, fewer than --min-loss-run "
-                                 f"{self.min_loss_run}", "skipped")
+            return record.reject(
+                f"its longest run of consecutive loss tokens is {run}, fewer than --min-loss-run {self.min_loss_run}",
+                "skipped",
+            )
         if images is not None and len(images.token_mask) > len(ids):
             images = replace(images, token_mask=images.token_mask[: len(ids)])
         return Sample(record.index, record.id, record.source, record.line, ids, mask, source_len, truncated, images)
@@ -231,8 +236,9 @@ class SampleTokenizer:
         for (i, _), (enc, cut) in zip(texts, self._encode_many([t for _, t in texts], add_special_tokens=True)):
             ids = np.asarray(enc["input_ids"], dtype=np.int32)
             done[i] = (ids, np.ones(len(ids), dtype=np.uint8), cut)
-        encoded = self._encode_many([full for _, _, full, _ in chats], add_special_tokens=False,
-                                    return_offsets_mapping=True)
+        encoded = self._encode_many(
+            [full for _, _, full, _ in chats], add_special_tokens=False, return_offsets_mapping=True
+        )
         for (i, kept, _, bounds), (enc, cut) in zip(chats, encoded):
             ids = np.asarray(enc["input_ids"], dtype=np.int32)
             messages = records[i].messages
@@ -267,13 +273,18 @@ class SampleTokenizer:
         placeholders = text_ids == self.image_token_id
         # The processor only repeats the placeholders; anything else would leave the loss mask on other tokens.
         if not token_mask.any() or not np.array_equal(ids[~token_mask], text_ids[~placeholders]):
-            raise _Unusable("the processor's tokens are not the chat template's with each image's placeholder "
-                            "expanded, so its loss mask cannot be placed")
+            raise _Unusable(
+                "the processor's tokens are not the chat template's with each image's placeholder "
+                "expanded, so its loss mask cannot be placed"
+            )
         mask = np.zeros(len(ids), dtype=np.uint8)
         mask[~token_mask] = text_mask[~placeholders]
         # Per-token outputs (mm_token_type_ids) restate the tokens; the rest are the images' inputs.
-        inputs = {key: np.asarray(value) for key, value in out.items()
-                  if key not in ("input_ids", "attention_mask") and np.shape(value) != (1, len(ids))}
+        inputs = {
+            key: np.asarray(value)
+            for key, value in out.items()
+            if key not in ("input_ids", "attention_mask") and np.shape(value) != (1, len(ids))
+        }
         return ids, mask, False, Images(inputs, token_mask, fingerprint)
 
     def _encode_many(self, texts: list[str], **options) -> list[tuple[dict, bool]]:
@@ -296,7 +307,9 @@ class SampleTokenizer:
         # the header before an opening assistant turn is exactly that rendering.
         try:
             return self.tokenizer.apply_chat_template(
-                conversations, chat_template=self.chat_template, tokenize=False,
+                conversations,
+                chat_template=self.chat_template,
+                tokenize=False,
                 add_generation_prompt=add_generation_prompt,
             )
         except jinja2.TemplateError as e:
@@ -350,8 +363,9 @@ class SampleTokenizer:
                 "tokenizer_sha256": _sha256(json.dumps(state, sort_keys=True, ensure_ascii=False)),
                 "chat_template_sha256": None if template is None else _sha256(template),
                 # How images become pixels and how many tokens each takes (its resize bounds, patch size).
-                "image_processor_sha256": None if self.processor is None else
-                _sha256(self.processor.image_processor.to_json_string()),
+                "image_processor_sha256": None
+                if self.processor is None
+                else _sha256(self.processor.image_processor.to_json_string()),
             }
         return dict(self._fingerprint)
 
@@ -360,9 +374,11 @@ def _refuse_images(record: Record, model: str) -> None:
     """A record with images, for a model that reads none: every such record would fail alike, so the run stops
     (as for chat records without a chat template), naming the record and the model."""
     where = f"{record.source}:{record.line} (id {record.id!r})"
-    raise ValueError(f"{where} holds {plural(len(record.images), 'image')}, but {model} is a text-only model (its "
-                     f"config.json has no vision_config): nothing of it reads images. Give a vision-language "
-                     f"model, or a corpus without images")
+    raise ValueError(
+        f"{where} holds {plural(len(record.images), 'image')}, but {model} is a text-only model (its "
+        f"config.json has no vision_config): nothing of it reads images. Give a vision-language "
+        f"model, or a corpus without images"
+    )
 
 
 def _given_tokens(record: Record, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -387,8 +403,11 @@ def _cuts_images(record: Record, images: Images | None, kept: int, why: str) -> 
     if images is None or not images.token_mask[kept:].any():
         return None
     last = int(np.flatnonzero(images.token_mask)[-1]) + 1
-    return record.reject(f"keeping its first {kept} tokens ({why}) would cut its images, whose tokens run to token "
-                         f"{last}: an image is extracted whole or not at all", "skipped")
+    return record.reject(
+        f"keeping its first {kept} tokens ({why}) would cut its images, whose tokens run to token "
+        f"{last}: an image is extracted whole or not at all",
+        "skipped",
+    )
 
 
 def _cut_contents(messages: tuple[tuple[str, str], ...], limit: int) -> tuple[tuple[str, str], ...]:
@@ -424,5 +443,9 @@ def tokenizer_files(model_dir: str | os.PathLike, trust_remote_code: bool = Fals
         for f in sorted(root.rglob("*"))
         if f.suffix not in _WEIGHT_SUFFIXES and f.is_file() and (st := f.stat())
     ]
-    facts = {"files": entries, "transformers": importlib.metadata.version("transformers"), "trust_remote_code": trust_remote_code}
+    facts = {
+        "files": entries,
+        "transformers": importlib.metadata.version("transformers"),
+        "trust_remote_code": trust_remote_code,
+    }
     return _sha256(json.dumps(facts))

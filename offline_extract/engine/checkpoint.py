@@ -2,6 +2,7 @@
 or dequantized (FP8 blocks, MXFP4 experts) for HF's reference. The run checks the files before SGLang loads
 them (`check_checkpoint_complete`, `check_safetensors`); the parity gate reads them (`engine/reference.py`).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,7 +16,9 @@ from offline_extract.store.journal import load_json
 CHECKPOINT_INDEX = "model.safetensors.index.json"  # maps each tensor to the file that holds it
 # What to do about a damaged file of the model's (its config.json, its index): the user's to fetch again, where a
 # damaged file of ours is deleted or restored (store.journal.load_json).
-DAMAGED_MODEL_FILE = "it is damaged, or was cut short by an interrupted download or copy. Download or copy it again, then re-run"
+DAMAGED_MODEL_FILE = (
+    "it is damaged, or was cut short by an interrupted download or copy. Download or copy it again, then re-run"
+)
 
 
 def checkpoint_files(model_path: str) -> list[Path]:
@@ -45,13 +48,14 @@ class WeightsMissing(FileNotFoundError):
     SHOWN = 5  # names listed; a checkpoint of hundreds of files missing most of them would fill the screen
 
     def __init__(self, index: Path, missing: list[Path]):
-        names = ", ".join(f.name for f in missing[:self.SHOWN])
+        names = ", ".join(f.name for f in missing[: self.SHOWN])
         if len(missing) > self.SHOWN:
             names += f" and {len(missing) - self.SHOWN} more"
         super().__init__(
             f"{index} lists {len(missing)} weight file{'s' if len(missing) > 1 else ''} that {index.parent} lacks: "
             f"{names}. The download or copy did not finish: download or copy the model again (a Hugging Face "
-            f"download fetches only what is missing), then re-run")
+            f"download fetches only what is missing), then re-run"
+        )
 
 
 def check_checkpoint_complete(model_dir: Path) -> None:
@@ -75,8 +79,10 @@ class WeightsUnreadable(ValueError):
         if isinstance(error, OSError):
             what = f"cannot be read ({error.strerror or error}): check its permissions and its disk, or copy it again"
         else:  # safetensors' own error, which names no file
-            what = (f"is not a whole safetensors file ({error}): it is damaged, or was cut short by an interrupted "
-                    f"download or copy. Download or copy it again")
+            what = (
+                f"is not a whole safetensors file ({error}): it is damaged, or was cut short by an interrupted "
+                f"download or copy. Download or copy it again"
+            )
         super().__init__(f"{path} {what}, then re-run")
 
 
@@ -107,13 +113,14 @@ def checkpoint_tensors(model_path: str, resident: bool = False) -> dict[str, tor
     return raw
 
 
-
 def is_fp8_block(quantization: dict | None) -> bool:
     return bool(quantization and quantization.get("quant_method") == "fp8" and quantization.get("weight_block_size"))
 
 
 def dequantized_fp8_tensors(
-    model_path: str, dtype: torch.dtype, raw: dict[str, torch.Tensor] | None = None,
+    model_path: str,
+    dtype: torch.dtype,
+    raw: dict[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], set[str]]:
     """Every tensor of an FP8 block-quantized checkpoint, each e4m3 weight multiplied by its block's
     `weight_scale_inv` and rounded once to `dtype`; and the names of those weights. `raw`: the checkpoint's
@@ -153,7 +160,9 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 
 def dequantized_mxfp4_tensors(
-    model_path: str, dtype: torch.dtype, raw: dict[str, torch.Tensor] | None = None,
+    model_path: str,
+    dtype: torch.dtype,
+    raw: dict[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], set[str]]:
     """Every tensor of an MXFP4 checkpoint (GPT-OSS as released), each expert projection's `<name>_blocks` and
     `<name>_scales` ([experts, out, in/32, 16] and [experts, out, in/32]) dequantized into `<name>` in HF's

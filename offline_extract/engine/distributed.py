@@ -5,6 +5,7 @@ numbers ranks node by node, so a TP group never straddles nodes. Each DP replica
 world with its own rendezvous port; replicas only meet through torchrun's agent store, never through a
 global process group (SGLang refuses one whose size differs from its TP size).
 """
+
 from __future__ import annotations
 
 import json
@@ -140,8 +141,7 @@ def layout_from_env(tp_size: int = 1, env: dict | None = None) -> Layout:
         raise ValueError(f"--tp must be at least 1, got {tp_size}")
     if local_world % tp_size:
         raise ValueError(
-            f"--tp {tp_size} must divide the processes per node ({local_world}): a TP group has to stay "
-            f"inside one node"
+            f"--tp {tp_size} must divide the processes per node ({local_world}): a TP group has to stay inside one node"
         )
     return Layout(
         rank=int(env.get("RANK", 0)),
@@ -162,16 +162,25 @@ class Coordinator:
     stops answering (node 0's torchrun is gone), and connecting to it gives up after `connect_timeout`.
     """
 
-    def __init__(self, layout: Layout, namespace: str, peer_timeout: timedelta = PEER_TIMEOUT,
-                 connect_timeout: timedelta = STORE_CONNECT):
+    def __init__(
+        self,
+        layout: Layout,
+        namespace: str,
+        peer_timeout: timedelta = PEER_TIMEOUT,
+        connect_timeout: timedelta = STORE_CONNECT,
+    ):
         self.layout = layout
         self.store = None
         self._peer_timeout = peer_timeout.total_seconds()
         if layout.world_size > 1:
             self.store = self._connect(namespace, connect_timeout)
             # Its own connection: the waits of the main thread hold theirs for seconds at a time.
-            threading.Thread(target=self._beat, args=(self._connect(namespace, connect_timeout),), daemon=True,
-                             name="offline_extract-heartbeat").start()
+            threading.Thread(
+                target=self._beat,
+                args=(self._connect(namespace, connect_timeout),),
+                daemon=True,
+                name="offline_extract-heartbeat",
+            ).start()
         self._rounds = 0
 
     @staticmethod
@@ -181,8 +190,9 @@ class Coordinator:
         # Torchrun's agent already serves a store on MASTER_ADDR:MASTER_PORT; a prefix keeps our keys
         # apart from torch's own.
         try:
-            base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                 timeout=timeout)
+            base = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+            )
         except dist.DistNetworkError:
             raise _store_lost(f"did not answer within {timeout.total_seconds():.0f} s") from None
         return dist.PrefixStore(f"offline_extract/{namespace}/", base)
@@ -227,12 +237,17 @@ class Coordinator:
                     last_beat[rank] = (beats, now)
                 elif now - seen[1] > self._peer_timeout:
                     # Every rank beats from its start (extraction.Job), so one that never did did not start.
-                    what = (f"stopped answering (no heartbeat for {self._peer_timeout:.0f} s): it was killed or its "
-                            f"node went down" if beats else
-                            f"never answered (no heartbeat in {self._peer_timeout:.0f} s): it did not start, or "
-                            f"died starting")
-                    raise PeerLost(f"rank {rank} {what}; its own log says why. This rank stops; complete shards are "
-                                   f"kept and re-running the same command resumes.")
+                    what = (
+                        f"stopped answering (no heartbeat for {self._peer_timeout:.0f} s): it was killed or its "
+                        f"node went down"
+                        if beats
+                        else f"never answered (no heartbeat in {self._peer_timeout:.0f} s): it did not start, or "
+                        f"died starting"
+                    )
+                    raise PeerLost(
+                        f"rank {rank} {what}; its own log says why. This rank stops; complete shards are "
+                        f"kept and re-running the same command resumes."
+                    )
 
     def all_gather(self, value) -> list:
         """Every rank's JSON-serializable `value`, in rank order; also a barrier."""

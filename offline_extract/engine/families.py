@@ -7,6 +7,7 @@ the same name in `testing/models.py`. docs/adding-a-model.md says what a new fam
 
 Nothing here imports SGLang or torch: the test rig reads this table too.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -118,14 +119,22 @@ def _plus_one(source: str, **kwargs) -> CaptureRule:
 
 
 def _deepseek(source: str, **kwargs) -> CaptureRule:
-    return CaptureRule(source, "adds +1 to every id only if ids[0] == 1, else uses the ids verbatim", ids_for_deepseek,
-                       **kwargs)
+    return CaptureRule(
+        source, "adds +1 to every id only if ids[0] == 1, else uses the ids verbatim", ids_for_deepseek, **kwargs
+    )
 
 
 def _qwen_moe(name: str, label: str, sglang_class: str, source: str, block: str, **kwargs) -> Family:
     # The Qwen-MoE files capture through per-layer flags; HF's blocks softmax over all experts, then take the top k.
-    return Family(name, label, sglang_class, name, _plus_one(source, in_layer_flags=True),
-                  routing=HFRouting(block, "softmax_then_top_k"), **kwargs)
+    return Family(
+        name,
+        label,
+        sglang_class,
+        name,
+        _plus_one(source, in_layer_flags=True),
+        routing=HFRouting(block, "softmax_then_top_k"),
+        **kwargs,
+    )
 
 
 def _refused_on_cpu(reason: str) -> dict:
@@ -133,7 +142,9 @@ def _refused_on_cpu(reason: str) -> dict:
 
 
 _DEEPSEEK_ROUTING = HFRouting("DeepseekV3MoE", "sigmoid_scaled")
-_SINKS = "SGLang runs its attention sinks on triton, trtllm_mha and fa3/fa4 only (server_args.py:5349), none a CPU backend"
+_SINKS = (
+    "SGLang runs its attention sinks on triton, trtllm_mha and fa3/fa4 only (server_args.py:5349), none a CPU backend"
+)
 _CHUNKED = "SGLang implements its chunked attention in the fa3 backend only, so the engine refuses the others"
 # Qwen's processors (Qwen2VLImageProcessor behind Qwen2.5-VL's and Qwen3-VL's) return each image's patches
 # flattened, all images' rows concatenated, with one [t, h, w] grid row per image; mm_token_type_ids marks
@@ -146,54 +157,124 @@ FAMILIES = (
     Family("qwen3", "Qwen3", "Qwen3ForCausalLM", "qwen3", _plus_one("qwen3.py:688"), quantized="fp8"),
     Family("qwen2", "Qwen2, Qwen2.5", "Qwen2ForCausalLM", "qwen2", _plus_one("qwen2.py:747")),
     Family("mistral", "Mistral", "MistralForCausalLM", "mistral", _plus_one("llama.py:885 (inherited)")),
-    _qwen_moe("qwen3_moe", "Qwen3-MoE", "Qwen3MoeForCausalLM", "qwen3_moe.py:1073, flags set in qwen2_moe.py:891",
-              "Qwen3MoeSparseMoeBlock"),
-    _qwen_moe("qwen2_moe", "Qwen2-MoE", "Qwen2MoeForCausalLM", "qwen2_moe.py:1203, flags set in qwen2_moe.py:891",
-              "Qwen2MoeSparseMoeBlock", **_refused_on_cpu(
-                  "its shared expert's sigmoid gate is applied by a fused Triton kernel (fused_gate_sigmoid_mul_add, "
-                  "qwen2_moe.py:590) on every platform but AMX and NPU, and Triton has no CPU driver here")),
-    _qwen_moe("qwen3_next", "Qwen3-Next", "Qwen3NextForCausalLM", "qwen3_next.py:1263, flags set in qwen3_next.py:926",
-              "Qwen3NextSparseMoeBlock", **_refused_on_cpu(
-                  "its hybrid linear-attention backend imports causal_conv1d_update_cpu from sgl_kernel.mamba "
-                  "(layers/attention/linear/kda_backend.py:31), a CPU operator the CUDA sgl-kernel wheel does not have")),
-    Family("minimax_m2", "MiniMax-M2", "MiniMaxM2ForCausalLM", "minimax_m2", _plus_one("minimax_m2.py:1254"),
-           routing=HFRouting("MiniMaxM2SparseMoeBlock", "sigmoid_renormalized"), **_refused_on_cpu(
-               "its QK norm sums squares over all heads in a Triton kernel that asserts CUDA tensors "
-               "(rms_sumsq_serial, minimax_m2.py:205)")),
-    Family("glm4_moe", "GLM-4.5", "Glm4MoeForCausalLM", "glm4_moe", _plus_one("glm4_moe.py:1446"),
-           routing=HFRouting("Glm4MoeMoE", "sigmoid_scaled")),
+    _qwen_moe(
+        "qwen3_moe",
+        "Qwen3-MoE",
+        "Qwen3MoeForCausalLM",
+        "qwen3_moe.py:1073, flags set in qwen2_moe.py:891",
+        "Qwen3MoeSparseMoeBlock",
+    ),
+    _qwen_moe(
+        "qwen2_moe",
+        "Qwen2-MoE",
+        "Qwen2MoeForCausalLM",
+        "qwen2_moe.py:1203, flags set in qwen2_moe.py:891",
+        "Qwen2MoeSparseMoeBlock",
+        **_refused_on_cpu(
+            "its shared expert's sigmoid gate is applied by a fused Triton kernel (fused_gate_sigmoid_mul_add, "
+            "qwen2_moe.py:590) on every platform but AMX and NPU, and Triton has no CPU driver here"
+        ),
+    ),
+    _qwen_moe(
+        "qwen3_next",
+        "Qwen3-Next",
+        "Qwen3NextForCausalLM",
+        "qwen3_next.py:1263, flags set in qwen3_next.py:926",
+        "Qwen3NextSparseMoeBlock",
+        **_refused_on_cpu(
+            "its hybrid linear-attention backend imports causal_conv1d_update_cpu from sgl_kernel.mamba "
+            "(layers/attention/linear/kda_backend.py:31), a CPU operator the CUDA sgl-kernel wheel does not have"
+        ),
+    ),
+    Family(
+        "minimax_m2",
+        "MiniMax-M2",
+        "MiniMaxM2ForCausalLM",
+        "minimax_m2",
+        _plus_one("minimax_m2.py:1254"),
+        routing=HFRouting("MiniMaxM2SparseMoeBlock", "sigmoid_renormalized"),
+        **_refused_on_cpu(
+            "its QK norm sums squares over all heads in a Triton kernel that asserts CUDA tensors "
+            "(rms_sumsq_serial, minimax_m2.py:205)"
+        ),
+    ),
+    Family(
+        "glm4_moe",
+        "GLM-4.5",
+        "Glm4MoeForCausalLM",
+        "glm4_moe",
+        _plus_one("glm4_moe.py:1446"),
+        routing=HFRouting("Glm4MoeMoE", "sigmoid_scaled"),
+    ),
     # Ids whose largest equals the layer count pass verbatim there; the ids passed here stay below N - 1.
-    Family("gpt_oss", "GPT-OSS", "GptOssForCausalLM", "gpt_oss",
-           CaptureRule("gpt_oss.py:1328", _PLUS_ONE + " unless the largest id is N", ids_adding_one),
-           routing=HFRouting("GptOssMLP", "top_k_then_softmax", router="router"), not_on_cpu=_SINKS,
-           gpu_backends=("triton", "fa3"), quantized="mxfp4"),
-    Family("llama4", "Llama 4 (text)", "Llama4ForConditionalGeneration", "mllama4",
-           _plus_one("mllama4.py:983, delegating to llama.py:885 (inherited by llama4.py's Llama4ForCausalLM)",
-                     language_model="language_model"),
-           not_on_cpu=_CHUNKED, gpu_backends=("fa3",),
-           images_refused="its tiled image inputs (mllama4.py) are not built by this engine: SGLang runs Llama 4 "
-                          "only on the fa3 attention backend (its chunked attention), so no parity gate on CPU could "
-                          "hold them against HF"),
+    Family(
+        "gpt_oss",
+        "GPT-OSS",
+        "GptOssForCausalLM",
+        "gpt_oss",
+        CaptureRule("gpt_oss.py:1328", _PLUS_ONE + " unless the largest id is N", ids_adding_one),
+        routing=HFRouting("GptOssMLP", "top_k_then_softmax", router="router"),
+        not_on_cpu=_SINKS,
+        gpu_backends=("triton", "fa3"),
+        quantized="mxfp4",
+    ),
+    Family(
+        "llama4",
+        "Llama 4 (text)",
+        "Llama4ForConditionalGeneration",
+        "mllama4",
+        _plus_one(
+            "mllama4.py:983, delegating to llama.py:885 (inherited by llama4.py's Llama4ForCausalLM)",
+            language_model="language_model",
+        ),
+        not_on_cpu=_CHUNKED,
+        gpu_backends=("fa3",),
+        images_refused="its tiled image inputs (mllama4.py) are not built by this engine: SGLang runs Llama 4 "
+        "only on the fa3 attention backend (its chunked attention), so no parity gate on CPU could "
+        "hold them against HF",
+    ),
     # Kimi-K2 runs on the same classes; its single expert group takes another path of the routing.
-    Family("deepseek_v3", "DeepSeek-V3, Kimi-K2", "DeepseekV3ForCausalLM", "deepseek_v2",
-           _deepseek("deepseek_v2.py:3134 (inherited)"), routing=_DEEPSEEK_ROUTING, quantized="fp8",
-           variants=("kimi_k2",)),
+    Family(
+        "deepseek_v3",
+        "DeepSeek-V3, Kimi-K2",
+        "DeepseekV3ForCausalLM",
+        "deepseek_v2",
+        _deepseek("deepseek_v2.py:3134 (inherited)"),
+        routing=_DEEPSEEK_ROUTING,
+        quantized="fp8",
+        variants=("kimi_k2",),
+    ),
     # HF loads Kimi-K2.5 as the DeepSeek-V3 of its text_config, as the product's gate does.
-    Family("kimi_k25", "Kimi-K2.5 (text)", "KimiK25ForConditionalGeneration", "kimi_k25",
-           _deepseek("kimi_k25.py:920, delegating to deepseek_v2.py:3134", language_model="language_model"),
-           routing=_DEEPSEEK_ROUTING,
-           images_refused="HF transformers has no class for its MoonViT tower (the release ships it as remote "
-                          "code), so no parity gate against HF can hold its image tokens' states, and none are "
-                          "stored unchecked"),
+    Family(
+        "kimi_k25",
+        "Kimi-K2.5 (text)",
+        "KimiK25ForConditionalGeneration",
+        "kimi_k25",
+        _deepseek("kimi_k25.py:920, delegating to deepseek_v2.py:3134", language_model="language_model"),
+        routing=_DEEPSEEK_ROUTING,
+        images_refused="HF transformers has no class for its MoonViT tower (the release ships it as remote "
+        "code), so no parity gate against HF can hold its image tokens' states, and none are "
+        "stored unchecked",
+    ),
     # Text records and image chats, held against HF's own vision-language class.
-    Family("qwen2_5_vl", "Qwen2.5-VL (text and images)", "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl",
-           _plus_one("qwen2_5_vl.py:897"),
-           images=ImageModel("qwen2_5_vl.py, served by qwen_vl.py's QwenVLImageProcessor", **_QWEN_VL)),
+    Family(
+        "qwen2_5_vl",
+        "Qwen2.5-VL (text and images)",
+        "Qwen2_5_VLForConditionalGeneration",
+        "qwen2_5_vl",
+        _plus_one("qwen2_5_vl.py:897"),
+        images=ImageModel("qwen2_5_vl.py, served by qwen_vl.py's QwenVLImageProcessor", **_QWEN_VL),
+    ),
     # Its decoder loop records a layer's output before adding the DeepStack features that the next layer
     # takes (qwen3_vl.py:1164 and 1174), as HF records hidden_states before adding them.
-    Family("qwen3_vl", "Qwen3-VL (text and images)", "Qwen3VLForConditionalGeneration", "qwen3_vl",
-           _plus_one("qwen3_vl.py:1542"),
-           images=ImageModel("qwen3_vl.py, served by qwen_vl.py's QwenVLImageProcessor", **_QWEN_VL)),
+    Family(
+        "qwen3_vl",
+        "Qwen3-VL (text and images)",
+        "Qwen3VLForConditionalGeneration",
+        "qwen3_vl",
+        _plus_one("qwen3_vl.py:1542"),
+        images=ImageModel("qwen3_vl.py, served by qwen_vl.py's QwenVLImageProcessor", **_QWEN_VL),
+    ),
 )
 
 BY_NAME = {f.name: f for f in FAMILIES}

@@ -3,6 +3,7 @@ run on a fresh machine finds the last run's), and the nvcc-built modules of a de
 beside the weights' load (`KernelPrebuild`, docs/start-up.md). It calls SGLang's kernel modules, so it is part of
 the engine package, which alone touches SGLang's internals.
 """
+
 from __future__ import annotations
 
 import os
@@ -103,7 +104,8 @@ def prebuild_calls(shapes: KernelShapes) -> dict[str, Callable[[], object]]:
         calls[f"activation {dtype}"] = partial(activation_module, shapes.dtype)
     if shapes.rope_dim and shapes.head_dim in _FUSED_ROPE_HEAD_SIZES:
         calls[f"fused_rope neox={shapes.rope_is_neox} dim={shapes.rope_dim} {dtype}"] = partial(
-            _jit_fused_rope_module, shapes.rope_is_neox, shapes.rope_dim, shapes.dtype, shapes.dtype)
+            _jit_fused_rope_module, shapes.rope_is_neox, shapes.rope_dim, shapes.dtype, shapes.dtype
+        )
     elif shapes.rope_dim:
         calls["rotary_embedding"] = _jit_rotary_embedding_module
     if shapes.kv_row_bytes:

@@ -1,6 +1,7 @@
 """What the engine reads of a MoE model's experts in SGLang 0.5.17: how many are routed, which ones its top-k
 picks for each token (for the parity gate's forced routing), and the token counts whose forwards compile
 every variant of its expert kernels (for the warm-up)."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,12 @@ import torch
 def routed_expert_count(text_config) -> int:
     """A decoder's routed experts under any of the names the supported configs use; 0 for a dense model."""
     return next(
-        (getattr(text_config, key) for key in ("num_experts", "n_routed_experts", "num_local_experts")
-         if getattr(text_config, key, None)), 0,
+        (
+            getattr(text_config, key)
+            for key in ("num_experts", "n_routed_experts", "num_local_experts")
+            if getattr(text_config, key, None)
+        ),
+        0,
     )
 
 
@@ -42,8 +47,10 @@ def recording_routing(model, experts_per_token: int, routed: int):
         # routed experts; sorting puts it last.
         ids = ids.sort(dim=-1).values
         if ids.shape[1] < k or bool((ids[:, :k] >= routed).any()):
-            raise RuntimeError(f"SGLang's top-k at layer {layer} returned ids {tuple(ids.shape)} outside "
-                               f"{routed} routed experts x {k} per token")
+            raise RuntimeError(
+                f"SGLang's top-k at layer {layer} returned ids {tuple(ids.shape)} outside "
+                f"{routed} routed experts x {k} per token"
+            )
         chosen.setdefault(layer, []).append(ids[:, :k].long().cpu())
 
     handles = []
@@ -66,7 +73,8 @@ def warm_up_token_counts(runner, device, quantized: bool, max_tokens: int) -> li
     kernels its own way (and on CPU), by octaves of M. `runner` is SGLang's ModelRunner."""
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
     from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe_triton_config import (
-        get_config_dtype_str, try_get_optimal_moe_config,
+        get_config_dtype_str,
+        try_get_optimal_moe_config,
     )
     from sglang.srt.layers.moe.utils import MoeRunnerBackend
 
@@ -84,6 +92,7 @@ def warm_up_token_counts(runner, device, quantized: bool, max_tokens: int) -> li
     else:
         config_of = int.bit_length
     return moe_token_counts(config_of, max_tokens)
+
 
 def moe_token_counts(config_of: Callable[[int], object], max_tokens: int) -> list[int]:
     """Token counts M whose forwards compile every variant of a MoE model's expert kernels that forwards of 1

@@ -9,6 +9,7 @@ go; and the M-RoPE positions of the whole sequence are computed once, from the t
 Here the same SGLang functions run on the outputs the model's HF processor already gave the tokenization
 stage (`data.images.Images`), with no tokenizer manager and no HTTP in between.
 """
+
 from __future__ import annotations
 
 from array import array
@@ -52,10 +53,14 @@ def _check_processor_outputs(outputs: dict, spec: ImageModel) -> None:
     if unknown or missing:
         raise ValueError(
             f"the processor's outputs {sorted(outputs)} are not what {spec.source} takes for images: "
-            + "; ".join(part for part in (
-                f"missing {sorted(missing)}" if missing else "",
-                f"not taken: {sorted(unknown)} (videos and other inputs are not supported)" if unknown else "",
-            ) if part)
+            + "; ".join(
+                part
+                for part in (
+                    f"missing {sorted(missing)}" if missing else "",
+                    f"not taken: {sorted(unknown)} (videos and other inputs are not supported)" if unknown else "",
+                )
+                if part
+            )
         )
 
 
@@ -81,7 +86,12 @@ def image_request(model, hf_config, spec: ImageModel, ids: np.ndarray, images: I
     """(input ids with each image's tokens replaced by its pad value, SGLang's MultimodalInputs) for one
     sequence: what the scheduler sets as a Req's origin_input_ids and hands to its extend_image_inputs."""
     from sglang.srt.managers.mm_utils import get_new_expanded_mm_items
-    from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem, MultimodalInputs, MultimodalProcessorOutput
+    from sglang.srt.managers.schedule_batch import (
+        Modality,
+        MultimodalDataItem,
+        MultimodalInputs,
+        MultimodalProcessorOutput,
+    )
     from sglang.srt.multimodal.processors.base_processor import BaseMultimodalProcessor
 
     outputs = dict(images.processor_outputs)
@@ -111,14 +121,16 @@ def image_request(model, hf_config, spec: ImageModel, ids: np.ndarray, images: I
             f"({grid.prod(dim=-1).tolist()} patches)"
         )
     positions, delta = _mrope_positions(hf_config, ids_t, grid)
-    mm = MultimodalInputs.from_processor_output(MultimodalProcessorOutput(
-        mm_items=items,
-        input_ids=ids_t.tolist(),
-        im_token_id=image_token,
-        im_start_id=hf_config.vision_start_token_id,
-        im_end_id=hf_config.vision_end_token_id,
-        video_token_id=hf_config.video_token_id,
-        mrope_positions=positions.squeeze(1),
-        mrope_position_delta=delta,
-    ))
+    mm = MultimodalInputs.from_processor_output(
+        MultimodalProcessorOutput(
+            mm_items=items,
+            input_ids=ids_t.tolist(),
+            im_token_id=image_token,
+            im_start_id=hf_config.vision_start_token_id,
+            im_end_id=hf_config.vision_end_token_id,
+            video_token_id=hf_config.video_token_id,
+            mrope_positions=positions.squeeze(1),
+            mrope_position_delta=delta,
+        )
+    )
     return array("q", model.pad_input_ids(ids_t.tolist(), mm)), mm

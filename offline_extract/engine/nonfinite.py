@@ -11,6 +11,7 @@ about the one input: dropping by default could quietly discard a large part of t
 while a stop costs only the shard in progress, since re-running resumes. `drop` is for a model known to
 overflow on a few pathological inputs; `keep` for studying them.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Sequence

@@ -7,6 +7,7 @@ consumer (the shard writer). The
 main loop only blocks when every pinned buffer is still in flight, which is the back-pressure that keeps
 host memory bounded when the disk is slower than the GPU.
 """
+
 from __future__ import annotations
 
 import queue

@@ -7,6 +7,7 @@ drafter trained on misaligned states is worthless, so a mismatch stops the run b
 In half precision the reference is HF in float32, and the engine's states must be about as close to it as HF's
 own half-precision states are (`HALF_FLOOR`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -95,9 +96,14 @@ class LayerParity:
         the worst token's: at most 1 passes (None: no float32 reference)."""
         if self.floor_rel_err is None:
             return None
-        pairs = {"median": (self.median_rel_err, self.floor_median_rel_err), "worst": (self.rel_err, self.floor_rel_err)}
-        return max(ours / (HALF_FLOOR[key]["factor"] * floor + HALF_FLOOR[key]["slack"])
-                   for key, (ours, floor) in pairs.items())
+        pairs = {
+            "median": (self.median_rel_err, self.floor_median_rel_err),
+            "worst": (self.rel_err, self.floor_rel_err),
+        }
+        return max(
+            ours / (HALF_FLOOR[key]["factor"] * floor + HALF_FLOOR[key]["slack"])
+            for key, (ours, floor) in pairs.items()
+        )
 
 
 class ParityError(RuntimeError):
@@ -126,7 +132,11 @@ def hf_image_inputs(images: Images, device) -> dict[str, torch.Tensor]:
 
 
 def hf_hidden_states(
-    model, input_ids: Sequence[int], device, final_state: str = "post-norm", keep: Collection[int] | None = None,
+    model,
+    input_ids: Sequence[int],
+    device,
+    final_state: str = "post-norm",
+    keep: Collection[int] | None = None,
     images: Images | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """HF's hidden_states for one sequence (with its `images`, for a vision-language model); for a pre-norm
@@ -181,6 +191,7 @@ def float32_pass(model):
     made float32 just before its forward and given back after, exactly (a half-precision value is a float32
     value), so that the float32 reference takes one module's float32 copy at a time beside the model, not a
     float32 model. Its input embeddings come out in float32, and every activation after them stays so."""
+
     def up(module, args):
         module._parity_half = [(p, p.data) for p in module.parameters(recurse=False)]
         for p, data in module._parity_half:
@@ -205,13 +216,17 @@ def float32_pass(model):
 def criterion(dtype: str, moe: bool, fp8: bool = False, floor: bool = False) -> str:
     if fp8:
         routed = " routed to the engine's experts" if moe else ""
-        return (f"median-token cosine >= {FP8_MIN_MEDIAN_COSINE} (FP8 weights and activations in {dtype}, against "
-                f"HF on the dequantized weights{routed})")
+        return (
+            f"median-token cosine >= {FP8_MIN_MEDIAN_COSINE} (FP8 weights and activations in {dtype}, against "
+            f"HF on the dequantized weights{routed})"
+        )
     if floor:
         median, worst = HALF_FLOOR["median"], HALF_FLOOR["worst"]
-        return (f"each token's relative error against HF in float32, at the median token at most {median['factor']} x "
-                f"HF {dtype}'s own + {median['slack']}, at the worst token at most {worst['factor']} x HF {dtype}'s "
-                f"own + {worst['slack']}")
+        return (
+            f"each token's relative error against HF in float32, at the median token at most {median['factor']} x "
+            f"HF {dtype}'s own + {median['slack']}, at the worst token at most {worst['factor']} x HF {dtype}'s "
+            f"own + {worst['slack']}"
+        )
     if moe and dtype != "float32":
         return f"median-token cosine >= {MOE_HALF_MIN_MEDIAN_COSINE} (mixture of experts in {dtype})"
     tol = TOLERANCES[dtype]
@@ -272,8 +287,10 @@ def compare(
 
     if images is not None and len(images) != len(engine_states):
         raise ValueError(f"{len(images)} image entries for {len(engine_states)} samples")
-    pairs = ((aux, last, *reference(ids, experts, images[i] if images is not None else None))
-             for i, (ids, aux, last, *experts) in enumerate(engine_states))
+    pairs = (
+        (aux, last, *reference(ids, experts, images[i] if images is not None else None))
+        for i, (ids, aux, last, *experts) in enumerate(engine_states)
+    )
     return compare_states(pairs, layer_ids, dtype, moe, final_state, fp8)
 
 
@@ -357,9 +374,19 @@ class _StateFigures:
         cos, rel = torch.cat(self.cos), torch.cat(self.rel)
         floor = torch.cat(self.floor) if self.floor else None
         return LayerParity(
-            name, hf_index, self.max_abs, self.max_rel, cos.min().item(), cos.median().item(),
-            sum(self.ncos) / len(self.ncos), self.gap, False, rel.max().item(), rel.median().item(),
-            None if floor is None else floor.max().item(), None if floor is None else floor.median().item(),
+            name,
+            hf_index,
+            self.max_abs,
+            self.max_rel,
+            cos.min().item(),
+            cos.median().item(),
+            sum(self.ncos) / len(self.ncos),
+            self.gap,
+            False,
+            rel.max().item(),
+            rel.median().item(),
+            None if floor is None else floor.max().item(),
+            None if floor is None else floor.median().item(),
         )
 
 
@@ -379,11 +406,15 @@ def _passes(row: LayerParity, dtype: str, moe: bool, fp8: bool = False) -> bool:
 
 def _figures(row: LayerParity, dtype: str) -> str:
     if row.floor_rel_err is None:
-        return (f"max_abs={row.max_abs:.3g} max_rel={row.max_rel:.3g} cosine worst={row.cosine:.6f} "
-                f"median={row.median_cosine:.6f}")
-    return (f"relative error vs HF float32 worst={row.rel_err:.3g} median={row.median_rel_err:.3g}, HF {dtype}'s own "
-            f"worst={row.floor_rel_err:.3g} median={row.floor_median_rel_err:.3g} ({row.floor_ratio():.2f} x what "
-            f"is allowed); cosine worst={row.cosine:.6f} median={row.median_cosine:.6f}")
+        return (
+            f"max_abs={row.max_abs:.3g} max_rel={row.max_rel:.3g} cosine worst={row.cosine:.6f} "
+            f"median={row.median_cosine:.6f}"
+        )
+    return (
+        f"relative error vs HF float32 worst={row.rel_err:.3g} median={row.median_rel_err:.3g}, HF {dtype}'s own "
+        f"worst={row.floor_rel_err:.3g} median={row.floor_median_rel_err:.3g} ({row.floor_ratio():.2f} x what "
+        f"is allowed); cosine worst={row.cosine:.6f} median={row.median_cosine:.6f}"
+    )
 
 
 def check(rows: Sequence[LayerParity], dtype: str, num_samples: int, moe: bool = False, fp8: bool = False) -> None:

@@ -1,6 +1,7 @@
 """HF transformers' model of the checkpoint, the parity gate's reference (`load_hf_model`), and its weights read
 ahead into host memory beside SGLang's start-up (`ReferencePreload`).
 """
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,12 @@ from typing import Callable
 import torch
 
 from offline_extract.engine.checkpoint import (
-    WeightsUnreadable, checkpoint_tensors, dequantized_fp8_tensors, dequantized_mxfp4_tensors, is_fp8_block, is_mxfp4,
+    WeightsUnreadable,
+    checkpoint_tensors,
+    dequantized_fp8_tensors,
+    dequantized_mxfp4_tensors,
+    is_fp8_block,
+    is_mxfp4,
 )
 from offline_extract.engine.parity import ParityError
 from offline_extract.words import human_bytes
@@ -41,7 +47,11 @@ def _hf_model_class(model_path: str, raw: dict):
         config, key_mapping = AutoConfig.from_pretrained(model_path), None
     except ValueError:  # a model type transformers does not know
         config = None
-    if config is not None and type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+    if (
+        config is not None
+        and type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING
+        and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    ):
         # A vision-language model with no causal-LM class (Qwen2.5-VL): its own class, tower and all, which
         # takes the images too.
         return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)], config, key_mapping
@@ -55,7 +65,10 @@ def _hf_model_class(model_path: str, raw: dict):
 
 
 def load_hf_model(
-    model_path: str, dtype: str, device: str, tensors: dict[str, torch.Tensor] | None = None,
+    model_path: str,
+    dtype: str,
+    device: str,
+    tensors: dict[str, torch.Tensor] | None = None,
     mark: Callable[[str], object] = lambda point: None,
 ):
     """HF transformers' model of the checkpoint, the gate's reference. A wrapper transformers has no class
@@ -92,8 +105,12 @@ def load_hf_model(
     # Given tensors, HF reads no weight file: it loads them as it would the files' (renamed, split and fused
     # alike).
     model = model_class.from_pretrained(
-        model_path if tensors is None else None, config=config, state_dict=tensors, key_mapping=key_mapping,
-        dtype=getattr(torch, dtype), attn_implementation=attention,
+        model_path if tensors is None else None,
+        config=config,
+        state_dict=tensors,
+        key_mapping=key_mapping,
+        dtype=getattr(torch, dtype),
+        attn_implementation=attention,
     )
     mark("hf on host")
     model = model.to(device).eval()
@@ -112,8 +129,10 @@ def preload_refusal(nbytes: int, readers: int, available: int | None) -> str | N
     if available is None:
         return "the host's available memory is unknown"
     if nbytes * readers > PRELOAD_MEMORY_SHARE * available:
-        return (f"{readers} x {human_bytes(nbytes)} of weights exceed {PRELOAD_MEMORY_SHARE:.0%} of the host's "
-                f"{human_bytes(available)} available")
+        return (
+            f"{readers} x {human_bytes(nbytes)} of weights exceed {PRELOAD_MEMORY_SHARE:.0%} of the host's "
+            f"{human_bytes(available)} available"
+        )
     return None
 
 
@@ -151,7 +170,9 @@ class ReferencePreload:
         if self._error is not None:
             e = self._error
             why = str(e) if isinstance(e, WeightsUnreadable) else f"{type(e).__name__}: {e}"
-            raise ParityError(f"parity gate: reading HF's reference weights from {self.model_path} failed: {why}") from e
+            raise ParityError(
+                f"parity gate: reading HF's reference weights from {self.model_path} failed: {why}"
+            ) from e
         tensors, self._tensors = self._tensors, None
         return tensors
 

@@ -7,6 +7,7 @@ the model's final norm, or before it: see options.FINAL_STATES).
 Full-vocab logits are never computed: the model's logits processor is replaced by one that only keeps the
 hidden states it is handed.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -284,20 +285,57 @@ def _refuse_on_cpu(architecture: str, device: str, model_path: str) -> None:
 # seconds: importing server_args takes seconds, and SGLang refuses an attention backend only once the model is
 # loaded.
 ATTENTION_BACKENDS = (
-    "triton", "torch_native", "flex_attention", "dsa", "nsa", "dsv4", "compressed", "cutlass_mla", "fa3", "fa4",
-    "flashinfer", "flashmla", "trtllm_mla", "cutedsl_mla", "tokenspeed_mla", "trtllm_mha", "dual_chunk_flash_attn",
-    "hpc_ops", "aiter", "wave", "intel_amx", "ascend", "intel_xpu",
+    "triton",
+    "torch_native",
+    "flex_attention",
+    "dsa",
+    "nsa",
+    "dsv4",
+    "compressed",
+    "cutlass_mla",
+    "fa3",
+    "fa4",
+    "flashinfer",
+    "flashmla",
+    "trtllm_mla",
+    "cutedsl_mla",
+    "tokenspeed_mla",
+    "trtllm_mha",
+    "dual_chunk_flash_attn",
+    "hpc_ops",
+    "aiter",
+    "wave",
+    "intel_amx",
+    "ascend",
+    "intel_xpu",
 )
 LOAD_FORMATS = (
-    "auto", "pt", "safetensors", "npcache", "dummy", "sharded_state", "presharded", "gguf", "bitsandbytes", "mistral",
-    "layered", "flash_rl", "remote", "remote_instance", "fastsafetensors", "private", "runai_streamer",
+    "auto",
+    "pt",
+    "safetensors",
+    "npcache",
+    "dummy",
+    "sharded_state",
+    "presharded",
+    "gguf",
+    "bitsandbytes",
+    "mistral",
+    "layered",
+    "flash_rl",
+    "remote",
+    "remote_instance",
+    "fastsafetensors",
+    "private",
+    "runai_streamer",
 )
 
 
 def check_engine_choices(attention_backend: str | None, load_format: str) -> None:
     """Raises ValueError naming the option and SGLang's values when either is not one SGLang takes."""
-    for option, value, allowed in (("--attention-backend", attention_backend, ATTENTION_BACKENDS),
-                                   ("--load-format", load_format, LOAD_FORMATS)):
+    for option, value, allowed in (
+        ("--attention-backend", attention_backend, ATTENTION_BACKENDS),
+        ("--load-format", load_format, LOAD_FORMATS),
+    ):
         if value is not None and value not in allowed:
             raise ValueError(f"{option} {value} is not one of SGLang {SGLANG_VERSION}'s: {', '.join(allowed)}")
 
@@ -337,7 +375,6 @@ def _tear_down_process_groups_at_exit() -> None:
         destroy_distributed_environment()
 
     atexit.register(tear_down)
-
 
 
 def _checkpoint_quantization(model_path: str) -> dict | None:
@@ -403,25 +440,44 @@ def _model_runner(cfg: EngineConfig, mc, sa):
     from sglang.srt.model_executor.model_runner import ModelRunner
 
     ps = ParallelState(
-        tp_rank=cfg.tp_rank, tp_size=cfg.tp_size, pp_rank=0, pp_size=1, dp_rank=None, dp_size=1,
-        attn_tp_rank=cfg.tp_rank, attn_tp_size=cfg.tp_size, attn_cp_rank=0, attn_cp_size=1,
-        attn_dp_rank=0, attn_dp_size=1, moe_ep_rank=0, moe_ep_size=1, moe_dp_rank=None, moe_dp_size=1,
-        dcp_size=1, gpu_id=cfg.gpu_id,
+        tp_rank=cfg.tp_rank,
+        tp_size=cfg.tp_size,
+        pp_rank=0,
+        pp_size=1,
+        dp_rank=None,
+        dp_size=1,
+        attn_tp_rank=cfg.tp_rank,
+        attn_tp_size=cfg.tp_size,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        attn_dp_rank=0,
+        attn_dp_size=1,
+        moe_ep_rank=0,
+        moe_ep_size=1,
+        moe_dp_rank=None,
+        moe_dp_size=1,
+        dcp_size=1,
+        gpu_id=cfg.gpu_id,
     )
     threads = torch.get_num_threads()
     # ModelRunner makes the process groups: from here the process tears them down before it exits.
     _tear_down_process_groups_at_exit()
     try:
         runner = ModelRunner(
-            model_config=mc, mem_fraction_static=sa.mem_fraction_static, gpu_id=cfg.gpu_id, ps=ps,
-            nccl_port=cfg.nccl_port, server_args=sa,
+            model_config=mc,
+            mem_fraction_static=sa.mem_fraction_static,
+            gpu_id=cfg.gpu_id,
+            ps=ps,
+            nccl_port=cfg.nccl_port,
+            server_args=sa,
         )
     except torch.distributed.DistNetworkError as e:
         # The replica's TP rank 0 serves its process group's store on that port; torch says only EADDRINUSE.
         if "EADDRINUSE" not in str(e):
             raise
-        raise PortTaken(f"port {cfg.nccl_port}, where SGLang's ranks of this replica meet, is taken by another "
-                        f"process") from None
+        raise PortTaken(
+            f"port {cfg.nccl_port}, where SGLang's ranks of this replica meet, is taken by another process"
+        ) from None
     # On a GPU, ModelRunner.load_model leaves torch with one intra-op thread (to load weights with fewer
     # thread conflicts); every batch's states would then be copied into the shard buffers on one core,
     # and the last batches' copies add to the end of every run.
@@ -446,9 +502,11 @@ class Engine:
         mc = _model_config(sa, self.attention_backend, cfg)
         # On CPU nothing is compiled: the torch_native path calls none of these modules.
         self.prebuild = (
-            KernelPrebuild(lambda: prebuild_calls(kernel_shapes(mc, cfg.tp_size)),
-                           self.jit_caches["TVM_FFI_CACHE_DIR"], cfg.gpu_id)
-            if torch.device(cfg.device).type == "cuda" else None
+            KernelPrebuild(
+                lambda: prebuild_calls(kernel_shapes(mc, cfg.tp_size)), self.jit_caches["TVM_FFI_CACHE_DIR"], cfg.gpu_id
+            )
+            if torch.device(cfg.device).type == "cuda"
+            else None
         )
         self.runner = _model_runner(cfg, mc, sa)
         model = self.runner.model
@@ -561,8 +619,9 @@ class Engine:
         the benchmarks hold extraction against."""
         self._prefill(seqs, capture=False)
 
-    def _prefill(self, seqs: Sequence[np.ndarray], capture: bool,
-                 images: Sequence[Images | None] | None = None) -> Captured | None:
+    def _prefill(
+        self, seqs: Sequence[np.ndarray], capture: bool, images: Sequence[Images | None] | None = None
+    ) -> Captured | None:
         if self.is_chunked(seqs) and images is None:
             return self._chunked(seqs[0], self.chunk_tokens, capture)
         total = sum(len(s) for s in seqs)
@@ -784,10 +843,15 @@ def _new_req(i: int, ids: np.ndarray):
 # The quantized formats SGLang 0.5.17 runs and how: {quant_method: (name, what runs it on CPU)}.
 _QUANTIZED_ON_CPU = {
     # fp8.py asserts AMX after loading every weight.
-    "fp8": ("an FP8 checkpoint", "SGLang runs FP8 weights on CPU only with the Intel AMX kernels of sgl_kernel's CPU build"),
+    "fp8": (
+        "an FP8 checkpoint",
+        "SGLang runs FP8 weights on CPU only with the Intel AMX kernels of sgl_kernel's CPU build",
+    ),
     # mxfp4.py packs the experts for AMX, and otherwise upcasts them with triton_kernels' GPU kernels.
-    "mxfp4": ("an MXFP4 checkpoint", "SGLang runs MXFP4 experts on CPU only with the Intel AMX kernels of "
-              "sgl_kernel's CPU build"),
+    "mxfp4": (
+        "an MXFP4 checkpoint",
+        "SGLang runs MXFP4 experts on CPU only with the Intel AMX kernels of sgl_kernel's CPU build",
+    ),
 }
 
 

@@ -1,4 +1,5 @@
 """Files that appear complete or not at all, for every file the output directory holds."""
+
 from __future__ import annotations
 
 import os

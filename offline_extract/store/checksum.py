@@ -17,6 +17,7 @@ Manifests and journals of earlier versions record `block_sha256` (the same schem
 plain `sha256` of each shard; `checksum` computes whichever kind an entry records, so those outputs still
 verify, and a resumed one may list shards of several kinds.
 """
+
 from __future__ import annotations
 
 import hashlib

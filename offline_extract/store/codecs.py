@@ -14,6 +14,7 @@ significance first (byte planes: the bf16 high bytes, sign and exponent, sit tog
 the low mantissa bytes barely do). A frame per sample keeps random access: a reader decompresses
 exactly the sample it reads, and memory stays one sample's worth.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -111,8 +112,12 @@ def compressor() -> zstandard.ZstdCompressor:
     # Frames carry their content size, so a reader can check it before trusting the bytes, and a checksum
     # of the content, which decompression checks: a flipped byte fails the read instead of being served.
     params = zstandard.ZstdCompressionParameters.from_level(
-        ZSTD_LEVEL, strategy=zstandard.STRATEGY_FAST, min_match=_ZSTD_MIN_MATCH, hash_log=_ZSTD_HASH_LOG,
-        write_content_size=True, write_checksum=True,
+        ZSTD_LEVEL,
+        strategy=zstandard.STRATEGY_FAST,
+        min_match=_ZSTD_MIN_MATCH,
+        hash_log=_ZSTD_HASH_LOG,
+        write_content_size=True,
+        write_checksum=True,
     )
     return zstandard.ZstdCompressor(compression_params=params)
 

@@ -1,5 +1,6 @@
 """A directory of shards as one collection: listing, scanning headers, index.json (written and read
 here only), and iterating every sample."""
+
 from __future__ import annotations
 
 import json
@@ -58,9 +59,7 @@ def scan(
         for row, info in enumerate(h.samples):
             if info.index in where:
                 other = headers[where[info.index][0]].path.name
-                raise ShardError(
-                    f"sample index {info.index} (id {info.id!r}) is in both {other} and {h.path.name}"
-                )
+                raise ShardError(f"sample index {info.index} (id {info.id!r}) is in both {other} and {h.path.name}")
             where[info.index] = (s_pos, row)
     return headers, sorted((index, s_pos, row) for index, (s_pos, row) in where.items())
 
@@ -104,8 +103,9 @@ def write_index(out_dir: str | os.PathLike, known: Iterable[ShardHeader] = ()) -
     return path
 
 
-def index_differences(index: dict, headers: list[ShardHeader], order: list[tuple[int, int, int]],
-                      out_dir: str | os.PathLike) -> list[str]:
+def index_differences(
+    index: dict, headers: list[ShardHeader], order: list[tuple[int, int, int]], out_dir: str | os.PathLike
+) -> list[str]:
     """How `index` (as read_index gives it) differs from what the shards' headers say, one line per key;
     none when it describes them. An index of an earlier format version describes them when it records
     the same facts."""
@@ -130,7 +130,9 @@ def index_differences(index: dict, headers: list[ShardHeader], order: list[tuple
     return found
 
 
-def index_mismatch(out_dir: str | os.PathLike, headers: list[ShardHeader], order: list[tuple[int, int, int]]) -> str | None:
+def index_mismatch(
+    out_dir: str | os.PathLike, headers: list[ShardHeader], order: list[tuple[int, int, int]]
+) -> str | None:
     """Words for a warning where out_dir/index.json does not describe the shards `headers` (whose samples
     `scan` put in `order`); None where it does, or where there is none. A reader that believes it over the
     headers would serve one sample under another's id."""
@@ -138,8 +140,10 @@ def index_mismatch(out_dir: str | os.PathLike, headers: list[ShardHeader], order
     wrong = [] if index is None else index_differences(index, headers, order, out_dir)
     if not wrong:
         return None
-    return (f"{Path(out_dir) / INDEX_NAME} does not match the shards in {out_dir} ({'; '.join(wrong)}): read from "
-            f"the shards' headers instead")
+    return (
+        f"{Path(out_dir) / INDEX_NAME} does not match the shards in {out_dir} ({'; '.join(wrong)}): read from "
+        f"the shards' headers instead"
+    )
 
 
 def _first_shard_difference(there, want: list[dict]) -> str:
@@ -156,8 +160,10 @@ def _first_sample_difference(there, want: dict) -> str:
         return "its samples are not laid out as an index's"
     for position, (a, b) in enumerate(zip(listed, zip(*want.values()))):
         if a != b:
-            return (f"sample position {position} is id {a[0]!r} at row {a[2]} of shard {a[1]} there, where the "
-                    f"shards' headers have id {b[0]!r} at row {b[2]} of shard {b[1]}")
+            return (
+                f"sample position {position} is id {a[0]!r} at row {a[2]} of shard {a[1]} there, where the "
+                f"shards' headers have id {b[0]!r} at row {b[2]} of shard {b[1]}"
+            )
     return f"it lists {len(listed)} samples, the shards hold {len(want['id'])}"
 
 

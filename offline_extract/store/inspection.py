@@ -4,6 +4,7 @@
 them with rich. Statistics stream over shards in row chunks so memory stays bounded whatever the
 output size.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -44,7 +45,9 @@ def resolve_shards(path: str | os.PathLike) -> list[Path]:
     if path.is_file():
         return [path]
     if not path.exists():
-        raise ShardError(f"{path} does not exist: give an extraction's output directory (its --out) or one of its shards")
+        raise ShardError(
+            f"{path} does not exist: give an extraction's output directory (its --out) or one of its shards"
+        )
     if not path.is_dir():
         raise ShardError(f"{path} is neither a shard file nor an output directory")
     paths = shard_paths(path)
@@ -241,7 +244,7 @@ def _nearest_ids(wanted: str, ids: list[str], n: int = 3) -> list[str]:
     Ranking every id by difflib would take minutes on a million."""
     ordered = sorted(ids)
     at = bisect.bisect_left(ordered, wanted)
-    candidates = set(ordered[max(at - n, 0):at + n])
+    candidates = set(ordered[max(at - n, 0) : at + n])
     _, colon, line = wanted.rpartition(":")
     if colon and line:
         candidates.update(islice((i for i in ids if i.endswith(colon + line)), 100))
@@ -371,8 +374,10 @@ def render_sample(view: dict, console: Console) -> None:
         piece = span["text"] if span["text"] is not None else " ".join(map(str, span["ids"])) + " "
         if span["loss"]:
             words = piece.rstrip()  # the marks close before the span's trailing space or line break
-            body.append(f"{opening}{words}{closing}{piece[len(words):]}", style=LOSS_STYLE)
+            body.append(f"{opening}{words}{closing}{piece[len(words) :]}", style=LOSS_STYLE)
         else:
             body.append(piece, style=CONTEXT_STYLE)
-    console.print(Text.assemble("legend: ", (f"{opening}loss tokens{closing}", LOSS_STYLE), " / ", ("context", CONTEXT_STYLE)))
+    console.print(
+        Text.assemble("legend: ", (f"{opening}loss tokens{closing}", LOSS_STYLE), " / ", ("context", CONTEXT_STYLE))
+    )
     console.print(body)

@@ -6,6 +6,7 @@ An interrupted run is not damage: its complete shards that manifest.json does no
 checksums sit in the run's journals, or were never logged when the kill came right after a rename)
 and its index.json (written when a run completes) are reported apart, as what a re-run finishes.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -19,7 +20,15 @@ from safetensors import safe_open
 from offline_extract.store import manifest
 from offline_extract.store.index import index_run, read_index, shard_paths
 from offline_extract.store.lock import running
-from offline_extract.store.schema import FRAMES_SUFFIX, IDENTITY_KEYS, INDEX_NAME, SCALE_SUFFIX, SPECS, Encoding, ShardError
+from offline_extract.store.schema import (
+    FRAMES_SUFFIX,
+    IDENTITY_KEYS,
+    INDEX_NAME,
+    SCALE_SUFFIX,
+    SPECS,
+    Encoding,
+    ShardError,
+)
 from offline_extract.store.shard import ShardHeader, read_header
 from offline_extract.words import listing, plural
 
@@ -104,8 +113,9 @@ def _check_checksums(
         for name in listed
         if name not in on_disk
     ]
-    unlogged = "its journal line not written yet" if report.running else \
-        "written just before the stop; a re-run checksums it"
+    unlogged = (
+        "its journal line not written yet" if report.running else "written just before the stop; a re-run checksums it"
+    )
     for path in paths:
         if path.name in listed:
             continue
@@ -230,10 +240,15 @@ def _check_index(out: Path, names: list[str], headers: dict[str, ShardHeader]) -
             problems.append(f"{INDEX_NAME}: sample {sid!r} (index {sample_index}) is not at row {row} of shard {shard}")
     if len(headers) < len(names):
         return problems  # totals over the readable shards alone would add a false problem to the real one
-    totals = {"num_samples": sum(len(h.samples) for h in headers.values()),
-              "num_tokens": sum(h.num_tokens for h in headers.values())}
-    problems += [f"{INDEX_NAME}: {key} is {index.get(key)}, the shards hold {total}"
-                 for key, total in totals.items() if index.get(key) != total]
+    totals = {
+        "num_samples": sum(len(h.samples) for h in headers.values()),
+        "num_tokens": sum(h.num_tokens for h in headers.values()),
+    }
+    problems += [
+        f"{INDEX_NAME}: {key} is {index.get(key)}, the shards hold {total}"
+        for key, total in totals.items()
+        if index.get(key) != total
+    ]
     if headers and index_run(index, out) != next(iter(headers.values())).run:
         problems.append(f"{INDEX_NAME}: its run differs from the one the shards record")
     return problems

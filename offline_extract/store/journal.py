@@ -5,6 +5,7 @@ A kill can leave the last line half written; readers drop such a line instead of
 always good up to its last complete record. Errors name the file: a bare "[Errno 28] No space left on
 device" from a buffered write would not say which of the run's files hit it.
 """
+
 from __future__ import annotations
 
 import json

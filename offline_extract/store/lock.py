@@ -1,5 +1,6 @@
 """OUT/.lock as the directory's readers see it: whether a live run holds it, and who (the pid, host and
 torchrun run id the holder wrote there). Taking the lock is `resume.OutputLock`'s."""
+
 from __future__ import annotations
 
 import fcntl

@@ -11,6 +11,7 @@ A shard file on disk is authoritative, since it only appears under its name once
 no journal mentions (a crash between its rename and its journal line) has its checksum recomputed
 from the file, and an entry whose file is gone is dropped, so its samples are extracted again.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,7 +27,12 @@ from offline_extract.store.index import shard_paths
 from offline_extract.store.journal import load_json, read_journal
 from offline_extract.store.lock import running
 from offline_extract.store.schema import (
-    FORMAT_VERSION, IDENTITY_KEYS, READABLE_FORMAT_VERSIONS, RunInfo, ShardError, shard_number,
+    FORMAT_VERSION,
+    IDENTITY_KEYS,
+    READABLE_FORMAT_VERSIONS,
+    RunInfo,
+    ShardError,
+    shard_number,
 )
 from offline_extract.store.shard import read_header
 from offline_extract.words import listing, plural
@@ -113,8 +119,10 @@ def corpus_differences(old: dict, new: dict, pipes: bool = True) -> list[str]:
     for i, (a, b) in enumerate(zip(before, after)):
         if a.get("sampled_sha256") is None or b.get("sampled_sha256") is None:
             if pipes:
-                diffs.append(f"corpus file {i + 1} ({b['path']}): a pipe, whose records cannot be compared with the "
-                             f"earlier run's")
+                diffs.append(
+                    f"corpus file {i + 1} ({b['path']}): a pipe, whose records cannot be compared with the "
+                    f"earlier run's"
+                )
             continue
         changed = [key for key in CORPUS_KEYS if a.get(key) != b.get(key)]
         if changed:
@@ -176,8 +184,11 @@ def unfinished(out: str | os.PathLike) -> str | None:
         # Counted from the shards: an interrupted run's journals may list more than manifest.json does.
         held = sum(len(read_header(p).samples) for p in shard_paths(out))
         writer = running(out)
-        then = f"An extraction is writing it now ({writer}): wait for it to end" if writer else \
-            "Re-run the extraction to finish it"
+        then = (
+            f"An extraction is writing it now ({writer}): wait for it to end"
+            if writer
+            else "Re-run the extraction to finish it"
+        )
         return (
             f"{out} is an unfinished extraction ({MANIFEST_NAME} status {recorded.get('status')!r}): it holds "
             f"{plural(held, 'sample')} so far; how many are missing is unknown until the run completes. {then}"
@@ -198,8 +209,10 @@ def refusal(recorded: dict) -> str | None:
     if recorded.get("status") != REFUSED:
         return None
     result = recorded.get("result") or {}
-    return (f"was refused by {result.get('refused_by', 'a check')} before it extracted anything ({MANIFEST_NAME} "
-            f"status {REFUSED!r}); re-running the same command gives the same verdict:\n{result.get('verdict', '')}")
+    return (
+        f"was refused by {result.get('refused_by', 'a check')} before it extracted anything ({MANIFEST_NAME} "
+        f"status {REFUSED!r}); re-running the same command gives the same verdict:\n{result.get('verdict', '')}"
+    )
 
 
 def save(out: str | os.PathLike, manifest: dict) -> None:
@@ -262,8 +275,10 @@ def consolidate(out: str | os.PathLike, **updates) -> tuple[dict, list[str]]:
     on_disk = {p.name: p for p in shard_paths(out)}
     gone = sorted(set(recorded) - set(on_disk))
     if gone:
-        notes.append(f"{plural(len(gone), 'shard')} listed in the manifest but gone, their samples will be redone: "
-                     f"{listing(gone)}")
+        notes.append(
+            f"{plural(len(gone), 'shard')} listed in the manifest but gone, their samples will be redone: "
+            f"{listing(gone)}"
+        )
     unrecorded = sorted(set(on_disk) - set(recorded), key=lambda name: shard_number(on_disk[name]))
     for name in unrecorded:
         header = read_header(on_disk[name])
@@ -274,8 +289,10 @@ def consolidate(out: str | os.PathLike, **updates) -> tuple[dict, list[str]]:
             "num_tokens": header.num_tokens,
         }
     if unrecorded:
-        notes.append(f"checksummed {plural(len(unrecorded), 'complete shard')} the manifest did not list yet: "
-                     f"{listing(unrecorded)}")
+        notes.append(
+            f"checksummed {plural(len(unrecorded), 'complete shard')} the manifest did not list yet: "
+            f"{listing(unrecorded)}"
+        )
     manifest.pop("format_version", None)
     manifest.update(updates)
     manifest["shards"] = {name: recorded[name] for name in sorted(on_disk, key=lambda n: shard_number(on_disk[n]))}

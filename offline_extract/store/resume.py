@@ -7,6 +7,7 @@ Everything else is redone, rejects included: a record's rejection follows from t
 identity alone, and a sample dropped for non-finite states is simply extracted and judged again. So
 the earlier attempt's partial lists are discarded and the new attempt lists each record exactly once.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -35,8 +36,10 @@ REJECTS_PART = ".rejects.dp{}.jsonl"  # a replica's rejects, by its DP rank, mer
 # Files only a live run owns: the temporaries of the files it writes into --out (half-written shards, index,
 # manifest or merged rejects) and the replicas' reject lists. These names only: a hidden file of the user's
 # in --out (a .notes.tmp) is not ours to delete. A new file written into --out through atomic_write joins the tuple.
-LEFTOVER_GLOBS = (*(temporary_name(name) for name in (SHARD_GLOB, INDEX_NAME, manifest.MANIFEST_NAME, REJECTS_FILE)),
-                  REJECTS_PART.format("*"))
+LEFTOVER_GLOBS = (
+    *(temporary_name(name) for name in (SHARD_GLOB, INDEX_NAME, manifest.MANIFEST_NAME, REJECTS_FILE)),
+    REJECTS_PART.format("*"),
+)
 
 
 class TakeoverError(ValueError):
@@ -100,8 +103,10 @@ class OutputLock:
 
 
 def _in_use(out: Path, holder: str) -> str:
-    return (f"{out} is in use by another extraction ({holder.strip() or 'unknown holder'}); two runs writing one "
-            f"directory would interleave their shards. Wait for it to end, or choose another --out")
+    return (
+        f"{out} is in use by another extraction ({holder.strip() or 'unknown holder'}); two runs writing one "
+        f"directory would interleave their shards. Wait for it to end, or choose another --out"
+    )
 
 
 def _cannot_lock(path: Path, e: OSError) -> str:
@@ -197,8 +202,11 @@ def tokenizer_decides(out: Path, known: RunInfo, current: dict | None = None) ->
     it does hold a complete run, and `known` has no tokenizer hashes and other `tokenizer_files` than the
     recorded ones. `current`: the manifest of `out`, when read already."""
     current = current or _complete(out)
-    return (current is not None and known.tokenizer_sha256 is None
-            and known.tokenizer_files != current["identity"].get("tokenizer_files"))
+    return (
+        current is not None
+        and known.tokenizer_sha256 is None
+        and known.tokenizer_files != current["identity"].get("tokenizer_files")
+    )
 
 
 def _complete(out: Path) -> dict | None:
@@ -215,7 +223,8 @@ def settle_finished(out: Path, recorded: dict) -> list[str]:
     damaged = manifest.damaged_shards(out, recorded)
     if damaged:
         raise TakeoverError(
-            f"{out} holds this run's finished output, but damaged:\n  " + "\n  ".join(damaged)
+            f"{out} holds this run's finished output, but damaged:\n  "
+            + "\n  ".join(damaged)
             + "\nDelete the damaged shards and re-run the same command: it extracts exactly their samples again"
         )
     try:
@@ -309,8 +318,9 @@ def done_mask(out: Path, shards: Sequence[str]) -> np.ndarray:
 CHANGED_IMAGES_SHOWN = 5
 
 
-def check_images(out: Path, shards: Sequence[str], identity: dict, data: Sequence[str], force: bool,
-                 finished: bool = False) -> list[str]:
+def check_images(
+    out: Path, shards: Sequence[str], identity: dict, data: Sequence[str], force: bool, finished: bool = False
+) -> list[str]:
     """The leader's side, beside `check_identity`: the kept samples with images were extracted from the images
     their records name now. Each recorded its images' fingerprint (SampleInfo.images_sha256); their bytes are
     read again (not decoded) and a change refuses the run, which --force lets through (the kept samples keep the
@@ -320,8 +330,12 @@ def check_images(out: Path, shards: Sequence[str], identity: dict, data: Sequenc
     (nothing is extracted again). Returns notes on what was let through."""
     if identity.get("image_processor_sha256") is None:
         return []
-    recorded = {info.index: info.images_sha256 for name in shards for info in read_header(out / name).samples
-                if info.images_sha256 is not None}
+    recorded = {
+        info.index: info.images_sha256
+        for name in shards
+        for info in read_header(out / name).samples
+        if info.images_sha256 is not None
+    }
     if not recorded:
         return []
     changed = []
@@ -341,17 +355,21 @@ def check_images(out: Path, shards: Sequence[str], identity: dict, data: Sequenc
                 changed.append(f"{where}: {e}")
     if not changed:
         return []
-    listed = changed[:CHANGED_IMAGES_SHOWN] + ([f"... and {len(changed) - CHANGED_IMAGES_SHOWN} more"]
-                                               if len(changed) > CHANGED_IMAGES_SHOWN else [])
+    listed = changed[:CHANGED_IMAGES_SHOWN] + (
+        [f"... and {len(changed) - CHANGED_IMAGES_SHOWN} more"] if len(changed) > CHANGED_IMAGES_SHOWN else []
+    )
     if not force:
         raise TakeoverError(
             f"{out} holds samples extracted from other images than their records name now, so this run cannot "
-            f"resume there ({plural(len(changed), 'kept sample')}):\n  " + "\n  ".join(listed)
+            f"resume there ({plural(len(changed), 'kept sample')}):\n  "
+            + "\n  ".join(listed)
             + "\nPut the images back as they were, choose another --out, or pass --force to resume anyway (the kept "
-            "samples keep the states of the images they were extracted from)")
+            "samples keep the states of the images they were extracted from)"
+        )
     if finished:
-        return [f"--force: the finished run is kept as it is despite {plural(len(changed), 'sample')} whose images "
-                "changed"]
+        return [
+            f"--force: the finished run is kept as it is despite {plural(len(changed), 'sample')} whose images changed"
+        ]
     return [f"--force: resuming despite {plural(len(changed), 'kept sample')} whose images changed"]
 
 
@@ -359,4 +377,3 @@ def shard_numbers(first: int, dp_rank: int, dp_size: int) -> Iterator[int]:
     """This replica's new shard numbers: above every existing one, interleaved by dp_rank so replicas
     never collide, whatever DP size wrote the existing ones."""
     return itertools.count(first + dp_rank, dp_size)
-

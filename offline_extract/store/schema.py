@@ -11,6 +11,7 @@ stores. The safetensors metadata key `METADATA_KEY` holds a JSON document with t
 run's facts (`RunInfo`, whose store, compress and final state give the shard's encoding), and one entry
 per sample (see `SampleInfo`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -145,8 +146,7 @@ class Encoding:
     @classmethod
     def from_json(cls, document: dict) -> "Encoding":
         """The encoding a format version 1 shard document records beside its run."""
-        return cls(document["store"], document["compress"], keeps_final_state=document["final_state"],
-                   image_mask=False)
+        return cls(document["store"], document["compress"], keeps_final_state=document["final_state"], image_mask=False)
 
     @property
     def token_tensors(self) -> tuple[str, ...]:
@@ -170,7 +170,9 @@ class Encoding:
         for name in self.states:
             specs.append(TensorSpec(name, STORES[self.store], "T", SPECS[name].cols))
             if self.store == "fp8":
-                specs.append(TensorSpec(name + SCALE_SUFFIX, torch.float32, "T", "k" if SPECS[name].cols == "k*H" else "1"))
+                specs.append(
+                    TensorSpec(name + SCALE_SUFFIX, torch.float32, "T", "k" if SPECS[name].cols == "k*H" else "1")
+                )
         return tuple(specs)
 
     @property
@@ -189,7 +191,10 @@ class Encoding:
         specs = [SPECS[name] for name in self.token_tensors]
         for t in self.staged:
             if t.name in self.compressed:
-                specs += [TensorSpec(t.name, torch.uint8, "bytes"), TensorSpec(t.name + FRAMES_SUFFIX, torch.int64, "n+1")]
+                specs += [
+                    TensorSpec(t.name, torch.uint8, "bytes"),
+                    TensorSpec(t.name + FRAMES_SUFFIX, torch.int64, "n+1"),
+                ]
             else:
                 specs.append(t)
         return (*specs, SPECS["offsets"], SPECS["sample_index"])
@@ -367,6 +372,7 @@ class RunInfo:
             else:
                 facts[key] = tuple(value) if isinstance(value, list) and _options(types[key])[0] is not list else value
         return cls(**facts, extra=extra)
+
 
 IDENTITY_KEYS = tuple(f.name for f in fields(RunInfo) if f.metadata.get("role") == IDENTITY)
 PROVENANCE_KEYS = tuple(f.name for f in fields(RunInfo) if f.metadata.get("role") == PROVENANCE)

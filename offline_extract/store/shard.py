@@ -1,4 +1,5 @@
 """Reading one shard: its header alone, or its samples with their states decoded (see schema.Encoding)."""
+
 from __future__ import annotations
 
 import json
@@ -88,7 +89,13 @@ def sample_bounds(f, encoding: Encoding) -> dict[str, list[int]]:
 
 
 def read_samples(
-    f, encoding: Encoding, bounds: dict[str, list[int]], first: int, stop: int, names: Sequence[str], path: Path,
+    f,
+    encoding: Encoding,
+    bounds: dict[str, list[int]],
+    first: int,
+    stop: int,
+    names: Sequence[str],
+    path: Path,
     decode: bool = True,
 ) -> dict:
     """Samples first:stop of the open shard `f` (at `path`), their states decoded (bf16), reading only
@@ -99,8 +106,11 @@ def read_samples(
     start, end = offsets[first], offsets[stop]
     stored = encoding.token_tensors
     # A token tensor of a later version than the shard's (image_mask): zeros, as nothing of it was there.
-    out = {name: f.get_slice(name)[start:end] if name in stored else torch.zeros(end - start, dtype=SPECS[name].dtype)
-           for name in names if name not in STATE_TENSORS}
+    out = {
+        name: f.get_slice(name)[start:end] if name in stored else torch.zeros(end - start, dtype=SPECS[name].dtype)
+        for name in names
+        if name not in STATE_TENSORS
+    }
     states = [name for name in names if name in STATE_TENSORS]
     staged = {}
     for t in encoding.staged:
@@ -150,7 +160,9 @@ class Shard(ShardHeader):
     def read(self, first: int, stop: int, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
         """Samples first:stop (positions) packed along tokens, states decoded; only their rows are read."""
         with safe_open(self.path, framework="pt") as f:
-            return read_samples(f, self.encoding, self.bounds, first, stop, names or self.encoding.sample_tensors, self.path)
+            return read_samples(
+                f, self.encoding, self.bounds, first, stop, names or self.encoding.sample_tensors, self.path
+            )
 
     def tensor(self, name: str) -> torch.Tensor:
         with safe_open(self.path, framework="pt") as f:

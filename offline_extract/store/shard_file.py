@@ -2,6 +2,7 @@
 written (`write`), a compressed state frame by frame (`Frames`), and the rows of a state still arriving while
 its file is written (`Filling`). `ShardWriter` decides what goes into which shard; this is how one is written.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -91,15 +92,22 @@ def _pwrite(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
-def _layout(tensors: dict[str, torch.Tensor | Frames], metadata: dict[str, str], filling: Filling | None,
-            ) -> tuple[list[tuple[int, memoryview]], list[tuple[int, int, int]], int]:
+def _layout(
+    tensors: dict[str, torch.Tensor | Frames],
+    metadata: dict[str, str],
+    filling: Filling | None,
+) -> tuple[list[tuple[int, memoryview]], list[tuple[int, int, int]], int]:
     """The file's bytes as (file offset, bytes) in file order, the header first, then the tensors' own memory; the
     (start, stop, row bytes) in the file of each tensor whose rows `filling` fills; and the file's size."""
     header: dict = {"__metadata__": metadata}
     offset = 0
     for name, t in tensors.items():
         size = t.numel() * t.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
@@ -108,7 +116,13 @@ def _layout(tensors: dict[str, torch.Tensor | Frames], metadata: dict[str, str],
     rows = []
     offset = len(head)
     for t in tensors.values():
-        data = list(map(memoryview, t.frames)) if isinstance(t, Frames) else [_as_bytes(t.contiguous())] if t.numel() else []
+        data = (
+            list(map(memoryview, t.frames))
+            if isinstance(t, Frames)
+            else [_as_bytes(t.contiguous())]
+            if t.numel()
+            else []
+        )
         if filling is not None and not isinstance(t, Frames) and t.dim() == 2 and t.numel():
             rows.append((offset, offset + len(data[0]), len(data[0]) // t.shape[0]))
         for piece in data:
@@ -117,7 +131,9 @@ def _layout(tensors: dict[str, torch.Tensor | Frames], metadata: dict[str, str],
     return pieces, rows, offset
 
 
-def _between(pieces: list[tuple[int, memoryview]], starts: list[int], a: int, b: int) -> Iterator[tuple[int, memoryview]]:
+def _between(
+    pieces: list[tuple[int, memoryview]], starts: list[int], a: int, b: int
+) -> Iterator[tuple[int, memoryview]]:
     """The file's bytes [a, b), as (file offset, bytes) in file order, from its `pieces` (which start at `starts`)."""
     i = bisect.bisect_right(starts, a) - 1
     while i < len(pieces) and pieces[i][0] < b:
@@ -130,13 +146,20 @@ def _blocks(rows: list[tuple[int, int, int]], size: int) -> tuple[list[tuple[int
     """The file's checksum blocks, each (start, stop) in the file, and for each the state rows that must be final
     before its bytes are (`rows` as `_layout` gives them)."""
     blocks = [(a, min(a + checksum.BLOCK_BYTES, size)) for a in range(0, size, checksum.BLOCK_BYTES)]
-    needs = [max([(min(b, stop) - start - 1) // row + 1 for start, stop, row in rows if start < b and a < stop], default=0)
-             for a, b in blocks]
+    needs = [
+        max([(min(b, stop) - start - 1) // row + 1 for start, stop, row in rows if start < b and a < stop], default=0)
+        for a, b in blocks
+    ]
     return blocks, needs
 
 
-def write(path: Path, tensors: dict[str, torch.Tensor | Frames], metadata: dict[str, str], pool: ThreadPoolExecutor,
-               filling: Filling | None = None) -> str:
+def write(
+    path: Path,
+    tensors: dict[str, torch.Tensor | Frames],
+    metadata: dict[str, str],
+    pool: ThreadPoolExecutor,
+    filling: Filling | None = None,
+) -> str:
     """Write a safetensors file straight from the tensors' memory, without an intermediate bytes copy,
     and return its checksum (`store/checksum.py`), hashed from memory so the file is never read back.
 

@@ -12,6 +12,7 @@ Where OUT cannot take the file (read-only, or not the reader's to write), every 
 Readers that start together (the ranks of one job) take the file's lock in turn: one hashes, and the
 others find its verdict.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -61,8 +62,13 @@ def _journaled(out: Path, recorded: dict) -> dict[str, dict]:
 
 def _state(path: Path, entry: dict) -> dict:
     st = path.stat()
-    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino,
-            "checksum": checksum.recorded(entry)[1]}
+    return {
+        "bytes": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+        "inode": st.st_ino,
+        "checksum": checksum.recorded(entry)[1],
+    }
 
 
 @contextmanager

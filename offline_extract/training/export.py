@@ -58,6 +58,7 @@ run, the options, the final state exported and whether it was converted, and sam
 i. An interrupted export resumes when rerun with the same source and options: every per-sample file is
 renamed into place complete, so existing ones are skipped.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -110,7 +111,10 @@ class ExportSummary:
 
 
 def specforge_path(
-    dest: str | os.PathLike, i: int, rows_per_folder: int = DEFAULT_ROWS_PER_FOLDER, gzipped: bool = False,
+    dest: str | os.PathLike,
+    i: int,
+    rows_per_folder: int = DEFAULT_ROWS_PER_FOLDER,
+    gzipped: bool = False,
 ) -> Path:
     start = i // rows_per_folder * rows_per_folder
     return Path(dest) / f"rows_{start}-{start + rows_per_folder}" / f"data_{i}.ckpt{'.gz' if gzipped else ''}"
@@ -121,7 +125,11 @@ def specforge_record(item: dict, recipe: str = "eagle3") -> dict[str, torch.Tens
     its size."""
     record = {"input_ids": item["input_ids"].to(torch.int64), "loss_mask": item["loss_mask"].to(torch.int64)}
     if recipe == "eagle3":
-        return {**record, "hidden_state": item["hidden_states"][None], "aux_hidden_state": item["aux_hidden_states"][None]}
+        return {
+            **record,
+            "hidden_state": item["hidden_states"][None],
+            "aux_hidden_state": item["aux_hidden_states"][None],
+        }
     record["hidden_states"] = item["aux_hidden_states"][None]
     if recipe == "dspark":
         record["target_last_hidden_states"] = item["hidden_states"][None]
@@ -161,15 +169,19 @@ def speculators_layer_ids(run: RunInfo, out_dir) -> list[int]:
 def speculators_train_config(run: RunInfo, dest: Path, layer_ids: list[int], fp8: bool) -> str:
     """speculators' stage-shaped training config for this export; flags given to `speculators train`
     override it (e.g. --verifier-name-or-path where the model has moved)."""
-    config = {"train": {
-        "speculator_type": "eagle3",
-        "verifier": {"verifier_name_or_path": run.model},
-        "draft": {"target_layer_ids": layer_ids[:-1]},
-        "data": {"data_path": str(dest.resolve()), "hidden_states_backend": "fp8" if fp8 else "file"},
-    }}
-    header = (f"# Written by offline_extract's export. Train with: speculators train --config {dest / SPECULATORS_TRAIN_CONFIG}\n"
-              f"# hidden_states/hs_*.safetensors stack layers {layer_ids} (HF hidden_states indices; "
-              f"{layer_ids[-1]} = the final state).\n")
+    config = {
+        "train": {
+            "speculator_type": "eagle3",
+            "verifier": {"verifier_name_or_path": run.model},
+            "draft": {"target_layer_ids": layer_ids[:-1]},
+            "data": {"data_path": str(dest.resolve()), "hidden_states_backend": "fp8" if fp8 else "file"},
+        }
+    }
+    header = (
+        f"# Written by offline_extract's export. Train with: speculators train --config {dest / SPECULATORS_TRAIN_CONFIG}\n"
+        f"# hidden_states/hs_*.safetensors stack layers {layer_ids} (HF hidden_states indices; "
+        f"{layer_ids[-1]} = the final state).\n"
+    )
     return header + yaml.safe_dump(config, sort_keys=False, default_flow_style=None)
 
 
@@ -188,8 +200,11 @@ def speculators_fp8_record(stored: dict, num_aux_layers: int) -> dict[str, torch
     rows, hidden = last.shape
     values = torch.cat([aux.reshape(rows, num_aux_layers, hidden), last[:, None]], dim=1)
     scales = torch.cat([stored[name + SCALE_SUFFIX] for name in STATE_TENSORS], dim=1)
-    return {"hidden_states": values, SPECULATORS_SCALES: scales[:, :, None],
-            "token_ids": stored["input_ids"].to(torch.int64)}
+    return {
+        "hidden_states": values,
+        SPECULATORS_SCALES: scales[:, :, None],
+        "token_ids": stored["input_ids"].to(torch.int64),
+    }
 
 
 Convert = Callable[[torch.Tensor], torch.Tensor]
@@ -220,25 +235,32 @@ def _converted(item: dict, convert: Convert | None) -> dict:
 
 def _final_state_manifest(format: str, run: RunInfo, convert: Convert | None) -> dict:
     have = run.final_state
-    return {"final_state": EXPORTERS[format].final_state if have else None,
-            "final_state_converted_from": have if convert else None}
+    return {
+        "final_state": EXPORTERS[format].final_state if have else None,
+        "final_state_converted_from": have if convert else None,
+    }
 
 
 def _conversion_note(format: str, run: RunInfo, convert: Convert | None) -> list[str]:
     if convert is None:
         return []
     have, want = run.final_state, EXPORTERS[format].final_state
-    how = ("exact" if want == "post-norm"
-           else "each token's direction, scaled so the model's final norm gives the post-norm state back; "
-                "speculators' EAGLE-3 training reads it only through that norm")
+    how = (
+        "exact"
+        if want == "post-norm"
+        else "each token's direction, scaled so the model's final norm gives the post-norm state back; "
+        "speculators' EAGLE-3 training reads it only through that norm"
+    )
     return [f"final state converted from {have} to {want} with the model's final norm ({how})"]
 
 
 def _comparable(manifest: dict, path: Path) -> dict:
     """An export manifest without its source, the run as this version writes it (an export begun by an
     earlier version resumes)."""
-    return {**{key: value for key, value in manifest.items() if key != "source"},
-            "run": RunInfo.from_json(manifest["run"], str(path)).to_json()}
+    return {
+        **{key: value for key, value in manifest.items() if key != "source"},
+        "run": RunInfo.from_json(manifest["run"], str(path)).to_json(),
+    }
 
 
 def _difference(key: str, there, now) -> str:
@@ -258,7 +280,9 @@ def _prepare_dest(dest: Path, manifest: dict) -> None:
         there, now = _comparable(load_json(manifest_path), manifest_path), _comparable(manifest, manifest_path)
         if there == now:
             return
-        differs = [_difference(key, there.get(key), now.get(key)) for key in {**there, **now} if there.get(key) != now.get(key)]
+        differs = [
+            _difference(key, there.get(key), now.get(key)) for key in {**there, **now} if there.get(key) != now.get(key)
+        ]
         raise ExportError(
             f"{dest} holds another export, so this one cannot resume there: {'; '.join(differs)} (see "
             f"{manifest_path}). Choose an empty destination, or rerun the export as it was begun there"
@@ -288,8 +312,12 @@ def _interrupt_between_samples() -> Iterator[None]:
 
 
 def _write_samples(
-    dataset: HiddenStateDataset, path_of: Callable[[int], Path], read: Callable[[int], dict],
-    save: Callable[[dict, Path], None], progress: bool, summary: "ExportSummary",
+    dataset: HiddenStateDataset,
+    path_of: Callable[[int], Path],
+    read: Callable[[int], dict],
+    save: Callable[[dict, Path], None],
+    progress: bool,
+    summary: "ExportSummary",
 ) -> None:
     """One file per sample (item `read(i)` saved by `save`), skipping those an earlier attempt wrote. Not
     fsynced per file (that would dominate an export of millions of small files); the rename still means a
@@ -311,8 +339,13 @@ def _write_samples(
 
 
 def _manifest(format: str, out_dir, dataset: HiddenStateDataset, **options) -> dict:
-    return {"format": format, "source": str(Path(out_dir).resolve()), "run": dataset.run.to_json(), **options,
-            "ids": dataset.ids}
+    return {
+        "format": format,
+        "source": str(Path(out_dir).resolve()),
+        "run": dataset.run.to_json(),
+        **options,
+        "ids": dataset.ids,
+    }
 
 
 def export_specforge(
@@ -336,13 +369,25 @@ def export_specforge(
     if gzipped is None:
         gzipped = run.store != "bf16" or run.compress != "none"
     dest = Path(dest)
-    _prepare_dest(dest, _manifest("specforge", out_dir, dataset, rows_per_folder=rows_per_folder, gzip=gzipped,
-                                  **_final_state_manifest("specforge", run, convert)))
+    _prepare_dest(
+        dest,
+        _manifest(
+            "specforge",
+            out_dir,
+            dataset,
+            rows_per_folder=rows_per_folder,
+            gzip=gzipped,
+            **_final_state_manifest("specforge", run, convert),
+        ),
+    )
     summary = ExportSummary(dest, 0, 0, 0, _conversion_note("specforge", run, convert))
     _write_samples(
-        dataset, lambda i: specforge_path(dest, i, rows_per_folder, gzipped),
-        lambda i: dataset[i], lambda item, tmp: _save_specforge(specforge_record(_converted(item, convert), run.recipe), tmp, gzipped),
-        progress, summary,
+        dataset,
+        lambda i: specforge_path(dest, i, rows_per_folder, gzipped),
+        lambda i: dataset[i],
+        lambda item, tmp: _save_specforge(specforge_record(_converted(item, convert), run.recipe), tmp, gzipped),
+        progress,
+        summary,
     )
     return summary
 
@@ -355,13 +400,16 @@ def export_speculators(
     extraction is refused unless allow_partial (see `HiddenStateDataset`)."""
     # The token table, written once every sample's states are, is a `datasets` table: checked before any work.
     if importlib.util.find_spec("datasets") is None:
-        raise ExportError("--format speculators needs the datasets package, which is not installed: "
-                          "pip install datasets")
+        raise ExportError(
+            "--format speculators needs the datasets package, which is not installed: pip install datasets"
+        )
     dataset = HiddenStateDataset(out_dir, allow_partial=allow_partial, verify_checksums=True)
     run = dataset.run
     if run.recipe != "eagle3":
-        raise ExportError(f"{out_dir} was extracted with --recipe {run.recipe}; speculators trains EAGLE-3 drafters "
-                          f"(export it with --format specforge)")
+        raise ExportError(
+            f"{out_dir} was extracted with --recipe {run.recipe}; speculators trains EAGLE-3 drafters "
+            f"(export it with --format specforge)"
+        )
     if run.final_state is None:
         raise ExportError(f"{out_dir} holds no final state, which speculators needs")
     convert = _final_state_conversion("speculators", run, out_dir)
@@ -371,16 +419,34 @@ def export_speculators(
     # 0.999), and speculators' layout has one tensor for all layers. Such an export is bf16.
     fp8 = run.store == "fp8" and convert is None
     dest = Path(dest)
-    _prepare_dest(dest, _manifest("speculators", out_dir, dataset, layer_ids=layer_ids, target_layer_ids=layer_ids[:-1],
-                                  store="fp8" if fp8 else "bf16", **_final_state_manifest("speculators", run, convert)))
+    _prepare_dest(
+        dest,
+        _manifest(
+            "speculators",
+            out_dir,
+            dataset,
+            layer_ids=layer_ids,
+            target_layer_ids=layer_ids[:-1],
+            store="fp8" if fp8 else "bf16",
+            **_final_state_manifest("speculators", run, convert),
+        ),
+    )
     summary = ExportSummary(dest, 0, 0, 0, _speculators_notes(run, dest, layer_ids, fp8, convert))
     if fp8:
         read, record = dataset.stored, lambda stored: speculators_fp8_record(stored, run.num_aux_layers)
     else:
-        read, record = dataset.__getitem__, lambda item: speculators_record(_converted(item, convert), run.num_aux_layers)
-    _write_samples(dataset, lambda i: speculators_path(dest, i), read,
-                   lambda item, tmp: _write_bytes(tmp, safetensors_bytes(record(item))),
-                   progress, summary)
+        read, record = (
+            dataset.__getitem__,
+            lambda item: speculators_record(_converted(item, convert), run.num_aux_layers),
+        )
+    _write_samples(
+        dataset,
+        lambda i: speculators_path(dest, i),
+        read,
+        lambda item, tmp: _write_bytes(tmp, safetensors_bytes(record(item))),
+        progress,
+        summary,
+    )
     _write_speculators_tokens(dataset, dest)
     config = speculators_train_config(run, dest, layer_ids, fp8)
     atomic_write(dest / SPECULATORS_TRAIN_CONFIG, lambda tmp: tmp.write_text(config))
@@ -389,13 +455,17 @@ def export_speculators(
 
 def _speculators_notes(run: RunInfo, dest: Path, layer_ids: list[int], fp8: bool, convert: Convert | None) -> list[str]:
     """What the user must know to train speculators on the export (`ExportSummary.notes`)."""
-    notes = [f"train with --target-layer-ids {' '.join(map(str, layer_ids[:-1]))} (speculators' ids: ours + 1), "
-             f"or --config {dest / SPECULATORS_TRAIN_CONFIG}"]
+    notes = [
+        f"train with --target-layer-ids {' '.join(map(str, layer_ids[:-1]))} (speculators' ids: ours + 1), "
+        f"or --config {dest / SPECULATORS_TRAIN_CONFIG}"
+    ]
     if fp8:
         notes.append("states kept in fp8 with the run's scales: train with --hidden-states-backend fp8")
     elif run.store == "fp8":
-        notes.append("states written as bf16, not fp8: the converted final state would be rounded to fp8 a second "
-                     "time; extract with --final-state pre-norm for an fp8 export")
+        notes.append(
+            "states written as bf16, not fp8: the converted final state would be rounded to fp8 a second "
+            "time; extract with --final-state pre-norm for an fp8 export"
+        )
     return [*notes, *_conversion_note("speculators", run, convert)]
 
 
@@ -414,11 +484,13 @@ def _write_speculators_tokens(dataset: HiddenStateDataset, dest: Path) -> None:
                 row = {"input_ids": ids.numpy(), "loss_mask": mask.to(torch.int64).numpy(), "seq_len": len(ids)}
             yield row
 
-    features = datasets.Features({
-        "input_ids": datasets.Sequence(datasets.Value("int64")),
-        "loss_mask": datasets.Sequence(datasets.Value("int64")),
-        "seq_len": datasets.Value("int64"),
-    })
+    features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int64")),
+            "loss_mask": datasets.Sequence(datasets.Value("int64")),
+            "seq_len": datasets.Value("int64"),
+        }
+    )
     # datasets builds the table in a cache first; ours lives and dies inside DEST.
     cache = dest / ".datasets-cache"
     # Its own bars ("Generating train split", "Saving the dataset") are not ours: the export shows one bar.

@@ -8,6 +8,7 @@ JOBS.json lists {"format": "specforge" | "speculators", "dest": export directory
 is saved with torch.save to `dump` as {"samples": {export index i: {name: tensor}}, ...}; the test
 compares every tensor with our own reader.
 """
+
 import argparse
 import json
 import re
@@ -34,7 +35,9 @@ def read_specforge(dest: str, recipe: str) -> dict:
         dataset = OfflineEagle3Dataset(files, max_len=1 << 20)
         for k, path in enumerate(files):
             item = dataset[k]
-            samples[_index(path)] = {name: item[name][0] for name in ("input_ids", "loss_mask", "hidden_state", "target")}
+            samples[_index(path)] = {
+                name: item[name][0] for name in ("input_ids", "loss_mask", "hidden_state", "target")
+            }
     else:
         for path in ref_files:
             item = process_offline_dflash_sample(load_feature_file(path), max_len=1 << 20)
@@ -57,7 +60,9 @@ def read_speculators(dest: str) -> dict:
     samples = {}
     for i in range(len(dataset)):
         item = dataset[i]
-        samples[i] = {name: item[name] for name in ("input_ids", "loss_mask", "hidden_states", "verifier_last_hidden_states")}
+        samples[i] = {
+            name: item[name] for name in ("input_ids", "loss_mask", "hidden_states", "verifier_last_hidden_states")
+        }
     return {
         "samples": samples,
         "target_layer_ids": list(config.draft.target_layer_ids),

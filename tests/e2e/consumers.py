@@ -10,6 +10,7 @@ test interpreter's wherever they are installed: the system's, a virtual environm
 venv). It is built once under ~/.cache (about 1 MB and a few seconds) and reused while the pins and the
 test interpreter's package directories stay the same.
 """
+
 import hashlib
 import json
 import os
@@ -44,13 +45,27 @@ def consumer_python() -> Path:
         # Read after the environment's own site-packages, so that the trainers' wheels come first; addsitedir
         # also reads the .pth files there (an editable install's among them).
         (_site_packages(build) / "zz_test_interpreter.pth").write_text(
-            "".join(f"import site; site.addsitedir({d!r})\n" for d in ours))
+            "".join(f"import site; site.addsitedir({d!r})\n" for d in ours)
+        )
         install = subprocess.run(
-            [str(build / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-             "--no-deps", *PINS, *READERS_NEED], capture_output=True, text=True,
+            [
+                str(build / "bin" / "python"),
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--no-deps",
+                *PINS,
+                *READERS_NEED,
+            ],
+            capture_output=True,
+            text=True,
         )
         if install.returncode:
-            raise RuntimeError(f"pip install --no-deps {' '.join(PINS + READERS_NEED)} failed:\n{install.stderr[-3000:]}")
+            raise RuntimeError(
+                f"pip install --no-deps {' '.join(PINS + READERS_NEED)} failed:\n{install.stderr[-3000:]}"
+            )
         # A venv finds its packages relative to its own directory, so it may be renamed into place whole.
         build.rename(venv)
     except BaseException:
@@ -68,8 +83,12 @@ def _package_dirs() -> list[str]:
 
 
 def _site_packages(venv: Path) -> Path:
-    python = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                            capture_output=True, text=True, check=True)
+    python = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return Path(python.stdout.strip())
 
 
@@ -80,8 +99,9 @@ def read_exports(jobs: list[dict], workdir: Path) -> list[dict]:
     spec = workdir / "jobs.json"
     spec.write_text(json.dumps(jobs))
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    proc = subprocess.run([str(consumer_python()), str(READERS), str(spec)], capture_output=True, text=True, env=env,
-                          timeout=900)
+    proc = subprocess.run(
+        [str(consumer_python()), str(READERS), str(spec)], capture_output=True, text=True, env=env, timeout=900
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     import torch
 

@@ -1,4 +1,5 @@
 """What every command shares: -h, --version, and exit status 130 on Ctrl-C; how they are installed."""
+
 import configparser
 import importlib
 import json
@@ -32,9 +33,7 @@ def test_every_script_answers_h_and_version(script):
 def test_each_console_script_is_the_command_its_bin_script_runs():
     setup = configparser.ConfigParser()
     setup.read(ROOT / "setup.cfg")
-    scripts = dict(
-        line.split(" = ") for line in setup["options.entry_points"]["console_scripts"].strip().splitlines()
-    )
+    scripts = dict(line.split(" = ") for line in setup["options.entry_points"]["console_scripts"].strip().splitlines())
     assert set(scripts) == {"offline-extract", "offline-extract-inspect", "offline-extract-export"}
     for name, target in scripts.items():
         module, attr = target.split(":")
@@ -45,9 +44,15 @@ def test_each_console_script_is_the_command_its_bin_script_runs():
 
 def _imports(script: str, *args: str) -> tuple[set[str], subprocess.CompletedProcess]:
     """The top-level packages bin/SCRIPT.py imports for these arguments (python -X importtime's list)."""
-    run = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "bin" / f"{script}.py"), *args],
-                         capture_output=True, text=True, cwd=ROOT)
-    imported = {line.split("|")[-1].strip().split(".")[0] for line in run.stderr.splitlines() if line.startswith("import time:")}
+    run = subprocess.run(
+        [sys.executable, "-X", "importtime", str(ROOT / "bin" / f"{script}.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    imported = {
+        line.split("|")[-1].strip().split(".")[0] for line in run.stderr.splitlines() if line.startswith("import time:")
+    }
     assert imported, run.stderr[-2000:]
     return imported, run
 
@@ -100,10 +105,17 @@ def test_ctrl_c_stops_an_export_with_130_and_says_how_to_resume(tmp_path, monkey
     assert f"stopped (Ctrl-C) before anything was written to {tmp_path / 'never'}\n" == result.output
 
 
-@pytest.mark.parametrize("stop, status, said", [
-    (KeyboardInterrupt, 130, "stopped (Ctrl-C); "),
-    (Terminated, 143, "dry run: stopped by SIGTERM (under torchrun: another rank failed, and torchrun's report names it); "),
-])
+@pytest.mark.parametrize(
+    "stop, status, said",
+    [
+        (KeyboardInterrupt, 130, "stopped (Ctrl-C); "),
+        (
+            Terminated,
+            143,
+            "dry run: stopped by SIGTERM (under torchrun: another rank failed, and torchrun's report names it); ",
+        ),
+    ],
+)
 def test_a_stopped_dry_run_says_it_wrote_nothing(stop, status, said, tmp_path, monkeypatch, signals_kept):
     # It said "re-running the same command resumes into OUT", as the real run does, though it writes nothing there;
     # then "OUT is as it was" of an OUT that was never there.
@@ -116,18 +128,25 @@ def test_a_stopped_dry_run_says_it_wrote_nothing(stop, status, said, tmp_path, m
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setattr(extraction, "dry_run", stopped)
     out = tmp_path / "out"
-    result = CliRunner().invoke(extract.main, ["--data", str(ROOT / "examples" / "corpus.jsonl"), "--out",
-                                               str(out), "--dry-run"])
+    result = CliRunner().invoke(
+        extract.main, ["--data", str(ROOT / "examples" / "corpus.jsonl"), "--out", str(out), "--dry-run"]
+    )
     assert (result.exit_code, result.output) == (status, f"{said}a dry run writes nothing\n")
     assert not out.exists()
     out.mkdir()
-    result = CliRunner().invoke(extract.main, ["--data", str(ROOT / "examples" / "corpus.jsonl"), "--out",
-                                               str(out), "--dry-run"])
+    result = CliRunner().invoke(
+        extract.main, ["--data", str(ROOT / "examples" / "corpus.jsonl"), "--out", str(out), "--dry-run"]
+    )
     assert (result.exit_code, result.output) == (status, f"{said}a dry run writes nothing, so {out} is as it was\n")
 
 
-@pytest.mark.parametrize("first", ["import offline_extract.commands",
-                                   "sys.path.insert(0, 'bin'); import _bin_path, offline_extract.commands.extract"])
+@pytest.mark.parametrize(
+    "first",
+    [
+        "import offline_extract.commands",
+        "sys.path.insert(0, 'bin'); import _bin_path, offline_extract.commands.extract",
+    ],
+)
 def test_ctrl_c_while_a_command_still_imports_exits_130_without_a_traceback(first):
     # What an installed command and a bin/ script do first, then Ctrl-C while the heavy imports would run.
     code = f"import sys; {first}; import os, signal, time; os.kill(os.getpid(), signal.SIGINT); time.sleep(30)"
@@ -174,8 +193,10 @@ def test_a_stopped_extraction_names_the_complete_shards_it_keeps(tmp_path, monke
     monkeypatch.setattr(extraction, "run", stopped)
     result = CliRunner().invoke(extract.main, ["--data", str(ROOT / "examples" / "corpus.jsonl"), "--out", str(out)])
     assert (result.exit_code, result.output) == (
-        130, f"stopped (Ctrl-C); the 2 complete shards in {out} are kept, and re-running the same command resumes "
-             f"from them\n")
+        130,
+        f"stopped (Ctrl-C); the 2 complete shards in {out} are kept, and re-running the same command resumes "
+        f"from them\n",
+    )
 
 
 # A command's process stopped with a thread still at work, as an extraction's stop can leave the tokenizer loading
@@ -199,20 +220,29 @@ main()  # as bin/extract.py and the console script run it
 """
 
 
-@pytest.mark.parametrize("stop, status, said", [
-    ("KeyboardInterrupt", 130, "stopped (Ctrl-C)"),
-    ("extraction.Terminated", 143, "extraction: stopped by SIGTERM (under torchrun: another rank failed, and torchrun's report "
-                        "names it)"),
-])
+@pytest.mark.parametrize(
+    "stop, status, said",
+    [
+        ("KeyboardInterrupt", 130, "stopped (Ctrl-C)"),
+        (
+            "extraction.Terminated",
+            143,
+            "extraction: stopped by SIGTERM (under torchrun: another rank failed, and torchrun's report names it)",
+        ),
+    ],
+)
 def test_a_stopped_command_exits_with_its_status_without_the_interpreters_teardown(stop, status, said, tmp_path):
     """Once the command's own cleanup has run and its words are out, a stop ends the process (cli._Command):
     the teardown raced threads still in C code, the likeliest reason why an extraction interrupted on a loaded
     machine once died of SIGSEGV instead of exiting 130. Here the teardown would wait for the thread for ever."""
     out = tmp_path / "out"
-    code = _STOPPED_WITH_A_THREAD_AT_WORK.format(stop=stop, corpus=str(ROOT / "examples" / "corpus.jsonl"), out=str(out))
+    code = _STOPPED_WITH_A_THREAD_AT_WORK.format(
+        stop=stop, corpus=str(ROOT / "examples" / "corpus.jsonl"), out=str(out)
+    )
     env = {key: value for key, value in os.environ.items() if key != "RANK"}
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
@@ -226,8 +256,10 @@ def test_a_command_leaves_the_interpreters_teardown_no_objects_to_collect():
     """Every command freezes what the process made before the interpreter tears it down: the teardown's
     collections over torch's, transformers' and SGLang's objects took 2.5-3 s after each run (docs/start-up.md).
     The handler registered before the command's runs after it, and sees the objects frozen."""
-    code = ("import atexit, gc, os; atexit.register(lambda: os.write(1, str(gc.get_freeze_count()).encode())); "
-            "import offline_extract.commands; cycle = [[]]; cycle[0].append(cycle)")
+    code = (
+        "import atexit, gc, os; atexit.register(lambda: os.write(1, str(gc.get_freeze_count()).encode())); "
+        "import offline_extract.commands; cycle = [[]]; cycle[0].append(cycle)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert int(proc.stdout) > 1000, "nothing was frozen at exit"

@@ -6,6 +6,7 @@ The runs hold the tiny model's states from the SGLang engine: one post-norm in b
 fp8 + zstd, so that each trainer gets one run holding its own final state and one converted with the
 run's final norm, and the fp8, gzip and plain layouts are all read.
 """
+
 import json
 import subprocess
 
@@ -40,11 +41,26 @@ def runs(tiny_engine, tiny_model_dir, tmp_path_factory):
     outs = {}
     for state, store, compress in (("post-norm", "bf16", "none"), ("pre-norm", "fp8", "zstd")):
         out = tmp_path_factory.mktemp(state) / "out"
-        run = synthetic_run(tiny_engine.layer_ids, tiny_engine.hidden_size, model=str(tiny_model_dir),
-                            num_layers=tiny_engine.num_layers, final_state=state, store=store, compress=compress,
-                            final_norm=tiny_engine.final_norm().to_json())
-        write_samples(out, run, LENGTHS, np.concatenate(seqs), np.concatenate(masks), captured[state].aux.bfloat16(),
-                      captured[state].last.bfloat16(), shard_bytes=30 * 4 * 64 * 2)
+        run = synthetic_run(
+            tiny_engine.layer_ids,
+            tiny_engine.hidden_size,
+            model=str(tiny_model_dir),
+            num_layers=tiny_engine.num_layers,
+            final_state=state,
+            store=store,
+            compress=compress,
+            final_norm=tiny_engine.final_norm().to_json(),
+        )
+        write_samples(
+            out,
+            run,
+            LENGTHS,
+            np.concatenate(seqs),
+            np.concatenate(masks),
+            captured[state].aux.bfloat16(),
+            captured[state].last.bfloat16(),
+            shard_bytes=30 * 4 * 64 * 2,
+        )
         outs[state] = out
     return outs
 
@@ -55,9 +71,25 @@ def custom_run(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("custom") / "out"
     corpus = out.parent / "c.jsonl"
     corpus.write_text("".join(CORPUS.read_text().splitlines(keepends=True)[:4]))
-    proc = subprocess.run(extract_command(out, "--model", tiny_model_dir, "--data", corpus, "--layers", "0,2",
-                                          "--final-state", "pre-norm", "--dtype", "float32"),
-                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    proc = subprocess.run(
+        extract_command(
+            out,
+            "--model",
+            tiny_model_dir,
+            "--data",
+            corpus,
+            "--layers",
+            "0,2",
+            "--final-state",
+            "pre-norm",
+            "--dtype",
+            "float32",
+        ),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 
@@ -76,8 +108,10 @@ def read(runs, custom_run, tmp_path_factory):
         ("speculators", "pre-norm"): export_speculators(runs["pre-norm"], tmp / "spec-pre", progress=False).dest,
         ("specforge", "dflash"): export_specforge(dflash, tmp / "sf-dflash", progress=False).dest,
     }
-    jobs = [{"format": fmt, "dest": str(dest), "recipe": "dflash" if which == "dflash" else "eagle3"}
-            for (fmt, which), dest in exports.items()]
+    jobs = [
+        {"format": fmt, "dest": str(dest), "recipe": "dflash" if which == "dflash" else "eagle3"}
+        for (fmt, which), dest in exports.items()
+    ]
     results = read_exports(jobs, tmp)
     return {key: (dest, result) for (key, dest), result in zip(exports.items(), results)}, dflash
 
@@ -114,8 +148,13 @@ def test_speculators_reads_our_states_with_the_pre_norm_final_state_and_layer_id
     # Its own config resolver read our YAML: HF indices of our layers, and the fp8 backend for the fp8 run.
     assert result["target_layer_ids"] == [k + 1 for k in dataset.run.layer_ids]
     fp8 = run_state == "pre-norm"
-    assert (result["hidden_states_backend"], result["transfer"]) == (("fp8", "FP8Transfer") if fp8 else ("file", "FileTransfer"))
-    assert json.loads((dest / MANIFEST_NAME).read_text())["layer_ids"] == [*result["target_layer_ids"], dataset.run.num_layers]
+    assert (result["hidden_states_backend"], result["transfer"]) == (
+        ("fp8", "FP8Transfer") if fp8 else ("file", "FileTransfer")
+    )
+    assert json.loads((dest / MANIFEST_NAME).read_text())["layer_ids"] == [
+        *result["target_layer_ids"],
+        dataset.run.num_layers,
+    ]
     for i, item in enumerate(items):
         got = result["samples"][i]
         assert torch.equal(got["input_ids"], item["input_ids"])

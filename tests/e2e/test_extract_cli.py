@@ -1,4 +1,5 @@
 """bin/extract.py end to end on CPU with the embedded tiny model: one process, and torchrun DP=2."""
+
 import gzip
 import io
 import json
@@ -27,16 +28,34 @@ from offline_extract.store.shard import open_shard
 from offline_extract.training.datasets import HiddenStateDataset
 
 CORPUS = ROOT / "examples" / "corpus.jsonl"
-SINGLE_ARGS = ("--data", str(CORPUS), "--verify", "3", "--shard-size-mb", "0.05", "--tokens-per-batch", "512",
-               "--max-length", "512")
+SINGLE_ARGS = (
+    "--data",
+    str(CORPUS),
+    "--verify",
+    "3",
+    "--shard-size-mb",
+    "0.05",
+    "--tokens-per-batch",
+    "512",
+    "--max-length",
+    "512",
+)
 # Every line a plain run prints is one of ours.
-OUR_LINES = re.compile(r"^(parity |start-up [\d.]+ s to the first forward: |extract: \d+/24 samples, |records \d+: "
-                       r"|tokens [\d,]+: |\d+ new shards, )")
+OUR_LINES = re.compile(
+    r"^(parity |start-up [\d.]+ s to the first forward: |extract: \d+/24 samples, |records \d+: "
+    r"|tokens [\d,]+: |\d+ new shards, )"
+)
 
 
 def _extract(out, *args, torchrun: int | None = None, env=None):
-    return subprocess.run(extract_command(out, *args, torchrun=torchrun), capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, **(env or {})}, timeout=600)
+    return subprocess.run(
+        extract_command(out, *args, torchrun=torchrun),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        timeout=600,
+    )
 
 
 def _ok(proc):
@@ -116,7 +135,13 @@ def test_start_up_and_tail_are_printed_and_kept_in_the_manifest(single):
     # parity gate's reference weights (--verify) are read on a thread of their own from before SGLang's import.
     preload = ("parity preload started", "parity preload read")
     assert [mark for mark in t["marks"] if mark not in preload][:6] == [
-        "importing torch", "torch imported", "checked", "loading", "sglang imported", "tokenizer loading"]
+        "importing torch",
+        "torch imported",
+        "checked",
+        "loading",
+        "sglang imported",
+        "tokenizer loading",
+    ]
     assert t["marks"]["checked"] <= t["marks"]["parity preload started"] <= t["marks"]["loading"]
     assert t["marks"]["parity preload read"] <= t["marks"]["verifying"] and t["gate_preload"] == "beside the load"
     assert t["startup_s"] == t["marks"]["first forward"]
@@ -132,8 +157,10 @@ def test_start_up_and_tail_are_printed_and_kept_in_the_manifest(single):
     assert t["to_host_s"] + t["last_shards_s"] + t["rejects_and_index_s"] == pytest.approx(t["tail_s"])
     assert sum(t[key] for key in GATE_PARTS) == pytest.approx(t["parity_gate_s"])
     (line,) = [line for line in proc.stderr.splitlines() if line.startswith("start-up ")]
-    assert (f"parity gate {t['parity_gate_s']:.1f} s (engine {t['gate_engine_s']:.1f} s; HF: waited "
-            f"{t['gate_preload_waited_s']:.1f} s for its weights read beside the load") in line
+    assert (
+        f"parity gate {t['parity_gate_s']:.1f} s (engine {t['gate_engine_s']:.1f} s; HF: waited "
+        f"{t['gate_preload_waited_s']:.1f} s for its weights read beside the load"
+    ) in line
     assert f"start-up {t['startup_s']:.1f} s to the first forward: ours {t['ours_s']:.1f} s" in line
     assert f"tokenizer {t['tokenizer_waited_s']:.1f} s waited of its {t['tokenizer_s']:.1f} s beside the load" in line
     assert f"SGLang's {t['sglang_s']:.1f} s (torch import {t['torch_import_s']:.1f} s" in line
@@ -168,8 +195,9 @@ def test_verbose_shows_the_libraries_loading_a_hub_model_whose_commit_is_recorde
     hub_cache(tmp_path / "hf", "tiny/llama", tiny_model_dir)
     out = tmp_path / "out"
     env = {**cache_env, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
-    proc = _ok(_extract(out, "--data", str(CORPUS), "--model", "tiny/llama", "--dtype", "float32", "--verbose",
-                        env=env))
+    proc = _ok(
+        _extract(out, "--data", str(CORPUS), "--model", "tiny/llama", "--dtype", "float32", "--verbose", env=env)
+    )
     assert [line for line in proc.stderr.splitlines() if not OUR_LINES.match(line)], "nothing but our own lines"
     provenance = {"model_repo_id": "tiny/llama", "model_revision": REVISION}
     assert provenance.items() <= json.loads((out / "manifest.json").read_text())["identity"].items()
@@ -195,15 +223,22 @@ def test_bad_lines_are_recorded_and_good_ones_kept(tmp_path, cache_env):
 def test_torchrun_dp2_union_equals_single_process(single, tmp_path, cache_env):
     out1, _ = single
     out2 = tmp_path / "dp2"
-    _ok(_extract(out2, "--data", str(CORPUS), "--tokens-per-batch", "512", "--max-length", "512", torchrun=2, env=cache_env))
+    _ok(
+        _extract(
+            out2, "--data", str(CORPUS), "--tokens-per-batch", "512", "--max-length", "512", torchrun=2, env=cache_env
+        )
+    )
     names = {p.name for p in shard_paths(out2)}
     assert {"shard_000.safetensors", "shard_001.safetensors"} <= names, "both replicas must write"
     assert_same_samples(out1, out2)
 
 
 def test_help_explains_formats_and_layers():
-    proc = _ok(subprocess.run([sys.executable, str(ROOT / "bin" / "extract.py"), "--help"],
-                              capture_output=True, text=True, cwd=ROOT))
+    proc = _ok(
+        subprocess.run(
+            [sys.executable, str(ROOT / "bin" / "extract.py"), "--help"], capture_output=True, text=True, cwd=ROOT
+        )
+    )
     for needle in ("ShareGPT", "OpenAI", "input_ids", "--layers", "hidden_states[k+1]", "torchrun", "--verify"):
         assert needle in proc.stdout, needle
 
@@ -222,16 +257,20 @@ def test_a_damaged_checkpoint_index_is_named_with_where_it_breaks_by_the_run_and
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
     index = model / "model.safetensors.index.json"
-    index.write_text('{\n  "weight_map": {\n    "lm_head.weight": "model.safetensors"\n'
-                     '    "model.norm.weight": "model.safetensors"\n  }\n}\n')  # a comma left out
+    index.write_text(
+        '{\n  "weight_map": {\n    "lm_head.weight": "model.safetensors"\n'
+        '    "model.norm.weight": "model.safetensors"\n  }\n}\n'
+    )  # a comma left out
     out = tmp_path / "out"
     for dry in ((), ("--dry-run",)):
         proc = _extract(out, "--model", str(model), "--device", "cpu", "--data", str(CORPUS), *dry)
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert proc.stderr.splitlines()[-1] == (
             f"Error: {index} is not valid JSON (Expecting ',' delimiter: line 4 column 5 (char 66)): it is damaged, "
-            f"or was cut short by an interrupted download or copy. Download or copy it again, then re-run")
+            f"or was cut short by an interrupted download or copy. Download or copy it again, then re-run"
+        )
         assert not out.exists()
+
 
 def test_a_pipe_holding_a_record_longer_than_the_tokenizers_maximum_is_extracted_whole(tmp_path, cache_env):
     # Both were lost: the corpus fingerprint read the pipe before the reader did, and transformers'
@@ -239,8 +278,15 @@ def test_a_pipe_holding_a_record_longer_than_the_tokenizers_maximum_is_extracted
     lines = CORPUS.read_text().splitlines()[:3] + [json.dumps({"id": "long", "text": "alpha " * 5000})]
     out = tmp_path / "out"
     read_end, write_end = os.pipe()
-    proc = subprocess.Popen(extract_command(out, "--data", f"/dev/fd/{read_end}"), pass_fds=(read_end,), cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **cache_env})
+    proc = subprocess.Popen(
+        extract_command(out, "--data", f"/dev/fd/{read_end}"),
+        pass_fds=(read_end,),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **cache_env},
+    )
     os.close(read_end)
     with os.fdopen(write_end, "w") as pipe:
         pipe.write("\n".join(lines) + "\n")
@@ -305,8 +351,9 @@ def test_a_dry_run_refuses_an_out_another_run_holds_whatever_force_says(tmp_path
     ],
     ids=["blank", "all-rejected"],
 )
-def test_a_corpus_without_a_usable_record_says_so_and_completes_the_manifest(tmp_path, cache_env, lines, verdict,
-                                                                           result):
+def test_a_corpus_without_a_usable_record_says_so_and_completes_the_manifest(
+    tmp_path, cache_env, lines, verdict, result
+):
     corpus = tmp_path / "blank.jsonl"
     corpus.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
@@ -337,15 +384,29 @@ def test_trim_after_last_loss_token_is_applied_and_recorded(tmp_path, cache_env)
     )
     out = tmp_path / "out"
     _ok(_extract(out, "--data", str(corpus), "--trim-after-last-loss-token", env=cache_env))
-    (info, t), = list(iter_samples(out))
+    ((info, t),) = list(iter_samples(out))
     assert t["loss_mask"][-1] == 1 and info.source_len > t["input_ids"].shape[0]
     assert open_shard(shard_paths(out)[0]).run.trim_after_last_loss_token is True
 
 
 def test_pre_norm_final_state_passes_the_gate_and_is_recorded(single, tmp_path, cache_env):
     out = tmp_path / "pre"
-    _ok(_extract(out, "--data", str(CORPUS), "--verify", "2", "--final-state", "pre-norm", "--tokens-per-batch", "512",
-                 "--max-length", "512", env=cache_env))
+    _ok(
+        _extract(
+            out,
+            "--data",
+            str(CORPUS),
+            "--verify",
+            "2",
+            "--final-state",
+            "pre-norm",
+            "--tokens-per-batch",
+            "512",
+            "--max-length",
+            "512",
+            env=cache_env,
+        )
+    )
     run = open_shard(shard_paths(out)[0]).run
     assert run.final_state == "pre-norm" and "before the model's final norm" in run.layer_convention
     assert {r["layer"]: r["ok"] for r in run.parity}["last (pre-norm)"] is True
@@ -380,8 +441,9 @@ def test_float32_on_cuda_is_refused_with_what_to_use_instead():
 def test_a_parquet_file_and_a_cached_hub_data_set_in_one_run(tmp_path, cache_env):
     records = [json.loads(line) for line in CORPUS.read_text().splitlines()[:6]]
     keys = sorted({key for record in records for key in record})
-    pq.write_table(pa.Table.from_pylist([{key: r.get(key) for key in keys} for r in records[:3]]),
-                   tmp_path / "c.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([{key: r.get(key) for key in keys} for r in records[:3]]), tmp_path / "c.parquet"
+    )
     hf = tmp_path / "hf"
     snapshot = hf / "hub" / "datasets--org--chats" / "snapshots" / REVISION
     snapshot.mkdir(parents=True)
@@ -427,8 +489,22 @@ def stored(tmp_path_factory, cache_env):
     outs = {}
     for store, compress in (("bf16", "none"), ("fp8", "zstd")):
         out = tmp_path_factory.mktemp(f"{store}-{compress}") / "out"
-        _ok(_extract(out, "--data", str(corpus), "--store", store, "--compress", compress, "--tokens-per-batch", "512",
-                     "--max-length", "512", env=cache_env))
+        _ok(
+            _extract(
+                out,
+                "--data",
+                str(corpus),
+                "--store",
+                store,
+                "--compress",
+                compress,
+                "--tokens-per-batch",
+                "512",
+                "--max-length",
+                "512",
+                env=cache_env,
+            )
+        )
         outs[store] = out
     return outs
 
@@ -439,8 +515,12 @@ def test_extraction_round_trips_through_reader_export_and_verify(stored, store, 
     from offline_extract.training.export import export_specforge, specforge_path
 
     out = stored[store]
-    verify = subprocess.run([sys.executable, str(ROOT / "bin" / "inspect.py"), str(out), "--verify"],
-                            capture_output=True, text=True, cwd=ROOT)
+    verify = subprocess.run(
+        [sys.executable, str(ROOT / "bin" / "inspect.py"), str(out), "--verify"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert verify.returncode == 0 and "no problems" in verify.stdout, verify.stdout + verify.stderr
     run = open_shard(shard_paths(out)[0]).run
     assert run.store == store and run.compress == ("zstd" if store == "fp8" else "none")
@@ -469,11 +549,27 @@ def test_dflash_recipe_captures_spread_layers_without_final_state_and_skips_shor
     from offline_extract.training.datasets import HiddenStateDataset
 
     corpus = tmp_path / "c.jsonl"
-    corpus.write_text("".join(CORPUS.read_text().splitlines(keepends=True)[:4])
-                      + '{"id": "scattered", "input_ids": [5, 6, 7, 8, 9], "loss_mask": [1, 0, 1, 0, 1]}\n')
+    corpus.write_text(
+        "".join(CORPUS.read_text().splitlines(keepends=True)[:4])
+        + '{"id": "scattered", "input_ids": [5, 6, 7, 8, 9], "loss_mask": [1, 0, 1, 0, 1]}\n'
+    )
     out = tmp_path / "out"
-    _ok(_extract(out, "--data", str(corpus), "--recipe", "dflash", "--store", "fp8", "--compress", "zstd",
-                 "--verify", "1", env=cache_env))
+    _ok(
+        _extract(
+            out,
+            "--data",
+            str(corpus),
+            "--recipe",
+            "dflash",
+            "--store",
+            "fp8",
+            "--compress",
+            "zstd",
+            "--verify",
+            "1",
+            env=cache_env,
+        )
+    )
     run = open_shard(shard_paths(out)[0]).run
     assert run.recipe == "dflash" and run.layer_ids == (1, 2, 3, 4, 5) and run.final_state is None
     assert run.min_loss_run == 2
@@ -511,10 +607,13 @@ def test_a_run_destroys_its_process_groups_before_it_exits(ranks, tmp_path, cach
     ports = ("--port-base", free_port()) if ranks else ()
     script = tmp_path / "extract.py"
     script.write_text(_REPORTS_THE_GROUPS_AT_EXIT.format(bin=str(ROOT / "bin")))
-    command = [part if part != str(ROOT / "bin" / "extract.py") else str(script)
-               for part in extract_command(tmp_path / "out", "--data", CORPUS, *ports, torchrun=ranks)]
-    proc = _ok(subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, **cache_env},
-                              timeout=600))
+    command = [
+        part if part != str(ROOT / "bin" / "extract.py") else str(script)
+        for part in extract_command(tmp_path / "out", "--data", CORPUS, *ports, torchrun=ranks)
+    ]
+    proc = _ok(
+        subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, **cache_env}, timeout=600)
+    )
     reports = re.findall(r"process group at exit: (\w+)", proc.stderr)
     assert reports == ["False"] * (ranks or 1), proc.stderr[-3000:]
     # Promptly: from the manifest's last write ("complete") to the end of every process, torchrun's included.

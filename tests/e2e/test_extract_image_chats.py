@@ -1,6 +1,7 @@
 """Image chats through bin/extract.py on each image family's tiny random model (testing/models.py), on CPU: the
 image tokens' positions in the shards and the datasets, a bad image rejected by name, the dry run's image count, and a resume
 or a rerun of the finished run refused once a kept sample's image has changed."""
+
 import json
 import subprocess
 
@@ -27,16 +28,40 @@ def test_image_chats_extract_with_their_image_tokens_and_a_changed_image_refuses
     save_image(tmp_path / "wide.png", PATCH, 2 * PATCH)  # 2 image tokens
     save_image(tmp_path / "square.png", 2 * PATCH, 2 * PATCH, seed=1)  # 4
     corpus = tmp_path / "c.jsonl"
-    corpus.write_text("".join(json.dumps(r) + "\n" for r in [
-        {"id": "pic", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "wide.png"}},
-                                                                {"type": "text", "text": "what is it?"}]},
-                                   {"role": "assistant", "content": "a picture"}]},
-        {"id": "text", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
-        {"id": "llava", "conversations": [{"from": "human", "value": "<image> and this"}, {"from": "gpt", "value": "two"}],
-         "images": ["square.png"]},
-        {"id": "gone", "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "x"}],
-         "images": ["missing.png"]},
-    ]))
+    corpus.write_text(
+        "".join(
+            json.dumps(r) + "\n"
+            for r in [
+                {
+                    "id": "pic",
+                    "messages": [
+                        {
+                            "role": "user",
+                            "content": [
+                                {"type": "image_url", "image_url": {"url": "wide.png"}},
+                                {"type": "text", "text": "what is it?"},
+                            ],
+                        },
+                        {"role": "assistant", "content": "a picture"},
+                    ],
+                },
+                {
+                    "id": "text",
+                    "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+                },
+                {
+                    "id": "llava",
+                    "conversations": [{"from": "human", "value": "<image> and this"}, {"from": "gpt", "value": "two"}],
+                    "images": ["square.png"],
+                },
+                {
+                    "id": "gone",
+                    "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "x"}],
+                    "images": ["missing.png"],
+                },
+            ]
+        )
+    )
     out = tmp_path / "out"
     common = ("--model", model, "--data", corpus)
     dry = extract(out, *common, "--dry-run")

@@ -1,5 +1,6 @@
 """Crash safety, resume and bad input end to end: bin/extract.py in subprocesses on the embedded tiny
 model, alone, under torchrun and as two "nodes", killed, starved of disk or blocked."""
+
 import json
 import os
 import random
@@ -47,8 +48,9 @@ RESULT = re.compile(
 
 def counts(stderr: str) -> dict:
     records, extracted, earlier, skipped, rejected, dropped = RESULT.search(stderr).groups()
-    found = dict(records=records, extracted=extracted, earlier=earlier or 0, skipped=skipped, rejected=rejected,
-                 dropped=dropped)
+    found = dict(
+        records=records, extracted=extracted, earlier=earlier or 0, skipped=skipped, rejected=rejected, dropped=dropped
+    )
     return {key: int(value) for key, value in found.items()}
 
 
@@ -73,8 +75,15 @@ def corpus(tmp_path_factory):
 
 
 def run(out, *args, env, torchrun=None, **popen):
-    return subprocess.run(extract_command(out, *args, torchrun=torchrun), capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=600, **popen)
+    return subprocess.run(
+        extract_command(out, *args, torchrun=torchrun),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=600,
+        **popen,
+    )
 
 
 def ok(proc):
@@ -84,8 +93,13 @@ def ok(proc):
 
 def run_killed(out, *args, env, until, torchrun=None) -> None:
     """Starts an extraction and SIGKILLs all its processes (torchrun's workers too) once `until()` holds."""
-    proc = subprocess.Popen(extract_command(out, *args, torchrun=torchrun), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, cwd=ROOT, env=env)
+    proc = subprocess.Popen(
+        extract_command(out, *args, torchrun=torchrun),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+        env=env,
+    )
     deadline = time.monotonic() + 300
     while not until():
         assert proc.poll() is None, "the run ended before its kill point"
@@ -194,8 +208,15 @@ def test_a_rank_still_in_its_checks_is_waited_for_not_taken_for_lost(baseline, c
     site.mkdir()
     (site / "sitecustomize.py").write_text(LATE_CONFIG.format(seconds=SLOW_CHECKS))
     out = tmp_path / "out"
-    nodes = start_nodes(out, "--data", corpus, *SMALL, env=env, logs=tmp_path,
-                        node_env=[{}, {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))}])
+    nodes = start_nodes(
+        out,
+        "--data",
+        corpus,
+        *SMALL,
+        env=env,
+        logs=tmp_path,
+        node_env=[{}, {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))}],
+    )
     for node, output in zip(nodes, wait_nodes(nodes, timeout=600)):
         assert node.proc.returncode == 0, output[-6000:]
     assert_complete(out, baseline)
@@ -228,8 +249,13 @@ def test_nodes_still_running_at_the_deadline_are_killed_and_reported_with_their_
 
 @pytest.mark.slow
 def test_workers_that_outlive_a_killed_torchrun_are_found_and_killed(corpus, env, tmp_path):
-    launcher = subprocess.Popen(extract_command(tmp_path / "out", "--data", corpus, torchrun=1), cwd=ROOT, env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    launcher = subprocess.Popen(
+        extract_command(tmp_path / "out", "--data", corpus, torchrun=1),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     worker = worker_of_rank(launcher, 0)
     launcher.kill()
     launcher.wait()
@@ -243,8 +269,14 @@ def test_workers_that_outlive_a_killed_torchrun_are_found_and_killed(corpus, env
 def test_a_killed_dp_rank_stops_the_other_and_a_rerun_completes(baseline, corpus, env, tmp_path):
     out = tmp_path / "out"
     total = len(shard_paths(baseline))
-    launcher = subprocess.Popen(extract_command(out, "--data", corpus, *SMALL, torchrun=2), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    launcher = subprocess.Popen(
+        extract_command(out, "--data", corpus, *SMALL, torchrun=2),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
     killed = kill_rank_when(launcher, 1, until=lambda: len(shard_paths(out)) >= total // 4)
     _, stderr = launcher.communicate(timeout=120)
     # Torchrun stops the survivor at once (SIGTERM): bounded by its 30 s grace period, not by the run.
@@ -301,8 +333,12 @@ def test_every_kind_of_bad_record_is_rejected_and_strict_stops_at_the_first(stri
         json.dumps({"id": "good-text", "text": "The quick brown fox."}),
         json.dumps({"id": "long", "text": long_text}),
         b'{"text": "unterminated',
-        json.dumps({"id": "good-sharegpt", "conversations": [{"from": "human", "value": "Hi"},
-                                                             {"from": "gpt", "value": "Hello."}]}),
+        json.dumps(
+            {
+                "id": "good-sharegpt",
+                "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}],
+            }
+        ),
         json.dumps({"id": "no-format", "prompt": "Hi"}),
         json.dumps({"id": "bad-role", "messages": [{"role": "robot", "content": "beep"}, *chat[1:]]}),
         json.dumps({"id": "empty", "conversations": []}),
@@ -314,8 +350,18 @@ def test_every_kind_of_bad_record_is_rejected_and_strict_stops_at_the_first(stri
     ]
     corpus = tmp_path / "mixed.jsonl"
     corpus.write_bytes(b"\n".join(x if isinstance(x, bytes) else x.encode() for x in lines) + b"\n")
-    args = ("--data", corpus, "--model", stripping_model, "--dtype", "float32", "--max-length", "40",
-            "--overlong", "skip")
+    args = (
+        "--data",
+        corpus,
+        "--model",
+        stripping_model,
+        "--dtype",
+        "float32",
+        "--max-length",
+        "40",
+        "--overlong",
+        "skip",
+    )
 
     proc = ok(run(tmp_path / "out", *args, env=env))
     assert counts(proc.stderr) == dict(records=12, extracted=4, earlier=0, skipped=1, rejected=7, dropped=0)
@@ -336,7 +382,10 @@ def test_every_kind_of_bad_record_is_rejected_and_strict_stops_at_the_first(stri
         assert (r["source"], r["id"], r["kind"]) == (str(corpus), sid, kind)
         assert reason in r["reason"], r
     assert {info.id for info, _ in iter_samples(tmp_path / "out")} == {
-        "good-text", "good-sharegpt", "good-tokens", "good-openai"
+        "good-text",
+        "good-sharegpt",
+        "good-tokens",
+        "good-openai",
     }
 
     strict = run(tmp_path / "strict", *args, "--strict", env=env)
@@ -357,12 +406,16 @@ def limit_file_size(nbytes: int):
 
 def assert_stopped_cleanly(proc, out) -> None:
     assert proc.returncode != 0
-    assert re.search(r"Error: \[Errno 27\] File too large: '.*/\.shard_\d+\.safetensors\.tmp'", proc.stderr), proc.stderr
+    assert re.search(r"Error: \[Errno 27\] File too large: '.*/\.shard_\d+\.safetensors\.tmp'", proc.stderr), (
+        proc.stderr
+    )
     assert "re-running the same command resumes" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not list(out.glob(".*.tmp")), "no partial file is left"
     journaled = {e["name"]: e[checksum.KEY] for e in read_journal(manifest.journal_path(out, 0))}
-    assert {p.name: checksum.file_checksum(p) for p in shard_paths(out)} == journaled, "every shard is complete and recorded"
+    assert {p.name: checksum.file_checksum(p) for p in shard_paths(out)} == journaled, (
+        "every shard is complete and recorded"
+    )
 
 
 @pytest.mark.slow
@@ -416,8 +469,9 @@ def test_a_full_disk_under_zstd_stops_cleanly_and_a_resume_completes(corpus, env
 def test_a_second_run_into_the_same_out_is_refused(corpus, env, tmp_path):
     out = tmp_path / "out"
     with open(tmp_path / "first.log", "w") as log:
-        first = subprocess.Popen(extract_command(out, "--data", corpus, *SMALL), stdout=log, stderr=log, cwd=ROOT,
-                                 env=env)
+        first = subprocess.Popen(
+            extract_command(out, "--data", corpus, *SMALL), stdout=log, stderr=log, cwd=ROOT, env=env
+        )
     try:
         while not lock_taken(out):
             assert first.poll() is None

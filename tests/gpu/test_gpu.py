@@ -4,6 +4,7 @@ Every check goes through bin/extract.py --verify, the product's own parity gate,
 rows it writes into the shards' metadata. With OFFLINE_EXTRACT_RESULTS set, each test also writes its
 rows there as JSON for benchmarks/results/.
 """
+
 import json
 import os
 import subprocess
@@ -95,8 +96,21 @@ def test_llama3_8b_shaped_matches_hf_including_a_32k_chunked_sample(llama3_8b, t
     corpus.write_text(json.dumps({"id": "long-32k", "input_ids": long_ids}) + "\n" + CORPUS.read_text())
     out = tmp_path / "out"
     # A forward holds 8192 tokens, so the 32k sample is prefilled in four chunks on prefix KV.
-    _extract(out, "--model", str(llama3_8b), "--data", str(corpus), "--verify", "4", "--max-length", "32768",
-             "--tokens-per-batch", "8192", "--attention-backend", "triton")
+    _extract(
+        out,
+        "--model",
+        str(llama3_8b),
+        "--data",
+        str(corpus),
+        "--verify",
+        "4",
+        "--max-length",
+        "32768",
+        "--tokens-per-batch",
+        "8192",
+        "--attention-backend",
+        "triton",
+    )
     run, rows = _parity(out, "llama3_8b (generated)", "gpu_parity_llama3_8b")
     assert run.layer_ids == (1, 15, 28)  # SGLang's default for 32 layers
     _check(rows, run.layer_ids)
@@ -125,8 +139,9 @@ def test_llama3_8b_shaped_65k_and_131k_samples_match_hf_in_the_gate_and_in_the_s
     hf = reference.load_hf_model(str(llama3_8b), "bfloat16", "cuda")
     t = samples["long-131k"]
     hs = parity.hf_hidden_states(hf, t["input_ids"].tolist(), "cuda")
-    stored = parity.compare_states([(t["aux_hidden_states"].cuda(), t["hidden_states"].cuda(), hs)],
-                                   run.layer_ids, "bfloat16")
+    stored = parity.compare_states(
+        [(t["aux_hidden_states"].cuda(), t["hidden_states"].cuda(), hs)], run.layer_ids, "bfloat16"
+    )
     assert all(r.ok and r.cosine >= MIN_COSINE for r in stored), stored
 
 
@@ -140,20 +155,40 @@ def test_pre_norm_fp8_zstd_on_the_gpu_path(tmp_path):
     outs = {}
     for store, extra in (("bf16", ()), ("fp8", ("--compress", "zstd"))):
         outs[store] = tmp_path / store
-        _extract(outs[store], "--model", str(model), "--data", str(CORPUS), "--verify", "6", "--final-state", "pre-norm",
-                 "--attention-backend", "triton", "--store", store, *extra)
+        _extract(
+            outs[store],
+            "--model",
+            str(model),
+            "--data",
+            str(CORPUS),
+            "--verify",
+            "6",
+            "--final-state",
+            "pre-norm",
+            "--attention-backend",
+            "triton",
+            "--store",
+            store,
+            *extra,
+        )
     run, rows = _parity(outs["fp8"], "llama (tiny, generated), pre-norm", "gpu_parity_llama_tiny_pre_norm")
     assert run.final_state == "pre-norm" and rows[-1]["layer"] == "last (pre-norm)"
     assert all(r["ok"] and r["cosine"] >= MIN_COSINE for r in rows), rows
-    verify = subprocess.run([sys.executable, str(ROOT / "bin" / "inspect.py"), str(outs["fp8"]), "--verify"],
-                            capture_output=True, text=True, cwd=ROOT)
+    verify = subprocess.run(
+        [sys.executable, str(ROOT / "bin" / "inspect.py"), str(outs["fp8"]), "--verify"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert verify.returncode == 0, verify.stdout
     fp8, bf16 = HiddenStateDataset(outs["fp8"]), HiddenStateDataset(outs["bf16"])
     for i in range(len(bf16)):
         for name in ("aux_hidden_states", "hidden_states"):
             a, b = fp8[i][name].float(), bf16[i][name].float()
             hidden = bf16[i]["hidden_states"].shape[1]
-            cos = torch.nn.functional.cosine_similarity(a.reshape(len(a), -1, hidden), b.reshape(len(b), -1, hidden), dim=-1)
+            cos = torch.nn.functional.cosine_similarity(
+                a.reshape(len(a), -1, hidden), b.reshape(len(b), -1, hidden), dim=-1
+            )
             assert cos.min() >= MIN_COSINE, (i, name, cos.min())
 
 
@@ -168,8 +203,18 @@ def test_the_warm_up_compiles_into_the_jit_cache_and_a_second_run_reuses_it(tmp_
     env = {k: v for k, v in os.environ.items() if k not in JIT_CACHES}  # a cache the environment names would win
     timings = []
     for out in (tmp_path / "cold", tmp_path / "warm"):
-        proc = _extract(out, "--model", str(model), "--data", str(CORPUS), "--jit-cache", str(cache),
-                        "--attention-backend", "triton", env=env)
+        proc = _extract(
+            out,
+            "--model",
+            str(model),
+            "--data",
+            str(CORPUS),
+            "--jit-cache",
+            str(cache),
+            "--attention-backend",
+            "triton",
+            env=env,
+        )
         assert any(line.startswith("start-up ") for line in proc.stderr.splitlines())
         timings.append(json.loads((out / "manifest.json").read_text())["timings"])
     assert list((cache / "tvm-ffi").rglob("*.so")), "the nvcc-built modules are kept in the cache"
@@ -225,14 +270,29 @@ def test_the_readme_main_command_runs_on_the_cpu_of_a_gpu_machine(tmp_path):
 
 def test_device_cpu_in_float32_runs_on_a_gpu_machine_as_the_float32_refusal_advises(tmp_path):
     model = build_model("llama", tmp_path / "m", dtype=torch.float32, device="cpu")
-    _extract(tmp_path / "out", "--model", str(model), "--data", str(CORPUS), "--device", "cpu", "--dtype", "float32",
-             "--verify", "4")
+    _extract(
+        tmp_path / "out",
+        "--model",
+        str(model),
+        "--data",
+        str(CORPUS),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--verify",
+        "4",
+    )
     _cpu_run_passed(tmp_path / "out")
 
 
 def test_a_cpu_engine_in_a_process_that_already_started_cuda_is_refused_with_the_way_out():
     # The driver read CUDA_VISIBLE_DEVICES when it started: hiding the GPUs afterwards changes nothing.
-    script = ("import torch; assert torch.cuda.is_available()\n"
-              "from offline_extract.engine.sglang_adapter import prepare_process; prepare_process('cpu')")
+    script = (
+        "import torch; assert torch.cuda.is_available()\n"
+        "from offline_extract.engine.sglang_adapter import prepare_process; prepare_process('cpu')"
+    )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert proc.returncode == 1 and "CUDA_VISIBLE_DEVICES= python bin/extract.py ... --device cpu" in proc.stderr, proc.stderr
+    assert proc.returncode == 1 and "CUDA_VISIBLE_DEVICES= python bin/extract.py ... --device cpu" in proc.stderr, (
+        proc.stderr
+    )

@@ -10,6 +10,7 @@ each run's parity rows (and, for MoE models, the forced-routing rows, routing di
 comparison) are written to $OFFLINE_EXTRACT_RESULTS/<architecture>-<backend>.json with the command that ran
 them. benchmarks/gpu_moe.sh runs the MoE part.
 """
+
 import pytest
 import torch
 from arch_parity import beyond_bf16_floor, run_report, write_result
@@ -44,8 +45,14 @@ def models(tiny_model_dir, tmp_path_factory):
 
     def model(name):
         if name not in built:
-            built[name] = build_model(name, root / name, dtype=torch.bfloat16, device="cuda",
-                                      overrides=GPU_MODELS[name], tokenizer_dir=tiny_model_dir)
+            built[name] = build_model(
+                name,
+                root / name,
+                dtype=torch.bfloat16,
+                device="cuda",
+                overrides=GPU_MODELS[name],
+                tokenizer_dir=tiny_model_dir,
+            )
             torch.cuda.empty_cache()  # the engines run in other processes and size their pools by free memory
         return built[name]
 
@@ -63,9 +70,21 @@ def _report(arch, backend, models, tmp_path_factory) -> dict:
     if (arch, backend) in _REPORTS:
         return _REPORTS[arch, backend]
     out = tmp_path_factory.mktemp(f"{arch}-{backend}") / "report.json"
-    rep = run_report(models(arch), out, "--hf-reference", str(models(arch)), "--device", "cuda",
-                     "--dtype", "bfloat16", "--attention-backend", backend, "--layer-sets", LAYER_SETS,
-                     *(["--forced-routing", "--fp32-reference"] if arch in MOE_ARCHS else []))
+    rep = run_report(
+        models(arch),
+        out,
+        "--hf-reference",
+        str(models(arch)),
+        "--device",
+        "cuda",
+        "--dtype",
+        "bfloat16",
+        "--attention-backend",
+        backend,
+        "--layer-sets",
+        LAYER_SETS,
+        *(["--forced-routing", "--fp32-reference"] if arch in MOE_ARCHS else []),
+    )
     write_result(rep, arch, backend)
     _REPORTS[arch, backend] = rep
     return rep
@@ -73,8 +92,11 @@ def _report(arch, backend, models, tmp_path_factory) -> dict:
 
 def _params(archs):
     """(architecture, backend) pairs, the MoE ones marked `moe` so that scripts pick either half with -m."""
-    return [pytest.param((a, b), id=f"{a}-{b}", marks=[pytest.mark.moe] if a in MOE_ARCHS else [])
-            for a in archs for b in backends(a)]
+    return [
+        pytest.param((a, b), id=f"{a}-{b}", marks=[pytest.mark.moe] if a in MOE_ARCHS else [])
+        for a in archs
+        for b in backends(a)
+    ]
 
 
 @pytest.fixture(scope="module", params=_params(GPU_MODELS))

@@ -1,4 +1,5 @@
 """The store's codecs on the GPU, where extraction runs them before the copy to host (run with `-m gpu`)."""
+
 import pytest
 import torch
 

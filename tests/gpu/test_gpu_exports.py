@@ -4,6 +4,7 @@ the same batches, through SGLang's fused CUDA norm kernels in bf16.
 
     python -m pytest -m gpu tests/gpu/test_gpu_exports.py
 """
+
 import subprocess
 import sys
 
@@ -39,8 +40,19 @@ def runs(tmp_path_factory):
     for store in ("bf16", "fp8"):
         for state in ("post-norm", "pre-norm"):
             outs[store, state] = tmp / f"{store}-{state}"
-            _extract(outs[store, state], "--model", model, "--data", CORPUS, "--final-state", state, "--store", store,
-                     "--attention-backend", "triton")
+            _extract(
+                outs[store, state],
+                "--model",
+                model,
+                "--data",
+                CORPUS,
+                "--final-state",
+                state,
+                "--store",
+                store,
+                "--attention-backend",
+                "triton",
+            )
     return outs
 
 
@@ -62,7 +74,9 @@ def test_pre_norm_run_exported_to_specforge_matches_a_post_norm_run(runs, store,
     direct = _by_id(runs["bf16", "post-norm"])
     for i, (info, _) in enumerate(iter_samples(runs[store, "pre-norm"])):
         data = _load_specforge(next((tmp_path / "sf").rglob(f"data_{i}.ckpt*")))
-        cosine = torch.nn.functional.cosine_similarity(data["hidden_state"][0].float(), direct[info.id]["hidden_states"].float(), dim=-1)
+        cosine = torch.nn.functional.cosine_similarity(
+            data["hidden_state"][0].float(), direct[info.id]["hidden_states"].float(), dim=-1
+        )
         assert cosine.min() >= MIN_COSINE, (info.id, cosine.min().item())
 
 
@@ -75,7 +89,9 @@ def test_post_norm_run_exported_to_speculators_matches_a_pre_norm_run(runs, stor
         stacked = hs["hidden_states"].to(torch.bfloat16)
         if "hidden_states_scales" in hs:
             stacked = stacked * hs["hidden_states_scales"].to(torch.bfloat16)
-        cosine = torch.nn.functional.cosine_similarity(stacked[:, -1].float(), direct[info.id]["hidden_states"].float(), dim=-1)
+        cosine = torch.nn.functional.cosine_similarity(
+            stacked[:, -1].float(), direct[info.id]["hidden_states"].float(), dim=-1
+        )
         assert cosine.min() >= MIN_COSINE, (info.id, cosine.min().item())
 
 

@@ -6,6 +6,7 @@ parity gate's FP8 rule, which must reject the same states compared one layer off
 With OFFLINE_EXTRACT_RESULTS set, each model's rows are written to $OFFLINE_EXTRACT_RESULTS/fp8-<arch>.json
 with the command that ran them.
 """
+
 import json
 import os
 import subprocess
@@ -31,8 +32,15 @@ MOE = {"deepseek_v3"}
 def models(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu-fp8")
     built = {
-        arch: build_model(arch, root / arch, dtype=torch.bfloat16, device="cuda", overrides=overrides,
-                          tokenizer_dir=tiny_model_dir, fp8=True)
+        arch: build_model(
+            arch,
+            root / arch,
+            dtype=torch.bfloat16,
+            device="cuda",
+            overrides=overrides,
+            tokenizer_dir=tiny_model_dir,
+            fp8=True,
+        )
         for arch, overrides in FP8_OVERRIDES.items()
     }
     torch.cuda.empty_cache()  # the engines run in other processes and size their pools by free memory
@@ -43,8 +51,17 @@ def models(tiny_model_dir, tmp_path_factory):
 def report(request, models, tmp_path_factory):
     arch = request.param
     out = tmp_path_factory.mktemp(f"fp8-{arch}") / "report.json"
-    rep = run_report(models[arch], out, "--device", "cuda", "--dtype", "bfloat16", "--attention-backend", "triton",
-                     *(["--forced-routing"] if arch in MOE else []))
+    rep = run_report(
+        models[arch],
+        out,
+        "--device",
+        "cuda",
+        "--dtype",
+        "bfloat16",
+        "--attention-backend",
+        "triton",
+        *(["--forced-routing"] if arch in MOE else []),
+    )
     results = os.environ.get("OFFLINE_EXTRACT_RESULTS")
     if results:
         Path(results).mkdir(parents=True, exist_ok=True)
@@ -73,10 +90,25 @@ def test_fp8_states_pass_the_gate_and_fail_it_one_layer_off(report):
 def test_extract_verifies_an_fp8_moe_checkpoint_and_records_its_quantization(models, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bin" / "extract.py"), "--model", str(models["deepseek_v3"]), "--data",
-         str(ROOT / "examples" / "corpus.jsonl"), "--out", str(out), "--verify", "8", "--no-progress",
-         "--attention-backend", "triton"],
-        capture_output=True, text=True, cwd=ROOT, timeout=900,
+        [
+            sys.executable,
+            str(ROOT / "bin" / "extract.py"),
+            "--model",
+            str(models["deepseek_v3"]),
+            "--data",
+            str(ROOT / "examples" / "corpus.jsonl"),
+            "--out",
+            str(out),
+            "--verify",
+            "8",
+            "--no-progress",
+            "--attention-backend",
+            "triton",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     run = open_shard(shard_paths(out)[0]).run

@@ -7,6 +7,7 @@ shards and the manifest.
 With OFFLINE_EXTRACT_RESULTS set, the rows go to $OFFLINE_EXTRACT_RESULTS/mxfp4-gpt_oss-<backend>.json with
 the command that ran them (arch_parity.write_result).
 """
+
 import json
 import subprocess
 import sys
@@ -28,8 +29,14 @@ MIN_COSINE = 0.999
 
 @pytest.fixture(scope="module")
 def model(tiny_model_dir, tmp_path_factory):
-    built = build_model("gpt_oss", tmp_path_factory.mktemp("gpu-mxfp4") / "gpt_oss", dtype=torch.bfloat16,
-                        device="cuda", tokenizer_dir=tiny_model_dir, mxfp4=True)
+    built = build_model(
+        "gpt_oss",
+        tmp_path_factory.mktemp("gpu-mxfp4") / "gpt_oss",
+        dtype=torch.bfloat16,
+        device="cuda",
+        tokenizer_dir=tiny_model_dir,
+        mxfp4=True,
+    )
     torch.cuda.empty_cache()  # the engines run in other processes and size their pools by free memory
     return built
 
@@ -37,8 +44,18 @@ def model(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module", params=["triton", "fa3"])
 def report(request, model, tmp_path_factory):
     backend = request.param
-    rep = run_report(model, tmp_path_factory.mktemp(f"mxfp4-{backend}") / "report.json", "--device", "cuda",
-                     "--dtype", "bfloat16", "--attention-backend", backend, "--forced-routing", "--fp32-reference")
+    rep = run_report(
+        model,
+        tmp_path_factory.mktemp(f"mxfp4-{backend}") / "report.json",
+        "--device",
+        "cuda",
+        "--dtype",
+        "bfloat16",
+        "--attention-backend",
+        backend,
+        "--forced-routing",
+        "--fp32-reference",
+    )
     write_result(rep, "mxfp4-gpt_oss", backend)
     return backend, rep
 
@@ -67,9 +84,23 @@ def test_mxfp4_states_match_hf_on_the_dequantized_weights_with_the_engines_exper
 def test_extract_verifies_the_mxfp4_checkpoint_and_records_its_quantization(model, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bin" / "extract.py"), "--model", str(model), "--data",
-         str(ROOT / "examples" / "corpus.jsonl"), "--out", str(out), "--verify", "8", "--no-progress"],
-        capture_output=True, text=True, cwd=ROOT, timeout=900,
+        [
+            sys.executable,
+            str(ROOT / "bin" / "extract.py"),
+            "--model",
+            str(model),
+            "--data",
+            str(ROOT / "examples" / "corpus.jsonl"),
+            "--out",
+            str(out),
+            "--verify",
+            "8",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     run = open_shard(shard_paths(out)[0]).run

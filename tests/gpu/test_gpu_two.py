@@ -9,6 +9,7 @@ States computed with TP=2 sum their all-reduced partial products in another orde
 across topologies the tests compare each token's cosine (as the parity gate does in bf16), and tokens,
 masks and sample metadata exactly.
 """
+
 import json
 import os
 import random
@@ -73,8 +74,10 @@ def compare_runs(out_a, out_b) -> dict:
     for _, t, t_b in paired_samples(out_a, out_b):
         for name, found in cosines.items():
             found.append(per_token_cosine(t[name], t_b[name], width).flatten())
-    return {name: {"worst": float(torch.cat(c).min()), "median": float(torch.cat(c).median())}
-            for name, c in cosines.items()}
+    return {
+        name: {"worst": float(torch.cat(c).min()), "median": float(torch.cat(c).median())}
+        for name, c in cosines.items()
+    }
 
 
 def assert_close_runs(out_a, out_b) -> dict:
@@ -107,8 +110,14 @@ def corpus(tmp_path_factory):
     lines = [json.dumps({"id": "long", "input_ids": np.random.default_rng(0).integers(10, 380, 1500).tolist()})]
     for i in range(CHATS):
         words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 80)))
-        lines.append(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": "say it"},
-                                                             {"role": "assistant", "content": words}]}))
+        lines.append(
+            json.dumps(
+                {
+                    "id": f"r{i}",
+                    "messages": [{"role": "user", "content": "say it"}, {"role": "assistant", "content": words}],
+                }
+            )
+        )
     path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -122,11 +131,13 @@ def one_gpu(tiny, corpus, tmp_path_factory):
 
 
 def test_tp2_tiny_llama_matches_hf_including_a_chunked_sample_and_gives_the_samples_of_one_gpu(
-        tiny, corpus, one_gpu, tmp_path):
+    tiny, corpus, one_gpu, tmp_path
+):
     out = tmp_path / "out"
     # The 1,500-token sample is longer than a 512-token forward: prefilled in 3 chunks on prefix KV, under TP.
-    extract(out, "--model", tiny, "--data", corpus, "--tp", "2", "--verify", "8", "--tokens-per-batch", "512",
-            torchrun=2)
+    extract(
+        out, "--model", tiny, "--data", corpus, "--tp", "2", "--verify", "8", "--tokens-per-batch", "512", torchrun=2
+    )
     assert_verified(out, tp=2)
     assert len(list(iter_samples(out))) == CHATS + 1
     print(json.dumps(assert_close_runs(one_gpu, out)))
@@ -145,8 +156,17 @@ def test_two_one_gpu_nodes_give_the_samples_of_one_gpu(tiny, corpus, one_gpu, tm
     # Kept where the device call's results go: a failed run's node logs are its only account.
     results = os.environ.get("OFFLINE_EXTRACT_RESULTS")
     logs = Path(results) / "two_nodes" if results else tmp_path
-    nodes = start_nodes(out, "--model", tiny, "--data", corpus, *SMALL, env=dict(os.environ), logs=logs,
-                        node_env=[{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}])
+    nodes = start_nodes(
+        out,
+        "--model",
+        tiny,
+        "--data",
+        corpus,
+        *SMALL,
+        env=dict(os.environ),
+        logs=logs,
+        node_env=[{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}],
+    )
     # One run's start and its share of the corpus take about a minute.
     outputs = wait_nodes(nodes, timeout=120)
     for node, output in zip(nodes, outputs):
@@ -155,11 +175,15 @@ def test_two_one_gpu_nodes_give_the_samples_of_one_gpu(tiny, corpus, one_gpu, tm
     assert integrity.verify(out).problems == []
 
 
-def test_a_killed_dp_rank_stops_the_other_within_seconds_and_the_run_resumes_under_tp2(tiny, corpus, one_gpu,
-                                                                                        tmp_path):
+def test_a_killed_dp_rank_stops_the_other_within_seconds_and_the_run_resumes_under_tp2(tiny, corpus, one_gpu, tmp_path):
     out = tmp_path / "out"
-    launcher = subprocess.Popen(extract_command(out, "--model", tiny, "--data", corpus, *SMALL, torchrun=2),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    launcher = subprocess.Popen(
+        extract_command(out, "--model", tiny, "--data", corpus, *SMALL, torchrun=2),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     killed = kill_rank_when(launcher, 1, until=lambda: len(shard_paths(out)) >= 20)
     _, stderr = launcher.communicate(timeout=120)
     stopped_after = time.monotonic() - killed
@@ -174,9 +198,12 @@ def test_a_killed_dp_rank_stops_the_other_within_seconds_and_the_run_resumes_und
 
 def test_a_run_killed_under_tp2_resumes_under_dp2(tiny, corpus, one_gpu, tmp_path):
     out = tmp_path / "out"
-    launcher = subprocess.Popen(extract_command(out, "--model", tiny, "--data", corpus, *SMALL, "--tp", "2",
-                                                torchrun=2),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    launcher = subprocess.Popen(
+        extract_command(out, "--model", tiny, "--data", corpus, *SMALL, "--tp", "2", torchrun=2),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
     kill_rank_when(launcher, 0, until=lambda: len(shard_paths(out)) >= 20)
     launcher.wait(timeout=120)
     proc = extract(out, "--model", tiny, "--data", corpus, *SMALL, torchrun=2)
@@ -187,22 +214,42 @@ def test_a_run_killed_under_tp2_resumes_under_dp2(tiny, corpus, one_gpu, tmp_pat
 
 def test_float32_on_cuda_is_refused_before_the_model_loads(tiny, tmp_path):
     start = time.monotonic()
-    proc = subprocess.run(extract_command(tmp_path / "out", "--model", tiny, "--data", CORPUS, "--dtype", "float32"),
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        extract_command(tmp_path / "out", "--model", tiny, "--data", CORPUS, "--dtype", "float32"),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode != 0 and "--dtype float32 does not run on CUDA" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert time.monotonic() - start < 60
 
 
 def test_tp2_llama3_8b_shaped_matches_hf_including_a_chunked_sample(tmp_path):
-    model = build_model("llama3_8b", tmp_path / "m", dtype=torch.bfloat16, device="cuda",
-                        overrides={"max_position_embeddings": 16384})
+    model = build_model(
+        "llama3_8b", tmp_path / "m", dtype=torch.bfloat16, device="cuda", overrides={"max_position_embeddings": 16384}
+    )
     data = tmp_path / "corpus.jsonl"
     long_ids = np.random.default_rng(1).integers(10, 380, 12000).tolist()
     data.write_text(json.dumps({"id": "long-12k", "input_ids": long_ids}) + "\n" + CORPUS.read_text())
     out = tmp_path / "out"
-    extract(out, "--model", model, "--data", data, "--tp", "2", "--verify", "4", "--max-length", "16384",
-            "--tokens-per-batch", "4096", torchrun=2)
+    extract(
+        out,
+        "--model",
+        model,
+        "--data",
+        data,
+        "--tp",
+        "2",
+        "--verify",
+        "4",
+        "--max-length",
+        "16384",
+        "--tokens-per-batch",
+        "4096",
+        torchrun=2,
+    )
     rows = assert_verified(out, tp=2)
     assert [r["hf_index"] for r in rows[:-1]] == [2, 16, 29]  # SGLang's default ids [1, 15, 28], plus one
     samples = {info.id: t for info, t in iter_samples(out)}

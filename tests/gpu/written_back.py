@@ -12,6 +12,7 @@ a process of its own: SGLang's engine keeps process globals and its GPU memory u
     python tests/gpu/written_back.py --model TINY --out OUT --device cpu --tokens 20000 --long 3000 \
         --shard-size-mb 1                                                            # its CPU path
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,19 @@ def corpus(tokens: int, long: int, vocab: int, seed: int) -> list[Sample]:
     while sum(lengths) < tokens:
         lengths.append(int(min(max(rng.lognormal(6.5, 1.0), 1), 8192)))
     lengths.insert(2 * len(lengths) // 3, long)
-    return [Sample(i, f"s{i}", "corpus.jsonl", i + 1, rng.integers(10, vocab, n).astype(np.int32),
-                   (rng.random(n) < 0.7).astype(np.uint8), n, False) for i, n in enumerate(lengths)]
+    return [
+        Sample(
+            i,
+            f"s{i}",
+            "corpus.jsonl",
+            i + 1,
+            rng.integers(10, vocab, n).astype(np.int32),
+            (rng.random(n) < 0.7).astype(np.uint8),
+            n,
+            False,
+        )
+        for i, n in enumerate(lengths)
+    ]
 
 
 def main() -> None:
@@ -63,28 +75,37 @@ def main() -> None:
     args = parser.parse_args()
 
     cuda = args.device == "cuda"
-    engine = Engine(EngineConfig(
-        model_path=args.model, device=args.device, dtype="bfloat16" if cuda else "float32",
-        max_tokens_per_batch=16384 if cuda else 2048, context_length=max(args.long, 8192 if cuda else 4096),
-        nccl_port=free_port(),
-    ))
+    engine = Engine(
+        EngineConfig(
+            model_path=args.model,
+            device=args.device,
+            dtype="bfloat16" if cuda else "float32",
+            max_tokens_per_batch=16384 if cuda else 2048,
+            context_length=max(args.long, 8192 if cuda else 4096),
+            nccl_port=free_port(),
+        )
+    )
     samples = corpus(args.tokens, args.long, 380, args.seed)
     run = synthetic_run(engine.layer_ids, engine.hidden_size, store=args.store, compress=args.compress)
     shard_bytes = int(args.shard_size_mb * (1 << 20))
     args.out.mkdir(parents=True)
     start = time.perf_counter()
     with Journal(manifest.journal_path(args.out, 0)) as journal:
-        writer = KeepingWriter(args.out, run, shard_bytes=shard_bytes, writers=args.writers,
-                               on_written=lambda s: journal.append(asdict(s)))
-        extract_batches(engine, batch_by_tokens(samples, engine.cfg.max_tokens_per_batch, engine.cfg.max_seqs_per_batch),
-                        writer)
+        writer = KeepingWriter(
+            args.out, run, shard_bytes=shard_bytes, writers=args.writers, on_written=lambda s: journal.append(asdict(s))
+        )
+        extract_batches(
+            engine, batch_by_tokens(samples, engine.cfg.max_tokens_per_batch, engine.cfg.max_seqs_per_batch), writer
+        )
         paths = writer.close()
     extracted = time.perf_counter() - start
     assert [f.info.index for f in writer.handed] == [s.index for s in samples], "the feed handed over other samples"
     check_written(args.out, run, writer, paths, shard_bytes)
-    print(f"ok: {len(samples)} samples, {sum(s.num_tokens for s in samples)} tokens, {len(paths)} shards, "
-          f"{writer.bytes_written / 1e9:.2f} GB ({args.store}, {args.compress}, {args.writers} writers) read back as "
-          f"handed over; extracted in {extracted:.1f} s, checked in {time.perf_counter() - start - extracted:.1f} s")
+    print(
+        f"ok: {len(samples)} samples, {sum(s.num_tokens for s in samples)} tokens, {len(paths)} shards, "
+        f"{writer.bytes_written / 1e9:.2f} GB ({args.store}, {args.compress}, {args.writers} writers) read back as "
+        f"handed over; extracted in {extracted:.1f} s, checked in {time.perf_counter() - start - extracted:.1f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 command line parses with the program's own options, torchrun's part with torchrun's parser, a script or test
 file it names exists, and no `...` stands in for what the reader would have to guess. The training snippet
 runs on an output directory, and every name the pages give in an engine module is defined there."""
+
 import ast
 import importlib
 import importlib.util
@@ -104,8 +105,9 @@ def test_each_command_in_the_docs_pastes_as_it_stands(page, line, monkeypatch):
         script, args = args[1], args[2:]
     else:
         script, args = args[0], args[1:]
-    assert script.startswith(("bin/", "benchmarks", "offline_extract.")), \
+    assert script.startswith(("bin/", "benchmarks", "offline_extract.")), (
         f"{where}: runs {script}, which this test does not know"
+    )
     monkeypatch.syspath_prepend(str(ROOT / "bin"))  # for bin/'s `import _bin_path`, which takes it off again
     _parses(_click_command(script), args)
 
@@ -145,8 +147,11 @@ def _defined(module) -> set[str]:
 def test_the_docs_name_engine_functions_where_they_are_defined():
     # A function moved out of one engine module into another leaves the pages pointing at the old one.
     engine = {path.stem: _defined(path) for path in (ROOT / "offline_extract" / "engine").glob("*.py")}
-    named = [(page.name, module, name) for page in PAGES
-             for module, name in re.findall(r"`(?:engine/)?(\w+)\.(\w+)", page.read_text())
-             if module in engine and name != "py"]
+    named = [
+        (page.name, module, name)
+        for page in PAGES
+        for module, name in re.findall(r"`(?:engine/)?(\w+)\.(\w+)", page.read_text())
+        if module in engine and name != "py"
+    ]
     assert len(named) > 20, "the pattern finds the pages' engine names"
     assert [n for n in named if n[2] not in engine[n[1]]] == []

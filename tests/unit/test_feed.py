@@ -1,5 +1,6 @@
 """The feed through the real engine on CPU: which piece of a run it tells the writer is the last, and
 that the shards hold every byte it handed over."""
+
 import threading
 import time
 from dataclasses import asdict
@@ -74,7 +75,9 @@ def test_the_shards_hold_every_byte_the_feed_handed_over(tiny_engine, tmp_path, 
     monkeypatch.setattr(writer_module, "LAST_SHARD_PART_BYTES", 40 * row_bytes)
     shard_bytes = 500 * row_bytes
     with Journal(manifest.journal_path(tmp_path, 0)) as journal:
-        writer = KeepingWriter(tmp_path, run, shard_bytes=shard_bytes, writers=4, on_written=lambda s: journal.append(asdict(s)))
+        writer = KeepingWriter(
+            tmp_path, run, shard_bytes=shard_bytes, writers=4, on_written=lambda s: journal.append(asdict(s))
+        )
         extract_batches(tiny_engine, batch_by_tokens(samples, budget, 8), writer)
         paths = writer.close()
     assert [f.info.index for f in writer.handed] == list(range(len(samples)))

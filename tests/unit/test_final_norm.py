@@ -1,5 +1,6 @@
 """The final norm a run records, and the conversions between the pre- and post-norm final states that
 exports make with it: against the SGLang engine in fp32 and against HF transformers in bf16 (CPU)."""
+
 import json
 
 import numpy as np
@@ -12,7 +13,12 @@ from offline_extract.final_norm import FinalNorm, recorded
 from offline_extract.store.index import iter_samples
 from offline_extract.testing.shards import write_synthetic
 from offline_extract.training.export import (
-    MANIFEST_NAME, ExportError, export_specforge, export_speculators, specforge_path, speculators_path,
+    MANIFEST_NAME,
+    ExportError,
+    export_specforge,
+    export_speculators,
+    specforge_path,
+    speculators_path,
 )
 
 H = 64
@@ -60,7 +66,9 @@ def test_pre_norm_state_converts_to_the_engines_post_norm_state_in_fp32(states, 
     for ids in seqs:
         rows = slice(start, start + len(ids))
         start += len(ids)
-        assert (norm.apply(pre[rows]) - parity.hf_hidden_states(hf, ids.tolist(), "cpu")[-1]).abs().max() <= 1e-5 * scale
+        assert (
+            norm.apply(pre[rows]) - parity.hf_hidden_states(hf, ids.tolist(), "cpu")[-1]
+        ).abs().max() <= 1e-5 * scale
 
 
 def test_post_norm_state_converts_to_the_pre_norm_direction_which_the_norm_maps_back(states):
@@ -152,8 +160,9 @@ def test_a_run_without_a_recorded_norm_is_still_refused(tmp_path):
 
 def test_a_pre_norm_dspark_run_exports_its_post_norm_target_state(norm, tmp_path):
     out = tmp_path / "dspark"
-    write_synthetic(out, [6, 4], hidden_size=H, num_aux=5, final_state="pre-norm", final_norm=norm.to_json(),
-                    recipe="dspark")
+    write_synthetic(
+        out, [6, 4], hidden_size=H, num_aux=5, final_state="pre-norm", final_norm=norm.to_json(), recipe="dspark"
+    )
     export_specforge(out, tmp_path / "sf", progress=False)
     for i, (_, shard) in enumerate(iter_samples(out)):
         data = torch.load(specforge_path(tmp_path / "sf", i), weights_only=True)

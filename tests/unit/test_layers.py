@@ -2,6 +2,7 @@
 
 Read from the source (no imports run), so a wrong-way import fails here before it makes a cycle.
 """
+
 import ast
 from pathlib import Path
 
@@ -38,7 +39,11 @@ def imports(path: Path) -> list[tuple[int, str]]:
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "offline_extract"]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "offline_extract":
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and (node.module or "").split(".")[0] == "offline_extract"
+        ):
             if node.module == "offline_extract":
                 for a in node.names:
                     is_module = (PACKAGE / f"{a.name}.py").exists() or (PACKAGE / a.name).is_dir()
@@ -84,8 +89,14 @@ def sglang_imports(path: Path) -> list[int]:
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             names = [node.module or ""]
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"
-              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             names = [node.args[0].value]
         else:
             continue
@@ -96,14 +107,20 @@ def sglang_imports(path: Path) -> list[int]:
 def test_only_the_engine_package_touches_sglang():
     """SGLang's internals are pinned to one version, so every call into them stays in the engine package, where
     an upgrade has one place to look."""
-    outside = [f"{path.relative_to(ROOT)}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
-               if part_of(module_name(path)) != "engine" for line in sglang_imports(path)]
+    outside = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if part_of(module_name(path)) != "engine"
+        for line in sglang_imports(path)
+    ]
     assert outside == []
     assert sglang_imports(PACKAGE / "engine" / "sglang_adapter.py"), "the check sees the adapter's imports"
 
 
 def test_the_sglang_check_sees_each_way_of_importing_it(tmp_path):
     wrong = tmp_path / "feed.py"
-    wrong.write_text("import sglang.srt\nfrom sglang.srt.utils import x\nimport importlib\n"
-                     "importlib.import_module('sgl_kernel')\nimport sglang_like\n")
+    wrong.write_text(
+        "import sglang.srt\nfrom sglang.srt.utils import x\nimport importlib\n"
+        "importlib.import_module('sgl_kernel')\nimport sglang_like\n"
+    )
     assert sglang_imports(wrong) == [1, 2, 4]

@@ -1,4 +1,5 @@
 """The options module: each choice stated once, checked once, and the tables keyed by it agree with it."""
+
 import os
 import re
 from dataclasses import MISSING, fields
@@ -19,10 +20,19 @@ from offline_extract.recipes import RECIPES
 from offline_extract.store.schema import STORES
 
 
-@pytest.mark.parametrize("option, value", [
-    ("recipe", "eagle4"), ("store", "fp4"), ("compress", "lz4"), ("final_state", "mid-norm"),
-    ("nonfinite", "ignore"), ("overlong", "wrap"), ("dtype", "int8"), ("device", "tpu"),
-])
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("recipe", "eagle4"),
+        ("store", "fp4"),
+        ("compress", "lz4"),
+        ("final_state", "mid-norm"),
+        ("nonfinite", "ignore"),
+        ("overlong", "wrap"),
+        ("dtype", "int8"),
+        ("device", "tpu"),
+    ],
+)
 def test_a_value_outside_a_choice_is_refused_when_the_options_are_made(option, value):
     with pytest.raises(ValueError) as refused:
         ExtractOptions(data=("c.jsonl",), **{option: value})
@@ -74,17 +84,38 @@ def _choice_fields() -> set[str]:
 
 def test_the_engine_config_is_the_options_mapped_once():
     opts = ExtractOptions(
-        data=(), model="m", dtype="bfloat16", tp=2, max_length=9000, chunk_tokens=4096, seqs_per_batch=64,
-        attention_backend="triton", load_format="dummy", mem_fraction_static=0.5, port_base=30000,
-        final_state="pre-norm", trust_remote_code=True, jit_cache="/cache",
+        data=(),
+        model="m",
+        dtype="bfloat16",
+        tp=2,
+        max_length=9000,
+        chunk_tokens=4096,
+        seqs_per_batch=64,
+        attention_backend="triton",
+        load_format="dummy",
+        mem_fraction_static=0.5,
+        port_base=30000,
+        final_state="pre-norm",
+        trust_remote_code=True,
+        jit_cache="/cache",
     )
     layout = Layout(rank=3, world_size=4, local_rank=3, local_world_size=4, tp_size=2)  # dp 1, tp 1
     cfg = engine_config(opts, layout, Path("/models/m"), "cuda", 8192, (1, 2))
     assert (cfg.model_path, cfg.device, cfg.dtype) == ("/models/m", "cuda", "bfloat16")
     assert (cfg.tp_size, cfg.tp_rank, cfg.gpu_id, cfg.nccl_port) == (2, 1, 3, 30001)
-    assert (cfg.max_tokens_per_batch, cfg.max_seqs_per_batch, cfg.chunk_tokens, cfg.context_length) == (8192, 64, 4096, 9000)
+    assert (cfg.max_tokens_per_batch, cfg.max_seqs_per_batch, cfg.chunk_tokens, cfg.context_length) == (
+        8192,
+        64,
+        4096,
+        9000,
+    )
     assert (cfg.attention_backend, cfg.load_format, cfg.mem_fraction_static) == ("triton", "dummy", 0.5)
-    assert (cfg.layer_ids, cfg.final_state, cfg.trust_remote_code, cfg.jit_cache) == ((1, 2), "pre-norm", True, "/cache")
+    assert (cfg.layer_ids, cfg.final_state, cfg.trust_remote_code, cfg.jit_cache) == (
+        (1, 2),
+        "pre-norm",
+        True,
+        "/cache",
+    )
 
 
 def test_a_writing_rank_under_torchrun_copies_with_its_share_of_the_cores(monkeypatch):

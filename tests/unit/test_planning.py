@@ -62,7 +62,10 @@ def test_plan_names_the_first_rejects_and_an_output_it_cannot_write(tiny_model_d
     assert lines[1].startswith(f"  rejected {corpus}:2: invalid JSON")
     assert lines[2] == f"  rejected {corpus}:4 (id 'c.jsonl:4'): text is empty"
     assert lines[1 + planning.REJECTS_SHOWN] == "  ... and 2 more"
-    assert not p.writable and lines[-1] == "/proc/sys/offline_extract_out cannot be written here (read-only, or no permission)"
+    assert (
+        not p.writable
+        and lines[-1] == "/proc/sys/offline_extract_out cannot be written here (read-only, or no permission)"
+    )
     assert planning.plan([corpus], tok, tmp_path / "out", hidden_size=64, num_aux_layers=3).writable
 
 
@@ -101,17 +104,30 @@ def _extract(engine, model_dir, out, monkeypatch, progress_every, **options):
     from offline_extract.options import ExtractOptions
 
     monkeypatch.setattr(extraction, "Engine", lambda cfg: engine)
-    opts = ExtractOptions(data=(str(CORPUS),), out=str(out), model=str(model_dir), device="cpu", parity_samples=0,
-                          tokens_per_batch=128, shard_bytes=32 << 10, progress=False, progress_every=progress_every,
-                          **options)
+    opts = ExtractOptions(
+        data=(str(CORPUS),),
+        out=str(out),
+        model=str(model_dir),
+        device="cpu",
+        parity_samples=0,
+        tokens_per_batch=128,
+        shard_bytes=32 << 10,
+        progress=False,
+        progress_every=progress_every,
+        **options,
+    )
     return extraction.run(opts)
 
 
 @pytest.mark.parametrize("progress_every", [1e-6, 0], ids=["heartbeat", "no-progress"])
-def test_a_run_warns_once_when_its_output_is_on_course_to_outgrow_the_disk(tiny_engine, tiny_model_dir, tmp_path,
-                                                                             monkeypatch, capsys, progress_every):
-    warning = re.compile(r"warning: at the ([\d,]+) bytes a token written so far, the output needs about .* more and "
-                         + re.escape(str(tmp_path / "tight")) + r" has 1.0 KB free: the run will stop when the disk is full")
+def test_a_run_warns_once_when_its_output_is_on_course_to_outgrow_the_disk(
+    tiny_engine, tiny_model_dir, tmp_path, monkeypatch, capsys, progress_every
+):
+    warning = re.compile(
+        r"warning: at the ([\d,]+) bytes a token written so far, the output needs about .* more and "
+        + re.escape(str(tmp_path / "tight"))
+        + r" has 1.0 KB free: the run will stop when the disk is full"
+    )
     _extract(tiny_engine, tiny_model_dir, tmp_path / "roomy", monkeypatch, progress_every)
     assert "warning:" not in capsys.readouterr().err
 
@@ -155,8 +171,12 @@ def test_a_plan_counts_the_image_tokens_of_image_chats(qwen_vl_dir, tmp_path):
     save_image(tmp_path / "b.png", PATCH, 3 * PATCH)  # 3
     chat = [{"from": "human", "value": "<image> and <image>"}, {"from": "gpt", "value": "two"}]
     corpus = tmp_path / "c.jsonl"
-    corpus.write_text(json.dumps({"conversations": chat, "images": ["a.png", "b.png"]}) + "\n"
-                      + json.dumps({"conversations": chat[1:] + chat[1:]}) + "\n")
+    corpus.write_text(
+        json.dumps({"conversations": chat, "images": ["a.png", "b.png"]})
+        + "\n"
+        + json.dumps({"conversations": chat[1:] + chat[1:]})
+        + "\n"
+    )
     processor = AutoProcessor.from_pretrained(qwen_vl_dir)
     tok = SampleTokenizer(processor.tokenizer, max_length=4096, processor=processor)
     p = planning.plan([corpus], tok, tmp_path / "out", hidden_size=64, num_aux_layers=3)
@@ -164,4 +184,6 @@ def test_a_plan_counts_the_image_tokens_of_image_chats(qwen_vl_dir, tmp_path):
     line = f"  image tokens 7 ({7 / p.tokens:.1%}), in 1 sample with images"
     assert planning.render(p, tmp_path / "out").splitlines()[2] == line
     # A corpus without images says nothing of them.
-    assert "image tokens" not in planning.render(planning.plan([CORPUS], tok, tmp_path / "out", 64, 3), tmp_path / "out")
+    assert "image tokens" not in planning.render(
+        planning.plan([CORPUS], tok, tmp_path / "out", 64, 3), tmp_path / "out"
+    )

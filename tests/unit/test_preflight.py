@@ -1,6 +1,7 @@
 """Checks made before the engine starts: bad options, models and devices are refused in the process's
 first seconds, before SGLang is imported or the output directory is touched, and --dry-run refuses
 exactly what the real run refuses, in the same words."""
+
 import json
 import os
 import re
@@ -36,17 +37,27 @@ REFUSED = {
     "no sequences a batch": ({"seqs_per_batch": 0}, "--seqs-per-batch must be at least 1, got 0"),
     "no tokens a batch": ({"tokens_per_batch": 0}, "--tokens-per-batch must be at least 1, got 0"),
     "negative verify": ({"parity_samples": -3}, "--verify must be at least 0, got -3"),
-    "no memory for the engine": ({"mem_fraction_static": 0.0},
-                                 "--mem-fraction-static is a fraction of the GPU's memory, above 0 and at most 1, got 0.0"),
+    "no memory for the engine": (
+        {"mem_fraction_static": 0.0},
+        "--mem-fraction-static is a fraction of the GPU's memory, above 0 and at most 1, got 0.0",
+    ),
     "a percentage for a fraction": ({"mem_fraction_static": 85.0}, "above 0 and at most 1, got 85.0"),
     "longer than the context": ({"max_length": 5000}, "--max-length 5000 is longer than the model's context of 4096"),
     "a missing directory": ({"model": "/models/nope"}, "no model directory at /models/nope"),
     "a port past the last": ({"port_base": 70000}, "--port-base is a TCP port, from 1 to 65535, got 70000"),
     "a negative port": ({"port_base": -5}, "--port-base is a TCP port, from 1 to 65535, got -5"),
-    "an unknown attention backend": ({"attention_backend": "flash"}, "--attention-backend flash is not one of SGLang 0.5.17's: triton, "),
-    "an unknown load format": ({"load_format": "safetensor"}, "--load-format safetensor is not one of SGLang 0.5.17's: auto, "),
-    "a gate on random weights": ({"load_format": "dummy", "parity_samples": 2},
-                                 "--verify 2 compares the states with HF on the model's own weights, but --load-format dummy"),
+    "an unknown attention backend": (
+        {"attention_backend": "flash"},
+        "--attention-backend flash is not one of SGLang 0.5.17's: triton, ",
+    ),
+    "an unknown load format": (
+        {"load_format": "safetensor"},
+        "--load-format safetensor is not one of SGLang 0.5.17's: auto, ",
+    ),
+    "a gate on random weights": (
+        {"load_format": "dummy", "parity_samples": 2},
+        "--verify 2 compares the states with HF on the model's own weights, but --load-format dummy",
+    ),
 }
 if not torch.cuda.is_available():
     REFUSED["cuda without a GPU"] = ({"device": "cuda"}, "--device cuda, but torch sees no CUDA GPU")
@@ -75,11 +86,14 @@ def test_the_real_run_and_the_dry_run_refuse_alike_before_touching_the_output(ca
     assert not (tmp_path / "out").exists()  # no .lock, no running manifest
 
 
-@pytest.mark.parametrize("out, needle", [
-    ("", "--out is empty: name the output directory (it is made if it does not exist)"),
-    ("{file}", "--out {file} is a file, not a directory"),
-    ("{file}/sub/out", "--out {file}/sub/out cannot be made: {file} is a file, not a directory"),
-])
+@pytest.mark.parametrize(
+    "out, needle",
+    [
+        ("", "--out is empty: name the output directory (it is made if it does not exist)"),
+        ("{file}", "--out {file} is a file, not a directory"),
+        ("{file}/sub/out", "--out {file}/sub/out cannot be made: {file} is a file, not a directory"),
+    ],
+)
 def test_an_out_that_cannot_be_a_directory_is_refused_by_the_real_and_the_dry_run(out, needle, tmp_path, monkeypatch):
     # An empty --out once wrote the whole run into the current directory; a file on its path failed the
     # real run with a bare errno, while --dry-run said it fits.
@@ -95,13 +109,17 @@ def test_an_out_that_cannot_be_a_directory_is_refused_by_the_real_and_the_dry_ru
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
-@pytest.mark.parametrize("out, needle", [
-    ("a", "a is a symbolic link that loops (a -> b -> a)"),
-    ("a/sub", "a is a symbolic link that loops (a -> b -> a)"),
-    ("gone", "gone is a symbolic link to nowhere, which does not exist"),
-])
-def test_an_out_through_a_broken_symbolic_link_is_refused_by_the_real_and_the_dry_run(out, needle, tmp_path,
-                                                                                     monkeypatch):
+@pytest.mark.parametrize(
+    "out, needle",
+    [
+        ("a", "a is a symbolic link that loops (a -> b -> a)"),
+        ("a/sub", "a is a symbolic link that loops (a -> b -> a)"),
+        ("gone", "gone is a symbolic link to nowhere, which does not exist"),
+    ],
+)
+def test_an_out_through_a_broken_symbolic_link_is_refused_by_the_real_and_the_dry_run(
+    out, needle, tmp_path, monkeypatch
+):
     # A loop passed --dry-run ("fits"); the real run failed with "[Errno 17] File exists", which says no loop.
     monkeypatch.chdir(tmp_path)
     os.symlink("b", "a")
@@ -112,21 +130,32 @@ def test_an_out_through_a_broken_symbolic_link_is_refused_by_the_real_and_the_dr
     for attempt in (extraction.run, extraction.dry_run):
         with pytest.raises(ValueError) as refused:
             attempt(opts)
-        assert str(refused.value) == (f"--out {out} cannot be made: {needle}. Remove the link, or point it at a "
-                                      f"directory")
+        assert str(refused.value) == (
+            f"--out {out} cannot be made: {needle}. Remove the link, or point it at a directory"
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "gone"]
 
 
-@pytest.mark.parametrize("text, why", [
-    (b'{"name": "my-site", "files": ["index.html"]}', "it has no format_version and no shards key"),
-    (b'{"format_version": 9, "shards": {}}', "its format_version is 9, where this version reads 1 or 2 or 3"),
-    (b'{"format_version": 2, "shards": ["a"]}', "its shards are a JSON list, not an object"),
-    (b'["a", "b"]', "it holds a JSON list, not an object"),
-    (b'{"format_version": 2, "sha', "it is not valid JSON (Unterminated string starting at: line 1 column 23 (char 22))"),
-    (b'{"name": "caf\xe9"}', "it is not valid JSON ('utf-8' codec can't decode byte 0xe9 in position 13: invalid "
-                           "continuation byte)"),  # Latin-1
-])
-def test_an_out_holding_a_manifest_no_run_wrote_is_refused_by_the_real_and_the_dry_run(text, why, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        (b'{"name": "my-site", "files": ["index.html"]}', "it has no format_version and no shards key"),
+        (b'{"format_version": 9, "shards": {}}', "its format_version is 9, where this version reads 1 or 2 or 3"),
+        (b'{"format_version": 2, "shards": ["a"]}', "its shards are a JSON list, not an object"),
+        (b'["a", "b"]', "it holds a JSON list, not an object"),
+        (
+            b'{"format_version": 2, "sha',
+            "it is not valid JSON (Unterminated string starting at: line 1 column 23 (char 22))",
+        ),
+        (
+            b'{"name": "caf\xe9"}',
+            "it is not valid JSON ('utf-8' codec can't decode byte 0xe9 in position 13: invalid continuation byte)",
+        ),  # Latin-1
+    ],
+)
+def test_an_out_holding_a_manifest_no_run_wrote_is_refused_by_the_real_and_the_dry_run(
+    text, why, tmp_path, monkeypatch
+):
     # Another tool's manifest.json (an existing folder named by mistake) was merged into the run's: its keys kept,
     # the run's added, the file overwritten; --dry-run said it fits.
     out = tmp_path / "site"
@@ -140,13 +169,15 @@ def test_an_out_holding_a_manifest_no_run_wrote_is_refused_by_the_real_and_the_d
         assert str(refused.value).startswith(
             f"--out {out}: {out / 'manifest.json'} is not a manifest offline_extract wrote: {why}. A run neither builds "
             f"on nor overwrites a manifest it did not write, so nothing there was touched: choose a new or empty "
-            f"directory for --out")
+            f"directory for --out"
+        )
     assert [(p.name, p.read_bytes()) for p in out.iterdir()] == [("manifest.json", text)]
 
 
 @pytest.mark.parametrize("names", [("index.json",), ("rejects.jsonl",), ("index.json", "rejects.jsonl")])
 def test_an_out_holding_an_index_or_rejects_that_no_run_wrote_is_refused_by_the_real_and_the_dry_run(
-        names, tmp_path, monkeypatch):
+    names, tmp_path, monkeypatch
+):
     # A run overwrote them at its end: a folder named by mistake lost its own index.json.
     out = tmp_path / "site"
     out.mkdir()
@@ -160,12 +191,14 @@ def test_an_out_holding_an_index_or_rejects_that_no_run_wrote_is_refused_by_the_
             attempt(opts)
         assert str(refused.value) == (
             f"--out {out} holds {' and '.join(names)} but neither manifest.json nor shards: no run wrote {it}, and "
-            f"this one would overwrite {it}. Choose a new or empty directory for --out")
+            f"this one would overwrite {it}. Choose a new or empty directory for --out"
+        )
     assert sorted((p.name, p.read_text()) for p in out.iterdir()) == [(name, '{"pages": ["home"]}\n') for name in names]
 
 
 def test_weight_files_the_index_lists_but_lacks_are_refused_all_named_before_the_model_loads(
-        tiny_model_dir, tmp_path, monkeypatch):
+    tiny_model_dir, tmp_path, monkeypatch
+):
     # An interrupted download of a sharded checkpoint: every check passed, then SGLang's load failed on the
     # first missing file with a raw traceback.
     from safetensors.torch import load_file, save_file
@@ -187,9 +220,11 @@ def test_weight_files_the_index_lists_but_lacks_are_refused_all_named_before_the
     monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
     out = tmp_path / "out"
     opts = ExtractOptions(data=(CORPUS,), out=str(out), model=str(model))
-    refusal = (f"{index} lists 7 weight files that {model} lacks: {', '.join(names[1:6])} and 2 more. The download "
-               f"or copy did not finish: download or copy the model again (a Hugging Face download fetches only what "
-               f"is missing), then re-run")
+    refusal = (
+        f"{index} lists 7 weight files that {model} lacks: {', '.join(names[1:6])} and 2 more. The download "
+        f"or copy did not finish: download or copy the model again (a Hugging Face download fetches only what "
+        f"is missing), then re-run"
+    )
     for attempt in (extraction.run, extraction.dry_run):
         with pytest.raises(FileNotFoundError) as refused:
             attempt(opts)
@@ -232,7 +267,7 @@ def test_the_weights_fingerprint_hashes_each_files_name_size_and_safetensors_hea
             raw = f.read_bytes()
             h.update(f.name.encode() + len(raw).to_bytes(8, "little"))
             if f.suffix == ".safetensors":
-                h.update(raw[8:8 + int.from_bytes(raw[:8], "little")])
+                h.update(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
         return h.hexdigest()
 
     assert extraction._weights_fingerprint(tiny_model_dir) == fingerprint(tiny_model_dir)
@@ -253,8 +288,12 @@ def test_a_dry_run_refuses_an_out_holding_another_runs_shards_as_the_real_run_wi
     opts = ExtractOptions(data=(CORPUS,), out=str(out), layers=(0, 2))
     checked = preflight.check(opts)
     # What the run records once loaded: the facts known before, and those the engine and tokenizer decide.
-    ran = replace(extraction._known_before_loading(opts, checked), compute_dtype="float32", tokenizer_sha256="t",
-                  chat_template_sha256="c")
+    ran = replace(
+        extraction._known_before_loading(opts, checked),
+        compute_dtype="float32",
+        tokenizer_sha256="t",
+        chat_template_sha256="c",
+    )
     write_shards(out, [[(0, 2)]])
     resume.claim(out, manifest.run_identity(ran, checked.corpus_paths))
     recorded = manifest.load(out)
@@ -262,9 +301,11 @@ def test_a_dry_run_refuses_an_out_holding_another_runs_shards_as_the_real_run_wi
 
     assert extraction.dry_run(opts).samples == 23, "sample 0 is kept"
     assert extraction.dry_run(replace(opts, layers=None)).samples == 23  # SGLang's default: known only once loaded
-    for change, line in (({"layers": (1, 3, 4)}, "layer_ids: [0, 2] -> [1, 3, 4]"),
-                         ({"max_length": 1024}, "max_length: 4096 -> 1024"),
-                         ({"store": "fp8", "force": True}, "store: 'bf16' -> 'fp8'")):
+    for change, line in (
+        ({"layers": (1, 3, 4)}, "layer_ids: [0, 2] -> [1, 3, 4]"),
+        ({"max_length": 1024}, "max_length: 4096 -> 1024"),
+        ({"store": "fp8", "force": True}, "store: 'bf16' -> 'fp8'"),
+    ):
         with pytest.raises(resume.TakeoverError) as refused:
             extraction.dry_run(replace(opts, **change))
         assert f"{out} holds shards of a different run" in str(refused.value) and line in str(refused.value)
@@ -277,8 +318,9 @@ def test_a_dry_run_into_this_runs_finished_output_says_the_run_would_extract_not
     opts = ExtractOptions(data=(CORPUS,), out=str(out))
     checked = preflight.check(opts)
     fingerprint = extraction._sample_tokenizer(opts, checked.model.path).fingerprint()
-    ran = replace(extraction._known_before_loading(opts, checked), layer_ids=(1, 3, 4), compute_dtype="float32",
-                  **fingerprint)
+    ran = replace(
+        extraction._known_before_loading(opts, checked), layer_ids=(1, 3, 4), compute_dtype="float32", **fingerprint
+    )
     write_shards(out, [[(0, 2)]])
     resume.claim(out, manifest.run_identity(ran, checked.corpus_paths))
     assert not extraction.dry_run(opts).finished, "an unfinished run is resumed, not complete"
@@ -286,7 +328,8 @@ def test_a_dry_run_into_this_runs_finished_output_says_the_run_would_extract_not
     plan = extraction.dry_run(opts)
     assert plan.finished and plan.refusal(out) is None
     assert planning.render(plan, out).splitlines()[-1] == (
-        f"{out} already holds this run's finished output: running it extracts nothing")
+        f"{out} already holds this run's finished output: running it extracts nothing"
+    )
     grown = tmp_path / "grown.jsonl"
     grown.write_text(Path(CORPUS).read_text() + '{"text": "one more"}\n')
     assert not extraction.dry_run(replace(opts, data=(str(grown),), force=True)).finished, "records to add"
@@ -297,8 +340,13 @@ def test_a_dry_run_after_a_crash_says_what_is_kept_and_sizes_what_is_left(tmp_pa
     out = tmp_path / "out"
     opts = ExtractOptions(data=(CORPUS,), out=str(out))
     checked = preflight.check(opts)
-    ran = replace(extraction._known_before_loading(opts, checked), layer_ids=(1, 3, 4), compute_dtype="float32",
-                  tokenizer_sha256="t", chat_template_sha256="c")
+    ran = replace(
+        extraction._known_before_loading(opts, checked),
+        layer_ids=(1, 3, 4),
+        compute_dtype="float32",
+        tokenizer_sha256="t",
+        chat_template_sha256="c",
+    )
     whole = extraction.dry_run(opts)
     write_shards(out, [[(0, 2), (1, 3)], [(5, 2)]])
     resume.claim(out, manifest.run_identity(ran, checked.corpus_paths))  # status running: a crashed attempt
@@ -309,8 +357,10 @@ def test_a_dry_run_after_a_crash_says_what_is_kept_and_sizes_what_is_left(tmp_pa
     assert plan.tokens == whole.tokens - kept_tokens and plan.total_bytes < whole.total_bytes
     lines = planning.render(plan, out).splitlines()
     assert lines[0] == "records 24: 3 kept, 21 samples to extract, 0 skipped, 0 rejected"
-    assert lines[-1] == (f"{out} holds 3 samples of an earlier attempt in 2 complete shards: the run resumes, "
-                         f"extracting the 21 samples left (sized above)")
+    assert lines[-1] == (
+        f"{out} holds 3 samples of an earlier attempt in 2 complete shards: the run resumes, "
+        f"extracting the 21 samples left (sized above)"
+    )
 
 
 def _samples(opts, checked, indices):
@@ -331,7 +381,8 @@ def test_a_dry_run_refuses_an_out_another_live_run_holds_in_the_real_runs_words(
         plan = extraction.dry_run(opts)
         assert plan.in_use == str(real.value) and f'"pid": {os.getpid()}' in plan.in_use
         assert planning.render(plan, out).splitlines()[-1] == (
-            f"{out} is in use by another extraction now: the run would be refused")
+            f"{out} is in use by another extraction now: the run would be refused"
+        )
     finally:
         held.release()
     assert extraction.dry_run(opts).in_use is None
@@ -343,8 +394,11 @@ def test_a_dry_run_refuses_an_out_another_live_run_holds_in_the_real_runs_words(
 
 def test_every_replicas_port_must_be_a_tcp_port(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
-    with pytest.raises(ValueError, match=r"^--port-base is a TCP port, from 1 to 65532 for 4 data-parallel replicas "
-                                         r"\(each uses port-base \+ its rank\), got 65533$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--port-base is a TCP port, from 1 to 65532 for 4 data-parallel replicas "
+        r"\(each uses port-base \+ its rank\), got 65533$",
+    ):
         preflight.check(ExtractOptions(data=(CORPUS,), tp=2, port_base=65533))
     preflight.check(ExtractOptions(data=(CORPUS,), tp=2, port_base=65532))
 
@@ -420,13 +474,22 @@ def test_a_config_read_as_written_agrees_with_transformers(arch, tiny_model_dir,
     assert outcome() == as_written
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "default", "rope_theta": 10000.0},
-    {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 1e6},
-    {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 1024, "low_freq_factor": 1.0,
-     "high_freq_factor": 4.0, "rope_theta": 5e5},
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 1e6},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "original_max_position_embeddings": 1024,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "rope_theta": 5e5,
+        },
+    ],
+)
 def test_rope_parameters_as_transformers_5_writes_them_are_read_without_it(rope, tiny_model_dir, tmp_path, monkeypatch):
     # Every checkpoint transformers 5 saves spells RoPE's settings so: they sent the checks through
     # transformers' config classes, seconds of imports (7-9 s of a real 135M model's start-up on the H200).
@@ -523,10 +586,18 @@ def test_a_cached_config_without_weights_is_no_model(offline_hub, tiny_model_dir
         preflight.resolve_model("tiny/llama")
 
 
-@pytest.mark.parametrize("name, is_id", [
-    ("Qwen/Qwen3-8B", True), ("gpt2", True), ("/models/nope", False), ("./m", False), ("~/m", False),
-    ("a/b/c", False), ("../m", False),
-])
+@pytest.mark.parametrize(
+    "name, is_id",
+    [
+        ("Qwen/Qwen3-8B", True),
+        ("gpt2", True),
+        ("/models/nope", False),
+        ("./m", False),
+        ("~/m", False),
+        ("a/b/c", False),
+        ("../m", False),
+    ],
+)
 def test_paths_are_never_taken_for_hub_ids(name, is_id):
     assert hub.looks_like_repo_id(name) is is_id
 
@@ -543,7 +614,8 @@ def test_a_damaged_config_or_saved_data_set_is_named(tmp_path):
     assert str(refused.value) == (
         f"{model / 'config.json'} is not valid JSON (Expecting property name enclosed in double quotes: line 1 column "
         f"41 (char 40)): it is damaged, or was cut short by an interrupted download or copy. Download or copy it "
-        f"again, then re-run")
+        f"again, then re-run"
+    )
     saved = tmp_path / "saved"
     saved.mkdir()
     (saved / "dataset_dict.json").write_text("{")
@@ -551,9 +623,9 @@ def test_a_damaged_config_or_saved_data_set_is_named(tmp_path):
         open_source(str(saved))
 
 
-def test_a_vision_language_model_tokenizes_with_its_processor_or_is_refused_naming_what_is_missing(tiny_model_dir,
-                                                                                                     qwen_vl_dir,
-                                                                                                     tmp_path):
+def test_a_vision_language_model_tokenizes_with_its_processor_or_is_refused_naming_what_is_missing(
+    tiny_model_dir, qwen_vl_dir, tmp_path
+):
     model = tmp_path / "vl"
     shutil.copytree(tiny_model_dir, model)
     config = json.loads((model / "config.json").read_text())
@@ -563,13 +635,21 @@ def test_a_vision_language_model_tokenizes_with_its_processor_or_is_refused_nami
         extraction._sample_tokenizer(opts, model)
     assert str(refused.value) == (
         f"{model} is a vision-language model (its config.json has a vision_config), but AutoProcessor finds no image "
-        f"processor there (preprocessor_config.json or processor_config.json, and its tokenizer files)")
+        f"processor there (preprocessor_config.json or processor_config.json, and its tokenizer files)"
+    )
     AutoProcessor.from_pretrained(qwen_vl_dir).save_pretrained(model)
     tokenizer = extraction._sample_tokenizer(opts, model)
     assert tokenizer.processor is not None and tokenizer.fingerprint()["image_processor_sha256"] is not None
     save_image(tmp_path / "a.png", PATCH, 2 * PATCH)
     corpus = tmp_path / "c.jsonl"
-    corpus.write_text(json.dumps({"conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "ok"}],
-                                  "images": ["a.png"]}) + "\n")
+    corpus.write_text(
+        json.dumps(
+            {
+                "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "ok"}],
+                "images": ["a.png"],
+            }
+        )
+        + "\n"
+    )
     (sample,) = tokenizer.many(list(read_corpus([corpus])))
     assert int(sample.images.token_mask.sum()) == 2

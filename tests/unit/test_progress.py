@@ -1,4 +1,5 @@
 """What a run prints while it works: heartbeat lines without the bar, and the libraries' own output hidden."""
+
 import logging
 import os
 import re
@@ -26,7 +27,9 @@ def test_without_the_bar_a_line_comes_every_interval(capfd):
         progress.advance(0, 0, 2_000_000_000)  # too soon after the last line: no line
     lines = capfd.readouterr().err.splitlines()
     assert [BEAT.match(line).groups() for line in lines] == [
-        ("8", "1,000", "2.0 GB"), ("16", "2,000", "2.0 GB"), ("24", "3,000", "2.0 GB")
+        ("8", "1,000", "2.0 GB"),
+        ("16", "2,000", "2.0 GB"),
+        ("24", "3,000", "2.0 GB"),
     ]
 
 
@@ -145,7 +148,10 @@ def test_a_resumed_runs_token_count_says_it_is_this_attempts():
     from offline_extract.summary import Summary
 
     resumed = Summary(records=3, extracted=1, resumed=2, tokens=500, extract_seconds=2.0, seconds=3.0, shards=["s"])
-    assert resumed.report("out").splitlines()[1] == "tokens 500 extracted now: 250 tok/s over 2.0 s of extraction (3.0 s with start-up)"
+    assert (
+        resumed.report("out").splitlines()[1]
+        == "tokens 500 extracted now: 250 tok/s over 2.0 s of extraction (3.0 s with start-up)"
+    )
     whole = Summary(records=3, extracted=3, tokens=500, extract_seconds=2.0, seconds=3.0, shards=["s"])
     assert whole.report("out").splitlines()[1].startswith("tokens 500: 250 tok/s")
 
@@ -158,8 +164,9 @@ def test_outside_a_terminal_the_bar_is_one_whole_line(capfd):
             time.sleep(0.01)
         progress.advance(20000, 4_096_000, 328_600)
     line = capfd.readouterr().err.strip()
-    assert re.fullmatch(r"dp 0/2 20,000/20,000 samples  [\d,]+ tok/s  328\.6 KB written \d:\d\d:\d\d ETA \d:\d\d:\d\d",
-                        line), line
+    assert re.fullmatch(
+        r"dp 0/2 20,000/20,000 samples  [\d,]+ tok/s  328\.6 KB written \d:\d\d:\d\d ETA \d:\d\d:\d\d", line
+    ), line
 
 
 def test_counts_and_sizes_read_the_same_in_every_line():
@@ -167,8 +174,19 @@ def test_counts_and_sizes_read_the_same_in_every_line():
     # that said "328.6 KB written".
     from offline_extract.summary import Summary
 
-    report = Summary(records=20000, extracted=20000, tokens=538879, bytes_written=328_600, extract_seconds=2.0,
-                     seconds=3.0, shards=["s"]).report("out").splitlines()
+    report = (
+        Summary(
+            records=20000,
+            extracted=20000,
+            tokens=538879,
+            bytes_written=328_600,
+            extract_seconds=2.0,
+            seconds=3.0,
+            shards=["s"],
+        )
+        .report("out")
+        .splitlines()
+    )
     assert report[0] == "records 20,000: extracted 20,000, skipped 0, rejected 0, dropped 0"
     assert report[1].startswith("tokens 538,879: 269,440 tok/s")
     assert report[2] == "1 new shard, 328.6 KB -> out"

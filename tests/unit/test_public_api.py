@@ -1,4 +1,5 @@
 """The names `offline_extract` promises, and that importing it stays cheap."""
+
 import subprocess
 import sys
 

@@ -6,12 +6,15 @@ from offline_extract.data.tokenization import SampleTokenizer, longest_loss_run
 from offline_extract.recipes import RECIPES, spread_layer_ids
 
 
-@pytest.mark.parametrize("num_layers, ids", [
-    (36, (1, 9, 17, 25, 33)),  # Qwen3-8B, the layers of SpecForge's DFlash config for it
-    (32, (1, 8, 15, 22, 29)),  # Llama-3.1-8B
-    (10, (1, 2, 4, 6, 7)),  # 2.5 and 5.5 round half to even, as DFlash's own choice does
-    (8, (1, 2, 3, 4, 5)),
-])
+@pytest.mark.parametrize(
+    "num_layers, ids",
+    [
+        (36, (1, 9, 17, 25, 33)),  # Qwen3-8B, the layers of SpecForge's DFlash config for it
+        (32, (1, 8, 15, 22, 29)),  # Llama-3.1-8B
+        (10, (1, 2, 4, 6, 7)),  # 2.5 and 5.5 round half to even, as DFlash's own choice does
+        (8, (1, 2, 3, 4, 5)),
+    ],
+)
 def test_dflash_layers_spread_evenly_over_1_to_n_minus_3(num_layers, ids):
     assert RECIPES["dflash"].layer_ids(num_layers) == ids == RECIPES["dspark"].layer_ids(num_layers)
     assert max(ids) < num_layers - 1, "the last layer's output is not capturable"
@@ -42,8 +45,15 @@ def test_samples_without_a_long_enough_loss_run_are_skipped_with_the_reason(tiny
     tok = SampleTokenizer(AutoTokenizer.from_pretrained(tiny_model_dir), max_length=4096, min_loss_run=4)
 
     def record(mask):
-        return Record(source="c.jsonl", line=7, index=6, id="s", format="tokens", input_ids=(5,) * len(mask),
-                      loss_mask=tuple(mask))
+        return Record(
+            source="c.jsonl",
+            line=7,
+            index=6,
+            id="s",
+            format="tokens",
+            input_ids=(5,) * len(mask),
+            loss_mask=tuple(mask),
+        )
 
     assert tok(record([0, 1, 1, 1, 1, 0])).num_tokens == 6
     reject = tok(record([1, 1, 1, 0, 1, 1, 1, 0, 1]))  # 7 loss tokens, but no 4 in a row

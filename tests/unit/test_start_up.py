@@ -7,6 +7,7 @@ weights are read beside the load too, and the gate's seconds are split into thei
 In-process, with the session's engine handed out where the run builds its own (SGLang cannot start a
 second engine in one process), so that the test decides how long the "load" lasts; bin/extract.py runs the
 real load end to end in tests/e2e/test_extract_cli.py, whose start-up test checks the same marks."""
+
 import errno
 import json
 import os
@@ -28,8 +29,18 @@ CORPUS = str(ROOT / "examples" / "corpus.jsonl")
 
 
 def _run(tmp_path, model_dir, **changes):
-    settings = dict(data=(CORPUS,), out=str(tmp_path / "out"), model=str(model_dir), device="cpu", parity_samples=0,
-                    tokens_per_batch=1024, seqs_per_batch=16, max_length=1024, progress=False, progress_every=0)
+    settings = dict(
+        data=(CORPUS,),
+        out=str(tmp_path / "out"),
+        model=str(model_dir),
+        device="cpu",
+        parity_samples=0,
+        tokens_per_batch=1024,
+        seqs_per_batch=16,
+        max_length=1024,
+        progress=False,
+        progress_every=0,
+    )
     opts = ExtractOptions(**{**settings, **changes})
     summary = extraction.run(opts)
     return summary, json.loads((tmp_path / "out" / "manifest.json").read_text())["timings"]
@@ -50,7 +61,8 @@ def tokenizer_loaded(monkeypatch):
 
 
 def test_the_tokenizer_loads_while_the_model_does_and_only_the_wait_for_it_is_ours(
-        tiny_engine, tiny_model_dir, tmp_path, monkeypatch, tokenizer_loaded):
+    tiny_engine, tiny_model_dir, tmp_path, monkeypatch, tokenizer_loaded
+):
     def engine(cfg):
         # A load that ends only once the tokenizer is in: were the tokenizer loaded before or after the
         # model, it would not be.
@@ -65,7 +77,9 @@ def test_the_tokenizer_loads_while_the_model_does_and_only_the_wait_for_it_is_ou
     assert t["tokenizer_beside_load"]
     assert t["tokenizer_s"] == pytest.approx(m["tokenizer loaded"] - m["tokenizer loading"])
     # Loaded in full during the load, the tokenizer cost the run only the join after it.
-    assert t["tokenizer_waited_s"] == pytest.approx(m["tokenizer waited"] - m["warm"]) and t["tokenizer_waited_s"] < 0.05
+    assert (
+        t["tokenizer_waited_s"] == pytest.approx(m["tokenizer waited"] - m["warm"]) and t["tokenizer_waited_s"] < 0.05
+    )
     assert t["ours_s"] + t["sglang_s"] + t["parity_gate_s"] == pytest.approx(t["startup_s"])
     assert t["ours_s"] == pytest.approx(t["imports_and_checks_s"] + t["tokenizer_waited_s"] + t["ours_other_s"])
     # Without --verify nothing of HF's is read or timed.
@@ -96,7 +110,8 @@ def gate_spies(monkeypatch):
 
 
 def test_verify_reads_the_reference_weights_beside_the_load_and_the_gate_builds_hf_on_them(
-        tiny_engine, tiny_model_dir, tmp_path, monkeypatch, gate_spies):
+    tiny_engine, tiny_model_dir, tmp_path, monkeypatch, gate_spies
+):
     def engine(cfg):
         # A load that ends only once the reference's weights are in host memory: read at the gate, or before
         # the load, they would not be.
@@ -125,12 +140,15 @@ def test_verify_reads_the_reference_weights_beside_the_load_and_the_gate_builds_
     # The feed's wait for its batches, made on their own thread (feed.prepared_ahead), is on record.
     assert 0 <= t["input_wait_s"] < t["marks"]["finished"] - t["marks"]["first forward"]
     assert line.endswith(f"; between forwards, {t['input_wait_s']:.2f} s waited for input")
-    assert (f"parity gate {t['parity_gate_s']:.1f} s (engine {t['gate_engine_s']:.1f} s; HF: waited "
-            f"{t['gate_preload_waited_s']:.1f} s for its weights read beside the load in {t['gate_preload_s']:.1f} s, ") in line
+    assert (
+        f"parity gate {t['parity_gate_s']:.1f} s (engine {t['gate_engine_s']:.1f} s; HF: waited "
+        f"{t['gate_preload_waited_s']:.1f} s for its weights read beside the load in {t['gate_preload_s']:.1f} s, "
+    ) in line
 
 
-def test_the_records_shown_follow_the_batches_though_they_are_made_ahead(tiny_engine, tiny_model_dir, tmp_path,
-                                                                         monkeypatch, capsys):
+def test_the_records_shown_follow_the_batches_though_they_are_made_ahead(
+    tiny_engine, tiny_model_dir, tmp_path, monkeypatch, capsys
+):
     # The batches are made on a thread ahead of the forwards (feed.prepared_ahead): counted as read, the records
     # reached 30/30 with most of the tokens still to extract.
     monkeypatch.setattr(extraction, "Engine", lambda cfg: tiny_engine)
@@ -150,11 +168,13 @@ def _slowed(forwards):
     def slowed(engine, batch):
         time.sleep(0.05)  # a forward's time, in which the thread making batches runs ahead
         yield from forwards(engine, batch)
+
     return slowed
 
 
 def test_verify_asking_for_more_samples_than_there_are_says_how_many_it_compared(
-        tiny_engine, tiny_model_dir, tmp_path, monkeypatch, capsys):
+    tiny_engine, tiny_model_dir, tmp_path, monkeypatch, capsys
+):
     # The gate passed on the corpus's 24 samples and said nothing of the 6 more that --verify 30 asked for.
     monkeypatch.setattr(extraction, "Engine", lambda cfg: tiny_engine)
     summary, _ = _run(tmp_path, tiny_model_dir, parity_samples=30)
@@ -164,13 +184,17 @@ def test_verify_asking_for_more_samples_than_there_are_says_how_many_it_compared
 
 
 def test_verify_without_room_for_the_preload_reads_the_files_at_the_gate(
-        tiny_engine, tiny_model_dir, tmp_path, monkeypatch, gate_spies):
+    tiny_engine, tiny_model_dir, tmp_path, monkeypatch, gate_spies
+):
     monkeypatch.setattr(extraction, "Engine", lambda cfg: tiny_engine)
     monkeypatch.setattr(parity_gate, "_available_host_memory", lambda: 1 << 20)
     summary, t = _run(tmp_path, tiny_model_dir, parity_samples=2)
     assert summary.extracted == 24 and all(row["ok"] for row in summary.parity)
     assert not gate_spies["read"].is_set() and gate_spies["given"] is None
-    assert t["gate_preload"].startswith("skipped: 1 x ") and "exceed 50% of the host's 1.0 MB available" in t["gate_preload"]
+    assert (
+        t["gate_preload"].startswith("skipped: 1 x ")
+        and "exceed 50% of the host's 1.0 MB available" in t["gate_preload"]
+    )
     assert "parity preload started" not in t["marks"] and "gate_preload_s" not in t
     assert sum(t[key] for key in GATE_PARTS) == pytest.approx(t["parity_gate_s"])
     assert f"HF: weights not read ahead ({t['gate_preload']}), " in timing_line(t)
@@ -195,12 +219,14 @@ def test_a_damaged_weights_file_is_refused_naming_it_before_the_model_loads(mode
     assert str(refused.value) == (
         f"{weights} is not a whole safetensors file (Error while deserializing header: incomplete metadata, file not "
         f"fully covered): it is damaged, or was cut short by an interrupted download or copy. Download or copy it "
-        f"again, then re-run")
+        f"again, then re-run"
+    )
     assert not (tmp_path / "out").exists()
 
 
 def test_a_preload_that_fails_is_reported_at_the_gate_naming_the_file_and_claims_nothing_verified(
-        tiny_engine, model_copy, tmp_path, monkeypatch):
+    tiny_engine, model_copy, tmp_path, monkeypatch
+):
     """A read that fails after the run's checks (here a disk's I/O error): the failure waits for the gate (the model
     load goes on, it does not hang), names the file, what was wrong and what to do, and no shard is written."""
     from offline_extract.engine import checkpoint, parity
@@ -220,7 +246,8 @@ def test_a_preload_that_fails_is_reported_at_the_gate_naming_the_file_and_claims
         _run(tmp_path, model_copy, parity_samples=2)
     assert str(stopped.value) == (
         f"parity gate: reading HF's reference weights from {model_copy} failed: {model_copy / 'model.safetensors'} "
-        f"cannot be read (Input/output error): check its permissions and its disk, or copy it again, then re-run")
+        f"cannot be read (Input/output error): check its permissions and its disk, or copy it again, then re-run"
+    )
     assert len(loads) == 1
     out = tmp_path / "out"
     assert not list(out.glob("*.safetensors")) and not (out / "index.json").exists()
@@ -244,7 +271,10 @@ def two_rank_gate(tiny_engine, model_copy, monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     ids = [np.arange(5, 5 + n) for n in (7, 12)]
-    head = [Sample(i, str(i), "c.jsonl", i + 1, x, np.ones_like(x, dtype=np.uint8), len(x), False) for i, x in enumerate(ids)]
+    head = [
+        Sample(i, str(i), "c.jsonl", i + 1, x, np.ones_like(x, dtype=np.uint8), len(x), False)
+        for i, x in enumerate(ids)
+    ]
 
     def job(rank: int, tp: int) -> ParityGate:
         """A rank's gate once its model has loaded (the phases before it are not this test's), one per rank."""
@@ -293,7 +323,8 @@ def two_rank_gate(tiny_engine, model_copy, monkeypatch):
 
 @pytest.mark.parametrize("tp, replica", [(2, ""), (1, "dp replica 0: ")], ids=["tp-peer", "other-replica"])
 def test_a_preload_that_fails_on_the_writing_rank_stops_the_other_rank_at_once_naming_the_cause(
-        two_rank_gate, model_copy, monkeypatch, tp, replica):
+    two_rank_gate, model_copy, monkeypatch, tp, replica
+):
     """The writing rank's read of the reference's weights fails: its peer, waiting at the gate's meeting,
     stopped only once the writer's heartbeat had been missing for 30 s, saying only that rank 0 stopped answering
     (here, where the writer's process lives on, it waited for ever). The replica that failed is named only where
@@ -305,8 +336,10 @@ def test_a_preload_that_fails_on_the_writing_rank_stops_the_other_rank_at_once_n
 
     monkeypatch.setattr(checkpoint, "load_file", failing_read)
     failed, error, delay = two_rank_gate(tp)
-    cause = (f"parity gate: reading HF's reference weights from {model_copy} failed: {model_copy / 'model.safetensors'} "
-             f"cannot be read (Input/output error)")
+    cause = (
+        f"parity gate: reading HF's reference weights from {model_copy} failed: {model_copy / 'model.safetensors'} "
+        f"cannot be read (Input/output error)"
+    )
     assert isinstance(failed, parity.ParityError) and str(failed).startswith(cause)
     assert isinstance(error, parity.ParityError) and str(error).startswith(f"{replica}{cause}")
     assert delay < 10
@@ -353,8 +386,12 @@ def _names_the_failing_layers(verdict: str, rows: list, layer_ids) -> None:
     failing = [r for r in rows if not r.ok]
     assert [r.layer for r in failing] == [f"aux {k}" for k in layer_ids if k >= WRONG_LAYER] + ["last"]
     assert f"(required: {parity.criterion('float32', False)})" in verdict
-    listed = re.findall(r"^ *(aux \d+|last) \(HF hidden_states\[(\d+)\]\): max_abs=(\S+) max_rel=(\S+) "
-                        r"cosine worst=(\S+) median=(\S+)$", verdict, re.MULTILINE)
+    listed = re.findall(
+        r"^ *(aux \d+|last) \(HF hidden_states\[(\d+)\]\): max_abs=(\S+) max_rel=(\S+) "
+        r"cosine worst=(\S+) median=(\S+)$",
+        verdict,
+        re.MULTILINE,
+    )
     assert [(layer, int(i)) for layer, i, *_ in listed] == [(r.layer, r.hf_index) for r in failing]
     for (*_, max_abs, max_rel, worst, median), r in zip(listed, failing):
         assert [float(max_abs), float(max_rel)] == pytest.approx([r.max_abs, r.max_rel], rel=5e-3)
@@ -363,7 +400,8 @@ def _names_the_failing_layers(verdict: str, rows: list, layer_ids) -> None:
 
 
 def test_a_mismatch_at_the_gate_stops_the_run_before_any_shard_naming_the_failing_layers(
-        tiny_engine, tiny_model_dir, tmp_path, monkeypatch, capfd, wrong_reference, signals_kept):
+    tiny_engine, tiny_model_dir, tmp_path, monkeypatch, capfd, wrong_reference, signals_kept
+):
     """Through the command, as a user runs it: exit status 1, the gate's verdict its one error, and nothing of the
     extraction in --out."""
     from offline_extract.commands import extract as command
@@ -371,9 +409,28 @@ def test_a_mismatch_at_the_gate_stops_the_run_before_any_shard_naming_the_failin
     monkeypatch.setattr(extraction, "Engine", lambda cfg: tiny_engine)
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as exited:
-        command.main(["--data", CORPUS, "--out", str(out), "--model", str(tiny_model_dir), "--device", "cpu",
-                      "--verify", "2", "--tokens-per-batch", "1024", "--seqs-per-batch", "16", "--max-length", "1024",
-                      "--no-progress"], standalone_mode=True)
+        command.main(
+            [
+                "--data",
+                CORPUS,
+                "--out",
+                str(out),
+                "--model",
+                str(tiny_model_dir),
+                "--device",
+                "cpu",
+                "--verify",
+                "2",
+                "--tokens-per-batch",
+                "1024",
+                "--seqs-per-batch",
+                "16",
+                "--max-length",
+                "1024",
+                "--no-progress",
+            ],
+            standalone_mode=True,
+        )
     written = sorted(p.name for p in out.iterdir())
     assert not [name for name in written if "shard" in name or name == "index.json"], written
     assert exited.value.code == 1
@@ -383,7 +440,10 @@ def test_a_mismatch_at_the_gate_stops_the_run_before_any_shard_naming_the_failin
     _names_the_failing_layers(err, wrong_reference["rows"], tiny_engine.layer_ids)
     verdict = err.removeprefix("Error: ").removesuffix("\n")
     recorded = json.loads((out / "manifest.json").read_text())
-    assert (recorded["status"], recorded["result"]) == ("refused", {"refused_by": "the parity gate", "verdict": verdict})
+    assert (recorded["status"], recorded["result"]) == (
+        "refused",
+        {"refused_by": "the parity gate", "verdict": verdict},
+    )
 
     # What is left reads as refused, not as an interrupted run that a re-run would finish.
     from click.testing import CliRunner
@@ -396,16 +456,36 @@ def test_a_mismatch_at_the_gate_stops_the_run_before_any_shard_naming_the_failin
         f"refused: the run was refused by the parity gate before it extracted anything (manifest.json status "
         f"'refused'); re-running the same command gives the same verdict:\n{verdict}\n"
         f"verified 0 shards holding 0 samples in {out}: no problems\n"
-        "the run extracted nothing: fix what the verdict names (or run in float32, --dtype float32), then re-run\n")
+        "the run extracted nothing: fix what the verdict names (or run in float32, --dtype float32), then re-run\n"
+    )
     summary = CliRunner().invoke(inspect.main, [str(out)])
     assert summary.exit_code == 1 and "interrupted" not in summary.output and "unfinished" not in summary.output
     assert f"{out} was refused by the parity gate before it extracted anything" in summary.output
 
     # The same command again: the same verdict, and still nothing extracted.
     with pytest.raises(SystemExit) as again:
-        command.main(["--data", CORPUS, "--out", str(out), "--model", str(tiny_model_dir), "--device", "cpu",
-                      "--verify", "2", "--tokens-per-batch", "1024", "--seqs-per-batch", "16", "--max-length", "1024",
-                      "--no-progress"], standalone_mode=True)
+        command.main(
+            [
+                "--data",
+                CORPUS,
+                "--out",
+                str(out),
+                "--model",
+                str(tiny_model_dir),
+                "--device",
+                "cpu",
+                "--verify",
+                "2",
+                "--tokens-per-batch",
+                "1024",
+                "--seqs-per-batch",
+                "16",
+                "--max-length",
+                "1024",
+                "--no-progress",
+            ],
+            standalone_mode=True,
+        )
     assert again.value.code == 1
     assert capfd.readouterr().err.removeprefix("Error: ").removesuffix("\n") == verdict
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".lock")) == ["manifest.json"]
@@ -413,7 +493,8 @@ def test_a_mismatch_at_the_gate_stops_the_run_before_any_shard_naming_the_failin
 
 
 def test_a_mismatch_on_the_writing_rank_stops_its_tp_peer_at_once_naming_the_layers(
-        two_rank_gate, tiny_engine, wrong_reference):
+    two_rank_gate, tiny_engine, wrong_reference
+):
     from offline_extract.engine import parity
 
     failed, error, delay = two_rank_gate()
@@ -425,7 +506,8 @@ def test_a_mismatch_on_the_writing_rank_stops_its_tp_peer_at_once_naming_the_lay
 
 
 def test_under_strict_the_tokenizer_loads_before_the_model_and_counts_as_ours(
-        tiny_engine, tiny_model_dir, tmp_path, monkeypatch, tokenizer_loaded):
+    tiny_engine, tiny_model_dir, tmp_path, monkeypatch, tokenizer_loaded
+):
     """--strict tokenizes every record before the model loads, so it cannot wait for the load."""
 
     def engine(cfg):
@@ -471,7 +553,8 @@ def test_a_tokenizer_that_fails_stops_the_model_load_at_once(tiny_model_dir, tmp
 
 
 def test_a_tokenizer_that_fails_after_the_load_is_raised_once_and_interrupts_nothing_later(
-        tiny_engine, tiny_model_dir, tmp_path, monkeypatch):
+    tiny_engine, tiny_model_dir, tmp_path, monkeypatch
+):
     loaded = threading.Event()
 
     def tokenizer(opts, model_dir):
@@ -490,8 +573,9 @@ def test_a_tokenizer_that_fails_after_the_load_is_raised_once_and_interrupts_not
         time.sleep(0.01)
 
 
-def test_ctrl_c_while_the_tokenizer_loads_beside_the_model_says_one_line(tiny_model_dir, tmp_path, monkeypatch,
-                                                                          capfd, signals_kept):
+def test_ctrl_c_while_the_tokenizer_loads_beside_the_model_says_one_line(
+    tiny_model_dir, tmp_path, monkeypatch, capfd, signals_kept
+):
     # It replayed everything SGLang, torch and HF had printed while hidden (a screenful, tracebacks included where a
     # library logged one) before the line that every other Ctrl-C prints alone.
     from offline_extract.commands import extract as command
@@ -513,8 +597,20 @@ def test_ctrl_c_while_the_tokenizer_loads_beside_the_model_says_one_line(tiny_mo
     out = tmp_path / "out"
     try:
         with pytest.raises(SystemExit) as exited:
-            command.main(["--data", CORPUS, "--out", str(out), "--model", str(tiny_model_dir), "--device", "cpu",
-                          "--no-progress"], standalone_mode=True)
+            command.main(
+                [
+                    "--data",
+                    CORPUS,
+                    "--out",
+                    str(out),
+                    "--model",
+                    str(tiny_model_dir),
+                    "--device",
+                    "cpu",
+                    "--no-progress",
+                ],
+                standalone_mode=True,
+            )
     finally:
         release.set()
     assert exited.value.code == 130
@@ -524,7 +620,9 @@ def test_ctrl_c_while_the_tokenizer_loads_beside_the_model_says_one_line(tiny_mo
     assert not out.exists()
 
 
-def test_the_last_forward_is_marked_after_a_long_last_samples_last_chunk(tiny_engine, tiny_model_dir, tmp_path, monkeypatch):
+def test_the_last_forward_is_marked_after_a_long_last_samples_last_chunk(
+    tiny_engine, tiny_model_dir, tmp_path, monkeypatch
+):
     """The feed reads a batch ahead, so the batches run out during the last batch's first forward; the
     tail is counted from its last (here the last chunk of a sample longer than the engine's budget)."""
     from offline_extract.timeline import Timeline

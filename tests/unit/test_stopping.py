@@ -1,4 +1,5 @@
 """Ctrl-C through `stopping`: never inside an import, never lost, an error after it taken as the stop."""
+
 import os
 import signal
 import subprocess
@@ -37,6 +38,7 @@ def test_ctrl_c_during_an_import_lands_once_the_import_returns(guarded, tmp_path
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(KeyboardInterrupt):
         import slow_module  # noqa: F401
+
         started = time.monotonic()
         while time.monotonic() - started < 30:  # what follows the import, where the interrupt lands
             pass
@@ -110,7 +112,11 @@ def test_ctrl_c_before_anything_is_written_ends_the_program_at_once_with_its_wor
             time.sleep(30)
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
-    assert (proc.returncode, proc.stdout, proc.stderr) == (130, "", "stopped (Ctrl-C) before anything was written to out\n")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        130,
+        "",
+        "stopped (Ctrl-C) before anything was written to out\n",
+    )
 
 
 def test_ctrl_c_inside_a_held_back_step_lands_once_it_is_done(guarded):

@@ -1,5 +1,6 @@
 """A run's clock (offline_extract.timeline) starts with the interpreter that runs our program, whichever
 process it was exec'd in."""
+
 import subprocess
 import sys
 import time
@@ -8,8 +9,10 @@ from extract_runs import ROOT
 
 # What a command's first line does (bin/ and the console scripts import the package first), then the clock's
 # origin as wall-clock time, the clock's reading and the process's id.
-CLOCK = ("import offline_extract.commands, os, time; from offline_extract.timeline import Timeline; "
-         "{before}now = Timeline().now(); print(time.time() - now, now, os.getpid())")
+CLOCK = (
+    "import offline_extract.commands, os, time; from offline_extract.timeline import Timeline; "
+    "{before}now = Timeline().now(); print(time.time() - now, now, os.getpid())"
+)
 
 
 def _clock(command: list[str]) -> tuple[float, float, int]:

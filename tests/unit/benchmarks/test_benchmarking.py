@@ -1,6 +1,7 @@
 """bin/bench.py on CPU: its synthetic corpus, FLOP count and output classification, and every mode it times
 on the GPU (bare prefill, copy-out, extraction in each encoding, fp8 error, chunk sweep, cold start)
 through the real engine at tiny size."""
+
 import dataclasses
 import json
 import subprocess
@@ -16,9 +17,24 @@ from extract_runs import ROOT
 from transformers import AutoTokenizer
 
 from benchmarks.extraction_vs_prefill import (
-    BenchOptions, _bare, _chunk_sweep, _cold_start, _DiscardWriter, _first_pass, _ForwardClock, _fp8_error, _host_thread_sweep,
-    ResultFiles, _rank_report,
-    _timed, attention_flops, jit_cache_entries, model_flops_per_token, out_kind, shard_writes, summary_line,
+    BenchOptions,
+    _bare,
+    _chunk_sweep,
+    _cold_start,
+    _DiscardWriter,
+    _first_pass,
+    _ForwardClock,
+    _fp8_error,
+    _host_thread_sweep,
+    ResultFiles,
+    _rank_report,
+    _timed,
+    attention_flops,
+    jit_cache_entries,
+    model_flops_per_token,
+    out_kind,
+    shard_writes,
+    summary_line,
     synthetic_corpus,
 )
 from offline_extract.engine.distributed import Coordinator, Layout
@@ -65,8 +81,14 @@ def test_data_parallel_ranks_split_the_same_corpus(tokenizer):
 
 
 def test_flops_per_token_counts_weights_and_causal_attention():
-    cfg = SimpleNamespace(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, head_dim=128,
-                          num_key_value_heads=8, intermediate_size=14336)
+    cfg = SimpleNamespace(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        head_dim=128,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+    )
     one = SimpleNamespace(num_tokens=1)
     matmul_params = 32 * (4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336)  # 6.98e9: Llama-3-8B minus embeddings
     assert model_flops_per_token(cfg, [one]) == pytest.approx(2 * matmul_params + 4 * 32 * 4096, rel=1e-9)
@@ -79,7 +101,9 @@ def test_chunked_attention_flops_add_up_to_one_pass():
     one_pass = attention_flops(cfg, 0, 131072)
     assert one_pass == pytest.approx(4 * 32 * 32 * 128 * 131072 * 131073 / 2, rel=1e-12)
     for chunk in (16384, 5000, 131072):
-        assert sum(attention_flops(cfg, a, b) for a, b in chunk_bounds(131072, chunk)) == pytest.approx(one_pass, rel=1e-12)
+        assert sum(attention_flops(cfg, a, b) for a, b in chunk_bounds(131072, chunk)) == pytest.approx(
+            one_pass, rel=1e-12
+        )
     # A later chunk costs more than the first: it attends to its prefix as well.
     assert attention_flops(cfg, 16384, 32768) == pytest.approx(3 * attention_flops(cfg, 0, 16384), rel=1e-3)
 
@@ -100,8 +124,9 @@ def test_out_kind_tells_tmpfs_from_disk(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what bin/bench.py says on a machine without a GPU")
 def test_bench_without_a_gpu_says_so_in_one_line():
-    proc = subprocess.run([sys.executable, str(ROOT / "bin" / "bench.py")], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bin" / "bench.py")], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     assert proc.returncode == 1
     assert proc.stderr.strip() == "Error: bin/bench.py times extraction on a GPU, but torch sees no CUDA GPU here"
 
@@ -150,8 +175,11 @@ def test_the_timed_modes_run_through_the_real_engine(tiny_engine, bench_batches,
         run = synthetic_run(tiny_engine.layer_ids, store=encoding.store, compress=encoding.compress)
         writer = ShardWriter(out, run, shard_bytes=1 << 20, widths=widths)
         host_times = {}
-        _timed(coord, lambda: (host_times.update(extract_batches(clock, bench_batches, writer, staging=staging)),
-                               writer.close()), clock)
+        _timed(
+            coord,
+            lambda: (host_times.update(extract_batches(clock, bench_batches, writer, staging=staging)), writer.close()),
+            clock,
+        )
         assert writer.bytes_written > 0
         report = _rank_report(layout, clock, host_times, writer)
         forwards = report["per_forward"]
@@ -255,20 +283,37 @@ def test_the_host_thread_sweep_writes_each_count_into_a_fresh_folder(tiny_engine
     assert written == [("threads_1", tokens), ("threads_2", tokens)]
     assert not root.exists() or not list(root.iterdir()), "each count's folder is removed once timed"
 
-    opts = BenchOptions(shape="tiny", encodings=((store, "none"),), outs=(str(tmp_path),),
-                        results_dir=str(tmp_path / "results"), command="bench --host-threads 1,2")
+    opts = BenchOptions(
+        shape="tiny",
+        encodings=((store, "none"),),
+        outs=(str(tmp_path),),
+        results_dir=str(tmp_path / "results"),
+        command="bench --host-threads 1,2",
+    )
     ResultFiles(opts, Layout()).measured(0, {"command": opts.command, "extract_tok_s_by_host_threads": rates})
     (saved,) = (tmp_path / "results").glob("*.json")
     assert json.loads(saved.read_text())["extract_tok_s_by_host_threads"] == rates
 
 
 def test_the_summary_line_puts_the_cold_figures_beside_the_warm_ones():
-    result = {"store": "bf16", "compress": "none", "out": "/dev/shm/x", "out_kind": "tmpfs", "timed_compiled": 0,
-              "bare_prefill_tok_s": 40000.4, "extract_tok_s": 39000, "extract_over_bare": 0.975, "copy_only_tok_s": 39900,
-              "bare_first_pass_tok_s": 20000, "bare_first_pass_compiled": 12, "cold_tok_s": 2522.1}
+    result = {
+        "store": "bf16",
+        "compress": "none",
+        "out": "/dev/shm/x",
+        "out_kind": "tmpfs",
+        "timed_compiled": 0,
+        "bare_prefill_tok_s": 40000.4,
+        "extract_tok_s": 39000,
+        "extract_over_bare": 0.975,
+        "copy_only_tok_s": 39900,
+        "bare_first_pass_tok_s": 20000,
+        "bare_first_pass_compiled": 12,
+        "cold_tok_s": 2522.1,
+    }
     assert summary_line(result) == (
         "bench bf16/none -> /dev/shm/x (tmpfs), tok/s on warm kernels: bare 40,000, extract 39,000 (0.975 of bare), "
-        "copy-only 39,900; cold: bare's first pass 20,000 (12 JIT cache files added), warm-up batches 2,522")
+        "copy-only 39,900; cold: bare's first pass 20,000 (12 JIT cache files added), warm-up batches 2,522"
+    )
     assert "3 JIT cache files added while timed" in summary_line({**result, "timed_compiled": 3})
 
 
@@ -278,7 +323,11 @@ def test_shard_writes_count_overlaps_and_the_rate_while_writing():
     assert report["shard_writes"] == [[0.0, 1.0, 100], [0.5, 1.0, 200], [1.5, 1.0, 300]]
     assert report["shards_written_at_once_max"] == 2, "the write starting as another ends is not beside it"
     assert report["write_bytes_s_while_writing"] == pytest.approx(600 / 2.5)
-    assert shard_writes([], 0.0) == {"shard_writes": [], "shards_written_at_once_max": 0, "write_bytes_s_while_writing": None}
+    assert shard_writes([], 0.0) == {
+        "shard_writes": [],
+        "shards_written_at_once_max": 0,
+        "write_bytes_s_while_writing": None,
+    }
 
 
 def test_the_cold_start_times_each_first_batch_after_the_start_up(tiny_engine, tokenizer):

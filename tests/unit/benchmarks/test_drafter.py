@@ -1,6 +1,7 @@
 """benchmarks/drafter (issue 36): the prompt builder, the steps' resume rules, the states our side makes
 on CPU through the real engine (bin/extract.py and bin/export.py on the embedded model), SpecForge's
 files found back by their tokens, the tied-embedding copy, and the table."""
+
 import json
 import random
 import subprocess
@@ -25,8 +26,10 @@ def _fake_stdlib(root: Path, modules: int = 30, funcs: int = 4) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     for m in range(modules):
         body = [f'"""Module m{m}: what it is for, said at enough length to be explained."""']
-        body += [f'def f{i}():\n    """Function {i} of module {m} does thing {i} with enough words to count."""\n'
-                 for i in range(funcs)]
+        body += [
+            f'def f{i}():\n    """Function {i} of module {m} does thing {i} with enough words to count."""\n'
+            for i in range(funcs)
+        ]
         (root / f"m{m}.py").write_text("\n".join(body))
     (root / "test").mkdir()
     (root / "test" / "t.py").write_text('"""A test module docstring that is long enough to be used if it were read."""')
@@ -68,8 +71,17 @@ def test_the_real_stdlib_gives_the_issues_counts():
 
 
 def test_pipeline_prompts_step_is_skipped_once_complete(tmp_path):
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "drafter" / "pipeline.py"), "--data", str(tmp_path / "d"),
-           "prompts", "--train", "300", "--heldout", "20"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "drafter" / "pipeline.py"),
+        "--data",
+        str(tmp_path / "d"),
+        "prompts",
+        "--train",
+        "300",
+        "--heldout",
+        "20",
+    ]
     first = subprocess.run(cmd, capture_output=True, text=True, check=True)
     assert "300 training and 20 held-out" in first.stdout
     made = (tmp_path / "d" / "prompts" / "train.jsonl.gz").read_bytes()
@@ -88,8 +100,14 @@ class _FakeEngine:
     def generate(self, input_ids, sampling_params):
         self.calls.append(len(input_ids))
         assert sampling_params["temperature"] == 0.0
-        return [{"text": f"answer of {len(ids)} tokens", "output_ids": [1, 2],
-                 "meta_info": {"completion_tokens": 2, "finish_reason": {"type": "length"}}} for ids in input_ids]
+        return [
+            {
+                "text": f"answer of {len(ids)} tokens",
+                "output_ids": [1, 2],
+                "meta_info": {"completion_tokens": 2, "finish_reason": {"type": "length"}},
+            }
+            for ids in input_ids
+        ]
 
     def shutdown(self):
         pass
@@ -134,32 +152,53 @@ def test_responses_resume_from_the_parts_written(tmp_path, monkeypatch, tiny_mod
 
 
 @pytest.mark.slow
-def test_responses_and_the_target_served_through_sglang_engine_on_cpu(tmp_path, tiny_model_dir,
-                                                                      processes_end_with_the_test):
+def test_responses_and_the_target_served_through_sglang_engine_on_cpu(
+    tmp_path, tiny_model_dir, processes_end_with_the_test
+):
     """The two sglang.Engine steps as the device calls run them, on CPU with the embedded model: every
     training prompt answered greedily in its part, then the held-out prompts served by the target alone."""
     layout = _prompts_layout(tmp_path, 6)
-    pipeline = [sys.executable, str(ROOT / "benchmarks" / "drafter" / "pipeline.py"), "--device", "cpu", "--model",
-                str(tiny_model_dir), "--data", str(layout.data), "--scratch", str(layout.scratch)]
-    run = subprocess.run([*pipeline, "responses", "--max-new-tokens", "6", "--chunk", "4"], capture_output=True,
-                         text=True, timeout=900)
+    pipeline = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "drafter" / "pipeline.py"),
+        "--device",
+        "cpu",
+        "--model",
+        str(tiny_model_dir),
+        "--data",
+        str(layout.data),
+        "--scratch",
+        str(layout.scratch),
+    ]
+    run = subprocess.run(
+        [*pipeline, "responses", "--max-new-tokens", "6", "--chunk", "4"], capture_output=True, text=True, timeout=900
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "2 parts written, 0 kept, of 2; complete" in run.stdout
     rows = [r for p in sorted(layout.responses.glob("part_*")) for r in load_jsonl_gz(p)]
     assert [r["id"] for r in rows] == [r["id"] for r in load_jsonl_gz(layout.prompts / "train.jsonl.gz")]
     assert all(0 < r["completion_tokens"] <= 6 for r in rows)
-    run = subprocess.run([*pipeline, "serve", "target", "--max-new-tokens", "6", "--speed-prompts", "2"],
-                         capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        [*pipeline, "serve", "target", "--max-new-tokens", "6", "--speed-prompts", "2"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     served = lay.read_json(layout.serve_record("target"))
     assert served["prompts"] == 4 and served["batch1_prompts"] == 2 and served["batch1_decode_tok_s"] > 0
     assert served["drafter"] is None and "accept_length" not in served
-    assert [json.loads(line)["step"] for line in layout.commands.read_text().splitlines()] == ["responses", "serve target"]
+    assert [json.loads(line)["step"] for line in layout.commands.read_text().splitlines()] == [
+        "responses",
+        "serve target",
+    ]
 
 
 def test_acceptance_from_meta_info():
-    metas = [{"completion_tokens": 10, "spec_verify_ct": 5, "spec_accept_histogram": [1, 2, 2]},
-             {"completion_tokens": 6, "spec_verify_ct": 3, "spec_accept_histogram": [2, 0, 0, 1]}]
+    metas = [
+        {"completion_tokens": 10, "spec_verify_ct": 5, "spec_accept_histogram": [1, 2, 2]},
+        {"completion_tokens": 6, "spec_verify_ct": 3, "spec_accept_histogram": [2, 0, 0, 1]},
+    ]
     got = sglang_runs.acceptance(metas)
     assert got["accept_length"] == 16 / 8
     assert got["accept_histogram"] == [3, 2, 2, 1]
@@ -169,8 +208,15 @@ def test_acceptance_from_meta_info():
 def _responses_for(layout: lay.Layout) -> None:
     records = load_jsonl_gz(layout.prompts / "train.jsonl.gz")
     rng = random.Random(0)
-    rows = [{"id": r["id"], "text": " ".join(rng.choice(["alpha", "beta", "gamma"]) for _ in range(rng.randint(3, 12))),
-             "completion_tokens": 1, "finish_reason": "stop"} for r in records]
+    rows = [
+        {
+            "id": r["id"],
+            "text": " ".join(rng.choice(["alpha", "beta", "gamma"]) for _ in range(rng.randint(3, 12))),
+            "completion_tokens": 1,
+            "finish_reason": "stop",
+        }
+        for r in records
+    ]
     layout.responses.mkdir(parents=True)
     (layout.responses / "part_0000.jsonl.gz").write_bytes(dump_jsonl_gz(rows))
     lay.mark_done(layout.responses)
@@ -279,10 +325,20 @@ def test_draft_config_and_training_config(tmp_path, tiny_model_dir):
     assert draft["architectures"] == ["LlamaForCausalLMEagle3"] and draft["num_hidden_layers"] == 1
     assert draft["hidden_size"] == target["hidden_size"] and draft["draft_vocab_size"] == target["vocab_size"]
     keys = {"target_copy": "T", "embedding_key": "e", "lm_head_key": "h"}
-    a = train.config(layout, "ours-s0", layout.view("ours"), keys, seed=0, steps=10, batch_size=4, max_length=512,
-                     learning_rate=1e-4)
-    b = train.config(layout, "specforge-s0", layout.view("specforge"), keys, seed=0, steps=10, batch_size=4,
-                     max_length=512, learning_rate=1e-4)
+    a = train.config(
+        layout, "ours-s0", layout.view("ours"), keys, seed=0, steps=10, batch_size=4, max_length=512, learning_rate=1e-4
+    )
+    b = train.config(
+        layout,
+        "specforge-s0",
+        layout.view("specforge"),
+        keys,
+        seed=0,
+        steps=10,
+        batch_size=4,
+        max_length=512,
+        learning_rate=1e-4,
+    )
     assert a["training"] == b["training"] and a["model"] == b["model"]
     assert a["data"]["hidden_states_path"] != b["data"]["hidden_states_path"]
 
@@ -297,8 +353,15 @@ def _serve(name, length, speed, tmp: lay.Layout, samples=100):
 def test_table_judges_the_issues_targets(tmp_path):
     layout = lay.Layout(tmp_path, tmp_path / "s")
     _serve("target", None, 100.0, layout)
-    for name, length in (("ours-s0", 2.0), ("ours-s1", 2.02), ("specforge-s0", 2.01), ("specforge-s1", 2.03),
-                         ("offbyone-s0", 1.2), ("prenorm-s0", 2.0), ("fp8-s0", 1.99)):
+    for name, length in (
+        ("ours-s0", 2.0),
+        ("ours-s1", 2.02),
+        ("specforge-s0", 2.01),
+        ("specforge-s1", 2.03),
+        ("offbyone-s0", 1.2),
+        ("prenorm-s0", 2.0),
+        ("fp8-s0", 1.99),
+    ):
         _serve(name, length, 150.0, layout)
     result = table.table(layout)
     v = result["verdicts"]
@@ -336,9 +399,27 @@ def test_pack_brings_back_what_the_prompts_are_not(tmp_path):
     (layout.scratch / "logs").mkdir(parents=True)
     (layout.scratch / "logs" / "extract_ours.log").write_text("ok\n")
     script = str(ROOT / "benchmarks" / "drafter" / "pipeline.py")
-    subprocess.run([sys.executable, script, "--data", str(layout.data), "--scratch", str(layout.scratch), "pack",
-                    str(tmp_path / "out")], capture_output=True, text=True, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            script,
+            "--data",
+            str(layout.data),
+            "--scratch",
+            str(layout.scratch),
+            "pack",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     with tarfile.open(tmp_path / "out" / "drafter-data.tgz") as tar:
         names = set(tar.getnames())
-    assert {"responses/part_0000.jsonl.gz", "responses/DONE.json", "serve/target.json", "logs/extract_ours.log"} <= names
+    assert {
+        "responses/part_0000.jsonl.gz",
+        "responses/DONE.json",
+        "serve/target.json",
+        "logs/extract_ours.log",
+    } <= names
     assert not any(n.startswith("prompts") for n in names)

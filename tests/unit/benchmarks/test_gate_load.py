@@ -1,5 +1,6 @@
 """benchmarks/gate_load.py on CPU, on the embedded model: every part it times on the GPU runs, and the
 comparison it times passes (the held states are HF's own)."""
+
 import json
 import sys
 
@@ -8,8 +9,25 @@ from benchmarks import gate_load
 
 def test_gate_load_times_every_part_of_the_gates_hf_side(tiny_model_dir, tmp_path, monkeypatch):
     out = tmp_path / "gate_load.json"
-    monkeypatch.setattr(sys, "argv", ["gate_load.py", "--model", str(tiny_model_dir), "--dtype", "float32",
-                                      "--device", "cpu", "--samples", "2", "--length", "24", "--json", str(out)])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "gate_load.py",
+            "--model",
+            str(tiny_model_dir),
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--samples",
+            "2",
+            "--length",
+            "24",
+            "--json",
+            str(out),
+        ],
+    )
     gate_load.main(standalone_mode=False)
     result = json.loads(out.read_text())
     files = sorted(tiny_model_dir.glob("*.safetensors"))

@@ -1,6 +1,7 @@
 """The CPU-checkable parts of the peer comparison (benchmarks/peers/): corpus hand-off, accounting, reading
 SpecForge's output layout, SGLang's own return_hidden_states path against our engine, and the result files
 that a bench cut short leaves."""
+
 import json
 import os
 import signal
@@ -25,7 +26,6 @@ from offline_extract.data.tokenization import SampleTokenizer
 from offline_extract.engine.distributed import Layout
 
 
-
 @pytest.fixture(scope="module")
 def hf_tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -33,8 +33,10 @@ def hf_tokenizer(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def seqs(hf_tokenizer):
-    samples = synthetic_corpus(SampleTokenizer(hf_tokenizer, max_length=2048),
-                               BenchOptions(mean_length=300, max_length=2048, num_tokens=30_000))
+    samples = synthetic_corpus(
+        SampleTokenizer(hf_tokenizer, max_length=2048),
+        BenchOptions(mean_length=300, max_length=2048, num_tokens=30_000),
+    )
     return [s.input_ids for s in samples]
 
 
@@ -117,8 +119,12 @@ def _fake_specforge_output(out: Path, prepared, order, batch_size, hidden=8):
             padded = np.zeros(pad, dtype=np.int64)
             padded[: len(ids)] = ids
             states = torch.arange(pad, dtype=torch.float32)[:, None].expand(pad, hidden)
-            rec = {"input_ids": torch.from_numpy(padded), "loss_mask": torch.zeros(pad, dtype=torch.long),
-                   "aux_hidden_state": states.repeat(1, 3)[None].bfloat16(), "hidden_state": states[None].bfloat16()}
+            rec = {
+                "input_ids": torch.from_numpy(padded),
+                "loss_mask": torch.zeros(pad, dtype=torch.long),
+                "aux_hidden_state": states.repeat(1, 3)[None].bfloat16(),
+                "hidden_state": states[None].bfloat16(),
+            }
             path = out / f"rows_0-2000/data_{idx}.ckpt"
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(rec, path)
@@ -154,8 +160,17 @@ def test_specforge_counts_unknown_files_by_their_unpadded_length(tmp_path, seqs,
 
 
 def test_specforge_command_is_its_documented_launch(tmp_path):
-    argv = specforge.command(Path("s.py"), Path("m"), Path("d.jsonl"), Path("o"), Path("c"), max_length=8192,
-                             batch_size=32, attention_backend="fa3", draft_config=Path("cfg.json"))
+    argv = specforge.command(
+        Path("s.py"),
+        Path("m"),
+        Path("d.jsonl"),
+        Path("o"),
+        Path("c"),
+        max_length=8192,
+        batch_size=32,
+        attention_backend="fa3",
+        draft_config=Path("cfg.json"),
+    )
     assert argv[:5] == ["torchrun", "--standalone", "--nproc_per_node", "1", "s.py"]
     flags = dict(zip(argv[5::2], argv[6::2]))
     assert flags["--chat-template"] == specforge.CHAT_TEMPLATE and flags["--batch-size"] == "32"
@@ -185,8 +200,13 @@ def test_cross_check_fills_the_row_and_unknown_baselines_are_refused():
 
 def test_result_files_hold_each_part_as_it_finishes(tmp_path):
     """A run cut short between parts leaves, in every result file, a valid JSON of the parts done so far."""
-    opts = BenchOptions(model="/models/m", baselines=("sglang-engine", "hf"), outs=("/dev/shm/x", "/"),
-                        results_dir=str(tmp_path), command="python bin/bench.py --baseline sglang-engine --baseline hf")
+    opts = BenchOptions(
+        model="/models/m",
+        baselines=("sglang-engine", "hf"),
+        outs=("/dev/shm/x", "/"),
+        results_dir=str(tmp_path),
+        command="python bin/bench.py --baseline sglang-engine --baseline hf",
+    )
     files = ResultFiles(opts, Layout())
     assert not list(tmp_path.iterdir()), "nothing is written before a part is done"
 
@@ -197,8 +217,18 @@ def test_result_files_hold_each_part_as_it_finishes(tmp_path):
     peer = PeerRow("sglang-engine", "0.5.17", "c", 1400.0, 8196.0, 11 << 30, None, notes={"num_tokens": 9})
     files.peer(peer)
     disk, tmpfs = saved()
-    assert disk == tmpfs == {"command": opts.command, "peers": [peer.to_json()], "parts": {
-        "done": ["peer sglang-engine"], "left": ["ours", "peer hf", "cross-check sglang-engine", "cross-check hf"]}}
+    assert (
+        disk
+        == tmpfs
+        == {
+            "command": opts.command,
+            "peers": [peer.to_json()],
+            "parts": {
+                "done": ["peer sglang-engine"],
+                "left": ["ours", "peer hf", "cross-check sglang-engine", "cross-check hf"],
+            },
+        }
+    )
     assert rows(tmpfs, "r.json")[0].startswith("| ours **not measured**: parts left ours, ")
 
     files.measured(0, {"command": opts.command, "extract_tok_s": 30000.0, "out_kind": "tmpfs"})
@@ -214,8 +244,10 @@ def test_result_files_hold_each_part_as_it_finishes(tmp_path):
     assert tmpfs["parts"]["left"] == ["cross-check hf"]
     files.done("cross-check hf")
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert [n.rsplit("_", 1)[0] for n in names] == ["bench_m_lognormal_disk_bf16_none_w1_tp1",
-                                                     "bench_m_lognormal_tmpfs_bf16_none_w1_tp1"]
+    assert [n.rsplit("_", 1)[0] for n in names] == [
+        "bench_m_lognormal_disk_bf16_none_w1_tp1",
+        "bench_m_lognormal_tmpfs_bf16_none_w1_tp1",
+    ]
     assert [d["parts"]["left"] for d in saved()] == [[], []]
     assert [d["extract_tok_s"] for d in files.write(final=True)] == [30000.0, 20000.0]
     assert sorted(p.name for p in tmp_path.iterdir()) == names, "rewritten in place, under the names of the first save"
@@ -254,8 +286,20 @@ def test_sglang_return_hidden_states_is_our_post_norm_final_state(tmp_path, tiny
     save_batches(tmp_path / "batches.npz", [seqs[:2], seqs[2:5], seqs[5:6]], warmup=1)
     with open(log, "w") as err:
         bench = subprocess.Popen(
-            [sys.executable, "-c", _PEERS_THEN_OURS, str(tiny_model_dir), str(tmp_path / "batches.npz"), str(work),
-             str(results), str(tmp_path / "moved-on")], cwd=ROOT, stderr=err, start_new_session=True)
+            [
+                sys.executable,
+                "-c",
+                _PEERS_THEN_OURS,
+                str(tiny_model_dir),
+                str(tmp_path / "batches.npz"),
+                str(work),
+                str(results),
+                str(tmp_path / "moved-on"),
+            ],
+            cwd=ROOT,
+            stderr=err,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + 600
     try:
         while not (tmp_path / "moved-on").exists():
@@ -299,11 +343,14 @@ def test_sglang_return_hidden_states_is_our_post_norm_final_state(tmp_path, tiny
 # tokenizes as it does, pads each batch with id 0 and writes its layout, with states drawn from fixed random
 # tables of each token and position, so a read off by one token or sample shows in the cross-check.
 _TABLES = "g = torch.Generator().manual_seed(0); tok_t = torch.randn(512, 16, generator=g); pos_t = torch.randn(4096, 16, generator=g)"
-_STUB = """
+_STUB = (
+    """
 import argparse, json, os
 import torch
 from transformers import AutoTokenizer
-""" + _TABLES + """
+"""
+    + _TABLES
+    + """
 p = argparse.ArgumentParser()
 for flag in ("--strategy", "--target-model-path", "--draft-model-config", "--data-path", "--output-path", "--cache-dir",
              "--chat-template", "--max-length", "--tp-size", "--batch-size", "--sglang-attention-backend"):
@@ -326,6 +373,7 @@ for b in range(0, len(ids) - len(ids) % bs, bs):
         torch.save({"input_ids": t, "loss_mask": torch.zeros_like(t), "aux_hidden_state": h.repeat(1, 3)[None],
                     "hidden_state": h[None]}, f"{a.output_path}/rows_0-2000/data_{i}.ckpt")
 """
+)
 
 
 def _stub_states(ids):
@@ -347,12 +395,25 @@ def test_specforge_peer_glue_with_a_stand_in_script(tmp_path, tiny_model_dir, hf
     (sf / specforge.DRAFT_CONFIG).write_text("{}")
     site = tmp_path / "site"
     site.mkdir()
-    popts = baselines.PeerOptions(workdir=str(tmp_path / "work"), peer_site=str(site), specforge_dir=str(sf),
-                                  specforge_batch_size=4, cross_check_samples=6)
+    popts = baselines.PeerOptions(
+        workdir=str(tmp_path / "work"),
+        peer_site=str(site),
+        specforge_dir=str(sf),
+        specforge_batch_size=4,
+        cross_check_samples=6,
+    )
     batches = [seqs[:3], seqs[3:8], seqs[8:15]]  # 12 timed samples: 3 batches of 4
     [pending] = baselines.run_subprocess_peers(
-        ["specforge"], popts, model_dir=tiny_model_dir, tokenizer=hf_tokenizer, batches=batches, warmup=1,
-        max_length=2048, dtype="bfloat16", num_layers=32, load_format="auto",
+        ["specforge"],
+        popts,
+        model_dir=tiny_model_dir,
+        tokenizer=hf_tokenizer,
+        batches=batches,
+        warmup=1,
+        max_length=2048,
+        dtype="bfloat16",
+        num_layers=32,
+        load_format="auto",
     )
     row = pending.row
     assert row.error is None, row.error
@@ -369,9 +430,18 @@ def test_specforge_peer_glue_with_a_stand_in_script(tmp_path, tiny_model_dir, hf
 
 def test_table_rows_come_from_the_result():
     stats = {"cosine_mean": 0.99991, "cosine_min": 0.9990, "norm_ratio_mean": 1.0, "samples": 32, "tokens": 9}
-    result = {"extract_tok_s": 30000.0, "out_kind": "tmpfs", "bytes_per_token": 32773, "host_peak_rss_bytes": 9.5e9,
-              "peers": [PeerRow("specforge", "0.2.0", "c", 10000.0, 110000.0, 2e10, {"1": stats, "final": stats}).to_json(),
-                        PeerRow("sglang-engine", "0.5.17", "c", None, None, None, None, error="Trace\nValueError: boom\n").to_json()]}
+    result = {
+        "extract_tok_s": 30000.0,
+        "out_kind": "tmpfs",
+        "bytes_per_token": 32773,
+        "host_peak_rss_bytes": 9.5e9,
+        "peers": [
+            PeerRow("specforge", "0.2.0", "c", 10000.0, 110000.0, 2e10, {"1": stats, "final": stats}).to_json(),
+            PeerRow(
+                "sglang-engine", "0.5.17", "c", None, None, None, None, error="Trace\nValueError: boom\n"
+            ).to_json(),
+        ],
+    }
     ours, sf, sg = rows(result, "r.json")
     assert "| 30,000 | 1.00 | 32,773 | 9.5 GB |" in ours
     assert "| 10,000 | 3.00 | 110,000 | 20.0 GB | 1: 0.99991 / 0.9990 | 0.99991 / 0.9990, 1.000 | `r.json` |" in sf

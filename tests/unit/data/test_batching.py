@@ -7,8 +7,16 @@ from offline_extract.data.tokenization import Sample
 
 def _samples(lengths):
     return [
-        Sample(index=i, id=f"s{i}", source="c.jsonl", line=i + 1, input_ids=np.arange(n, dtype=np.int32),
-               loss_mask=np.ones(n, dtype=np.uint8), source_len=n, truncated=False)
+        Sample(
+            index=i,
+            id=f"s{i}",
+            source="c.jsonl",
+            line=i + 1,
+            input_ids=np.arange(n, dtype=np.int32),
+            loss_mask=np.ones(n, dtype=np.uint8),
+            source_len=n,
+            truncated=False,
+        )
         for i, n in enumerate(lengths)
     ]
 

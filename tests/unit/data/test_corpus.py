@@ -79,9 +79,12 @@ def test_each_format(tmp_path):
 
 def test_openai_content_parts_are_joined_text(tmp_path):
     parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
-    path = write_lines(tmp_path / "c.jsonl", [
-        {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": [parts[0]]}]},
-    ])
+    path = write_lines(
+        tmp_path / "c.jsonl",
+        [
+            {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": [parts[0]]}]},
+        ],
+    )
     (record,) = read_corpus([path])
     assert record.messages == (("user", "first\nsecond"), ("assistant", "first"))
 
@@ -97,9 +100,12 @@ def test_openai_image_parts_resolve_against_the_corpus_folder(tmp_path, monkeypa
         {"type": "text", "text": "and"},
         {"type": "image_url", "image_url": {"url": data_url}},
     ]
-    path = write_lines(tmp_path / "corpus" / "c.jsonl", [
-        {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "same"}]},
-    ])
+    path = write_lines(
+        tmp_path / "corpus" / "c.jsonl",
+        [
+            {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "same"}]},
+        ],
+    )
     (record,) = read_corpus(["corpus/c.jsonl"])
     assert record.messages == (("user", ("compare", 0, 1, "and", 2)), ("assistant", "same"))
     assert record.images == (
@@ -111,18 +117,35 @@ def test_openai_image_parts_resolve_against_the_corpus_folder(tmp_path, monkeypa
 
 
 def test_llava_markers_take_the_listed_images_in_order(tmp_path):
-    path = write_lines(tmp_path / "c.jsonl", [
-        {"conversations": [{"from": "human", "value": "<image>\nthis, then<image>"}, {"from": "gpt", "value": "ok"},
-                           {"from": "human", "value": "and <image>?"}, {"from": "gpt", "value": "<image> too"}],
-         "images": ["one.png", "sub/two.png", "/abs/three.png", "four.png"]},
-        # Without an images list, "<image>" is text like any other.
-        {"conversations": [{"from": "human", "value": "say <image>"}, {"from": "gpt", "value": "<image>"}]},
-    ])
+    path = write_lines(
+        tmp_path / "c.jsonl",
+        [
+            {
+                "conversations": [
+                    {"from": "human", "value": "<image>\nthis, then<image>"},
+                    {"from": "gpt", "value": "ok"},
+                    {"from": "human", "value": "and <image>?"},
+                    {"from": "gpt", "value": "<image> too"},
+                ],
+                "images": ["one.png", "sub/two.png", "/abs/three.png", "four.png"],
+            },
+            # Without an images list, "<image>" is text like any other.
+            {"conversations": [{"from": "human", "value": "say <image>"}, {"from": "gpt", "value": "<image>"}]},
+        ],
+    )
     llava, plain = read_corpus([path])
-    assert llava.messages == (("user", (0, "\nthis, then", 1)), ("assistant", "ok"), ("user", ("and ", 2, "?")),
-                              ("assistant", (3, " too")))
-    assert [ref.location for ref in llava.images] == [str(tmp_path / "one.png"), str(tmp_path / "sub" / "two.png"),
-                                                      "/abs/three.png", str(tmp_path / "four.png")]
+    assert llava.messages == (
+        ("user", (0, "\nthis, then", 1)),
+        ("assistant", "ok"),
+        ("user", ("and ", 2, "?")),
+        ("assistant", (3, " too")),
+    )
+    assert [ref.location for ref in llava.images] == [
+        str(tmp_path / "one.png"),
+        str(tmp_path / "sub" / "two.png"),
+        "/abs/three.png",
+        str(tmp_path / "four.png"),
+    ]
     assert [ref.where for ref in llava.images] == ["images[0]", "images[1]", "images[2]", "images[3]"]
     assert plain.messages == (("user", "say <image>"), ("assistant", "<image>")) and plain.images == ()
 
@@ -158,7 +181,7 @@ BAD_LINES = [
     # A line cut short: the error lies at its end, not on a "line 2" made of the newline.
     (b'{"text": "a"', "invalid JSON: Expecting ',' delimiter at the end of the line (column 13)", None),
     (b'{"text": "abc', "invalid JSON: Unterminated string starting at column 10", None),
-    (b'[', "invalid JSON: Expecting value at the end of the line (column 2)", None),
+    (b"[", "invalid JSON: Expecting value at the end of the line (column 2)", None),
     (b'{"text": "a\tb"}', "invalid JSON: Invalid control character at column 12", None),
     (b"[1, 2]", "expected a JSON object, got array", None),
     (b'{"text": "caf\xe9"}', "not valid UTF-8: invalid continuation byte at byte 14", None),
@@ -254,8 +277,11 @@ BAD_LINES = [
         "image_url parts or as <image> markers with images",
         "bad.jsonl:2",
     ),
-    (b'{"text": "<image>", "images": ["a.png"]}', "images are read with a chat (conversations or messages), not with "
-     "text", "bad.jsonl:2"),
+    (
+        b'{"text": "<image>", "images": ["a.png"]}',
+        "images are read with a chat (conversations or messages), not with text",
+        "bad.jsonl:2",
+    ),
     (b'{"text": 5}', "text is not a string (got integer)", "bad.jsonl:2"),
     (b'{"text": ""}', "text is empty", "bad.jsonl:2"),
     (b'{"text": "a\\ud800b"}', "contains an unpaired surrogate escape \\ud800, which is not valid text", "bad.jsonl:2"),
@@ -363,16 +389,24 @@ def test_two_files_of_one_name_derive_ids_from_their_paths_and_lose_no_record(tm
     items = list(read_corpus(["a/train.jsonl", "b/train.jsonl", "other.jsonl"]))
     assert all(isinstance(item, Record) for item in items), [getattr(item, "reason", None) for item in items]
     # A name no other source shares keeps the file's name, as a single source's ids always have.
-    assert [item.id for item in items] == ["a/train.jsonl:1", "a/train.jsonl:2", "b/train.jsonl:1", "b/train.jsonl:2",
-                                           "other.jsonl:1"]
+    assert [item.id for item in items] == [
+        "a/train.jsonl:1",
+        "a/train.jsonl:2",
+        "b/train.jsonl:1",
+        "b/train.jsonl:2",
+        "other.jsonl:1",
+    ]
 
 
 def test_a_source_given_twice_is_named_before_anything_is_read(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     write_lines(tmp_path / "c.jsonl", [GOOD_TEXT])
     write_lines(tmp_path / "d.jsonl", [GOOD_TEXT])
-    with pytest.raises(ValueError, match=r"--data c.jsonl is given twice, as entries 1 and 3: each of its records "
-                                         r"would be a duplicate of itself. Give it once"):
+    with pytest.raises(
+        ValueError,
+        match=r"--data c.jsonl is given twice, as entries 1 and 3: each of its records "
+        r"would be a duplicate of itself. Give it once",
+    ):
         read_corpus(["c.jsonl", "d.jsonl", "c.jsonl"])
     os.symlink("c.jsonl", tmp_path / "link.jsonl")
     with pytest.raises(ValueError, match=r"as entries 1 and 2 \(c.jsonl and ./link.jsonl are one file\)"):
@@ -418,12 +452,17 @@ def test_reading_streams(tmp_path):
 
 def test_a_replica_reads_only_its_share_but_checks_ids_across_all(tmp_path):
     path = tmp_path / "c.jsonl"
-    path.write_text("\n".join([
-        '{"id": "a", "text": "x"}',
-        "{not json",
-        '{"id": "d", "text": "y"}',
-        '{"id": "a", "text": "duplicate of line 1"}',
-    ]) + "\n")
+    path.write_text(
+        "\n".join(
+            [
+                '{"id": "a", "text": "x"}',
+                "{not json",
+                '{"id": "d", "text": "y"}',
+                '{"id": "a", "text": "duplicate of line 1"}',
+            ]
+        )
+        + "\n"
+    )
     everything = list(read_corpus([path]))
     shares = [list(read_corpus([path], owns=lambda i, r=r: i % 2 == r)) for r in range(2)]
     assert sorted(x.index for share in shares for x in share) == [x.index for x in everything] == [0, 1, 2, 3]

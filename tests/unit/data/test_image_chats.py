@@ -1,4 +1,5 @@
 """Chats with images, through a vision-language model's own HF processor (the tiny Qwen2.5-VL's, `qwen_vl_dir`)."""
+
 import json
 
 import numpy as np
@@ -29,19 +30,35 @@ def image_part(url):
 def test_an_image_chat_is_the_processors_tokens_with_the_loss_on_the_reply_alone(tmp_path, processor):
     save_image(tmp_path / "wide.png", 2 * PATCH, 3 * PATCH)  # 2 x 3 image tokens
     save_image(tmp_path / "small.png", PATCH, PATCH, seed=1)  # 1
-    corpus = write_corpus(tmp_path / "c.jsonl", [{"messages": [
-        {"role": "user", "content": [image_part("wide.png"), {"type": "text", "text": "and"}, image_part("small.png")]},
-        {"role": "assistant", "content": "Two pictures."},
-    ]}])
+    corpus = write_corpus(
+        tmp_path / "c.jsonl",
+        [
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [image_part("wide.png"), {"type": "text", "text": "and"}, image_part("small.png")],
+                    },
+                    {"role": "assistant", "content": "Two pictures."},
+                ]
+            }
+        ],
+    )
     (record,) = read_corpus([corpus])
     sample = SampleTokenizer(processor.tokenizer, max_length=256, processor=processor)(record)
     assert isinstance(sample, Sample)
     tok, pad = processor.tokenizer, processor.image_token_id
     pictures = [Image.open(tmp_path / name) for name in ("wide.png", "small.png")]
-    full = tok.apply_chat_template([[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"},
-                                                                  {"type": "image"}]},
-                                     {"role": "assistant", "content": "Two pictures."}]],
-                                   chat_template=VL_CHAT_TEMPLATE, tokenize=False)[0]
+    full = tok.apply_chat_template(
+        [
+            [
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]},
+                {"role": "assistant", "content": "Two pictures."},
+            ]
+        ],
+        chat_template=VL_CHAT_TEMPLATE,
+        tokenize=False,
+    )[0]
     expected = processor(text=[full], images=pictures, return_tensors="np", add_special_tokens=False)
     assert sample.input_ids.tolist() == expected["input_ids"][0].tolist()
     assert sample.images.token_mask.tolist() == (sample.input_ids == pad).tolist()
@@ -56,15 +73,31 @@ def test_an_image_chat_is_the_processors_tokens_with_the_loss_on_the_reply_alone
 
 def test_an_image_in_a_reply_is_left_out_of_the_loss_and_llava_markers_read_alike(tmp_path, processor):
     save_image(tmp_path / "a.png", PATCH, 2 * PATCH)
-    corpus = write_corpus(tmp_path / "c.jsonl", [
-        {"conversations": [{"from": "human", "value": "draw"}, {"from": "gpt", "value": "here:<image>done"}],
-         "images": ["a.png"]},
-        {"messages": [{"role": "user", "content": "draw"},
-                      {"role": "assistant", "content": [{"type": "text", "text": "here:"}, image_part("a.png"),
-                                                        {"type": "text", "text": "done"}]}]},
-    ])
+    corpus = write_corpus(
+        tmp_path / "c.jsonl",
+        [
+            {
+                "conversations": [{"from": "human", "value": "draw"}, {"from": "gpt", "value": "here:<image>done"}],
+                "images": ["a.png"],
+            },
+            {
+                "messages": [
+                    {"role": "user", "content": "draw"},
+                    {
+                        "role": "assistant",
+                        "content": [
+                            {"type": "text", "text": "here:"},
+                            image_part("a.png"),
+                            {"type": "text", "text": "done"},
+                        ],
+                    },
+                ]
+            },
+        ],
+    )
     llava, openai = SampleTokenizer(processor.tokenizer, max_length=256, processor=processor).many(
-        list(read_corpus([corpus])))
+        list(read_corpus([corpus]))
+    )
     assert llava.input_ids.tolist() == openai.input_ids.tolist()
     assert llava.loss_mask.tolist() == openai.loss_mask.tolist()
     assert llava.images.fingerprint == openai.images.fingerprint
@@ -78,16 +111,22 @@ def test_a_bad_image_rejects_its_record_alone_naming_it(tmp_path, processor):
     save_image(tmp_path / "good.png", PATCH, PATCH)
     (tmp_path / "broken.png").write_bytes(b"\x89PNG but not")
     chat = [{"from": "human", "value": "<image>what?"}, {"from": "gpt", "value": "it"}]
-    corpus = write_corpus(tmp_path / "c.jsonl", [
-        {"conversations": chat, "images": ["gone.png"]},
-        {"conversations": chat, "images": ["broken.png"]},
-        {"conversations": chat, "images": ["good.png"]},
-    ])
+    corpus = write_corpus(
+        tmp_path / "c.jsonl",
+        [
+            {"conversations": chat, "images": ["gone.png"]},
+            {"conversations": chat, "images": ["broken.png"]},
+            {"conversations": chat, "images": ["good.png"]},
+        ],
+    )
     gone, broken, good = SampleTokenizer(processor.tokenizer, max_length=64, processor=processor).many(
-        list(read_corpus([corpus])))
+        list(read_corpus([corpus]))
+    )
     assert (gone.line, gone.kind, gone.reason) == (1, "rejected", f"images[0] ({tmp_path / 'gone.png'}) not found")
-    assert (broken.line, broken.reason) == (2, f"images[0] ({tmp_path / 'broken.png'}) does not decode: not in an "
-                                               f"image format PIL reads")
+    assert (broken.line, broken.reason) == (
+        2,
+        f"images[0] ({tmp_path / 'broken.png'}) does not decode: not in an image format PIL reads",
+    )
     assert isinstance(good, Sample) and good.images.token_mask.sum() == 1
 
 
@@ -104,8 +143,10 @@ def test_a_cut_keeps_whole_images_or_skips_the_sample(tmp_path, processor):
     assert cut.input_ids.tolist() == whole.input_ids[: last_image + 8].tolist()
     through = SampleTokenizer(processor.tokenizer, max_length=last_image, processor=processor)(record)
     assert (through.kind, through.reason) == (
-        "skipped", f"keeping its first {last_image} tokens (--max-length {last_image}) would cut its images, whose "
-                   f"tokens run to token {last_image + 1}: an image is extracted whole or not at all")
+        "skipped",
+        f"keeping its first {last_image} tokens (--max-length {last_image}) would cut its images, whose "
+        f"tokens run to token {last_image + 1}: an image is extracted whole or not at all",
+    )
 
 
 def test_trimming_after_the_last_reply_never_drops_a_later_image(tmp_path, processor):
@@ -113,19 +154,24 @@ def test_trimming_after_the_last_reply_never_drops_a_later_image(tmp_path, proce
     chat = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}, {"from": "human", "value": "<image>"}]
     corpus = write_corpus(tmp_path / "c.jsonl", [{"conversations": chat, "images": ["a.png"]}])
     (record,) = read_corpus([corpus])
-    trimmed = SampleTokenizer(processor.tokenizer, max_length=64, processor=processor, trim_after_last_loss=True)(record)
+    trimmed = SampleTokenizer(processor.tokenizer, max_length=64, processor=processor, trim_after_last_loss=True)(
+        record
+    )
     assert trimmed.kind == "skipped" and "(--trim-after-last-loss-token) would cut its images" in trimmed.reason
 
 
 def test_text_chats_of_a_vision_model_render_with_its_processors_template(tmp_path, processor, qwen_vl_dir):
-    corpus = write_corpus(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"},
-                                                               {"role": "assistant", "content": "hello"}]}])
+    corpus = write_corpus(
+        tmp_path / "c.jsonl",
+        [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}],
+    )
     (record,) = read_corpus([corpus])
     tokenizer = SampleTokenizer(processor.tokenizer, max_length=64, processor=processor)
     sample = tokenizer(record)
     assert sample.images is None
-    full = processor.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
-                                         tokenize=False)
+    full = processor.apply_chat_template(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], tokenize=False
+    )
     assert sample.input_ids.tolist() == processor.tokenizer(full, add_special_tokens=False)["input_ids"]
     fingerprint = tokenizer.fingerprint()
     assert fingerprint["image_processor_sha256"] is not None
@@ -138,9 +184,16 @@ def test_text_chats_of_a_vision_model_render_with_its_processors_template(tmp_pa
 def test_an_image_the_processor_refuses_rejects_its_record(tmp_path, processor):
     # Qwen's resize refuses an aspect ratio past 200.
     save_image(tmp_path / "tiny.png", 1, 250)
-    corpus = write_corpus(tmp_path / "c.jsonl", [{"conversations": [{"from": "human", "value": "<image>"},
-                                                                    {"from": "gpt", "value": "dot"}],
-                                                  "images": ["tiny.png"]}])
+    corpus = write_corpus(
+        tmp_path / "c.jsonl",
+        [
+            {
+                "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "dot"}],
+                "images": ["tiny.png"],
+            }
+        ],
+    )
     (reject,) = SampleTokenizer(processor.tokenizer, max_length=64, processor=processor).many(
-        list(read_corpus([corpus])))
+        list(read_corpus([corpus]))
+    )
     assert reject.reason.startswith("the model's processor refused its images: ") and "aspect ratio" in reject.reason

@@ -21,9 +21,11 @@ def png_bytes(height=6, width=10, seed=0) -> bytes:
 def test_a_file_and_data_urls_decode_to_the_same_pixels_and_fingerprint_their_bytes(tmp_path):
     data = png_bytes()
     (tmp_path / "a.png").write_bytes(data)
-    refs = [ImageRef("images[0]", str(tmp_path / "a.png")),
-            ImageRef("images[1]", "data:image/png;base64," + base64.b64encode(data).decode()),
-            ImageRef("images[2]", "data:image/png," + urllib.parse.quote_from_bytes(data))]
+    refs = [
+        ImageRef("images[0]", str(tmp_path / "a.png")),
+        ImageRef("images[1]", "data:image/png;base64," + base64.b64encode(data).decode()),
+        ImageRef("images[2]", "data:image/png," + urllib.parse.quote_from_bytes(data)),
+    ]
     decoded, fingerprint = load_images(refs)
     assert [image.mode for image in decoded] == ["RGB"] * 3
     assert all(np.array_equal(np.asarray(decoded[0]), np.asarray(image)) for image in decoded[1:])
@@ -32,8 +34,10 @@ def test_a_file_and_data_urls_decode_to_the_same_pixels_and_fingerprint_their_by
     # Another image, or the same ones in another order, is another fingerprint.
     (tmp_path / "b.png").write_bytes(png_bytes(seed=1))
     assert load_images(refs[:2])[1] != fingerprint
-    assert load_images([ImageRef("images[0]", str(tmp_path / "b.png")), refs[0]])[1] != \
-        load_images([refs[0], ImageRef("images[0]", str(tmp_path / "b.png"))])[1]
+    assert (
+        load_images([ImageRef("images[0]", str(tmp_path / "b.png")), refs[0]])[1]
+        != load_images([refs[0], ImageRef("images[0]", str(tmp_path / "b.png"))])[1]
+    )
 
 
 def test_a_palette_image_is_given_in_rgb(tmp_path):
@@ -42,15 +46,22 @@ def test_a_palette_image_is_given_in_rgb(tmp_path):
     assert image.mode == "RGB" and image.size == (4, 4)
 
 
-@pytest.mark.parametrize("make, location, reason", [
-    (None, "missing.png", "images[0] ({}) not found"),
-    (lambda p: p.mkdir(), "folder.png", "images[0] ({}) cannot be read: Is a directory"),
-    (lambda p: p.write_bytes(b"not an image"), "text.png", "images[0] ({}) does not decode: not in an image "
-                                                           "format PIL reads"),
-    (lambda p: p.write_bytes(png_bytes(60, 60)[:200]), "cut.png", "images[0] ({}) does not decode: "),
-    (None, "data:image/png;base64,@@@", "images[0] (a data: URL) is not valid base64: "),
-    (None, "data:image/png;base64", "images[0] (a data: URL) has no ',' between its media type and its data"),
-], ids=["missing", "a folder", "not an image", "cut short", "bad base64", "no comma"])
+@pytest.mark.parametrize(
+    "make, location, reason",
+    [
+        (None, "missing.png", "images[0] ({}) not found"),
+        (lambda p: p.mkdir(), "folder.png", "images[0] ({}) cannot be read: Is a directory"),
+        (
+            lambda p: p.write_bytes(b"not an image"),
+            "text.png",
+            "images[0] ({}) does not decode: not in an image format PIL reads",
+        ),
+        (lambda p: p.write_bytes(png_bytes(60, 60)[:200]), "cut.png", "images[0] ({}) does not decode: "),
+        (None, "data:image/png;base64,@@@", "images[0] (a data: URL) is not valid base64: "),
+        (None, "data:image/png;base64", "images[0] (a data: URL) has no ',' between its media type and its data"),
+    ],
+    ids=["missing", "a folder", "not an image", "cut short", "bad base64", "no comma"],
+)
 def test_an_unusable_image_is_named_with_the_reason(tmp_path, make, location, reason):
     path = tmp_path / location
     if make is not None:

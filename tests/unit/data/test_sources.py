@@ -1,5 +1,6 @@
 """Corpora in the forms people keep them: JSONL, gzip JSONL, a .json file of one JSON array, parquet, a
 datasets.save_to_disk folder and a hub data set (from the local cache, offline), read into the same records and rejects."""
+
 import gzip
 import json
 import shutil
@@ -103,8 +104,11 @@ def test_what_is_not_a_corpus_is_named(tmp_path, offline_hub):
     for name in ("b.jsonl", "a.jsonl", "notes.txt"):
         (tmp_path / "jsonl" / name).parent.mkdir(exist_ok=True)
         (tmp_path / "jsonl" / name).write_text("")
-    with pytest.raises(IsADirectoryError, match=r"jsonl; to read the files in it, give each its own --data \(it holds 2 "
-                                                r"corpus-like files: a.jsonl, b.jsonl\)$"):
+    with pytest.raises(
+        IsADirectoryError,
+        match=r"jsonl; to read the files in it, give each its own --data \(it holds 2 "
+        r"corpus-like files: a.jsonl, b.jsonl\)$",
+    ):
         open_source(str(tmp_path / "jsonl"))
     with pytest.raises(hub.HubError) as e:
         open_source("nobody/nothing:train")
@@ -172,10 +176,19 @@ def test_a_json_array_is_read_element_by_element_and_each_is_judged_as_a_jsonl_l
     path = tmp_path / "chats.json"
     # A BOM and blank lines around the array, an element that is not an object, bytes that are not UTF-8 and an
     # unpaired surrogate escape, each inside one element: that element alone is rejected, as its line would be.
-    path.write_bytes(b"\xef\xbb\xbf\n  [\n" + b",\n".join([
-        json.dumps(ROWS[0], indent=2).encode(), b"[1, 2]", b'{"text": "caf\xe9"}', b'{"text": "\\ud800"}',
-        json.dumps(ROWS[1]).encode(),
-    ]) + b"\n]\n\n")
+    path.write_bytes(
+        b"\xef\xbb\xbf\n  [\n"
+        + b",\n".join(
+            [
+                json.dumps(ROWS[0], indent=2).encode(),
+                b"[1, 2]",
+                b'{"text": "caf\xe9"}',
+                b'{"text": "\\ud800"}',
+                json.dumps(ROWS[1]).encode(),
+            ]
+        )
+        + b"\n]\n\n"
+    )
     items = list(read_corpus([path]))
     assert [(item.line, item.index) for item in items] == [(i, i - 1) for i in range(1, 6)]
     assert [item.reason if not isinstance(item, Record) else item.id for item in items] == [
@@ -201,24 +214,45 @@ def test_a_json_file_of_jsonl_is_still_read_line_by_line(tmp_path):
 ARRAY = json.dumps(ROWS[:2], indent=2)
 NOT_LINES = {
     # name: (content, the refusal after the name)
-    "c.json.gz": (gzip.compress(ARRAY.encode()), " is a gzipped JSON array; gzipped, only JSON lines are read. Convert "
-                  "it to JSONL, which streams: zcat {path} | jq -c '.[]' | gzip > corpus.jsonl.gz (or decompress it "
-                  "into a .json file, read as one array)"),
-    "c.jsonl": (ARRAY, " holds a JSON array, not JSON lines (it begins with '['): name it .json to read it as one array "
-                "of records, or convert it to JSONL: jq -c '.[]' {path} > corpus.jsonl"),
-    "one_line.jsonl": (json.dumps(ROWS) + "\n", " holds a JSON array, not JSON lines (it begins with '['): name it .json "
-                       "to read it as one array of records, or convert it to JSONL: jq -c '.[]' {path} > corpus.jsonl"),
-    "wrapped.json": (json.dumps({"version": 1, "data": ROWS}, indent=2), " holds one JSON object spread over lines, "
-                     "not records: the records are presumably its list under 'data' (5 elements). Convert them to "
-                     "JSONL: jq -c '.data[]' {path} > corpus.jsonl"),
-    "compact.json": (json.dumps({"my data": ROWS}) + "\n", " holds one JSON object, not records: the records are "
-                     "presumably its list under 'my data' (5 elements). Convert them to JSONL: jq -c "
-                     "'.[\"my data\"][]' {path} > corpus.jsonl"),
-    "splits.json": (json.dumps({"train": ROWS, "test": ROWS}, indent=1), " holds one JSON object spread over lines, not "
-                    "records: it holds lists under 'train', 'test'. Convert the one of records to JSONL, e.g. jq -c "
-                    "'.train[]' {path} > corpus.jsonl"),
-    "record.json": (json.dumps(ROWS[1], indent=1), " holds one JSON object spread over lines, not records one per line "
-                    "(JSONL) or in a JSON array: it is one record; put it on one line (jq -c . {path} > corpus.jsonl)"),
+    "c.json.gz": (
+        gzip.compress(ARRAY.encode()),
+        " is a gzipped JSON array; gzipped, only JSON lines are read. Convert "
+        "it to JSONL, which streams: zcat {path} | jq -c '.[]' | gzip > corpus.jsonl.gz (or decompress it "
+        "into a .json file, read as one array)",
+    ),
+    "c.jsonl": (
+        ARRAY,
+        " holds a JSON array, not JSON lines (it begins with '['): name it .json to read it as one array "
+        "of records, or convert it to JSONL: jq -c '.[]' {path} > corpus.jsonl",
+    ),
+    "one_line.jsonl": (
+        json.dumps(ROWS) + "\n",
+        " holds a JSON array, not JSON lines (it begins with '['): name it .json "
+        "to read it as one array of records, or convert it to JSONL: jq -c '.[]' {path} > corpus.jsonl",
+    ),
+    "wrapped.json": (
+        json.dumps({"version": 1, "data": ROWS}, indent=2),
+        " holds one JSON object spread over lines, "
+        "not records: the records are presumably its list under 'data' (5 elements). Convert them to "
+        "JSONL: jq -c '.data[]' {path} > corpus.jsonl",
+    ),
+    "compact.json": (
+        json.dumps({"my data": ROWS}) + "\n",
+        " holds one JSON object, not records: the records are "
+        "presumably its list under 'my data' (5 elements). Convert them to JSONL: jq -c "
+        "'.[\"my data\"][]' {path} > corpus.jsonl",
+    ),
+    "splits.json": (
+        json.dumps({"train": ROWS, "test": ROWS}, indent=1),
+        " holds one JSON object spread over lines, not "
+        "records: it holds lists under 'train', 'test'. Convert the one of records to JSONL, e.g. jq -c "
+        "'.train[]' {path} > corpus.jsonl",
+    ),
+    "record.json": (
+        json.dumps(ROWS[1], indent=1),
+        " holds one JSON object spread over lines, not records one per line "
+        "(JSONL) or in a JSON array: it is one record; put it on one line (jq -c . {path} > corpus.jsonl)",
+    ),
 }
 
 
@@ -249,8 +283,11 @@ def test_a_damaged_json_array_is_named_with_its_line_and_column_before_any_recor
     path = tmp_path / "c.json"
     text = json.dumps(ROWS, indent=2)
     path.write_text(text[: len(text) // 2] + "\n\n")
-    with pytest.raises(CorpusReadError, match=rf"^{path} is a JSON array that does not end with its closing '\]' "
-                                              rf"\(a truncated file\?\)$"):
+    with pytest.raises(
+        CorpusReadError,
+        match=rf"^{path} is a JSON array that does not end with its closing '\]' "
+        rf"\(a truncated file\?\)$",
+    ):
         open_source(str(path))
 
     # Damage that leaves the closing bracket: a missing comma between the second and third elements.
@@ -259,8 +296,11 @@ def test_a_damaged_json_array_is_named_with_its_line_and_column_before_any_recor
     lines[at - 1] = "  }"
     path.write_text("\n".join(lines))
     read = read_corpus([path])
-    with pytest.raises(CorpusReadError, match=rf"^{path} is not a valid JSON array: Expecting ',' or '\]' after an "
-                                              rf"element at line {at + 1} column 3 \(after 1 element; a truncated"):
+    with pytest.raises(
+        CorpusReadError,
+        match=rf"^{path} is not a valid JSON array: Expecting ',' or '\]' after an "
+        rf"element at line {at + 1} column 3 \(after 1 element; a truncated",
+    ):
         next(read)  # the first record is not handed out before the damage after it is found
     assert open_source(str(path)).count() is None, "counting for the ETA leaves the error to the reader"
 
@@ -275,8 +315,11 @@ def test_a_value_nested_too_deep_to_read_is_named_with_its_file(name, opening, c
     deep = opening * 10_000 + "1" * (opening == '{"a": ') + closing * 10_000 + "\n"
     path = tmp_path / name
     path.write_text(deep)
-    with pytest.raises(CorpusReadError, match=rf"^{path} is one JSON value nested too deep to read \(Python's json "
-                                              rf"stops near \d+ levels of \[ and {{\), not records"):
+    with pytest.raises(
+        CorpusReadError,
+        match=rf"^{path} is one JSON value nested too deep to read \(Python's json "
+        rf"stops near \d+ levels of \[ and {{\), not records",
+    ):
         open_source(str(path))
     # Followed by records, it is the first line of JSON lines, rejected on its own.
     path.write_text(deep + json.dumps(ROWS[0]) + "\n")
@@ -307,9 +350,15 @@ def test_a_line_past_the_most_a_record_may_be_is_rejected_without_being_read_who
 
     monkeypatch.setattr(sources, "_lines", lambda f: lines(Watched(f)))
     items = list(read_corpus([path]))
-    assert [(item.line, type(item).__name__) for item in items] == [(1, "Record"), (2, "Reject"), (4, "Record"),
-                                                                     (5, "Record")]
-    assert items[1].reason == ("the line is 5.0 KB, past the 1.0 KB a record may be: split it into records, or cut "
-                               "its text (only --max-length tokens of it are extracted)")
+    assert [(item.line, type(item).__name__) for item in items] == [
+        (1, "Record"),
+        (2, "Reject"),
+        (4, "Record"),
+        (5, "Record"),
+    ]
+    assert items[1].reason == (
+        "the line is 5.0 KB, past the 1.0 KB a record may be: split it into records, or cut "
+        "its text (only --max-length tokens of it are extracted)"
+    )
     assert items[2].text == "x" * 988 and items[3].id == f"{name}:5"
     assert held and all(0 < size <= 1 << 20 for size in held), "no read of a line without a bound"

@@ -162,15 +162,22 @@ def test_template_errors_are_rejects_and_missing_template_raises(load_tokenizer)
 
 
 def test_a_text_only_model_refuses_an_image_record_naming_it_and_the_model(tok):
-    image = Record(source="s.jsonl", line=9, index=8, id="pic", format="openai",
-                   messages=(("user", (0, "what is it?")), ("assistant", "a cat")),
-                   images=(ImageRef("messages[0].content[0].image_url", "/data/cat.png"),))
+    image = Record(
+        source="s.jsonl",
+        line=9,
+        index=8,
+        id="pic",
+        format="openai",
+        messages=(("user", (0, "what is it?")), ("assistant", "a cat")),
+        images=(ImageRef("messages[0].content[0].image_url", "/data/cat.png"),),
+    )
     tokenizer = SampleTokenizer(tok, max_length=64, model="/models/tiny-llama")
     with pytest.raises(ValueError) as refused:
         tokenizer.many([chat(("user", "q"), ("assistant", "a")), image])
     assert str(refused.value) == (
         "s.jsonl:9 (id 'pic') holds 1 image, but /models/tiny-llama is a text-only model (its config.json has no "
-        "vision_config): nothing of it reads images. Give a vision-language model, or a corpus without images")
+        "vision_config): nothing of it reads images. Give a vision-language model, or a corpus without images"
+    )
 
 
 def test_plain_text(tok):
@@ -221,12 +228,19 @@ def test_truncate_and_skip(tok):
 
 
 def test_chat_truncated_before_any_reply_is_skipped_not_kept_with_a_zero_mask(tok):
-    rec = chat(("user", "Please explain recursion in detail."), ("assistant", "Recursion is a function calling itself."))
+    rec = chat(
+        ("user", "Please explain recursion in detail."), ("assistant", "Recursion is a function calling itself.")
+    )
     whole = SampleTokenizer(tok, max_length=4096)(rec)
     skipped = SampleTokenizer(tok, max_length=6)(rec)
-    assert skipped == Reject(rec.source, rec.line, rec.index, rec.id,
-                             f"{whole.source_len} tokens truncated to --max-length 6 leave no loss tokens",
-                             kind="skipped")
+    assert skipped == Reject(
+        rec.source,
+        rec.line,
+        rec.index,
+        rec.id,
+        f"{whole.source_len} tokens truncated to --max-length 6 leave no loss tokens",
+        kind="skipped",
+    )
 
     partial = SampleTokenizer(tok, max_length=whole.source_len - 1)(rec)
     assert partial.loss_mask[-1] == 1 and partial.input_ids[-1] != tok.convert_tokens_to_ids("<|end|>")
@@ -359,8 +373,14 @@ def test_a_model_directory_without_tokenizer_files_is_named(tiny_model_dir, tmp_
         extraction._sample_tokenizer(ExtractOptions(data=("c.jsonl",)), tmp_path)
     message = str(refused.value)
     assert str(tmp_path) in message.splitlines()[0]
-    assert f"put the model's tokenizer files (tokenizer.json, or tokenizer.model) beside {tmp_path / 'config.json'}" in message
-    assert extraction._sample_tokenizer(ExtractOptions(data=("c.jsonl",)), tiny_model_dir).vocab_size == config["vocab_size"]
+    assert (
+        f"put the model's tokenizer files (tokenizer.json, or tokenizer.model) beside {tmp_path / 'config.json'}"
+        in message
+    )
+    assert (
+        extraction._sample_tokenizer(ExtractOptions(data=("c.jsonl",)), tiny_model_dir).vocab_size
+        == config["vocab_size"]
+    )
 
 
 class _Counted:

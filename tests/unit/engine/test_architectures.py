@@ -6,6 +6,7 @@
    architecture (SGLang allows one ModelRunner per process), through tests/arch_parity.py: SGLang's
    default ids, then ids starting at 0, at 1 and above 1, each compared with HF hidden_states[k+1].
 """
+
 import importlib
 import json
 import re
@@ -52,8 +53,11 @@ MIN_NEIGHBOUR_GAP = 1e-2
 
 
 def _stand_in_class(cls):
-    return type(cls.__name__, (), {"set_eagle3_layers_to_capture": cls.set_eagle3_layers_to_capture,
-                                   "__module__": cls.__module__})
+    return type(
+        cls.__name__,
+        (),
+        {"set_eagle3_layers_to_capture": cls.set_eagle3_layers_to_capture, "__module__": cls.__module__},
+    )
 
 
 def _stand_in(cls, num_layers, decoder_cls=None):
@@ -89,7 +93,9 @@ def _stand_ins(num_layers):
         cls = _sglang_class(f.sglang_module, f.sglang_class)
         if f.capture.language_model:
             wrapper = _stand_in_class(cls)()
-            setattr(wrapper, f.capture.language_model, _stand_in(_sglang_class(*WRAPPED_LMS[f.sglang_class]), num_layers))
+            setattr(
+                wrapper, f.capture.language_model, _stand_in(_sglang_class(*WRAPPED_LMS[f.sglang_class]), num_layers)
+            )
             stand_ins[f.sglang_class] = wrapper
         else:
             decoder = f.sglang_class.replace("ForCausalLM", "Model") if f.capture.in_layer_flags else None
@@ -129,8 +135,11 @@ def test_a_model_file_without_eagle3_capture_is_refused_with_the_reason():
     prepare_process("cpu")
     from sglang.srt.models.mixtral import MixtralForCausalLM
 
-    with pytest.raises(NotImplementedError, match=r"MixtralForCausalLM \(/m/mixtral\).*sglang\.srt\.models\.mixtral "
-                                                  r"defines no set_eagle3_layers_to_capture"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"MixtralForCausalLM \(/m/mixtral\).*sglang\.srt\.models\.mixtral "
+        r"defines no set_eagle3_layers_to_capture",
+    ):
         model_capture_rule(object.__new__(MixtralForCausalLM), "/m/mixtral")  # never built: only its type counts
     from sglang.srt.models.apertus import ApertusForCausalLM
 
@@ -147,7 +156,9 @@ def test_a_model_file_without_eagle3_capture_is_refused_with_the_reason():
 def test_gpt_oss_reference_is_hfs_eager_attention_with_the_sinks_in_play(tiny_model_dir, tmp_path):
     # SGLang runs GPT-OSS on GPU attention backends only (docs/architectures.md), so its parity is in the GPU
     # suite; this is the HF side of it, which transformers implements in eager attention alone.
-    model = reference.load_hf_model(str(build_model("gpt_oss", tmp_path / "m", tokenizer_dir=tiny_model_dir)), "float32", "cpu")
+    model = reference.load_hf_model(
+        str(build_model("gpt_oss", tmp_path / "m", tokenizer_dir=tiny_model_dir)), "float32", "cpu"
+    )
     assert model.config._attn_implementation == "eager"
     ids = list(range(6, 70))
     with_sinks = parity.hf_hidden_states(model, ids, "cpu")
@@ -200,9 +211,14 @@ def test_llama4_is_refused_where_sglang_cannot_run_its_chunked_attention(tiny_mo
 @pytest.fixture(scope="module", params=list(ENGINE_ARCHS))
 def report(request, models, tmp_path_factory):
     arch = request.param
-    rep = run_report(models[arch], tmp_path_factory.mktemp(f"report-{arch}") / "report.json",
-                     "--hf-reference", str(models[ENGINE_ARCHS[arch][1]]),
-                     "--layer-sets", ";".join(",".join(map(str, s)) for s in LAYER_SETS))
+    rep = run_report(
+        models[arch],
+        tmp_path_factory.mktemp(f"report-{arch}") / "report.json",
+        "--hf-reference",
+        str(models[ENGINE_ARCHS[arch][1]]),
+        "--layer-sets",
+        ";".join(",".join(map(str, s)) for s in LAYER_SETS),
+    )
     write_result(rep, arch, "cpu")
     return arch, rep
 
@@ -283,8 +299,9 @@ def test_image_chats_match_hfs_vision_language_class_in_fp32(report):
                 where = f"{arch} ids {c['layer_ids']} {kind} {r['layer']} vs HF hidden_states[{r['hf_index']}]"
                 assert r["max_rel"] <= MAX_REL and r["neighbour_gap"] > MIN_NEIGHBOUR_GAP, where
     assert not any(r["ok"] for r in checked[0]["images"]["off_by_one_rows"]), arch
-    assert re.match(r"a sequence with images of \d{4} tokens exceeds one forward's budget of 1024 tokens",
-                    rep["image_over_budget"])
+    assert re.match(
+        r"a sequence with images of \d{4} tokens exceeds one forward's budget of 1024 tokens", rep["image_over_budget"]
+    )
 
 
 def test_bare_prefill_turns_capture_off_and_back_on(report):

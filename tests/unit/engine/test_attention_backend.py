@@ -1,5 +1,6 @@
 """Which attention backend a run gets when --attention-backend is not given: FA3 exactly where SGLang's
 FA3 kernels are installed and the GPU is a Hopper, else triton on CUDA and torch_native on CPU."""
+
 import importlib
 
 import pytest

@@ -1,4 +1,5 @@
 """A checkpoint's weight files: which HF loads, and a damaged index or safetensors file refused naming it."""
+
 import json
 
 import pytest
@@ -9,11 +10,17 @@ def test_a_checkpoints_size_is_that_of_the_files_hf_loads(tmp_path):
     # The read-ahead's memory check (extraction) and the gate-load benchmark each summed it themselves.
     from offline_extract.engine.checkpoint import checkpoint_bytes
 
-    for name, size in (("model-00001-of-00002.safetensors", 300), ("model-00002-of-00002.safetensors", 200),
-                       ("consolidated.safetensors", 5000)):  # the last a copy no index names, which HF does not load
+    for name, size in (
+        ("model-00001-of-00002.safetensors", 300),
+        ("model-00002-of-00002.safetensors", 200),
+        ("consolidated.safetensors", 5000),
+    ):  # the last a copy no index names, which HF does not load
         (tmp_path / name).write_bytes(b"\0" * size)
-    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors",
-                  "c": "model-00001-of-00002.safetensors"}
+    weight_map = {
+        "a": "model-00001-of-00002.safetensors",
+        "b": "model-00002-of-00002.safetensors",
+        "c": "model-00001-of-00002.safetensors",
+    }
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     assert checkpoint_bytes(str(tmp_path)) == 500
     (tmp_path / "model.safetensors.index.json").unlink()
@@ -24,18 +31,27 @@ def test_a_checkpoints_size_is_that_of_the_files_hf_loads(tmp_path):
 ADVICE = "it is damaged, or was cut short by an interrupted download or copy. Download or copy it again, then re-run"
 
 
-@pytest.mark.parametrize("content, why", [
-    # Cut short mid-download: the string that opens at line 5, column 26 never ends.
-    ('{\n  "metadata": {},\n  "weight_map": {\n    "lm_head.weight": "model.safetensors",\n    "model.norm.weight": '
-     '"model.safe', "is not valid JSON (Unterminated string starting at: line 5 column 26 (char 106))"),
-    ("", "is not valid JSON (Expecting value: line 1 column 1 (char 0))"),
-    (b"\xff\xd8\xff\xe0", "is not valid JSON ('utf-8' codec can't decode byte 0xff in position 0: invalid start byte)"),
-    ('{"metadata": {"total_size": 12}}', 'has no "weight_map" object naming the file of each tensor'),
-    ('[{"weight_map": {"a": "model.safetensors"}}]', 'has no "weight_map" object naming the file of each tensor'),
-    ('{"weight_map": ["model.safetensors"]}', 'has no "weight_map" object naming the file of each tensor'),
-    ('{"weight_map": {"a": 1}}', 'has no "weight_map" object naming the file of each tensor'),
-    ('{"weight_map": {}}', 'has no "weight_map" object naming the file of each tensor'),
-])
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        # Cut short mid-download: the string that opens at line 5, column 26 never ends.
+        (
+            '{\n  "metadata": {},\n  "weight_map": {\n    "lm_head.weight": "model.safetensors",\n    "model.norm.weight": '
+            '"model.safe',
+            "is not valid JSON (Unterminated string starting at: line 5 column 26 (char 106))",
+        ),
+        ("", "is not valid JSON (Expecting value: line 1 column 1 (char 0))"),
+        (
+            b"\xff\xd8\xff\xe0",
+            "is not valid JSON ('utf-8' codec can't decode byte 0xff in position 0: invalid start byte)",
+        ),
+        ('{"metadata": {"total_size": 12}}', 'has no "weight_map" object naming the file of each tensor'),
+        ('[{"weight_map": {"a": "model.safetensors"}}]', 'has no "weight_map" object naming the file of each tensor'),
+        ('{"weight_map": ["model.safetensors"]}', 'has no "weight_map" object naming the file of each tensor'),
+        ('{"weight_map": {"a": 1}}', 'has no "weight_map" object naming the file of each tensor'),
+        ('{"weight_map": {}}', 'has no "weight_map" object naming the file of each tensor'),
+    ],
+)
 def test_a_damaged_checkpoint_index_is_refused_naming_it_where_it_breaks_and_what_to_do(content, why, tmp_path):
     # json's bare "Expecting value: line 1 column 1 (char 0)" named no file; one without a weight_map, a KeyError.
     from offline_extract.engine.checkpoint import CHECKPOINT_INDEX, checkpoint_files
@@ -50,17 +66,19 @@ def test_a_damaged_checkpoint_index_is_refused_naming_it_where_it_breaks_and_wha
 
 def _header_edited(edit):
     """A damage to a safetensors file's header that keeps it JSON: `edit` changes the parsed header."""
+
     def damage(raw: bytes) -> bytes:
         length = int.from_bytes(raw[:8], "little")
-        header = json.loads(raw[8:8 + length])
+        header = json.loads(raw[8 : 8 + length])
         edit(header)
         text = json.dumps(header).encode()
-        return len(text).to_bytes(8, "little") + text + raw[8 + length:]
+        return len(text).to_bytes(8, "little") + text + raw[8 + length :]
+
     return damage
 
 
 DAMAGES = {
-    "cut short in its tensors": lambda raw: raw[:len(raw) // 2],
+    "cut short in its tensors": lambda raw: raw[: len(raw) // 2],
     "cut short in its header": lambda raw: raw[:20],
     "cut short in its length": lambda raw: raw[:5],
     "a byte past its tensors": lambda raw: raw + b"\0",
@@ -69,8 +87,9 @@ DAMAGES = {
     "a header that is not JSON": lambda raw: raw[:8] + b"#" + raw[9:],
     "a shape that does not fit": _header_edited(lambda h: h["b"].update(shape=[3])),
     "a tensor without a dtype": _header_edited(lambda h: h["a"].pop("dtype")),
-    "overlapping tensors": _header_edited(lambda h: h["b"].update(data_offsets=[h["b"]["data_offsets"][0] - 2,
-                                                                               h["b"]["data_offsets"][1] - 2])),
+    "overlapping tensors": _header_edited(
+        lambda h: h["b"].update(data_offsets=[h["b"]["data_offsets"][0] - 2, h["b"]["data_offsets"][1] - 2])
+    ),
 }
 
 
@@ -92,5 +111,6 @@ def test_a_damaged_safetensors_file_is_refused_naming_it(damage, tmp_path):
     with pytest.raises(WeightsUnreadable) as refused:
         check_safetensors(path)
     assert str(refused.value).startswith(f"{path} is not a whole safetensors file (")
-    assert str(refused.value).endswith("): it is damaged, or was cut short by an interrupted download or copy. "
-                                       "Download or copy it again, then re-run")
+    assert str(refused.value).endswith(
+        "): it is damaged, or was cut short by an interrupted download or copy. Download or copy it again, then re-run"
+    )

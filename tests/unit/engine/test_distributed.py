@@ -1,4 +1,5 @@
 """engine.distributed's Coordinator against a real TCPStore in this process, as torchrun's agent serves it."""
+
 import time
 from datetime import timedelta
 
@@ -19,8 +20,11 @@ def store_env(monkeypatch):
 
 def test_a_store_nobody_serves_is_named_after_the_connect_timeout(store_env):
     start = time.monotonic()
-    with pytest.raises(PeerLost, match=rf"torchrun's store at 127.0.0.1:{store_env} \(MASTER_ADDR:MASTER_PORT, "
-                                       r"served by node 0's torchrun\) did not answer within 2 s: node 0 has stopped"):
+    with pytest.raises(
+        PeerLost,
+        match=rf"torchrun's store at 127.0.0.1:{store_env} \(MASTER_ADDR:MASTER_PORT, "
+        r"served by node 0's torchrun\) did not answer within 2 s: node 0 has stopped",
+    ):
         Coordinator(Layout(rank=1, world_size=2), "test", connect_timeout=timedelta(seconds=2))
     assert time.monotonic() - start < 30  # torch's client alone would have retried for its 5-minute default
 
@@ -28,8 +32,10 @@ def test_a_store_nobody_serves_is_named_after_the_connect_timeout(store_env):
 def test_a_rank_that_never_beat_is_named_as_never_started(store_env):
     server = dist.TCPStore("127.0.0.1", store_env, is_master=True, wait_for_workers=False)
     coord = Coordinator(Layout(rank=0, world_size=2), "test", peer_timeout=timedelta(seconds=1))
-    with pytest.raises(PeerLost, match="rank 1 never answered .no heartbeat in 1 s.: it did not start, or died "
-                                       "starting; its own log says why"):
+    with pytest.raises(
+        PeerLost,
+        match="rank 1 never answered .no heartbeat in 1 s.: it did not start, or died starting; its own log says why",
+    ):
         coord.barrier()
     del server
 

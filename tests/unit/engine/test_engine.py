@@ -2,6 +2,7 @@
 
 SGLang allows one ModelRunner per process, so every test here shares one engine.
 """
+
 import os
 import subprocess
 import sys
@@ -120,7 +121,9 @@ def _images(n: int) -> Images:
 
 def test_images_on_a_text_only_model_are_refused_by_name(engine):
     seqs = _seqs([12, 9])
-    with pytest.raises(NotImplementedError, match=r"LlamaForCausalLM \(.*\) cannot take image inputs: it is a text-only"):
+    with pytest.raises(
+        NotImplementedError, match=r"LlamaForCausalLM \(.*\) cannot take image inputs: it is a text-only"
+    ):
         engine.capture(seqs, [None, _images(9)])
     with pytest.raises(ValueError, match="1 image entries for 2 sequences"):
         engine.capture(seqs, [_images(12)])
@@ -233,8 +236,9 @@ def test_moe_warm_up_token_counts_cover_each_tuned_config_at_each_specialization
 
     import sglang
 
-    table = Path(sglang.__file__).parent / ("srt/layers/moe/moe_runner/triton_utils/configs/triton_3_6_0/"
-                                            "E=128,N=768,device_name=NVIDIA_H200.json")
+    table = Path(sglang.__file__).parent / (
+        "srt/layers/moe/moe_runner/triton_utils/configs/triton_3_6_0/E=128,N=768,device_name=NVIDIA_H200.json"
+    )
     configs = {int(m): c for m, c in json.loads(table.read_text()).items()}
 
     def config_of(m: int) -> str:
@@ -246,20 +250,53 @@ def test_moe_warm_up_token_counts_cover_each_tuned_config_at_each_specialization
     assert {specializations(m) for m in range(1, 16385)} == {specializations(m) for m in counts}
     # Each from the smallest M: about 15k tokens in all (M=4096's config is M=1024's, first taken at 769).
     assert counts[-5:] == [1281, 1282, 1284, 1288, 1296] and sum(counts) < 15000
-    assert moe_token_counts(int.bit_length, 100) == [1, 2, 3, 4, 5, 6, 8, 9, 10, 12, 16, 17, 18, 20, 24, 32, 33, 34,
-                                                     36, 40, 64, 65, 66, 68, 72]
+    assert moe_token_counts(int.bit_length, 100) == [
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+        8,
+        9,
+        10,
+        12,
+        16,
+        17,
+        18,
+        20,
+        24,
+        32,
+        33,
+        34,
+        36,
+        40,
+        64,
+        65,
+        66,
+        68,
+        72,
+    ]
 
 
 def test_a_cpu_engine_hides_the_gpus_before_torch_first_asks_the_driver():
     """SGLang chooses its kernels at import from whether torch sees a GPU, so on a GPU machine a CPU engine's
     process must see none: started with a GPU named visible, it sees none once prepared (a fresh interpreter,
     since the driver reads CUDA_VISIBLE_DEVICES once)."""
-    script = ("import os, torch\n"
-              "from offline_extract.engine.sglang_adapter import prepare_process\n"
-              "prepare_process('cpu')\n"
-              "print(repr(os.environ['CUDA_VISIBLE_DEVICES']), torch.cuda.is_available())")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
+    script = (
+        "import os, torch\n"
+        "from offline_extract.engine.sglang_adapter import prepare_process\n"
+        "prepare_process('cpu')\n"
+        "print(repr(os.environ['CUDA_VISIBLE_DEVICES']), torch.cuda.is_available())"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["''", "False"]
 
@@ -269,9 +306,12 @@ def test_a_cpu_engine_where_cuda_already_started_is_refused_with_the_way_out(mon
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the driver started before the GPUs were hidden
-    with pytest.raises(ValueError, match=r"CUDA had already started in this process, so hiding them through "
-                                         r"CUDA_VISIBLE_DEVICES came too late\. Start the process with them hidden: "
-                                         r"CUDA_VISIBLE_DEVICES= python bin/extract\.py \.\.\. --device cpu$"):
+    with pytest.raises(
+        ValueError,
+        match=r"CUDA had already started in this process, so hiding them through "
+        r"CUDA_VISIBLE_DEVICES came too late\. Start the process with them hidden: "
+        r"CUDA_VISIBLE_DEVICES= python bin/extract\.py \.\.\. --device cpu$",
+    ):
         prepare_process("cpu")
 
 

@@ -1,5 +1,6 @@
 """The family table against what reads it: each family's random checkpoint is of its SGLang class, its HF
 routing names a scoring the parity gate has, and the README and docs/architectures.md name it."""
+
 import json
 from dataclasses import replace
 
@@ -14,8 +15,9 @@ from offline_extract.testing.models import VISION_LANGUAGE, build_model, towers
 @pytest.mark.parametrize("name", [n for f in FAMILIES for n in (f.name, *f.variants)])
 def test_each_familys_random_checkpoint_is_of_its_sglang_class(name, tiny_model_dir, tmp_path):
     family = BY_NAME.get(name) or cpu_models()[name]
-    config = json.loads((build_model(name, tmp_path / name, tokenizer_dir=tiny_model_dir, weights=False)
-                         / "config.json").read_text())
+    config = json.loads(
+        (build_model(name, tmp_path / name, tokenizer_dir=tiny_model_dir, weights=False) / "config.json").read_text()
+    )
     assert config["architectures"] == [family.sglang_class]
 
 

@@ -6,6 +6,7 @@ SGLang's FP8 compute is reproduced here in HF, for the gate's rule only: every p
 to e4m3 per token in groups of 128 channels (SGLang's per_token_group_quant_fp8 before each block-FP8 GEMM,
 the routed experts' intermediate activations included), then multiplied in float32.
 """
+
 import json
 import subprocess
 import sys
@@ -28,8 +29,9 @@ from offline_extract.testing.models import FP8_QUANTIZATION_CONFIG, build_model
 def fp8_models(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8")
     return {
-        arch: build_model(arch, root / arch, dtype=torch.bfloat16, overrides=overrides, tokenizer_dir=tiny_model_dir,
-                          fp8=True)
+        arch: build_model(
+            arch, root / arch, dtype=torch.bfloat16, overrides=overrides, tokenizer_dir=tiny_model_dir, fp8=True
+        )
         for arch, overrides in FP8_OVERRIDES.items()
     }
 
@@ -44,19 +46,29 @@ def test_checkpoint_is_written_as_the_fp8_releases_are(fp8_models):
     scale = tensors["model.layers.3.self_attn.kv_a_proj_with_mqa.weight_scale_inv"]
     assert weight.dtype == torch.float8_e4m3fn and tuple(weight.shape) == (576, 256)
     assert scale.dtype == torch.float32 and tuple(scale.shape) == (5, 2)  # 576 rows: 4.5 blocks, the last partial
-    for name in ("model.layers.3.mlp.experts.5.down_proj.weight", "model.layers.3.mlp.shared_experts.up_proj.weight",
-                 "model.layers.0.mlp.gate_proj.weight", "model.layers.3.self_attn.q_b_proj.weight"):
+    for name in (
+        "model.layers.3.mlp.experts.5.down_proj.weight",
+        "model.layers.3.mlp.shared_experts.up_proj.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.3.self_attn.q_b_proj.weight",
+    ):
         assert tensors[name].dtype == torch.float8_e4m3fn and f"{name}_scale_inv" in tensors, name
     # Embeddings, head, norms, the router and its correction bias are left as they are.
-    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.3.mlp.gate.weight",
-                 "model.layers.3.input_layernorm.weight"):
+    for name in (
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.layers.3.mlp.gate.weight",
+        "model.layers.3.input_layernorm.weight",
+    ):
         assert tensors[name].dtype == torch.bfloat16 and f"{name}_scale_inv" not in tensors, name
     assert tensors["model.layers.3.mlp.gate.e_score_correction_bias"].dtype != torch.float8_e4m3fn
 
 
 def test_dequantized_weights_are_the_bf16_weights_within_e4m3_rounding(fp8_models, tiny_model_dir, tmp_path):
-    plain = load_file(build_model("qwen3", tmp_path / "bf16", dtype=torch.bfloat16, tokenizer_dir=tiny_model_dir)
-                      / "model.safetensors")
+    plain = load_file(
+        build_model("qwen3", tmp_path / "bf16", dtype=torch.bfloat16, tokenizer_dir=tiny_model_dir)
+        / "model.safetensors"
+    )
     dequantized, quantized = checkpoint.dequantized_fp8_tensors(str(fp8_models["qwen3"]), torch.float32)
     assert quantized and set(dequantized) == set(plain)
     for name in quantized:
@@ -71,9 +83,23 @@ def assert_cpu_refuses_before_loading(model, out, refusal):
     """bin/extract.py on CPU stops on `model` with `refusal` and the reason (no Intel AMX kernels), before any
     weight loads and with nothing written."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bin" / "extract.py"), "--model", str(model), "--data",
-         str(ROOT / "examples" / "corpus.jsonl"), "--out", str(out), "--device", "cpu", "--no-progress"],
-        capture_output=True, text=True, cwd=ROOT, timeout=600,
+        [
+            sys.executable,
+            str(ROOT / "bin" / "extract.py"),
+            "--model",
+            str(model),
+            "--data",
+            str(ROOT / "examples" / "corpus.jsonl"),
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
     )
     assert proc.returncode != 0
     assert refusal in proc.stderr and "Intel AMX" in proc.stderr, proc.stderr[-2000:]
@@ -82,7 +108,9 @@ def assert_cpu_refuses_before_loading(model, out, refusal):
 
 
 def test_cpu_refuses_an_fp8_checkpoint_before_loading_it(fp8_models, tmp_path):
-    assert_cpu_refuses_before_loading(fp8_models["qwen3"], tmp_path / "out", f"{fp8_models['qwen3']} is an FP8 checkpoint")
+    assert_cpu_refuses_before_loading(
+        fp8_models["qwen3"], tmp_path / "out", f"{fp8_models['qwen3']} is an FP8 checkpoint"
+    )
 
 
 def _fp8_activations(x, group=128):
@@ -98,6 +126,7 @@ def _w8a8(model, quantized):
         if isinstance(module, torch.nn.Linear) and f"{name}.weight" in quantized:
             module.forward = lambda x, m=module: F.linear(_fp8_activations(x), m.weight.float()).to(x.dtype)
         elif hasattr(module, "gate_up_proj"):
+
             def experts(hidden, index, weights, m=module):
                 out = torch.zeros_like(hidden)
                 for e in index.unique().tolist():
@@ -107,6 +136,7 @@ def _w8a8(model, quantized):
                     down = F.linear(_fp8_activations(m.act_fn(gate) * up), m.down_proj[e].float()).to(hidden.dtype)
                     out.index_add_(0, token, (down * weights[token, slot, None]).to(out.dtype))
                 return out
+
             module.forward = experts
 
 
@@ -118,17 +148,27 @@ def test_fp8_gate_passes_w8a8_states_and_fails_an_off_by_one(arch, fp8_models):
     _w8a8(engine_like, checkpoint.dequantized_fp8_tensors(path, torch.bfloat16)[1])
     moe = parity.ForcedRouting.supports(reference)
     experts: dict[int, list] = {}
-    hooks = [block.experts.register_forward_pre_hook(
-                 lambda m, args, layer=int(name.split(".")[2]): experts.setdefault(layer, []).append(args[1]))
-             for name, block in engine_like.named_modules() if hasattr(block, "experts") and hasattr(block, "gate")]
+    hooks = [
+        block.experts.register_forward_pre_hook(
+            lambda m, args, layer=int(name.split(".")[2]): experts.setdefault(layer, []).append(args[1])
+        )
+        for name, block in engine_like.named_modules()
+        if hasattr(block, "experts") and hasattr(block, "gate")
+    ]
     rng = np.random.default_rng(0)
     seqs = [rng.integers(6, 380, n).tolist() for n in LENGTHS]
     layer_ids = list(range(reference.config.num_hidden_layers - 1))
     states = []
     for i, s in enumerate(seqs):
         hs = parity.hf_hidden_states(engine_like, s, "cpu")
-        states.append((s, torch.cat([hs[k + 1] for k in layer_ids], dim=-1), hs[-1],
-                       {layer: ids[i] for layer, ids in experts.items()}))
+        states.append(
+            (
+                s,
+                torch.cat([hs[k + 1] for k in layer_ids], dim=-1),
+                hs[-1],
+                {layer: ids[i] for layer, ids in experts.items()},
+            )
+        )
     for h in hooks:
         h.remove()
     forcing = parity.ForcedRouting(reference) if moe else None  # DeepSeek: HF takes the W8A8 run's experts
@@ -139,8 +179,9 @@ def test_fp8_gate_passes_w8a8_states_and_fails_an_off_by_one(arch, fp8_models):
         reference_states.append(parity.hf_hidden_states(reference, s, "cpu"))
 
     def judged(early):
-        pairs = ((aux, last, [hs[0], *hs[:-1]] if early else hs)
-                 for (_, aux, last, _), hs in zip(states, reference_states))
+        pairs = (
+            (aux, last, [hs[0], *hs[:-1]] if early else hs) for (_, aux, last, _), hs in zip(states, reference_states)
+        )
         return parity.compare_states(pairs, layer_ids, "bfloat16", moe=moe, fp8=True)
 
     rows = judged(early=False)

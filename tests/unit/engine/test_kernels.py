@@ -1,7 +1,7 @@
 """SGLang's JIT caches under one folder, and the nvcc-built modules prebuilt as the loaded model calls them
 (`engine/kernels.py`), on the session's CPU engine."""
-import os
 
+import os
 
 
 def test_jit_caches_go_under_one_folder_unless_the_environment_says_otherwise(monkeypatch, tmp_path):
@@ -33,7 +33,10 @@ def test_the_kernel_prebuild_specializes_as_the_loaded_model_calls_sglangs_modul
     for layer in layers:
         rope = layer.self_attn.rotary_emb
         assert (rope.head_size, rope.cos_sin_cache.size(-1), rope.is_neox_style) == (
-            shapes.head_dim, shapes.rope_dim, shapes.rope_is_neox)
+            shapes.head_dim,
+            shapes.rope_dim,
+            shapes.rope_is_neox,
+        )
         assert layer.mlp.gate_up_proj.output_size_per_partition // 2 == shapes.mlp_width
     # Per rank under TP=2: half the tiny model's two KV heads and half its MLP.
     halves = kernel_shapes(tiny_engine.runner.model_config, 2)

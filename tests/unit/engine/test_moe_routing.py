@@ -3,6 +3,7 @@ every token matches as on a dense model, so what the parity gate's median rule l
 flips and nothing else (docs/moe-bf16-investigation.md). The GPU suite runs the same check
 (tests/gpu/test_gpu_architectures.py) on every MoE family, including those SGLang cannot run on CPU; for those,
 the forcing itself is checked here on HF's own model, and the reading of SGLang's triton_kernels routing."""
+
 import numpy as np
 import pytest
 import torch
@@ -78,8 +79,11 @@ def _hf_run(hf, ids, forced=None):
         if type(block).__name__ in HF_BLOCKS.values():
             layer = int(name.split("layers.")[1].split(".")[0])
             # After the forcing's own hook, so that it sees what the experts are handed.
-            hooks.append(block.experts.register_forward_pre_hook(
-                lambda m, args, layer=layer: handed.__setitem__(layer, args[1].clone())))
+            hooks.append(
+                block.experts.register_forward_pre_hook(
+                    lambda m, args, layer=layer: handed.__setitem__(layer, args[1].clone())
+                )
+            )
     try:
         forcing.set(forced)
         states = parity.hf_hidden_states(hf, ids, "cpu")
@@ -140,8 +144,9 @@ def test_experts_are_read_back_from_triton_kernels_routing():
     # for ints): pairs numbered token * k + slot, stably sorted by expert.
     by_expert = torch.argsort(ids.flatten(), stable=True).int()
     inverse = torch.argsort(by_expert, stable=True).int()
-    routing = RoutingData(torch.zeros(tokens * k), torch.bincount(ids.flatten(), minlength=num_experts).int(),
-                          num_experts, k)
+    routing = RoutingData(
+        torch.zeros(tokens * k), torch.bincount(ids.flatten(), minlength=num_experts).int(), num_experts, k
+    )
     output = TritonKernelTopKOutput(routing, GatherIndx(by_expert, inverse), ScatterIndx(inverse, by_expert))
     assert torch.equal(routed_experts(output), ids)
     # A runner that routes inside its kernel states no choice.

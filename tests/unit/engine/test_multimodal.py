@@ -1,6 +1,7 @@
 """A sequence's images turned into SGLang's request inputs (engine/multimodal.py), on SGLang's own functions
 and each image family's own pad_input_ids, without an engine; the whole path through the real engine against
 HF is in test_architectures.py."""
+
 import importlib
 from types import SimpleNamespace
 
@@ -29,7 +30,7 @@ def vl(request):
     assert vision_tokens == QWEN_VISION_TOKENS
     config = make_config(388, dict(zip(QWEN_VISION_TOKENS, (START, END, IMAGE, VIDEO))))
     vision = SimpleNamespace(**config["vision_config"])
-    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     config = SimpleNamespace(**{k: v for k, v in config.items() if k != "vision_config"}, vision_config=vision)
     return SimpleNamespace(model=model, config=config, spec=family.images, width=width)
 
@@ -81,7 +82,9 @@ def test_processor_outputs_it_does_not_take_are_refused_by_name(vl):
     with pytest.raises(ValueError, match=r"missing \['image_grid_thw'\]"):
         image_request(model, config, spec, ids, no_grid)
     # The processor's mm_token_type_ids restates the image tokens and is accepted.
-    image_request(model, config, spec, ids, _images(ids, [[1, 2, 4]], width, mm_token_type_ids=(ids == IMAGE)[None].astype(int)))
+    image_request(
+        model, config, spec, ids, _images(ids, [[1, 2, 4]], width, mm_token_type_ids=(ids == IMAGE)[None].astype(int))
+    )
 
 
 def test_images_that_do_not_fit_the_sequence_are_refused(vl):
@@ -98,11 +101,14 @@ def test_images_that_do_not_fit_the_sequence_are_refused(vl):
         image_request(model, config, spec, ids, Images(short, images.token_mask, images.fingerprint))
 
 
-@pytest.mark.parametrize("architecture, reason", [
-    ("LlamaForCausalLM", "it is a text-only model"),
-    ("KimiK25ForConditionalGeneration", "no class for its MoonViT tower"),
-    ("Llama4ForConditionalGeneration", "only on the fa3"),
-])
+@pytest.mark.parametrize(
+    "architecture, reason",
+    [
+        ("LlamaForCausalLM", "it is a text-only model"),
+        ("KimiK25ForConditionalGeneration", "no class for its MoonViT tower"),
+        ("Llama4ForConditionalGeneration", "only on the fa3"),
+    ],
+)
 def test_an_architecture_without_image_inputs_is_refused_by_name(architecture, reason):
     with pytest.raises(NotImplementedError, match=rf"{architecture} \(/m\) cannot take image inputs: .*{reason}"):
         image_model(architecture, "/m")

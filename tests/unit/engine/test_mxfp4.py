@@ -2,6 +2,7 @@
 reader gives exactly the weights the parity gate's reference uses, those are the bf16 weights within e2m1
 rounding, and the CPU refuses the checkpoint by name before loading it. The engine runs it on the GPU through
 SGLang's MXFP4 path (tests/gpu/test_gpu_mxfp4.py)."""
+
 import json
 
 import pytest
@@ -39,8 +40,12 @@ def test_checkpoint_is_laid_out_as_the_gpt_oss_releases_are(checkpoints):
     }
     assert {name: (tuple(tensors[prefix + name].shape), tensors[prefix + name].dtype) for name in shapes} == shapes
     # Only the experts' projections change; attention (sinks included), router, embeddings and head stay bf16.
-    assert set(tensors) - set(plain) == {f"model.layers.{i}.mlp.experts.{p}_{part}" for i in range(8)
-                                         for p in ("gate_up_proj", "down_proj") for part in ("blocks", "scales")}
+    assert set(tensors) - set(plain) == {
+        f"model.layers.{i}.mlp.experts.{p}_{part}"
+        for i in range(8)
+        for p in ("gate_up_proj", "down_proj")
+        for part in ("blocks", "scales")
+    }
     for name in set(plain) & set(tensors):
         assert torch.equal(tensors[name], plain[name]), name
 
@@ -66,8 +71,9 @@ def test_hfs_own_mxfp4_reader_gives_the_references_weights_which_are_the_bf16_on
 
 def test_cpu_refuses_an_mxfp4_checkpoint_by_name_before_loading_it(checkpoints, tmp_path):
     # Before SGLang's own GPT-OSS check (attention backends with sinks) could speak.
-    assert_cpu_refuses_before_loading(checkpoints["mxfp4"], tmp_path / "out",
-                                      f"{checkpoints['mxfp4']} is an MXFP4 checkpoint")
+    assert_cpu_refuses_before_loading(
+        checkpoints["mxfp4"], tmp_path / "out", f"{checkpoints['mxfp4']} is an MXFP4 checkpoint"
+    )
 
 
 def test_the_gates_reference_is_hfs_plain_gpt_oss_on_the_dequantized_experts(checkpoints):

@@ -1,5 +1,6 @@
 """NaN and Inf in the states, in-process: the feed and its guard on a stand-in engine whose states are
 known, for whole batches and for long samples that arrive chunk by chunk."""
+
 import re
 
 import numpy as np
@@ -14,6 +15,7 @@ from offline_extract.engine.sglang_adapter import Captured
 from offline_extract.feed import extract_batches
 from offline_extract.store.index import iter_samples
 from offline_extract.store.writer import ShardWriter
+
 
 class PoisonedEngine:
     """Stands in for the engine: each token's states are its id; token 99 makes its row of layer 3 NaN,
@@ -42,7 +44,9 @@ class PoisonedEngine:
 
 def samples(*token_lists):
     return [
-        Sample(i, f"s{i}", "c.jsonl", i + 1, np.array(ids, dtype=np.int32), np.ones(len(ids), np.uint8), len(ids), False)
+        Sample(
+            i, f"s{i}", "c.jsonl", i + 1, np.array(ids, dtype=np.int32), np.ones(len(ids), np.uint8), len(ids), False
+        )
         for i, ids in enumerate(token_lists)
     ]
 

@@ -1,4 +1,5 @@
 """HostOffload on CPU: every batch reaches the consumer in order, and the host's waits are counted."""
+
 import time
 
 import torch

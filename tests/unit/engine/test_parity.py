@@ -1,5 +1,6 @@
 """The parity gate's criteria, on rows with known numbers (the comparisons themselves are in test_engine
 and, per architecture, test_architectures)."""
+
 import contextlib
 import dataclasses
 import json
@@ -8,7 +9,14 @@ import pytest
 import torch
 
 from offline_extract.engine import parity, reference
-from offline_extract.engine.parity import MOE_HALF_MIN_MEDIAN_COSINE, LayerParity, ParityError, _passes, check, criterion
+from offline_extract.engine.parity import (
+    MOE_HALF_MIN_MEDIAN_COSINE,
+    LayerParity,
+    ParityError,
+    _passes,
+    check,
+    criterion,
+)
 
 
 def _row(cosine, median, max_abs=0.05, max_rel=0.01):
@@ -66,10 +74,25 @@ def test_verify_passes_a_bf16_moe_model_and_records_why(tiny_model_dir, tmp_path
     model = build_model("qwen3_moe", tmp_path / "m", dtype=torch.bfloat16, tokenizer_dir=tiny_model_dir)
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bin" / "extract.py"), "--model", str(model), "--data",
-         str(ROOT / "examples" / "corpus.jsonl"), "--out", str(out), "--dtype", "bfloat16", "--verify", "8",
-         "--no-progress"],
-        capture_output=True, text=True, cwd=ROOT, timeout=600,
+        [
+            sys.executable,
+            str(ROOT / "bin" / "extract.py"),
+            "--model",
+            str(model),
+            "--data",
+            str(ROOT / "examples" / "corpus.jsonl"),
+            "--out",
+            str(out),
+            "--dtype",
+            "bfloat16",
+            "--verify",
+            "8",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     run = open_shard(shard_paths(out)[0]).run
@@ -159,7 +182,9 @@ def test_the_comparison_by_chunks_of_tokens_is_the_comparison_of_whole_samples(m
 
 
 def _floor_row(median, worst, floor_median, floor_worst):
-    return LayerParity("aux 14", 15, 256.0, 0.01, 0.97, 0.9999, 0.9, 2.5, False, worst, median, floor_worst, floor_median)
+    return LayerParity(
+        "aux 14", 15, 256.0, 0.01, 0.97, 0.9999, 0.9, 2.5, False, worst, median, floor_worst, floor_median
+    )
 
 
 def test_half_precision_is_judged_against_float32_by_hfs_own_distance_from_it():
@@ -169,7 +194,8 @@ def test_half_precision_is_judged_against_float32_by_hfs_own_distance_from_it():
     median, worst = parity.HALF_FLOOR["median"], parity.HALF_FLOOR["worst"]
     row = _floor_row(median=0.0101, worst=0.24, floor_median=0.0112, floor_worst=0.22)
     assert _passes(row, "bfloat16", moe=False) and row.floor_ratio() == pytest.approx(
-        max(0.0101 / (median["factor"] * 0.0112 + median["slack"]), 0.24 / (worst["factor"] * 0.22 + worst["slack"])))
+        max(0.0101 / (median["factor"] * 0.0112 + median["slack"]), 0.24 / (worst["factor"] * 0.22 + worst["slack"]))
+    )
     # Every token further off: what a layer off by one or a perturbed state does.
     assert not _passes(_floor_row(2 * 0.0112, 0.24, 0.0112, 0.22), "bfloat16", moe=False)
     # A few tokens broken, the median untouched.
@@ -195,10 +221,13 @@ def test_a_half_precision_refusal_names_the_rule_and_both_distances_from_float32
         "parity gate failed on 32 samples in bfloat16 (required: each token's relative error against HF in float32, "
         f"at the median token at most {parity.HALF_FLOOR['median']['factor']} x HF bfloat16's own + "
         f"{parity.HALF_FLOOR['median']['slack']}, at the worst token at most {parity.HALF_FLOOR['worst']['factor']} "
-        f"x HF bfloat16's own + {parity.HALF_FLOOR['worst']['slack']}):\n")
-    assert (f"  aux 14 (HF hidden_states[15]): relative error vs HF float32 worst=0.24 median=0.0301, HF bfloat16's "
-            f"own worst=0.22 median=0.0112 ({bad.floor_ratio():.2f} x what is allowed); cosine worst=0.970000 "
-            f"median=0.999900\n") in said
+        f"x HF bfloat16's own + {parity.HALF_FLOOR['worst']['slack']}):\n"
+    )
+    assert (
+        f"  aux 14 (HF hidden_states[15]): relative error vs HF float32 worst=0.24 median=0.0301, HF bfloat16's "
+        f"own worst=0.22 median=0.0112 ({bad.floor_ratio():.2f} x what is allowed); cosine worst=0.970000 "
+        f"median=0.999900\n"
+    ) in said
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3", "gpt_oss"])

@@ -1,6 +1,7 @@
 """The parity gate on a real model (SmolLM2-135M-Instruct, bf16, on CPU, real English): it passes the engine's
 correct states, judged against HF in float32 by HF's own bf16 distance from it (parity.HALF_FLOOR), and refuses
 every wrong state: layer ids off by one either way, a final state on the wrong side of the norm, a state 1% off."""
+
 import json
 import subprocess
 import sys
@@ -23,9 +24,27 @@ def test_verify_32_passes_the_real_model_in_bf16(real_model_dir, english, tmp_pa
 
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bin" / "extract.py"), "--model", str(real_model_dir), "--data", str(english),
-         "--out", str(out), "--device", "cpu", "--dtype", "bfloat16", "--verify", "32", "--no-progress"],
-        capture_output=True, text=True, cwd=ROOT, timeout=1800,
+        [
+            sys.executable,
+            str(ROOT / "bin" / "extract.py"),
+            "--model",
+            str(real_model_dir),
+            "--data",
+            str(english),
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--dtype",
+            "bfloat16",
+            "--verify",
+            "32",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=1800,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = open_shard(shard_paths(out)[0]).run.parity
@@ -41,9 +60,24 @@ def test_verify_32_passes_the_real_model_in_bf16(real_model_dir, english, tmp_pa
 def test_the_gate_refuses_every_wrong_state_of_the_real_model(real_model_dir, english, tmp_path):
     result = tmp_path / "margin.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gate_margin.py"), "--model", str(real_model_dir), "--data",
-         str(english), "--samples", "6", "--device", "cpu", "--json", str(result)],
-        capture_output=True, text=True, cwd=ROOT, timeout=1800,
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gate_margin.py"),
+            "--model",
+            str(real_model_dir),
+            "--data",
+            str(english),
+            "--samples",
+            "6",
+            "--device",
+            "cpu",
+            "--json",
+            str(result),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=1800,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     layers = json.loads(result.read_text())["layers"]

@@ -1,4 +1,5 @@
 """HF's reference model, built on the weights read ahead as from the files, and the read-ahead's memory bound."""
+
 import pytest
 
 
@@ -8,7 +9,8 @@ def test_the_preload_takes_at_most_half_the_available_memory_for_all_the_hosts_r
     assert preload_refusal(16_000_000_000, 1, 100_000_000_000) is None
     assert preload_refusal(16_000_000_000, 4, 128_000_000_000) is None
     assert preload_refusal(16_000_000_000, 8, 128_000_000_000) == (
-        "8 x 16.0 GB of weights exceed 50% of the host's 128.0 GB available")
+        "8 x 16.0 GB of weights exceed 50% of the host's 128.0 GB available"
+    )
     assert preload_refusal(1, 1, None) == "the host's available memory is unknown"
 
 

@@ -4,7 +4,14 @@ import torch
 from offline_extract.store import codecs
 from offline_extract.options import choices
 from offline_extract.store.codecs import (
-    CODECS, FP8_MAX, compress_frame, compressor, decompress_frame, decompressor, fp8_dequantize, fp8_quantize,
+    CODECS,
+    FP8_MAX,
+    compress_frame,
+    compressor,
+    decompress_frame,
+    decompressor,
+    fp8_dequantize,
+    fp8_quantize,
 )
 from offline_extract.store.schema import Encoding
 from offline_extract.testing.states import residual_like

@@ -1,5 +1,6 @@
 """--store bf16|fp8 and --compress none|zstd: every combination written, read back through the datasets,
 exported, summarized and verified; the states agree with what was given to the writer."""
+
 import json
 
 import pytest
@@ -36,8 +37,13 @@ def states(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run_of(encoding: Encoding) -> RunInfo:
-    return synthetic_run((1, 3, 4), H, store=encoding.store, compress=encoding.compress,
-                         final_state="post-norm" if encoding.keeps_final_state else None)
+    return synthetic_run(
+        (1, 3, 4),
+        H,
+        store=encoding.store,
+        compress=encoding.compress,
+        final_state="post-norm" if encoding.keeps_final_state else None,
+    )
 
 
 def write(out, encoding: Encoding, shard_bytes: int = 20 * (K + 1) * H * 2) -> None:
@@ -46,8 +52,17 @@ def write(out, encoding: Encoding, shard_bytes: int = 20 * (K + 1) * H * 2) -> N
     aux, last = states()
     input_ids = torch.randint(0, 1000, (len(aux),), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
     with Journal(manifest.journal_path(out, 0)) as journal:
-        write_samples(out, run_of(encoding), LENGTHS, input_ids, torch.ones(len(aux), dtype=torch.uint8), aux, last,
-                      shard_bytes=shard_bytes, on_written=lambda w: journal.append(vars(w)))
+        write_samples(
+            out,
+            run_of(encoding),
+            LENGTHS,
+            input_ids,
+            torch.ones(len(aux), dtype=torch.uint8),
+            aux,
+            last,
+            shard_bytes=shard_bytes,
+            on_written=lambda w: journal.append(vars(w)),
+        )
     manifest.consolidate(out, identity={"layer_ids": [1, 3, 4]}, status="complete")
 
 
@@ -181,7 +196,9 @@ def test_verify_reports_scales_that_are_not_finite_and_positive(tmp_path):
 
     _rewrite(path, "aux_hidden_states_scale", damage)
     problems = integrity.verify(tmp_path).problems
-    assert any(f"{path.name}: 2 aux_hidden_states_scale values are not finite and positive" in p for p in problems), problems
+    assert any(f"{path.name}: 2 aux_hidden_states_scale values are not finite and positive" in p for p in problems), (
+        problems
+    )
 
 
 def test_verify_reports_damaged_zstd_frames(tmp_path):
@@ -190,7 +207,9 @@ def test_verify_reports_damaged_zstd_frames(tmp_path):
     # Sample 1's frame now starts 3 bytes into it: no frame header there.
     _rewrite(path, "hidden_states_frames", lambda frames: frames.__setitem__(1, frames[1] + 3))
     problems = integrity.verify(tmp_path).problems
-    assert any(f"{path.name}: hidden_states frame of sample position 1 does not hold its 17 rows" in p for p in problems), problems
+    assert any(
+        f"{path.name}: hidden_states frame of sample position 1 does not hold its 17 rows" in p for p in problems
+    ), problems
 
 
 def test_a_flipped_byte_in_a_zstd_frame_fails_its_read_by_the_frames_checksum(tmp_path):
@@ -209,8 +228,11 @@ def test_a_flipped_byte_in_a_zstd_frame_fails_its_read_by_the_frames_checksum(tm
         shard.sample(1)
 
 
-@pytest.mark.parametrize("encoding", [Encoding("fp8"), Encoding("bf16", "zstd"), Encoding("fp8", "zstd")],
-                         ids=lambda e: f"{e.store}-{e.compress}")
+@pytest.mark.parametrize(
+    "encoding",
+    [Encoding("fp8"), Encoding("bf16", "zstd"), Encoding("fp8", "zstd")],
+    ids=lambda e: f"{e.store}-{e.compress}",
+)
 def test_a_long_sample_filled_in_pieces_is_stored_in_the_encoding(tmp_path, encoding):
     """The chunked path (begin_sample): the staged rows of a long sample, fp8 scales included, arrive
     piece by piece; a compressed shard is written once whole, not streamed."""
@@ -219,8 +241,13 @@ def test_a_long_sample_filled_in_pieces_is_stored_in_the_encoding(tmp_path, enco
     a, b = sum(LENGTHS[:3]), sum(LENGTHS[:4])
     staged = encoding.encode(aux[a:b], last[a:b], K)
     writer = ShardWriter(tmp_path, run_of(encoding), shard_bytes=8 * (K + 1) * H * 2)
-    rows = writer.begin_sample(SampleInfo(3, "s3", "synthetic", 4, n, False), torch.arange(n, dtype=torch.int32),
-                               torch.ones(n, dtype=torch.uint8), {k: t.shape[1] for k, t in staged.items()}, stream=True)
+    rows = writer.begin_sample(
+        SampleInfo(3, "s3", "synthetic", 4, n, False),
+        torch.arange(n, dtype=torch.int32),
+        torch.ones(n, dtype=torch.uint8),
+        {k: t.shape[1] for k, t in staged.items()},
+        stream=True,
+    )
     assert sorted(rows) == sorted(staged)
     for start in range(0, n, 7):
         for name, t in staged.items():

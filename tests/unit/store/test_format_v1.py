@@ -2,6 +2,7 @@
 embedded tiny model on three records, --max-length 32; bf16, and fp8 + zstd with the pre-norm final state),
 still read, verify and export (test_format_v2.py resumes them); and a run document whose key has the wrong type
 is refused, naming the shard and the key."""
+
 import json
 import shutil
 from dataclasses import replace
@@ -82,11 +83,14 @@ def test_a_flipped_byte_in_a_version_1_shard_fails_its_plain_sha256(v1):
     assert problem.startswith(f"{path.name}: sha256 ") and "differs from manifest.json's" in problem
 
 
-@pytest.mark.parametrize("key, value, expected", [
-    ("layer_ids", "1,3,4", "a list of int or null"),
-    ("store", "fp4", "'bf16' or 'fp8'"),
-    ("num_layers", 8.5, "int or null"),
-])
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [
+        ("layer_ids", "1,3,4", "a list of int or null"),
+        ("store", "fp4", "'bf16' or 'fp8'"),
+        ("num_layers", 8.5, "int or null"),
+    ],
+)
 def test_a_run_key_of_the_wrong_type_is_refused_naming_the_shard_and_the_key(tmp_path, key, value, expected):
     shutil.copytree(V1 / "bf16", tmp_path / "out")
     (path,) = shard_paths(tmp_path / "out")

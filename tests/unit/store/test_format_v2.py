@@ -2,6 +2,7 @@
 tiny model on the three records of tests/data/format_v1, --max-length 32, bf16), before shards recorded which
 tokens stand for images: still read (an image_mask of zeros), verified and exported; and this version resumes it, and
 those of version 1 (tests/data/format_v1), into shards that hold the image mask."""
+
 import json
 import shutil
 from dataclasses import replace
@@ -75,9 +76,19 @@ def test_this_version_resumes_an_older_output_into_shards_that_hold_the_image_ma
 
     rows = 5
     image_mask = torch.tensor([0, 1, 1, 0, 0], dtype=torch.uint8)
-    (new,) = write_samples(out, run, [rows], torch.arange(rows), torch.tensor([1, 0, 0, 1, 1]),
-                           torch.randn(rows, 3 * run.hidden_size), torch.randn(rows, run.hidden_size), indices=[7],
-                           index=False, shard_numbers=iter([1]), image_mask=image_mask)
+    (new,) = write_samples(
+        out,
+        run,
+        [rows],
+        torch.arange(rows),
+        torch.tensor([1, 0, 0, 1, 1]),
+        torch.randn(rows, 3 * run.hidden_size),
+        torch.randn(rows, run.hidden_size),
+        indices=[7],
+        index=False,
+        shard_numbers=iter([1]),
+        image_mask=image_mask,
+    )
     document, names = _document(new)
     assert document["format_version"] == FORMAT_VERSION and "encoding" not in document and "image_mask" in names
     manifest.consolidate(out)

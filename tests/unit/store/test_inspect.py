@@ -40,8 +40,17 @@ def write_known(out_dir, run=RUN):
     input_ids = np.concatenate([np.arange(n) + 100 * (i + 1) for i, n in enumerate(LENGTHS)])
     loss_mask = np.array([0, 1, 1, 0, 0, 1, 0, 1, 1, 1])
     # Two samples (24 hidden-state bytes per token) fill the first shard; the last goes to a second one.
-    paths = write_samples(out_dir, run, LENGTHS, input_ids, loss_mask, torch.cat([layer2, layer5], 1), last,
-                          shard_bytes=6 * (3 * H * 2), index=False)
+    paths = write_samples(
+        out_dir,
+        run,
+        LENGTHS,
+        input_ids,
+        loss_mask,
+        torch.cat([layer2, layer5], 1),
+        last,
+        shard_bytes=6 * (3 * H * 2),
+        index=False,
+    )
     assert len(paths) == 2
     return out_dir
 
@@ -96,11 +105,16 @@ def test_summary_of_a_single_shard(tmp_path):
     assert summary["layer_stats"][2]["mean"] == pytest.approx(expected_stats(known_tensors()[2][6:])["mean"])
 
 
-@pytest.mark.parametrize("encoding, shown", [
-    ({"store": "bf16", "compress": "none", "final_state": True}, "bf16, uncompressed"),
-    ({"store": "fp8", "compress": "zstd", "final_state": False},
-     "fp8 (a float32 scale per token per layer), zstd, no final state"),
-])
+@pytest.mark.parametrize(
+    "encoding, shown",
+    [
+        ({"store": "bf16", "compress": "none", "final_state": True}, "bf16, uncompressed"),
+        (
+            {"store": "fp8", "compress": "zstd", "final_state": False},
+            "fp8 (a float32 scale per token per layer), zstd, no final state",
+        ),
+    ],
+)
 def test_the_summary_says_in_words_how_the_states_are_stored(tmp_path, encoding, shown):
     # It once printed the encoding's JSON keys and values: "store bf16, compress none, final_state True".
     write_known(tmp_path)
@@ -157,26 +171,41 @@ def test_script_errors_name_what_is_wrong(tmp_path):
     missing = tmp_path / "missing"
     result = run_script(missing, cwd=tmp_path)
     assert result.returncode != 0
-    assert f"{missing} does not exist: give an extraction's output directory (its --out) or one of its shards" in result.stderr
+    assert (
+        f"{missing} does not exist: give an extraction's output directory (its --out) or one of its shards"
+        in result.stderr
+    )
 
 
 def test_a_sample_the_run_left_out_is_said_why(tmp_path):
     # It said only "no sample with id ...", though rejects.jsonl says why.
     write_known(tmp_path)
-    rows = [{"source": "/data/c.jsonl", "line": 7, "index": 6, "id": "too-long", "kind": "skipped",
-             "reason": "5000 tokens > --max-length 4096"},
-            {"source": "/data/c.jsonl", "line": 9, "index": 8, "id": None, "kind": "rejected", "reason": "invalid JSON"}]
+    rows = [
+        {
+            "source": "/data/c.jsonl",
+            "line": 7,
+            "index": 6,
+            "id": "too-long",
+            "kind": "skipped",
+            "reason": "5000 tokens > --max-length 4096",
+        },
+        {"source": "/data/c.jsonl", "line": 9, "index": 8, "id": None, "kind": "rejected", "reason": "invalid JSON"},
+    ]
     # A line cut short, one holding a byte that is not UTF-8 (the whole file's read stopped on it, naming no file),
     # and lines that are JSON but not a reject's fields (each stopped the search with a traceback).
-    damaged = (b'{damaged\n'
-               b'{"source": "/data/c.jsonl", "line": 11, "index": 10, "id": "caf\xe9", "kind": "rejected", "reason": ""}\n'
-               b'{"source": "/data/c.jsonl", "line": 12}\n[1, 2]\n7\nnull\n'
-               b'{"source": 3, "line": 13, "index": 12, "id": "x", "kind": "rejected", "reason": ""}\n')
+    damaged = (
+        b"{damaged\n"
+        b'{"source": "/data/c.jsonl", "line": 11, "index": 10, "id": "caf\xe9", "kind": "rejected", "reason": ""}\n'
+        b'{"source": "/data/c.jsonl", "line": 12}\n[1, 2]\n7\nnull\n'
+        b'{"source": 3, "line": 13, "index": 12, "id": "x", "kind": "rejected", "reason": ""}\n'
+    )
     (tmp_path / "rejects.jsonl").write_bytes("".join(json.dumps(row) + "\n" for row in rows).encode() + damaged)
     skipped = run_script(tmp_path, "--sample", "too-long", cwd=tmp_path)
     assert skipped.returncode == 1 and "Traceback" not in skipped.stderr
-    assert skipped.stderr.strip() == (f"Error: no sample with id 'too-long' in {tmp_path}; rejects.jsonl lists it as "
-                                      f"skipped (/data/c.jsonl:7): 5000 tokens > --max-length 4096")
+    assert skipped.stderr.strip() == (
+        f"Error: no sample with id 'too-long' in {tmp_path}; rejects.jsonl lists it as "
+        f"skipped (/data/c.jsonl:7): 5000 tokens > --max-length 4096"
+    )
     unnamed = run_script(tmp_path, "--sample", "c.jsonl:9", cwd=tmp_path)
     assert unnamed.stderr.strip().endswith("rejects.jsonl lists it as rejected (/data/c.jsonl:9): invalid JSON")
     # Where two sources share a file name, that id starts with the source as given.
@@ -208,7 +237,8 @@ def test_a_damaged_index_is_said_in_one_line(tmp_path):
     result = run_script(tmp_path, cwd=tmp_path)
     assert result.returncode == 1 and result.stderr == (
         f"Error: {tmp_path / 'index.json'} is not valid JSON ('utf-8' codec can't decode byte 0xe9 in position 33: "
-        f"invalid continuation byte): delete or restore it\n")
+        f"invalid continuation byte): delete or restore it\n"
+    )
 
 
 def test_an_edited_index_neither_moves_a_sample_nor_passes_unsaid(tmp_path):
@@ -250,8 +280,16 @@ def test_sample_is_decoded_with_loss_tokens_highlighted(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path / "tok")
 
-    write_samples(tmp_path / "out", replace(RUN, tokenizer_path=str(tmp_path / "tok")), [5], np.array([1, 2, 3, 4, 5]),
-                  np.array([0, 0, 1, 1, 1]), torch.zeros(5, 2 * H), torch.zeros(5, H), index=False)
+    write_samples(
+        tmp_path / "out",
+        replace(RUN, tokenizer_path=str(tmp_path / "tok")),
+        [5],
+        np.array([1, 2, 3, 4, 5]),
+        np.array([0, 0, 1, 1, 1]),
+        torch.zeros(5, 2 * H),
+        torch.zeros(5, H),
+        index=False,
+    )
 
     view = inspection.sample_view(tmp_path / "out", "s0")
     assert view["tokenizer_note"] is None
@@ -279,8 +317,18 @@ def test_sample_found_in_a_shard_the_index_does_not_list_yet(tmp_path):
     out = write_known(tmp_path)
     write_index(out)
     layer2, layer5, last = (t[:2] for t in known_tensors())
-    write_samples(out, RUN, [2], np.array([7, 8]), np.array([1, 1]), torch.cat([layer2, layer5], 1), last,
-                  indices=[3], index=False, shard_numbers=iter([2]))
+    write_samples(
+        out,
+        RUN,
+        [2],
+        np.array([7, 8]),
+        np.array([1, 1]),
+        torch.cat([layer2, layer5], 1),
+        last,
+        indices=[3],
+        index=False,
+        shard_numbers=iter([2]),
+    )
     assert inspection.sample_view(out, "s2")["shard"].endswith("shard_001.safetensors")
     view = inspection.sample_view(out, "s3")
     assert view["shard"].endswith("shard_002.safetensors")
@@ -294,8 +342,9 @@ def test_image_tokens_are_counted_in_the_summary_and_the_sample_view(tmp_path):
     input_ids = np.arange(sum(LENGTHS))
     loss_mask = np.array([0, 1, 1, 0, 0, 1, 0, 1, 1, 1])
     image_mask = np.array([1, 0, 0, 1, 1, 0, 0, 0, 0, 0], dtype=np.uint8)  # none in the loss
-    write_samples(tmp_path, RUN, LENGTHS, input_ids, loss_mask, torch.cat([layer2, layer5], 1), last,
-                  image_mask=image_mask)
+    write_samples(
+        tmp_path, RUN, LENGTHS, input_ids, loss_mask, torch.cat([layer2, layer5], 1), last, image_mask=image_mask
+    )
     summary = inspection.summarize(tmp_path)
     assert summary["image_tokens"] == 3
     console = Console(file=io.StringIO(), width=200)

@@ -1,4 +1,5 @@
 """inspect --verify on damaged, interrupted and healthy output directories."""
+
 import json
 import os
 import re
@@ -17,6 +18,7 @@ from offline_extract.store.index import write_index
 from offline_extract.store.journal import Journal
 from offline_extract.testing.shards import write_samples
 
+
 def test_verify_reports_a_flipped_byte_a_truncated_shard_and_a_stale_index(tmp_path):
     with Journal(manifest.journal_path(tmp_path, 0)) as journal:
         paths = write_shards(tmp_path, [[(i, 3)] for i in range(4)], on_written=lambda w: journal.append(vars(w)))
@@ -33,8 +35,9 @@ def test_verify_reports_a_flipped_byte_a_truncated_shard_and_a_stale_index(tmp_p
     index["samples"]["row"][3] = 1
     (tmp_path / "index.json").write_text(json.dumps(index))
 
-    proc = subprocess.run(["python", str(ROOT / "bin" / "inspect.py"), str(tmp_path), "--verify"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["python", str(ROOT / "bin" / "inspect.py"), str(tmp_path), "--verify"], capture_output=True, text=True
+    )
     assert proc.returncode == 1
     problems = proc.stdout.splitlines()
     expected = [
@@ -66,8 +69,9 @@ def test_verify_checks_the_index_totals_and_run_against_the_shards(tmp_path):
 
 
 def verify_script(out, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "bin" / "inspect.py"), str(out), "--verify", *args],
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "bin" / "inspect.py"), str(out), "--verify", *args], capture_output=True, text=True
+    )
 
 
 def test_verify_tells_an_interrupted_run_from_a_damaged_one(tmp_path):
@@ -113,8 +117,9 @@ def test_verify_during_a_run_says_that_one_is_writing_and_to_wait(tmp_path):
     finally:
         held.release()
     assert proc.returncode == 3, proc.stdout + proc.stderr
-    assert (f"an extraction is writing {tmp_path} now (pid {os.getpid()} on {socket.gethostname()}, since "
-            in proc.stdout), proc.stdout
+    assert (
+        f"an extraction is writing {tmp_path} now (pid {os.getpid()} on {socket.gethostname()}, since " in proc.stdout
+    ), proc.stdout
     assert "wait for it to end, then verify again" in proc.stdout
     assert f"because the run is still writing (checked against the run's journal): {paths[0].name}" in proc.stdout
     assert "interrupted" not in proc.stdout and "re-run" not in proc.stdout
@@ -128,8 +133,10 @@ def test_verify_without_manifest_advises_the_rerun_that_is_let_through(tmp_path)
     proc = verify_script(out)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert proc.stdout.splitlines()[0] == "no manifest.json: shard checksums cannot be checked"
-    assert ("no shard is damaged as far as can be told without checksums: delete nothing; re-run the extraction with "
-            "--force and the same --data (no manifest.json records its corpus), which rebuilds manifest.json") in proc.stdout
+    assert (
+        "no shard is damaged as far as can be told without checksums: delete nothing; re-run the extraction with "
+        "--force and the same --data (no manifest.json records its corpus), which rebuilds manifest.json"
+    ) in proc.stdout
     identity = manifest.run_identity(RUN, [corpus])
     with pytest.raises(resume.TakeoverError, match="pass --force"):
         resume.check_identity(out, identity, force=False)
@@ -137,8 +144,10 @@ def test_verify_without_manifest_advises_the_rerun_that_is_let_through(tmp_path)
 
     os.truncate(paths[1], paths[1].stat().st_size - 7)
     proc = verify_script(out)
-    assert (f"delete {paths[1].name} and re-run the extraction with --force and the same --data (no manifest.json "
-            f"records its corpus), which redoes exactly its samples") in proc.stdout
+    assert (
+        f"delete {paths[1].name} and re-run the extraction with --force and the same --data (no manifest.json "
+        f"records its corpus), which redoes exactly its samples"
+    ) in proc.stdout
 
 
 def test_verify_counts_one_shard_as_one(tmp_path):
@@ -158,7 +167,10 @@ def test_verify_refuses_a_directory_that_no_extraction_wrote(tmp_path):
     proc = verify_script(tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stdout == ""
-    assert proc.stderr.strip() == f"Error: {tmp_path} is not an extraction's output: it holds neither manifest.json nor shard files"
+    assert (
+        proc.stderr.strip()
+        == f"Error: {tmp_path} is not an extraction's output: it holds neither manifest.json nor shard files"
+    )
     missing = verify_script(tmp_path / "nope")
     assert missing.returncode == 2 and f"{tmp_path / 'nope'} does not exist" in missing.stderr, missing.stderr
 
@@ -168,8 +180,10 @@ def test_verify_names_a_manifest_no_extraction_wrote(tmp_path):
     (tmp_path / "manifest.json").write_text('{"name": "my-site", "files": []}')
     proc = verify_script(tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stderr.strip() == (f"Error: {tmp_path / 'manifest.json'} is not a manifest offline_extract wrote: it "
-                                   f"has no format_version and no shards key")
+    assert proc.stderr.strip() == (
+        f"Error: {tmp_path / 'manifest.json'} is not a manifest offline_extract wrote: it "
+        f"has no format_version and no shards key"
+    )
 
 
 def test_verify_answers_in_json_when_asked_and_refuses_a_sample_beside_it(tmp_path):
@@ -181,7 +195,12 @@ def test_verify_answers_in_json_when_asked_and_refuses_a_sample_beside_it(tmp_pa
     report = json.loads(proc.stdout)
     assert proc.returncode == report["exit_status"] == 3
     assert (report["path"], report["shards"], report["samples"], report["problems"], report["damaged"]) == (
-        str(tmp_path), 2, 2, [], [])
+        str(tmp_path),
+        2,
+        2,
+        [],
+        [],
+    )
     assert report["unfinished"][0] == "the run has not finished (manifest.json status 'running')"
     paths[1].write_bytes(b"not a shard")
     damaged = json.loads(verify_script(tmp_path, "--json").stdout)
@@ -189,21 +208,33 @@ def test_verify_answers_in_json_when_asked_and_refuses_a_sample_beside_it(tmp_pa
     both = verify_script(tmp_path, "--sample", "s0")
     assert both.returncode == 2 and "give one of them" in both.stderr, both.stderr
     one = verify_script(paths[0])  # the user named a shard: the directory to give is named
-    assert one.returncode == 2 and (f"--verify checks an output directory, not one file: give {tmp_path}, which holds "
-                                    f"{paths[0].name}") in " ".join(one.stderr.split()), one.stderr
+    assert one.returncode == 2 and (
+        f"--verify checks an output directory, not one file: give {tmp_path}, which holds {paths[0].name}"
+    ) in " ".join(one.stderr.split()), one.stderr
 
 
-@pytest.mark.parametrize("image_mask, problem", [
-    ([0, 1, 1, 0, 0, 0], None),
-    ([0, 1, 2, 0, 0, 0], "image_mask holds 1 values other than 0 and 1"),
-    ([1, 1, 0, 0, 0, 1], "2 image tokens are in the loss (loss_mask 1 where image_mask is 1)"),
-], ids=["sound", "not 0/1", "in the loss"])
+@pytest.mark.parametrize(
+    "image_mask, problem",
+    [
+        ([0, 1, 1, 0, 0, 0], None),
+        ([0, 1, 2, 0, 0, 0], "image_mask holds 1 values other than 0 and 1"),
+        ([1, 1, 0, 0, 0, 1], "2 image tokens are in the loss (loss_mask 1 where image_mask is 1)"),
+    ],
+    ids=["sound", "not 0/1", "in the loss"],
+)
 def test_verify_checks_the_image_mask_against_the_loss_mask(tmp_path, image_mask, problem):
     rows, run = 6, RUN
     with Journal(manifest.journal_path(tmp_path, 0)) as journal:
-        (path,) = write_samples(tmp_path, run, [rows], torch.arange(rows), torch.tensor([1, 0, 0, 0, 1, 1]),
-                                torch.randn(rows, run.num_aux_layers * run.hidden_size), torch.randn(rows, run.hidden_size),
-                                image_mask=torch.tensor(image_mask, dtype=torch.uint8),
-                                on_written=lambda w: journal.append(vars(w)))
+        (path,) = write_samples(
+            tmp_path,
+            run,
+            [rows],
+            torch.arange(rows),
+            torch.tensor([1, 0, 0, 0, 1, 1]),
+            torch.randn(rows, run.num_aux_layers * run.hidden_size),
+            torch.randn(rows, run.hidden_size),
+            image_mask=torch.tensor(image_mask, dtype=torch.uint8),
+            on_written=lambda w: journal.append(vars(w)),
+        )
     manifest.consolidate(tmp_path, identity={}, status="complete")
     assert integrity.verify(tmp_path).problems == ([] if problem is None else [f"{path.name}: {problem}"])

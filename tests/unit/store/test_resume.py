@@ -1,5 +1,6 @@
 """Taking an output directory over in-process: the lock, a crashed run's leftovers, the manifest's journal,
 corpus fingerprints, which runs may resume into it, and when it already holds this run's finished output."""
+
 import fcntl
 import json
 import os
@@ -23,6 +24,7 @@ from offline_extract.store.schema import FORMAT_VERSION, SampleInfo
 from offline_extract.store.shard import read_header
 from offline_extract.store.writer import ShardWriter
 
+
 def test_writer_threads_checksum_each_shard_as_they_write_it(tmp_path):
     written = []
     paths = write_shards(tmp_path, [[(0, 3)], [(1, 2)], [(2, 5)]], on_written=written.append)
@@ -36,8 +38,13 @@ def test_writer_threads_checksum_each_shard_as_they_write_it(tmp_path):
 def test_take_over_clears_our_leftovers_only_and_numbers_new_shards_above_existing(tmp_path):
     write_shards(tmp_path, [[(0, 2), (2, 2)], [(5, 3)]], numbers=[3, 10])
     # Every temporary our writers leave in --out when killed mid-write (store.atomic), and a replica's rejects.
-    leftovers = [".shard_011.safetensors.tmp", ".rejects.dp1.jsonl", ".index.json.tmp", ".manifest.json.tmp",
-                 ".rejects.jsonl.tmp"]
+    leftovers = [
+        ".shard_011.safetensors.tmp",
+        ".rejects.dp1.jsonl",
+        ".index.json.tmp",
+        ".manifest.json.tmp",
+        ".rejects.jsonl.tmp",
+    ]
     # The user's own: take-over deleted every hidden .tmp file in --out.
     theirs = [".notes.tmp", ".shard_011.safetensors.tmp.bak", ".shard_notes.tmp"]
     for name in leftovers + theirs:
@@ -195,7 +202,10 @@ def test_shards_of_another_model_are_refused_naming_both_models(tmp_path):
     with pytest.raises(resume.TakeoverError) as refused:
         resume.check_identity(out, manifest.run_identity(other, [corpus]), force=True)
     assert str(refused.value).splitlines()[1:4] == [
-        "  model: 'synthetic' -> '/models/other'", "  config_sha256: 'c' -> 'c2'", "  weights: 'w' -> 'w2'"]
+        "  model: 'synthetic' -> '/models/other'",
+        "  config_sha256: 'c' -> 'c2'",
+        "  weights: 'w' -> 'w2'",
+    ]
     # The same model copied elsewhere is the same run.
     assert resume.check_identity(out, manifest.run_identity(replace(RUN, model="/copy"), [corpus]), force=False) == []
 
@@ -203,7 +213,7 @@ def test_shards_of_another_model_are_refused_naming_both_models(tmp_path):
 def test_a_directory_holding_no_complete_shard_is_taken_over(tmp_path):
     """A --strict run that stopped at a bad line wrote no shard; the fixed corpus simply starts again."""
     corpus = tmp_path / "c.jsonl"
-    corpus.write_text('{broken\n')
+    corpus.write_text("{broken\n")
     out = tmp_path / "out"
     lock, _ = resume.take_over(out)
     resume.check_identity(out, manifest.run_identity(RUN, [corpus]), force=False)
@@ -268,7 +278,9 @@ def test_a_refused_rerun_writes_nothing(tmp_path):
 def test_a_rerun_of_a_finished_run_rebuilds_a_lost_index_and_refuses_a_damaged_shard(tmp_path):
     paths = write_shards(tmp_path, [[(0, 2)], [(1, 3)]])
     recorded, _ = manifest.consolidate(tmp_path, status="complete")
-    assert resume.settle_finished(tmp_path, recorded) == ["rebuilt index.json, which was missing or did not describe the shards"]
+    assert resume.settle_finished(tmp_path, recorded) == [
+        "rebuilt index.json, which was missing or did not describe the shards"
+    ]
     index = (tmp_path / "index.json").read_text()
     assert json.loads(index)["num_samples"] == 2
     assert resume.settle_finished(tmp_path, recorded) == [], "a good index is left alone"
@@ -276,16 +288,19 @@ def test_a_rerun_of_a_finished_run_rebuilds_a_lost_index_and_refuses_a_damaged_s
     swapped = json.loads(index)
     swapped["samples"]["id"].reverse()  # same files, sizes and counts: only the headers tell
     (tmp_path / "index.json").write_text(json.dumps(swapped))
-    assert resume.settle_finished(tmp_path, recorded) == ["rebuilt index.json, which was missing or did not describe the shards"]
+    assert resume.settle_finished(tmp_path, recorded) == [
+        "rebuilt index.json, which was missing or did not describe the shards"
+    ]
     assert (tmp_path / "index.json").read_text() == index
 
     data = bytearray(paths[1].read_bytes())
     data[-1] ^= 0x01  # a flipped bit in the states: same size, same header
     paths[1].write_bytes(bytes(data))
-    with pytest.raises(resume.TakeoverError, match=rf"{paths[1].name}: block_xxh3_128 \w+ differs from manifest.json's") as e:
+    with pytest.raises(
+        resume.TakeoverError, match=rf"{paths[1].name}: block_xxh3_128 \w+ differs from manifest.json's"
+    ) as e:
         resume.settle_finished(tmp_path, recorded)
     assert paths[0].name not in str(e.value) and "Delete the damaged shards and re-run" in str(e.value)
-
 
 
 def test_a_resumed_run_of_an_earlier_version_keeps_each_shards_checksum_kind(tmp_path):
@@ -293,8 +308,10 @@ def test_a_resumed_run_of_an_earlier_version_keeps_each_shards_checksum_kind(tmp
     resumed run journals its new shard with checksum.KEY. Consolidated, each entry keeps its own kind, and
     each shard is verified (and its damage caught) by that kind."""
     paths = write_shards(tmp_path, [[(0, 2)], [(1, 3)], [(2, 2)]])
-    old_entries = [{"sha256": checksum.file_checksum(paths[0], "sha256")},
-                   {"block_sha256": checksum.file_checksum(paths[1], "block_sha256")}]
+    old_entries = [
+        {"sha256": checksum.file_checksum(paths[0], "sha256")},
+        {"block_sha256": checksum.file_checksum(paths[1], "block_sha256")},
+    ]
     for path, entry in zip(paths, old_entries):
         entry.update({k: v for k, v in journal_entry(path).items() if k not in ("name", checksum.KEY)})
     manifest.save(tmp_path, {"identity": {}, "status": "running", "shards": {paths[0].name: old_entries[0]}})
@@ -303,7 +320,9 @@ def test_a_resumed_run_of_an_earlier_version_keeps_each_shards_checksum_kind(tmp
         journal.append(journal_entry(paths[2]))  # the resumed run's first
     recorded, _ = manifest.consolidate(tmp_path, status="complete")
     assert [checksum.recorded(recorded["shards"][p.name])[0] for p in paths] == ["sha256", "block_sha256", checksum.KEY]
-    assert resume.settle_finished(tmp_path, recorded) == ["rebuilt index.json, which was missing or did not describe the shards"]
+    assert resume.settle_finished(tmp_path, recorded) == [
+        "rebuilt index.json, which was missing or did not describe the shards"
+    ]
 
     for path in paths:
         data = bytearray(path.read_bytes())
@@ -322,8 +341,14 @@ def test_finished_is_only_a_complete_run_of_the_same_identity_with_its_shards(tm
     out.mkdir()
     (out / "shard_000.safetensors").write_bytes(b"x" * 10)
     recorded = replace(RUN, layer_ids=(1, 3, 4), compute_dtype="bfloat16")
-    manifest.save(out, {"identity": manifest.run_identity(recorded, [corpus]), "status": "complete",
-                        "shards": {"shard_000.safetensors": {"bytes": 10}}})
+    manifest.save(
+        out,
+        {
+            "identity": manifest.run_identity(recorded, [corpus]),
+            "status": "complete",
+            "shards": {"shard_000.safetensors": {"bytes": 10}},
+        },
+    )
     known = replace(RUN, layer_ids=None, compute_dtype=None)
     assert resume.finished(out, known, [corpus])["status"] == "complete"  # SGLang's defaults taken as recorded
     assert resume.finished(out, replace(known, layer_ids=(1, 3, 4)), [corpus]) is not None
@@ -369,12 +394,21 @@ def test_a_resume_refuses_kept_samples_whose_images_changed_and_force_lets_them_
         save_image(corpus_dir / name, 8, 8, seed=len(name))
     chat = [{"from": "human", "value": "<image>?"}, {"from": "gpt", "value": "a picture"}]
     corpus = corpus_dir / "c.jsonl"
-    corpus.write_text("".join(json.dumps(r) + "\n" for r in [
-        {"conversations": chat, "images": ["a.png"]}, {"text": "no image"}, {"conversations": chat, "images": ["b.png"]},
-    ]))
+    corpus.write_text(
+        "".join(
+            json.dumps(r) + "\n"
+            for r in [
+                {"conversations": chat, "images": ["a.png"]},
+                {"text": "no image"},
+                {"conversations": chat, "images": ["b.png"]},
+            ]
+        )
+    )
     records = list(read_corpus([corpus]))
-    infos = [SampleInfo(r.index, r.id, r.source, r.line, 2, False, images.fingerprint(r.images) if r.images else None)
-             for r in records]
+    infos = [
+        SampleInfo(r.index, r.id, r.source, r.line, 2, False, images.fingerprint(r.images) if r.images else None)
+        for r in records
+    ]
     vision = replace(RUN, image_processor_sha256="p")
     writer = ShardWriter(out, vision)
     h, k = vision.hidden_size, vision.num_aux_layers
@@ -395,10 +429,12 @@ def test_a_resume_refuses_kept_samples_whose_images_changed_and_force_lets_them_
         "keep the states of the images they were extracted from)",
     ]
     assert resume.check_images(out, shards, vision.identity(), [corpus], force=True) == [
-        "--force: resuming despite 2 kept samples whose images changed"]
+        "--force: resuming despite 2 kept samples whose images changed"
+    ]
     # A rerun of a finished run resumes nothing: --force keeps it as it is, states of the old images and all.
     assert resume.check_images(out, shards, vision.identity(), [corpus], force=True, finished=True) == [
-        "--force: the finished run is kept as it is despite 2 samples whose images changed"]
+        "--force: the finished run is kept as it is despite 2 samples whose images changed"
+    ]
     # Kept text samples alone read no image, and no corpus either.
     assert resume.check_images(out, [], vision.identity(), [tmp_path / "no-such-corpus.jsonl"], force=False) == []
 
@@ -408,12 +444,14 @@ def test_a_rerun_of_a_finished_text_only_run_reads_no_shard_header_for_images(tm
     corpus.write_text('{"text": "a"}\n{"text": "b"}\n')
     write_shards(tmp_path, [[(0, 2)], [(1, 3)]])
     counts = {"records": 2, "extracted": 2, "skipped": 0, "rejected": 0, "dropped": 0}
-    finished, _ = manifest.consolidate(tmp_path, identity=manifest.run_identity(RUN, [corpus]), status="complete",
-                                       result=counts)
+    finished, _ = manifest.consolidate(
+        tmp_path, identity=manifest.run_identity(RUN, [corpus]), status="complete", result=counts
+    )
     assert finished["identity"]["image_processor_sha256"] is None
     read = []
     monkeypatch.setattr(resume, "read_header", lambda path: read.append(path))
     layout = Layout(rank=0, world_size=1)
-    summary = OutputDirectory(tmp_path, layout, Coordinator(layout, "test")).already_complete(finished, [corpus],
-                                                                                                force=False)
+    summary = OutputDirectory(tmp_path, layout, Coordinator(layout, "test")).already_complete(
+        finished, [corpus], force=False
+    )
     assert summary.resumed == 2 and read == []

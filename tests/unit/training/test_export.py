@@ -19,8 +19,16 @@ from offline_extract.testing.shards import write_synthetic
 from offline_extract.training import export as export_module
 from offline_extract.options import choices
 from offline_extract.training.export import (
-    EXPORTERS, FORMATS, MANIFEST_NAME, SPECULATORS_TRAIN_CONFIG, WRITERS, ExportError, export_specforge, export_speculators,
-    specforge_path, speculators_path,
+    EXPORTERS,
+    FORMATS,
+    MANIFEST_NAME,
+    SPECULATORS_TRAIN_CONFIG,
+    WRITERS,
+    ExportError,
+    export_specforge,
+    export_speculators,
+    specforge_path,
+    speculators_path,
 )
 
 SCRIPT = ROOT / "bin" / "export.py"
@@ -48,12 +56,18 @@ def test_export_matches_the_shards(out_dir, tmp_path):
     assert (summary.samples_written, summary.samples_skipped) == (len(LENGTHS), 0)
 
     files = sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file())
-    assert files == sorted([
-        MANIFEST_NAME,
-        "rows_0-3/data_0.ckpt", "rows_0-3/data_1.ckpt", "rows_0-3/data_2.ckpt",
-        "rows_3-6/data_3.ckpt", "rows_3-6/data_4.ckpt", "rows_3-6/data_5.ckpt",
-        "rows_6-9/data_6.ckpt",
-    ])
+    assert files == sorted(
+        [
+            MANIFEST_NAME,
+            "rows_0-3/data_0.ckpt",
+            "rows_0-3/data_1.ckpt",
+            "rows_0-3/data_2.ckpt",
+            "rows_3-6/data_3.ckpt",
+            "rows_3-6/data_4.ckpt",
+            "rows_3-6/data_5.ckpt",
+            "rows_6-9/data_6.ckpt",
+        ]
+    )
     assert summary.bytes_written == sum(p.stat().st_size for p in dest.rglob("*.ckpt"))
 
     manifest = json.loads((dest / MANIFEST_NAME).read_text())
@@ -96,8 +110,11 @@ def test_refuses_a_destination_holding_other_data(out_dir, tmp_path):
     dest = tmp_path / "sf"
     export_specforge(out_dir, dest, progress=False)
     # What differs is named, so that the export can be rerun as it was begun.
-    with pytest.raises(ExportError, match=rf"^{dest} holds another export, so this one cannot resume there: "
-                                          rf"rows_per_folder 2000 there, 10 now \(see "):
+    with pytest.raises(
+        ExportError,
+        match=rf"^{dest} holds another export, so this one cannot resume there: "
+        rf"rows_per_folder 2000 there, 10 now \(see ",
+    ):
         export_specforge(out_dir, dest, rows_per_folder=10, progress=False)
     with pytest.raises(ExportError, match="cannot resume there: gzip false there, true now"):
         export_specforge(out_dir, dest, gzipped=True, progress=False)
@@ -126,7 +143,11 @@ def test_an_unfinished_extraction_is_exported_only_when_asked(out_dir, tmp_path)
     partial = run_script("--format", "specforge", out_dir, "--to", tmp_path / "sf", "--no-progress", "--allow-partial")
     assert partial.returncode == 0, partial.stderr
     (warning,) = [line for line in partial.stderr.splitlines() if "unfinished extraction" in line]
-    assert warning.startswith("warning: ") and "UserWarning" not in partial.stderr and "warnings.warn" not in partial.stderr
+    assert (
+        warning.startswith("warning: ")
+        and "UserWarning" not in partial.stderr
+        and "warnings.warn" not in partial.stderr
+    )
     assert len(list((tmp_path / "sf").rglob("*.ckpt"))) == len(LENGTHS)
 
 
@@ -175,8 +196,9 @@ def test_a_shard_whose_bytes_differ_from_its_checksum_is_not_exported(out_dir, t
         export_speculators(out_dir, tmp_path / "spec", progress=False)
 
 
-def test_ctrl_c_while_a_sample_is_saved_stops_after_it_and_the_export_resumes(out_dir, tmp_path, monkeypatch,
-                                                                               signals_kept):
+def test_ctrl_c_while_a_sample_is_saved_stops_after_it_and_the_export_resumes(
+    out_dir, tmp_path, monkeypatch, signals_kept
+):
     # Python's own handler, as the export command runs with it (cli._Command.invoke): importing
     # offline_extract.commands, as other test files do when collected, installs the one that ends a command still
     # importing, and which handler an earlier test left is no business of this one.
@@ -211,8 +233,12 @@ def test_a_full_disk_names_the_file_and_errno_and_a_rerun_resumes(out_dir, pre_n
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     dest = tmp_path / "dest"
-    full = subprocess.run([sys.executable, str(SCRIPT), "--format", fmt, source, "--to", dest, "--no-progress"],
-                          capture_output=True, text=True, preexec_fn=full_disk)
+    full = subprocess.run(
+        [sys.executable, str(SCRIPT), "--format", fmt, source, "--to", dest, "--no-progress"],
+        capture_output=True,
+        text=True,
+        preexec_fn=full_disk,
+    )
     assert full.returncode == 1 and "Traceback" not in full.stderr, full.stderr
     assert re.search(r"Error: \[Errno 27\] File too large: '.*/\.[\w.]+\.tmp'", full.stderr), full.stderr
     assert "rerunning the same export resumes" in full.stderr
@@ -234,8 +260,10 @@ def test_script(out_dir, tmp_path):
     assert f"wrote {len(LENGTHS)} samples" in done.stderr
     assert len(list(dest.rglob("*.ckpt"))) == len(LENGTHS)
     (said,) = [line for line in done.stderr.splitlines() if "manifest.json" in line]
-    assert said == (f"warning: {out_dir} has no manifest.json, which records its shards' checksums: damage in them "
-                    f"cannot be told, and would be served as it is"), "an output without its checksums is not served unsaid"
+    assert said == (
+        f"warning: {out_dir} has no manifest.json, which records its shards' checksums: damage in them "
+        f"cannot be told, and would be served as it is"
+    ), "an output without its checksums is not served unsaid"
 
     bad = run_script("--format", "specforge", tmp_path / "nowhere", "--to", tmp_path / "sf2", "--no-progress")
     assert bad.returncode == 1
@@ -303,10 +331,13 @@ def test_each_trainer_refuses_the_other_final_state(out_dir, pre_norm_dir, tmp_p
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-@pytest.mark.parametrize("recipe, keys", [
-    ("dflash", {"input_ids", "loss_mask", "hidden_states"}),
-    ("dspark", {"input_ids", "loss_mask", "hidden_states", "target_last_hidden_states"}),
-])
+@pytest.mark.parametrize(
+    "recipe, keys",
+    [
+        ("dflash", {"input_ids", "loss_mask", "hidden_states"}),
+        ("dspark", {"input_ids", "loss_mask", "hidden_states", "target_last_hidden_states"}),
+    ],
+)
 def test_specforge_export_uses_each_recipes_keys(tmp_path, recipe, keys):
     out = tmp_path / recipe
     write_synthetic(out, LENGTHS[:3], hidden_size=H, num_aux=5, recipe=recipe)
@@ -322,8 +353,14 @@ def test_specforge_export_uses_each_recipes_keys(tmp_path, recipe, keys):
         export_speculators(out, tmp_path / "spec", progress=False)
 
 
-@pytest.mark.parametrize("options, named", [(["--gzip"], "--gzip/--no-gzip"), (["--no-gzip"], "--gzip/--no-gzip"),
-                                             (["--rows-per-folder", "10"], "--rows-per-folder")])
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        (["--gzip"], "--gzip/--no-gzip"),
+        (["--no-gzip"], "--gzip/--no-gzip"),
+        (["--rows-per-folder", "10"], "--rows-per-folder"),
+    ],
+)
 def test_specforge_options_are_refused_for_speculators(pre_norm_dir, tmp_path, options, named):
     # They were dropped silently.
     refused = run_script("--format", "speculators", pre_norm_dir, "--to", tmp_path / "spec", *options)
@@ -339,7 +376,10 @@ def test_script_exports_to_speculators(pre_norm_dir, tmp_path):
     assert "split" not in done.stderr and "Saving" not in done.stderr, done.stderr
     assert len(list((tmp_path / "spec" / "hidden_states").glob("hs_*.safetensors"))) == len(LENGTHS)
     # What the user must pass to speculators is said where they look.
-    assert f"train with --target-layer-ids {' '.join(str(k + 1) for k in range(K))} (speculators' ids: ours + 1)" in done.stderr
+    assert (
+        f"train with --target-layer-ids {' '.join(str(k + 1) for k in range(K))} (speculators' ids: ours + 1)"
+        in done.stderr
+    )
 
 
 def test_speculators_export_without_datasets_is_refused_before_writing_anything(pre_norm_dir, tmp_path, monkeypatch):
@@ -363,7 +403,10 @@ def test_speculators_export_names_custom_layers_in_its_convention(tmp_path):
     config_text = (dest / SPECULATORS_TRAIN_CONFIG).read_text()
     config = yaml.safe_load(config_text)["train"]
     assert config["draft"]["target_layer_ids"] == [2, 4, 5]
-    assert config["data"]["data_path"] == str(dest.resolve()) and config["verifier"]["verifier_name_or_path"] == "synthetic"
+    assert (
+        config["data"]["data_path"] == str(dest.resolve())
+        and config["verifier"]["verifier_name_or_path"] == "synthetic"
+    )
     assert "[2, 4, 5, 6]" in config_text
 
 
@@ -410,9 +453,15 @@ def test_speculators_export_of_an_fp8_run_keeps_its_bytes(tmp_path):
     ours = HiddenStateDataset(out)
     for i in range(len(LENGTHS)):
         hs, stored = load_file(speculators_path(tmp_path / "spec", i)), ours.stored(i)
-        assert hs["hidden_states"].dtype == torch.float8_e4m3fn and hs["hidden_states"].shape == (LENGTHS[i], K + 1, WIDE)
+        assert hs["hidden_states"].dtype == torch.float8_e4m3fn and hs["hidden_states"].shape == (
+            LENGTHS[i],
+            K + 1,
+            WIDE,
+        )
         assert hs["hidden_states_scales"].shape == (LENGTHS[i], K + 1, 1)
-        assert torch.equal(hs["hidden_states"][:, :K].flatten(1).view(torch.uint8), stored["aux_hidden_states"].view(torch.uint8))
+        assert torch.equal(
+            hs["hidden_states"][:, :K].flatten(1).view(torch.uint8), stored["aux_hidden_states"].view(torch.uint8)
+        )
         assert torch.equal(hs["hidden_states_scales"][:, :K, 0], stored["aux_hidden_states_scale"])
         assert torch.equal(hs["hidden_states_scales"][:, K], stored["hidden_states_scale"])
     fp8_bytes = sum(p.stat().st_size for p in (tmp_path / "spec" / "hidden_states").iterdir())

@@ -27,8 +27,17 @@ N = len(LENGTHS)
 
 def write_rank(out_dir, indices, shard_numbers, seed, lengths=LENGTHS):
     """Samples `indices` as one data-parallel rank writes them, in shards of about 12 rows."""
-    write_synthetic(out_dir, [lengths[i] for i in indices], hidden_size=H, layer_ids=RUN.layer_ids,
-                    shard_bytes=12 * ROW_BYTES, seed=seed, indices=indices, index=False, shard_numbers=shard_numbers)
+    write_synthetic(
+        out_dir,
+        [lengths[i] for i in indices],
+        hidden_size=H,
+        layer_ids=RUN.layer_ids,
+        shard_bytes=12 * ROW_BYTES,
+        seed=seed,
+        indices=indices,
+        index=False,
+        shard_numbers=shard_numbers,
+    )
 
 
 @pytest.fixture
@@ -177,8 +186,11 @@ def _swap_first_two_ids(index) -> None:
 def test_an_edited_index_serves_each_sample_under_its_own_id_and_is_named(out_dir, dataset):
     want = truth(out_dir)
     _edit_index(out_dir, _swap_first_two_ids)
-    with pytest.warns(UserWarning, match=r"index.json does not match the shards in .*sample position 0 is id 's1' at "
-                                         r"row \d+ of shard \d+ there, where the shards' headers have id 's0'"):
+    with pytest.warns(
+        UserWarning,
+        match=r"index.json does not match the shards in .*sample position 0 is id 's1' at "
+        r"row \d+ of shard \d+ there, where the shards' headers have id 's0'",
+    ):
         ds = dataset(out_dir, shuffle=False) if dataset is HiddenStateIterableDataset else dataset(out_dir)
     items = list(ds) if dataset is HiddenStateIterableDataset else [ds["s1"], ds[0]]
     for item in items:
@@ -198,7 +210,9 @@ def test_an_index_with_other_rows_or_another_run_is_not_believed(out_dir):
 
 
 def test_bad_directories(tmp_path):
-    with pytest.raises(ShardError, match=r"missing does not exist: give an extraction's output directory \(its --out\)$"):
+    with pytest.raises(
+        ShardError, match=r"missing does not exist: give an extraction's output directory \(its --out\)$"
+    ):
         HiddenStateDataset(tmp_path / "missing")
     (tmp_path / "shard_000.safetensors").write_bytes(b"")
     with pytest.raises(ShardError, match=r"shard_000.safetensors is a file: give an extraction's output directory"):
@@ -211,8 +225,11 @@ def test_bad_directories(tmp_path):
 @pytest.mark.parametrize("dataset", [HiddenStateDataset, HiddenStateIterableDataset])
 def test_an_unfinished_extraction_is_refused_unless_a_partial_read_is_asked_for(out_dir, dataset):
     manifest.consolidate(out_dir, identity={}, status="running")
-    with pytest.raises(ShardError, match=rf"unfinished extraction \(manifest.json status 'running'\): it holds {N} "
-                                         r"samples so far; how many are missing is unknown.*allow_partial=True"):
+    with pytest.raises(
+        ShardError,
+        match=rf"unfinished extraction \(manifest.json status 'running'\): it holds {N} "
+        r"samples so far; how many are missing is unknown.*allow_partial=True",
+    ):
         dataset(out_dir)
     with pytest.warns(UserWarning, match="unfinished extraction"):
         assert len(dataset(out_dir, allow_partial=True)) == N
@@ -258,8 +275,10 @@ def test_ranks_and_workers_split_without_duplicates(out_dir, monkeypatch, world_
 
 def test_drop_last_gives_every_rank_the_same_count(out_dir):
     world_size = 4
-    per_rank = [list(ids_of(HiddenStateIterableDataset(out_dir, rank=r, world_size=4, drop_last=True)))
-                for r in range(world_size)]
+    per_rank = [
+        list(ids_of(HiddenStateIterableDataset(out_dir, rank=r, world_size=4, drop_last=True)))
+        for r in range(world_size)
+    ]
     assert [len(ids) for ids in per_rank] == [N // world_size] * world_size
     flat = [i for ids in per_rank for i in ids]
     assert len(set(flat)) == len(flat)
@@ -311,7 +330,9 @@ def test_a_flipped_byte_is_refused_by_default_and_a_good_shard_is_hashed_once(ou
     before = damaged.stat()
     _flip_last_byte(damaged)
     os.utime(damaged, ns=(before.st_atime_ns, before.st_mtime_ns))  # the mtime put back: the ctime still moved
-    with pytest.raises(ShardError, match=rf"{damaged.name}: block_xxh3_128 \w+ differs from manifest.json's.*\nDelete them"):
+    with pytest.raises(
+        ShardError, match=rf"{damaged.name}: block_xxh3_128 \w+ differs from manifest.json's.*\nDelete them"
+    ):
         dataset(out_dir)
     assert hashed == [damaged.name]
     with pytest.raises(ShardError, match=damaged.name):
@@ -352,8 +373,11 @@ def test_where_no_verdict_can_be_kept_every_dataset_checks_in_full(out_dir, monk
 
 
 def test_a_directory_without_manifest_is_read_with_a_warning_naming_it(out_dir):
-    with pytest.warns(UserWarning, match=rf"{out_dir} has no manifest.json, which records its shards' checksums: damage "
-                                         r"in them cannot be told"):
+    with pytest.warns(
+        UserWarning,
+        match=rf"{out_dir} has no manifest.json, which records its shards' checksums: damage "
+        r"in them cannot be told",
+    ):
         assert len(HiddenStateDataset(out_dir)) == N
     with warnings.catch_warnings():
         warnings.simplefilter("error")
