@@ -12,6 +12,8 @@ SGLANG_ENGINE, SPECFORGE = "sglang-engine", "specforge"  # peers/sglang_engine.p
 OWN_PROCESS = (SGLANG_ENGINE, SPECFORGE)  # run by run_subprocess_peers; hf runs in the bench process
 BASELINES = ("hf", *OWN_PROCESS)
 REPO = Path(__file__).resolve().parents[1]
+LOGNORMAL_CAP = 8192  # the synthetic lengths' cap when --max-length is not given
+SYNTHETIC_TOKENS = 1_000_000  # the synthetic corpus when --num-tokens is not given
 
 
 @dataclass(frozen=True)
@@ -38,10 +40,14 @@ class BenchOptions:
     tp: int = 1
     attention_backend: str | None = None
     outs: tuple[str, ...] = ("/dev/shm/offline_extract_bench",)
+    # Corpus files read as bin/extract.py --data reads them, instead of the synthetic samples below.
+    data: tuple[str, ...] = ()
     lengths: str = "lognormal"  # "lognormal" or "fixed"
     mean_length: int = 1700
-    max_length: int = 8192  # the lognormal lengths' cap
-    num_tokens: int = 1_000_000
+    # The lognormal lengths' cap, or with `data` extract.py's --max-length; None: LOGNORMAL_CAP, or its default.
+    max_length: int | None = None
+    # The synthetic corpus's size (None: SYNTHETIC_TOKENS), or with `data` the most of it taken (None: all).
+    num_tokens: int | None = None
     tokens_per_batch: int = 16384
     chunk_tokens: int | None = None  # the engine's chunk for longer samples; None: tokens_per_batch
     chunk_sweep: tuple[int, ...] = ()  # also time bare chunked prefill of the first timed batch at these
@@ -65,4 +71,10 @@ class BenchOptions:
     @property
     def longest(self) -> int:
         """The longest sample the corpus can hold, which sizes the engine's KV pool."""
-        return self.mean_length if self.lengths == "fixed" else self.max_length
+        if self.data:
+            return self.max_length or default("max_length")
+        return self.mean_length if self.lengths == "fixed" else self.max_length or LOGNORMAL_CAP
+
+    @property
+    def synthetic_tokens(self) -> int:
+        return self.num_tokens or SYNTHETIC_TOKENS

@@ -41,16 +41,19 @@ from benchmarks.bench_options import BenchOptions
 from benchmarks.peers import baselines as peers
 from offline_extract.data.batching import Batch, batch_by_tokens
 from offline_extract.data.corpus import Record
+from offline_extract.data.sources import open_sources
 from offline_extract.data.tokenization import Sample, SampleTokenizer
 from offline_extract.default_model import TRAINING_TEXT
-from offline_extract.engine.distributed import Coordinator, Layout, layout_from_env
+from offline_extract.engine.distributed import Coordinator, Layout, Share, layout_from_env
 from offline_extract.engine.kernels import JIT_CACHES  # noqa: E402
 from offline_extract.engine.sglang_adapter import Engine
-from offline_extract.extraction import engine_config
+from offline_extract.extraction import engine_config, pending_samples, sample_tokenizer
 from offline_extract.feed import extract_batches, staging_buffers
 from offline_extract.options import ExtractOptions
+from offline_extract.store.manifest import file_fingerprint
 from offline_extract.store.schema import FINAL_STATE_TENSOR, STATE_TENSORS, Encoding, RunInfo
 from offline_extract.store.writer import ShardWriter
+from offline_extract.summary import Tally
 from offline_extract.testing.models import build_model
 from offline_extract.timeline import Timeline
 
@@ -64,18 +67,18 @@ def synthetic_corpus(
     """Chat-formatted samples with a realistic length distribution, so loss masks are real.
 
     Each sample's length is drawn first: lognormal (sigma 0.8) with mean `mean_length`, capped by
-    `max_length`, or exactly `mean_length` for "fixed". A chat of random words from the tiny model's
+    `longest`, or exactly `mean_length` for "fixed". A chat of random words from the tiny model's
     vocabulary, long enough to overshoot, is then tokenized and cut to that length.
     """
     rng = np.random.default_rng(opts.seed)
     words = TRAINING_TEXT.split()
     samples, total, i = [], 0, 0
     sigma = 0.8
-    while total < opts.num_tokens:
+    while total < opts.synthetic_tokens:
         if opts.lengths == "fixed":
             target = opts.mean_length
         else:
-            target = int(min(opts.max_length, max(16, rng.lognormal(math.log(opts.mean_length) - sigma**2 / 2, sigma))))
+            target = int(min(opts.longest, max(16, rng.lognormal(math.log(opts.mean_length) - sigma**2 / 2, sigma))))
         turns = int(rng.integers(1, 4))
         messages = []
         for _ in range(turns):
@@ -95,6 +98,90 @@ def synthetic_corpus(
         if sample.index % dp_size == dp_rank:
             samples.append(sample)
     return samples
+
+
+def data_corpus(
+    opts: BenchOptions, run: ExtractOptions, model_dir: Path, layout: Layout
+) -> tuple[SampleTokenizer, list[Sample], dict]:
+    """--data: this replica's samples of the corpus `run.data`, made as bin/extract.py makes them (its reader,
+    the model's tokenizer or processor, its chat template, its images decoded and prepared), up to
+    `opts.num_tokens` / replicas tokens; with the tokenizer and what they are (`data_facts`)."""
+    tokenizer = sample_tokenizer(run, model_dir)
+    nothing_done = np.zeros(0, dtype=bool)
+    tally = Tally(None, strict=False, nonfinite=run.nonfinite)
+    pending = pending_samples(run.data, Share(layout, nothing_done), tokenizer, nothing_done, tally)
+    cap = opts.num_tokens / layout.dp_size if opts.num_tokens else math.inf
+    samples, tokens = [], 0
+    while tokens < cap and (sample := next(pending, None)) is not None:
+        samples.append(sample)
+        tokens += sample.num_tokens
+    if not samples:
+        raise ValueError(f"--data gave no sample to time: {tally.summary.no_sample_verdict(run.data)}")
+    return tokenizer, samples, data_facts(run.data, samples, tally.summary)
+
+
+def data_facts(data: tuple[str, ...], samples: list[Sample], summary) -> dict:
+    """What a --data row ran on, for running it again: each corpus file's identity as a run's manifest records
+    it (`file_fingerprint`: its bytes and sha256, of sampled blocks over 16 MiB), and the records read, the
+    samples they gave, their tokens and image tokens."""
+    with_images = [s for s in samples if s.images is not None]
+    return {
+        "corpus": [file_fingerprint(source.path) for source in open_sources(data)],
+        "records": summary.records,
+        "skipped": summary.skipped,
+        "rejected": summary.rejected,
+        "samples": len(samples),
+        "tokens": sum(s.num_tokens for s in samples),
+        "samples_with_images": len(with_images),
+        "image_tokens": image_tokens(with_images),
+    }
+
+
+def image_tokens(samples) -> int:
+    return int(sum(s.images.token_mask.sum() for s in samples if s.images is not None))
+
+
+def _replicas_facts(coord: Coordinator, layout: Layout, facts: dict) -> dict:
+    """`data_facts` of every replica's share as one: the counts summed over the writing ranks."""
+    shares = [f for f in coord.all_gather(facts if layout.writes else None) if f is not None]
+    return {k: v if k == "corpus" else sum(f[k] for f in shares) for k, v in facts.items()}
+
+
+def run_options(opts: BenchOptions, model_dir: Path) -> ExtractOptions:
+    """The run of bin/extract.py that the bench stands for: through its options, the samples (with --data) and
+    the engine (`engine_config`) measured are the ones a run gets."""
+    return ExtractOptions(
+        data=opts.data,
+        model=str(model_dir),
+        dtype=opts.dtype,
+        tp=opts.tp,
+        max_length=opts.longest,
+        tokens_per_batch=opts.tokens_per_batch,
+        chunk_tokens=opts.chunk_tokens,
+        attention_backend=opts.attention_backend,
+        load_format=opts.load_format,
+    )
+
+
+def bench_corpus(
+    opts: BenchOptions, run: ExtractOptions, model_dir: Path, layout: Layout, coord: Coordinator
+) -> tuple[SampleTokenizer, list[Sample], list[Batch], dict | None]:
+    """This replica's samples and the batches that every mode runs, as a run packs them, with their
+    tokenizer: --data's (`data_corpus`), with every replica's `data_facts` as one, or synthetic ones (no facts)."""
+    if opts.data:
+        tokenizer, samples, facts = data_corpus(opts, run, model_dir, layout)
+        facts = _replicas_facts(coord, layout, facts)
+        if opts.baselines and facts["image_tokens"]:
+            raise ValueError(
+                f"--baseline {' '.join(opts.baselines)}: the peers prefill token ids alone, and --data "
+                f"holds image chats ({facts['samples_with_images']} samples with images)"
+            )
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = SampleTokenizer(AutoTokenizer.from_pretrained(model_dir), max_length=opts.longest)
+        samples, facts = synthetic_corpus(tokenizer, opts, layout.dp_rank, layout.dp_size), None
+    return tokenizer, samples, list(batch_by_tokens(samples, opts.tokens_per_batch, run.seqs_per_batch)), facts
 
 
 def _head_dim(config) -> int:
@@ -247,7 +334,7 @@ def _first_pass(engine: Engine, coord: Coordinator, batches: list[Batch]) -> dic
 
 def _bare(engine: Engine, batches: list[Batch]) -> None:
     for b in batches:
-        engine.prefill([s.input_ids for s in b.samples])
+        engine.prefill([s.input_ids for s in b.samples], [s.images for s in b.samples])
 
 
 def _hf_pass(model, batches: list[Batch], layer_ids, device) -> None:
@@ -293,6 +380,9 @@ class _ForwardClock:
 
     def restart(self) -> None:
         self.seconds = 0.0
+        # What the forwards were handed: each mode's must be the same inputs.
+        self.tokens = 0
+        self.sequences_with_images = 0
         self.wall_s = 0.0
         self.started = time.perf_counter()
         self._host: list[tuple[float, float]] = []  # (start, seconds) of each forward
@@ -317,14 +407,21 @@ class _ForwardClock:
             self._host.append((start, seconds))
             self._events.append((before, self._event()))
 
+    def _counted(self, seqs, images) -> None:
+        self.tokens += sum(len(s) for s in seqs)
+        self.sequences_with_images += sum(im is not None for im in images or ())
+
     def capture(self, seqs, images=None):
+        self._counted(seqs, images)
         return self._timed(lambda: self._engine.capture(seqs, images))
 
-    def prefill(self, seqs):
-        return self._timed(lambda: self._engine.prefill(seqs))
+    def prefill(self, seqs, images=None):
+        self._counted(seqs, images)
+        return self._timed(lambda: self._engine.prefill(seqs, images))
 
-    def chunks(self, *args, **kwargs):
-        parts = self._engine.chunks(*args, **kwargs)
+    def chunks(self, ids, chunk):
+        self._counted([ids], None)
+        parts = self._engine.chunks(ids, chunk)
         done = object()
         # The last step only finds the generator exhausted (and frees the KV pool): a host-only step.
         while (part := self._timed(lambda: next(parts, done))) is not done:
@@ -408,20 +505,21 @@ def run_bench(opts: BenchOptions) -> list[dict]:
     torch.cuda.set_device(layout.local_rank)
     coord = Coordinator(layout, namespace=f"bench-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
     model_dir = Path(opts.model) if opts.model else _generated_config(opts.shape, opts.longest, layout, coord)
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
-    tokenizer = SampleTokenizer(AutoTokenizer.from_pretrained(model_dir), max_length=opts.longest)
-    samples = synthetic_corpus(tokenizer, opts, layout.dp_rank, layout.dp_size)
-    batches = list(batch_by_tokens(samples, opts.tokens_per_batch, 256))
+    run = run_options(opts, model_dir)
+    tokenizer, samples, batches, data = bench_corpus(opts, run, model_dir, layout, coord)
     warm, timed = batches[: opts.warmup_batches], batches[opts.warmup_batches :]
     if not timed:
+        corpus = "--data" if opts.data else f"--num-tokens {opts.synthetic_tokens}"
         raise ValueError(
-            f"--num-tokens {opts.num_tokens} makes {len(batches)} batches, all taken by --warmup-batches "
+            f"{corpus} makes {len(batches)} batches, all taken by --warmup-batches "
             f"{opts.warmup_batches}: nothing left to time"
         )
     # Each replica's tokens count once, however many TP ranks computed them.
     tokens = sum(b.num_tokens for b in timed) if layout.writes else 0
     config = AutoConfig.from_pretrained(model_dir)
+    text_config = config.get_text_config()
     files = ResultFiles(opts, layout)
     pending = peers_first(
         opts,
@@ -429,7 +527,7 @@ def run_bench(opts: BenchOptions) -> list[dict]:
         model_dir,
         tokenizer.tokenizer,
         [[s.input_ids for s in b.samples] for b in batches],
-        config.num_hidden_layers,
+        text_config.num_hidden_layers,
     )
     jit_cache = opts.jit_cache
     if opts.cold:
@@ -437,19 +535,7 @@ def run_bench(opts: BenchOptions) -> list[dict]:
         for key in JIT_CACHES:
             os.environ.pop(key, None)  # even a cache the environment names would not be cold
     timeline.mark("engine")
-    # Through extract's own options and engine_config, so that the engine measured is the one a run gets.
-    run = ExtractOptions(
-        data=(),
-        model=str(model_dir),
-        dtype=opts.dtype,
-        tp=opts.tp,
-        max_length=opts.longest,
-        tokens_per_batch=opts.tokens_per_batch,
-        chunk_tokens=opts.chunk_tokens,
-        attention_backend=opts.attention_backend,
-        load_format=opts.load_format,
-        jit_cache=jit_cache,
-    )
+    run = dataclasses.replace(run, jit_cache=jit_cache)
     engine = Engine(engine_config(run, layout, model_dir, "cuda", opts.tokens_per_batch, layer_ids=None))
     timeline.mark("loaded")
     cold = _cold_start(engine, warm, timeline)
@@ -524,11 +610,14 @@ def run_bench(opts: BenchOptions) -> list[dict]:
                     "dtype": opts.dtype,
                     "attention_backend": engine.attention_backend,
                     "layer_ids": list(engine.layer_ids),
-                    "lengths": opts.lengths
-                    if opts.lengths == "fixed"
-                    else f"lognormal mean {opts.mean_length} cap {opts.max_length}",
+                    "lengths": _lengths(opts),
+                    # With --data, what the samples came from and all of them (the timed ones are those below).
+                    "data": data,
                     "num_samples": sum(coord.all_gather(sum(len(b.samples) for b in timed) if layout.writes else 0)),
                     "num_tokens": total_tokens,
+                    "num_image_tokens": sum(
+                        coord.all_gather(image_tokens(s for b in timed for s in b.samples) if layout.writes else 0)
+                    ),
                     "tokens_per_batch": opts.tokens_per_batch,
                     "chunk_tokens": engine.chunk_tokens,
                     "longest_sample": longest,
@@ -580,9 +669,10 @@ def run_bench(opts: BenchOptions) -> list[dict]:
                     "written_bytes_s": written / extract_s,
                     **({"fp8_cosine_vs_bf16": fp8_error} if encoding.store == "fp8" else {}),
                     # Counting causal attention (attention_flops) as well as the matmuls.
-                    "flops_per_token": model_flops_per_token(config, samples),
-                    "mfu_bare": _mfu(config, samples, total_tokens / bare_s / layout.world_size),
-                    "mfu_extract": _mfu(config, samples, total_tokens / extract_s / layout.world_size),
+                    # Of the language model (a vision tower's are not counted).
+                    "flops_per_token": model_flops_per_token(text_config, samples),
+                    "mfu_bare": _mfu(text_config, samples, total_tokens / bare_s / layout.world_size),
+                    "mfu_extract": _mfu(text_config, samples, total_tokens / extract_s / layout.world_size),
                     **({"bare_tok_s_by_chunk": bare_by_chunk} if bare_by_chunk else {}),
                     "host_peak_rss_bytes": max(coord.all_gather(_host_peak_rss())),
                     # Intra-op threads of the host-side copies into shard buffers, once the model is loaded.
@@ -644,6 +734,12 @@ def run_bench(opts: BenchOptions) -> list[dict]:
             r["bare_scaling"] = r["bare_prefill_tok_s"] / single["bare_prefill_tok_s"]
             r["single_gpu_result"] = path
     return files.write(final=True)
+
+
+def _lengths(opts: BenchOptions) -> str:
+    if opts.data:
+        return f"from --data, max length {opts.longest}"
+    return "fixed" if opts.lengths == "fixed" else f"lognormal mean {opts.mean_length} cap {opts.longest}"
 
 
 def summary_line(r: dict) -> str:
@@ -710,6 +806,8 @@ def _rank_report(
         "writes": layout.writes,
         "forward_s": clock.seconds,
         "wall_s": clock.wall_s,
+        "tokens": clock.tokens,
+        "sequences_with_images": clock.sequences_with_images,
         **clock.phases(),
         **(host_times or {}),
         "per_forward": clock.per_forward(),
@@ -754,7 +852,7 @@ def _fp8_error(engine: Engine, batches: list[Batch], max_tokens: int) -> dict:
     for batch in batches:
         if seen >= max_tokens:
             break
-        captured = engine.capture([s.input_ids for s in batch.samples])
+        captured = engine.capture([s.input_ids for s in batch.samples], [s.images for s in batch.samples])
         seen += batch.num_tokens
         bf16 = {STATE_TENSORS[0]: captured.aux.to(torch.bfloat16), FINAL_STATE_TENSOR: captured.last.to(torch.bfloat16)}
         decoded = fp8.decode(fp8.encode(bf16[STATE_TENSORS[0]], bf16[FINAL_STATE_TENSOR], k))
@@ -868,8 +966,9 @@ class ResultFiles:
         self._writes = layout.leads
         stamp = time.strftime("%Y%m%d-%H%M%S")
         model = opts.shape if not opts.model else Path(opts.model).name
+        corpus = f"data-{Path(opts.data[0]).stem}" if opts.data else opts.lengths
         self._names = [
-            f"bench_{model}_{opts.lengths}_{out_kind(out)}_{store}_{compress}_w{layout.world_size}"
+            f"bench_{model}_{corpus}_{out_kind(out)}_{store}_{compress}_w{layout.world_size}"
             f"_tp{layout.tp_size}_{stamp}.json"
             for store, compress in opts.encodings
             for out in opts.outs

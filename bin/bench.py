@@ -6,10 +6,17 @@
     python bin/bench.py --out /dev/shm/x --out /tmp/x --baseline hf
     python bin/bench.py --model DIR --load-format auto --baseline sglang-engine --baseline specforge --baseline hf
     python bin/bench.py --lengths fixed --mean-length 2048
+    python bin/bench.py --model DIR --load-format auto --data corpus.jsonl      # a real corpus, as extract.py reads it
     python bin/bench.py --lengths fixed --mean-length 131072 --num-tokens 393216 --warmup-batches 1
     python bin/bench.py --store bf16 --store fp8 --compress none --compress zstd   # storage, one model load
     python bin/bench.py --cold --num-tokens 250000      # start-up as on a fresh machine, beside the warm rate
     torchrun --nproc-per-node 8 bin/bench.py              # DP=8: aggregate tokens/s
+
+--data runs both modes on the batches bin/extract.py would make of that corpus (its reader, the model's
+tokenizer or HF processor and chat template, its images decoded and prepared, --max-length as extract.py's),
+image chats with their pixels in bare prefill too; the result's `data` records the corpus files (bytes,
+sha256) and its records, samples, tokens and image tokens. It replaces the synthetic corpus, so --lengths and
+--mean-length are refused beside it; --num-tokens then caps the tokens taken from the corpus's start.
 
 Samples longer than --tokens-per-batch are prefilled alone in chunks of --chunk-tokens, in both modes.
 Every --out is measured in the same run (tmpfs and a disk path are both fine); the disk's own parallel
@@ -32,9 +39,9 @@ import sys
 
 import click
 
-from benchmarks.bench_options import BASELINES, BenchOptions, PeerOptions
+from benchmarks.bench_options import BASELINES, LOGNORMAL_CAP, SYNTHETIC_TOKENS, BenchOptions, PeerOptions
 from offline_extract.cli import command
-from offline_extract.options import choices
+from offline_extract.options import choices, default
 
 
 def _command() -> str:
@@ -45,13 +52,28 @@ def _command() -> str:
     return f"python {argv}"
 
 
+def _refuse_synthetic_options_beside_data(data: tuple[str, ...]) -> None:
+    ctx = click.get_current_context()
+    given = [
+        f"--{name.replace('_', '-')}"
+        for name in ("lengths", "mean_length")
+        if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
+    ]
+    if data and given:
+        shape = "shape" if len(given) > 1 else "shapes"
+        raise click.UsageError(
+            f"{' and '.join(given)} {shape} the synthetic corpus, which --data replaces: give one "
+            f"or the other (--num-tokens caps the tokens taken from --data)"
+        )
+
+
 @command(help=__doc__)
 @click.option("--model", default=None, help="HF model directory. Default: a generated config of --shape.")
 @click.option(
     "--shape",
     default=BenchOptions.shape,
     show_default=True,
-    help="Generated model shape (see offline_extract.testing.models.ARCHITECTURES).",
+    help="Generated model shape (see offline_extract.testing.models: ARCHITECTURES, VISION_LANGUAGE).",
 )
 @click.option(
     "--load-format",
@@ -82,22 +104,39 @@ def _command() -> str:
     help="Where extraction writes shards; repeat to measure several targets in one run.",
 )
 @click.option(
+    "--data",
+    "data",
+    multiple=True,
+    help="A corpus as bin/extract.py --data takes it (JSONL, JSON array, parquet, a datasets folder, a hub "
+    "id; repeatable), in place of the synthetic corpus; see above.",
+)
+@click.option(
     "--lengths",
     type=click.Choice(["lognormal", "fixed"]),
     default=BenchOptions.lengths,
     show_default=True,
     help="Sample lengths of the synthetic corpus: log-normal of mean --mean-length, capped at --max-length, "
-    "or all exactly --mean-length.",
+    "or all exactly --mean-length. Not with --data.",
 )
 @click.option(
     "--mean-length",
     default=BenchOptions.mean_length,
     show_default=True,
-    help="Mean (lognormal) or exact (fixed) tokens a sample.",
+    help="Mean (lognormal) or exact (fixed) tokens a sample. Not with --data.",
 )
-@click.option("--max-length", default=BenchOptions.max_length, show_default=True, help="Cap of the lognormal lengths.")
 @click.option(
-    "--num-tokens", default=BenchOptions.num_tokens, show_default=True, help="Synthetic corpus size in tokens."
+    "--max-length",
+    type=int,
+    default=None,
+    help=f"Cap of the lognormal lengths (default {LOGNORMAL_CAP}); with --data, extract.py's --max-length "
+    f"(default {default('max_length')}).",
+)
+@click.option(
+    "--num-tokens",
+    type=int,
+    default=None,
+    help=f"Synthetic corpus size in tokens (default {SYNTHETIC_TOKENS:,}); with --data, the most tokens "
+    "taken from its start, split among data-parallel replicas (default: all of it).",
 )
 @click.option(
     "--tokens-per-batch",
@@ -243,6 +282,7 @@ def main(
     tp,
     attention_backend,
     outs,
+    data,
     lengths,
     mean_length,
     max_length,
@@ -269,6 +309,7 @@ def main(
     single_gpu_results,
     host_threads,
 ):
+    _refuse_synthetic_options_beside_data(data)
     peer_options = PeerOptions(
         workdir=peer_workdir,
         cross_check_samples=cross_check_samples,
@@ -283,6 +324,7 @@ def main(
         tp=tp,
         attention_backend=attention_backend,
         outs=tuple(outs),
+        data=tuple(data),
         lengths=lengths,
         mean_length=mean_length,
         max_length=max_length,

@@ -176,7 +176,7 @@ def run_metadata(known: RunInfo, engine: Engine) -> RunInfo:
     )
 
 
-def _sample_tokenizer(opts: ExtractOptions, model_dir: Path) -> SampleTokenizer:
+def sample_tokenizer(opts: ExtractOptions, model_dir: Path) -> SampleTokenizer:
     from transformers import AutoTokenizer
 
     where = f"put the model's tokenizer files (tokenizer.json, or tokenizer.model) beside {model_dir / 'config.json'}"
@@ -252,7 +252,7 @@ def dry_run(opts: ExtractOptions) -> planning.Plan:
         done = resume.done_mask(out, shards)  # what the run resuming there keeps (a damaged shard refuses it)
         resume.check_images(out, shards, identity, opts.data, opts.force)
     model = checked.model
-    tokenizer = _sample_tokenizer(opts, model.path)
+    tokenizer = sample_tokenizer(opts, model.path)
     with _progress(opts, "dry run", lambda: _count_records(checked.sources)) as bar:
         plan = planning.plan(
             opts.data,
@@ -329,7 +329,7 @@ class Job:
 
     def _tokenizer_now(self) -> None:
         self.timeline.mark("tokenizer loading")
-        self.tokenizer = _sample_tokenizer(self.opts, self.checked.model.path)
+        self.tokenizer = sample_tokenizer(self.opts, self.checked.model.path)
         self.known = replace(self.known, **self.tokenizer.fingerprint())
         self.timeline.mark("tokenizer loaded")
 
@@ -445,25 +445,7 @@ class Job:
         self.meta = run_metadata(self.known, self.engine)
 
     def _pending(self, done: np.ndarray, tally: Tally) -> Iterator[Sample]:
-        """This replica's samples still to extract, every record read counted in `tally`. `done[i]` marks
-        record i as already written."""
-        items = iter(read_corpus(self.opts.data, owns=self.share))
-        while chunk := list(islice(items, TOKENIZED_TOGETHER)):
-            resumed = [item.index < len(done) and bool(done[item.index]) for item in chunk]
-            samples = iter(
-                self.tokenizer.many([item for item, r in zip(chunk, resumed) if not r and isinstance(item, Record)])
-            )
-            for item, r in zip(chunk, resumed):
-                if r:
-                    tally.resumed()
-                    continue
-                if isinstance(item, Record):
-                    item = next(samples)
-                if isinstance(item, Sample):
-                    tally.to_extract()
-                    yield item
-                else:
-                    tally.left_out(item)
+        return pending_samples(self.opts.data, self.share, self.tokenizer, done, tally)
 
     def _gate(self, head: list[Sample]) -> list[dict]:
         """--verify N (`ParityGate`): its rows, and on a MoE model how HF was routed, go into the run's metadata."""
@@ -547,6 +529,29 @@ def _marked(batches: Iterator, timeline: Timeline) -> Iterator:
         if not i:
             timeline.mark("first forward")
         yield batch
+
+
+def pending_samples(
+    data: Sequence[str], share: Share, tokenizer: SampleTokenizer, done: np.ndarray, tally: Tally
+) -> Iterator[Sample]:
+    """The samples of `share`'s records of `data` still to extract, in corpus order, every record read counted
+    in `tally`: records -> samples as a run makes them (the bench's --data too). `done[i]` marks record i as
+    already written."""
+    items = iter(read_corpus(data, owns=share))
+    while chunk := list(islice(items, TOKENIZED_TOGETHER)):
+        resumed = [item.index < len(done) and bool(done[item.index]) for item in chunk]
+        samples = iter(tokenizer.many([item for item, r in zip(chunk, resumed) if not r and isinstance(item, Record)]))
+        for item, r in zip(chunk, resumed):
+            if r:
+                tally.resumed()
+                continue
+            if isinstance(item, Record):
+                item = next(samples)
+            if isinstance(item, Sample):
+                tally.to_extract()
+                yield item
+            else:
+                tally.left_out(item)
 
 
 def _stop_at_the_first_bad_record(

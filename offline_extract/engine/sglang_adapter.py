@@ -581,11 +581,16 @@ class Engine:
         sequence's image tokens stand for. A single text sequence longer than one forward's token budget is
         prefilled in chunks (`chunks`); a sequence with images never is, and is refused there.
         """
-        if images is not None and any(im is not None for im in images):
-            self._check_images(seqs, images)
-        else:
-            images = None
-        return self._prefill(seqs, capture=True, images=images)
+        return self._prefill(seqs, capture=True, images=self._checked_images(seqs, images))
+
+    def _checked_images(
+        self, seqs: Sequence[np.ndarray], images: Sequence[Images | None] | None
+    ) -> Sequence[Images | None] | None:
+        """`images` checked against `seqs`; None where no sequence has any."""
+        if images is None or all(im is None for im in images):
+            return None
+        self._check_images(seqs, images)
+        return images
 
     def _check_images(self, seqs: Sequence[np.ndarray], images: Sequence[Images | None]) -> None:
         if len(images) != len(seqs):
@@ -614,10 +619,11 @@ class Engine:
         req.extend_image_inputs(mm)
         return req
 
-    def prefill(self, seqs: Sequence[np.ndarray]) -> None:
+    def prefill(self, seqs: Sequence[np.ndarray], images: Sequence[Images | None] | None = None) -> None:
         """SGLang's unmodified prefill of `seqs` (last-token logits only, nothing captured): the ceiling
-        the benchmarks hold extraction against."""
-        self._prefill(seqs, capture=False)
+        the benchmarks hold extraction against. `images` as `capture`'s: an image chat's bare prefill runs
+        its vision tower too, or it would not be the same input."""
+        self._prefill(seqs, capture=False, images=self._checked_images(seqs, images))
 
     def _prefill(
         self, seqs: Sequence[np.ndarray], capture: bool, images: Sequence[Images | None] | None = None

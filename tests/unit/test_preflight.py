@@ -317,7 +317,7 @@ def test_a_dry_run_into_this_runs_finished_output_says_the_run_would_extract_not
     out = tmp_path / "out"
     opts = ExtractOptions(data=(CORPUS,), out=str(out))
     checked = preflight.check(opts)
-    fingerprint = extraction._sample_tokenizer(opts, checked.model.path).fingerprint()
+    fingerprint = extraction.sample_tokenizer(opts, checked.model.path).fingerprint()
     ran = replace(
         extraction._known_before_loading(opts, checked), layer_ids=(1, 3, 4), compute_dtype="float32", **fingerprint
     )
@@ -364,7 +364,7 @@ def test_a_dry_run_after_a_crash_says_what_is_kept_and_sizes_what_is_left(tmp_pa
 
 
 def _samples(opts, checked, indices):
-    tokenizer = extraction._sample_tokenizer(opts, checked.model.path)
+    tokenizer = extraction.sample_tokenizer(opts, checked.model.path)
     return [tokenizer(r) for r in read_corpus(opts.data) if r.index in indices]
 
 
@@ -632,13 +632,13 @@ def test_a_vision_language_model_tokenizes_with_its_processor_or_is_refused_nami
     (model / "config.json").write_text(json.dumps({**config, "vision_config": {"depth": 1}}))
     opts = ExtractOptions(data=(CORPUS,), model=str(model))
     with pytest.raises(ValueError) as refused:
-        extraction._sample_tokenizer(opts, model)
+        extraction.sample_tokenizer(opts, model)
     assert str(refused.value) == (
         f"{model} is a vision-language model (its config.json has a vision_config), but AutoProcessor finds no image "
         f"processor there (preprocessor_config.json or processor_config.json, and its tokenizer files)"
     )
     AutoProcessor.from_pretrained(qwen_vl_dir).save_pretrained(model)
-    tokenizer = extraction._sample_tokenizer(opts, model)
+    tokenizer = extraction.sample_tokenizer(opts, model)
     assert tokenizer.processor is not None and tokenizer.fingerprint()["image_processor_sha256"] is not None
     save_image(tmp_path / "a.png", PATCH, 2 * PATCH)
     corpus = tmp_path / "c.jsonl"

@@ -544,7 +544,7 @@ def test_a_tokenizer_that_fails_stops_the_model_load_at_once(tiny_model_dir, tmp
             time.sleep(0.01)
         loads.append(cfg)
 
-    monkeypatch.setattr(extraction, "_sample_tokenizer", tokenizer)
+    monkeypatch.setattr(extraction, "sample_tokenizer", tokenizer)
     monkeypatch.setattr(extraction, "Engine", engine)
     started = time.monotonic()
     with pytest.raises(OSError, match="holds no tokenizer"):
@@ -565,7 +565,7 @@ def test_a_tokenizer_that_fails_after_the_load_is_raised_once_and_interrupts_not
         loaded.set()
         return tiny_engine
 
-    monkeypatch.setattr(extraction, "_sample_tokenizer", tokenizer)
+    monkeypatch.setattr(extraction, "sample_tokenizer", tokenizer)
     monkeypatch.setattr(extraction, "Engine", engine)
     with pytest.raises(ValueError, match="the chat template does not parse"):
         _run(tmp_path, tiny_model_dir)
@@ -592,7 +592,7 @@ def test_ctrl_c_while_the_tokenizer_loads_beside_the_model_says_one_line(
         while time.monotonic() - started < 60:  # a long load, in Python as SGLang's is
             time.sleep(0.01)
 
-    monkeypatch.setattr(extraction, "_sample_tokenizer", tokenizer)
+    monkeypatch.setattr(extraction, "sample_tokenizer", tokenizer)
     monkeypatch.setattr(extraction, "Engine", engine)
     out = tmp_path / "out"
     try:

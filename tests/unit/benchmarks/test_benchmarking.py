@@ -210,7 +210,7 @@ class _CompilingEngine:
         self.jit_caches = {"TRITON_CACHE_DIR": str(cache)}
         self.seen = set()
 
-    def prefill(self, seqs):
+    def prefill(self, seqs, images=None):
         n = sum(len(s) for s in seqs)
         if n not in self.seen:
             self.seen.add(n)

@@ -370,7 +370,7 @@ def test_a_model_directory_without_tokenizer_files_is_named(tiny_model_dir, tmp_
     config = json.loads((tiny_model_dir / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
     with pytest.raises(ValueError) as refused:
-        extraction._sample_tokenizer(ExtractOptions(data=("c.jsonl",)), tmp_path)
+        extraction.sample_tokenizer(ExtractOptions(data=("c.jsonl",)), tmp_path)
     message = str(refused.value)
     assert str(tmp_path) in message.splitlines()[0]
     assert (
@@ -378,7 +378,7 @@ def test_a_model_directory_without_tokenizer_files_is_named(tiny_model_dir, tmp_
         in message
     )
     assert (
-        extraction._sample_tokenizer(ExtractOptions(data=("c.jsonl",)), tiny_model_dir).vocab_size
+        extraction.sample_tokenizer(ExtractOptions(data=("c.jsonl",)), tiny_model_dir).vocab_size
         == config["vocab_size"]
     )
 
