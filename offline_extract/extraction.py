@@ -204,6 +204,7 @@ def sample_tokenizer(opts: ExtractOptions, model_dir: Path) -> SampleTokenizer:
         min_loss_run=_min_loss_run(opts),
         model=opts.model or "the default model",
         processor=processor,
+        image_token_id=None if processor is None else _image_token_id(model_dir),
     )
 
 
@@ -229,6 +230,13 @@ def _image_processor(opts: ExtractOptions, model_dir: Path):
             f"AutoProcessor finds no image processor there ({needed})"
         )
     return processor
+
+
+def _image_token_id(model_dir: Path) -> int | None:
+    """The token a vision-language model's image embeddings replace, as its config.json names it (Llama 4's
+    image_token_index is what HF's attribute_map calls image_token_id); None where it names none."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return config.get("image_token_id", config.get("image_token_index"))
 
 
 def _min_loss_run(opts: ExtractOptions) -> int:

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from offline_extract.data.images import Images  # noqa: E402
+from offline_extract.data.images import Images, as_array  # noqa: E402
 from offline_extract.engine import checkpoint, parity  # noqa: E402
 from offline_extract.engine.multimodal import IMAGE_MODELS  # noqa: E402
 from offline_extract.engine.reference import load_hf_model  # noqa: E402
@@ -60,11 +60,14 @@ def image_samples(model_dir: str) -> list[tuple[np.ndarray, Images]]:
         messages = [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]
         text = processor.apply_chat_template(messages, tokenize=False)
         # The template writes the BOS itself.
-        out = processor(text=[text], images=pictures, return_tensors="np", add_special_tokens=False)
+        out = {
+            k: as_array(v)
+            for k, v in processor(text=[text], images=pictures, return_tensors="pt", add_special_tokens=False).items()
+        }
         ids = out.pop("input_ids")[0]
         out.pop("attention_mask")
         fingerprint = hashlib.sha256(b"".join(p.tobytes() for p in pictures)).hexdigest()
-        samples.append((ids, Images(dict(out), ids == image_token, fingerprint)))
+        samples.append((ids, Images(out, ids == image_token, fingerprint)))
     return samples
 
 

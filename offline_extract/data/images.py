@@ -28,6 +28,15 @@ class Images:
     fingerprint: str  # sha256 over the images' bytes, for the run identity
 
 
+def as_array(output) -> np.ndarray:
+    """One of an HF processor's outputs (a torch tensor, as return_tensors="pt" gives it) as numpy. numpy has no
+    bfloat16, in which Llama 4's processor normalizes its pixels (as Meta's code does): float32 holds those values
+    exactly, and the engine and HF take them back to the model's dtype."""
+    import torch
+
+    return (output.float() if output.dtype == torch.bfloat16 else output).numpy()
+
+
 class ImageError(ValueError):
     """An image of a record that cannot be used: missing, unreadable or not decodable; the message names it."""
 

@@ -18,7 +18,7 @@ import jinja2
 import numpy as np
 
 from offline_extract.data.corpus import Record, Reject
-from offline_extract.data.images import ImageError, Images, load_images
+from offline_extract.data.images import ImageError, Images, as_array, load_images
 from offline_extract.options import Overlong, check_choice
 from offline_extract.words import plural
 
@@ -159,6 +159,7 @@ class SampleTokenizer:
         min_loss_run: int = 0,
         model: str = "the model",
         processor=None,
+        image_token_id: int | None = None,
     ):
         check_choice("overlong", overlong)
         if max_length < 1:
@@ -171,12 +172,16 @@ class SampleTokenizer:
         # A vision-language model's HF processor (AutoProcessor), which prepares its image records; None for a
         # text-only model. Its chat template, where it has one, renders every chat, so that text and image
         # chats are rendered alike.
+        # Its image_token is the placeholder the chat template writes and the processor widens into each
+        # image's tokens; `image_token_id` is the token among those that the model's image embeddings replace
+        # (its config's image_token_id), by default the placeholder itself, as Qwen's processors repeat it.
         self.processor = processor
         if processor is not None:
             image_token = getattr(processor, "image_token", None)
             if image_token is None:
                 raise ValueError(f"the processor of {model} ({type(processor).__name__}) names no image token")
-            self.image_token_id = tokenizer.convert_tokens_to_ids(image_token)
+            self.placeholder_id = tokenizer.convert_tokens_to_ids(image_token)
+            self.image_token_id = self.placeholder_id if image_token_id is None else image_token_id
         self.vocab_size = len(tokenizer)
         self.chars_per_token = max(map(len, tokenizer.get_vocab()), default=1)
         self._fingerprint: dict | None = None
@@ -265,25 +270,25 @@ class SampleTokenizer:
         text_ids = np.asarray(text["input_ids"], dtype=np.int32)
         text_mask = _assistant_mask(text["offset_mapping"], bounds)
         try:
-            out = self.processor(text=[full], images=pictures, return_tensors="np", add_special_tokens=False)
+            out = self.processor(text=[full], images=pictures, return_tensors="pt", add_special_tokens=False)
         except ValueError as e:
             raise _Unusable(f"the model's processor refused its images: {e}") from None
-        ids = np.asarray(out["input_ids"][0], dtype=np.int32)
+        ids = out["input_ids"][0].numpy().astype(np.int32)
         token_mask = ids == self.image_token_id
-        placeholders = text_ids == self.image_token_id
-        # The processor only repeats the placeholders; anything else would leave the loss mask on other tokens.
-        if not token_mask.any() or not np.array_equal(ids[~token_mask], text_ids[~placeholders]):
+        widened = _widened(ids, text_ids, self.placeholder_id)
+        # The processor only widens the placeholders; anything else would leave the loss mask on other tokens.
+        if widened is None or not token_mask.any() or (token_mask & ~widened).any():
             raise _Unusable(
                 "the processor's tokens are not the chat template's with each image's placeholder "
                 "expanded, so its loss mask cannot be placed"
             )
         mask = np.zeros(len(ids), dtype=np.uint8)
-        mask[~token_mask] = text_mask[~placeholders]
+        mask[~widened] = text_mask[text_ids != self.placeholder_id]
         # Per-token outputs (mm_token_type_ids) restate the tokens; the rest are the images' inputs.
         inputs = {
-            key: np.asarray(value)
+            key: as_array(value)
             for key, value in out.items()
-            if key not in ("input_ids", "attention_mask") and np.shape(value) != (1, len(ids))
+            if key not in ("input_ids", "attention_mask") and tuple(value.shape) != (1, len(ids))
         }
         return ids, mask, False, Images(inputs, token_mask, fingerprint)
 
@@ -390,6 +395,35 @@ def _given_tokens(record: Record, vocab_size: int) -> tuple[np.ndarray, np.ndarr
     if record.loss_mask is None:
         return ids, np.ones(len(ids), dtype=np.uint8)
     return ids, np.asarray(record.loss_mask, dtype=np.uint8)
+
+
+def _widened(ids: np.ndarray, text_ids: np.ndarray, placeholder: int) -> np.ndarray | None:
+    """Which of the processor's tokens `ids` stand where the chat's tokens `text_ids` have image placeholders,
+    True at each: `ids` must be `text_ids` with each run of placeholders replaced by a non-empty run of tokens
+    (Qwen repeats the placeholder; Llama 4 writes each image's tiles between its markers, the placeholder among
+    them), else None. The text between runs is found at its first place after the run before it."""
+    at = np.flatnonzero(np.diff(np.concatenate(([0], (text_ids == placeholder).astype(np.int8), [0]))))
+    bounds = [0, *at.tolist(), len(text_ids)]
+    texts = [text_ids[a:b] for a, b in zip(bounds[0::2], bounds[1::2])]
+    widened = np.ones(len(ids), dtype=bool)
+    start = 0
+    for k, text in enumerate(texts):
+        end = len(ids) - len(text) if k == len(texts) - 1 else _find(ids, text, start + (k > 0))
+        if end is None or end < start + (k > 0) or not np.array_equal(ids[end : end + len(text)], text):
+            return None
+        widened[end : end + len(text)] = False
+        start = end + len(text)
+    return widened if start == len(ids) and len(texts) > 1 else None
+
+
+def _find(ids: np.ndarray, text: np.ndarray, start: int) -> int | None:
+    """The first position at or after `start` where `ids` holds `text`."""
+    if not len(text):
+        return start
+    for p in start + np.flatnonzero(ids[start : len(ids) - len(text) + 1] == text[0]):
+        if np.array_equal(ids[p : p + len(text)], text):
+            return int(p)
+    return None
 
 
 def _hf_content(content: str | tuple[str | int, ...]) -> str | list[dict]:

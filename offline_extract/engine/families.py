@@ -82,6 +82,12 @@ class ImageModel:
     feature: str
     beside: tuple[str, ...]
     restating: tuple[str, ...] = ()
+    # The config's fields naming the tokens either side of an image, as the SGLang processor hands them on.
+    markers: tuple[str, str] = ("vision_start_token_id", "vision_end_token_id")
+    # M-RoPE (Qwen): the sequence's positions come from the token ids and each image's image_grid_thw, which also
+    # splits the feature's rows among the images. Otherwise the positions are the text's, and each row of the
+    # feature (a Llama 4 tile) fills one run of image tokens.
+    mrope: bool = False
 
 
 @dataclass(frozen=True)
@@ -149,7 +155,7 @@ _CHUNKED = "SGLang implements its chunked attention in the fa3 backend only, so 
 # Qwen's processors (Qwen2VLImageProcessor behind Qwen2.5-VL's and Qwen3-VL's) return each image's patches
 # flattened, all images' rows concatenated, with one [t, h, w] grid row per image; mm_token_type_ids marks
 # the image tokens, which the token ids already do.
-_QWEN_VL = dict(feature="pixel_values", beside=("image_grid_thw",), restating=("mm_token_type_ids",))
+_QWEN_VL = dict(feature="pixel_values", beside=("image_grid_thw",), restating=("mm_token_type_ids",), mrope=True)
 
 # In the parity record's order.
 FAMILIES = (
@@ -218,9 +224,11 @@ FAMILIES = (
         gpu_backends=("triton", "fa3"),
         quantized="mxfp4",
     ),
+    # Its processor returns each image's tiles of pixels (the tiles, then the whole image as a global tile where
+    # there are several), all images' tiles concatenated; each tile's patch tokens form one run.
     Family(
         "llama4",
-        "Llama 4 (text)",
+        "Llama 4 (text and images)",
         "Llama4ForConditionalGeneration",
         "mllama4",
         _plus_one(
@@ -229,9 +237,12 @@ FAMILIES = (
         ),
         not_on_cpu=_CHUNKED,
         gpu_backends=("fa3",),
-        images_refused="its tiled image inputs (mllama4.py) are not built by this engine: SGLang runs Llama 4 "
-        "only on the fa3 attention backend (its chunked attention), so no parity gate on CPU could "
-        "hold them against HF",
+        images=ImageModel(
+            "mllama4.py, served by mllama4.py's Mllama4ImageProcessor",
+            feature="pixel_values",
+            beside=(),
+            markers=("boi_token_id", "eoi_token_id"),
+        ),
     ),
     # Kimi-K2 runs on the same classes; its single expert group takes another path of the routing.
     Family(

@@ -1,11 +1,12 @@
 """A sequence's images handed to SGLang 0.5.17 as its own server hands them to the ModelRunner.
 
-The server's path for a request with images (multimodal/processors/qwen_vl.py and base_processor.py, then
-managers/scheduler.py): the HF processor's outputs become one MultimodalDataItem per image (its pixel
-values as the item's feature, its grid beside them), each at the run of image tokens it fills; each item's
-pad value, derived from a hash of its pixels, replaces its image tokens in the request's input ids (the
-model file's pad_input_ids), which is how the model's embedding step finds where each image's embeddings
-go; and the M-RoPE positions of the whole sequence are computed once, from the token ids and the grids.
+The server's path for a request with images (multimodal/processors/qwen_vl.py or mllama4.py, and
+base_processor.py, then managers/scheduler.py): the HF processor's outputs become one MultimodalDataItem per
+run of image tokens, each at the run it fills (a Qwen image's pixel values, its grid beside them; a Llama 4
+tile's); each item's pad value, derived from a hash of its pixels, replaces its image tokens in the request's
+input ids (the model file's pad_input_ids), which is how the model's embedding step finds where each item's
+embeddings go; and for Qwen the M-RoPE positions of the whole sequence are computed once, from the token ids
+and the grids.
 Here the same SGLang functions run on the outputs the model's HF processor already gave the tokenization
 stage (`data.images.Images`), with no tokenizer manager and no HTTP in between.
 """
@@ -85,7 +86,6 @@ def _mrope_positions(hf_config, ids_t: torch.Tensor, grid: torch.Tensor):
 def image_request(model, hf_config, spec: ImageModel, ids: np.ndarray, images: Images):
     """(input ids with each image's tokens replaced by its pad value, SGLang's MultimodalInputs) for one
     sequence: what the scheduler sets as a Req's origin_input_ids and hands to its extend_image_inputs."""
-    from sglang.srt.managers.mm_utils import get_new_expanded_mm_items
     from sglang.srt.managers.schedule_batch import (
         Modality,
         MultimodalDataItem,
@@ -109,28 +109,48 @@ def image_request(model, hf_config, spec: ImageModel, ids: np.ndarray, images: I
         feature=torch.from_numpy(np.ascontiguousarray(outputs[spec.feature])),
         model_specific_data={k: torch.from_numpy(np.ascontiguousarray(outputs[k])) for k in spec.beside},
     )
-    # One run of image tokens per image, as the server finds them (base_processor.process_and_combine_mm_data).
+    # The runs of image tokens, as the server finds them (base_processor.process_and_combine_mm_data).
     item.offsets = BaseMultimodalProcessor.get_mm_items_offset(input_ids=ids_t, mm_token_id=image_token)
-    grid = item.model_specific_data["image_grid_thw"]
-    if len(item.offsets) != len(grid):
-        raise ValueError(f"{len(grid)} images' grids for {len(item.offsets)} runs of image tokens in the sequence")
-    items = get_new_expanded_mm_items([item])
-    if len(items) != len(grid):  # SGLang keeps the bundle whole where the pixel rows do not add up to the grids
-        raise ValueError(
-            f"{len(outputs[spec.feature])} rows of {spec.feature} do not split into the {len(grid)} images' grids "
-            f"({grid.prod(dim=-1).tolist()} patches)"
-        )
-    positions, delta = _mrope_positions(hf_config, ids_t, grid)
+    start, end = (getattr(hf_config, name) for name in spec.markers)
     mm = MultimodalInputs.from_processor_output(
         MultimodalProcessorOutput(
-            mm_items=items,
+            mm_items=_split(item, spec),
             input_ids=ids_t.tolist(),
             im_token_id=image_token,
-            im_start_id=hf_config.vision_start_token_id,
-            im_end_id=hf_config.vision_end_token_id,
-            video_token_id=hf_config.video_token_id,
-            mrope_positions=positions.squeeze(1),
-            mrope_position_delta=delta,
+            im_start_id=start,
+            im_end_id=end,
+            **(_mrope(hf_config, ids_t, item.model_specific_data["image_grid_thw"]) if spec.mrope else {}),
         )
     )
     return array("q", model.pad_input_ids(ids_t.tolist(), mm)), mm
+
+
+def _split(item, spec: ImageModel) -> list:
+    """The bundle of a sequence's images split as the server splits it (mm_utils.get_new_expanded_mm_items), one
+    item for each run of image tokens: an image's, by its grid (Qwen), or a tile's, one row each (Llama 4)."""
+    from sglang.srt.managers.mm_utils import get_new_expanded_mm_items
+
+    runs, rows = len(item.offsets), len(item.feature)
+    if spec.mrope:
+        grid = item.model_specific_data["image_grid_thw"]
+        if len(grid) != runs:
+            raise ValueError(f"{len(grid)} images' grids for {runs} runs of image tokens in the sequence")
+        unsplit = (
+            f"{rows} rows of {spec.feature} do not split into the {len(grid)} images' grids "
+            f"({grid.prod(dim=-1).tolist()} patches)"
+        )
+    else:
+        unsplit = f"{rows} rows (tiles) of {spec.feature} for {runs} runs of image tokens: a tile fills each run"
+    items = get_new_expanded_mm_items([item])
+    # SGLang keeps the bundle whole where its rows do not split among the runs; a lone run is never split.
+    if len(items) != runs or (runs == 1 and not spec.mrope and rows != 1):
+        raise ValueError(unsplit)
+    return items
+
+
+def _mrope(hf_config, ids_t: torch.Tensor, grid: torch.Tensor) -> dict:
+    """MultimodalProcessorOutput's M-RoPE fields: the positions of the whole sequence, computed once."""
+    positions, delta = _mrope_positions(hf_config, ids_t, grid)
+    return dict(
+        video_token_id=hf_config.video_token_id, mrope_positions=positions.squeeze(1), mrope_position_delta=delta
+    )

@@ -11,6 +11,7 @@ own half-precision states are (`HALF_FLOOR`).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 import time
 from contextlib import contextmanager
@@ -122,12 +123,16 @@ def _decoder(model):
     return decoder if hasattr(decoder, "norm") else decoder.model
 
 
-def hf_image_inputs(images: Images, device) -> dict[str, torch.Tensor]:
-    """What HF's vision-language class takes beside the input ids for a sequence's images: the processor's
-    outputs, and mm_token_type_ids (1 at the image tokens) from the image token mask, which states the same
-    as the processor's own, for a batch of one however the mask was stored."""
+def hf_image_inputs(model, images: Images, device) -> dict[str, torch.Tensor]:
+    """What HF's vision-language class `model` takes beside the input ids for a sequence's images: the processor's
+    outputs, its pixels in the model's dtype (as SGLang casts them; Llama 4's tower does not), and, for a model
+    that reads it (Qwen's M-RoPE), mm_token_type_ids (1 at the image tokens) from the image token mask, which
+    states the same as the processor's own, for a batch of one however the mask was stored."""
+    dtype = next(model.parameters()).dtype
     inputs = {k: torch.as_tensor(v, device=device) for k, v in images.processor_outputs.items()}
-    inputs["mm_token_type_ids"] = torch.as_tensor(images.token_mask, device=device).long()[None]
+    inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+        inputs["mm_token_type_ids"] = torch.as_tensor(images.token_mask, device=device).long()[None]
     return inputs
 
 
@@ -162,7 +167,7 @@ def hf_hidden_states(
     if keep is not None:
         hooks += [decoder.layers[0].register_forward_pre_hook(first_input, with_kwargs=True)] if 0 in keep else []
         hooks += [layer.register_forward_hook(taken(j + 1)) for j, layer in enumerate(decoder.layers) if j + 1 in keep]
-    extra = hf_image_inputs(images, device) if images is not None else {}
+    extra = hf_image_inputs(model, images, device) if images is not None else {}
     try:
         with torch.no_grad():
             # One position's logits, not every token's: a 131k-token sample's full-vocab logits would take

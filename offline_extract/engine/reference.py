@@ -20,6 +20,7 @@ from offline_extract.engine.checkpoint import (
     is_fp8_block,
     is_mxfp4,
 )
+from offline_extract.engine.families import FAMILIES
 from offline_extract.engine.parity import ParityError
 from offline_extract.words import human_bytes
 
@@ -37,6 +38,9 @@ def wrapped_text_config(raw: dict):
 WRAPPED_DECODER_PREFIX = "language_model."
 
 
+_TAKE_IMAGES = {f.sglang_class for f in FAMILIES if f.images}
+
+
 def _hf_model_class(model_path: str, raw: dict):
     """(HF class, its config, the checkpoint's key mapping or None) of the reference for the checkpoint whose
     config.json is `raw`."""
@@ -49,11 +53,11 @@ def _hf_model_class(model_path: str, raw: dict):
         config = None
     if (
         config is not None
-        and type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING
         and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+        and (type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING or raw.get("architectures", [None])[0] in _TAKE_IMAGES)
     ):
-        # A vision-language model with no causal-LM class (Qwen2.5-VL): its own class, tower and all, which
-        # takes the images too.
+        # A vision-language model with no causal-LM class (Qwen2.5-VL), or one whose images the engine extracts
+        # (Llama 4): its own class, tower and all, which takes the images too.
         return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)], config, key_mapping
     # Where SGLang has registered its own config class for the wrapper, transformers parses it but has no
     # model for it.

@@ -404,6 +404,9 @@ def _server_args(cfg: EngineConfig, backend: str):
         disable_overlap_schedule=True,
         chunked_prefill_size=-1,
         skip_tokenizer_init=True,
+        # SGLang builds Llama 4's vision tower only when asked (model_config.py's mm_disabled_models), every other
+        # vision-language model's by default; a text model ignores it.
+        enable_multimodal=True,
         # The KV pool holds one forward's tokens, or one chunked sequence with its whole prefix, and no
         # more: everything else stays activation room.
         max_total_tokens=max(cfg.max_tokens_per_batch, cfg.context_length or 0) + 64,

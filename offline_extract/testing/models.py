@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from offline_extract.default_model import ensure_tiny_model, random_checkpoint, tiny_llama_config
-from offline_extract.engine.checkpoint import E2M1_MAGNITUDES, MXFP4_BLOCK
+from offline_extract.engine.checkpoint import CHECKPOINT_INDEX, E2M1_MAGNITUDES, MXFP4_BLOCK
 from offline_extract.engine.families import FAMILIES, Family
 
 
@@ -379,33 +379,6 @@ def _kimi_k25_config(text_config: dict) -> dict:
     }
 
 
-def _llama4_config(text_config: dict) -> dict:
-    # Llama4ForConditionalGeneration as Llama 4 Scout and Maverick ship it: the text model plus a vision encoder
-    # and projector, here at toy size and without weights, so SGLang's mllama4.py runs it text-only.
-    vocab = text_config["vocab_size"]
-    vision = {
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "image_size": 28,
-        "patch_size": 14,
-        "vision_output_dim": 64,
-        "projector_input_dim": 64,
-        "projector_output_dim": text_config["hidden_size"],
-    }
-    return {
-        "architectures": ["Llama4ForConditionalGeneration"],
-        "model_type": "llama4",
-        "text_config": text_config,
-        "vision_config": vision,
-        "boi_token_index": vocab - 3,
-        "eoi_token_index": vocab - 2,
-        "image_token_index": vocab - 1,
-        **{k: text_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype")},
-    }
-
-
 def _under_language_model(wrapper_config):
     def wrap(model_dir: Path) -> None:
         """Turn a written text-model checkpoint into its multimodal wrapper's layout: the same weights under
@@ -420,11 +393,9 @@ def _under_language_model(wrapper_config):
     return wrap
 
 
-# Multimodal wrappers, as (the text model holding the weights, wrapper): "kimi_k25" is one HF transformers
-# cannot build at all.
+# A multimodal wrapper HF transformers cannot build at all, as (the text model holding the weights, wrapper).
 _WRAPPED = {
     "kimi_k25": ("kimi_k2", _under_language_model(_kimi_k25_config)),
-    "llama4": ("llama4_text", _under_language_model(_llama4_config)),
 }
 
 
@@ -432,21 +403,27 @@ _WRAPPED = {
 # added to the embedded tokenizer after its own tokens.
 QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
-# The embedded chat template (default_model.CHAT_TEMPLATE), with a message's content either a string or
-# OpenAI-style parts, an image part rendered as Qwen's templates render it: one image pad between the vision
-# markers, which the processor widens to the image's token count.
-VL_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for m in messages %}"
-    "{{ '<|' + m['role'] + '|>' }}\n"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
-    "{% if part['type'] in ('image', 'image_url') %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{{ '<|end|>' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}\n{% endif %}"
-)
+
+def _vl_chat_template(image: str) -> str:
+    """The embedded chat template (default_model.CHAT_TEMPLATE), with a message's content either a string or
+    OpenAI-style parts, an image part rendered as `image`, the placeholder the processor widens to the image's
+    tokens."""
+    return (
+        "{{ bos_token }}"
+        "{% for m in messages %}"
+        "{{ '<|' + m['role'] + '|>' }}\n"
+        "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+        "{% if part['type'] in ('image', 'image_url') %}{{ '" + image + "' }}"
+        "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}"
+        "{{ '<|end|>' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>' }}\n{% endif %}"
+    )
+
+
+# As Qwen's templates render an image: one image pad between the vision markers.
+VL_CHAT_TEMPLATE = _vl_chat_template("<|vision_start|><|image_pad|><|vision_end|>")
 
 # Images the tiny processors keep at their own size from 28 x 28 up to 16 merged 28 x 28 blocks: a 28 x 56
 # image is 8 patches, 2 image tokens.
@@ -580,15 +557,76 @@ def _qwen3_vl_processor(tokenizer):
     )
 
 
+# Llama 4's image tokens, which its processor writes around each image's patches: the image's markers, the
+# global tile's marker (also the chat template's placeholder), the patch token the tower's embeddings replace,
+# and the separators between tiles.
+_LLAMA4_VISION_TOKENS = (
+    "<|image_start|>",
+    "<|image_end|>",
+    "<|image|>",
+    "<|patch|>",
+    "<|tile_x_separator|>",
+    "<|tile_y_separator|>",
+)
+# Tiles of 28 pixels, 4 x 4 patches of 7, pixel-shuffled 2 x 2 into 4 image tokens; at most 4 tiles an image, and
+# the whole image as a global tile beside them when there are several: a 28 x 56 image is tiled 1 x 2, so 3 tiles,
+# 12 tokens; a 28 x 28 one is 1 tile, 4 tokens.
+_LLAMA4_TILE, _LLAMA4_PATCH = 28, 7
+
+
+def _llama4_config(vocab_size: int, tokens: dict[str, int]) -> dict:
+    # Llama4ForConditionalGeneration as Llama 4 Scout and Maverick ship it: the text model under text_config and
+    # a one-block vision encoder whose pixel-shuffled patches (4 x its width) the adapter and the projector map
+    # into the decoder's width.
+    text = _tiny_llama4_text_config(vocab_size)
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": _LLAMA4_TILE,
+        "patch_size": _LLAMA4_PATCH,
+        "pixel_shuffle_ratio": 0.5,
+        "vision_output_dim": 64,
+        "projector_input_dim": 64,
+        "projector_output_dim": 64,
+    }
+    return {
+        "architectures": ["Llama4ForConditionalGeneration"],
+        "model_type": "llama4",
+        "text_config": text,
+        "vision_config": vision,
+        "boi_token_index": tokens["<|image_start|>"],
+        "eoi_token_index": tokens["<|image_end|>"],
+        "image_token_index": tokens["<|patch|>"],
+    }
+
+
+def _llama4_processor(tokenizer):
+    from transformers import Llama4ImageProcessor, Llama4Processor
+
+    return Llama4Processor(
+        image_processor=Llama4ImageProcessor(size={"height": _LLAMA4_TILE, "width": _LLAMA4_TILE}, max_patches=4),
+        tokenizer=tokenizer,
+        patch_size=_LLAMA4_PATCH,
+        pixel_shuffle_ratio=0.5,
+        chat_template=_vl_chat_template("<|image|>"),
+    )
+
+
 def towers(families: Iterable[Family]) -> dict[str, tuple]:
     """The vision-language models among `families`, those whose images are extracted (`Family.images`), with their
     towers, as (config builder taking the vocab size and the vision tokens' ids, the vision tokens, the HF processor
     built on the tokenizer): a family's builders are `_{name}_config` and `_{name}_processor` here, and its vision
-    tokens Qwen's, which VL_CHAT_TEMPLATE writes. Written with the processor's files, so that the model's own
-    AutoProcessor renders and prepares image chats offline."""
+    tokens `_{NAME}_VISION_TOKENS`, by default Qwen's, which VL_CHAT_TEMPLATE writes. Written with the processor's
+    files, so that the model's own AutoProcessor renders and prepares image chats offline."""
     builders = globals()
     return {
-        f.name: (builders[f"_{f.name}_config"], QWEN_VISION_TOKENS, builders[f"_{f.name}_processor"])
+        f.name: (
+            builders[f"_{f.name}_config"],
+            builders.get(f"_{f.name.upper()}_VISION_TOKENS", QWEN_VISION_TOKENS),
+            builders[f"_{f.name}_processor"],
+        )
         for f in families
         if f.images
     }
@@ -625,9 +663,8 @@ def build_model(
 
     `arch` is a key of ARCHITECTURES, of VISION_LANGUAGE or VISION_LANGUAGE_SHAPES (with the tokenizer's vision tokens and the HF
     processor's files), or of _WRAPPED: "kimi_k25" holds exactly the weights of "kimi_k2" under
-    the same seed, wrapped as Kimi-K2.5, so that "kimi_k2" built alongside is its HF reference, and "llama4"
-    those of "llama4_text". `device` is where the
-    weights are drawn (a GPU makes the 8B-shaped model quick); `overrides` replace top-level config fields
+    the same seed, wrapped as Kimi-K2.5, so that "kimi_k2" built alongside is its HF reference. `device` is where
+    the weights are drawn (a GPU makes the 8B-shaped model quick); `overrides` replace top-level config fields
     (of the text config, for a wrapped architecture). weights=False writes the config alone, for SGLang's
     dummy loader. fp8=True then quantizes the checkpoint as the FP8 releases are (`quantize_fp8_checkpoint`),
     mxfp4=True its experts as the GPT-OSS releases are (`quantize_mxfp4_checkpoint`).
@@ -650,6 +687,8 @@ def build_model(
             quantize_fp8_checkpoint(out)
         if mxfp4:
             quantize_mxfp4_checkpoint(out)
+        if arch in _INDEXED:
+            _write_index(out)
     else:  # for SGLang's dummy loader, which draws its own random weights
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -662,6 +701,21 @@ def build_model(
     return out
 
 
+# SGLang's mllama4.py builds Llama 4's vision tower only where the checkpoint's index names vision weights
+# (_has_vision_weights), as the sharded releases' indexes do; a one-file checkpoint has none unless written.
+_INDEXED = {"llama4"}
+
+
+def _write_index(out: Path) -> None:
+    """model.safetensors.index.json naming every tensor of a one-file checkpoint, as a sharded release's does."""
+    if (out / CHECKPOINT_INDEX).exists():
+        return
+    names = load_file(out / "model.safetensors").keys()
+    (out / CHECKPOINT_INDEX).write_text(
+        json.dumps({"metadata": {}, "weight_map": dict.fromkeys(names, "model.safetensors")})
+    )
+
+
 def _config_and_processor(arch: str, base: str, tiny: Path, vocab_size: int):
     """(config.json's fields, the HF processor or None) of `arch`; a vision-language model's tokenizer is
     the tiny one with its vision tokens added."""
@@ -672,8 +726,8 @@ def _config_and_processor(arch: str, base: str, tiny: Path, vocab_size: int):
     vl_config, vision_tokens, make_processor = _TOWERS[arch]
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     tokenizer.add_tokens(list(vision_tokens), special_tokens=True)
-    tokenizer.chat_template = VL_CHAT_TEMPLATE
     processor = make_processor(tokenizer)
+    tokenizer.chat_template = processor.chat_template
     return vl_config(len(tokenizer), {t: tokenizer.convert_tokens_to_ids(t) for t in vision_tokens}), processor
 
 

@@ -22,8 +22,8 @@ from offline_extract.testing.models import VISION_LANGUAGE, build_model
 pytestmark = pytest.mark.gpu
 
 # Every family, with its config overrides: the tiny Llama's head dim 16 has no FlashInfer kernel, so it gets 64
-# (test_gpu.py covers the 8B shape through the CLI). HF loads each from the same checkpoint SGLang runs (Llama 4's
-# wrapped one as its Llama4ForCausalLM, as the product's --verify does).
+# (test_gpu.py covers the 8B shape through the CLI). HF loads each from the same checkpoint SGLang runs, as the
+# product's --verify does (the vision-language ones, Llama 4's on fa3 among them, as HF's own class with the tower).
 GPU_OVERRIDES = {"llama": {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}}
 GPU_MODELS = {f.name: GPU_OVERRIDES.get(f.name, {}) for f in FAMILIES}
 # Every mixture-of-experts family whose HF routing can be forced (Llama 4's top-1 MoE runs without a forceable

@@ -197,3 +197,60 @@ def test_an_image_the_processor_refuses_rejects_its_record(tmp_path, processor):
         list(read_corpus([corpus]))
     )
     assert reject.reason.startswith("the model's processor refused its images: ") and "aspect ratio" in reject.reason
+
+
+def test_a_llama4_image_chat_keeps_its_tiles_markers_out_of_the_loss_and_its_patches_as_the_image_tokens(
+    tmp_path, tiny_model_dir
+):
+    """Llama 4's processor widens each image's placeholder into its tiles' patch tokens between markers and
+    separators, the placeholder among them: the image tokens are the patches (the config's image_token_id), the
+    loss is the reply alone, and the pixels are the processor's own, one 28-pixel tile per row."""
+    from transformers import AutoConfig
+
+    from offline_extract.testing.models import build_model
+
+    model = build_model("llama4", tmp_path / "m", weights=False, tokenizer_dir=tiny_model_dir)
+    processor, config = AutoProcessor.from_pretrained(model), AutoConfig.from_pretrained(model)
+    save_image(tmp_path / "wide.png", PATCH, 2 * PATCH)  # 1 x 2 tiles and the global one: 3 tiles of 4 patches
+    save_image(tmp_path / "small.png", PATCH, PATCH, seed=1)  # 1 tile
+    corpus = write_corpus(
+        tmp_path / "c.jsonl",
+        [
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [image_part("wide.png"), image_part("small.png"), {"type": "text", "text": "and"}],
+                    },
+                    {"role": "assistant", "content": "Two pictures."},
+                ]
+            }
+        ],
+    )
+    (record,) = read_corpus([corpus])
+    tok = processor.tokenizer
+    sample = SampleTokenizer(tok, max_length=256, processor=processor, image_token_id=config.image_token_id)(record)
+    assert isinstance(sample, Sample)
+    tokens = tok.convert_ids_to_tokens(sample.input_ids.tolist())
+    image = "".join(tokens[tokens.index("<|image_start|>") : len(tokens) - tokens[::-1].index("<|image_end|>")])
+    assert image == (
+        "<|image_start|>"
+        + "<|patch|>" * 4
+        + "<|tile_x_separator|>"
+        + "<|patch|>" * 4
+        + "<|tile_y_separator|><|image|>"
+        + "<|patch|>" * 4
+        + "<|image_end|>"
+        + "<|image_start|><|image|>"
+        + "<|patch|>" * 4
+        + "<|image_end|>"
+    )
+    assert sample.images.token_mask.tolist() == [t == "<|patch|>" for t in tokens]
+    assert set(sample.images.processor_outputs) == {"pixel_values"}
+    pixels = sample.images.processor_outputs["pixel_values"]
+    assert pixels.shape == (4, 3, 28, 28) and pixels.dtype == np.float32
+    pictures = [Image.open(tmp_path / name).convert("RGB") for name in ("wide.png", "small.png")]
+    own = processor.image_processor(pictures, return_tensors="pt")["pixel_values"]
+    assert np.array_equal(pixels, own.float().numpy())
+    assert tok.decode(sample.input_ids[sample.loss_mask.astype(bool)]) == "Two pictures.<|end|>"
+    assert tok.decode(sample.input_ids[:8]).startswith(tok.bos_token + "<|user|>\n<|image_start|>")

@@ -189,9 +189,10 @@ def models(tiny_model_dir, tmp_path_factory):
     return {a: build_model(a, root / a, tokenizer_dir=tiny_model_dir) for a in ENGINE_ARCHS}
 
 
-@pytest.mark.parametrize("wrapper, text", [("kimi_k25", "kimi_k2"), ("llama4", "llama4_text")])
-def test_a_wrapped_checkpoint_holds_exactly_its_text_models_weights(wrapper, text, tiny_model_dir, tmp_path):
-    wrapped_dir, text_dir = (build_model(a, tmp_path / a, tokenizer_dir=tiny_model_dir) for a in (wrapper, text))
+def test_a_wrapped_checkpoint_holds_exactly_its_text_models_weights(tiny_model_dir, tmp_path):
+    wrapped_dir, text_dir = (
+        build_model(a, tmp_path / a, tokenizer_dir=tiny_model_dir) for a in ("kimi_k25", "kimi_k2")
+    )
     wrapped = load_file(wrapped_dir / "model.safetensors")
     plain = load_file(text_dir / "model.safetensors")
     assert set(wrapped) == {f"language_model.{k}" for k in plain}

@@ -3,6 +3,7 @@ and each image family's own pad_input_ids, without an engine; the whole path thr
 HF is in test_architectures.py."""
 
 import importlib
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from offline_extract.data.images import Images
-from offline_extract.engine.families import FAMILIES
+from offline_extract.engine.families import BY_NAME, FAMILIES
 from offline_extract.engine.multimodal import image_model, image_request
 from offline_extract.engine.sglang_adapter import prepare_process
 from offline_extract.testing.models import QWEN_VISION_TOKENS, VISION_LANGUAGE
@@ -18,14 +19,28 @@ from offline_extract.testing.models import QWEN_VISION_TOKENS, VISION_LANGUAGE
 START, END, IMAGE, VIDEO = 384, 385, 386, 387
 
 
-@pytest.fixture(scope="module", params=[f for f in FAMILIES if f.images], ids=lambda f: f.name)
-def vl(request):
-    """What image_request reads of the loaded model: its pad_input_ids (SGLang's own) and its config (the random
-    checkpoint's), with the family's ImageModel and the width of its pixel rows."""
+def _sglang_model(family):
+    """What image_request reads of the loaded model: its pad_input_ids, SGLang's own."""
     prepare_process("cpu")
-    family = request.param
     cls = getattr(importlib.import_module(f"sglang.srt.models.{family.sglang_module}"), family.sglang_class)
-    model = SimpleNamespace(pad_input_ids=lambda ids, mm: cls.pad_input_ids(None, ids, mm))
+    if family.images.mrope:
+        return SimpleNamespace(pad_input_ids=lambda ids, mm: cls.pad_input_ids(None, ids, mm))
+    from sglang.srt.managers.mm_utils import MultiModalityDataPaddingPatternMultimodalTokens
+
+    # mllama4.py's pads through the pattern its __init__ makes.
+    return SimpleNamespace(
+        pad_input_ids=lambda ids, mm: cls.pad_input_ids(
+            SimpleNamespace(padding_pattern=MultiModalityDataPaddingPatternMultimodalTokens()), ids, mm
+        )
+    )
+
+
+@pytest.fixture(scope="module", params=[f for f in FAMILIES if f.images and f.images.mrope], ids=lambda f: f.name)
+def vl(request):
+    """The model's pad_input_ids and its config (the random checkpoint's), with the family's ImageModel and the
+    width of its pixel rows, for the Qwen families, whose images are placed by their grids."""
+    family = request.param
+    model = _sglang_model(family)
     make_config, vision_tokens, _ = VISION_LANGUAGE[family.name]
     assert vision_tokens == QWEN_VISION_TOKENS
     config = make_config(388, dict(zip(QWEN_VISION_TOKENS, (START, END, IMAGE, VIDEO))))
@@ -106,9 +121,90 @@ def test_images_that_do_not_fit_the_sequence_are_refused(vl):
     [
         ("LlamaForCausalLM", "it is a text-only model"),
         ("KimiK25ForConditionalGeneration", "no class for its MoonViT tower"),
-        ("Llama4ForConditionalGeneration", "only on the fa3"),
     ],
 )
 def test_an_architecture_without_image_inputs_is_refused_by_name(architecture, reason):
     with pytest.raises(NotImplementedError, match=rf"{architecture} \(/m\) cannot take image inputs: .*{reason}"):
         image_model(architecture, "/m")
+
+
+@pytest.fixture(scope="module")
+def llama4_chat(tiny_model_dir, tmp_path_factory):
+    """A Llama 4 image chat as the tokenization stage makes it from a record, through the tiny Llama 4's own
+    processor (a 28 x 56 image: 2 tiles and the global one; a 28 x 28 one: 1 tile; 4 patch tokens each), and the
+    config SGLang reads."""
+    from image_chats import PATCH, save_image
+    from transformers import AutoConfig, AutoProcessor
+
+    from offline_extract.data.corpus import read_corpus
+    from offline_extract.data.images import fingerprint
+    from offline_extract.data.tokenization import SampleTokenizer
+    from offline_extract.testing.models import build_model
+
+    root = tmp_path_factory.mktemp("llama4-chat")
+    model = build_model("llama4", root / "m", weights=False, tokenizer_dir=tiny_model_dir)
+    processor, config = AutoProcessor.from_pretrained(model), AutoConfig.from_pretrained(model)
+    save_image(root / "wide.png", PATCH, 2 * PATCH)
+    save_image(root / "small.png", PATCH, PATCH, seed=1)
+    (root / "c.jsonl").write_text(
+        json.dumps(
+            {
+                "conversations": [{"from": "human", "value": "<image>look<image>"}, {"from": "gpt", "value": "two"}],
+                "images": ["wide.png", "small.png"],
+            }
+        )
+        + "\n"
+    )
+    (record,) = read_corpus([root / "c.jsonl"])
+    sample = SampleTokenizer(
+        processor.tokenizer, max_length=256, processor=processor, image_token_id=config.image_token_id
+    )(record)
+    assert sample.images.fingerprint == fingerprint(record.images)
+    return SimpleNamespace(
+        sample=sample, config=config, tokens=processor.tokenizer.convert_ids_to_tokens(sample.input_ids.tolist())
+    )
+
+
+def test_each_llama4_tiles_patches_get_its_own_pad_value_at_the_text_positions(llama4_chat):
+    family = BY_NAME["llama4"]
+    sample, config = llama4_chat.sample, llama4_chat.config
+    ids, images = sample.input_ids, sample.images
+    padded, mm = image_request(_sglang_model(family), config, family.images, ids, images)
+    padded = np.array(padded)
+    # One item per tile, as SGLang's server splits the bundle: each fills one run of 4 patch tokens.
+    assert [tuple(item.feature.shape) for item in mm.mm_items] == [(1, 3, 28, 28)] * 4
+    assert all(
+        torch.equal(item.feature[0], torch.from_numpy(images.processor_outputs["pixel_values"][k]))
+        for k, item in enumerate(mm.mm_items)
+    )
+    pads = [item.pad_value for item in mm.mm_items]
+    assert len(set(pads)) == 4 and min(pads) > max(ids)
+    assert padded[images.token_mask].tolist() == [p for p in pads for _ in range(4)]
+    assert np.array_equal(padded[~images.token_mask], ids[~images.token_mask])
+    # The markers and separators stay tokens (above); the positions are the text's (no M-RoPE).
+    assert (mm.im_token_id, mm.im_start_id, mm.im_end_id) == (
+        config.image_token_id,
+        config.boi_token_index,
+        config.eoi_token_index,
+    )
+    assert mm.mrope_positions is None
+    # The loss is the reply's alone: never a patch, a marker or a separator.
+    assert not any(
+        llama4_chat.tokens[i].startswith("<|image") or llama4_chat.tokens[i].startswith("<|tile")
+        for i in np.flatnonzero(sample.loss_mask)
+    )
+
+
+def test_llama4_tiles_that_do_not_fill_the_runs_are_refused(llama4_chat):
+    family = BY_NAME["llama4"]
+    sample, config = llama4_chat.sample, llama4_chat.config
+    images = sample.images
+    short = dict(images.processor_outputs, pixel_values=images.processor_outputs["pixel_values"][:-1])
+    with pytest.raises(ValueError, match=r"3 rows \(tiles\) of pixel_values for 4 runs of image tokens"):
+        image_request(
+            _sglang_model(family),
+            config,
+            family.images,
+            sample.input_ids,
+            Images(short, images.token_mask, images.fingerprint),
+        )

@@ -274,18 +274,23 @@ def test_the_gate_holds_only_the_reference_states_it_reads_and_those_are_hfs_own
                 assert (ours is None) == (i not in keep) and (ours is None or torch.equal(ours, theirs)), (arch, i)
 
 
-def test_the_kept_states_of_an_image_chat_are_hfs_own_with_the_images_in_place(tiny_model_dir, tmp_path):
-    """hf_hidden_states on a vision-language model takes the images through HF's own class: with `keep`, the
-    same tensors as HF's list of every layer, where hidden_states[0] is the first layer's input, the image
-    embeddings already in place of the image tokens'."""
+@pytest.mark.parametrize(
+    "arch, hf_class",
+    [("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"), ("llama4", "Llama4ForConditionalGeneration")],
+)
+def test_the_kept_states_of_an_image_chat_are_hfs_own_with_the_images_in_place(
+    arch, hf_class, tiny_model_dir, tmp_path
+):
+    """hf_hidden_states on a vision-language model takes the images through HF's own class (Llama 4's too, though
+    its text alone has a causal-LM class): with `keep`, the same tensors as HF's list of every layer, where
+    hidden_states[0] is the first layer's input, the image embeddings already in place of the image tokens'."""
     from arch_parity import image_samples
-    from transformers import Qwen2_5_VLForConditionalGeneration
 
     from offline_extract.testing.models import build_model
 
-    path = str(build_model("qwen2_5_vl", tmp_path / "m", tokenizer_dir=tiny_model_dir))
+    path = str(build_model(arch, tmp_path / "m", tokenizer_dir=tiny_model_dir))
     hf = reference.load_hf_model(path, "float32", "cpu")
-    assert type(hf) is Qwen2_5_VLForConditionalGeneration
+    assert type(hf).__name__ == hf_class
     (ids, images), _ = image_samples(path)
     keep = parity.reference_indices([0, 3], hf.config.get_text_config().num_hidden_layers)
     every = parity.hf_hidden_states(hf, ids, "cpu", images=images)
