@@ -7,7 +7,9 @@ warm-up did not have), so that every mode below is timed on warm kernels; `timed
 cache files added while they ran (0: none compiled). Modes, in this order, each after untimed warm-up batches:
 1. bare prefill: SGLang's forward with no capture and no copy-out (the ceiling);
 2. extraction: capture, copy to host and write shards to each `--out` (tmpfs or disk), timed until the
-   last shard is on disk;
+   last shard is on disk; with --data, for the first `--store`/`--out`, once more fed from the corpus as
+   bin/extract.py is (`fed_batches`: the records read, tokenized and their images prepared while the forwards
+   run), `extract_fed_*`;
 3. optionally HF transformers with output_hidden_states, copying the same layers to host;
 4. optionally the peers users would run instead (`--baseline`, benchmarks/peers/): SGLang's own
    return_hidden_states and SpecForge's generator run first, each with the whole GPU, and every peer's
@@ -33,6 +35,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -48,7 +51,7 @@ from offline_extract.engine.distributed import Coordinator, Layout, Share, layou
 from offline_extract.engine.kernels import JIT_CACHES  # noqa: E402
 from offline_extract.engine.sglang_adapter import Engine
 from offline_extract.extraction import engine_config, pending_samples, sample_tokenizer
-from offline_extract.feed import extract_batches, staging_buffers
+from offline_extract.feed import extract_batches, prepared_ahead, staging_buffers
 from offline_extract.options import ExtractOptions
 from offline_extract.store.manifest import file_fingerprint
 from offline_extract.store.schema import FINAL_STATE_TENSOR, STATE_TENSORS, Encoding, RunInfo
@@ -689,6 +692,13 @@ def run_bench(opts: BenchOptions) -> list[dict]:
                 results[-1]["extract_tok_s_by_host_threads"] = _host_thread_sweep(
                     opts.host_threads, timed_into, root, total_tokens
                 )
+            if opts.data and len(results) == 1:
+                w = writer("fed")
+                fed = fed_batches(opts, run, tokenizer, layout, warm, timed)
+                fed_s = _timed(coord, lambda: extract(fed, w), clock)
+                results[-1].update(
+                    _fed_figures(coord, clock, host_times, timed, total_tokens, fed_s, bare_s, extract_s)
+                )
             files.measured(len(results) - 1, results[-1])
             if layout.leads:
                 print(summary_line(results[-1]), file=sys.stderr, flush=True)
@@ -734,6 +744,53 @@ def run_bench(opts: BenchOptions) -> list[dict]:
             r["bare_scaling"] = r["bare_prefill_tok_s"] / single["bare_prefill_tok_s"]
             r["single_gpu_result"] = path
     return files.write(final=True)
+
+
+def fed_batches(
+    opts: BenchOptions,
+    run: ExtractOptions,
+    tokenizer: SampleTokenizer,
+    layout: Layout,
+    warm: list[Batch],
+    timed: list[Batch],
+) -> Iterator[Batch]:
+    """`timed` made again while the forwards run, as bin/extract.py makes its batches: the corpus's records read,
+    tokenized and their images decoded and prepared on the feed's thread ahead of the forwards
+    (`prepared_ahead`), the warm-up batches' records passed over as a resumed run passes over those done."""
+    warm_records = [s.index for b in warm for s in b.samples]
+    done = np.zeros(max(warm_records, default=-1) + 1, dtype=bool)
+    done[warm_records] = True
+    tally = Tally(None, strict=False, nonfinite=run.nonfinite)
+    samples = pending_samples(run.data, Share(layout, np.zeros(0, dtype=bool)), tokenizer, done, tally)
+    count = sum(len(b.samples) for b in timed)
+    return prepared_ahead(batch_by_tokens(itertools.islice(samples, count), opts.tokens_per_batch, run.seqs_per_batch))
+
+
+def _fed_figures(
+    coord: Coordinator,
+    clock: _ForwardClock,
+    host_times: dict,
+    timed: list[Batch],
+    total_tokens: int,
+    fed_s: float,
+    bare_s: float,
+    extract_s: float,
+) -> dict:
+    """The extraction fed from the corpus as a run is (`fed_batches`) against bare prefill and the extraction of
+    the batches made beforehand, with the seconds the forwards waited for the next batch, the slowest rank's:
+    what reading, tokenizing and the images' decoding and preparing left on the GPU's path."""
+    if clock.tokens != sum(b.num_tokens for b in timed):
+        raise RuntimeError(
+            f"the fed extraction forwarded {clock.tokens} tokens, the timed batches hold "
+            f"{sum(b.num_tokens for b in timed)}: the corpus is not the one read at the start"
+        )
+    return {
+        "extract_fed_tok_s": total_tokens / fed_s,
+        "extract_fed_over_bare": bare_s / fed_s,
+        "extract_fed_over_extract": extract_s / fed_s,
+        "extract_fed_wall_s": fed_s,
+        "extract_fed_input_wait_s": max(coord.all_gather(host_times["input_wait_s"])),
+    }
 
 
 def _lengths(opts: BenchOptions) -> str:

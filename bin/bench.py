@@ -17,7 +17,10 @@
 tokenizer or HF processor and chat template, its images decoded and prepared, --max-length as extract.py's),
 image chats with their pixels in bare prefill too; the result's `data` records the corpus files (bytes,
 sha256) and its records, samples, tokens and image tokens. It replaces the synthetic corpus, so --lengths and
---mean-length are refused beside it; --num-tokens then caps the tokens taken from the corpus's start.
+--mean-length are refused beside it; --num-tokens then caps the tokens taken from the corpus's start. The
+corpus is tokenized before anything is timed; the first --store/--out's extraction is then timed once more fed
+as bin/extract.py is, its batches made from the records on a thread ahead of the forwards (`extract_fed_tok_s`,
+`extract_fed_input_wait_s`: what reading, tokenizing and preparing images leave on the GPU's path).
 
 Samples longer than --tokens-per-batch are prefilled alone in chunks of --chunk-tokens, in both modes.
 Every --out is measured in the same run (tmpfs and a disk path are both fine); the disk's own parallel

@@ -8,15 +8,25 @@ import os
 import subprocess
 import sys
 
+import pytest
 from bench_modes import both_modes
 from extract_runs import ROOT
 
-from benchmarks.extraction_vs_prefill import BenchOptions, bench_corpus, run_options
+from benchmarks.extraction_vs_prefill import (
+    BenchOptions,
+    _fed_figures,
+    _ForwardClock,
+    _timed,
+    bench_corpus,
+    fed_batches,
+    run_options,
+)
 from benchmarks.image_chats import write_image_chats
 from offline_extract import planning
 from offline_extract.default_model import TRAINING_TEXT
 from offline_extract.engine.distributed import Coordinator, Layout
 from offline_extract.extraction import sample_tokenizer
+from offline_extract.feed import extract_batches
 from offline_extract.store.index import iter_samples
 from offline_extract.store.manifest import file_fingerprint
 from offline_extract.testing.models import build_model
@@ -61,6 +71,30 @@ def test_data_times_both_modes_on_the_batches_extract_makes_of_the_corpus(tiny_e
     assert sum(len(t["input_ids"]) for _, t in iter_samples(tmp_path / "out")) == plan.tokens
 
 
+def _ids(batches):
+    return [[s.id for s in b.samples] for b in batches]
+
+
+def test_the_fed_extraction_makes_the_timed_batches_again_from_the_records(tiny_engine, tiny_model_dir, tmp_path):
+    """What run_bench also times with --data: extraction fed as bin/extract.py is, the timed batches made from
+    the records while the forwards run, the warm-up batches' records passed over."""
+    corpus = _write_text_corpus(tmp_path / "real.jsonl")
+    opts = BenchOptions(data=(str(corpus),), tokens_per_batch=256, warmup_batches=1)
+    run = run_options(opts, tiny_model_dir)
+    coord = Coordinator(Layout(), "bench-data")
+    tokenizer, _, batches, _ = bench_corpus(opts, run, tiny_model_dir, coord.layout, coord)
+    warm, timed = batches[:1], batches[1:]
+    assert _ids(fed_batches(opts, run, tokenizer, coord.layout, warm, timed)) == _ids(timed)
+    clock, host_times = _ForwardClock(tiny_engine), {}
+    fed = fed_batches(opts, run, tokenizer, coord.layout, warm, timed)
+    fed_s = _timed(coord, lambda: host_times.update(extract_batches(clock, fed, None)), clock)
+    tokens = sum(b.num_tokens for b in timed)
+    figures = _fed_figures(coord, clock, host_times, timed, tokens, fed_s, 1.0, 1.0)
+    assert figures["extract_fed_tok_s"] == pytest.approx(tokens / fed_s) and figures["extract_fed_input_wait_s"] >= 0
+    with pytest.raises(RuntimeError, match="not the one read at the start"):
+        _fed_figures(coord, clock, host_times, timed[1:], tokens, fed_s, 1.0, 1.0)
+
+
 def test_num_tokens_caps_the_data_at_its_start(tiny_model_dir, tmp_path):
     corpus = _write_text_corpus(tmp_path / "real.jsonl")
     whole = BenchOptions(data=(str(corpus),))
@@ -87,7 +121,7 @@ def test_data_beside_the_synthetic_lengths_is_refused_naming_both():
 _IMAGE_BENCH = """
 import json, sys
 from pathlib import Path
-from benchmarks.extraction_vs_prefill import BenchOptions, bench_corpus, run_options
+from benchmarks.extraction_vs_prefill import BenchOptions, bench_corpus, fed_batches, run_options
 from offline_extract.engine.distributed import Coordinator, Layout
 from offline_extract.engine.sglang_adapter import Engine
 from offline_extract.extraction import engine_config
@@ -97,10 +131,12 @@ model, corpus, out = sys.argv[1:]
 opts = BenchOptions(data=(corpus,), dtype="float32", tokens_per_batch=1024, warmup_batches=1)
 run = run_options(opts, Path(model))
 coord = Coordinator(Layout(), "bench-images")
-_, samples, batches, facts = bench_corpus(opts, run, Path(model), coord.layout, coord)
+tokenizer, samples, batches, facts = bench_corpus(opts, run, Path(model), coord.layout, coord)
 engine = Engine(engine_config(run, coord.layout, Path(model), "cpu", opts.tokens_per_batch, layer_ids=None))
 bare, extract = both_modes(engine, batches, Path(out), coord)
-print(json.dumps({"facts": facts, "bare": bare, "extract": extract}))
+fed = fed_batches(opts, run, tokenizer, coord.layout, batches[:1], batches[1:])
+fed_same = [[s.id for s in b.samples] for b in fed] == [[s.id for s in b.samples] for b in batches[1:]]
+print(json.dumps({"facts": facts, "bare": bare, "extract": extract, "fed_same": fed_same}))
 """
 
 
@@ -125,6 +161,7 @@ def test_image_chats_run_with_their_pixels_in_both_modes(tiny_model_dir, tmp_pat
     assert bare["sequences_with_images"] == extract["sequences_with_images"] == 6, "the vision tower ran in bare too"
     stored = sum(int(t["image_mask"].sum()) for _, t in iter_samples(tmp_path / "out"))
     assert stored == facts["image_tokens"]
+    assert result["fed_same"], "the fed extraction's batches, images prepared on the feed's thread, are the timed ones"
 
 
 def test_the_7b_shape_takes_the_image_chats_at_their_own_size(tiny_model_dir, tmp_path):
