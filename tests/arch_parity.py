@@ -246,10 +246,10 @@ def write_result(rep: dict, arch: str, backend: str) -> None:
     (Path(results) / f"{arch}-{backend}.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
-def run_report(model, out, *args: str) -> dict:
-    """Run this script on `model` in a process of its own, for the tests; a failure shows its stderr or the
-    traceback its report carries."""
-    cmd = [sys.executable, __file__, str(model), "--out", str(out), *args]
+def run_report(model, out, *args: str, script: str = __file__) -> dict:
+    """Run this script (or another `script` taking MODEL --out REPORT) on `model` in a process of its own, for the
+    tests; a failure shows its stderr or the traceback its report carries."""
+    cmd = [sys.executable, script, str(model), "--out", str(out), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=900)
     assert proc.returncode == 0 and Path(out).exists(), proc.stderr[-4000:]
     report = json.loads(Path(out).read_text())

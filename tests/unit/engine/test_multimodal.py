@@ -4,6 +4,7 @@ HF is in test_architectures.py."""
 
 import importlib
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -208,3 +209,22 @@ def test_llama4_tiles_that_do_not_fill_the_runs_are_refused(llama4_chat):
             sample.input_ids,
             Images(short, images.token_mask, images.fingerprint),
         )
+
+
+def test_sglangs_llama4_tower_as_the_engine_loads_it_gives_hfs_image_embeddings(tiny_model_dir, tmp_path):
+    """Through the engine's load (the tower built only with enable_multimodal and the index's vision weights) and
+    the items image_request builds, mllama4.py's tower and projector give HF's embeddings for every tile, on CPU,
+    where the decoder cannot run (tests/llama4_tower.py)."""
+    from arch_parity import run_report
+
+    from offline_extract.testing.models import build_model
+
+    model = build_model("llama4", tmp_path / "m", tokenizer_dir=tiny_model_dir)
+    script = str(Path(__file__).resolve().parents[2] / "llama4_tower.py")
+    rep = run_report(model, tmp_path / "report.json", script=script)
+    assert rep["has_vision"]
+    # 28 x 56: 2 tiles and the global one; 56 x 56 and 28 x 28: 4 tiles and the global one, and 1 (4 tokens each).
+    assert [(c["items"], c["image_tokens"]) for c in rep["chats"]] == [(3, 12), (6, 24)]
+    for chat in rep["chats"]:
+        assert chat["shapes"][0] == chat["shapes"][1] == [chat["image_tokens"], 256]
+        assert chat["max_abs"] <= 1e-5 * chat["scale"], chat
