@@ -52,14 +52,15 @@ def _states(rows: list[dict], moe: bool = False) -> str:
 CPU_FP32_MAX_REL = 1e-5
 
 
-def _cpu(result: dict | None) -> str:
+def _cpu(result: dict | None, arch: str) -> str:
     if result is None:
         return "no CPU run (docs/architectures.md)"
     rows = result["rows"] + result.get("image_rows", [])
     rel = max(r["max_rel"] for r in rows)
     verdict = "pass" if rel <= CPU_FP32_MAX_REL else "**FAIL**"
-    images = ", image chats included" if "image_rows" in result else ""
-    return f"{verdict}, {result['dtype']}: max rel {rel:.1e} (max abs {max(r['max_abs'] for r in rows):.1e}){images}"
+    return f"{verdict}, {result['dtype']}: max rel {rel:.1e} (max abs {max(r['max_abs'] for r in rows):.1e})" + _images(
+        result, arch
+    )
 
 
 def _gpu(result: dict | None, moe: bool, arch: str, backend: str) -> str:
@@ -69,7 +70,16 @@ def _gpu(result: dict | None, moe: bool, arch: str, backend: str) -> str:
         return "pending" if backend in runs_on else f"— (SGLang runs it on {' and '.join(runs_on)} only)"
     if moe and "forced_routing" in result:
         return _states(result["forced_routing"]["rows"], moe=True) + " (HF on the engine's experts)"
-    return _states(result["rows"], moe=moe) + (" (unforced)" if moe else "")
+    text = _states(result["rows"] + result.get("image_rows", []), moe=moe) + (" (unforced)" if moe else "")
+    return text + _images(result, arch)
+
+
+def _images(result: dict, arch: str) -> str:
+    """What a row of a family that takes images says of them: a run before its image chats were gated
+    holds text records alone, which the row must not pass off as the family's whole gate."""
+    if "image_rows" in result:
+        return ", image chats included"
+    return "; text only, image chats pending" if BY_NAME[arch].images else ""
 
 
 def _forced(results: Path, arch: str, moe: bool) -> str:
@@ -116,8 +126,12 @@ def table(results: Path) -> str:
         # A MoE family with a forceable HF block: --verify forces its routing.
         arch, moe, fmt = family.name, family.routing is not None, family.quantized
         others = [f"{b}: {_gpu(r, moe, arch, b)}" for b in GPU_BACKENDS if (r := _load(results, f"{arch}-{b}"))]
+        cpu, triton = (
+            _cpu(_load(results, f"{arch}-cpu"), arch),
+            _gpu(_load(results, f"{arch}-triton"), moe, arch, "triton"),
+        )
         lines.append(
-            f"| {family.label} | {_cpu(_load(results, f'{arch}-cpu'))} | {_gpu(_load(results, f'{arch}-triton'), moe, arch, 'triton')} | "
+            f"| {family.label} | {cpu} | {triton} | "
             f"{'; '.join(others) or 'pending'} | {_forced(results, arch, moe)} | {_quantized(results, arch, fmt)} |"
         )
     return "\n".join(lines)

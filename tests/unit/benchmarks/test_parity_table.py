@@ -46,3 +46,18 @@ def test_a_missing_run_is_pending_and_a_failed_gate_says_so(tmp_path):
     assert rows["GPT-OSS"][3] == "pending" and rows["GPT-OSS"][4] == "0.9991 on triton"
     assert rows["GPT-OSS"][5] == "MXFP4: pending |"
     assert rows["Llama 2/3"][2] == "pending" and rows["Llama 2/3"][4] == "—"
+
+
+def test_a_gpu_row_of_an_image_family_says_whether_its_image_chats_were_gated(tmp_path):
+    text = {"command": "pytest", "backend": "triton", "dtype": "bfloat16", "rows": [_row("aux 1", 0.9998, 0.9999)]}
+    (tmp_path / "qwen3_vl-triton.json").write_text(json.dumps({**text, "architecture": "qwen3_vl"}))
+    images = {**text, "architecture": "qwen2_5_vl", "image_rows": [_row("aux 1", 0.9990, 0.9999)]}
+    (tmp_path / "qwen2_5_vl-triton.json").write_text(json.dumps(images))
+    (tmp_path / "llama-triton.json").write_text(json.dumps({**text, "architecture": "llama"}))
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in table(tmp_path).splitlines()[2:]}
+    # The image rows count in the worst token (0.9990, not the text rows' 0.9998).
+    assert rows["Qwen2.5-VL (text and images)"][2].endswith(
+        "worst token 0.9990, median ≥ 0.99990, image chats included"
+    )
+    assert rows["Qwen3-VL (text and images)"][2].endswith("; text only, image chats pending")
+    assert rows["Llama 2/3"][2] == "pass: worst token 0.9998, median ≥ 0.99990"
