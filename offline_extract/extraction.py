@@ -500,8 +500,8 @@ class Job:
                     yield batch
 
             def advance(batch) -> None:
-                # Every batch's forwards are enqueued by now: the last batch's mark stays. (The feed reads a
-                # batch ahead, so the batches running out says nothing of the last one's forwards.)
+                # Every batch's forwards are enqueued by now: the last batch's mark stays. (The feed reads
+                # batches ahead, so the batches running out says nothing of the last one's forwards.)
                 self.timeline.mark("last forward")
                 tally.batch_done(batch)
                 bar.advance(read_by_batch.popleft(), batch.num_tokens, writer.bytes_written if writer else 0)

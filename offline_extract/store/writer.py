@@ -403,8 +403,8 @@ class ShardWriter:
     A shard is closed as soon as its hidden-state bytes (aux + last as the run's encoding stores them, before any
     compression) reach `shard_bytes`, so it exceeds that size by less than one sample; samples are never split
     across shards. What is still buffered at `close` is written by every thread at once, as up to `writers` smaller
-    shards (LAST_SHARD_PART_BYTES), since the caller waits for it; so is a shard that the last batch completes, when
-    the caller says it is the last (`ending`). `add_batch` copies its input into a shard buffer and returns, so
+    shards (LAST_SHARD_PART_BYTES), since the caller waits for it; so is a shard that one of the run's last batches
+    completes, when the caller says the end is near (`ending`). `add_batch` copies its input into a shard buffer and returns, so
     callers may reuse their (pinned) staging memory at once. Complete shards are written by `writers` threads
     (`_Writes`) from at most `writers + 1` shard buffers (`_Buffers`): host memory is bounded whatever the corpus
     size, and a caller that outpaces the disk blocks in `add_batch`. A failed write (disk full, I/O error) is raised
@@ -498,10 +498,10 @@ class ShardWriter:
     ) -> None:
         """add_batch for states already encoded: `staged` holds the encoding's staged tensors.
 
-        ending=True says that nothing but `close` comes after: a shard these samples complete is cut into
-        parts for every writer thread at once, as what is left at `close` is, since the caller waits for it
-        (written whole, it was one file written at one stream's rate after the last forward: a write into a
-        file holds its inode lock)."""
+        ending=True says that the caller will soon wait for the writes (the feed says so of the run's last few
+        batches, `feed.ENDING_BATCHES`): a shard these samples complete is cut into parts for every writer
+        thread at once, as what is left at `close` is (written whole, it would be one file written at one
+        stream's rate after the last forward: a write into a file holds its inode lock)."""
         self._check_open("add_batch")
         lengths, tensors = _packed(samples, lengths, {**_token_tensors(input_ids, loss_mask, image_mask), **staged})
         row_bytes = self._buffers.fix({name: t.shape[1] for name, t in staged.items()})

@@ -12,6 +12,7 @@ from shard_checks import KeepingWriter, check_written
 from offline_extract.data.batching import Batch, batch_by_tokens
 from offline_extract.data.tokenization import Sample
 from offline_extract.data.corpus import BadRecordError, Reject
+from offline_extract import feed as feed_module
 from offline_extract.feed import extract_batches, prepared_ahead
 from offline_extract.store import checksum, manifest
 from offline_extract.store import writer as writer_module
@@ -47,16 +48,18 @@ class _Recording(ShardWriter):
 
 
 @pytest.mark.parametrize("long_last", [True, False], ids=["long-sample-last", "batch-last"])
-def test_only_the_runs_last_piece_is_handed_over_as_the_last(tiny_engine, tmp_path, long_last):
+def test_the_runs_last_batches_are_handed_over_as_ending(tiny_engine, tmp_path, long_last):
+    """Only the last ENDING_BATCHES batches: whatever shard they complete is written as parts side by side,
+    which a whole shard of any of them, written by one thread, would not be by the last forward's end."""
     budget = tiny_engine.cfg.max_tokens_per_batch
-    short = Batch((_sample(0, 40), _sample(1, 30)))
-    long = Batch((_sample(2, budget + 50),))  # over the budget: two chunks
-    batches = [short, long] if long_last else [long, short]
+    short = [Batch((_sample(i, 40), _sample(i + 10, 30))) for i in range(feed_module.ENDING_BATCHES)]
+    long = Batch((_sample(9, budget + 50),))  # over the budget: two chunks
+    batches = [*short, long] if long_last else [long, *short]
     writer = _Recording(tmp_path, synthetic_run(tiny_engine.layer_ids))
     extract_batches(tiny_engine, batches, writer)
     writer.close()
-    want = [([0, 1], False), ([2], True)] if long_last else [([2], False), ([0, 1], True)]
-    assert writer.calls == want
+    indices = [[s.index for s in b.samples] for b in batches]
+    assert writer.calls == [(ids, i > 0) for i, ids in enumerate(indices)]
 
 
 @pytest.mark.parametrize("store, compress", [("bf16", "none"), ("fp8", "zstd")])
