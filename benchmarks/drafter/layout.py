@@ -82,6 +82,11 @@ class Layout:
     def drafter(self, run: str) -> Path:
         return self.scratch / "drafters" / run
 
+    @property
+    def logs(self) -> Path:
+        """Every step's own log (the subprocesses' output, SGLang's info lines), packed by `pack`."""
+        return self.scratch / "logs"
+
 
 MARKER = "DONE.json"
 

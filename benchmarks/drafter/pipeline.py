@@ -234,6 +234,7 @@ def serve(ctx, name, max_new_tokens, speed_prompts):
         load_jsonl_gz(layout.prompts / "heldout.jsonl.gz"),
         max_new_tokens=max_new_tokens,
         speed_prompts=speed_prompts,
+        log=layout.logs / f"serve_{name}.log",
         device=ctx.obj["device"],
     )
     result["command"] = command_line(LAUNCHER)
@@ -272,8 +273,8 @@ def pack(ctx, dest):
         for part in ("responses", "train", "serve", "commands.jsonl"):
             if (layout.data / part).exists():
                 tar.add(layout.data / part, arcname=part)
-        if (layout.scratch / "logs").exists():
-            tar.add(layout.scratch / "logs", arcname="logs")
+        if layout.logs.exists():
+            tar.add(layout.logs, arcname="logs")
     click.echo(f"pack: {path} ({path.stat().st_size:,} bytes); unpack here with tar xzf {path.name} -C {layout.data}")
 
 

@@ -2,14 +2,19 @@
 offline API, as a user serving the drafter would; no HTTP server): generating the training responses,
 and serving the held-out prompts with and without a drafter.
 
-CUDA graphs are off in both: with them on, SGLang 0.5.17's EAGLE-3 start-up imports `deep_gemm`, which the
-GPU machine's SGLang bundle lacks; the responses are made the same way so that the target's greedy
-tokens come from the engine configuration the drafter is measured on.
+Serving runs without CUDA graphs, the target alone as with a drafter: with decode graphs on, SGLang
+0.5.17's EAGLE-3 start-up captures the draft's graphs, which imports `deep_gemm` (through
+`speculative/eagle_worker_v2.py:417`, `layers/attention/dsa_backend.py:89`), absent from the GPU machine's
+SGLang bundle. The responses need not match serving's settings and take decode graphs: the plain decode
+graph path imports no module that start-up has not already imported.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from benchmarks.drafter import layout as lay
@@ -47,11 +52,64 @@ def prompt_ids(tokenizer, record: dict) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def engine(model: str, device: str, **extra):
+# The responses' engine: a part's prompts admitted RESPONSES_BATCH at a time (an explicit bound, not
+# SGLang's estimate from the pool, mem_cache/kv_cache_configurator.py:1723), decoded under CUDA graphs up to
+# that batch (eager, a decode step of this 135M model is bound by its kernel launches: 18.5 ms at batch 1
+# on the H200); prefill stays eager, its graphs would be captured for every bucket up to the prefill chunk.
+RESPONSES_BATCH = 512
+RESPONSES_ENGINE = {
+    "disable_cuda_graph": False,
+    "disable_prefill_cuda_graph": True,
+    "max_running_requests": RESPONSES_BATCH,
+    "cuda_graph_max_bs_decode": RESPONSES_BATCH,
+}
+
+
+def engine(model: str, device: str, *, log: Path | None = None, **extra):
+    """sglang.Engine for `model`; with `log`, SGLang's own info lines (the scheduler's settings as resolved,
+    each prefill batch, and every 40th decode batch with its running requests and throughput) go there."""
     import sglang
 
-    options = {"dtype": "bfloat16", **(CPU_ENGINE if device == "cpu" else {}), **extra}
-    return sglang.Engine(model_path=model, disable_cuda_graph=True, random_seed=0, log_level="error", **options)
+    options = {"dtype": "bfloat16", "disable_cuda_graph": True, **(CPU_ENGINE if device == "cpu" else {}), **extra}
+    with _logging_to(log):
+        return sglang.Engine(model_path=model, random_seed=0, log_level="error", **options)
+
+
+@contextmanager
+def _logging_to(log: Path | None):
+    """SGLang reads a logging config from SGLANG_LOGGING_CONFIG_PATH in each of its processes (in place of
+    `log_level`, utils/common.py:2161); the processes it starts take the environment when they start."""
+    if log is None:
+        yield
+        return
+    log.parent.mkdir(parents=True, exist_ok=True)
+    config = log.with_suffix(".logging.json")
+    handlers = {
+        "file": {"class": "logging.FileHandler", "filename": str(log), "formatter": "plain", "level": "INFO"},
+        "console": {"class": "logging.StreamHandler", "formatter": "plain", "level": "ERROR"},
+    }
+    formatter = {"format": "[%(asctime)s %(processName)s] %(message)s", "datefmt": "%H:%M:%S"}
+    root = {"level": "INFO", "handlers": list(handlers)}
+    config.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "disable_existing_loggers": False,
+                "formatters": {"plain": formatter},
+                "handlers": handlers,
+                "root": root,
+            }
+        )
+    )
+    before = os.environ.get("SGLANG_LOGGING_CONFIG_PATH")
+    os.environ["SGLANG_LOGGING_CONFIG_PATH"] = str(config)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["SGLANG_LOGGING_CONFIG_PATH"]
+        else:
+            os.environ["SGLANG_LOGGING_CONFIG_PATH"] = before
 
 
 def greedy(max_new_tokens: int, tokenizer) -> dict:
@@ -82,7 +140,7 @@ def responses(
     }
     if todo:
         tokenizer = AutoTokenizer.from_pretrained(model)
-        llm = engine(model, device)
+        llm = engine(model, device, log=layout.logs / "responses.log", **RESPONSES_ENGINE)
         try:
             for k in todo:
                 if time.time() > deadline:
@@ -106,9 +164,9 @@ def responses(
                 layout.responses.mkdir(parents=True, exist_ok=True)
                 lay.atomic_write(part_path(layout, k), lambda tmp, data=data: Path(tmp).write_bytes(data))
                 done["written"] += 1
+                tokens, wall = sum(r["completion_tokens"] for r in rows), time.time() - start
                 print(
-                    f"responses: part {k + 1}/{len(parts)}, {sum(r['completion_tokens'] for r in rows):,} tokens "
-                    f"in {time.time() - start:.1f} s",
+                    f"responses: part {k + 1}/{len(parts)}, {tokens:,} tokens in {wall:.1f} s ({tokens / wall:,.0f} tok/s)",
                     flush=True,
                 )
         finally:
@@ -161,10 +219,12 @@ def serve(
     *,
     max_new_tokens: int,
     speed_prompts: int,
+    log: Path | None = None,
     device: str = "cuda",
 ) -> dict:
     """The held-out prompts served greedily, all at once for acceptance, then the first `speed_prompts`
-    one at a time for decode tokens/s at batch 1 (each request's wall time, its short prefill included)."""
+    one at a time for decode tokens/s at batch 1 (each request's wall time, its short prefill included);
+    SGLang's info lines to `log`."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -172,7 +232,7 @@ def serve(
     params = greedy(max_new_tokens, tokenizer)
     extra = {**SPECULATIVE, "speculative_draft_model_path": drafter} if drafter else {}
     start = time.time()
-    llm = engine(model, device, **extra)
+    llm = engine(model, device, log=log, **extra)
     started = time.time() - start
     try:
         llm.generate(input_ids=ids[:1], sampling_params=params)  # warm-up

@@ -143,7 +143,7 @@ def write_prenorm_as_postnorm(store: Path, dest: Path) -> int:
 def ours(layout: lay.Layout, variant: str, model: str, *, max_length: int, keep_store: bool) -> dict:
     """Extract, export (or the prenorm fault's writer), check the files, drop the store."""
     feats = layout.features(variant)
-    logs = layout.scratch / "logs"
+    logs = layout.logs
     facts = {"variant": variant, "extract": extract_argv(layout, variant, model, max_length)}
     facts["extract_s"] = lay.run_logged(
         layout, f"states {variant}: extract", facts["extract"], logs / f"extract_{variant}.log"
@@ -203,7 +203,7 @@ def specforge(layout: lay.Layout, model: str, *, max_length: int, batch_size: in
     )
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PEER_SITE), env.get("PYTHONPATH", "")) if p)
-    wall = lay.run_logged(layout, "states specforge", argv, layout.scratch / "logs" / "states_specforge.log", env=env)
+    wall = lay.run_logged(layout, "states specforge", argv, layout.logs / "states_specforge.log", env=env)
     return {
         "variant": "specforge",
         "command": argv,

@@ -184,7 +184,7 @@ def train(
         argv.append(f"training.resume_from={latest}")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PEER_SITE), env.get("PYTHONPATH", "")) if p)
-    logs = layout.scratch / "logs"
+    logs = layout.logs
     wall = lay.run_logged(layout, f"train {run}", argv, logs / f"train_{run}.log", env=env)
     export = [
         lay.python(),

@@ -178,6 +178,9 @@ def test_responses_and_the_target_served_through_sglang_engine_on_cpu(
     rows = [r for p in sorted(layout.responses.glob("part_*")) for r in load_jsonl_gz(p)]
     assert [r["id"] for r in rows] == [r["id"] for r in load_jsonl_gz(layout.prompts / "train.jsonl.gz")]
     assert all(0 < r["completion_tokens"] <= 6 for r in rows)
+    # SGLang's own lines in the step's log: the scheduler's bound as resolved, and its batches.
+    log = (layout.logs / "responses.log").read_text()
+    assert f"max_running_requests={sglang_runs.RESPONSES_BATCH}," in log and "Prefill batch" in log
     run = subprocess.run(
         [*pipeline, "serve", "target", "--max-new-tokens", "6", "--speed-prompts", "2"],
         capture_output=True,
@@ -188,6 +191,7 @@ def test_responses_and_the_target_served_through_sglang_engine_on_cpu(
     served = lay.read_json(layout.serve_record("target"))
     assert served["prompts"] == 4 and served["batch1_prompts"] == 2 and served["batch1_decode_tok_s"] > 0
     assert served["drafter"] is None and "accept_length" not in served
+    assert "Prefill batch" in (layout.logs / "serve_target.log").read_text()
     assert [json.loads(line)["step"] for line in layout.commands.read_text().splitlines()] == [
         "responses",
         "serve target",
