@@ -1,15 +1,19 @@
 #!/usr/bin/env python
 """How fast the host turns records into batches, without a GPU: a corpus read, tokenized and batched as a run
-does it (read_corpus, SampleTokenizer, batch_by_tokens), one record a call of the tokenizer and
-`--together` records a call (SampleTokenizer.many, which a run uses: the fast tokenizer's own threads spread
-them over the cores), in records/s and tokens/s, chats and text apart. A run's GPU waits for its input where
-these fall below its forwards' tokens/s.
+does it (read_corpus, the run's SampleTokenizer with the model's HF processor where it has one,
+batch_by_tokens), one record a call of the tokenizer and `--together` records a call (SampleTokenizer.many,
+which a run uses: the fast tokenizer's own threads spread them over the cores), in records/s and tokens/s,
+text, chats and image chats apart (these in images/s too: decoded and prepared by the processor). A run's GPU
+waits for its input where these fall below its forwards' tokens/s.
 
 \b
     python benchmarks/feed_rate.py --model DIR --data corpus.jsonl [--json OUT.json]
+    python benchmarks/image_chats.py /tmp/chats.jsonl --chats 64
+    python benchmarks/feed_rate.py --shape qwen2_5_vl_7b --data /tmp/chats.jsonl
 
-`--threads 1` holds the tokenizer to one core (RAYON_NUM_THREADS, read when it first tokenizes), for the
-rate of one core.
+`--shape` times a VISION_LANGUAGE_SHAPES model's processor (its config and processor files written with no
+weights, as bin/bench.py --shape writes them). `--threads 1` holds the tokenizer (RAYON_NUM_THREADS, read when
+it first tokenizes) and torch's image operations to one core, for the rate of one core.
 """
 
 import os
@@ -26,6 +30,7 @@ from benchmarks import command_line, emit, program  # noqa: E402
 
 
 def _rate(records, tokenize, budget: int) -> dict:
+    """The rate of `tokenize` over `records`, batched under `budget` tokens a forward."""
     from offline_extract.data.batching import batch_by_tokens
     from offline_extract.data.tokenization import Sample
 
@@ -35,6 +40,7 @@ def _rate(records, tokenize, budget: int) -> dict:
     batches = list(batch_by_tokens(samples, budget, 256))
     seconds = time.perf_counter() - start
     tokens = sum(s.num_tokens for s in samples)
+    images = sum(len(r.images) for r in records)
     return {
         "records": len(records),
         "samples": len(samples),
@@ -42,38 +48,68 @@ def _rate(records, tokenize, budget: int) -> dict:
         "batches": len(batches),
         "records_s": len(records) / seconds,
         "tokens_s": tokens / seconds,
+        **({"images": images, "images_s": images / seconds} if images else {}),
         "batching_s": seconds - (tokenized - start),
     }
 
 
+def _model_dir(model: str | None, shape: str | None) -> Path:
+    """--model, or --shape's config and processor files (no weights), written once under /tmp."""
+    if (model is None) == (shape is None):
+        raise click.UsageError("give one of --model and --shape")
+    if model is not None:
+        return Path(model)
+    from offline_extract.testing.models import build_model
+
+    path = Path(f"/tmp/offline_extract_feed_rate_{shape}")
+    if not (path / "config.json").exists():
+        build_model(shape, path, weights=False)
+    return path
+
+
+def _kind(record) -> str:
+    if record.images:
+        return "image_chat"
+    return "text" if record.format == "text" else "chat"
+
+
 @program(help=__doc__)
-@click.option("--model", required=True, help="A model directory with its tokenizer.")
+@click.option("--model", default=None, help="A model directory with its tokenizer (and processor).")
+@click.option("--shape", default=None, help="Instead of --model: a VISION_LANGUAGE_SHAPES key (qwen2_5_vl_7b).")
 @click.option("--data", required=True, help="A JSONL corpus (text and chat records).")
 @click.option("--max-length", default=8192, show_default=True)
 @click.option("--tokens-per-batch", default=16384, show_default=True)
 @click.option("--together", default=64, show_default=True, help="Records a call of the tokenizer (a run's: 64).")
 @click.option(
-    "--threads", default=None, type=int, help="The tokenizer's threads (RAYON_NUM_THREADS); default: all cores."
+    "--threads",
+    default=None,
+    type=int,
+    help="The tokenizer's threads (RAYON_NUM_THREADS) and torch's; default: all cores.",
 )
 @click.option("--json", "json_path", default=None, help="Also write the result here.")
-def main(model, data, max_length, tokens_per_batch, together, threads, json_path):
+def main(model, shape, data, max_length, tokens_per_batch, together, threads, json_path):
     if threads:
         os.environ["RAYON_NUM_THREADS"] = str(threads)
-    from transformers import AutoTokenizer
+    import torch
 
     from offline_extract.data.corpus import Record, read_corpus
-    from offline_extract.data.tokenization import SampleTokenizer
+    from offline_extract.extraction import sample_tokenizer
+    from offline_extract.options import ExtractOptions
 
-    st = SampleTokenizer(AutoTokenizer.from_pretrained(model), max_length=max_length)
+    if threads:
+        torch.set_num_threads(threads)
+    model_dir = _model_dir(model, shape)
+    st = sample_tokenizer(ExtractOptions(data=(data,), model=str(model_dir), max_length=max_length), model_dir)
     records = [r for r in read_corpus([data]) if isinstance(r, Record)]
     st.many(records[:8])  # the tokenizer's first call sets up its threads
     result = {
         "command": command_line("python benchmarks/feed_rate.py"),
         "cpu_count": os.cpu_count(),
         "tokenizer_threads": threads or "all cores",
+        "torch_threads": torch.get_num_threads(),
     }
-    for kind in ("text", "chat"):
-        chosen = [r for r in records if (r.format == "text") == (kind == "text")]
+    for kind in ("text", "chat", "image_chat"):
+        chosen = [r for r in records if _kind(r) == kind]
         if not chosen:
             continue
         result[kind] = {
