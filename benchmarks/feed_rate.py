@@ -13,7 +13,8 @@ waits for its input where these fall below its forwards' tokens/s.
 
 `--shape` times a VISION_LANGUAGE_SHAPES model's processor (its config and processor files written with no
 weights, as bin/bench.py --shape writes them). `--threads 1` holds the tokenizer (RAYON_NUM_THREADS, read when
-it first tokenizes) and torch's image operations to one core, for the rate of one core.
+it first tokenizes) and torch's image operations to one core, for the rate of one core; `--image-threads` is
+the run's option of that name (image chats prepared side by side); `cpu_s`, every thread's CPU seconds.
 """
 
 import os
@@ -34,11 +35,11 @@ def _rate(records, tokenize, budget: int) -> dict:
     from offline_extract.data.batching import batch_by_tokens
     from offline_extract.data.tokenization import Sample
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     samples = [s for s in tokenize(records) if isinstance(s, Sample)]
     tokenized = time.perf_counter()
     batches = list(batch_by_tokens(samples, budget, 256))
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = sum(s.num_tokens for s in samples)
     images = sum(len(r.images) for r in records)
     return {
@@ -49,6 +50,8 @@ def _rate(records, tokenize, budget: int) -> dict:
         "records_s": len(records) / seconds,
         "tokens_s": tokens / seconds,
         **({"images": images, "images_s": images / seconds} if images else {}),
+        # The cores' seconds it took, every thread's: what a rate costs where other work shares the cores.
+        "cpu_s": cpu,
         "batching_s": seconds - (tokenized - start),
     }
 
@@ -86,8 +89,11 @@ def _kind(record) -> str:
     type=int,
     help="The tokenizer's threads (RAYON_NUM_THREADS) and torch's; default: all cores.",
 )
+@click.option(
+    "--image-threads", default=None, type=int, help="ExtractOptions.image_threads; default: the run's default."
+)
 @click.option("--json", "json_path", default=None, help="Also write the result here.")
-def main(model, shape, data, max_length, tokens_per_batch, together, threads, json_path):
+def main(model, shape, data, max_length, tokens_per_batch, together, threads, image_threads, json_path):
     if threads:
         os.environ["RAYON_NUM_THREADS"] = str(threads)
     import torch
@@ -99,7 +105,8 @@ def main(model, shape, data, max_length, tokens_per_batch, together, threads, js
     if threads:
         torch.set_num_threads(threads)
     model_dir = _model_dir(model, shape)
-    st = sample_tokenizer(ExtractOptions(data=(data,), model=str(model_dir), max_length=max_length), model_dir)
+    run = ExtractOptions(data=(data,), model=str(model_dir), max_length=max_length, image_threads=image_threads)
+    st = sample_tokenizer(run, model_dir)
     records = [r for r in read_corpus([data]) if isinstance(r, Record)]
     st.many(records[:8])  # the tokenizer's first call sets up its threads
     result = {
@@ -107,6 +114,7 @@ def main(model, shape, data, max_length, tokens_per_batch, together, threads, js
         "cpu_count": os.cpu_count(),
         "tokenizer_threads": threads or "all cores",
         "torch_threads": torch.get_num_threads(),
+        "image_threads": st.image_threads,
     }
     for kind in ("text", "chat", "image_chat"):
         chosen = [r for r in records if _kind(r) == kind]

@@ -205,6 +205,7 @@ def sample_tokenizer(opts: ExtractOptions, model_dir: Path) -> SampleTokenizer:
         model=opts.model or "the default model",
         processor=processor,
         image_token_id=None if processor is None else _image_token_id(model_dir),
+        image_threads=opts.image_threads,
     )
 
 

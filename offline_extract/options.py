@@ -134,6 +134,14 @@ class ExtractOptions:
         "Default: --tokens-per-batch.",
     )
     seqs_per_batch: int = _option(256, group="parallelism", help="Most sequences in one forward.")
+    image_threads: int | None = _option(  # None: data.tokenization.default_image_threads
+        None,
+        group="parallelism",
+        minimum=1,
+        help="Threads decoding image chats' images and preparing them with the model's HF processor, side by "
+        "side, ahead of the forwards (the records keep their order). Default: the cores this process may "
+        "run on, at most 8.",
+    )
     shard_bytes: int = _option(
         512 << 20,
         group="storage",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
@@ -160,6 +161,7 @@ class SampleTokenizer:
         model: str = "the model",
         processor=None,
         image_token_id: int | None = None,
+        image_threads: int | None = None,
     ):
         check_choice("overlong", overlong)
         if max_length < 1:
@@ -182,6 +184,8 @@ class SampleTokenizer:
                 raise ValueError(f"the processor of {model} ({type(processor).__name__}) names no image token")
             self.placeholder_id = tokenizer.convert_tokens_to_ids(image_token)
             self.image_token_id = self.placeholder_id if image_token_id is None else image_token_id
+        # The image chats of one `many` call are prepared on this many threads (ExtractOptions.image_threads).
+        self.image_threads = image_threads or default_image_threads()
         self.vocab_size = len(tokenizer)
         self.chars_per_token = max(map(len, tokenizer.get_vocab()), default=1)
         self._fingerprint: dict | None = None
@@ -217,16 +221,15 @@ class SampleTokenizer:
         (text, chats), which spreads them over the machine's cores (the Rust tokenizer's own threads, outside
         the GIL); one at a time, a record's tokens came from one core. A text cut before tokenizing that gave
         too few tokens is tokenized again on its own (`_encode`), as is a chat whose cut contents did
-        (`_chat`)."""
+        (`_chat`). Its image chats are prepared side by side (`_image_chats`)."""
         texts: list[tuple[int, str]] = []  # (position, text)
         chats: list[tuple[int, tuple, str, list[int]]] = []  # (position, contents cut, rendered, assistant bounds)
         done: list = [None] * len(records)  # a Reject, or (ids, mask, cut), or with images (ids, mask, cut, images)
+        pictured = iter(self._image_chats([r for r in records if r.images]))
         for i, record in enumerate(records):
             try:
                 if record.images:
-                    if self.processor is None:
-                        _refuse_images(record, self.model)
-                    done[i] = self._image_chat(record)
+                    done[i] = next(pictured)
                 elif record.format in ("sharegpt", "openai"):
                     kept = _cut_contents(record.messages, self._cut_chars)
                     chats.append((i, kept, *self._render_chat(kept)))
@@ -255,6 +258,23 @@ class SampleTokenizer:
                 except _Unusable as e:
                     done[i] = records[i].reject(str(e))
         return [d if isinstance(d, Reject) else self._fit.sample(r, *d) for r, d in zip(records, done)]
+
+    def _image_chats(self, records: list[Record]) -> list[tuple | Reject]:
+        """`_image_chat` of each record with images, in order, or its Reject: on `image_threads` threads, as
+        decoding and the processor's torch operations release the GIL in their heavy parts; one at a time,
+        a batch of image chats waited on one core for every image's decoding and preparing."""
+        if records and self.processor is None:
+            _refuse_images(records[0], self.model)
+        if len(records) < 2 or self.image_threads < 2:
+            return [self._image_chat_or_reject(r) for r in records]
+        with ThreadPoolExecutor(min(self.image_threads, len(records)), thread_name_prefix="images") as pool:
+            return list(pool.map(self._image_chat_or_reject, records))
+
+    def _image_chat_or_reject(self, record: Record) -> tuple | Reject:
+        try:
+            return self._image_chat(record)
+        except _Unusable as e:
+            return record.reject(str(e))
 
     def _image_chat(self, record: Record) -> tuple[np.ndarray, np.ndarray, bool, Images]:
         """A chat with images, tokenized by the model's processor, which expands each image's placeholder into
@@ -373,6 +393,12 @@ class SampleTokenizer:
                 else _sha256(self.processor.image_processor.to_json_string()),
             }
         return dict(self._fingerprint)
+
+
+def default_image_threads() -> int:
+    """ExtractOptions.image_threads's default: the cores this process may run on, at most 8 (a 7B model's
+    forwards take an image's tokens in tens of milliseconds; 8 threads prepare images faster than that)."""
+    return max(1, min(8, len(os.sched_getaffinity(0))))
 
 
 def _refuse_images(record: Record, model: str) -> None:

@@ -1,6 +1,7 @@
 """Chats with images, through a vision-language model's own HF processor (the tiny Qwen2.5-VL's, `qwen_vl_dir`)."""
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -254,3 +255,55 @@ def test_a_llama4_image_chat_keeps_its_tiles_markers_out_of_the_loss_and_its_pat
     assert np.array_equal(pixels, own.float().numpy())
     assert tok.decode(sample.input_ids[sample.loss_mask.astype(bool)]) == "Two pictures.<|end|>"
     assert tok.decode(sample.input_ids[:8]).startswith(tok.bos_token + "<|user|>\n<|image_start|>")
+
+
+def _same(a, b) -> None:
+    """Two outputs of `SampleTokenizer.many` for one record, byte for byte."""
+    assert type(a) is type(b)
+    if not isinstance(a, Sample):
+        assert a.to_json() == b.to_json()
+        return
+    for field in ("index", "id", "source", "line", "source_len", "truncated"):
+        assert getattr(a, field) == getattr(b, field)
+    for field in ("input_ids", "loss_mask"):
+        x, y = getattr(a, field), getattr(b, field)
+        assert x.dtype == y.dtype and x.tobytes() == y.tobytes()
+    assert (a.images is None) == (b.images is None)
+    if a.images is not None:
+        assert a.images.fingerprint == b.images.fingerprint
+        assert a.images.token_mask.tobytes() == b.images.token_mask.tobytes()
+        assert a.images.processor_outputs.keys() == b.images.processor_outputs.keys()
+        for key, x in a.images.processor_outputs.items():
+            y = b.images.processor_outputs[key]
+            assert (x.dtype, x.shape) == (y.dtype, y.shape) and x.tobytes() == y.tobytes()
+
+
+def test_image_chats_prepared_on_threads_are_the_serial_ones_in_order(tmp_path, processor, monkeypatch):
+    """`image_threads` prepares a call's image chats side by side: the same samples, byte for byte, in corpus
+    order, and a broken image in the middle rejects its record alone, named as one at a time names it."""
+    for k in range(6):
+        save_image(tmp_path / f"{k}.png", PATCH * (1 + k % 3), PATCH * (1 + k % 2), seed=k)
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG but not")
+    chat = [{"from": "human", "value": "<image>what?"}, {"from": "gpt", "value": "it"}]
+    images = [["0.png"], ["1.png", "2.png"], ["broken.png"], None, ["3.png"], ["gone.png"], ["4.png", "5.png"]]
+    corpus = write_corpus(
+        tmp_path / "c.jsonl",
+        [
+            {"conversations": chat, "images": names}
+            if names is None or len(names) == 1
+            else {"conversations": [{"from": "human", "value": "<image> and <image>?"}, chat[1]], "images": names}
+            for names in images
+        ],
+    )
+    records = list(read_corpus([corpus]))
+    serial = SampleTokenizer(processor.tokenizer, max_length=256, processor=processor, image_threads=1)
+    threaded = SampleTokenizer(processor.tokenizer, max_length=256, processor=processor, image_threads=4)
+    where = set()
+    prepare = threaded._image_chat
+    monkeypatch.setattr(threaded, "_image_chat", lambda r: (where.add(threading.current_thread().name), prepare(r))[1])
+    one, many = serial.many(records), threaded.many(records)
+    assert any(name.startswith("images") for name in where), "the image chats were prepared on the pool's threads"
+    assert [type(s).__name__ for s in many] == ["Sample", "Sample", "Reject", "Sample", "Sample", "Reject", "Sample"]
+    assert many[2].reason == f"images[0] ({tmp_path / 'broken.png'}) does not decode: not in an image format PIL reads"
+    for a, b in zip(one, many, strict=True):
+        _same(a, b)
