@@ -15,7 +15,7 @@ The whole pipeline, one step a command, each sized for one device call and resum
   status                  anywhere: what is done, here and in SCRATCH
 A step that is complete is skipped, so rerunning a command after a cut call goes on where it stopped.
 DATA (small: prompts, responses, records; carried) and SCRATCH (large, one machine): layout.py.
-Device calls, in order, with their time estimates: benchmarks/drafter/README.md.
+Device calls, in order, with what each step cost on the H200: benchmarks/drafter/README.md.
 """
 
 from __future__ import annotations
