@@ -694,7 +694,7 @@ def run_bench(opts: BenchOptions) -> list[dict]:
                 )
             if opts.data and len(results) == 1:
                 w = writer("fed")
-                fed = fed_batches(opts, run, tokenizer, layout, warm, timed)
+                fed = fed_batches(opts, run, tokenizer, layout, warm, timed, engine)
                 fed_s = _timed(coord, lambda: extract(fed, w), clock)
                 results[-1].update(
                     _fed_figures(coord, clock, host_times, timed, total_tokens, fed_s, bare_s, extract_s)
@@ -753,17 +753,19 @@ def fed_batches(
     layout: Layout,
     warm: list[Batch],
     timed: list[Batch],
+    engine: Engine | None = None,
 ) -> Iterator[Batch]:
     """`timed` made again while the forwards run, as bin/extract.py makes its batches: the corpus's records read,
-    tokenized and their images decoded and prepared on the feed's thread ahead of the forwards
-    (`prepared_ahead`), the warm-up batches' records passed over as a resumed run passes over those done."""
+    tokenized and their images decoded and prepared (and hashed for `engine`) on the feed's thread ahead of the
+    forwards (`prepared_ahead`), the warm-up batches' records passed over as a resumed run passes over those done."""
     warm_records = [s.index for b in warm for s in b.samples]
     done = np.zeros(max(warm_records, default=-1) + 1, dtype=bool)
     done[warm_records] = True
     tally = Tally(None, strict=False, nonfinite=run.nonfinite)
     samples = pending_samples(run.data, Share(layout, np.zeros(0, dtype=bool)), tokenizer, done, tally)
     count = sum(len(b.samples) for b in timed)
-    return prepared_ahead(batch_by_tokens(itertools.islice(samples, count), opts.tokens_per_batch, run.seqs_per_batch))
+    batches = batch_by_tokens(itertools.islice(samples, count), opts.tokens_per_batch, run.seqs_per_batch)
+    return prepared_ahead(batches, engine)
 
 
 def _fed_figures(

@@ -511,7 +511,9 @@ class Job:
 
             extract_start = time.perf_counter()
             batches = _marked(
-                prepared_ahead(counted(batch_by_tokens(samples, self.checked.tokens_per_batch, opts.seqs_per_batch))),
+                prepared_ahead(
+                    counted(batch_by_tokens(samples, self.checked.tokens_per_batch, opts.seqs_per_batch)), self.engine
+                ),
                 self.timeline,
             )
             guard = NonFiniteGuard(opts.nonfinite, self.engine.layer_ids, tally.nonfinite)

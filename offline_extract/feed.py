@@ -138,12 +138,14 @@ ENDING_BATCHES = 3
 _END = object()
 
 
-def prepared_ahead(batches: Iterable[Batch], depth: int = 8) -> Iterator[Batch]:
+def prepared_ahead(batches: Iterable[Batch], engine: Engine | None = None, depth: int = 8) -> Iterator[Batch]:
     """`batches`, made on a thread of their own up to `depth` ahead of the caller: the records' reading,
-    tokenizing and batching run beside the forwards instead of between them. The tokenizer's Rust code
-    and the file reads release the GIL; on the main thread they sat between two forwards, where a small
-    model's GPU, done in milliseconds, waited for them. An error there (a bad record under --strict) is
-    raised here, to the caller, as it was raised; a caller that stops early stops the thread."""
+    tokenizing and batching run beside the forwards instead of between them, and with `engine` the host's work
+    on each batch's images that its forward would do (`Engine.prepare_images`: every image's pixels hashed).
+    The tokenizer's Rust code, the file reads and the hashing release the GIL; on the main thread they sat
+    between two forwards, where a small model's GPU, done in milliseconds, waited for them. An error there (a
+    bad record under --strict) is raised here, to the caller, as it was raised; a caller that stops early stops
+    the thread."""
     ready: queue.Queue = queue.Queue(depth)
     stop = threading.Event()
 
@@ -159,6 +161,8 @@ def prepared_ahead(batches: Iterable[Batch], depth: int = 8) -> Iterator[Batch]:
     def produce() -> None:
         try:
             for batch in batches:
+                if engine is not None:
+                    engine.prepare_images([s.input_ids for s in batch.samples], [s.images for s in batch.samples])
                 if not put(batch):
                     return
         except BaseException as e:  # raised to the caller, in order after the batches before it

@@ -13,7 +13,9 @@ stage (`data.images.Images`), with no tokenizer manager and no HTTP in between.
 
 from __future__ import annotations
 
+import weakref
 from array import array
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -83,15 +85,57 @@ def _mrope_positions(hf_config, ids_t: torch.Tensor, grid: torch.Tensor):
     )
 
 
-def image_request(model, hf_config, spec: ImageModel, ids: np.ndarray, images: Images):
-    """(input ids with each image's tokens replaced by its pad value, SGLang's MultimodalInputs) for one
-    sequence: what the scheduler sets as a Req's origin_input_ids and hands to its extend_image_inputs."""
-    from sglang.srt.managers.schedule_batch import (
-        Modality,
-        MultimodalDataItem,
-        MultimodalInputs,
-        MultimodalProcessorOutput,
-    )
+@dataclass(frozen=True)
+class HostInputs:
+    """What SGLang derives on the host from a sequence's images, the same for each forward of it: each item's hash
+    of its pixels (the source of its pad value: MultimodalDataItem.set_pad_value, sha256 over every pixel) and,
+    for M-RoPE, the positions of the whole sequence. Computed ahead (`host_inputs`, the feed's thread), a forward's
+    request only assembles SGLang's inputs around them."""
+
+    hashes: tuple[int, ...]
+    mrope: dict  # MultimodalProcessorOutput's M-RoPE fields (`_mrope`); empty for a model without M-RoPE
+
+
+def host_inputs(hf_config, spec: ImageModel, ids: np.ndarray, images: Images) -> HostInputs | None:
+    """`HostInputs` of one sequence; None where SGLang hashes the pixels on the device
+    (SGLANG_MM_BUFFER_SIZE_MB), which only the forward's request can do."""
+    from sglang.srt.environ import envs
+
+    if envs.SGLANG_MM_BUFFER_SIZE_MB.get() > 0:
+        return None
+    return _host_inputs(hf_config, spec, images, *_items(hf_config, spec, ids, images))
+
+
+def _host_inputs(hf_config, spec: ImageModel, images: Images, ids_t: torch.Tensor, items: list) -> HostInputs:
+    for item in items:
+        item.set_pad_value()
+    if not spec.mrope:
+        return HostInputs(tuple(item.hash for item in items), {})
+    grid = torch.from_numpy(np.ascontiguousarray(images.processor_outputs["image_grid_thw"]))
+    return HostInputs(tuple(item.hash for item in items), _mrope(hf_config, ids_t, grid))
+
+
+class HostWork:
+    """Sequences' `HostInputs` computed ahead (`prepare`, on the feed's thread), each kept by its Images for the
+    forward's request (`request`) while the sample lives, weakly: a batch's images leave memory with it."""
+
+    def __init__(self):
+        self._ahead: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Images -> (its ids, HostInputs)
+
+    def prepare(self, hf_config, spec: ImageModel, seqs, images) -> None:
+        for ids, im in zip(seqs, images):
+            if im is not None:
+                self._ahead[im] = (ids, host_inputs(hf_config, spec, ids, im))
+
+    def request(self, model, hf_config, spec: ImageModel, ids: np.ndarray, images: Images):
+        """`image_request`, on the `HostInputs` prepared for these very ids and images where there are some."""
+        ahead_ids, ahead = self._ahead.get(images, (None, None))
+        return image_request(model, hf_config, spec, ids, images, ahead if ahead_ids is ids else None)
+
+
+def _items(hf_config, spec: ImageModel, ids: np.ndarray, images: Images) -> tuple[torch.Tensor, list]:
+    """The sequence's ids as a tensor and its images as SGLang's items, one for each run of image tokens."""
+    from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem
     from sglang.srt.multimodal.processors.base_processor import BaseMultimodalProcessor
 
     outputs = dict(images.processor_outputs)
@@ -111,15 +155,31 @@ def image_request(model, hf_config, spec: ImageModel, ids: np.ndarray, images: I
     )
     # The runs of image tokens, as the server finds them (base_processor.process_and_combine_mm_data).
     item.offsets = BaseMultimodalProcessor.get_mm_items_offset(input_ids=ids_t, mm_token_id=image_token)
+    return ids_t, _split(item, spec)
+
+
+def image_request(model, hf_config, spec: ImageModel, ids: np.ndarray, images: Images, ahead: HostInputs | None = None):
+    """(input ids with each image's tokens replaced by its pad value, SGLang's MultimodalInputs) for one
+    sequence: what the scheduler sets as a Req's origin_input_ids and hands to its extend_image_inputs.
+    `ahead`: its `host_inputs`, computed before; else they are computed here."""
+    from sglang.srt.managers.schedule_batch import MultimodalInputs, MultimodalProcessorOutput
+
+    ids_t, items = _items(hf_config, spec, ids, images)
+    if ahead is None:
+        ahead = _host_inputs(hf_config, spec, images, ids_t, items)
+    else:
+        for item, hashed in zip(items, ahead.hashes, strict=True):
+            item.set_hash(hashed)
     start, end = (getattr(hf_config, name) for name in spec.markers)
     mm = MultimodalInputs.from_processor_output(
         MultimodalProcessorOutput(
-            mm_items=_split(item, spec),
+            mm_items=items,
             input_ids=ids_t.tolist(),
-            im_token_id=image_token,
+            im_token_id=hf_config.image_token_id,
             im_start_id=start,
             im_end_id=end,
-            **(_mrope(hf_config, ids_t, item.model_specific_data["image_grid_thw"]) if spec.mrope else {}),
+            # A forward's own copy of the positions: a request may extend them (a retracted one's).
+            **{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in ahead.mrope.items()},
         )
     )
     return array("q", model.pad_input_ids(ids_t.tolist(), mm)), mm

@@ -29,7 +29,7 @@ from offline_extract.data.images import Images
 from offline_extract.engine.families import FAMILIES, CaptureRule
 from offline_extract.engine.kernels import KernelPrebuild, kernel_shapes, prebuild_calls, use_jit_cache
 from offline_extract.engine.moe import recording_routing, routed_expert_count, warm_up_token_counts
-from offline_extract.engine.multimodal import IMAGE_MODELS, image_model, image_request, init_embedding_cache
+from offline_extract.engine.multimodal import IMAGE_MODELS, HostWork, image_model, init_embedding_cache
 from offline_extract.options import DEFAULT_PORT_BASE, DEFAULT_TOKENS_PER_BATCH, FinalState, check_choice, default
 from offline_extract.final_norm import FinalNorm
 
@@ -529,6 +529,7 @@ class Engine:
         self.device = self.runner.device
         if self.architecture in IMAGE_MODELS:
             init_embedding_cache()
+        self._host_work = HostWork()
         if self.prebuild is not None:
             self.prebuild.loaded()
 
@@ -612,12 +613,19 @@ class Engine:
             if len(im.token_mask) != len(ids):
                 raise ValueError(f"an image token mask of {len(im.token_mask)} tokens for a sequence of {len(ids)}")
 
+    def prepare_images(self, seqs: Sequence[np.ndarray], images: Sequence[Images | None] | None) -> None:
+        """Ahead of `capture(seqs, images)`, on another thread (the feed's): the host's work on their images that
+        every forward of them repeats (`multimodal.HostInputs`: each image's pixels hashed), off the forwards'."""
+        if (images := self._checked_images(seqs, images)) is not None:
+            spec = image_model(self.architecture, self.cfg.model_path)
+            self._host_work.prepare(self.runner.model_config.hf_config, spec, seqs, images)
+
     def _request(self, i: int, ids: np.ndarray, images: Images | None):
         if images is None:
             return _new_req(i, ids)
-        model = self.runner.model
         spec = image_model(self.architecture, self.cfg.model_path)
-        padded, mm = image_request(model, self.runner.model_config.hf_config, spec, ids, images)
+        hf_config = self.runner.model_config.hf_config
+        padded, mm = self._host_work.request(self.runner.model, hf_config, spec, ids, images)
         req = _new_req(i, padded)
         req.extend_image_inputs(mm)
         return req

@@ -121,6 +121,21 @@ def test_batches_prepared_ahead_are_made_while_the_caller_works_and_come_in_orde
     assert made[-1] < used[2][1]
 
 
+def test_batches_prepared_ahead_have_their_images_prepared_for_the_engine_on_the_feeds_thread():
+    """With an engine, each batch's sequences and images go to its prepare_images before the caller gets the
+    batch, on the thread that makes the batches."""
+    batches = [Batch((_sample(i, 5), _sample(i + 10, 3))) for i in range(3)]
+    prepared = []
+
+    class Engine:
+        def prepare_images(self, seqs, images):
+            prepared.append(([len(s) for s in seqs], images, threading.current_thread().name))
+
+    for batch in prepared_ahead(iter(batches), Engine()):
+        assert len(prepared) > batches.index(batch), "prepared before the caller has it"
+    assert prepared == [([5, 3], [None, None], "batches-ahead")] * 3
+
+
 def test_an_error_making_batches_reaches_the_caller_after_the_batches_before_it():
     def failing():
         yield Batch((_sample(0, 5),))

@@ -13,7 +13,7 @@ import torch
 
 from offline_extract.data.images import Images
 from offline_extract.engine.families import BY_NAME, FAMILIES
-from offline_extract.engine.multimodal import image_model, image_request
+from offline_extract.engine.multimodal import HostWork, host_inputs, image_model, image_request
 from offline_extract.engine.sglang_adapter import prepare_process
 from offline_extract.testing.models import QWEN_VISION_TOKENS, VISION_LANGUAGE
 
@@ -64,6 +64,38 @@ def _images(ids, grids, width, **outputs):
     rng = np.random.default_rng(0)
     pixels = rng.standard_normal((int(grids.prod(axis=1).sum()), width)).astype(np.float32)
     return Images({"pixel_values": pixels, "image_grid_thw": grids, **outputs}, ids == IMAGE, "0" * 64)
+
+
+def _same_request(a, b) -> None:
+    (padded_a, mm_a), (padded_b, mm_b) = a, b
+    assert padded_a == padded_b
+    assert [(i.hash, i.pad_value, i.offsets) for i in mm_a.mm_items] == [
+        (i.hash, i.pad_value, i.offsets) for i in mm_b.mm_items
+    ]
+    assert all(torch.equal(x.feature, y.feature) for x, y in zip(mm_a.mm_items, mm_b.mm_items, strict=True))
+    assert torch.equal(mm_a.mrope_positions, mm_b.mrope_positions)
+    assert torch.equal(torch.as_tensor(mm_a.mrope_position_delta), torch.as_tensor(mm_b.mrope_position_delta))
+
+
+def test_a_request_on_host_inputs_made_ahead_is_the_request_made_in_one_go(vl, monkeypatch):
+    """The pixels hashed and the positions computed ahead (the feed's thread), the forward's request is the
+    one image_request makes alone, and hashes nothing; HostWork uses them for the very ids and images only."""
+    model, config, spec, width = vl.model, vl.config, vl.spec, vl.width
+    ids = _sequence([2, 4])
+    images = _images(ids, [[1, 2, 4], [1, 4, 4]], width)
+    whole = image_request(model, config, spec, ids, images)
+    work = HostWork()
+    work.prepare(config, spec, [ids, ids[:3]], [images, None])
+    ahead = host_inputs(config, spec, ids, images)
+    from sglang.srt.managers import mm_utils
+
+    hashed = []
+    monkeypatch.setattr(mm_utils, "hash_feature", lambda f: hashed.append(f) or 0)
+    _same_request(work.request(model, config, spec, ids, images), whole)
+    _same_request(image_request(model, config, spec, ids, images, ahead), whole)
+    assert not hashed, "the forward's request hashed no pixels"
+    again = ids.copy()
+    assert work.request(model, config, spec, again, images)[0] != whole[0] and hashed, "other ids: hashed anew"
 
 
 def test_each_images_tokens_get_its_own_pad_value_and_the_positions_follow_its_grid(vl):
