@@ -427,14 +427,20 @@ def _widened(ids: np.ndarray, text_ids: np.ndarray, placeholder: int) -> np.ndar
     """Which of the processor's tokens `ids` stand where the chat's tokens `text_ids` have image placeholders,
     True at each: `ids` must be `text_ids` with each run of placeholders replaced by a non-empty run of tokens
     (Qwen repeats the placeholder; Llama 4 writes each image's tiles between its markers, the placeholder among
-    them), else None. The text between runs is found at its first place after the run before it."""
+    them), else None. The text before the first run starts `ids`; the text between runs is found at its first
+    place after the run before it."""
     at = np.flatnonzero(np.diff(np.concatenate(([0], (text_ids == placeholder).astype(np.int8), [0]))))
     bounds = [0, *at.tolist(), len(text_ids)]
     texts = [text_ids[a:b] for a, b in zip(bounds[0::2], bounds[1::2])]
     widened = np.ones(len(ids), dtype=bool)
     start = 0
     for k, text in enumerate(texts):
-        end = len(ids) - len(text) if k == len(texts) - 1 else _find(ids, text, start + (k > 0))
+        if not k:
+            end = 0
+        elif k == len(texts) - 1:
+            end = len(ids) - len(text)
+        else:
+            end = _find(ids, text, start + 1)
         if end is None or end < start + (k > 0) or not np.array_equal(ids[end : end + len(text)], text):
             return None
         widened[end : end + len(text)] = False

@@ -466,3 +466,13 @@ def test_records_tokenized_together_are_tokenized_as_one_by_one(tok):
             assert (a.index, a.id, a.source_len, a.truncated) == (b.index, b.id, b.source_len, b.truncated)
             assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask)
             assert a.input_ids.dtype == np.int32 and a.loss_mask.dtype == np.uint8
+
+
+def test_the_processors_tokens_are_the_chats_with_its_placeholders_widened_and_nothing_before_them():
+    """`_widened` places the loss mask of an image chat: a token the processor writes before the chat's text is
+    no image's, so the tokens are refused, as they are for one written after it."""
+    placeholder, text = 7, np.array([1, 2, 7, 3])
+    widened = tokenization._widened(np.array([1, 2, 5, 5, 3]), text, placeholder)
+    assert widened.tolist() == [False, False, True, True, False]
+    assert tokenization._widened(np.array([9, 1, 2, 5, 5, 3]), text, placeholder) is None
+    assert tokenization._widened(np.array([1, 2, 5, 5, 3, 9]), text, placeholder) is None
