@@ -405,7 +405,9 @@ def _server_args(cfg: EngineConfig, backend: str):
         chunked_prefill_size=-1,
         skip_tokenizer_init=True,
         # SGLang builds Llama 4's vision tower only when asked (model_config.py's mm_disabled_models), every other
-        # vision-language model's by default; a text model ignores it.
+        # vision-language model's by default; a text model ignores it. The engine loads before any record is
+        # read, so a Llama 4 run on a text corpus builds the tower too: its weights take GPU memory from
+        # activations, though no more reads (SGLang reads a tower it skips and drops its weights).
         enable_multimodal=True,
         # The KV pool holds one forward's tokens, or one chunked sequence with its whole prefix, and no
         # more: everything else stays activation room.
