@@ -23,6 +23,14 @@ Compression = Literal["none", "zstd"]  # store/codecs.py
 DEFAULT_TOKENS_PER_BATCH = {"cuda": 16384, "cpu": 4096}
 # port_base when not given, under torchrun (alone, any free port serves; engine/distributed.py).
 DEFAULT_PORT_BASE = 29600
+# image_threads when not given: the cores this process may run on, at most this many (a 7B model's forwards take
+# an image's tokens in tens of milliseconds; 8 threads prepare images faster than that).
+MOST_IMAGE_THREADS = 8
+
+
+def default_image_threads() -> int:
+    """ExtractOptions.image_threads's default (MOST_IMAGE_THREADS)."""
+    return max(1, min(MOST_IMAGE_THREADS, len(os.sched_getaffinity(0))))
 
 
 def cache_root() -> Path:
@@ -134,13 +142,13 @@ class ExtractOptions:
         "Default: --tokens-per-batch.",
     )
     seqs_per_batch: int = _option(256, group="parallelism", help="Most sequences in one forward.")
-    image_threads: int | None = _option(  # None: data.tokenization.default_image_threads
+    image_threads: int | None = _option(  # None: default_image_threads
         None,
         group="parallelism",
         minimum=1,
         help="Threads decoding image chats' images and preparing them with the model's HF processor, side by "
         "side, ahead of the forwards (the records keep their order). Default: the cores this process may "
-        "run on, at most 8.",
+        f"run on, at most {MOST_IMAGE_THREADS}.",
     )
     shard_bytes: int = _option(
         512 << 20,

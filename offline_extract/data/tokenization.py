@@ -20,7 +20,7 @@ import numpy as np
 
 from offline_extract.data.corpus import Record, Reject
 from offline_extract.data.images import ImageError, Images, as_array, load_images
-from offline_extract.options import Overlong, check_choice
+from offline_extract.options import Overlong, check_choice, default_image_threads
 from offline_extract.words import plural
 
 
@@ -393,12 +393,6 @@ class SampleTokenizer:
                 else _sha256(self.processor.image_processor.to_json_string()),
             }
         return dict(self._fingerprint)
-
-
-def default_image_threads() -> int:
-    """ExtractOptions.image_threads's default: the cores this process may run on, at most 8 (a 7B model's
-    forwards take an image's tokens in tens of milliseconds; 8 threads prepare images faster than that)."""
-    return max(1, min(8, len(os.sched_getaffinity(0))))
 
 
 def _refuse_images(record: Record, model: str) -> None:

@@ -153,3 +153,16 @@ def test_the_embedded_model_and_the_compiled_kernels_are_kept_under_xdg_cache_ho
         assert use_jit_cache()["TRITON_CACHE_DIR"] == str(root / "offline_extract" / "triton")
     monkeypatch.setenv("OFFLINE_EXTRACT_CACHE", str(tmp_path / "mine"))
     assert default_cache_dir() == tmp_path / "mine" / tiny
+
+
+def test_image_threads_default_is_the_cores_up_to_the_bound_its_help_names(monkeypatch):
+    """The default of --image-threads is stated once: MOST_IMAGE_THREADS bounds `default_image_threads` and is
+    the number its help gives."""
+    from offline_extract import options
+
+    (cli,) = [f.metadata["cli"] for f in fields(ExtractOptions) if f.name == "image_threads"]
+    assert cli.help.endswith(f"at most {options.MOST_IMAGE_THREADS}.")
+    monkeypatch.setattr(options.os, "sched_getaffinity", lambda pid: set(range(options.MOST_IMAGE_THREADS + 5)))
+    assert options.default_image_threads() == options.MOST_IMAGE_THREADS
+    monkeypatch.setattr(options.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert options.default_image_threads() == 2
