@@ -56,7 +56,7 @@ def _rate(records, tokenize, budget: int) -> dict:
     }
 
 
-def _model_dir(model: str | None, shape: str | None) -> Path:
+def model_dir(model: str | None, shape: str | None) -> Path:
     """--model, or --shape's config and processor files (no weights), written once under /tmp."""
     if (model is None) == (shape is None):
         raise click.UsageError("give one of --model and --shape")
@@ -104,9 +104,9 @@ def main(model, shape, data, max_length, tokens_per_batch, together, threads, im
 
     if threads:
         torch.set_num_threads(threads)
-    model_dir = _model_dir(model, shape)
-    run = ExtractOptions(data=(data,), model=str(model_dir), max_length=max_length, image_threads=image_threads)
-    st = sample_tokenizer(run, model_dir)
+    path = model_dir(model, shape)
+    run = ExtractOptions(data=(data,), model=str(path), max_length=max_length, image_threads=image_threads)
+    st = sample_tokenizer(run, path)
     records = [r for r in read_corpus([data]) if isinstance(r, Record)]
     st.many(records[:8])  # the tokenizer's first call sets up its threads
     result = {
