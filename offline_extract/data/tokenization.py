@@ -275,6 +275,9 @@ class SampleTokenizer:
             return self._image_chat(record)
         except _Unusable as e:
             return record.reject(str(e))
+        except Exception as e:  # the processor's own failure stops the run, raised from a pool thread or not
+            e.add_note(f"while preparing the images of {_where(record)}")
+            raise
 
     def _image_chat(self, record: Record) -> tuple[np.ndarray, np.ndarray, bool, Images]:
         """A chat with images, tokenized by the model's processor, which expands each image's placeholder into
@@ -398,12 +401,15 @@ class SampleTokenizer:
 def _refuse_images(record: Record, model: str) -> None:
     """A record with images, for a model that reads none: every such record would fail alike, so the run stops
     (as for chat records without a chat template), naming the record and the model."""
-    where = f"{record.source}:{record.line} (id {record.id!r})"
     raise ValueError(
-        f"{where} holds {plural(len(record.images), 'image')}, but {model} is a text-only model (its "
+        f"{_where(record)} holds {plural(len(record.images), 'image')}, but {model} is a text-only model (its "
         f"config.json has no vision_config): nothing of it reads images. Give a vision-language "
         f"model, or a corpus without images"
     )
+
+
+def _where(record: Record) -> str:
+    return f"{record.source}:{record.line} (id {record.id!r})"
 
 
 def _given_tokens(record: Record, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:

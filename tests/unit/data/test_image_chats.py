@@ -307,3 +307,25 @@ def test_image_chats_prepared_on_threads_are_the_serial_ones_in_order(tmp_path, 
     assert many[2].reason == f"images[0] ({tmp_path / 'broken.png'}) does not decode: not in an image format PIL reads"
     for a, b in zip(one, many, strict=True):
         _same(a, b)
+
+
+def test_a_processor_failure_on_a_pool_thread_names_the_record(tmp_path, processor, monkeypatch):
+    """An error of the processor's own (not a refusal of the images) stops the call, from the pool's thread as
+    from the caller's, with the record whose images it was preparing named."""
+    for k in range(3):
+        save_image(tmp_path / f"{k}.png", PATCH, PATCH, seed=k)
+    chat = [{"from": "human", "value": "<image>what?"}, {"from": "gpt", "value": "it"}]
+    corpus = write_corpus(tmp_path / "c.jsonl", [{"conversations": chat, "images": [f"{k}.png"]} for k in range(3)])
+    records = list(read_corpus([corpus]))
+    threaded = SampleTokenizer(processor.tokenizer, max_length=256, processor=processor, image_threads=3)
+    prepare = threaded._image_chat
+
+    def failing(record):
+        if record.line == 2:
+            raise RuntimeError("the processor broke")
+        return prepare(record)
+
+    monkeypatch.setattr(threaded, "_image_chat", failing)
+    with pytest.raises(RuntimeError, match="the processor broke") as raised:
+        threaded.many(records)
+    assert raised.value.__notes__ == [f"while preparing the images of {corpus}:2 (id 'c.jsonl:2')"]
