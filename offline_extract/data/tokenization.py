@@ -12,6 +12,7 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Sequence
 
@@ -184,8 +185,7 @@ class SampleTokenizer:
                 raise ValueError(f"the processor of {model} ({type(processor).__name__}) names no image token")
             self.placeholder_id = tokenizer.convert_tokens_to_ids(image_token)
             self.image_token_id = self.placeholder_id if image_token_id is None else image_token_id
-        # The image chats of one `many` call are prepared on this many threads (ExtractOptions.image_threads).
-        self.image_threads = image_threads or default_image_threads()
+        self.image_threads = image_threads or default_image_threads()  # preparing a `many` call's image chats
         self.vocab_size = len(tokenizer)
         self.chars_per_token = max(map(len, tokenizer.get_vocab()), default=1)
         self._fingerprint: dict | None = None
@@ -225,7 +225,10 @@ class SampleTokenizer:
         texts: list[tuple[int, str]] = []  # (position, text)
         chats: list[tuple[int, tuple, str, list[int]]] = []  # (position, contents cut, rendered, assistant bounds)
         done: list = [None] * len(records)  # a Reject, or (ids, mask, cut), or with images (ids, mask, cut, images)
-        pictured = iter(self._image_chats([r for r in records if r.images]))
+        pictured = [r for r in records if r.images]
+        if pictured and self.processor is None:
+            _refuse_images(pictured[0], self.model)
+        pictured = iter(_image_chats(self._image_chat, pictured, self.image_threads))
         for i, record in enumerate(records):
             try:
                 if record.images:
@@ -258,26 +261,6 @@ class SampleTokenizer:
                 except _Unusable as e:
                     done[i] = records[i].reject(str(e))
         return [d if isinstance(d, Reject) else self._fit.sample(r, *d) for r, d in zip(records, done)]
-
-    def _image_chats(self, records: list[Record]) -> list[tuple | Reject]:
-        """`_image_chat` of each record with images, in order, or its Reject: on `image_threads` threads, as
-        decoding and the processor's torch operations release the GIL in their heavy parts; one at a time,
-        a batch of image chats waited on one core for every image's decoding and preparing."""
-        if records and self.processor is None:
-            _refuse_images(records[0], self.model)
-        if len(records) < 2 or self.image_threads < 2:
-            return [self._image_chat_or_reject(r) for r in records]
-        with ThreadPoolExecutor(min(self.image_threads, len(records)), thread_name_prefix="images") as pool:
-            return list(pool.map(self._image_chat_or_reject, records))
-
-    def _image_chat_or_reject(self, record: Record) -> tuple | Reject:
-        try:
-            return self._image_chat(record)
-        except _Unusable as e:
-            return record.reject(str(e))
-        except Exception as e:  # the processor's own failure stops the run, raised from a pool thread or not
-            e.add_note(f"while preparing the images of {_where(record)}")
-            raise
 
     def _image_chat(self, record: Record) -> tuple[np.ndarray, np.ndarray, bool, Images]:
         """A chat with images, tokenized by the model's processor, which expands each image's placeholder into
@@ -396,6 +379,26 @@ class SampleTokenizer:
                 else _sha256(self.processor.image_processor.to_json_string()),
             }
         return dict(self._fingerprint)
+
+
+def _image_chats(prepare, records: list[Record], threads: int) -> list[tuple | Reject]:
+    """`prepare` (`SampleTokenizer._image_chat`) of each record, in order, or its Reject: on `threads` threads,
+    as decoding and the processor's torch operations release the GIL in their heavy parts; one at a time, a
+    batch of image chats waited on one core for every image's decoding and preparing."""
+    if len(records) < 2 or threads < 2:
+        return [_image_chat_or_reject(prepare, r) for r in records]
+    with ThreadPoolExecutor(min(threads, len(records)), thread_name_prefix="images") as pool:
+        return list(pool.map(partial(_image_chat_or_reject, prepare), records))
+
+
+def _image_chat_or_reject(prepare, record: Record) -> tuple | Reject:
+    try:
+        return prepare(record)
+    except _Unusable as e:
+        return record.reject(str(e))
+    except Exception as e:  # the processor's own failure stops the run, raised from a pool thread or not
+        e.add_note(f"while preparing the images of {_where(record)}")
+        raise
 
 
 def _refuse_images(record: Record, model: str) -> None:
