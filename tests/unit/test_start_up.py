@@ -644,3 +644,18 @@ def test_the_last_forward_is_marked_after_a_long_last_samples_last_chunk(
     summary, t = _run(tmp_path, tiny_model_dir, data=(str(corpus),), max_length=4096)
     assert summary.extracted == 3 and len(chunked_at) == 2
     assert chunked_at[-1] <= t["marks"]["last forward"] <= t["marks"]["drained"]
+
+
+def test_a_parity_gate_quicker_than_a_twentieth_of_a_second_is_still_reported():
+    t = dict.fromkeys(
+        (
+            "startup_s ours_s imports_and_checks_s tokenizer_waited_s tokenizer_s ours_other_s sglang_s torch_import_s "
+            "sglang_import_s model_load_s warm_up_s tail_s to_host_s last_shards_s rejects_and_index_s input_wait_s "
+            "gate_engine_s gate_hf_config_s gate_hf_to_host_s gate_hf_to_device_s gate_hf_forwards_s gate_compare_s"
+        ).split(),
+        0.001,
+    )
+    t.update(parity_gate_s=0.01, tokenizer_beside_load=True, gate_preload="no preload", marks={})
+    assert "; parity gate 0.0 s (engine 0.0 s; HF: weights not read ahead (no preload), " in timing_line(t)
+    del t["gate_engine_s"]  # a run without --verify, or a rank that only waited
+    assert "parity gate" not in timing_line(t)
