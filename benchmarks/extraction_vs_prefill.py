@@ -240,6 +240,33 @@ def _host_peak_rss() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
+def _host_facts() -> dict:
+    """The host's CPU and the GPU's clocks: a small model's rate follows the host's speed, and a run's bare rate
+    the GPU's clocks, and neither is the same on every loan of a machine."""
+    cpu = None
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    facts = {"cpu": cpu, "cpus": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0))}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        # By UUID: NVML numbers every GPU of the host, CUDA only those CUDA_VISIBLE_DEVICES leaves.
+        gpu = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{torch.cuda.get_device_properties().uuid}")
+        facts |= {
+            "gpu_sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(gpu, pynvml.NVML_CLOCK_SM),
+            "gpu_sm_clock_max_mhz": pynvml.nvmlDeviceGetMaxClockInfo(gpu, pynvml.NVML_CLOCK_SM),
+            "gpu_power_limit_w": pynvml.nvmlDeviceGetEnforcedPowerLimit(gpu) / 1000,
+            "gpu_temperature_c": pynvml.nvmlDeviceGetTemperature(gpu, pynvml.NVML_TEMPERATURE_GPU),
+        }
+    except Exception as e:  # NVML is a diagnostic here: its absence must not cost the measurement
+        facts["gpu_clocks_error"] = f"{type(e).__name__}: {e}"
+    return facts
+
+
 def out_kind(path: str) -> str:
     """'tmpfs' or 'disk', from the file system that holds `path`."""
     target = os.path.realpath(path)
@@ -604,6 +631,7 @@ def run_bench(opts: BenchOptions) -> list[dict]:
                 {
                     "command": opts.command,
                     "device": torch.cuda.get_device_name(),
+                    "host": _host_facts(),
                     "world_size": layout.world_size,
                     "tp_size": layout.tp_size,
                     "dp_size": layout.dp_size,
@@ -683,6 +711,11 @@ def run_bench(opts: BenchOptions) -> list[dict]:
                     "gpu_peak_bytes": max(coord.all_gather(torch.cuda.max_memory_allocated())),
                 }
             )
+            # Bare again on the same batches, after the extraction: a bare rate that moved while the modes were
+            # timed (the GPU's clocks, the host's load) shows here rather than as the extraction's gain or loss.
+            bare_after_s = _timed(coord, lambda: _bare(clock, timed), clock)
+            results[-1]["bare_after_tok_s"] = total_tokens / bare_after_s
+            results[-1]["bare_after_over_bare"] = bare_s / bare_after_s
             if opts.host_threads and len(results) == 1:
 
                 def timed_into(name: str) -> float:

@@ -25,6 +25,7 @@ from benchmarks.extraction_vs_prefill import (
     _first_pass,
     _ForwardClock,
     _fp8_error,
+    _host_facts,
     _host_thread_sweep,
     ResultFiles,
     _rank_report,
@@ -123,6 +124,15 @@ def test_out_kind_tells_tmpfs_from_disk(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what bin/bench.py says on a machine without a GPU")
+def test_the_host_facts_name_the_cpu_and_say_why_the_gpu_clocks_are_missing():
+    facts = _host_facts()
+    assert facts["cpu"] and facts["cpus"] >= facts["cpus_usable"] >= 1
+    if torch.cuda.is_available():
+        assert facts["gpu_sm_clock_max_mhz"] >= facts["gpu_sm_clock_mhz"] > 0
+    else:  # this host's GPU clocks cannot be read, and the result says why rather than failing the bench
+        assert "gpu_sm_clock_mhz" not in facts and facts["gpu_clocks_error"]
+
+
 def test_bench_without_a_gpu_says_so_in_one_line():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bin" / "bench.py")], capture_output=True, text=True, cwd=ROOT, timeout=300
