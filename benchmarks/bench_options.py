@@ -58,6 +58,7 @@ class BenchOptions:
     peer_options: PeerOptions = PeerOptions()
     disk_probe_bytes: int = 4 << 30
     writers: int = default("writers")
+    image_threads: int | None = default("image_threads")  # None: default_image_threads
     encodings: tuple[tuple[str, str], ...] = (("bf16", "none"),)  # (--store, --compress) pairs, one model load
     fp8_error_tokens: int = 131072  # tokens over which fp8's decoded states are compared with bf16's
     seed: int = 0

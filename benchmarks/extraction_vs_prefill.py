@@ -163,6 +163,7 @@ def run_options(opts: BenchOptions, model_dir: Path) -> ExtractOptions:
         chunk_tokens=opts.chunk_tokens,
         attention_backend=opts.attention_backend,
         load_format=opts.load_format,
+        image_threads=opts.image_threads,
     )
 
 
@@ -686,6 +687,7 @@ def run_bench(opts: BenchOptions) -> list[dict]:
                     "jit_cache": engine.jit_caches,
                     "jit_cache_cold": opts.cold,
                     "writers": opts.writers,
+                    "image_threads": tokenizer.image_threads,  # with --data, the threads preparing its images
                     "out": out,
                     "out_kind": out_kind(out),
                     "disk_write_bytes_s": sum(coord.all_gather(disk_rate)),

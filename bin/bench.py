@@ -14,13 +14,14 @@
     torchrun --nproc-per-node 8 bin/bench.py              # DP=8: aggregate tokens/s
 
 --data runs both modes on the batches bin/extract.py would make of that corpus (its reader, the model's
-tokenizer or HF processor and chat template, its images decoded and prepared, --max-length as extract.py's),
-image chats with their pixels in bare prefill too; the result's `data` records the corpus files (bytes,
-sha256) and its records, samples, tokens and image tokens. It replaces the synthetic corpus, so --lengths and
---mean-length are refused beside it; --num-tokens then caps the tokens taken from the corpus's start. The
-corpus is tokenized before anything is timed; the first --store/--out's extraction is then timed once more fed
-as bin/extract.py is, its batches made from the records on a thread ahead of the forwards (`extract_fed_tok_s`,
-`extract_fed_input_wait_s`: what reading, tokenizing and preparing images leave on the GPU's path).
+tokenizer or HF processor and chat template, its images decoded and prepared on --image-threads threads,
+--max-length as extract.py's), image chats with their pixels in bare prefill too; the result's `data` records
+the corpus files (bytes, sha256) and its records, samples, tokens and image tokens. It replaces the synthetic
+corpus, so --lengths and --mean-length are refused beside it; --num-tokens then caps the tokens taken from the
+corpus's start. The corpus is tokenized before anything is timed; the first --store/--out's extraction is then
+timed once more fed as bin/extract.py is, its batches made from the records on a thread ahead of the forwards
+(`extract_fed_tok_s`, `extract_fed_input_wait_s`: what reading, tokenizing and preparing images leave on the
+GPU's path).
 
 Samples longer than --tokens-per-batch are prefilled alone in chunks of --chunk-tokens, in both modes.
 Every --out is measured in the same run (tmpfs and a disk path are both fine); the disk's own parallel
@@ -45,6 +46,7 @@ import click
 
 from benchmarks.bench_options import BASELINES, LOGNORMAL_CAP, SYNTHETIC_TOKENS, BenchOptions, PeerOptions
 from offline_extract.cli import command
+from offline_extract.commands.extract import extract_option
 from offline_extract.options import choices, default
 
 
@@ -223,6 +225,7 @@ def _refuse_synthetic_options_beside_data(data: tuple[str, ...]) -> None:
     show_default=True,
     help="Shard writer threads, one file each (they also compress under zstd); bin/extract.py --writers.",
 )
+@extract_option("image_threads")
 @click.option(
     "--store",
     "stores",
@@ -305,6 +308,7 @@ def main(
     specforge_attention_backend,
     disk_probe_gb,
     writers,
+    image_threads,
     stores,
     compressions,
     results_dir,
@@ -343,6 +347,7 @@ def main(
         peer_options=peer_options,
         disk_probe_bytes=int(disk_probe_gb * (1 << 30)),
         writers=writers,
+        image_threads=image_threads,
         encodings=tuple((store, compress) for store in stores for compress in compressions),
         results_dir=results_dir,
         profile=profile,

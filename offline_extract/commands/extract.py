@@ -98,6 +98,13 @@ def _options(function):
     return function
 
 
+def extract_option(name: str):
+    """click.option of the ExtractOptions field `name`, as this command takes it: for another command that takes
+    the same option (bin/bench.py), so that its help, type, bounds and default are stated once."""
+    (f,) = (f for f in dataclasses.fields(ExtractOptions) if f.name == name)
+    return _option(f)
+
+
 # --help's sections (options.GROUPS), each with its options: the fields', and --dry-run's.
 SECTIONS = {
     title: (

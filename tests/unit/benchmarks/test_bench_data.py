@@ -3,6 +3,7 @@ modes through the real engine on exactly those batches; image chats (benchmarks/
 Qwen2.5-VL, their pixels in bare prefill too, in a process of its own (SGLang allows one ModelRunner per process),
 and the Qwen2.5-VL-7B shape the H200's image row runs."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ import sys
 
 import pytest
 from bench_modes import both_modes
+from click.testing import CliRunner
 from extract_runs import ROOT
 
 from benchmarks.extraction_vs_prefill import (
@@ -23,6 +25,7 @@ from benchmarks.extraction_vs_prefill import (
 )
 from benchmarks.image_chats import write_image_chats
 from offline_extract import planning
+from offline_extract.commands.extract import main as extract_command
 from offline_extract.default_model import TRAINING_TEXT
 from offline_extract.engine.distributed import Coordinator, Layout
 from offline_extract.extraction import sample_tokenizer
@@ -115,6 +118,30 @@ def test_data_beside_the_synthetic_lengths_is_refused_naming_both():
     )
     assert proc.returncode == 2
     assert "Error: --mean-length shapes the synthetic corpus, which --data replaces" in proc.stderr
+
+
+def test_image_threads_is_extract_pys_option_and_prepares_the_datas_image_chats(qwen_vl_dir, tmp_path, monkeypatch):
+    """bin/bench.py --image-threads is bin/extract.py's own (help, bounds and default from ExtractOptions), and the
+    tokenizer that prepares --data's image chats, for the batches made first and the fed ones, takes it."""
+    monkeypatch.syspath_prepend(str(ROOT / "bin"))  # for its `import _bin_path`, which takes it off again
+    spec = importlib.util.spec_from_file_location("bin_bench", ROOT / "bin" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    (ours,) = (p for p in bench.main.params if p.name == "image_threads")
+    (theirs,) = (p for p in extract_command.params if p.name == "image_threads")
+    assert ours.to_info_dict() == theirs.to_info_dict()
+    assert "0 is not in the range x>=1" in CliRunner().invoke(bench.main, ["--image-threads", "0"]).output
+
+    corpus = tmp_path / "chats.jsonl"
+    write_image_chats(corpus, 4, sizes="28x56,56x56")
+    given = []
+    monkeypatch.setattr("benchmarks.extraction_vs_prefill.run_bench", given.append)
+    ran = CliRunner().invoke(bench.main, ["--model", str(qwen_vl_dir), "--data", str(corpus), "--image-threads", "3"])
+    assert ran.exit_code == 0, ran.output
+    (opts,) = given
+    coord = Coordinator(Layout(), "bench-image-threads")
+    tokenizer, _, _, facts = bench_corpus(opts, run_options(opts, qwen_vl_dir), qwen_vl_dir, coord.layout, coord)
+    assert tokenizer.image_threads == 3 and facts["samples_with_images"] == 4
 
 
 # What run_bench does with --data up to the timing, then both modes, on the tiny Qwen2.5-VL on CPU.
