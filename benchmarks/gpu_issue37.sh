@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_issue37.sh moe   OUTDIR    # call 1: ~460 s
 #   SMOL=/dev/shm/smol bash benchmarks/gpu_issue37.sh small OUTDIR    # call 2: ~500 s, on the same machine
 # or a part of either: `bench_small` (small's bench and bin/extract.py runs, ~250 s), `host` (the feed's rate
-# and the host's bounds, ~75 s), `warmup SHAPE...` (bin/extract.py cold then cached on each MoE shape), `data`
+# and the host's bounds, ~75 s), `warmup SHAPE...` (bin/extract.py cold then cached on each MoE shape),
+# `bench_moe SHAPE...` (moe's bench alone on the shapes named, ~100 s each), `data`
 # (the bench on the real text itself, `bin/bench.py --data`, beside bin/extract.py on it, bf16; ~150 s).
 # BUDGET (seconds, default 540) is the call's own limit.
 # after `source /tmp/sglang-site/env.sh`. SMOL is the real SmolLM2-135M-Instruct directory (bf16 safetensors and
@@ -22,9 +23,9 @@
 # Every step's command, exit status and seconds go to OUTDIR/steps.jsonl, its output to OUTDIR/<step>.log;
 # the benches' JSONs (each with its command) to OUTDIR/bench, the runs' manifests to OUTDIR/runs.
 source "$(dirname "$0")/steps.sh"
-part=${1:?moe, small, bench_small, host, warmup or data}
-if [[ ! $part =~ ^(moe|small|bench_small|host|warmup|data)$ ]]; then
-  echo "unknown part $part: moe, small, bench_small, host, warmup or data" >&2
+part=${1:?moe, small, bench_small, host, warmup, bench_moe or data}
+if [[ ! $part =~ ^(moe|small|bench_small|host|warmup|bench_moe|data)$ ]]; then
+  echo "unknown part $part: moe, small, bench_small, host, warmup, bench_moe or data" >&2
   exit 2
 fi
 begin "$2" "${BUDGET:-540}"
@@ -108,14 +109,18 @@ PY"
   corpus "$work/real_moe.jsonl" 400  # ~0.7M tokens with the tiny tokenizer the dummy models carry
 }
 
-if [[ $part == moe ]]; then
-  moe_inputs
+bench_moe() {  # bench_moe SHAPE...
   # The bench, every mode on warm kernels (~100 s each: SGLang's import and load ~40 s, the first pass, bare,
   # copy-only and extraction of 400k tokens, a 1 GiB disk probe).
-  for shape in q30a3b dsv3 gptoss; do
+  for shape in "$@"; do
     step "bench_$shape" 150 "python bin/bench.py --model $work/$shape --load-format dummy --num-tokens 400000 \
       --disk-probe-gb 1 --out /dev/shm/oe37_bench --results-dir $results/bench"
   done
+}
+
+if [[ $part == moe ]]; then
+  moe_inputs
+  bench_moe q30a3b dsv3 gptoss
   # Qwen3-MoE cold ~100 s (SGLang's warm-up compiling every token count's expert kernels), cached ~40 s.
   cold_and_cached q30a3b 150
 fi
@@ -172,6 +177,10 @@ if [[ $part == small ]]; then
   [[ -f $work/dsv3/config.json && -f $work/real_moe.jsonl ]] || moe_inputs
   cold_and_cached dsv3 100
   cold_and_cached gptoss 100
+fi
+if [[ $part == bench_moe ]]; then
+  [[ -f $work/dsv3/config.json && -f $work/real_moe.jsonl ]] || moe_inputs
+  bench_moe "$@"
 fi
 if [[ $part == warmup ]]; then
   [[ -f $work/dsv3/config.json && -f $work/real_moe.jsonl ]] || moe_inputs
