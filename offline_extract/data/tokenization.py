@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
@@ -23,6 +24,11 @@ from offline_extract.data.corpus import Record, Reject
 from offline_extract.data.images import ImageError, Images, as_array, load_images
 from offline_extract.options import Overlong, check_choice, default_image_threads
 from offline_extract.words import plural
+
+
+# Records handed to each of `_image_chats`' threads at a time: enough that a slow image (two images, a large
+# one) seldom leaves a thread without work, few enough that an exit waits for little.
+IMAGES_AHEAD_PER_THREAD = 4
 
 
 # eq=False: the generated __eq__/__hash__ would compare numpy arrays, which raises.
@@ -384,11 +390,25 @@ class SampleTokenizer:
 def _image_chats(prepare, records: list[Record], threads: int) -> list[tuple | Reject]:
     """`prepare` (`SampleTokenizer._image_chat`) of each record, in order, or its Reject: on `threads` threads,
     as decoding and the processor's torch operations release the GIL in their heavy parts; one at a time, a
-    batch of image chats waited on one core for every image's decoding and preparing."""
+    batch of image chats waited on one core for every image's decoding and preparing.
+
+    The threads are handed IMAGES_AHEAD_PER_THREAD records each at a time, not the whole call's at once. They
+    are not daemons (the interpreter's teardown would cut them off in C code), so the process's exit waits for
+    them: when a run fails or is stopped while the feed's thread is in this call, that wait is for those few
+    records, not for every image of the call. An error here drops the records not yet begun."""
     if len(records) < 2 or threads < 2:
         return [_image_chat_or_reject(prepare, r) for r in records]
-    with ThreadPoolExecutor(min(threads, len(records)), thread_name_prefix="images") as pool:
-        return list(pool.map(partial(_image_chat_or_reject, prepare), records))
+    one, ahead = partial(_image_chat_or_reject, prepare), IMAGES_AHEAD_PER_THREAD * threads
+    pool = ThreadPoolExecutor(min(threads, len(records)), thread_name_prefix="images")
+    try:
+        begun = deque(pool.submit(one, r) for r in records[:ahead])
+        done = []
+        for record in records[ahead:]:
+            done.append(begun.popleft().result())
+            begun.append(pool.submit(one, record))
+        return done + [f.result() for f in begun]
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def _image_chat_or_reject(prepare, record: Record) -> tuple | Reject:

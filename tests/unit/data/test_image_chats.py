@@ -1,16 +1,20 @@
 """Chats with images, through a vision-language model's own HF processor (the tiny Qwen2.5-VL's, `qwen_vl_dir`)."""
 
 import json
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
 import pytest
+from extract_runs import ROOT
 from PIL import Image
 from image_chats import PATCH, save_image
 from transformers import AutoProcessor
 
 from offline_extract.data.corpus import read_corpus
-from offline_extract.data.tokenization import Sample, SampleTokenizer
+from offline_extract.data.tokenization import IMAGES_AHEAD_PER_THREAD, Sample, SampleTokenizer
 from offline_extract.testing.models import VL_CHAT_TEMPLATE
 
 
@@ -329,3 +333,53 @@ def test_a_processor_failure_on_a_pool_thread_names_the_record(tmp_path, process
     with pytest.raises(RuntimeError, match="the processor broke") as raised:
         threaded.many(records)
     assert raised.value.__notes__ == [f"while preparing the images of {corpus}:2 (id 'c.jsonl:2')"]
+
+
+# A call's image chats prepared on a thread of its own, as the feed's thread runs them, when the main thread
+# fails: the images prepared when it fails, then when the process's exit has joined its threads (atexit).
+_FAIL_WHILE_PREPARING = """
+import atexit, sys, threading
+from transformers import AutoProcessor
+from offline_extract.data.corpus import read_corpus
+from offline_extract.data.tokenization import SampleTokenizer
+
+model, corpus, failure = sys.argv[1:]
+processor = AutoProcessor.from_pretrained(model)
+tokenizer = SampleTokenizer(processor.tokenizer, max_length=4096, processor=processor, image_threads=2)
+records, prepare, prepared, one_done = list(read_corpus([corpus])), tokenizer._image_chat, [], threading.Event()
+def counted(record):
+    sample = prepare(record)
+    prepared.append(record.line)
+    one_done.set()
+    return sample
+tokenizer._image_chat = counted
+threading.Thread(target=tokenizer.many, args=(records,), name="batches-ahead", daemon=True).start()
+one_done.wait()
+print(len(prepared), flush=True)
+atexit.register(lambda: print(len(prepared), flush=True))
+raise {"error": RuntimeError("the forwards failed"), "ctrl-c": KeyboardInterrupt()}[failure]
+"""
+
+
+@pytest.mark.parametrize(
+    "failure, said", [("error", "RuntimeError: the forwards failed"), ("ctrl-c", "KeyboardInterrupt")]
+)
+def test_a_failure_beside_the_image_pool_ends_the_process_without_preparing_the_rest(
+    tmp_path, qwen_vl_dir, failure, said
+):
+    """The pool is handed a few records per thread at a time: a process that fails or is stopped while a call
+    prepares its image chats on another thread waits at exit for those alone, not for every image of the call."""
+    for k in range(48):
+        save_image(tmp_path / f"{k}.png", 4 * PATCH, 4 * PATCH, seed=k)
+    chat = [{"from": "human", "value": "<image>what?"}, {"from": "gpt", "value": "it"}]
+    corpus = write_corpus(tmp_path / "c.jsonl", [{"conversations": chat, "images": [f"{k}.png"]} for k in range(48)])
+    proc = subprocess.run(
+        [sys.executable, "-c", _FAIL_WHILE_PREPARING, str(qwen_vl_dir), str(corpus), failure],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode != 0 and f"\n{said}" in proc.stderr, proc.stderr[-2000:]
+    when_failed, at_exit = map(int, proc.stdout.split())
+    assert at_exit - when_failed <= IMAGES_AHEAD_PER_THREAD * 2 + 2 < 48 - when_failed, (when_failed, at_exit)
