@@ -31,6 +31,7 @@ from offline_extract.data.sources import Source
 from offline_extract.data.tokenization import Sample, SampleTokenizer, tokenizer_files
 from offline_extract.engine import checkpoint, parity
 from offline_extract.engine.distributed import Coordinator, Layout, ReportedByLeader, Share, layout_from_env
+from offline_extract.engine.multimodal import IMAGE_MODELS
 from offline_extract.engine.nonfinite import NonFiniteGuard
 from offline_extract.engine.sglang_adapter import LAYER_CONVENTION, Engine, EngineConfig, PortTaken, import_sglang
 from offline_extract.feed import HostMemory, extract_batches, prepared_ahead
@@ -206,6 +207,7 @@ def sample_tokenizer(opts: ExtractOptions, model_dir: Path) -> SampleTokenizer:
         processor=processor,
         image_token_id=None if processor is None else _image_token_id(model_dir),
         image_threads=opts.image_threads,
+        images_refused=None if processor is None else _without_its_tower(model_dir),
     )
 
 
@@ -231,6 +233,24 @@ def _image_processor(opts: ExtractOptions, model_dir: Path):
             f"AutoProcessor finds no image processor there ({needed})"
         )
     return processor
+
+
+def _without_its_tower(model_dir: Path) -> str | None:
+    """Why a vision-language checkpoint whose processor loads still takes no image: its index names none of the
+    tower's weights that SGLang builds the tower from (`ImageModel.indexed_tower`), so SGLang runs it text-only.
+    Its image chats are refused as they come, naming the record, where their forward would fail inside SGLang
+    without naming it; its text records run."""
+    config = json.loads((model_dir / "config.json").read_text())
+    spec = IMAGE_MODELS.get((config.get("architectures") or [None])[0])
+    missing = checkpoint.unindexed(model_dir, spec.indexed_tower) if spec else ()
+    if not missing:
+        return None
+    index = model_dir / checkpoint.CHECKPOINT_INDEX
+    lacks = f"names no {' or '.join(f'{p}*' for p in missing)} weights" if index.is_file() else "does not exist"
+    return (
+        f"runs text-only in SGLang: its index {index} {lacks}, and SGLang builds the vision tower only from the "
+        f"weights the index names. Give the checkpoint with its vision weights, or a corpus without images"
+    )
 
 
 def _image_token_id(model_dir: Path) -> int | None:

@@ -169,6 +169,7 @@ class SampleTokenizer:
         processor=None,
         image_token_id: int | None = None,
         image_threads: int | None = None,
+        images_refused: str | None = None,
     ):
         check_choice("overlong", overlong)
         if max_length < 1:
@@ -181,16 +182,12 @@ class SampleTokenizer:
         # A vision-language model's HF processor (AutoProcessor), which prepares its image records; None for a
         # text-only model. Its chat template, where it has one, renders every chat, so that text and image
         # chats are rendered alike.
-        # Its image_token is the placeholder the chat template writes and the processor widens into each
-        # image's tokens; `image_token_id` is the token among those that the model's image embeddings replace
-        # (its config's image_token_id), by default the placeholder itself, as Qwen's processors repeat it.
+        # `images_refused`: why a model with a processor takes no image even so (a checkpoint without its tower's
+        # weights, extraction._without_its_tower), said after its name when its first image chat is refused.
         self.processor = processor
+        self.images_refused = _TEXT_ONLY if processor is None else images_refused
         if processor is not None:
-            image_token = getattr(processor, "image_token", None)
-            if image_token is None:
-                raise ValueError(f"the processor of {model} ({type(processor).__name__}) names no image token")
-            self.placeholder_id = tokenizer.convert_tokens_to_ids(image_token)
-            self.image_token_id = self.placeholder_id if image_token_id is None else image_token_id
+            self.placeholder_id, self.image_token_id = _image_token_ids(processor, tokenizer, model, image_token_id)
         self.image_threads = image_threads or default_image_threads()  # preparing a `many` call's image chats
         self.vocab_size = len(tokenizer)
         self.chars_per_token = max(map(len, tokenizer.get_vocab()), default=1)
@@ -232,8 +229,8 @@ class SampleTokenizer:
         chats: list[tuple[int, tuple, str, list[int]]] = []  # (position, contents cut, rendered, assistant bounds)
         done: list = [None] * len(records)  # a Reject, or (ids, mask, cut), or with images (ids, mask, cut, images)
         pictured = [r for r in records if r.images]
-        if pictured and self.processor is None:
-            _refuse_images(pictured[0], self.model)
+        if pictured and self.images_refused:
+            _refuse_images(pictured[0], self.model, self.images_refused)
         pictured = iter(_image_chats(self._image_chat, pictured, self.image_threads))
         for i, record in enumerate(records):
             try:
@@ -387,6 +384,18 @@ class SampleTokenizer:
         return dict(self._fingerprint)
 
 
+def _image_token_ids(processor, tokenizer, model: str, image_token_id: int | None) -> tuple[int, int]:
+    """(placeholder, image token) ids: the processor's image_token is the placeholder the chat template writes
+    and the processor widens into each image's tokens; `image_token_id` is the token among those that the
+    model's image embeddings replace (its config's image_token_id), by default the placeholder itself, as Qwen's
+    processors repeat it."""
+    image_token = getattr(processor, "image_token", None)
+    if image_token is None:
+        raise ValueError(f"the processor of {model} ({type(processor).__name__}) names no image token")
+    placeholder_id = tokenizer.convert_tokens_to_ids(image_token)
+    return placeholder_id, placeholder_id if image_token_id is None else image_token_id
+
+
 def _image_chats(prepare, records: list[Record], threads: int) -> list[tuple | Reject]:
     """`prepare` (`SampleTokenizer._image_chat`) of each record, in order, or its Reject: on `threads` threads,
     as decoding and the processor's torch operations release the GIL in their heavy parts; one at a time, a
@@ -421,14 +430,16 @@ def _image_chat_or_reject(prepare, record: Record) -> tuple | Reject:
         raise
 
 
-def _refuse_images(record: Record, model: str) -> None:
-    """A record with images, for a model that reads none: every such record would fail alike, so the run stops
-    (as for chat records without a chat template), naming the record and the model."""
-    raise ValueError(
-        f"{_where(record)} holds {plural(len(record.images), 'image')}, but {model} is a text-only model (its "
-        f"config.json has no vision_config): nothing of it reads images. Give a vision-language "
-        f"model, or a corpus without images"
-    )
+_TEXT_ONLY = (
+    "is a text-only model (its config.json has no vision_config): nothing of it reads images. Give a "
+    "vision-language model, or a corpus without images"
+)
+
+
+def _refuse_images(record: Record, model: str, why: str) -> None:
+    """A record with images, for a model that reads none (`why`): every such record would fail alike, so the run
+    stops (as for chat records without a chat template), naming the record and the model."""
+    raise ValueError(f"{_where(record)} holds {plural(len(record.images), 'image')}, but {model} {why}")
 
 
 def _where(record: Record) -> str:

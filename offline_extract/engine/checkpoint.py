@@ -42,6 +42,13 @@ def _weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
+def unindexed(model_dir: Path, prefixes: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of `prefixes` under which the checkpoint's index names no weight: all of them where it has no index."""
+    index = model_dir / CHECKPOINT_INDEX
+    names = _weight_map(index) if index.is_file() else {}
+    return tuple(p for p in prefixes if not any(name.startswith(p) for name in names))
+
+
 class WeightsMissing(FileNotFoundError):
     """Weight files that the checkpoint's index names and that are not there: an interrupted download or copy."""
 

@@ -88,6 +88,10 @@ class ImageModel:
     # splits the feature's rows among the images. Otherwise the positions are the text's, and each row of the
     # feature (a Llama 4 tile) fills one run of image tokens.
     mrope: bool = False
+    # The weight names' prefixes (tower, projector) that the SGLang file builds its tower from only where the
+    # checkpoint's index names weights under them (mllama4.py's _has_vision_weights); otherwise it runs the model
+    # text-only, and an image chat's forward fails inside SGLang.
+    indexed_tower: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -242,6 +246,7 @@ FAMILIES = (
             feature="pixel_values",
             beside=(),
             markers=("boi_token_id", "eoi_token_id"),
+            indexed_tower=("vision_model.", "multi_modal_projector."),
         ),
     ),
     # Kimi-K2 runs on the same classes; its single expert group takes another path of the routing.

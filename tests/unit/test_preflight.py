@@ -653,3 +653,45 @@ def test_a_vision_language_model_tokenizes_with_its_processor_or_is_refused_nami
     )
     (sample,) = tokenizer.many(list(read_corpus([corpus])))
     assert int(sample.images.token_mask.sum()) == 2
+
+
+def test_a_llama4_checkpoint_whose_index_names_no_tower_refuses_its_image_chats_naming_the_index(
+    tiny_model_dir, tmp_path
+):
+    """SGLang builds Llama 4's vision tower only from weights the checkpoint's index names, else runs it text-only:
+    without them the first image chat is refused as it is tokenized, before any forward (the dry run's, or the
+    --strict run's before the model loads), naming the record, the index and the prefixes it lacks, where the
+    forward would fail inside SGLang naming neither; its text records still tokenize."""
+    model = build_model("llama4", tmp_path / "m", tokenizer_dir=tiny_model_dir)
+    save_image(tmp_path / "a.png", PATCH, PATCH)
+    reply = {"from": "gpt", "value": "ok"}
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(
+        json.dumps({"conversations": [{"from": "human", "value": "hi"}, reply]})
+        + "\n"
+        + json.dumps(
+            {"id": "pic", "conversations": [{"from": "human", "value": "<image>"}, reply], "images": ["a.png"]}
+        )
+        + "\n"
+    )
+    opts = ExtractOptions(data=(str(corpus),), model=str(model), out=str(tmp_path / "out"))
+    records = list(read_corpus([corpus]))
+    text, image = extraction.sample_tokenizer(opts, model).many(records)
+    assert text.images is None and image.images is not None, "with the tower's weights indexed, it takes images"
+
+    index = model / "model.safetensors.index.json"
+    document = json.loads(index.read_text())
+    document["weight_map"] = {k: v for k, v in document["weight_map"].items() if k.startswith("language_model.")}
+    index.write_text(json.dumps(document))
+    refusal = (
+        f"{corpus}:2 (id 'pic') holds 1 image, but {model} runs text-only in SGLang: its index {index} names no "
+        f"vision_model.* or multi_modal_projector.* weights, and SGLang builds the vision tower only from the "
+        f"weights the index names. Give the checkpoint with its vision weights, or a corpus without images"
+    )
+    for attempt in (extraction.dry_run, lambda o: extraction.run(replace(o, strict=True))):
+        with pytest.raises(ValueError) as refused:
+            attempt(opts)
+        assert str(refused.value) == refusal
+    assert not (tmp_path / "out").exists()
+    (text,) = extraction.sample_tokenizer(opts, model).many(records[:1])
+    assert text.images is None
