@@ -155,3 +155,16 @@ def test_the_docs_name_engine_functions_where_they_are_defined():
     ]
     assert len(named) > 20, "the pattern finds the pages' engine names"
     assert [n for n in named if n[2] not in engine[n[1]]] == []
+
+
+def test_no_page_repeats_the_bound_of_the_image_threads_default():
+    # options.MOST_IMAGE_THREADS bounds it, and --help states its value from there (tests/unit/test_options.py):
+    # a page that gave the number too would go stale when it changes.
+    pages = [*PAGES, ROOT / "benchmarks" / "README.md"]
+    defaults = [
+        (page.name, " ".join(default.split()))
+        for page in pages
+        for default in re.findall(r"`--image-threads`[^()]{0,80}\(default: ([^)]*)\)", page.read_text())
+    ]
+    assert len(defaults) >= 2, "the pattern finds the pages' defaults of --image-threads"
+    assert [(page, default) for page, default in defaults if re.search(r"\d", default)] == []
