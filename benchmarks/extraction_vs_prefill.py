@@ -596,7 +596,7 @@ def run_bench(opts: BenchOptions) -> list[dict]:
             shutil.rmtree(root, ignore_errors=True)
             disk_rate = disk_write_rate(root / "probe", opts.disk_probe_bytes, opts.writers) if layout.writes else 0.0
             torch.cuda.reset_peak_memory_stats()
-            run = RunInfo(
+            info = RunInfo(
                 model=str(model_dir),
                 layer_ids=tuple(engine.layer_ids),
                 store=encoding.store,
@@ -607,7 +607,7 @@ def run_bench(opts: BenchOptions) -> list[dict]:
                 # Created before the clock starts, as a run creates it before its first batch.
                 if not layout.writes:
                     return None
-                return ShardWriter(root / name, run, writers=opts.writers, widths=widths)
+                return ShardWriter(root / name, info, writers=opts.writers, widths=widths)
 
             host_times = {}
 
