@@ -90,7 +90,10 @@ def _kind(record) -> str:
     help="The tokenizer's threads (RAYON_NUM_THREADS) and torch's; default: all cores.",
 )
 @click.option(
-    "--image-threads", default=None, type=int, help="ExtractOptions.image_threads; default: the run's default."
+    "--image-threads",
+    default=None,
+    type=click.IntRange(min=1),
+    help="ExtractOptions.image_threads; default: the run's default.",
 )
 @click.option("--json", "json_path", default=None, help="Also write the result here.")
 def main(model, shape, data, max_length, tokens_per_batch, together, threads, image_threads, json_path):

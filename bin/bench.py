@@ -219,12 +219,7 @@ def _refuse_synthetic_options_beside_data(data: tuple[str, ...]) -> None:
     show_default=True,
     help="GiB written to each --out to measure its write rate.",
 )
-@click.option(
-    "--writers",
-    default=BenchOptions.writers,
-    show_default=True,
-    help="Shard writer threads, one file each (they also compress under zstd); bin/extract.py --writers.",
-)
+@extract_option("writers")
 @extract_option("image_threads")
 @click.option(
     "--store",

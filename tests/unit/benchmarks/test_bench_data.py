@@ -127,9 +127,10 @@ def test_image_threads_is_extract_pys_option_and_prepares_the_datas_image_chats(
     spec = importlib.util.spec_from_file_location("bin_bench", ROOT / "bin" / "bench.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    (ours,) = (p for p in bench.main.params if p.name == "image_threads")
-    (theirs,) = (p for p in extract_command.params if p.name == "image_threads")
-    assert ours.to_info_dict() == theirs.to_info_dict()
+    for name in ("image_threads", "writers"):  # the options bin/bench.py shares with bin/extract.py
+        (ours,) = (p for p in bench.main.params if p.name == name)
+        (theirs,) = (p for p in extract_command.params if p.name == name)
+        assert ours.to_info_dict() == theirs.to_info_dict(), name
     assert "0 is not in the range x>=1" in CliRunner().invoke(bench.main, ["--image-threads", "0"]).output
 
     corpus = tmp_path / "chats.jsonl"
