@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -408,7 +409,7 @@ def _image_chats(prepare, records: list[Record], threads: int) -> list[tuple | R
     if len(records) < 2 or threads < 2:
         return [_image_chat_or_reject(prepare, r) for r in records]
     one, ahead = partial(_image_chat_or_reject, prepare), IMAGES_AHEAD_PER_THREAD * threads
-    pool = ThreadPoolExecutor(min(threads, len(records)), thread_name_prefix="images")
+    pool = ThreadPoolExecutor(min(threads, len(records)), thread_name_prefix="images", initializer=_one_torch_thread)
     try:
         begun = deque(pool.submit(one, r) for r in records[:ahead])
         done = []
@@ -418,6 +419,28 @@ def _image_chats(prepare, records: list[Record], threads: int) -> list[tuple | R
         return done + [f.result() for f in begun]
     finally:
         pool.shutdown(cancel_futures=True)
+
+
+# Held while an image thread takes torch to one thread: torch.set_num_threads also sets the count every thread
+# takes at its first torch operation, which `_one_torch_thread` puts back.
+_TORCH_THREADS = threading.Lock()
+
+
+def _one_torch_thread() -> None:
+    """An image thread's torch operations (the processor's resize, normalization and patching) on its own core:
+    with torch's intra-op threads in each, `image_threads` threads would each start a team as large as the host
+    (on 16 cores, 8 teams of 16 threads), which contend for the cores and spin between operations, and a call's
+    image chats were prepared slower side by side than one at a time. Their values do not change: torch splits
+    these operations by output element. The count the process's other threads start with is put back, from a
+    thread of its own, since setting it also sets the setting thread's."""
+    import torch
+
+    with _TORCH_THREADS:
+        process = torch.get_num_threads()  # this thread's first torch call: the process's count
+        torch.set_num_threads(1)
+        restore = threading.Thread(target=torch.set_num_threads, args=(process,), name="images-torch-threads")
+        restore.start()
+        restore.join()
 
 
 def _image_chat_or_reject(prepare, record: Record) -> tuple | Reject:

@@ -383,3 +383,43 @@ def test_a_failure_beside_the_image_pool_ends_the_process_without_preparing_the_
     assert proc.returncode != 0 and f"\n{said}" in proc.stderr, proc.stderr[-2000:]
     when_failed, at_exit = map(int, proc.stdout.split())
     assert at_exit - when_failed <= IMAGES_AHEAD_PER_THREAD * 2 + 2 < 48 - when_failed, (when_failed, at_exit)
+
+
+def test_image_threads_run_torch_on_one_thread_and_give_the_processors_own_pixels(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    """The 7B shape's processor on photo-sized JPEG and PNG images (resized, so its bicubic resize runs): the
+    pool's threads run torch on one thread each, not a team of the process's count each, and their tokens and
+    pixels are bit for bit those of the processor called directly, on the caller's thread with torch's threads,
+    as a server calls it. The count the process's other threads start with is left as it was."""
+    import torch
+
+    from benchmarks.image_chats import write_image_chats
+    from offline_extract.testing.models import build_model
+
+    model = build_model("qwen2_5_vl_7b", tmp_path / "m", weights=False, tokenizer_dir=tiny_model_dir)
+    processor = AutoProcessor.from_pretrained(model)
+    write_image_chats(tmp_path / "c.jsonl", 6, sizes="410x307,640x480,811x603")
+    records = list(read_corpus([tmp_path / "c.jsonl"]))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        st = SampleTokenizer(processor.tokenizer, max_length=8192, processor=processor, image_threads=3)
+        counts, prepare = set(), st._image_chat
+        monkeypatch.setattr(st, "_image_chat", lambda r: (counts.add(torch.get_num_threads()), prepare(r))[1])
+        samples = st.many(records)
+        started = []
+        thread = threading.Thread(target=lambda: started.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert counts == {1} and torch.get_num_threads() == 2 and started == [2]
+        for record, sample in zip(records, samples, strict=True):
+            pictures = [Image.open(ref.location).convert("RGB") for ref in record.images]
+            full, _ = st._render_chat(record.messages)
+            expected = processor(text=[full], images=pictures, return_tensors="pt", add_special_tokens=False)
+            assert sample.input_ids.tolist() == expected["input_ids"][0].tolist()
+            for key in ("pixel_values", "image_grid_thw"):
+                got, want = sample.images.processor_outputs[key], expected[key].numpy()
+                assert (got.dtype, got.shape) == (want.dtype, want.shape) and got.tobytes() == want.tobytes()
+    finally:
+        torch.set_num_threads(before)
