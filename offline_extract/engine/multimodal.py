@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import weakref
 from array import array
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +23,7 @@ import torch
 
 from offline_extract.data.images import Images
 from offline_extract.engine.families import FAMILIES, ImageModel
+from offline_extract.options import default_image_threads
 
 
 # Vision-language architectures whose image inputs this engine builds, by SGLang class name.
@@ -123,9 +125,16 @@ class HostWork:
         self._ahead: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Images -> (its ids, HostInputs)
 
     def prepare(self, hf_config, spec: ImageModel, seqs, images) -> None:
-        for ids, im in zip(seqs, images):
-            if im is not None:
-                self._ahead[im] = (ids, host_inputs(hf_config, spec, ids, im))
+        """The sequences' `HostInputs`, side by side on `default_image_threads` threads: sha256 releases the GIL
+        over a buffer, and on the feed's one thread a batch's images took longer to hash (a 7B Qwen's photo is
+        about 10 MB of pixels) than the image threads took to prepare them."""
+        todo = [(ids, im) for ids, im in zip(seqs, images) if im is not None]
+        if not todo:
+            return
+        with ThreadPoolExecutor(min(len(todo), default_image_threads()), thread_name_prefix="image-hashes") as pool:
+            made = list(pool.map(lambda one: host_inputs(hf_config, spec, *one), todo))
+        for (ids, im), ahead in zip(todo, made):
+            self._ahead[im] = (ids, ahead)
 
     def request(self, model, hf_config, spec: ImageModel, ids: np.ndarray, images: Images):
         """`image_request`, on the `HostInputs` prepared for these very ids and images where there are some."""

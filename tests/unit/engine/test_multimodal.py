@@ -98,6 +98,32 @@ def test_a_request_on_host_inputs_made_ahead_is_the_request_made_in_one_go(vl, m
     assert work.request(model, config, spec, again, images)[0] != whole[0] and hashed, "other ids: hashed anew"
 
 
+def test_a_batchs_images_are_hashed_side_by_side_each_for_its_own_sequence(vl, monkeypatch):
+    """HostWork.prepare hashes a batch's sequences on threads of their own (sha256 releases the GIL), and each
+    sequence's HostInputs are the ones made for it alone."""
+    import threading
+
+    from offline_extract.engine import multimodal
+
+    config, spec, width = vl.config, vl.spec, vl.width
+    seqs = [_sequence([2 + k]) for k in range(4)]
+    images = [_images(ids, [[1, 2, 2 + k]], width) for k, ids in enumerate(seqs)]
+    threads, made = set(), multimodal.host_inputs
+    monkeypatch.setattr(
+        multimodal, "host_inputs", lambda *a: (threads.add(threading.current_thread().name), made(*a))[1]
+    )
+    monkeypatch.setattr(multimodal, "default_image_threads", lambda: 3)
+    work = HostWork()
+    work.prepare(config, spec, seqs + [seqs[0][:3]], images + [None])
+    assert threads and all(name.startswith("image-hashes") for name in threads)
+    for ids, im in zip(seqs, images):
+        ahead_ids, ahead = work._ahead[im]
+        alone = made(config, spec, ids, im)
+        assert ahead_ids is ids and ahead.hashes == alone.hashes
+        assert torch.equal(ahead.mrope["mrope_positions"], alone.mrope["mrope_positions"])
+    assert len({work._ahead[im][1].hashes for im in images}) == len(images)
+
+
 def test_each_images_tokens_get_its_own_pad_value_and_the_positions_follow_its_grid(vl):
     model, config, spec, width = vl.model, vl.config, vl.spec, vl.width
     ids = _sequence([2, 4])  # grids 1x2x4 and 1x4x4 patches, merged 2x2: 2 and 4 tokens
