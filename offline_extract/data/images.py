@@ -29,9 +29,9 @@ class Images:
 
 
 def as_array(output) -> np.ndarray:
-    """One of an HF processor's outputs (a torch tensor, as return_tensors="pt" gives it) as numpy. numpy has no
-    bfloat16, in which Llama 4's processor normalizes its pixels (as Meta's code does): float32 holds those values
-    exactly, and the engine and HF take them back to the model's dtype."""
+    """One of an HF processor's image outputs (a torch tensor, as the image processor's return_tensors="pt" gives
+    it) as numpy. numpy has no bfloat16, in which Llama 4's processor normalizes its pixels (as Meta's code does):
+    float32 holds those values exactly, and the engine and HF take them back to the model's dtype."""
     import torch
 
     return (output.float() if output.dtype == torch.bfloat16 else output).numpy()
