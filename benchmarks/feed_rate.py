@@ -3,7 +3,8 @@
 does it (read_corpus, the run's SampleTokenizer with the model's HF processor where it has one,
 batch_by_tokens), one record a call of the tokenizer and `--together` records a call (SampleTokenizer.many,
 which a run uses: the fast tokenizer's own threads spread them over the cores), in records/s and tokens/s,
-text, chats and image chats apart (these in images/s too: decoded and prepared by the processor). A run's GPU
+text, chats and image chats apart (these in images/s too: decoded and prepared by the processor, then each
+batch's pixels hashed as the engine hashes them on the feed's thread, `host_inputs_s` of the time). A run's GPU
 waits for its input where these fall below its forwards' tokens/s.
 
 \b
@@ -30,8 +31,9 @@ sys.path.insert(0, str(ROOT))  # run as a file: this checkout's benchmarks and o
 from benchmarks import command_line, emit, program  # noqa: E402
 
 
-def _rate(records, tokenize, budget: int) -> dict:
-    """The rate of `tokenize` over `records`, batched under `budget` tokens a forward."""
+def _rate(records, tokenize, budget: int, host=None) -> dict:
+    """The rate of `tokenize` over `records`, batched under `budget` tokens a forward; with `host` (a model's
+    HostWork.prepare, as Engine.prepare_images calls it on the feed's thread), the images' pixels hashed too."""
     from offline_extract.data.batching import batch_by_tokens
     from offline_extract.data.tokenization import Sample
 
@@ -39,6 +41,9 @@ def _rate(records, tokenize, budget: int) -> dict:
     samples = [s for s in tokenize(records) if isinstance(s, Sample)]
     tokenized = time.perf_counter()
     batches = list(batch_by_tokens(samples, budget, 256))
+    batched = time.perf_counter()
+    for batch in batches if host is not None else ():
+        host([s.input_ids for s in batch.samples], [s.images for s in batch.samples])
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = sum(s.num_tokens for s in samples)
     images = sum(len(r.images) for r in records)
@@ -52,7 +57,8 @@ def _rate(records, tokenize, budget: int) -> dict:
         **({"images": images, "images_s": images / seconds} if images else {}),
         # The cores' seconds it took, every thread's: what a rate costs where other work shares the cores.
         "cpu_s": cpu,
-        "batching_s": seconds - (tokenized - start),
+        "batching_s": batched - tokenized,
+        **({"host_inputs_s": seconds - (batched - start)} if host is not None else {}),
     }
 
 
@@ -68,6 +74,19 @@ def model_dir(model: str | None, shape: str | None) -> Path:
     if not (path / "config.json").exists():
         build_model(shape, path, weights=False)
     return path
+
+
+def _host_work(path: Path, sample):
+    """The model's HostWork.prepare: what the engine does on the feed's thread for a batch's images; run once on
+    `sample` first, for SGLang's imports."""
+    from transformers import AutoConfig
+
+    from offline_extract.engine.multimodal import HostWork, image_model
+
+    config = AutoConfig.from_pretrained(path)
+    spec = image_model(config.architectures[0], str(path))
+    HostWork().prepare(config, spec, [sample.input_ids], [sample.images])
+    return lambda seqs, images: HostWork().prepare(config, spec, seqs, images)
 
 
 def _kind(record) -> str:
@@ -102,6 +121,7 @@ def main(model, shape, data, max_length, tokens_per_batch, together, threads, im
     import torch
 
     from offline_extract.data.corpus import Record, read_corpus
+    from offline_extract.data.tokenization import Sample
     from offline_extract.extraction import sample_tokenizer
     from offline_extract.options import ExtractOptions
 
@@ -123,12 +143,18 @@ def main(model, shape, data, max_length, tokens_per_batch, together, threads, im
         chosen = [r for r in records if _kind(r) == kind]
         if not chosen:
             continue
+        host = (
+            _host_work(path, next(s for s in st.many(chosen[:8]) if isinstance(s, Sample)))
+            if kind == "image_chat"
+            else None
+        )
         result[kind] = {
-            "one_by_one": _rate(chosen, lambda rs: [st(r) for r in rs], tokens_per_batch),
+            "one_by_one": _rate(chosen, lambda rs: [st(r) for r in rs], tokens_per_batch, host),
             "together": _rate(
                 chosen,
                 lambda rs: [s for i in range(0, len(rs), together) for s in st.many(rs[i : i + together])],
                 tokens_per_batch,
+                host,
             ),
         }
     emit(result, json_path)
