@@ -180,9 +180,8 @@ class SampleTokenizer:
         self.tokenizer = tokenizer
         self._fit = _Fit(max_length, overlong, trim_after_last_loss, min_loss_run)
         self.model = model  # its name, for a refusal
-        # A vision-language model's HF processor (AutoProcessor), which prepares its image records; None for a
-        # text-only model. Its chat template, where it has one, renders every chat, so that text and image
-        # chats are rendered alike.
+        # A vision-language model's HF processor (AutoProcessor), which prepares its image records (None for a
+        # text-only model); its chat template, where it has one, renders every chat, text and image chats alike.
         # `images_refused`: why a model with a processor takes no image even so (a checkpoint without its tower's
         # weights, extraction._without_its_tower), said after its name when its first image chat is refused.
         self.processor = processor
