@@ -561,16 +561,23 @@ class Engine:
         """Captures a throwaway batch of two short sequences, so that what compiles on first use
         (JIT_CACHES) compiles here rather than inside the first real batch: the Triton kernels, and the
         wait for any nvcc module `KernelPrebuild` is still building; seconds when the cache is cold,
-        milliseconds once it is warm. On a MoE model, then one sequence of each of `warm_up_token_counts`:
-        the experts' kernels compile for every token count a batch of the run can have. No chunked
+        milliseconds once it is warm. On a MoE model, then a forward of each of `warm_up_token_counts`, in
+        as few sequences as the context allows: the experts' kernels compile for every token count a batch
+        of the run can have. No chunked
         sequence: an extend on a prefix is verified on Llama only, and a run whose samples all fit one
         forward must not fail on it; a run's first long sample compiles what that path adds."""
-        vocab, budget = self.runner.model_config.vocab_size, self.cfg.max_tokens_per_batch
+        vocab, budget, longest = (
+            self.runner.model_config.vocab_size,
+            self.cfg.max_tokens_per_batch,
+            self.max_sequence_tokens,
+        )
         # Within any batch budget; one length a multiple of 16 and one not, as Triton specializes on that.
-        ids = [np.arange(1, max(1, min(n, budget // 2)) + 1, dtype=np.int64) % vocab for n in (17, 32)]
+        ids = [np.arange(1, max(1, min(n, budget // 2, longest)) + 1, dtype=np.int64) % vocab for n in (17, 32)]
         self.capture(ids[: self.cfg.max_seqs_per_batch])
         for n in self.warm_up_token_counts():
-            self.capture([np.arange(1, n + 1, dtype=np.int64) % vocab])
+            # The experts see a forward's tokens as one matrix, so n tokens in sequences the context holds.
+            parts = -(-n // longest)
+            self.capture([np.arange(1, n // parts + (i < n % parts) + 1, dtype=np.int64) % vocab for i in range(parts)])
         if torch.device(self.device).type == "cuda":
             torch.cuda.synchronize()
 
@@ -578,7 +585,9 @@ class Engine:
         """`moe.warm_up_token_counts` for this model and batch budget; empty for a dense model."""
         if not self.is_moe:
             return []
-        return warm_up_token_counts(self.runner, self.device, bool(self.quantization), self.cfg.max_tokens_per_batch)
+        # No forward holds more than its sequences can: at most max_seqs_per_batch, each within the context.
+        most = min(self.cfg.max_tokens_per_batch, self.cfg.max_seqs_per_batch * self.max_sequence_tokens)
+        return warm_up_token_counts(self.runner, self.device, bool(self.quantization), most)
 
     def capture(self, seqs: Sequence[np.ndarray], images: Sequence[Images | None] | None = None) -> Captured:
         """Prefill `seqs` as one EXTEND batch and return their states (still on the device).
@@ -643,6 +652,7 @@ class Engine:
     ) -> Captured | None:
         if self.is_chunked(seqs) and images is None:
             return self._chunked(seqs[0], self.chunk_tokens, capture)
+        self._check_lengths(seqs)
         total = sum(len(s) for s in seqs)
         if total > self.cfg.max_tokens_per_batch or len(seqs) > self.cfg.max_seqs_per_batch:
             raise ValueError(
@@ -699,11 +709,7 @@ class Engine:
         return self._chunks(ids, chunk, capture=True)
 
     def _chunks(self, ids: np.ndarray, chunk: int, capture: bool) -> Iterator[tuple[int, int, Captured | None]]:
-        if len(ids) > self.max_sequence_tokens:
-            raise ValueError(
-                f"a sequence of {len(ids)} tokens does not fit the KV pool of {self.max_sequence_tokens} tokens "
-                f"(raise context_length)"
-            )
+        self._check_lengths([ids])
         req = _new_req(0, ids)
         try:
             for start, stop in chunk_bounds(len(ids), chunk):
@@ -717,7 +723,17 @@ class Engine:
 
     @property
     def max_sequence_tokens(self) -> int:
-        return max(self.cfg.max_tokens_per_batch, self.cfg.context_length or 0)
+        """The longest sequence one request holds: SGLang sizes each row of its request-to-token pool for
+        the model's context length (a few slots more), and writes a longer one past its row."""
+        return self.runner.model_config.context_len
+
+    def _check_lengths(self, seqs: Sequence[np.ndarray]) -> None:
+        longest = max(len(s) for s in seqs)
+        if longest > self.max_sequence_tokens:
+            raise ValueError(
+                f"a sequence of {longest} tokens exceeds the context length of {self.max_sequence_tokens} that "
+                f"SGLang's pools were sized for (raise context_length)"
+            )
 
     def _extend(self, reqs: list, capture: bool) -> Captured | None:
         if self.prebuild is not None:

@@ -111,8 +111,42 @@ def test_bare_prefill_then_capture_again(engine):
 def test_batch_over_budget_is_refused(engine):
     with pytest.raises(ValueError, match="exceeds the engine"):
         engine.capture(_seqs([2000, 49]))
-    with pytest.raises(ValueError, match="does not fit the KV pool"):
+    with pytest.raises(ValueError, match="a sequence of 4097 tokens exceeds the context length of 4096"):
         engine.capture(_seqs([4097]))
+
+
+def test_a_moe_warm_up_over_a_budget_beyond_the_context_keeps_each_sequence_within_it(tiny_model_dir, tmp_path):
+    """A MoE model's warm-up compiles the experts' kernels for every token count a forward can hold, up to the
+    batch budget (512 here), in sequences no longer than the context (64 here): a longer one would write past its
+    row of SGLang's request-to-token pool (on the GPU an illegal memory access; on CPU a shape error). And a
+    sequence over the context is refused by name before it reaches the pool. (A fresh interpreter: one engine a
+    process.)"""
+    from offline_extract.testing.models import build_model
+
+    model = build_model("qwen3_moe", tmp_path / "m", dtype=torch.bfloat16, tokenizer_dir=tiny_model_dir)
+    script = (
+        "import sys, numpy as np\n"
+        "from offline_extract.engine.distributed import free_port\n"
+        "from offline_extract.engine.sglang_adapter import Engine, EngineConfig\n"
+        "e = Engine(EngineConfig(model_path=sys.argv[1], device='cpu', dtype='bfloat16', max_tokens_per_batch=512,\n"
+        "                        context_length=64, nccl_port=free_port()))\n"
+        "free = e.runner.token_to_kv_pool_allocator.available_size()\n"
+        "e.warm_up()\n"
+        "print(max(e.warm_up_token_counts()), e.runner.token_to_kv_pool_allocator.available_size() == free)\n"
+        "try:\n"
+        "    e.capture([np.arange(1, 66)])\n"
+        "except ValueError as err:\n"
+        "    print(err)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(model)], capture_output=True, text=True, cwd=ROOT, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.splitlines()[-2:] == [
+        "512 True",
+        "a sequence of 65 tokens exceeds the context length of 64 that SGLang's pools were sized for "
+        "(raise context_length)",
+    ]
 
 
 def _images(n: int) -> Images:
