@@ -184,5 +184,5 @@ if [[ $part == bench_moe ]]; then
 fi
 if [[ $part == warmup ]]; then
   [[ -f $work/dsv3/config.json && -f $work/real_moe.jsonl ]] || moe_inputs
-  for shape in "$@"; do cold_and_cached "$shape" 150; done
+  for shape in "$@"; do cold_and_cached "$shape" 330; done
 fi
