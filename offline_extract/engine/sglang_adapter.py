@@ -114,6 +114,21 @@ def _shim_sgl_kernel_if_missing() -> None:
         sys.modules["sgl_kernel"] = _SglKernelImportShim("sgl_kernel")
 
 
+def warm_up_batches(budget: int, max_seqs: int, longest: int, moe_counts: list[int]) -> list[list[int]]:
+    """The sequence lengths of each warm-up batch: two short sequences within the budget and the context
+    (`longest`), one length a multiple of 16 and one not, as Triton specializes on that; then on a MoE model a
+    forward of each of `moe_counts` tokens, in as few sequences as the context holds (the experts see a
+    forward's tokens as one matrix; a sequence over the context would write past its row of SGLang's
+    request-to-token pool). No chunked sequence: an extend on a prefix is verified on Llama only, and a run
+    whose samples all fit one forward must not fail on it; a run's first long sample compiles what that path
+    adds."""
+    batches = [[max(1, min(n, budget // 2, longest)) for n in (17, 32)][:max_seqs]]
+    for n in moe_counts:
+        parts = -(-n // longest)
+        batches.append([n // parts + (i < n % parts) for i in range(parts)])
+    return batches
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str
@@ -558,34 +573,21 @@ class Engine:
         return recording_routing(self.runner.model, self._experts_per_token, self._routed_experts)
 
     def warm_up(self) -> None:
-        """Captures a throwaway batch of two short sequences, so that what compiles on first use
+        """Captures the `warm_up_batches` of this model and budget, so that what compiles on first use
         (JIT_CACHES) compiles here rather than inside the first real batch: the Triton kernels, and the
         wait for any nvcc module `KernelPrebuild` is still building; seconds when the cache is cold,
-        milliseconds once it is warm. On a MoE model, then a forward of each of `warm_up_token_counts`, in
-        as few sequences as the context allows: the experts' kernels compile for every token count a batch
-        of the run can have. No chunked
-        sequence: an extend on a prefix is verified on Llama only, and a run whose samples all fit one
-        forward must not fail on it; a run's first long sample compiles what that path adds."""
-        vocab, budget, longest = (
-            self.runner.model_config.vocab_size,
-            self.cfg.max_tokens_per_batch,
-            self.max_sequence_tokens,
-        )
-        # Within any batch budget; one length a multiple of 16 and one not, as Triton specializes on that.
-        ids = [np.arange(1, max(1, min(n, budget // 2, longest)) + 1, dtype=np.int64) % vocab for n in (17, 32)]
-        self.capture(ids[: self.cfg.max_seqs_per_batch])
-        for n in self.warm_up_token_counts():
-            # The experts see a forward's tokens as one matrix, so n tokens in sequences the context holds.
-            parts = -(-n // longest)
-            self.capture([np.arange(1, n // parts + (i < n % parts) + 1, dtype=np.int64) % vocab for i in range(parts)])
+        milliseconds once it is warm."""
+        cfg, vocab = self.cfg, self.runner.model_config.vocab_size
+        moe = self.warm_up_token_counts()
+        for lengths in warm_up_batches(cfg.max_tokens_per_batch, cfg.max_seqs_per_batch, self.max_sequence_tokens, moe):
+            self.capture([np.arange(1, n + 1, dtype=np.int64) % vocab for n in lengths])
         if torch.device(self.device).type == "cuda":
             torch.cuda.synchronize()
 
     def warm_up_token_counts(self) -> list[int]:
-        """`moe.warm_up_token_counts` for this model and batch budget; empty for a dense model."""
+        """`moe.warm_up_token_counts` up to the most tokens a forward holds; empty for a dense model."""
         if not self.is_moe:
             return []
-        # No forward holds more than its sequences can: at most max_seqs_per_batch, each within the context.
         most = min(self.cfg.max_tokens_per_batch, self.cfg.max_seqs_per_batch * self.max_sequence_tokens)
         return warm_up_token_counts(self.runner, self.device, bool(self.quantization), most)
 
@@ -723,13 +725,11 @@ class Engine:
 
     @property
     def max_sequence_tokens(self) -> int:
-        """The longest sequence one request holds: SGLang sizes each row of its request-to-token pool for
-        the model's context length (a few slots more), and writes a longer one past its row."""
+        """The longest sequence a request holds: a row of SGLang's request-to-token pool (the context)."""
         return self.runner.model_config.context_len
 
     def _check_lengths(self, seqs: Sequence[np.ndarray]) -> None:
-        longest = max(len(s) for s in seqs)
-        if longest > self.max_sequence_tokens:
+        if (longest := max(len(s) for s in seqs)) > self.max_sequence_tokens:
             raise ValueError(
                 f"a sequence of {longest} tokens exceeds the context length of {self.max_sequence_tokens} that "
                 f"SGLang's pools were sized for (raise context_length)"
