@@ -48,7 +48,7 @@ from offline_extract.data.sources import open_sources
 from offline_extract.data.tokenization import Sample, SampleTokenizer
 from offline_extract.default_model import TRAINING_TEXT
 from offline_extract.engine.distributed import Coordinator, Layout, Share, layout_from_env
-from offline_extract.engine.kernels import JIT_CACHES  # noqa: E402
+from offline_extract.engine.kernels import JIT_CACHES, jit_cache_files  # noqa: E402
 from offline_extract.engine.sglang_adapter import Engine
 from offline_extract.extraction import engine_config, pending_samples, sample_tokenizer
 from offline_extract.feed import extract_batches, prepared_ahead, staging_buffers
@@ -326,11 +326,8 @@ def _timed(coord: Coordinator, fn, clock: "_ForwardClock | None" = None) -> floa
 
 
 def jit_cache_entries(caches: dict[str, str]) -> int:
-    """Files in the compilers' caches (`Engine.jit_caches`): every kernel compiled or module built adds some;
-    one loaded from the cache adds none."""
-    return sum(
-        1 for folder in set(caches.values()) if os.path.isdir(folder) for f in Path(folder).rglob("*") if f.is_file()
-    )
+    """How many files the compilers' caches hold (`kernels.jit_cache_files`)."""
+    return len(jit_cache_files(caches))
 
 
 def _host_thread_sweep(counts: tuple[int, ...], timed_extraction, root: Path, tokens: int) -> dict[str, float]:

@@ -31,6 +31,7 @@ from offline_extract.data.sources import Source
 from offline_extract.data.tokenization import Sample, SampleTokenizer, tokenizer_files
 from offline_extract.engine import checkpoint, parity
 from offline_extract.engine.distributed import Coordinator, Layout, ReportedByLeader, Share, layout_from_env
+from offline_extract.engine.kernels import jit_cache_files
 from offline_extract.engine.multimodal import IMAGE_MODELS
 from offline_extract.engine.nonfinite import NonFiniteGuard
 from offline_extract.engine.sglang_adapter import LAYER_CONVENTION, Engine, EngineConfig, PortTaken, import_sglang
@@ -348,6 +349,7 @@ class Job:
         self.output = OutputDirectory(self.out, self.layout, self.coord)
         self.gate = ParityGate(opts, self.layout, self.coord, self.timeline, self.checked.model.path)
         self.input_wait_s = 0.0  # the feed's wait for its next batch (feed.extract_batches)
+        self._cached_when_warm: set[str] = set()  # the compilers' cache files once the engine was warm
 
     def load_tokenizer(self) -> None:
         """Before the model loads, where the tokenizer decides what happens next (--strict, a rerun into a
@@ -459,6 +461,7 @@ class Job:
                 if opts.warm_up and torch.device(checked.device).type == "cuda":  # nothing compiles on CPU
                     self.engine.warm_up()
                 self.timeline.mark("warm")
+                self._cached_when_warm = jit_cache_files(self.engine.jit_caches)
                 if beside is not None:
                     beside.wait()
                     self.timeline.mark("tokenizer waited")
@@ -483,9 +486,12 @@ class Job:
         return verified["rows"]
 
     def _timings(self) -> dict:
-        return run_timings(
+        timings = run_timings(
             self.timeline, self.layout.dp_size, self.input_wait_s, self.gate.timings, self.engine.prebuild_report
         )
+        # What compiled once the run was warm is what its warm-up missed: the first batches paid for it.
+        compiled = sorted(jit_cache_files(self.engine.jit_caches) - self._cached_when_warm)
+        return {**timings, "compiled_in_extraction": len(compiled), "compiled_in_extraction_files": compiled[:40]}
 
     def _writer(self, existing: resume.Existing, journals: ExitStack, buffers: list, on_gpu: bool) -> ShardWriter:
         shard_log = journals.enter_context(Journal(manifest.journal_path(self.out, self.layout.dp_rank), durable=True))

@@ -90,8 +90,14 @@ def timing_line(t: dict) -> str:
         f"model load {t['model_load_s']:.1f} s, warm-up {t['warm_up_s']:.1f} s{prebuild}){gate}; tail "
         f"{t['tail_s']:.2f} s after the last forward: states to host {t['to_host_s']:.2f} s, last shards "
         f"{t['last_shards_s']:.2f} s, {waited}rejects and index {t['rejects_and_index_s']:.2f} s; between forwards, "
-        f"{t['input_wait_s']:.2f} s waited for input"
+        f"{t['input_wait_s']:.2f} s waited for input{_compiled_words(t)}"
     )
+
+
+def _compiled_words(t: dict) -> str:
+    """The kernels the warm-up missed (`Job._timings`): a run whose first batches compiled says so."""
+    n = t.get("compiled_in_extraction", 0)
+    return f"; {n} kernel cache files compiled during the extraction, not in the warm-up" if n else ""
 
 
 def _gate_words(t: dict) -> str:

@@ -47,6 +47,18 @@ def use_jit_cache(root: str | os.PathLike | None = None) -> dict[str, str]:
     return {key: os.environ[key] for key in JIT_CACHES}
 
 
+def jit_cache_files(caches: dict[str, str]) -> set[str]:
+    """The files in the compilers' caches (`use_jit_cache`'s folders), each named by its cache's folder and
+    its path in it: every kernel compiled or module built adds some; one loaded from the cache adds none."""
+    return {
+        f"{Path(folder).name}/{f.relative_to(folder)}"
+        for folder in set(caches.values())
+        if os.path.isdir(folder)
+        for f in Path(folder).rglob("*")
+        if f.is_file()
+    }
+
+
 # Head sizes for which SGLang's RotaryEmbedding on CUDA calls the fused RoPE module; any other takes its
 # fallback kernel, a module of its own (srt/layers/rotary_embedding/base.py, RotaryEmbedding.__init__).
 _FUSED_ROPE_HEAD_SIZES = (64, 128, 256, 512)

@@ -14,6 +14,8 @@ import os
 import re
 import signal
 import threading
+from pathlib import Path
+import shutil
 import time
 
 import numpy as np
@@ -659,3 +661,28 @@ def test_a_parity_gate_quicker_than_a_twentieth_of_a_second_is_still_reported():
     assert "; parity gate 0.0 s (engine 0.0 s; HF: weights not read ahead (no preload), " in timing_line(t)
     del t["gate_engine_s"]  # a run without --verify, or a rank that only waited
     assert "parity gate" not in timing_line(t)
+
+
+def test_kernels_compiled_once_the_run_was_warm_are_named_and_said(tiny_engine, tiny_model_dir, tmp_path, monkeypatch):
+    """A kernel the warm-up missed compiles inside the first batches that need it, which then run slowly: the
+    manifest names the cache files added after the warm-up and the start-up line says how many."""
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: tiny_engine)
+    triton = Path(tiny_engine.jit_caches["TRITON_CACHE_DIR"])
+    extract = extraction.Job._extract
+    cache = triton / f"test-{os.getpid()}-{tmp_path.name}"
+
+    def compiling(job, *args):
+        (cache / "kernel").mkdir(parents=True)
+        (cache / "kernel" / "k.cubin").write_bytes(b"0")
+        extract(job, *args)
+
+    try:
+        _, quiet = _run(tmp_path / "a", tiny_model_dir)
+        monkeypatch.setattr(extraction.Job, "_extract", compiling)
+        _, compiled = _run(tmp_path / "b", tiny_model_dir)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    assert quiet["compiled_in_extraction"] == 0 and "compiled" not in timing_line(quiet)
+    name = f"{triton.name}/{cache.name}/kernel/k.cubin"
+    assert compiled["compiled_in_extraction"] == 1 and compiled["compiled_in_extraction_files"] == [name]
+    assert timing_line(compiled).endswith("; 1 kernel cache files compiled during the extraction, not in the warm-up")
