@@ -67,6 +67,11 @@ with open(out, "w") as f:
 PY
 }
 
+# A run's manifest kept as a result: with the command of the step that made it (`step` exports STEP_COMMAND),
+# since a figure without its command does not count.
+keep_run="python3 -c 'import json, os, sys; m = json.load(open(sys.argv[1])); \
+json.dump({\"command\": os.environ[\"STEP_COMMAND\"], **m}, open(sys.argv[2], \"w\"), indent=1)'"
+
 # bin/extract.py cold (an empty --jit-cache, as on a fresh machine) then cached (the same --jit-cache) on a MoE
 # shape: the start-up line's warm-up seconds, and the first run's extraction rate against the second's. Each
 # run's manifest (timings: the start-up split, input_wait_s) is kept.
@@ -74,7 +79,7 @@ cold_and_cached() {  # cold_and_cached SHAPE LIMIT_SECONDS
   for run in cold cached; do
     step "extract_$1_$run" "$2" "python bin/extract.py --model $work/$1 --load-format dummy \
       --data $work/real_moe.jsonl --out /dev/shm/oe37_$1 --jit-cache $work/jit_$1 --no-progress --progress-every 5 \
-      && cp /dev/shm/oe37_$1/manifest.json $results/runs/extract_$1_$run.json; rm -rf /dev/shm/oe37_$1"
+      && $keep_run /dev/shm/oe37_$1/manifest.json $results/runs/extract_$1_$run.json; rm -rf /dev/shm/oe37_$1"
   done
 }
 
@@ -137,7 +142,7 @@ smol_inputs() {  # SMOL and $work/real.jsonl
 extract_smol() {  # extract_smol STORE: bin/extract.py on the real text, as users run it, its manifest kept
   step "extract_smol_$1" 90 "python bin/extract.py --model $SMOL --data $work/real.jsonl --store $1 \
     --out /dev/shm/oe37_smol_$1 --jit-cache $work/jit_smol --no-progress --progress-every 2 && \
-    cp /dev/shm/oe37_smol_$1/manifest.json $results/runs/extract_smol_$1.json; rm -rf /dev/shm/oe37_smol_$1"
+    $keep_run /dev/shm/oe37_smol_$1/manifest.json $results/runs/extract_smol_$1.json; rm -rf /dev/shm/oe37_smol_$1"
 }
 
 if [[ $part == small || $part == bench_small ]]; then

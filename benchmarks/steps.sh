@@ -7,7 +7,8 @@
 # the failures it has seen and a bench its partial result, then SIGKILL 15 s later), and appends its command, exit status and seconds to
 # $results/steps.jsonl. The caller sets results, budget and start with `begin RESULTS_DIR SECONDS` (or
 # `begin_gpu_suite`), and logs (default: results);
-# an environment assignment in front of `step` reaches the command; CUDA_VISIBLE_DEVICES is recorded too.
+# an environment assignment in front of `step` reaches the command; CUDA_VISIBLE_DEVICES is recorded too; the
+# command sees its own text as STEP_COMMAND, to keep beside what it writes.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -21,7 +22,7 @@ step() {
     return
   fi
   local t0=$(date +%s)
-  PYTHONUNBUFFERED=1 timeout -s INT -k 15 "$limit" bash -c "$*" >"${logs:-$results}/$name.log" 2>&1
+  STEP_COMMAND="$*" PYTHONUNBUFFERED=1 timeout -s INT -k 15 "$limit" bash -c "$*" >"${logs:-$results}/$name.log" 2>&1
   local rc=$?
   python3 -c 'import json,sys; print(json.dumps({"step": sys.argv[1], "command": sys.argv[2], "env": sys.argv[3], "rc": int(sys.argv[4]), "seconds": int(sys.argv[5])}))' \
     "$name" "$*" "${CUDA_VISIBLE_DEVICES:+CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES}" "$rc" "$(( $(date +%s) - t0 ))" >>"$results/steps.jsonl"
