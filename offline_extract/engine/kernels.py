@@ -75,6 +75,7 @@ class KernelShapes:
     rope_dim: int | None  # rotated dims of each head; None: RoPE of another kind (MLA)
     rope_is_neox: bool
     kv_row_bytes: tuple[int, int] | None  # a K and a V row of the KV pool per rank; None: not an MHA pool
+    mla_row_bytes: tuple[int, int] | None  # an MLA pool row's latent and RoPE parts; None: not an MLA pool
 
 
 def kernel_shapes(model_config, tp_size: int) -> KernelShapes:
@@ -86,6 +87,7 @@ def kernel_shapes(model_config, tp_size: int) -> KernelShapes:
     text, dtype = model_config.hf_text_config, model_config.dtype
     intermediate = getattr(text, "intermediate_size", None)
     mha = model_config.attention_arch == AttentionArch.MHA
+    mla = model_config.attention_arch == AttentionArch.MLA
     heads = model_config.get_num_kv_heads(tp_size)
     row = dtype.itemsize * heads
     return KernelShapes(
@@ -95,6 +97,12 @@ def kernel_shapes(model_config, tp_size: int) -> KernelShapes:
         rope_dim=int(getattr(text, "partial_rotary_factor", 1) * model_config.head_dim) if mha else None,
         rope_is_neox=getattr(text, "rope_is_neox_style", True),
         kv_row_bytes=(row * model_config.head_dim, row * model_config.v_head_dim) if mha else None,
+        # Not split by TP: every rank keeps the whole latent.
+        mla_row_bytes=(
+            (dtype.itemsize * model_config.kv_lora_rank, dtype.itemsize * model_config.qk_rope_head_dim)
+            if mla
+            else None
+        ),
     )
 
 
@@ -105,7 +113,9 @@ def prebuild_calls(shapes: KernelShapes) -> dict[str, Callable[[], object]]:
 
     from sglang.kernels.ops.activation.activation import activation_module
     from sglang.kernels.ops.attention.rope import _jit_fused_rope_module, _jit_rotary_embedding_module
+    from sglang.kernels.jit.utils import is_arch_support_pdl
     from sglang.kernels.ops.kvcache.kvcache import _jit_kvcache_module
+    from sglang.kernels.ops.kvcache.set_mla_kv_buffer import set_mla_kv_buffer_module
     from sglang.srt.layers.activation import _jit_act_supported
 
     dtype = str(shapes.dtype).removeprefix("torch.")
@@ -124,6 +134,15 @@ def prebuild_calls(shapes: KernelShapes) -> dict[str, Callable[[], object]]:
         # The module itself, not can_use_store_cache: that one memoizes a failure as "use the slow path".
         k_bytes, v_bytes = shapes.kv_row_bytes
         calls[f"kvcache k={k_bytes} v={v_bytes} bytes"] = partial(_jit_kvcache_module, k_bytes, v_bytes)
+    if shapes.mla_row_bytes:
+        # The MLA pool's store of a forward of 768 tokens or more (kernels/ops/kvcache/mla_buffer.py): a TMA
+        # module, taken only where the arch has PDL and the row's parts are aligned for it, and asked for
+        # with use_pdl True; any other store is a Triton kernel.
+        nope, rope = shapes.mla_row_bytes
+        if is_arch_support_pdl() and nope % 4 == rope % 4 == (nope + rope) % 16 == 0:
+            calls[f"set_mla_kv_buffer nope={nope} rope={rope} bytes"] = partial(
+                set_mla_kv_buffer_module, nope, rope, True
+            )
     return calls
 
 

@@ -42,6 +42,37 @@ def test_the_kernel_prebuild_specializes_as_the_loaded_model_calls_sglangs_modul
     halves = kernel_shapes(tiny_engine.runner.model_config, 2)
     assert halves.kv_row_bytes == tuple(b // 2 for b in shapes.kv_row_bytes)
     assert halves.mlp_width == shapes.mlp_width // 2 and halves.rope_dim == shapes.rope_dim
+    assert shapes.mla_row_bytes is None
+
+
+def test_an_mla_model_prebuilds_the_pools_store_as_sglang_names_it_on_hopper(monkeypatch, tmp_path):
+    """DeepSeek-V3's MLA pool stores a long forward's rows with a TMA module keyed by the latent's and the
+    RoPE part's bytes (512 and 64 bf16 values: the module an H200's first run built as
+    set_mla_kv_buffer_1024_128, use_pdl true); before Hopper, SGLang stores them with Triton, and nothing
+    is built ahead."""
+    from functools import partial
+
+    import torch
+    from sglang.kernels.jit import utils
+    from sglang.kernels.ops.kvcache.set_mla_kv_buffer import set_mla_kv_buffer_module
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.layers import activation
+
+    from offline_extract.engine.kernels import kernel_shapes, prebuild_calls
+    from offline_extract.testing.models import build_model
+
+    config = ModelConfig(str(build_model("deepseek_v3", tmp_path / "m", dtype=torch.bfloat16, weights=False)))
+    text = config.hf_text_config
+    shapes = kernel_shapes(config, 2)
+    assert shapes.mla_row_bytes == (2 * text.kv_lora_rank, 2 * text.qk_rope_head_dim) == (1024, 128)
+    assert shapes.kv_row_bytes is None and shapes.rope_dim is None
+    # SGLang defines its SiluAndMul rule on CUDA only; this model's dense MLP is not what is tested here.
+    monkeypatch.setattr(activation, "_jit_act_supported", lambda x: False, raising=False)
+    monkeypatch.setattr(utils, "is_arch_support_pdl", lambda: True)
+    store = prebuild_calls(shapes)["set_mla_kv_buffer nope=1024 rope=128 bytes"]
+    assert isinstance(store, partial) and (store.func, store.args) == (set_mla_kv_buffer_module, (1024, 128, True))
+    monkeypatch.setattr(utils, "is_arch_support_pdl", lambda: False)
+    assert not any(name.startswith("set_mla_kv_buffer") for name in prebuild_calls(shapes))
 
 
 def test_a_failing_prebuild_is_recorded_and_the_rest_still_builds(monkeypatch, tmp_path):
