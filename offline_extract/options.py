@@ -23,9 +23,10 @@ Compression = Literal["none", "zstd"]  # store/codecs.py
 DEFAULT_TOKENS_PER_BATCH = {"cuda": 16384, "cpu": 4096}
 # port_base when not given, under torchrun (alone, any free port serves; engine/distributed.py).
 DEFAULT_PORT_BASE = 29600
-# image_threads when not given: the cores this process may run on, at most this many (a 7B model's forwards take
-# an image's tokens in tens of milliseconds; 8 threads prepare images faster than that).
-MOST_IMAGE_THREADS = 8
+# image_threads when not given: the cores this process may run on, at most this many. On a 16-core H200 host, 4
+# prepare images faster than a 7B model's forwards take them; more threads do not feed it faster but take the
+# host from the forwards' own thread and the writers, and the forwards run slower beside them.
+MOST_IMAGE_THREADS = 4
 
 
 def default_image_threads() -> int:
