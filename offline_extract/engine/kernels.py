@@ -111,9 +111,9 @@ def prebuild_calls(shapes: KernelShapes) -> dict[str, Callable[[], object]]:
     memoized by SGLang (`cache_once`), so the forward's own call then returns the module built here."""
     from functools import partial
 
+    from sglang.kernels.jit.utils import is_arch_support_pdl
     from sglang.kernels.ops.activation.activation import activation_module
     from sglang.kernels.ops.attention.rope import _jit_fused_rope_module, _jit_rotary_embedding_module
-    from sglang.kernels.jit.utils import is_arch_support_pdl
     from sglang.kernels.ops.kvcache.kvcache import _jit_kvcache_module
     from sglang.kernels.ops.kvcache.set_mla_kv_buffer import set_mla_kv_buffer_module
     from sglang.srt.layers.activation import _jit_act_supported
