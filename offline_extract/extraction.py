@@ -472,8 +472,11 @@ class Job:
             finally:
                 if beside is not None:
                     beside.settle()
-        for name, why in self.engine.prebuild_report().get("prebuild_failed", {}).items():
+        prebuilt = self.engine.prebuild_report()
+        for name, why in prebuilt.get("prebuild_failed", {}).items():
             note(f"kernel prebuild: {name} failed ({why}); SGLang builds it when the forward first needs it")
+        for why in prebuilt.get("routing_prebuild_failed", []):
+            note(f"MoE routing prebuild: a process failed ({why}); the forwards compile what it missed")
         self.meta = run_metadata(self.known, self.engine)
 
     def _pending(self, done: np.ndarray, tally: Tally) -> Iterator[Sample]:

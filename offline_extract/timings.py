@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 from offline_extract.timeline import Timeline
+from offline_extract.words import plural
 
 Span = Callable[[str, str], float]  # the seconds between two marks of the timeline, 0 where one is missing
 
@@ -80,6 +81,11 @@ def timing_line(t: dict) -> str:
         if "prebuild_s" in t
         else ""
     )
+    if "routing_prebuild_s" in t:
+        prebuild += (
+            f" (MoE routing for {t['routing_prebuild_token_counts']} token counts {t['routing_prebuild_s']:.1f} s, "
+            f"on {plural(t['routing_prebuild_processes'], 'compiler')})"
+        )
     beside = " beside the load" if t["tokenizer_beside_load"] else ""
     waited = f"the other replicas {t['replicas_waited_s']:.2f} s, " if "replicas_waited_s" in t else ""
     return (
@@ -97,7 +103,7 @@ def timing_line(t: dict) -> str:
 def _compiled_words(t: dict) -> str:
     """The kernels the warm-up missed (`Job._timings`): a run whose first batches compiled says so."""
     n = t.get("compiled_in_extraction", 0)
-    return f"; {n} kernel cache files compiled during the extraction, not in the warm-up" if n else ""
+    return f"; {plural(n, 'kernel cache file')} compiled during the extraction, not in the warm-up" if n else ""
 
 
 def _gate_words(t: dict) -> str:

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offline_extract.data.images import Images, as_array  # noqa: E402
 from offline_extract.engine import checkpoint, parity  # noqa: E402
+from offline_extract.engine.moe import triton_kernels_routing  # noqa: E402
 from offline_extract.engine.multimodal import IMAGE_MODELS  # noqa: E402
 from offline_extract.engine.reference import load_hf_model  # noqa: E402
 from offline_extract.engine.distributed import free_port  # noqa: E402
@@ -213,6 +214,26 @@ def _exact_reference(engine, hf_path, device, captured, seqs, chosen, forced_sta
 ROW_KEYS = ("layer", "hf_index", "max_abs", "max_rel", "cosine", "median_cosine", "neighbour_cosine", "ok")
 
 
+def _routing_under_triton_kernels(engine) -> dict:
+    """What the GPU's warm-up compiles the routing for where SGLang takes the triton_kernels MoE runner (GPT-OSS
+    on Hopper; `moe.triton_kernels_routing`), with that runner, and with the runner SGLang chose here."""
+    from dataclasses import asdict
+
+    from sglang.srt.layers.moe.utils import MoeRunnerBackend, get_flags
+
+    def routing():
+        return triton_kernels_routing(engine.runner.model, engine.routed_experts, engine.runner.model_config.dtype)
+
+    chosen = routing()
+    moe = get_flags().moe
+    before, moe.runner_backend = moe.runner_backend, MoeRunnerBackend.TRITON_KERNELS
+    try:
+        forced = routing()
+    finally:
+        moe.runner_backend = before
+    return {"chosen": chosen and asdict(chosen), "forced": forced and asdict(forced)}
+
+
 def write_result(rep: dict, arch: str, backend: str) -> None:
     """With OFFLINE_EXTRACT_RESULTS set, a run's rows (each layer once, from the checks in order), its image
     chats' rows likewise (a vision-language model), the MoE comparisons as reported, and the pytest command that
@@ -382,6 +403,7 @@ def main() -> None:
         # The warm-up a GPU run starts with: on a MoE model, a forward of each token count it names.
         report["is_moe"], report["warm_up_token_counts"] = engine.is_moe, engine.warm_up_token_counts()
         engine.warm_up()
+        report["triton_kernels_routing"] = _routing_under_triton_kernels(engine)
         del hf
     except Exception as e:  # the report carries the failure, so the test can show it
         report["error"] = f"{type(e).__name__}: {e}"

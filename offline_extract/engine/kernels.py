@@ -6,15 +6,19 @@ the engine package, which alone touches SGLang's internals.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from offline_extract.engine.moe import Routing, routing_token_counts
 from offline_extract.options import cache_root
 
 
@@ -243,3 +247,78 @@ class KernelPrebuild:
             "prebuild_cache_added": None if at_forward is None else at_forward - self._modules_before,
             "forward_cache_added": None if at_forward is None else self._modules_in_cache() - at_forward,
         }
+
+
+# Processes compiling a MoE model's routing for one GPU at most (`RoutingPrebuild`): each holds a CUDA context
+# (a few hundred MB of the GPU) while it runs.
+MOST_ROUTING_COMPILERS = 8
+
+_COMPILE_ROUTING = "import json, sys; from offline_extract.engine.moe import compile_routing; compile_routing(**json.loads(sys.argv[1]))"
+
+
+def routing_shares(counts: list[int], gpu_id: int, gpus: int, processes: int) -> list[list[int]]:
+    """`counts` dealt out to `processes`, from GPU `gpu_id`'s own place in the list on (`RoutingPrebuild`)."""
+    start = gpu_id * len(counts) // gpus
+    counts = counts[start:] + counts[:start]
+    return [counts[i::processes] for i in range(processes)]
+
+
+class RoutingPrebuild:
+    """triton_kernels' routing compiled for every token count a forward can hold (`moe.routing_token_counts`:
+    hundreds of kernels, a few tenths of a second each to compile) ahead of the forwards that would each pay
+    for one, in processes of their own since Triton compiles one kernel at a time in a process
+    (`moe.compile_routing`). Each GPU's ranks start at their own place in the list, so that ranks of one
+    node sharing TRITON_CACHE_DIR find one another's kernels there rather than all compiling the same ones.
+    With the cache warm, each process only loads what it finds there. A failure is kept for the record,
+    not raised: the forward compiles what it needs anyway."""
+
+    def __init__(self, routing: Routing, max_tokens: int, gpu_id: int):
+        """Starts the processes for forwards of up to `max_tokens` tokens on GPU `gpu_id`: as many as this
+        process's cores shared among the node's GPUs, at most MOST_ROUTING_COMPILERS."""
+        counts = routing_token_counts(max_tokens)
+        gpus = max(1, torch.cuda.device_count())
+        cores = len(os.sched_getaffinity(0))
+        processes = max(1, min(MOST_ROUTING_COMPILERS, cores // gpus, len(counts)))
+        # A bin/ script finds this package through the checkout it puts on sys.path, which a child does not get.
+        here = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
+        self.counts, self._started, self._report = len(counts), time.perf_counter(), None
+        self._procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    _COMPILE_ROUTING,
+                    json.dumps({"routing": asdict(routing), "gpu_id": gpu_id, "counts": share}),
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for share in routing_shares(counts, gpu_id, gpus, processes)
+        ]
+
+    def wait(self) -> dict:
+        """Until every process has ended (once): the seconds from the start (`routing_prebuild_s`), the token
+        counts and processes, and each failed process's last line of error (`routing_prebuild_failed`)."""
+        if self._report is None:
+            failed = []
+            for p in self._procs:
+                _, err = p.communicate()
+                if p.returncode:
+                    failed.append((err.strip().splitlines() or [f"exit status {p.returncode}"])[-1])
+            self._report = {
+                "routing_prebuild_s": time.perf_counter() - self._started,
+                "routing_prebuild_token_counts": self.counts,
+                "routing_prebuild_processes": len(self._procs),
+                "routing_prebuild_failed": failed,
+            }
+        return self._report
+
+    def stop(self) -> None:
+        """Ends the processes still running (a run stopped during its warm-up)."""
+        for p in self._procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -1,12 +1,13 @@
 """What the engine reads of a MoE model's experts in SGLang 0.5.17: how many are routed, which ones its top-k
 picks for each token (for the parity gate's forced routing), and the token counts whose forwards compile
-every variant of its expert kernels (for the warm-up)."""
+every variant of its expert kernels and of its routing (for the warm-up)."""
 
 from __future__ import annotations
 
 import json
 import re
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -129,3 +130,64 @@ def routed_experts(topk_output) -> torch.Tensor | None:
     ids = torch.empty(len(pairs), dtype=torch.long, device=pairs.device)
     ids[pairs] = experts
     return ids.view(-1, k)
+
+
+# SGLang's triton_kernels routing (its TopK on the triton_kernels MoE runner: GPT-OSS's on Hopper) keeps a
+# bitmatrix whose rows are the forward's tokens rounded up to this many, and both of its kernels take that
+# row count as a compile-time constant (triton_kernels/topk.py, `_topk_forward`'s stride_rn, and
+# `_sum_bitmatrix_rows`'s stride_bn): every such block of token counts is a compile of each.
+ROUTING_ROW_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class Routing:
+    """What SGLang's triton_kernels routing is compiled for, besides a forward's token count."""
+
+    experts: int  # the router logits' columns
+    top_k: int
+    sm_first: bool  # softmax over every expert before the top-k, rather than over the k chosen
+    dtype: str  # the router logits', a torch dtype's name
+
+
+def triton_kernels_routing(model, experts: int, dtype: torch.dtype) -> Routing | None:
+    """The routing of `model`'s TopK modules where SGLang runs it through triton_kernels, as `TopK.forward_cuda`
+    decides (its config's output format, else the MoE runner backend's); None for any other routing. The
+    router's logits are in the model's dtype (GPT-OSS's router takes params_dtype=config.dtype)."""
+    from sglang.srt.layers.moe.topk import TopK, TopKOutputFormat
+    from sglang.srt.layers.moe.utils import get_moe_runner_backend
+
+    topk = next((m for m in model.modules() if isinstance(m, TopK)), None)
+    if topk is None:
+        return None
+    config = topk.topk_config
+    triton_kernels = config.output_format == TopKOutputFormat.TRITON_KERNEL or (
+        config.output_format is None and get_moe_runner_backend().is_triton_kernels()
+    )
+    if not triton_kernels:
+        return None
+    return Routing(experts, config.top_k, not config.renormalize, str(dtype).removeprefix("torch."))
+
+
+def routing_token_counts(max_tokens: int) -> list[int]:
+    """Token counts whose routing compiles every variant of triton_kernels' routing kernels that forwards of 1
+    to `max_tokens` tokens launch: one in each block of ROUTING_ROW_BLOCK token counts for each way Triton
+    specializes the token count itself (1, a multiple of 16, neither)."""
+    firsts: dict[tuple, int] = {}
+    for m in range(1, max_tokens + 1):
+        firsts.setdefault((-(-m // ROUTING_ROW_BLOCK), m == 1, m % 16 == 0), m)
+    return sorted(firsts.values())
+
+
+def compile_routing(routing: dict, gpu_id: int, counts: list[int]) -> None:
+    """Runs triton_kernels' top-k as SGLang's `routing` (srt/layers/moe/topk.py) calls it for `routing`
+    (`Routing` as a dict), on random logits of each of `counts` tokens on GPU `gpu_id`: what it compiles lands
+    in TRITON_CACHE_DIR, where the forward's own call finds it. In a process of its own (`RoutingPrebuild`):
+    one process compiles one kernel at a time."""
+    from triton_kernels.topk import topk
+
+    r = Routing(**routing)
+    torch.cuda.set_device(gpu_id)
+    for n in counts:
+        logits = torch.randn(n, r.experts, dtype=getattr(torch, r.dtype), device="cuda")
+        topk(torch.softmax(logits, dim=-1) if r.sm_first else logits, r.top_k, apply_softmax=not r.sm_first)
+    torch.cuda.synchronize()

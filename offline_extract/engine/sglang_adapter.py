@@ -27,8 +27,13 @@ import torch
 
 from offline_extract.data.images import Images
 from offline_extract.engine.families import FAMILIES, CaptureRule
-from offline_extract.engine.kernels import KernelPrebuild, kernel_shapes, prebuild_calls, use_jit_cache
-from offline_extract.engine.moe import recording_routing, routed_expert_count, warm_up_token_counts
+from offline_extract.engine.kernels import KernelPrebuild, RoutingPrebuild, kernel_shapes, prebuild_calls, use_jit_cache
+from offline_extract.engine.moe import (
+    recording_routing,
+    routed_expert_count,
+    triton_kernels_routing,
+    warm_up_token_counts,
+)
 from offline_extract.engine.multimodal import IMAGE_MODELS, HostWork, image_model, init_embedding_cache
 from offline_extract.options import DEFAULT_PORT_BASE, DEFAULT_TOKENS_PER_BATCH, FinalState, check_choice, default
 from offline_extract.final_norm import FinalNorm
@@ -127,6 +132,30 @@ def warm_up_batches(budget: int, max_seqs: int, longest: int, moe_counts: list[i
         parts = -(-n // longest)
         batches.append([n // parts + (i < n % parts) for i in range(parts)])
     return batches
+
+
+def warm_up(engine: Engine) -> dict:
+    """Captures the `warm_up_batches` of the engine's model and budget, so that what compiles on first use
+    (JIT_CACHES) compiles here rather than inside the first real batch: the Triton kernels, and the wait for
+    any nvcc module `KernelPrebuild` is still building; seconds when the cache is cold, milliseconds once it
+    is warm. A MoE model routed through triton_kernels has its routing compiled for every token count beside
+    them (`RoutingPrebuild`), whose report it returns ({} for any other model)."""
+    cfg, vocab, on_gpu = engine.cfg, engine.runner.model_config.vocab_size, torch.device(engine.device).type == "cuda"
+    moe = engine.warm_up_token_counts()
+    batches = warm_up_batches(cfg.max_tokens_per_batch, cfg.max_seqs_per_batch, engine.max_sequence_tokens, moe)
+    # None where SGLang routes otherwise: a dense model, another MoE runner, the CPU.
+    model, experts, dtype = engine.runner.model, engine.routed_experts, engine.runner.model_config.dtype
+    routing = triton_kernels_routing(model, experts, dtype) if on_gpu else None
+    prebuild = RoutingPrebuild(routing, engine.warm_up_tokens, cfg.gpu_id) if routing is not None else None
+    try:
+        for lengths in batches:
+            engine.capture([np.arange(1, n + 1, dtype=np.int64) % vocab for n in lengths])
+        if on_gpu:
+            torch.cuda.synchronize()
+        return prebuild.wait() if prebuild is not None else {}
+    finally:
+        if prebuild is not None:
+            prebuild.stop()
 
 
 @dataclass(frozen=True)
@@ -534,9 +563,9 @@ class Engine:
         # The decoder's own config: a multimodal wrapper's (Kimi-K2.5) nests it as text_config.
         text = mc.hf_text_config
         self.num_layers, self.hidden_size = text.num_hidden_layers, text.hidden_size
-        self._routed_experts = routed_expert_count(text)
+        self.routed_experts = routed_expert_count(text)
         self._experts_per_token = getattr(text, "num_experts_per_tok", 0)
-        self.is_moe = self._routed_experts > 0
+        self.is_moe = self.routed_experts > 0
         self.dtype = str(mc.dtype).removeprefix("torch.")
         self._states = _StateCapture(model, cfg.model_path, self.num_layers)
         self.layer_ids = self._configure_capture(model, cfg.layer_ids)
@@ -547,12 +576,14 @@ class Engine:
         if self.architecture in IMAGE_MODELS:
             init_embedding_cache()
         self._host_work = HostWork()
+        self._routing_report: dict = {}
         if self.prebuild is not None:
             self.prebuild.loaded()
 
     def prebuild_report(self) -> dict:
-        """`KernelPrebuild.report`; empty on CPU, where nothing is built."""
-        return self.prebuild.report() if self.prebuild is not None else {}
+        """`KernelPrebuild.report`, and `RoutingPrebuild.wait`'s once the warm-up ran one; empty on CPU, where
+        nothing is built."""
+        return {**(self.prebuild.report() if self.prebuild is not None else {}), **self._routing_report}
 
     def _configure_capture(self, model, requested: tuple[int, ...] | None) -> tuple[int, ...]:
         return self._states.configure(model, requested)
@@ -570,26 +601,22 @@ class Engine:
     def recording_routing(self):
         """`moe.recording_routing` of the loaded model: yields {decoder layer index: [ids of each forward]}
         of the experts SGLang's top-k picks for every token while the block runs."""
-        return recording_routing(self.runner.model, self._experts_per_token, self._routed_experts)
+        return recording_routing(self.runner.model, self._experts_per_token, self.routed_experts)
 
     def warm_up(self) -> None:
-        """Captures the `warm_up_batches` of this model and budget, so that what compiles on first use
-        (JIT_CACHES) compiles here rather than inside the first real batch: the Triton kernels, and the
-        wait for any nvcc module `KernelPrebuild` is still building; seconds when the cache is cold,
-        milliseconds once it is warm."""
-        cfg, vocab = self.cfg, self.runner.model_config.vocab_size
-        moe = self.warm_up_token_counts()
-        for lengths in warm_up_batches(cfg.max_tokens_per_batch, cfg.max_seqs_per_batch, self.max_sequence_tokens, moe):
-            self.capture([np.arange(1, n + 1, dtype=np.int64) % vocab for n in lengths])
-        if torch.device(self.device).type == "cuda":
-            torch.cuda.synchronize()
+        """`warm_up` of this engine."""
+        self._routing_report = warm_up(self)
+
+    @property
+    def warm_up_tokens(self) -> int:
+        """The most tokens a forward of ragged batches holds."""
+        return min(self.cfg.max_tokens_per_batch, self.cfg.max_seqs_per_batch * self.max_sequence_tokens)
 
     def warm_up_token_counts(self) -> list[int]:
         """`moe.warm_up_token_counts` up to the most tokens a forward holds; empty for a dense model."""
         if not self.is_moe:
             return []
-        most = min(self.cfg.max_tokens_per_batch, self.cfg.max_seqs_per_batch * self.max_sequence_tokens)
-        return warm_up_token_counts(self.runner, self.device, bool(self.quantization), most)
+        return warm_up_token_counts(self.runner, self.device, bool(self.quantization), self.warm_up_tokens)
 
     def capture(self, seqs: Sequence[np.ndarray], images: Sequence[Images | None] | None = None) -> Captured:
         """Prefill `seqs` as one EXTEND batch and return their states (still on the device).

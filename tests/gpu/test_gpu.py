@@ -249,6 +249,23 @@ def test_sglangs_nvcc_modules_build_side_by_side_while_the_model_loads(tmp_path)
     assert "kernel prebuild" in next(line for line in proc.stderr.splitlines() if line.startswith("start-up "))
 
 
+def test_gpt_oss_routing_is_compiled_for_every_token_count_before_the_first_forward(tmp_path):
+    """GPT-OSS routes through triton_kernels on Hopper, whose routing compiles anew for every block of 32 token
+    counts: on an empty --jit-cache the warm-up compiles it for every count up to the budget
+    (`RoutingPrebuild`), so that the run's forwards, of whatever counts, compile no Triton kernel. A small
+    budget keeps the test short; prints the timings."""
+    from offline_extract.engine.kernels import JIT_CACHES
+
+    model = build_model("gpt_oss", tmp_path / "m", dtype=torch.bfloat16, device="cuda")
+    env = {k: v for k, v in os.environ.items() if k not in JIT_CACHES}  # a cache the environment names would win
+    args = ("--model", str(model), "--data", str(CORPUS), "--jit-cache", str(tmp_path / "jit"))
+    _extract(tmp_path / "out", *args, "--tokens-per-batch", "2048", env=env)
+    t = json.loads((tmp_path / "out" / "manifest.json").read_text())["timings"]
+    print(json.dumps({k: v for k, v in t.items() if k != "marks"}, indent=1))
+    assert t["routing_prebuild_failed"] == [] and t["routing_prebuild_token_counts"] == 129, t
+    assert t["compiled_in_extraction"] == 0, t["compiled_in_extraction_files"]
+
+
 def _cpu_run_passed(out):
     """The run took SGLang's CPU path (torch_native, float32), and its parity gate passed."""
     run = open_shard(shard_paths(out)[0]).run

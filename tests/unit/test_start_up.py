@@ -685,4 +685,4 @@ def test_kernels_compiled_once_the_run_was_warm_are_named_and_said(tiny_engine, 
     assert quiet["compiled_in_extraction"] == 0 and "compiled" not in timing_line(quiet)
     name = f"{triton.name}/{cache.name}/kernel/k.cubin"
     assert compiled["compiled_in_extraction"] == 1 and compiled["compiled_in_extraction_files"] == [name]
-    assert timing_line(compiled).endswith("; 1 kernel cache files compiled during the extraction, not in the warm-up")
+    assert timing_line(compiled).endswith("; 1 kernel cache file compiled during the extraction, not in the warm-up")

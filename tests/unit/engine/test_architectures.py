@@ -11,6 +11,7 @@ import importlib
 import json
 import re
 from itertools import combinations
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -234,6 +235,32 @@ def test_a_moe_models_warm_up_covers_every_token_count_class_of_its_expert_kerne
     # Each launch config from the smallest M that takes it, at each power of two up to 16 dividing M.
     assert counts == sorted(set(counts)) and counts[:4] == [1, 2, 3, 4] and counts[-1] <= 1024, counts
     assert {min(m & -m, 16) for m in counts} == {1, 2, 4, 8, 16}
+
+
+def test_a_moe_model_on_triton_kernels_prebuilds_its_routing_as_its_top_k_calls_it(report):
+    """The routing the GPU's warm-up compiles ahead (`moe.triton_kernels_routing`; GPT-OSS's runner on
+    Hopper, whose SGLang model has no CPU path): on SGLang's CPU path none; with the triton_kernels runner,
+    the config's routed experts and top-k, softmax first where the model does not renormalize the k chosen
+    (SGLang's TopK takes norm_topk_prob as renormalize), in the engine's dtype, on Qwen3-MoE at least; a
+    dense model never."""
+    arch, rep = report
+    assert "error" not in rep, rep.get("traceback")
+    routing = rep["triton_kernels_routing"]
+    assert routing["chosen"] is None, routing
+    if not rep["is_moe"]:
+        assert routing["forced"] is None, routing
+        return
+    config = json.loads((Path(rep["model"]) / "config.json").read_text())
+    text = config.get("text_config", config)
+    experts = next(text[k] for k in ("num_experts", "n_routed_experts", "num_local_experts") if text.get(k))
+    expected = {
+        "experts": experts,
+        "top_k": text["num_experts_per_tok"],
+        "sm_first": not text.get("norm_topk_prob", True),
+        "dtype": "float32",
+    }
+    # A model whose TopK names its own output format (DeepSeek-V3's) never routes through triton_kernels.
+    assert routing["forced"] == expected or (arch != "qwen3_moe" and routing["forced"] is None), routing
 
 
 def test_runs_the_expected_sglang_class(report):

@@ -108,3 +108,45 @@ def test_a_failing_prebuild_is_recorded_and_the_rest_still_builds(monkeypatch, t
     unread.wait()
     assert unread.report()["prebuild_failed"] == {"plan": "'intermediate_size'"}
     assert unread.report()["prebuild_modules"] == {} and unread.report()["prebuild_s"] == 0
+
+
+def test_the_routing_prebuild_covers_every_row_block_of_a_forward_at_each_specialization():
+    """triton_kernels' routing compiles anew for each block of 32 token counts (its bitmatrix's row stride
+    is a constexpr), and Triton specializes the count itself: 1, a multiple of 16, neither. Every forward of
+    1 to the budget's tokens falls in a variant that one of the prebuild's counts compiled, and none of the
+    counts is over the budget; the counts are dealt out whole to the processes, each GPU of a node from its
+    own place in the list."""
+    from offline_extract.engine.kernels import routing_shares
+    from offline_extract.engine.moe import routing_token_counts
+
+    def variant(m: int) -> tuple:
+        return (-(-m // 32), m == 1, m % 16 == 0)
+
+    for budget in (16384, 1000):
+        counts = routing_token_counts(budget)
+        assert {variant(m) for m in range(1, budget + 1)} == {variant(m) for m in counts}
+        assert max(counts) <= budget and len(counts) == len(set(counts))
+    counts = routing_token_counts(16384)
+    # 512 blocks, each a multiple of 16 and another count, and 1.
+    assert len(counts) == 1025 and counts[:4] == [1, 2, 16, 33]
+    shares = routing_shares(counts, 1, 2, 8)
+    assert len(shares) == 8 and sorted(m for share in shares for m in share) == counts
+    assert shares[0][0] == counts[len(counts) // 2] and routing_shares(counts, 0, 2, 8)[0][0] == 1
+
+
+def test_a_routing_prebuild_that_cannot_compile_is_recorded_not_raised(tmp_path):
+    """The compiling processes import this package without the caller's sys.path (a bin/ script's) and get as
+    far as the GPU: on this CPU host each one fails there, and the report keeps each failure's last line."""
+    from offline_extract.engine.kernels import RoutingPrebuild
+    from offline_extract.engine.moe import Routing
+
+    prebuild = RoutingPrebuild(Routing(32, 4, False, "bfloat16"), 33, 0)
+    report = prebuild.wait()
+    # 1, 2, 16 and 33 tokens, on as many of this host's cores.
+    processes = min(4, len(os.sched_getaffinity(0)))
+    assert report["routing_prebuild_processes"] == processes and report["routing_prebuild_token_counts"] == 4
+    assert len(report["routing_prebuild_failed"]) == processes, report
+    assert all("No module named" not in why for why in report["routing_prebuild_failed"]), report
+    assert all(("CUDA" in why or "NVIDIA" in why) for why in report["routing_prebuild_failed"]), report
+    assert prebuild.wait() is report
+    prebuild.stop()  # nothing left running: a no-op
