@@ -19,6 +19,7 @@ from offline_extract.data.sources import Source, open_sources
 from offline_extract.default_model import ensure_tiny_model
 from offline_extract.engine.checkpoint import DAMAGED_MODEL_FILE
 from offline_extract.engine.distributed import layout_from_env
+from offline_extract.engine.moe import routed_expert_count
 from offline_extract.engine.reference import wrapped_text_config
 from offline_extract.engine.sglang_adapter import (
     CONTEXT_KEYS,
@@ -28,7 +29,7 @@ from offline_extract.engine.sglang_adapter import (
     hide_gpus,
     validate_layer_ids,
 )
-from offline_extract.options import DEFAULT_TOKENS_PER_BATCH, ExtractOptions, default
+from offline_extract.options import ExtractOptions, default, default_tokens_per_batch
 from offline_extract.recipes import RECIPES
 from offline_extract.store import manifest
 from offline_extract.store.index import shard_paths
@@ -46,6 +47,7 @@ class Model:
     hidden_size: int
     context_length: int
     context_key: str
+    moe: bool = False  # routed experts in its decoder
     repo_id: str | None = None
     revision: str | None = None
 
@@ -124,7 +126,9 @@ def check(opts: ExtractOptions) -> Checked:
             f"({model.context_key} in {model.path / 'config.json'}); lower --max-length to at most "
             f"{model.context_length}"
         )
-    tokens_per_batch = opts.tokens_per_batch or DEFAULT_TOKENS_PER_BATCH[torch.device(device).type]
+    tokens_per_batch = opts.tokens_per_batch or default_tokens_per_batch(
+        torch.device(device).type, model.hidden_size, model.moe
+    )
     return Checked(model, device, tokens_per_batch, sources, layer_ids)
 
 
@@ -247,7 +251,8 @@ def read_model(path: Path, trust_remote_code: bool = False) -> Model:
     capture_rule(architectures[0], str(path))
     text = _text_config(path, raw, trust_remote_code)
     limit, key = context_length(text)
-    return Model(path, architectures[0], text.num_hidden_layers, text.hidden_size, limit, key)
+    moe = routed_expert_count(text) > 0
+    return Model(path, architectures[0], text.num_hidden_layers, text.hidden_size, limit, key, moe)
 
 
 def _text_config(path: Path, raw: dict, trust_remote_code: bool):
