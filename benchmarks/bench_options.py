@@ -48,7 +48,7 @@ class BenchOptions:
     max_length: int | None = None
     # The synthetic corpus's size (None: SYNTHETIC_TOKENS), or with `data` the most of it taken (None: all).
     num_tokens: int | None = None
-    tokens_per_batch: int = 16384
+    tokens_per_batch: int | None = None  # None: bin/extract.py's default for the model
     chunk_tokens: int | None = None  # the engine's chunk for longer samples; None: tokens_per_batch
     chunk_sweep: tuple[int, ...] = ()  # also time bare chunked prefill of the first timed batch at these
     warmup_batches: int = 2

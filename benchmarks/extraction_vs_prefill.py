@@ -52,7 +52,8 @@ from offline_extract.engine.kernels import JIT_CACHES, jit_cache_files  # noqa: 
 from offline_extract.engine.sglang_adapter import Engine
 from offline_extract.extraction import engine_config, pending_samples, sample_tokenizer
 from offline_extract.feed import extract_batches, prepared_ahead, staging_buffers
-from offline_extract.options import ExtractOptions
+from offline_extract.options import ExtractOptions, default_tokens_per_batch
+from offline_extract.preflight import read_model
 from offline_extract.store.manifest import file_fingerprint
 from offline_extract.store.schema import FINAL_STATE_TENSOR, STATE_TENSORS, Encoding, RunInfo
 from offline_extract.store.writer import ShardWriter
@@ -533,6 +534,11 @@ def run_bench(opts: BenchOptions) -> list[dict]:
     torch.cuda.set_device(layout.local_rank)
     coord = Coordinator(layout, namespace=f"bench-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
     model_dir = Path(opts.model) if opts.model else _generated_config(opts.shape, opts.longest, layout, coord)
+    if opts.tokens_per_batch is None:  # bin/extract.py's default for this model
+        model = read_model(model_dir)
+        opts = dataclasses.replace(
+            opts, tokens_per_batch=default_tokens_per_batch("cuda", model.hidden_size, model.moe)
+        )
     from transformers import AutoConfig
 
     run = run_options(opts, model_dir)

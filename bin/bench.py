@@ -146,9 +146,9 @@ def _refuse_synthetic_options_beside_data(data: tuple[str, ...]) -> None:
 )
 @click.option(
     "--tokens-per-batch",
+    type=int,
     default=BenchOptions.tokens_per_batch,
-    show_default=True,
-    help="Token budget of one forward (as extract.py --tokens-per-batch).",
+    help="Token budget of one forward (as extract.py --tokens-per-batch; default: extract.py's for the model).",
 )
 @click.option(
     "--chunk-tokens",
