@@ -282,7 +282,9 @@ class RoutingPrebuild:
         # A bin/ script finds this package through the checkout it puts on sys.path, which a child does not get.
         here = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
-        self.counts, self._started, self._report = len(counts), time.perf_counter(), None
+        self.counts, self._started = len(counts), time.perf_counter()
+        self._ended: float | None = None
+        self.failed: list[str] = []
         self._procs = [
             subprocess.Popen(
                 [
@@ -298,23 +300,28 @@ class RoutingPrebuild:
             )
             for share in routing_shares(counts, gpu_id, gpus, processes)
         ]
+        # Reads their errors as they come (a full pipe would stall a process) and times their end.
+        self._collector = threading.Thread(target=self._collect, name="routing prebuild", daemon=True)
+        self._collector.start()
+
+    def _collect(self) -> None:
+        for p in self._procs:
+            _, err = p.communicate()
+            if p.returncode:
+                self.failed.append((err.strip().splitlines() or [f"exit status {p.returncode}"])[-1])
+        self._ended = time.perf_counter()
 
     def wait(self) -> dict:
-        """Until every process has ended (once): the seconds from the start (`routing_prebuild_s`), the token
-        counts and processes, and each failed process's last line of error (`routing_prebuild_failed`)."""
-        if self._report is None:
-            failed = []
-            for p in self._procs:
-                _, err = p.communicate()
-                if p.returncode:
-                    failed.append((err.strip().splitlines() or [f"exit status {p.returncode}"])[-1])
-            self._report = {
-                "routing_prebuild_s": time.perf_counter() - self._started,
-                "routing_prebuild_token_counts": self.counts,
-                "routing_prebuild_processes": len(self._procs),
-                "routing_prebuild_failed": failed,
-            }
-        return self._report
+        """Until every process has ended: the seconds from their start to the last one's end
+        (`routing_prebuild_s`; the warm-up's forwards ran beside them), the token counts and processes, and
+        each failed process's last line of error (`routing_prebuild_failed`)."""
+        self._collector.join()
+        return {
+            "routing_prebuild_s": self._ended - self._started,
+            "routing_prebuild_token_counts": self.counts,
+            "routing_prebuild_processes": len(self._procs),
+            "routing_prebuild_failed": list(self.failed),
+        }
 
     def stop(self) -> None:
         """Ends the processes still running (a run stopped during its warm-up)."""
