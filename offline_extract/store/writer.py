@@ -173,7 +173,9 @@ def shard_buffers(
     memory. A caller may prepare them ahead, e.g. while the model loads, and hand them to ShardWriter.
     """
     rows = max(1, -(-shard_bytes // encoding.state_bytes(widths)))
-    buffers = [_ShardBuffer(encoding, widths, rows) for _ in range(count)]
+    # The sample that takes a shard past its target closes it and goes in with it: room for it up front, since
+    # a buffer that grows copies every row it holds into memory not yet touched.
+    buffers = [_ShardBuffer(encoding, widths, rows + rows // 16) for _ in range(count)]
     for buf in buffers if touch else ():
         for t in buf.tensors.values():
             t.zero_()
@@ -242,14 +244,15 @@ class _Buffers:
         return buf
 
     def written(self, buf: _ShardBuffer, closed: bool) -> None:
-        """A writer thread has written the last shard of `buf`: it goes back. A buffer grown for a sample longer
-        than a shard would stay that size for the rest of the run, and up to `count` of them could: it is
-        swapped for a standard one, touched here, off the hot path. Once the writer is `closed`, no buffer is
-        needed any more, and touching one would only delay the end."""
+        """A writer thread has written the last shard of `buf`: it goes back. One grown past twice a shard, for
+        a sample longer than a shard, would stay that size for the rest of the run, and up to `count` of them
+        could: it is swapped for a standard one, touched here, off the hot path. One grown less, for a sample
+        that crossed the target, keeps its room, or every shard closed by such a sample would grow it again.
+        Once the writer is `closed`, no buffer is needed any more, and touching one would only delay the end."""
         buf.clear()
         row_bytes = self._encoding.state_bytes(buf.widths)
         try:
-            if buf.capacity * row_bytes > self._shard_bytes + row_bytes and not closed:
+            if buf.capacity * row_bytes > 2 * self._shard_bytes and not closed:
                 buf = self._make()
         finally:
             # The grown one goes back when no standard one could be had (out of memory): the error is this

@@ -520,6 +520,31 @@ def test_a_failed_compression_fails_the_write_and_leaves_no_shard(tmp_path, monk
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("length, most_buffers", [(3, 3), (7, 6)])
+def test_the_sample_that_closes_a_shard_does_not_grow_a_buffer_for_every_shard(
+    tmp_path, monkeypatch, length, most_buffers
+):
+    """The sample taking a shard past its target goes in with it. A buffer has room for it up front (a 64-row
+    shard's buffer holds 68: 3-row samples close their shards at 66 rows), and one grown by a longer crossing
+    sample (7 rows: 70) keeps that room for the shards after it: growing copies every row the buffer holds
+    into memory not yet touched, and did so for every shard, halving a small model's extraction on the
+    H200. So 40 shards take the writer's 2 buffers, or each grown once; and the shards are the same."""
+    made = []
+    init = writer_module._ShardBuffer.__init__
+
+    def counted(self, *args, **kwargs):
+        made.append(args[-1])
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(writer_module._ShardBuffer, "__init__", counted)
+    per_shard = -(-64 // length)
+    batches = [(list(range(i, i + per_shard)), [length] * per_shard, i) for i in range(0, 40 * per_shard, per_shard)]
+    _, paths = write(tmp_path, batches, shard_bytes=64 * ROW_BYTES, writers=1)
+    assert len(paths) == 40 and len(made) <= most_buffers, made
+    got = [[s.index for s in open_shard(p).samples] for p in paths]
+    assert got == [indices for indices, _, _ in batches]
+
+
 def test_a_grown_buffer_goes_back_when_no_standard_one_can_be_allocated(tmp_path, monkeypatch):
     """Each sample longer than a shard grows its buffer, which a writer thread swaps for a standard one
     once written. When that allocation fails (out of memory), the grown one goes back and the error comes
