@@ -527,8 +527,8 @@ def test_the_sample_that_closes_a_shard_does_not_grow_a_buffer_for_every_shard(
     """The sample taking a shard past its target goes in with it. A buffer has room for it up front (a 64-row
     shard's buffer holds 68: 3-row samples close their shards at 66 rows), and one grown by a longer crossing
     sample (7 rows: 70) keeps that room for the shards after it: growing copies every row the buffer holds
-    into memory not yet touched, and did so for every shard, halving a small model's extraction on the
-    H200. So 40 shards take the writer's 2 buffers, or each grown once; and the shards are the same."""
+    into memory not yet touched, on the thread the GPU's batches wait for. So 40 shards take the writer's 2
+    buffers, or each grown once; and the shards are the same."""
     made = []
     init = writer_module._ShardBuffer.__init__
 
