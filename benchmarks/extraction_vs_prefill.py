@@ -186,7 +186,15 @@ def bench_corpus(
 
         tokenizer = SampleTokenizer(AutoTokenizer.from_pretrained(model_dir), max_length=opts.longest)
         samples, facts = synthetic_corpus(tokenizer, opts, layout.dp_rank, layout.dp_size), None
-    return tokenizer, samples, list(batch_by_tokens(samples, opts.tokens_per_batch, run.seqs_per_batch)), facts
+    return tokenizer, samples, list(batch_by_tokens(samples, budget(opts, model_dir), run.seqs_per_batch)), facts
+
+
+def budget(opts: BenchOptions, model_dir: Path) -> int:
+    """--tokens-per-batch, else bin/extract.py's default for the model on a GPU."""
+    if opts.tokens_per_batch is not None:
+        return opts.tokens_per_batch
+    model = read_model(model_dir)
+    return default_tokens_per_batch("cuda", model.hidden_size, model.moe)
 
 
 def _head_dim(config) -> int:
@@ -534,11 +542,7 @@ def run_bench(opts: BenchOptions) -> list[dict]:
     torch.cuda.set_device(layout.local_rank)
     coord = Coordinator(layout, namespace=f"bench-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
     model_dir = Path(opts.model) if opts.model else _generated_config(opts.shape, opts.longest, layout, coord)
-    if opts.tokens_per_batch is None:  # bin/extract.py's default for this model
-        model = read_model(model_dir)
-        opts = dataclasses.replace(
-            opts, tokens_per_batch=default_tokens_per_batch("cuda", model.hidden_size, model.moe)
-        )
+    opts = dataclasses.replace(opts, tokens_per_batch=budget(opts, model_dir))
     from transformers import AutoConfig
 
     run = run_options(opts, model_dir)
@@ -802,7 +806,7 @@ def fed_batches(
     tally = Tally(None, strict=False, nonfinite=run.nonfinite)
     samples = pending_samples(run.data, Share(layout, np.zeros(0, dtype=bool)), tokenizer, done, tally)
     count = sum(len(b.samples) for b in timed)
-    batches = batch_by_tokens(itertools.islice(samples, count), opts.tokens_per_batch, run.seqs_per_batch)
+    batches = batch_by_tokens(itertools.islice(samples, count), budget(opts, Path(run.model)), run.seqs_per_batch)
     return prepared_ahead(batches, engine)
 
 
