@@ -348,7 +348,8 @@ class Job:
         self.written: list = []  # headers of the shards this rank wrote (ShardWriter.headers)
         self.output = OutputDirectory(self.out, self.layout, self.coord)
         self.gate = ParityGate(opts, self.layout, self.coord, self.timeline, self.checked.model.path)
-        self.input_wait_s = 0.0  # the feed's wait for its next batch (feed.extract_batches)
+        # The hot loop's waits for its next batch and for a free staging buffer (feed.extract_batches).
+        self.waits = {"input_wait_s": 0.0, "writer_wait_s": 0.0}
         self._cached_when_warm: set[str] = set()  # the compilers' cache files once the engine was warm
 
     def load_tokenizer(self) -> None:
@@ -490,7 +491,7 @@ class Job:
 
     def _timings(self) -> dict:
         timings = run_timings(
-            self.timeline, self.layout.dp_size, self.input_wait_s, self.gate.timings, self.engine.prebuild_report
+            self.timeline, self.layout.dp_size, self.waits, self.gate.timings, self.engine.prebuild_report
         )
         # What compiled once the run was warm is what its warm-up missed: the first batches paid for it.
         compiled = sorted(jit_cache_files(self.engine.jit_caches) - self._cached_when_warm)
@@ -552,7 +553,7 @@ class Job:
                 if writer is not None:
                     writer.abort()
                 raise
-            self.input_wait_s = times["input_wait_s"]
+            self.waits = {"input_wait_s": times["input_wait_s"], "writer_wait_s": times.get("staging_wait_s", 0.0)}
             self.timeline.mark("drained")
             if writer is not None:
                 tally.written(writer.close(), writer)

@@ -13,14 +13,19 @@ Span = Callable[[str, str], float]  # the seconds between two marks of the timel
 
 
 def run_timings(
-    timeline: Timeline, dp_size: int, input_wait_s: float, gate: Callable[[Span], dict], prebuild: Callable[[], dict]
+    timeline: Timeline,
+    dp_size: int,
+    waits: dict[str, float],
+    gate: Callable[[Span], dict],
+    prebuild: Callable[[], dict],
 ) -> dict:
     """Where this rank's start-up and tail went, in seconds: from the command to the first forward (ours;
     SGLang's: the torch and SGLang imports, the model load and the warm-up; the parity gate), and from
     the last forward enqueued to the run's end (its states to the host, the last shards, under data
     parallelism the wait for the other replicas to finish theirs, rejects and index); `marks` holds every
     point of the timeline, counted from the interpreter's start. `gate` gives the parity gate's split
-    (`ParityGate.timings`), `prebuild` the kernel prebuild's (`Engine.prebuild_report`).
+    (`ParityGate.timings`), `prebuild` the kernel prebuild's (`Engine.prebuild_report`), `waits` the hot
+    loop's waits between forwards (`Job.waits`).
 
     The tokenizer counts as ours only for the time the run waited for it: loaded beside SGLang's load
     (`tokenizer_beside_load`), what that covered is SGLang's; loaded before it, all of it."""
@@ -62,8 +67,10 @@ def run_timings(
         "last_shards_s": timeline.between("drained", "written"),
         **({"replicas_waited_s": timeline.between("written", replicas)} if replicas != "written" else {}),
         "rejects_and_index_s": timeline.between(replicas, "finished"),
-        # Between the first forward and the last: the feed's wait for its next batch (feed._Input).
-        "input_wait_s": input_wait_s,
+        # Between the first forward and the last: the feed's wait for its next batch (feed._Input), and for
+        # a free staging buffer, i.e. for the writer (HostOffload): a run bound by its host shows it here.
+        "input_wait_s": waits["input_wait_s"],
+        "writer_wait_s": waits["writer_wait_s"],
         **prebuild(),
         "marks": marks,
     }
@@ -96,7 +103,7 @@ def timing_line(t: dict) -> str:
         f"model load {t['model_load_s']:.1f} s, warm-up {t['warm_up_s']:.1f} s{prebuild}){gate}; tail "
         f"{t['tail_s']:.2f} s after the last forward: states to host {t['to_host_s']:.2f} s, last shards "
         f"{t['last_shards_s']:.2f} s, {waited}rejects and index {t['rejects_and_index_s']:.2f} s; between forwards, "
-        f"{t['input_wait_s']:.2f} s waited for input{_compiled_words(t)}"
+        f"{t['input_wait_s']:.2f} s waited for input, {t['writer_wait_s']:.2f} s for the writer{_compiled_words(t)}"
     )
 
 
