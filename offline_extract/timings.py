@@ -13,11 +13,7 @@ Span = Callable[[str, str], float]  # the seconds between two marks of the timel
 
 
 def run_timings(
-    timeline: Timeline,
-    dp_size: int,
-    waits: dict[str, float],
-    gate: Callable[[Span], dict],
-    prebuild: Callable[[], dict],
+    timeline: Timeline, dp_size: int, waits: dict, gate: Callable[[Span], dict], prebuild: Callable[[], dict]
 ) -> dict:
     """Where this rank's start-up and tail went, in seconds: from the command to the first forward (ours;
     SGLang's: the torch and SGLang imports, the model load and the warm-up; the parity gate), and from
