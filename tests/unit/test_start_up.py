@@ -695,8 +695,10 @@ def test_kernels_compiled_once_the_run_was_warm_are_named_and_said(tiny_engine, 
 def test_a_writer_slower_than_the_forwards_shows_as_their_wait_for_it(
     tiny_engine, tiny_model_dir, tmp_path, monkeypatch
 ):
-    """The writer wait is the forwards' own wait for a staging buffer: with a consumer that takes 0.1 s a
-    piece, the forwards run ahead by the staging depth and then wait for it, and the manifest says so."""
+    """The writer wait is the forwards' own wait for a staging buffer: with a consumer that takes 0.3 s a
+    piece, the forwards run ahead by the staging depth and then wait for it, and the manifest says so. The
+    consumer is made slow enough that half its time still bounds the wait on a slow CPU, whose forwards of
+    this model take up to 0.15 s a piece."""
     from offline_extract import feed
 
     monkeypatch.setattr(extraction, "Engine", lambda cfg: tiny_engine)
@@ -704,12 +706,12 @@ def test_a_writer_slower_than_the_forwards_shows_as_their_wait_for_it(
 
     def slow(self, piece, staged):
         pieces.append(piece)
-        time.sleep(0.1)
+        time.sleep(0.3)
         consume(self, piece, staged)
 
     monkeypatch.setattr(feed._WriterFeed, "__call__", slow)
     summary, t = _run(tmp_path, tiny_model_dir, tokens_per_batch=128)
     ahead = 3  # feed.staging_buffers' depth: the pieces staged before the first wait
     assert summary.extracted == 24 and len(pieces) > ahead + 2
-    assert t["writer_wait_s"] >= 0.1 * (len(pieces) - ahead - 1) * 0.5
+    assert t["writer_wait_s"] >= 0.3 * (len(pieces) - ahead - 1) * 0.5
     assert t["input_wait_s"] < t["writer_wait_s"]
