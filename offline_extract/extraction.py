@@ -553,7 +553,7 @@ class Job:
                 if writer is not None:
                     writer.abort()
                 raise
-            self.waits = {"input_wait_s": times["input_wait_s"], "writer_wait_s": times.get("staging_wait_s", 0.0)}
+            self.waits = {name: times.get(name, 0.0) for name in self.waits}
             self.timeline.mark("drained")
             if writer is not None:
                 tally.written(writer.close(), writer)

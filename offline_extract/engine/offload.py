@@ -58,9 +58,10 @@ class HostOffload:
             self._free.put(b)
         self._ready: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
-        # Where the host's time went (the bench reports it): the caller's wait for a free buffer, i.e. for
-        # the consumer; the drain thread's wait for the copies; and its time in the consumer.
-        self.times = {"staging_wait_s": 0.0, "copy_wait_s": 0.0, "consume_s": 0.0}
+        # Where the host's time went (the bench and the manifest report it): the caller's wait for a free
+        # buffer, i.e. for the copy and the consumer (the writer); the drain thread's wait for the copies;
+        # and its time in the consumer.
+        self.times = {"writer_wait_s": 0.0, "copy_wait_s": 0.0, "consume_s": 0.0}
         self._thread = threading.Thread(target=self._drain, name="host-offload", daemon=True)
         self._thread.start()
 
@@ -69,7 +70,7 @@ class HostOffload:
         self._raise_error()
         start = time.perf_counter()
         buffers = self._free.get()
-        self.times["staging_wait_s"] += time.perf_counter() - start
+        self.times["writer_wait_s"] += time.perf_counter() - start
         if not self._cuda:
             self._ready.put((batch, None, self._encode(aux, last), buffers))
             return

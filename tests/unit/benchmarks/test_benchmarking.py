@@ -197,7 +197,7 @@ def test_the_timed_modes_run_through_the_real_engine(tiny_engine, bench_batches,
         assert len(forwards["host_s"]) == len(forwards["host_before_s"]) > len(bench_batches)
         assert sum(forwards["host_s"]) == pytest.approx(clock.seconds, abs=1e-3)
         assert 0 < report["forward_s"] < report["wall_s"]
-        assert report["consume_s"] > 0 and report["staging_wait_s"] >= 0 and report["writer_buffer_wait_s"] >= 0
+        assert report["consume_s"] > 0 and report["writer_wait_s"] >= 0 and report["writer_buffer_wait_s"] >= 0
         assert len(report["shard_writes"]) == len(writer.headers) >= 1
         assert sum(n for *_, n in report["shard_writes"]) == writer.bytes_written
         assert all(0 <= start and start + seconds <= report["wall_s"] for start, seconds, _ in report["shard_writes"])

@@ -23,4 +23,4 @@ def test_a_slow_consumer_makes_the_caller_wait_for_staging_and_is_timed():
             offload.submit(i, torch.full((2,), float(i)), torch.ones(2))
     assert got == [(0, 2.0), (1, 4.0), (2, 6.0)]
     assert offload.times["consume_s"] >= 0.55
-    assert 0.3 <= offload.times["staging_wait_s"] <= offload.times["consume_s"]
+    assert 0.3 <= offload.times["writer_wait_s"] <= offload.times["consume_s"]
