@@ -6,6 +6,10 @@ hashing rate of one core, with the xxh3_128 new shards' blocks get and the sha25
 them (each shard block is hashed once). Each in GB/s and, given --bytes-per-token, in
 tokens/s.
 
+The writes are measured first at the run's default of 4 writers, --repeats times back to back
+(`write_bytes_s_repeated`): run first on a fresh machine, the first of them writes memory the VM has never
+touched, which a machine's first extraction into tmpfs writes too; the later ones, memory freed and reused.
+
 \b
     python benchmarks/host_bounds.py --dir /dev/shm/oe-bounds --bytes-per-token 4613 --json OUT.json
 
@@ -28,6 +32,7 @@ sys.path.insert(0, str(ROOT))  # run as a file: this checkout's benchmarks and o
 
 from benchmarks import command_line, emit, program  # noqa: E402
 from benchmarks.extraction_vs_prefill import disk_write_rate  # noqa: E402
+from offline_extract.options import default  # noqa: E402
 
 
 def copy_rate(nbytes: int, threads: int, pinned: bool, repeats: int = 3) -> float:
@@ -59,11 +64,16 @@ def hash_rate(new, nbytes: int) -> float:
 @click.option("--dir", "directory", default="/dev/shm/oe-bounds", show_default=True, help="Where the writers write.")
 @click.option("--gb", default=4.0, show_default=True, help="GiB written by each count of writers.")
 @click.option("--copy-mb", default=512, show_default=True, help="MiB copied at each count of threads (a shard buffer).")
+@click.option(
+    "--repeats", default=3, show_default=True, help="Writes at the default writer count, back to back, first."
+)
 @click.option("--bytes-per-token", default=None, type=int, help="Adds each rate in tokens/s (bench's bytes_per_token).")
 @click.option("--json", "json_path", default=None, help="Also write the result here.")
-def main(directory, gb, copy_mb, bytes_per_token, json_path):
+def main(directory, gb, copy_mb, repeats, bytes_per_token, json_path):
     cores = os.cpu_count() or 1
     pinned = torch.cuda.is_available()
+    writers = default("writers")
+    repeated = [disk_write_rate(Path(directory), int(gb * (1 << 30)), writers) for _ in range(repeats)]
     counts = sorted({1, 2, 4, 8, 16, cores} & set(range(1, cores + 1)))
     copy = {str(n): copy_rate(copy_mb << 20, n, pinned) for n in counts}
     write = {str(n): disk_write_rate(Path(directory), int(gb * (1 << 30)), n) for n in (1, 2, 4, 8, 12)}
@@ -73,6 +83,8 @@ def main(directory, gb, copy_mb, bytes_per_token, json_path):
         "cpu_count": cores,
         "affinity": len(os.sched_getaffinity(0)),
         "pinned_source": pinned,
+        "writers_repeated": writers,
+        "write_bytes_s_repeated": repeated,
         "copy_bytes_s_by_threads": copy,
         "write_bytes_s_by_writers": write,
         "sha256_bytes_s_one_core": hash_rate(hashlib.sha256, 256 << 20),
