@@ -9,7 +9,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -319,7 +319,7 @@ class _Writes:
             document = {
                 "format_version": FORMAT_VERSION,
                 "run": self._run_document,
-                "samples": [asdict(s) for s in samples],
+                "samples": [s.to_json() for s in samples],
             }
             metadata = {METADATA_KEY: json.dumps(document)}
             digest = atomic_write(path, lambda tmp: shard_file.write(tmp, tensors, metadata, self._blocks, filling))

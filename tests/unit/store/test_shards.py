@@ -725,3 +725,21 @@ def test_a_shard_that_the_last_batch_completes_is_cut_for_every_thread(tmp_path,
         want = expected_samples([batch])
         assert [info for info, _ in iter_samples(tmp_path / str(ending))] == [want[i][0] for i in range(5)]
     assert sizes == {False: [32, 4], True: [16, 16, 4]}
+
+
+def test_a_sample_entry_is_its_fields_and_reads_back_as_the_same_sample(tmp_path):
+    """The shard's entry of a sample is a copy of its fields, which is dataclasses.asdict's result only while
+    every field is a scalar; a field of another kind would need asdict's deep copy."""
+    from dataclasses import asdict, fields
+
+    with_images = SampleInfo(7, "chat-7", "c.jsonl", 8, 40, True, images_sha256="ab" * 32)
+    for sample in (SampleInfo(3, "doc-3", "c.jsonl", 4, 10, False), with_images):
+        assert sample.to_json() == asdict(sample)
+        assert SampleInfo(**json.loads(json.dumps(sample.to_json()))) == sample
+    assert {f.type for f in fields(SampleInfo)} <= {"int", "str", "bool", "str | None"}
+    lengths = [3, 5]
+    samples, input_ids, loss_mask, aux, last = make_batch([0, 1], lengths)
+    writer = ShardWriter(tmp_path, RUN)
+    writer.add_batch([samples[0], with_images], input_ids, loss_mask, aux, last, lengths=lengths)
+    writer.close()
+    assert read_header(shard_paths(tmp_path)[0]).samples == [samples[0], with_images]
