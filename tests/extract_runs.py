@@ -51,6 +51,29 @@ def extract_command(out, *args, torchrun: int | None = None) -> list[str]:
     return cmd
 
 
+def run_extract(out, *args, torchrun: int | None = None, env=None, timeout: float = 600, **popen):
+    """bin/extract.py (under torchrun, given `torchrun` processes) run to its end, its output captured as text;
+    `env` sets variables over this process's environment, a value of None unsetting one."""
+    environment = {**os.environ, **(env or {})}
+    for name in [name for name, value in environment.items() if value is None]:
+        del environment[name]
+    return subprocess.run(
+        extract_command(out, *args, torchrun=torchrun),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=environment,
+        timeout=timeout,
+        **popen,
+    )
+
+
+def succeeded(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """`proc`, once it is known to have exited 0; the end of its output says why not."""
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
 def node_commands(out, *args, nodes: int = 2, nproc_per_node: int = 1) -> list[list[str]]:
     """One torchrun command per "node", all on localhost: the static rendezvous of a real multi-node job
     (node 0 serves the store at --master-addr:--master-port, the others join it)."""

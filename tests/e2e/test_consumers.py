@@ -8,13 +8,12 @@ run's final norm, and the fp8, gzip and plain layouts are all read.
 """
 
 import json
-import subprocess
 
 import numpy as np
 import pytest
 import torch
 from consumers import read_exports
-from extract_runs import ROOT, extract_command
+from extract_runs import ROOT, run_extract, succeeded
 
 from offline_extract.engine import parity
 from offline_extract.engine.reference import load_hf_model
@@ -71,8 +70,8 @@ def custom_run(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("custom") / "out"
     corpus = out.parent / "c.jsonl"
     corpus.write_text("".join(CORPUS.read_text().splitlines(keepends=True)[:4]))
-    proc = subprocess.run(
-        extract_command(
+    succeeded(
+        run_extract(
             out,
             "--model",
             tiny_model_dir,
@@ -84,13 +83,8 @@ def custom_run(tiny_model_dir, tmp_path_factory):
             "pre-norm",
             "--dtype",
             "float32",
-        ),
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
+        )
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 
 

@@ -16,7 +16,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from extract_runs import GATE_PARTS, REVISION, ROOT, assert_same_samples, extract_command, free_port, hub_cache
+from extract_runs import (
+    GATE_PARTS,
+    REVISION,
+    ROOT,
+    assert_same_samples,
+    extract_command,
+    free_port,
+    hub_cache,
+    run_extract,
+    succeeded,
+)
 from transformers import AutoTokenizer
 
 from offline_extract.data.corpus import Record, read_corpus
@@ -47,22 +57,6 @@ OUR_LINES = re.compile(
 )
 
 
-def _extract(out, *args, torchrun: int | None = None, env=None):
-    return subprocess.run(
-        extract_command(out, *args, torchrun=torchrun),
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-        timeout=600,
-    )
-
-
-def _ok(proc):
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc
-
-
 @pytest.fixture(scope="module")
 def cache_env(tiny_model_dir, tmp_path_factory):
     # The CLI builds the embedded model under OFFLINE_EXTRACT_CACHE; pointing it at a temp dir keeps the
@@ -73,7 +67,7 @@ def cache_env(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, cache_env):
     out = tmp_path_factory.mktemp("single") / "out"
-    proc = _ok(_extract(out, *SINGLE_ARGS, "--progress-every", "0.001", env=cache_env))
+    proc = succeeded(run_extract(out, *SINGLE_ARGS, "--progress-every", "0.001", env=cache_env))
     return out, proc
 
 
@@ -183,7 +177,7 @@ def test_a_finished_run_run_again_says_so_without_loading_the_model(single, cach
     out, _ = single
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     # --verbose would show SGLang's start-up, had it started.
-    proc = _ok(_extract(out, *SINGLE_ARGS, "--verbose", env=cache_env))
+    proc = succeeded(run_extract(out, *SINGLE_ARGS, "--verbose", env=cache_env))
     assert proc.stderr.splitlines() == [
         f"already complete: {out} holds this run's finished output, nothing to extract",
         "records 24: extracted 24 (24 by earlier attempts), skipped 0, rejected 0, dropped 0",
@@ -195,8 +189,8 @@ def test_verbose_shows_the_libraries_loading_a_hub_model_whose_commit_is_recorde
     hub_cache(tmp_path / "hf", "tiny/llama", tiny_model_dir)
     out = tmp_path / "out"
     env = {**cache_env, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
-    proc = _ok(
-        _extract(out, "--data", str(CORPUS), "--model", "tiny/llama", "--dtype", "float32", "--verbose", env=env)
+    proc = succeeded(
+        run_extract(out, "--data", str(CORPUS), "--model", "tiny/llama", "--dtype", "float32", "--verbose", env=env)
     )
     assert [line for line in proc.stderr.splitlines() if not OUR_LINES.match(line)], "nothing but our own lines"
     provenance = {"model_repo_id": "tiny/llama", "model_revision": REVISION}
@@ -210,7 +204,7 @@ def test_bad_lines_are_recorded_and_good_ones_kept(tmp_path, cache_env):
     corpus = tmp_path / "mixed.jsonl"
     corpus.write_text("\n".join(lines[:2] + bad[:1] + lines[2:4] + bad[1:] + lines[4:]) + "\n")
     out = tmp_path / "out"
-    proc = _ok(_extract(out, "--data", str(corpus), env=cache_env))
+    proc = succeeded(run_extract(out, "--data", str(corpus), env=cache_env))
     rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
     assert [r["line"] for r in rejects] == [3, 6, 7]
     assert all(r["source"] == str(corpus) and r["reason"] for r in rejects)
@@ -223,8 +217,8 @@ def test_bad_lines_are_recorded_and_good_ones_kept(tmp_path, cache_env):
 def test_torchrun_dp2_union_equals_single_process(single, tmp_path, cache_env):
     out1, _ = single
     out2 = tmp_path / "dp2"
-    _ok(
-        _extract(
+    succeeded(
+        run_extract(
             out2, "--data", str(CORPUS), "--tokens-per-batch", "512", "--max-length", "512", torchrun=2, env=cache_env
         )
     )
@@ -234,7 +228,7 @@ def test_torchrun_dp2_union_equals_single_process(single, tmp_path, cache_env):
 
 
 def test_help_explains_formats_and_layers():
-    proc = _ok(
+    proc = succeeded(
         subprocess.run(
             [sys.executable, str(ROOT / "bin" / "extract.py"), "--help"], capture_output=True, text=True, cwd=ROOT
         )
@@ -245,7 +239,7 @@ def test_help_explains_formats_and_layers():
 
 def test_dry_run_sizes_the_output_and_writes_nothing(tmp_path, cache_env):
     out = tmp_path / "out"
-    proc = _ok(_extract(out, "--data", str(CORPUS), "--dry-run", env=cache_env))
+    proc = succeeded(run_extract(out, "--data", str(CORPUS), "--dry-run", env=cache_env))
     assert "records 24: 24 samples, 0 skipped, 0 rejected" in proc.stdout
     assert "aux_hidden_states" in proc.stdout and "fits" in proc.stdout
     assert not out.exists()
@@ -263,7 +257,7 @@ def test_a_damaged_checkpoint_index_is_named_with_where_it_breaks_by_the_run_and
     )  # a comma left out
     out = tmp_path / "out"
     for dry in ((), ("--dry-run",)):
-        proc = _extract(out, "--model", str(model), "--device", "cpu", "--data", str(CORPUS), *dry)
+        proc = run_extract(out, "--model", str(model), "--device", "cpu", "--data", str(CORPUS), *dry)
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert proc.stderr.splitlines()[-1] == (
             f"Error: {index} is not valid JSON (Expecting ',' delimiter: line 4 column 5 (char 66)): it is damaged, "
@@ -319,7 +313,7 @@ def test_a_pipe_is_refused_where_it_would_be_read_twice(tmp_path, monkeypatch):
 
 def test_a_dry_run_refuses_an_out_it_cannot_write(tmp_path, cache_env):
     # /proc/sys takes no new files, whoever asks (root included), like a read-only mount.
-    dry = _extract("/proc/sys/offline_extract_out", "--data", str(CORPUS), "--dry-run", env=cache_env)
+    dry = run_extract("/proc/sys/offline_extract_out", "--data", str(CORPUS), "--dry-run", env=cache_env)
     assert dry.returncode == 1 and "Traceback" not in dry.stderr, dry.stderr[-3000:]
     assert "Error: /proc/sys/offline_extract_out cannot be written: its filesystem is read-only" in dry.stderr
 
@@ -331,7 +325,7 @@ def test_a_dry_run_refuses_an_out_another_run_holds_whatever_force_says(tmp_path
     out.mkdir()
     held = resume.OutputLock(out)
     try:
-        dry = _extract(out, "--data", str(CORPUS), "--dry-run", "--force", env=cache_env)
+        dry = run_extract(out, "--data", str(CORPUS), "--dry-run", "--force", env=cache_env)
     finally:
         held.release()
     assert dry.returncode == 1 and "Traceback" not in dry.stderr, dry.stderr[-3000:]
@@ -358,11 +352,11 @@ def test_a_corpus_without_a_usable_record_says_so_and_completes_the_manifest(
     corpus.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
     verdict = verdict.format(corpus=corpus)
-    dry = _extract(out, "--data", str(corpus), "--dry-run", env=cache_env)
+    dry = run_extract(out, "--data", str(corpus), "--dry-run", env=cache_env)
     assert dry.returncode == 1 and f"Error: {verdict}" in dry.stderr, dry.stderr[-3000:]
     assert not out.exists()
 
-    proc = _extract(out, "--data", str(corpus), env=cache_env)
+    proc = run_extract(out, "--data", str(corpus), env=cache_env)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     see = f", see {out / 'rejects.jsonl'}" if result["rejected"] else ""
     assert f"Error: {verdict}{see}" in proc.stderr
@@ -383,7 +377,7 @@ def test_trim_after_last_loss_token_is_applied_and_recorded(tmp_path, cache_env)
         ' {"role": "user", "content": "A closing question that is never answered"}]}\n'
     )
     out = tmp_path / "out"
-    _ok(_extract(out, "--data", str(corpus), "--trim-after-last-loss-token", env=cache_env))
+    succeeded(run_extract(out, "--data", str(corpus), "--trim-after-last-loss-token", env=cache_env))
     ((info, t),) = list(iter_samples(out))
     assert t["loss_mask"][-1] == 1 and info.source_len > t["input_ids"].shape[0]
     assert open_shard(shard_paths(out)[0]).run.trim_after_last_loss_token is True
@@ -391,8 +385,8 @@ def test_trim_after_last_loss_token_is_applied_and_recorded(tmp_path, cache_env)
 
 def test_pre_norm_final_state_passes_the_gate_and_is_recorded(single, tmp_path, cache_env):
     out = tmp_path / "pre"
-    _ok(
-        _extract(
+    succeeded(
+        run_extract(
             out,
             "--data",
             str(CORPUS),
@@ -422,7 +416,7 @@ def test_a_taken_rendezvous_port_is_named_with_the_option_that_moves_it(tmp_path
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = _extract(tmp_path / "out", "--data", CORPUS, "--port-base", port, env=cache_env)
+        proc = run_extract(tmp_path / "out", "--data", CORPUS, "--port-base", port, env=cache_env)
     assert proc.returncode == 1
     assert f"Error: port {port}, where SGLang's ranks of this replica meet, is taken by another process" in proc.stderr
     assert f"--port-base P gives this run others, P + r for replica r (now P = {port})" in proc.stderr
@@ -452,7 +446,7 @@ def test_a_parquet_file_and_a_cached_hub_data_set_in_one_run(tmp_path, cache_env
     (hf / "hub" / "datasets--org--chats" / "refs" / "main").write_text(REVISION)
     out = tmp_path / "out"
     env = {**cache_env, "HF_HOME": str(hf), "HF_HUB_OFFLINE": "1"}
-    proc = _ok(_extract(out, "--data", str(tmp_path / "c.parquet"), "--data", "org/chats", env=env))
+    proc = succeeded(run_extract(out, "--data", str(tmp_path / "c.parquet"), "--data", "org/chats", env=env))
     assert "records 7: extracted 6, skipped 0, rejected 1, dropped 0" in proc.stderr
     assert sorted(info.index for info, _ in iter_samples(out)) == list(range(6))
     (reject,) = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
@@ -469,7 +463,7 @@ def test_strict_under_torchrun_reports_the_first_bad_record_in_corpus_order_once
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
-    proc = _extract(out, "--data", str(corpus), "--strict", torchrun=2, env=cache_env)
+    proc = run_extract(out, "--data", str(corpus), "--strict", torchrun=2, env=cache_env)
     assert proc.returncode != 0
     assert proc.stderr.count("(--strict stops at the first bad record)") == 1
     assert f"Error: {corpus}:4: invalid JSON" in proc.stderr
@@ -489,8 +483,8 @@ def stored(tmp_path_factory, cache_env):
     outs = {}
     for store, compress in (("bf16", "none"), ("fp8", "zstd")):
         out = tmp_path_factory.mktemp(f"{store}-{compress}") / "out"
-        _ok(
-            _extract(
+        succeeded(
+            run_extract(
                 out,
                 "--data",
                 str(corpus),
@@ -554,8 +548,8 @@ def test_dflash_recipe_captures_spread_layers_without_final_state_and_skips_shor
         + '{"id": "scattered", "input_ids": [5, 6, 7, 8, 9], "loss_mask": [1, 0, 1, 0, 1]}\n'
     )
     out = tmp_path / "out"
-    _ok(
-        _extract(
+    succeeded(
+        run_extract(
             out,
             "--data",
             str(corpus),
@@ -611,7 +605,7 @@ def test_a_run_destroys_its_process_groups_before_it_exits(ranks, tmp_path, cach
         part if part != str(ROOT / "bin" / "extract.py") else str(script)
         for part in extract_command(tmp_path / "out", "--data", CORPUS, *ports, torchrun=ranks)
     ]
-    proc = _ok(
+    proc = succeeded(
         subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, **cache_env}, timeout=600)
     )
     reports = re.findall(r"process group at exit: (\w+)", proc.stderr)

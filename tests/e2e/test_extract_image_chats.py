@@ -3,11 +3,10 @@ image tokens' positions in the shards and the datasets, a bad image rejected by 
 or a rerun of the finished run refused once a kept sample's image has changed."""
 
 import json
-import subprocess
 
 import pytest
 
-from extract_runs import ROOT, extract_command
+from extract_runs import run_extract
 from image_chats import PATCH, save_image
 
 from offline_extract.engine.families import FAMILIES
@@ -15,10 +14,6 @@ from offline_extract.store import integrity
 from offline_extract.store.shard import read_header
 from offline_extract.testing.models import build_model
 from offline_extract.training.datasets import HiddenStateDataset
-
-
-def extract(out, *args):
-    return subprocess.run(extract_command(out, *args), capture_output=True, text=True, cwd=ROOT, timeout=600)
 
 
 # Qwen3-VL's processor resizes the same images to its 32-pixel blocks: as many image tokens. A family SGLang
@@ -65,11 +60,11 @@ def test_image_chats_extract_with_their_image_tokens_and_a_changed_image_refuses
     )
     out = tmp_path / "out"
     common = ("--model", model, "--data", corpus)
-    dry = extract(out, *common, "--dry-run")
+    dry = run_extract(out, *common, "--dry-run")
     assert dry.returncode == 0, dry.stderr
     assert "image tokens 6 " in dry.stdout and "in 2 samples with images" in dry.stdout
 
-    run = extract(out, *common)
+    run = run_extract(out, *common)
     assert run.returncode == 0, run.stderr
     (reject,) = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
     assert (reject["id"], reject["reason"]) == ("gone", f"images[0] ({tmp_path / 'missing.png'}) not found")
@@ -87,10 +82,10 @@ def test_image_chats_extract_with_their_image_tokens_and_a_changed_image_refuses
 
     save_image(tmp_path / "square.png", 2 * PATCH, 2 * PATCH, seed=2)
     changed = "c.jsonl:3 (id 'llava'): its images' bytes differ from those it was extracted from"
-    refused = extract(out, *common, "--dry-run")
+    refused = run_extract(out, *common, "--dry-run")
     assert refused.returncode != 0
     assert changed in refused.stderr
     # The run is complete: a rerun checks the images as a resume does, rather than saying "already complete".
-    refused = extract(out, *common)
+    refused = run_extract(out, *common)
     assert refused.returncode != 0 and "already complete" not in refused.stderr
     assert changed in refused.stderr

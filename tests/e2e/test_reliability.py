@@ -15,6 +15,8 @@ import psutil
 import pytest
 from extract_runs import (
     ROOT,
+    run_extract,
+    succeeded,
     assert_only_complete_shards,
     assert_same_samples,
     extract_command,
@@ -74,23 +76,6 @@ def corpus(tmp_path_factory):
     return path
 
 
-def run(out, *args, env, torchrun=None, **popen):
-    return subprocess.run(
-        extract_command(out, *args, torchrun=torchrun),
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=600,
-        **popen,
-    )
-
-
-def ok(proc):
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc
-
-
 def run_killed(out, *args, env, until, torchrun=None) -> None:
     """Starts an extraction and SIGKILLs all its processes (torchrun's workers too) once `until()` holds."""
     proc = subprocess.Popen(
@@ -127,7 +112,7 @@ def assert_complete(out, base) -> None:
 @pytest.fixture(scope="module")
 def baseline(corpus, env, tmp_path_factory):
     out = tmp_path_factory.mktemp("baseline") / "out"
-    proc = ok(run(out, "--data", corpus, *SMALL, env=env))
+    proc = succeeded(run_extract(out, "--data", corpus, *SMALL, env=env))
     assert counts(proc.stderr) == dict(records=300, extracted=295, earlier=0, skipped=0, rejected=5, dropped=0)
     return out
 
@@ -146,7 +131,7 @@ def test_killed_at_random_points_and_resumed_equals_an_uninterrupted_run(baselin
         kept.update({p.name: sha256(p) for p in shard_paths(out)})
     assert len(kept) >= targets[-1]
 
-    proc = ok(run(out, "--data", corpus, *SMALL, env=env))
+    proc = succeeded(run_extract(out, "--data", corpus, *SMALL, env=env))
     assert ".rejects.dp0.jsonl" in re.search(r"removed \d+ files? left by an interrupted run: .*", proc.stderr)[0]
     result = counts(proc.stderr)
     assert result["records"] == 300 and result["rejected"] == 5 and result["earlier"] > 0
@@ -162,7 +147,7 @@ def test_resume_with_another_dp_size_gives_the_same_samples(baseline, corpus, en
     run_killed(out, "--data", corpus, *SMALL, env=env, torchrun=1, until=lambda: len(shard_paths(out)) >= total // 3)
     before = {shard_number(p) for p in shard_paths(out)}
 
-    proc = ok(run(out, "--data", corpus, *SMALL, env=env, torchrun=2))
+    proc = succeeded(run_extract(out, "--data", corpus, *SMALL, env=env, torchrun=2))
     new = {shard_number(p) for p in shard_paths(out)} - before
     assert min(new) > max(before)
     assert {n % 2 for n in new} == {0, 1}, "both replicas wrote, numbered apart"
@@ -286,7 +271,7 @@ def test_a_killed_dp_rank_stops_the_other_and_a_rerun_completes(baseline, corpus
     assert "rank 0: stopped by SIGTERM" in stderr, stderr[-3000:]
     assert_only_complete_shards(out, killed=(1, 2))  # rank 1 of DP=2 is replica 1
 
-    ok(run(out, "--data", corpus, *SMALL, env=env, torchrun=2))
+    succeeded(run_extract(out, "--data", corpus, *SMALL, env=env, torchrun=2))
     assert_complete(out, baseline)
 
 
@@ -363,7 +348,7 @@ def test_every_kind_of_bad_record_is_rejected_and_strict_stops_at_the_first(stri
         "skip",
     )
 
-    proc = ok(run(tmp_path / "out", *args, env=env))
+    proc = succeeded(run_extract(tmp_path / "out", *args, env=env))
     assert counts(proc.stderr) == dict(records=12, extracted=4, earlier=0, skipped=1, rejected=7, dropped=0)
     rejects = [json.loads(line) for line in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
     expected = {
@@ -388,7 +373,7 @@ def test_every_kind_of_bad_record_is_rejected_and_strict_stops_at_the_first(stri
         "good-openai",
     }
 
-    strict = run(tmp_path / "strict", *args, "--strict", env=env)
+    strict = run_extract(tmp_path / "strict", *args, "--strict", env=env)
     assert strict.returncode != 0
     # The skipped overlong record on line 2 is a policy, not an error: the invalid JSON is the first bad one.
     assert f"Error: {corpus}:3: invalid JSON" in strict.stderr
@@ -422,7 +407,7 @@ def assert_stopped_cleanly(proc, out) -> None:
 def test_a_full_disk_stops_cleanly_and_a_resume_completes(baseline, corpus, env, tmp_path):
     out = tmp_path / "out"
     sizes = [p.stat().st_size for p in shard_paths(baseline)]
-    first = run(out, "--data", corpus, *SMALL, env=env, preexec_fn=limit_file_size(min(sizes) - 1))
+    first = run_extract(out, "--data", corpus, *SMALL, env=env, preexec_fn=limit_file_size(min(sizes) - 1))
     assert_stopped_cleanly(first, out)
     assert shard_paths(out) == []
 
@@ -430,11 +415,11 @@ def test_a_full_disk_stops_cleanly_and_a_resume_completes(baseline, corpus, env,
     # it is the first that does not fit.
     k = max(i for i in range(1, len(sizes)) if sizes[i] > max(sizes[:i]))
     assert k >= 3
-    second = run(out, "--data", corpus, *SMALL, env=env, preexec_fn=limit_file_size(max(sizes[:k])))
+    second = run_extract(out, "--data", corpus, *SMALL, env=env, preexec_fn=limit_file_size(max(sizes[:k])))
     assert_stopped_cleanly(second, out)
     assert k <= len(shard_paths(out)) < len(sizes)
 
-    ok(run(out, "--data", corpus, *SMALL, env=env))
+    succeeded(run_extract(out, "--data", corpus, *SMALL, env=env))
     assert_complete(out, baseline)
 
 
@@ -451,13 +436,13 @@ def test_a_full_disk_under_zstd_stops_cleanly_and_a_resume_completes(corpus, env
     mixed.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
     args = ("--data", mixed, *SMALL, "--compress", "zstd")
-    first = run(out, *args, env=env, preexec_fn=limit_file_size(2 * int(0.15 * (1 << 20))))
+    first = run_extract(out, *args, env=env, preexec_fn=limit_file_size(2 * int(0.15 * (1 << 20))))
     assert_stopped_cleanly(first, out)
     kept = {p.name: sha256(p) for p in shard_paths(out)}
     earlier = sum(len(read_header(p).samples) for p in shard_paths(out))
     assert kept and earlier < 296, "the shards before the long record's are kept, and only those"
 
-    done = ok(run(out, *args, env=env))
+    done = succeeded(run_extract(out, *args, env=env))
     assert counts(done.stderr) == dict(records=301, extracted=296, earlier=earlier, skipped=0, rejected=5, dropped=0)
     assert {name: sha256(out / name) for name in kept} == kept, "the kept shards are untouched"
     ids = [info.id for info, _ in iter_samples(out)]
@@ -477,7 +462,7 @@ def test_a_second_run_into_the_same_out_is_refused(corpus, env, tmp_path):
             assert first.poll() is None
             time.sleep(0.01)
         os.kill(first.pid, signal.SIGSTOP)  # holds the lock for as long as the second run takes
-        second = run(out, "--data", corpus, *SMALL, env=env, torchrun=2)
+        second = run_extract(out, "--data", corpus, *SMALL, env=env, torchrun=2)
     finally:
         os.kill(first.pid, signal.SIGCONT)
     assert second.returncode != 0
@@ -494,7 +479,7 @@ def test_resume_refuses_another_run_unless_forced(baseline, corpus, env, tmp_pat
     names = [p.name for p in shard_paths(out)]
     # Other layers cannot join these shards, --force or not; nothing is written (issue 17's broken directory).
     before = {p.name: sha256(p) for p in out.iterdir() if p.is_file()}
-    other_layers = run(out, "--data", corpus, *SMALL, "--layers", "1,2,4", "--force", env=env)
+    other_layers = run_extract(out, "--data", corpus, *SMALL, "--layers", "1,2,4", "--force", env=env)
     assert other_layers.returncode != 0 and "Traceback" not in other_layers.stderr
     assert "holds shards of a different run" in other_layers.stderr and "--force cannot mix them" in other_layers.stderr
     assert "layer_ids: [1, 3, 4] -> [1, 2, 4]" in other_layers.stderr
@@ -507,12 +492,12 @@ def test_resume_refuses_another_run_unless_forced(baseline, corpus, env, tmp_pat
     grown.parent.mkdir()
     extra = [json.dumps({"id": f"new{i}", "text": "a late addition"}) for i in range(2)]
     grown.write_text(corpus.read_text() + "\n".join(extra) + "\n")
-    refused = run(out, "--data", grown, *SMALL, env=env)
+    refused = run_extract(out, "--data", grown, *SMALL, env=env)
     assert refused.returncode != 0
     assert re.search(r"corpus file 1 \(.*\): bytes \d+ -> \d+, sampled_sha256", refused.stderr), refused.stderr
     assert [p.name for p in shard_paths(out)] == names, "a refused run writes nothing"
 
-    forced = ok(run(out, "--data", grown, *SMALL, "--force", env=env))
+    forced = succeeded(run_extract(out, "--data", grown, *SMALL, "--force", env=env))
     assert counts(forced.stderr) == dict(records=302, extracted=297, earlier=295, skipped=0, rejected=5, dropped=0)
     assert manifest.load(out)["identity"]["corpus"][0]["bytes"] == grown.stat().st_size
     assert integrity.verify(out).problems == []

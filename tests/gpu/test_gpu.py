@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from extract_runs import ROOT
+from extract_runs import ROOT, run_extract, succeeded
 
 from offline_extract.engine import parity, reference
 from offline_extract.store.index import iter_samples, shard_paths
@@ -28,10 +28,7 @@ MIN_COSINE = 0.999
 
 
 def _extract(out, *args, env=None):
-    cmd = [sys.executable, str(ROOT / "bin" / "extract.py"), "--out", str(out), "--no-progress", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1200, env=env)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return proc
+    return succeeded(run_extract(out, *args, env=env, timeout=1200))
 
 
 def _parity(out, architecture, name):
@@ -200,7 +197,7 @@ def test_the_warm_up_compiles_into_the_jit_cache_and_a_second_run_reuses_it(tmp_
 
     model = build_model("llama", tmp_path / "m", dtype=torch.bfloat16, device="cuda")
     cache = tmp_path / "jit"
-    env = {k: v for k, v in os.environ.items() if k not in JIT_CACHES}  # a cache the environment names would win
+    env = dict.fromkeys(JIT_CACHES)  # unset: a cache the environment names would win
     timings = []
     for out in (tmp_path / "cold", tmp_path / "warm"):
         proc = _extract(
@@ -233,7 +230,7 @@ def test_sglangs_nvcc_modules_build_side_by_side_while_the_model_loads(tmp_path)
 
     model = build_model("llama", tmp_path / "m", dtype=torch.bfloat16, device="cuda")
     cache = tmp_path / "jit"
-    env = {k: v for k, v in os.environ.items() if k not in JIT_CACHES}  # a cache the environment names would win
+    env = dict.fromkeys(JIT_CACHES)  # unset: a cache the environment names would win
     # The default attention backend (FA3 on Hopper), as users run it.
     proc = _extract(tmp_path / "out", "--model", str(model), "--data", str(CORPUS), "--jit-cache", str(cache), env=env)
     t = json.loads((tmp_path / "out" / "manifest.json").read_text())["timings"]
@@ -257,7 +254,7 @@ def test_gpt_oss_routing_is_compiled_for_every_token_count_before_the_first_forw
     from offline_extract.engine.kernels import JIT_CACHES
 
     model = build_model("gpt_oss", tmp_path / "m", dtype=torch.bfloat16, device="cuda")
-    env = {k: v for k, v in os.environ.items() if k not in JIT_CACHES}  # a cache the environment names would win
+    env = dict.fromkeys(JIT_CACHES)  # unset: a cache the environment names would win
     args = ("--model", str(model), "--data", str(CORPUS), "--jit-cache", str(tmp_path / "jit"))
     _extract(tmp_path / "out", *args, "--tokens-per-batch", "2048", env=env)
     t = json.loads((tmp_path / "out" / "manifest.json").read_text())["timings"]

@@ -5,12 +5,9 @@ the same batches, through SGLang's fused CUDA norm kernels in bf16.
     python -m pytest -m gpu tests/gpu/test_gpu_exports.py
 """
 
-import subprocess
-import sys
-
 import pytest
 import torch
-from extract_runs import ROOT
+from extract_runs import ROOT, run_extract, succeeded
 from safetensors.torch import load_file
 
 from offline_extract.final_norm import recorded
@@ -26,9 +23,7 @@ MIN_COSINE = 0.999
 
 
 def _extract(out, *args):
-    cmd = [sys.executable, str(ROOT / "bin" / "extract.py"), "--out", str(out), "--no-progress", *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    succeeded(run_extract(out, *args, timeout=1200))
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,13 @@ with the command that ran them.
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from arch_parity import FP8_OVERRIDES, run_report
-from extract_runs import ROOT
+from extract_runs import ROOT, run_extract, succeeded
 
 from offline_extract.engine.parity import FP8_MIN_MEDIAN_COSINE
 from offline_extract.store.index import shard_paths
@@ -89,28 +88,20 @@ def test_fp8_states_pass_the_gate_and_fail_it_one_layer_off(report):
 
 def test_extract_verifies_an_fp8_moe_checkpoint_and_records_its_quantization(models, tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bin" / "extract.py"),
+    succeeded(
+        run_extract(
+            out,
             "--model",
-            str(models["deepseek_v3"]),
+            models["deepseek_v3"],
             "--data",
-            str(ROOT / "examples" / "corpus.jsonl"),
-            "--out",
-            str(out),
+            ROOT / "examples" / "corpus.jsonl",
             "--verify",
             "8",
-            "--no-progress",
             "--attention-backend",
             "triton",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=900,
+            timeout=900,
+        )
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
     run = open_shard(shard_paths(out)[0]).run
     assert run.quantization == FP8_QUANTIZATION_CONFIG and run.compute_dtype == "bfloat16"
     assert run.parity and all(r["ok"] for r in run.parity), run.parity

@@ -9,13 +9,11 @@ the command that ran them (arch_parity.write_result).
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from arch_parity import beyond_bf16_floor, run_report, write_result
-from extract_runs import ROOT
+from extract_runs import ROOT, run_extract, succeeded
 
 from offline_extract.engine.parity import MOE_HALF_MIN_MEDIAN_COSINE
 from offline_extract.store.index import shard_paths
@@ -83,26 +81,9 @@ def test_mxfp4_states_match_hf_on_the_dequantized_weights_with_the_engines_exper
 
 def test_extract_verifies_the_mxfp4_checkpoint_and_records_its_quantization(model, tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bin" / "extract.py"),
-            "--model",
-            str(model),
-            "--data",
-            str(ROOT / "examples" / "corpus.jsonl"),
-            "--out",
-            str(out),
-            "--verify",
-            "8",
-            "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=900,
+    succeeded(
+        run_extract(out, "--model", model, "--data", ROOT / "examples" / "corpus.jsonl", "--verify", "8", timeout=900)
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
     run = open_shard(shard_paths(out)[0]).run
     assert run.quantization == MXFP4_QUANTIZATION_CONFIG and run.compute_dtype == "bfloat16"
     assert run.parity and all(r["ok"] for r in run.parity), run.parity

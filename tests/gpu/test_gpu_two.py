@@ -22,6 +22,8 @@ import pytest
 import torch
 from extract_runs import (
     ROOT,
+    run_extract,
+    succeeded,
     assert_only_complete_shards,
     extract_command,
     kill_rank_when,
@@ -51,14 +53,8 @@ SMALL = ("--shard-size-mb", "0.1", "--tokens-per-batch", "128")
 CHATS = 500
 
 
-def _run(cmd, env=None, timeout=300):
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc
-
-
 def extract(out, *args, torchrun=None):
-    return _run(extract_command(out, *args, torchrun=torchrun))
+    return succeeded(run_extract(out, *args, torchrun=torchrun, timeout=300))
 
 
 def per_token_cosine(a: torch.Tensor, b: torch.Tensor, width: int) -> torch.Tensor:

@@ -8,8 +8,6 @@ the routed experts' intermediate activations included), then multiplied in float
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from arch_parity import FP8_OVERRIDES, LENGTHS
-from extract_runs import ROOT
+from extract_runs import ROOT, run_extract
 from safetensors.torch import load_file
 
 from offline_extract.engine import checkpoint, parity
@@ -82,25 +80,7 @@ def test_dequantized_weights_are_the_bf16_weights_within_e4m3_rounding(fp8_model
 def assert_cpu_refuses_before_loading(model, out, refusal):
     """bin/extract.py on CPU stops on `model` with `refusal` and the reason (no Intel AMX kernels), before any
     weight loads and with nothing written."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bin" / "extract.py"),
-            "--model",
-            str(model),
-            "--data",
-            str(ROOT / "examples" / "corpus.jsonl"),
-            "--out",
-            str(out),
-            "--device",
-            "cpu",
-            "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-    )
+    proc = run_extract(out, "--model", model, "--data", ROOT / "examples" / "corpus.jsonl", "--device", "cpu")
     assert proc.returncode != 0
     assert refusal in proc.stderr and "Intel AMX" in proc.stderr, proc.stderr[-2000:]
     assert "Loading weights" not in proc.stderr and "loading shards" not in proc.stderr.lower()

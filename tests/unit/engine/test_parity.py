@@ -61,11 +61,9 @@ def test_verify_passes_a_bf16_moe_model_and_records_why(tiny_model_dir, tmp_path
     """Qwen3-MoE in bf16 on CPU: the gate sends HF to the experts the engine chose, so that routing flips (seen
     on the GPU and on CPU alike) do not count, judges the typical token, records every token's worst case next
     to it, and records per MoE layer how often HF's own router would have chosen otherwise."""
-    import subprocess
-    import sys
 
     import torch
-    from extract_runs import ROOT
+    from extract_runs import ROOT, run_extract, succeeded
 
     from offline_extract.store.index import shard_paths
     from offline_extract.store.shard import open_shard
@@ -73,28 +71,11 @@ def test_verify_passes_a_bf16_moe_model_and_records_why(tiny_model_dir, tmp_path
 
     model = build_model("qwen3_moe", tmp_path / "m", dtype=torch.bfloat16, tokenizer_dir=tiny_model_dir)
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bin" / "extract.py"),
-            "--model",
-            str(model),
-            "--data",
-            str(ROOT / "examples" / "corpus.jsonl"),
-            "--out",
-            str(out),
-            "--dtype",
-            "bfloat16",
-            "--verify",
-            "8",
-            "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
+    succeeded(
+        run_extract(
+            out, "--model", model, "--data", ROOT / "examples" / "corpus.jsonl", "--dtype", "bfloat16", "--verify", "8"
+        )
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
     run = open_shard(shard_paths(out)[0]).run
     rows = run.parity
     assert [r["layer"] for r in rows] == ["aux 1", "aux 3", "aux 4", "last"]

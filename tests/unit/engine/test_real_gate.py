@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from extract_runs import ROOT
+from extract_runs import ROOT, run_extract, succeeded
 
 from offline_extract.testing.real_model import write_english_corpus
 
@@ -23,30 +23,22 @@ def test_verify_32_passes_the_real_model_in_bf16(real_model_dir, english, tmp_pa
     from offline_extract.store.shard import open_shard
 
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bin" / "extract.py"),
+    proc = succeeded(
+        run_extract(
+            out,
             "--model",
-            str(real_model_dir),
+            real_model_dir,
             "--data",
-            str(english),
-            "--out",
-            str(out),
+            english,
             "--device",
             "cpu",
             "--dtype",
             "bfloat16",
             "--verify",
             "32",
-            "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=1800,
+            timeout=1800,
+        )
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
     rows = open_shard(shard_paths(out)[0]).run.parity
     assert [r["layer"] for r in rows] == ["aux 1", "aux 14", "aux 26", "last"]
     for r in rows:
