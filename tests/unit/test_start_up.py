@@ -414,29 +414,10 @@ def test_a_mismatch_at_the_gate_stops_the_run_before_any_shard_naming_the_failin
 
     monkeypatch.setattr(extraction, "Engine", lambda cfg: tiny_engine)
     out = tmp_path / "out"
+    argv = ["--data", CORPUS, "--out", str(out), "--model", str(tiny_model_dir), "--device", "cpu", "--verify", "2"]
+    argv += ["--tokens-per-batch", "1024", "--seqs-per-batch", "16", "--max-length", "1024", "--no-progress"]
     with pytest.raises(SystemExit) as exited:
-        command.main(
-            [
-                "--data",
-                CORPUS,
-                "--out",
-                str(out),
-                "--model",
-                str(tiny_model_dir),
-                "--device",
-                "cpu",
-                "--verify",
-                "2",
-                "--tokens-per-batch",
-                "1024",
-                "--seqs-per-batch",
-                "16",
-                "--max-length",
-                "1024",
-                "--no-progress",
-            ],
-            standalone_mode=True,
-        )
+        command.main(argv, standalone_mode=True)
     written = sorted(p.name for p in out.iterdir())
     assert not [name for name in written if "shard" in name or name == "index.json"], written
     assert exited.value.code == 1
@@ -470,28 +451,7 @@ def test_a_mismatch_at_the_gate_stops_the_run_before_any_shard_naming_the_failin
 
     # The same command again: the same verdict, and still nothing extracted.
     with pytest.raises(SystemExit) as again:
-        command.main(
-            [
-                "--data",
-                CORPUS,
-                "--out",
-                str(out),
-                "--model",
-                str(tiny_model_dir),
-                "--device",
-                "cpu",
-                "--verify",
-                "2",
-                "--tokens-per-batch",
-                "1024",
-                "--seqs-per-batch",
-                "16",
-                "--max-length",
-                "1024",
-                "--no-progress",
-            ],
-            standalone_mode=True,
-        )
+        command.main(argv, standalone_mode=True)
     assert again.value.code == 1
     assert capfd.readouterr().err.removeprefix("Error: ").removesuffix("\n") == verdict
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".lock")) == ["manifest.json"]
