@@ -6,7 +6,7 @@ hashing rate of one core, with the xxh3_128 new shards' blocks get and the sha25
 them (each shard block is hashed once). Each in GB/s and, given --bytes-per-token, in
 tokens/s.
 
-The writes are measured first at the run's default of 4 writers, --repeats times back to back
+The writes are measured first at the run's default writer count (--writers), --repeats times back to back
 (`write_bytes_s_repeated`): run first on a fresh machine, the first of them writes memory the VM has never
 touched, which a machine's first extraction into tmpfs writes too; the later ones, memory freed and reused.
 

@@ -65,8 +65,7 @@ def run_timings(
         "rejects_and_index_s": timeline.between(replicas, "finished"),
         # Between the first forward and the last: the feed's wait for its next batch (feed._Input), and for
         # a free staging buffer, i.e. for the writer (HostOffload): a run bound by its host shows it here.
-        "input_wait_s": waits["input_wait_s"],
-        "writer_wait_s": waits["writer_wait_s"],
+        **waits,
         **prebuild(),
         "marks": marks,
     }

@@ -263,7 +263,7 @@ class SampleInfo:
 
     def to_json(self) -> dict:
         """Its entry as the shard's metadata holds it. Every field is a scalar, so a copy of its fields is what
-        dataclasses.asdict would give, at a fiftieth of its cost: a shard of short samples holds thousands,
+        dataclasses.asdict would give, at a thirtieth of its cost: a shard of short samples holds thousands,
         each serialized on a writer thread that holds the GIL the forwards' launches need."""
         return dict(vars(self))
 
