@@ -46,11 +46,12 @@ from offline_extract.data.batching import Batch, batch_by_tokens
 from offline_extract.data.corpus import Record
 from offline_extract.data.sources import open_sources
 from offline_extract.data.tokenization import Sample, SampleTokenizer
+from offline_extract.data.tokenizing_apart import TokenizingApart
 from offline_extract.default_model import TRAINING_TEXT
 from offline_extract.engine.distributed import Coordinator, Layout, Share, layout_from_env
 from offline_extract.engine.kernels import JIT_CACHES, jit_cache_files  # noqa: E402
 from offline_extract.engine.sglang_adapter import Engine
-from offline_extract.extraction import engine_config, pending_samples, sample_tokenizer
+from offline_extract.extraction import engine_config, pending_samples, sample_tokenizer, tokenizing_apart
 from offline_extract.feed import extract_batches, prepared_ahead, staging_buffers
 from offline_extract.options import ExtractOptions, default_tokens_per_batch
 from offline_extract.preflight import read_model
@@ -736,8 +737,15 @@ def run_bench(opts: BenchOptions) -> list[dict]:
                 )
             if opts.data and len(results) == 1:
                 w = writer("fed")
-                fed = fed_batches(opts, run, tokenizer, layout, warm, timed, engine)
-                fed_s = _timed(coord, lambda: extract(fed, w), clock)
+                apart = tokenizing_apart(run, "cuda", tokenizer)
+                try:
+                    if apart is not None:  # its processes' start-up is a run's beside the model load, not timed
+                        list(apart.many_ahead((None, []) for _ in range(apart.processes)))
+                    fed = fed_batches(opts, run, tokenizer, layout, warm, timed, engine, apart)
+                    fed_s = _timed(coord, lambda: extract(fed, w), clock)
+                finally:
+                    if apart is not None:
+                        apart.close()
                 results[-1].update(
                     _fed_figures(coord, clock, host_times, timed, total_tokens, fed_s, bare_s, extract_s)
                 )
@@ -796,15 +804,17 @@ def fed_batches(
     warm: list[Batch],
     timed: list[Batch],
     engine: Engine | None = None,
+    apart: TokenizingApart | None = None,
 ) -> Iterator[Batch]:
     """`timed` made again while the forwards run, as bin/extract.py makes its batches: the corpus's records read,
-    tokenized and their images decoded and prepared (and hashed for `engine`) on the feed's thread ahead of the
-    forwards (`prepared_ahead`), the warm-up batches' records passed over as a resumed run passes over those done."""
+    tokenized (by `apart`'s processes where given) and their images decoded and prepared (and hashed for `engine`)
+    on the feed's thread ahead of the forwards (`prepared_ahead`), the warm-up batches' records passed over as a
+    resumed run passes over those done."""
     warm_records = [s.index for b in warm for s in b.samples]
     done = np.zeros(max(warm_records, default=-1) + 1, dtype=bool)
     done[warm_records] = True
     tally = Tally(None, strict=False, nonfinite=run.nonfinite)
-    samples = pending_samples(run.data, Share(layout, np.zeros(0, dtype=bool)), tokenizer, done, tally)
+    samples = pending_samples(run.data, Share(layout, np.zeros(0, dtype=bool)), tokenizer, done, tally, apart)
     count = sum(len(b.samples) for b in timed)
     batches = batch_by_tokens(itertools.islice(samples, count), budget(opts, Path(run.model)), run.seqs_per_batch)
     return prepared_ahead(batches, engine)

@@ -29,6 +29,7 @@ from offline_extract.data.batching import batch_by_tokens
 from offline_extract.data.corpus import BadRecordError, Record, Reject, read_corpus
 from offline_extract.data.sources import Source
 from offline_extract.data.tokenization import Sample, SampleTokenizer, tokenizer_files
+from offline_extract.data.tokenizing_apart import TokenizingApart
 from offline_extract.engine import checkpoint, parity
 from offline_extract.engine.distributed import Coordinator, Layout, ReportedByLeader, Share, layout_from_env
 from offline_extract.engine.kernels import jit_cache_files
@@ -36,7 +37,7 @@ from offline_extract.engine.multimodal import IMAGE_MODELS
 from offline_extract.engine.nonfinite import NonFiniteGuard
 from offline_extract.engine.sglang_adapter import LAYER_CONVENTION, Engine, EngineConfig, PortTaken, import_sglang
 from offline_extract.feed import HostMemory, extract_batches, prepared_ahead
-from offline_extract.options import FINAL_STATES, ExtractOptions
+from offline_extract.options import FINAL_STATES, ExtractOptions, default_tokenizer_processes
 from offline_extract.output import OutputDirectory, resumable
 from offline_extract.parity_gate import ParityGate
 from offline_extract.progress import RunProgress, foreign_output_hidden, note
@@ -212,6 +213,15 @@ def sample_tokenizer(opts: ExtractOptions, model_dir: Path) -> SampleTokenizer:
     )
 
 
+def tokenizing_apart(opts: ExtractOptions, device_type: str, tokenizer: SampleTokenizer) -> TokenizingApart | None:
+    """The processes tokenizing a run's records (--tokenizer-processes, by default `default_tokenizer_processes`),
+    started; None where they are tokenized on the feed's thread."""
+    processes = opts.tokenizer_processes
+    if processes is None:
+        processes = default_tokenizer_processes(device_type, tokenizer.processor is not None)
+    return TokenizingApart(tokenizer, processes) if processes else None
+
+
 def _image_processor(opts: ExtractOptions, model_dir: Path):
     """A vision-language model's HF processor (its config has a vision_config), which renders its image chats and
     prepares their pixels; None for a text-only model."""
@@ -342,6 +352,7 @@ class Job:
         self.known = _known_before_loading(opts, self.checked)
         self.timeline.mark("checked")
         self.tokenizer: SampleTokenizer | None = None
+        self.apart: TokenizingApart | None = None  # the processes tokenizing the records, if any
         # Set by _load: the engine, and the run's facts that every shard carries.
         self.engine: Engine | None = None
         self.meta: RunInfo | None = None
@@ -363,6 +374,7 @@ class Job:
         self.timeline.mark("tokenizer loading")
         self.tokenizer = sample_tokenizer(self.opts, self.checked.model.path)
         self.known = replace(self.known, **self.tokenizer.fingerprint())
+        self.apart = tokenizing_apart(self.opts, torch.device(self.checked.device).type, self.tokenizer)
         self.timeline.mark("tokenizer loaded")
 
     def run(self) -> Summary | None:
@@ -386,6 +398,8 @@ class Job:
         finally:
             for lock in locks:
                 lock.release()
+            if self.apart is not None:
+                self.apart.close()
 
     def _attempt(self, existing: resume.Existing) -> Summary | None:
         """The phases of one attempt, in order: load the model, claim the output directory for this run,
@@ -481,7 +495,7 @@ class Job:
         self.meta = run_metadata(self.known, self.engine)
 
     def _pending(self, done: np.ndarray, tally: Tally) -> Iterator[Sample]:
-        return pending_samples(self.opts.data, self.share, self.tokenizer, done, tally)
+        return pending_samples(self.opts.data, self.share, self.tokenizer, done, tally, self.apart)
 
     def _gate(self, head: list[Sample]) -> list[dict]:
         """--verify N (`ParityGate`): its rows, and on a MoE model how HF was routed, go into the run's metadata."""
@@ -573,15 +587,29 @@ def _marked(batches: Iterator, timeline: Timeline) -> Iterator:
 
 
 def pending_samples(
-    data: Sequence[str], share: Share, tokenizer: SampleTokenizer, done: np.ndarray, tally: Tally
+    data: Sequence[str],
+    share: Share,
+    tokenizer: SampleTokenizer,
+    done: np.ndarray,
+    tally: Tally,
+    apart: TokenizingApart | None = None,
 ) -> Iterator[Sample]:
     """The samples of `share`'s records of `data` still to extract, in corpus order, every record read counted
     in `tally`: records -> samples as a run makes them (the bench's --data too). `done[i]` marks record i as
-    already written."""
-    items = iter(read_corpus(data, owns=share))
-    while chunk := list(islice(items, TOKENIZED_TOGETHER)):
-        resumed = [item.index < len(done) and bool(done[item.index]) for item in chunk]
-        samples = iter(tokenizer.many([item for item, r in zip(chunk, resumed) if not r and isinstance(item, Record)]))
+    already written. The records are tokenized by `apart`'s processes where it is given, else here."""
+
+    def chunks() -> Iterator[tuple[tuple[list, list[bool]], list[Record]]]:
+        items = iter(read_corpus(data, owns=share))
+        while chunk := list(islice(items, TOKENIZED_TOGETHER)):
+            resumed = [item.index < len(done) and bool(done[item.index]) for item in chunk]
+            yield (chunk, resumed), [item for item, r in zip(chunk, resumed) if not r and isinstance(item, Record)]
+
+    if apart is None:
+        tokenized = ((key, tokenizer.many(records)) for key, records in chunks())
+    else:
+        tokenized = apart.many_ahead(chunks())
+    for (chunk, resumed), made in tokenized:
+        samples = iter(made)
         for item, r in zip(chunk, resumed):
             if r:
                 tally.resumed()

@@ -89,6 +89,15 @@ def test_default_run_writes_every_sample_with_its_tokens(single, cache_env):
     assert "records 24: extracted 24, skipped 0, rejected 0, dropped 0" in proc.stderr
 
 
+def test_records_tokenized_on_processes_of_their_own_give_the_same_samples(single, tmp_path, cache_env):
+    # The GPU's default (--tokenizer-processes, default_tokenizer_processes); on CPU a thread's is.
+    out = tmp_path / "apart"
+    proc = succeeded(run_extract(out, *SINGLE_ARGS, "--tokenizer-processes", "2", env=cache_env))
+    assert "records 24: extracted 24, skipped 0, rejected 0, dropped 0" in proc.stderr
+    assert_same_samples(single[0], out)
+    assert subprocess.run(["pgrep", "-f", "offline_extract.data.tokenizing_apart"]).returncode == 1  # none left
+
+
 def test_shards_carry_provenance_and_parity(single):
     out, _ = single
     paths = shard_paths(out)

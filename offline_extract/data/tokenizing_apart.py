@@ -1,0 +1,169 @@
+"""Records tokenized on processes of their own, beside the one that runs the forwards.
+
+A text record's tokenization holds the GIL for much of its cost: the chat template's rendering (jinja, once for
+the whole chat and once for each assistant turn's bounds), transformers' wrapping of the Rust tokenizer's
+output, the lists of ids and offsets turned into arrays. On a thread of the process that launches the forwards,
+that Python competes with the launches for the GIL: a small model's forwards, each done in milliseconds, ran at
+half their rate beside it while the forwards never waited for a batch. On processes of their own only the
+records (read here) and the samples (made there) cross, pickled.
+
+Each worker is `python -m offline_extract.data.tokenizing_apart`, reading pickles on its stdin (the tokenizer,
+then chunks of records) and writing one pickle of results on its stdout for each chunk, in order: not
+multiprocessing's, whose spawned children run the parent's main script again (a user's script, unguarded).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence, TypeVar
+
+from offline_extract.data.corpus import Record
+from offline_extract.data.tokenization import SampleTokenizer
+
+Key = TypeVar("Key")
+
+# Chunks in flight for each process: one being tokenized, one waiting in its pipe.
+AHEAD_PER_PROCESS = 2
+
+
+class _Worker:
+    """One process, with a thread sending it chunks (a chunk's pickle fills the pipe: written on the caller's
+    thread while the worker writes its last result, both would wait on each other)."""
+
+    def __init__(self, tokenizer_pickle: bytes, env: dict):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+        )
+        self._sending: queue.Queue = queue.Queue()
+        self._sending.put(tokenizer_pickle)
+        self._sender = threading.Thread(target=self._send, name="tokenizing-apart", daemon=True)
+        self._sender.start()
+
+    def _send(self) -> None:
+        try:
+            while (data := self._sending.get()) is not None:
+                self.proc.stdin.write(data)
+                self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):  # it died, or was stopped: its reader says which
+            pass
+        finally:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+
+    def submit(self, records: Sequence[Record]) -> None:
+        self._sending.put(pickle.dumps(list(records), protocol=pickle.HIGHEST_PROTOCOL))
+
+    def result(self) -> list:
+        try:
+            kind, value = pickle.load(self.proc.stdout)
+        except (EOFError, pickle.UnpicklingError):
+            raise RuntimeError(
+                f"a tokenizing process (--tokenizer-processes) ended with exit status {self.proc.wait()} "
+                "(killed from outside: out of memory?)"
+            ) from None
+        if kind == "error":
+            raise value
+        return value
+
+    def stop(self) -> None:
+        """Killed, not asked to end: where its results went unread (a run stopped) it waits to write one, and
+        its sender to write the next chunk, and neither would end. It holds nothing to keep."""
+        self.proc.kill()
+        self._sending.put(None)
+        self._sender.join()
+        self.proc.wait()
+
+
+class TokenizingApart:
+    """`tokenizer.many` of each chunk of records on `processes` processes, `AHEAD_PER_PROCESS` chunks each ahead
+    of the caller, the chunks' results in their order (chunk k goes to process k mod processes). The workers
+    start at once, so that their imports and their copy of the tokenizer are made beside whatever the caller
+    does next (the model's load), not before the first batch. A text-only tokenizer's: an image chat's images are
+    prepared on the tokenizer's image threads, which release the GIL themselves."""
+
+    def __init__(self, tokenizer: SampleTokenizer, processes: int):
+        if processes < 1:
+            raise ValueError(f"TokenizingApart needs at least one process, got {processes}")
+        if tokenizer.processor is not None:
+            raise ValueError(
+                f"--tokenizer-processes {processes}: {tokenizer.model} prepares image chats with its HF processor, "
+                "on --image-threads threads of the run's own process; give --tokenizer-processes 0"
+            )
+        # A bin/ script finds this package through the checkout it puts on sys.path, which a child does not get.
+        here = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
+        data = pickle.dumps(tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
+        self._workers = [_Worker(data, env) for _ in range(processes)]
+
+    @property
+    def processes(self) -> int:
+        return len(self._workers)
+
+    def many_ahead(self, chunks: Iterable[tuple[Key, Sequence[Record]]]) -> Iterator[tuple[Key, list]]:
+        """(key, `tokenizer.many(records)`) for each (key, records) of `chunks`, in order; an error a chunk's
+        tokenizing raised (a configuration problem: `SampleTokenizer`) is raised here, where its results would
+        have come. Once `close`d, or after an error, no more."""
+        keys: list = []
+        given = taken = 0
+        for key, records in chunks:
+            self._workers[given % len(self._workers)].submit(records)
+            keys.append(key)
+            given += 1
+            if given - taken >= AHEAD_PER_PROCESS * len(self._workers):
+                yield keys[taken], self._workers[taken % len(self._workers)].result()
+                keys[taken] = None
+                taken += 1
+        while taken < given:
+            yield keys[taken], self._workers[taken % len(self._workers)].result()
+            taken += 1
+
+    def close(self) -> None:
+        """The workers stopped, chunks not yet tokenized dropped: they are only ever read ahead of a run."""
+        for worker in self._workers:
+            worker.stop()
+
+    def __enter__(self) -> TokenizingApart:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _serve() -> None:
+    """A worker: the tokenizer, then for each chunk of records its samples and rejects, or the error raised."""
+    # Ctrl-C reaches every process of the terminal's group; the parent stops its workers itself (`close`).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    given, made = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # what a library prints must not land among the results
+    tokenizer = pickle.load(given)
+    while True:
+        try:
+            records = pickle.load(given)
+        except EOFError:  # the parent is done, or gone
+            return
+        try:
+            out = ("ok", tokenizer.many(records))
+        except Exception as e:
+            out = ("error", e)
+        try:
+            data = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # an error that does not pickle, in words
+            data = pickle.dumps(("error", RuntimeError(f"{type(out[1]).__name__}: {out[1]}")))
+        try:
+            made.write(data)
+            made.flush()
+        except BrokenPipeError:
+            return
+
+
+if __name__ == "__main__":
+    _serve()
