@@ -141,10 +141,14 @@ smol_inputs() {  # smol_inputs RECORDS: SMOL and $work/real.jsonl
   corpus "$work/real.jsonl" "$1"  # ~800 tokens a record with SmolLM2's tokenizer
 }
 
-extract_smol() {  # extract_smol STORE: bin/extract.py on the real text, as users run it, its manifest kept
-  step "extract_smol_$1" 90 "python bin/extract.py --model $SMOL --data $work/real.jsonl --store $1 \
-    --out /dev/shm/oe37_smol_$1 --jit-cache $work/jit_smol --no-progress --progress-every 2 && \
-    $keep_run /dev/shm/oe37_smol_$1/manifest.json $results/runs/extract_smol_$1.json; rm -rf /dev/shm/oe37_smol_$1"
+# bin/extract.py on the real text, as users run it, its manifest kept; a NAME's run adds ARGS. 150 s: the first
+# run on a machine starts on an empty --jit-cache (66 s of start-up at 1,500 records).
+extract_smol() {  # extract_smol STORE [NAME ARGS...]
+  local store=$1 name=${2:-$1}
+  shift; shift || true
+  step "extract_smol_$name" 150 "python bin/extract.py --model $SMOL --data $work/real.jsonl --store $store $* \
+    --out /dev/shm/oe37_smol_$name --jit-cache $work/jit_smol --no-progress --progress-every 2 && \
+    $keep_run /dev/shm/oe37_smol_$name/manifest.json $results/runs/extract_smol_$name.json; rm -rf /dev/shm/oe37_smol_$name"
 }
 
 if [[ $part == small || $part == bench_small ]]; then
@@ -165,10 +169,12 @@ if [[ $part == data ]]; then
   # 6,000 records, ~4.8M tokens: 1,500 (1.2M) made runs of 1.5 s at the GPU's pace, a quarter of it the tail.
   smol_inputs 6000
   # The bench's two modes on the batches bin/extract.py makes of the same records (~90 s), then bin/extract.py on
-  # them (~40 s): its rate against the bench's extract rate on the same data.
+  # them (~40 s each): its rate against the bench's extract rate on the same data, tokenizing in its own
+  # processes (the default) and on the feed's thread (--tokenizer-processes 0).
   step bench_smol_data 150 "python bin/bench.py --model $SMOL --load-format auto --data $work/real.jsonl \
     --disk-probe-gb 1 --out /dev/shm/oe37_bench --results-dir $results/bench"
   extract_smol bf16
+  extract_smol bf16 bf16_thread --tokenizer-processes 0
 fi
 if [[ $part == fresh ]]; then
   # First, before the model's conversion or any bench writes to memory: the first of host_bounds' repeated writes
