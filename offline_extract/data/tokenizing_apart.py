@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import pickle
 import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -38,8 +37,15 @@ class _Worker:
     thread while the worker writes its last result, both would wait on each other)."""
 
     def __init__(self, tokenizer_pickle: bytes, env: dict):
+        # A session of its own: Ctrl-C reaches every process of the terminal's group, a worker still importing
+        # would print its traceback; the parent stops its workers itself (`stop`), and a parent gone ends
+        # them through their stdin's end.
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+            [sys.executable, "-m", __name__],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
         )
         self._sending: queue.Queue = queue.Queue()
         self._sending.put(tokenizer_pickle)
@@ -140,8 +146,6 @@ class TokenizingApart:
 
 def _serve() -> None:
     """A worker: the tokenizer, then for each chunk of records its samples and rejects, or the error raised."""
-    # Ctrl-C reaches every process of the terminal's group; the parent stops its workers itself (`close`).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     given, made = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # what a library prints must not land among the results
     tokenizer = pickle.load(given)

@@ -1,3 +1,4 @@
+import os
 import threading
 
 import numpy as np
@@ -70,6 +71,8 @@ def test_an_error_raised_there_is_raised_here_where_its_chunk_would_have_come(ti
 def test_a_worker_killed_from_outside_is_said_and_closing_ends_every_worker(tokenizer):
     apart = TokenizingApart(tokenizer, 2)
     procs = [w.proc for w in apart._workers]
+    # Out of the terminal's process group, which a Ctrl-C signals whole: the parent stops them itself.
+    assert all(os.getpgid(p.pid) != os.getpgid(0) for p in procs)
     procs[0].kill()
     procs[0].wait()
     with pytest.raises(RuntimeError, match="tokenizing process .* ended with exit status -9"):
