@@ -202,6 +202,7 @@ def train(ctx, variant, seed, steps, batch_size, max_length, learning_rate):
         batch_size=batch_size,
         max_length=max_length,
         learning_rate=learning_rate,
+        command=command_line(LAUNCHER),
     )
     click.echo(
         f"train {facts['run']}: {'complete, skipped' if facts.get('skipped') else 'trained'}, "

@@ -152,8 +152,10 @@ def train(
     batch_size: int,
     max_length: int,
     learning_rate: float,
+    command: str,
 ) -> dict:
-    """Trains and exports one drafter; a run cut short resumes from its last checkpoint."""
+    """Trains and exports one drafter; a run cut short resumes from its last checkpoint. `command`, the one
+    that asked for it, heads its record."""
     run = run_name(variant, seed)
     drafter = layout.drafter(run)
     if lay.is_done(drafter):
@@ -202,6 +204,7 @@ def train(
     ]
     lay.run_logged(layout, f"export {run}", export, logs / f"export_{run}.log", env=env)
     facts = {
+        "command": command,
         "run": run,
         "variant": variant,
         "seed": seed,
