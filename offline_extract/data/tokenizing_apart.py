@@ -20,6 +20,7 @@ import queue
 import subprocess
 import sys
 import threading
+from collections import deque
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence, TypeVar
 
@@ -118,18 +119,16 @@ class TokenizingApart:
         """(key, `tokenizer.many(records)`) for each (key, records) of `chunks`, in order; an error a chunk's
         tokenizing raised (a configuration problem: `SampleTokenizer`) is raised here, where its results would
         have come. Once `close`d, or after an error, no more."""
-        keys: list = []
-        given = taken = 0
-        for key, records in chunks:
+        keys: deque = deque()  # of the chunks in flight, the oldest first
+        taken = 0
+        for given, (key, records) in enumerate(chunks):
             self._workers[given % len(self._workers)].submit(records)
             keys.append(key)
-            given += 1
-            if given - taken >= AHEAD_PER_PROCESS * len(self._workers):
-                yield keys[taken], self._workers[taken % len(self._workers)].result()
-                keys[taken] = None
+            if len(keys) >= AHEAD_PER_PROCESS * len(self._workers):
+                yield keys.popleft(), self._workers[taken % len(self._workers)].result()
                 taken += 1
-        while taken < given:
-            yield keys[taken], self._workers[taken % len(self._workers)].result()
+        while keys:
+            yield keys.popleft(), self._workers[taken % len(self._workers)].result()
             taken += 1
 
     def close(self) -> None:
