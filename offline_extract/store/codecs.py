@@ -25,9 +25,10 @@ import zstandard
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
-# Rows quantized at a time: bounds the float32 temporary (here 4096 x 4 x 8192 x 4 bytes = 512 MiB at
-# most) during a 16k-token batch on the GPU, whose memory is the forward's activation room.
-_QUANTIZE_ROWS = 4096
+# The float32 quotient a chunk of rows makes at most (512 MiB: 4096 tokens of 4 layers of 8192 on the GPU,
+# whose memory is the forward's activation room). A small model's 64k-token batch takes two chunks, so its
+# quantizing is a few kernel launches, not dozens.
+_QUANTIZE_BYTES = 512 << 20
 ZSTD_LEVEL = 1
 # What the states gain from zstd is entropy coding (a plane of sign and exponent bytes takes few values),
 # hardly repeats: level 1's match finder costs most of the time and finds little. Matches of 7 bytes or
@@ -48,18 +49,22 @@ def fp8_quantize(states: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch
         raise ValueError(f"states of width {width} do not split into {layers} layers")
     values = torch.empty(rows, width, dtype=FP8_DTYPE, device=states.device)
     scales = torch.empty(rows, layers, dtype=torch.float32, device=states.device)
-    for start in range(0, rows, _QUANTIZE_ROWS):
-        stop = min(start + _QUANTIZE_ROWS, rows)
-        x = states[start:stop].reshape(stop - start, layers, -1).float()
-        absmax = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1)
+    step = max(1, _QUANTIZE_BYTES // (4 * max(width, 1)))
+    for start in range(0, rows, step):
+        stop = min(start + step, rows)
+        # The absmax of the bfloat16 values is one of them: taking it before widening them is exact.
+        x = states[start:stop].reshape(stop - start, layers, -1)
+        absmax = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1).float()
         # A tensor divisor, not the Python number: CUDA divides by a scalar as a product with its float32
         # reciprocal, one ulp off the true quotient at times, so GPU scales would differ from the CPU's.
         quotient = absmax / torch.full_like(absmax, FP8_MAX)
         scale = torch.where(absmax == 0, 1.0, _round_up_to_bf16(quotient))
+        # Widened to float32 by the division itself, so no float32 copy of the states is made first.
+        x = x / scale.unsqueeze(-1)
         # e4m3fn has no infinity and torch's cast does not saturate: a quotient rounded a hair past 448
         # would become NaN without the clamp.
-        x.div_(scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
-        values[start:stop] = x.reshape(stop - start, width).to(FP8_DTYPE)
+        x.clamp_(-FP8_MAX, FP8_MAX)
+        values[start:stop].view(stop - start, layers, -1).copy_(x)
         scales[start:stop] = scale
     return values, scales
 

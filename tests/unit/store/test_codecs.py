@@ -70,10 +70,20 @@ def test_fp8_zero_token_gets_a_positive_scale_and_nan_shows_in_its_scale():
 def test_fp8_quantizes_in_row_chunks_exactly_as_in_one(monkeypatch):
     x = residual_like(37, 3, 16)
     whole = fp8_quantize(x, layers=3)
-    monkeypatch.setattr(codecs, "_QUANTIZE_ROWS", 5)
+    monkeypatch.setattr(codecs, "_QUANTIZE_BYTES", 5 * 4 * x.shape[1])  # 5 rows' float32 quotients a chunk
     chunked = fp8_quantize(x, layers=3)
     assert torch.equal(whole[0].view(torch.uint8), chunked[0].view(torch.uint8))
     assert torch.equal(whole[1], chunked[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_leaves_the_states_it_quantizes_as_they_were(dtype):
+    """The states are the batch's own (bin/extract.py's staging, a caller's tensor): float32 ones are not
+    divided in place."""
+    x = residual_like(9, 2, 16).to(dtype)
+    before = x.clone()
+    fp8_quantize(x, layers=2)
+    assert torch.equal(x, before)
 
 
 def test_fp8_refuses_a_width_that_does_not_split_into_layers():
