@@ -57,7 +57,7 @@ class BenchOptions:
     baselines: tuple[str, ...] = ()  # of BASELINES
     peer_options: PeerOptions = PeerOptions()
     disk_probe_bytes: int = 4 << 30
-    writers: int = default("writers")
+    writers: int | None = default("writers")  # None: bin/extract.py's default for the model
     image_threads: int | None = default("image_threads")  # None: default_image_threads
     encodings: tuple[tuple[str, str], ...] = (("bf16", "none"),)  # (--store, --compress) pairs, one model load
     fp8_error_tokens: int = 131072  # tokens over which fp8's decoded states are compared with bf16's

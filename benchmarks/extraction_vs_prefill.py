@@ -53,7 +53,7 @@ from offline_extract.engine.kernels import JIT_CACHES, jit_cache_files  # noqa: 
 from offline_extract.engine.sglang_adapter import Engine
 from offline_extract.extraction import engine_config, pending_samples, sample_tokenizer, tokenizing_apart
 from offline_extract.feed import extract_batches, prepared_ahead, staging_buffers
-from offline_extract.options import ExtractOptions, default_tokens_per_batch
+from offline_extract.options import ExtractOptions, default_tokens_per_batch, default_writers
 from offline_extract.preflight import read_model
 from offline_extract.store.manifest import file_fingerprint
 from offline_extract.store.schema import FINAL_STATE_TENSOR, STATE_TENSORS, Encoding, RunInfo
@@ -190,12 +190,21 @@ def bench_corpus(
     return tokenizer, samples, list(batch_by_tokens(samples, budget(opts, model_dir), run.seqs_per_batch)), facts
 
 
+def for_the_model(opts: BenchOptions, model_dir: Path) -> BenchOptions:
+    """opts with --tokens-per-batch and --writers, where not given, at bin/extract.py's defaults for the model on a
+    GPU."""
+    model = read_model(model_dir)
+    facts = ("cuda", model.hidden_size, model.moe)
+    return dataclasses.replace(
+        opts,
+        tokens_per_batch=opts.tokens_per_batch or default_tokens_per_batch(*facts),
+        writers=opts.writers or default_writers(*facts),
+    )
+
+
 def budget(opts: BenchOptions, model_dir: Path) -> int:
     """--tokens-per-batch, else bin/extract.py's default for the model on a GPU."""
-    if opts.tokens_per_batch is not None:
-        return opts.tokens_per_batch
-    model = read_model(model_dir)
-    return default_tokens_per_batch("cuda", model.hidden_size, model.moe)
+    return for_the_model(opts, model_dir).tokens_per_batch
 
 
 def _head_dim(config) -> int:
@@ -543,7 +552,7 @@ def run_bench(opts: BenchOptions) -> list[dict]:
     torch.cuda.set_device(layout.local_rank)
     coord = Coordinator(layout, namespace=f"bench-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
     model_dir = Path(opts.model) if opts.model else _generated_config(opts.shape, opts.longest, layout, coord)
-    opts = dataclasses.replace(opts, tokens_per_batch=budget(opts, model_dir))
+    opts = for_the_model(opts, model_dir)
     from transformers import AutoConfig
 
     run = run_options(opts, model_dir)

@@ -2,7 +2,7 @@
 # Issue 37 on one H200 (SGLang 0.5.17 + FA3), in two device calls of at most 9 minutes each:
 #   bash benchmarks/gpu_issue37.sh moe   OUTDIR    # call 1: ~460 s
 #   SMOL=/dev/shm/smol bash benchmarks/gpu_issue37.sh small OUTDIR    # call 2: ~500 s, on the same machine
-# or a part of either: `bench_small` (small's bench and bin/extract.py runs, ~220 s), `host` (the feed's rate
+# or a part of either: `bench_small` (the GPU codec test, small's bench and bin/extract.py runs, ~200 s), `host` (the feed's rate
 # and the host's bounds, ~75 s), `warmup SHAPE...` (bin/extract.py cold then cached on each MoE shape),
 # `bench_moe SHAPE...` (moe's bench alone on the shapes named, ~100 s each), `data`
 # (the bench on the real text itself, `bin/bench.py --data`, beside bin/extract.py on it, bf16; ~150 s), `fresh`
@@ -153,14 +153,13 @@ extract_smol() {  # extract_smol STORE [NAME ARGS...]
 
 if [[ $part == small || $part == bench_small ]]; then
   smol_inputs 1500
-  # The bench on the real weights, bf16 and fp8 in one load, at bin/extract.py's default budget for the model
-  # (64k tokens), with the default 4 writers and with 8 (~70 s each). 6M tokens: at 1.2M tok/s a run of 2M
-  # was 1.9 s, of which the tail was a tenth.
-  for writers in 4 8; do
-    step "bench_smol_w$writers" 150 "python bin/bench.py --model $SMOL --load-format auto --num-tokens 6000000 \
-      --store bf16 --store fp8 --writers $writers --disk-probe-gb 1 --out /dev/shm/oe37_bench \
-      --results-dir $results/bench"
-  done
+  # fp8's quantizing on the GPU gives the CPU's bits (~15 s).
+  step gpu_codecs 60 "python -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_codecs.py"
+  # The bench on the real weights, bf16 and fp8 in one load, at bin/extract.py's defaults for the model (64k
+  # tokens a forward, 8 writers; ~110 s). 6M tokens: at 1.2M tok/s a run of 2M was 1.9 s, of which the tail
+  # was a tenth.
+  step bench_smol 150 "python bin/bench.py --model $SMOL --load-format auto --num-tokens 6000000 \
+    --store bf16 --store fp8 --disk-probe-gb 1 --out /dev/shm/oe37_bench --results-dir $results/bench"
   # bin/extract.py on real text, as users run it (~35 s each: start-up ~25 s, extraction ~5 s); its start-up line
   # ends with the seconds it waited for input between forwards.
   for store in bf16 fp8; do extract_smol "$store"; done

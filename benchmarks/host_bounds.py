@@ -6,7 +6,7 @@ hashing rate of one core, with the xxh3_128 new shards' blocks get and the sha25
 them (each shard block is hashed once). Each in GB/s and, given --bytes-per-token, in
 tokens/s.
 
-The writes are measured first at the run's default writer count (--writers), --repeats times back to back
+The writes are measured first at the default writer count (DEFAULT_WRITERS), --repeats times back to back
 (`write_bytes_s_repeated`): run first on a fresh machine, the first of them writes memory the VM has never
 touched, which a machine's first extraction into tmpfs writes too; the later ones, memory freed and reused.
 
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))  # run as a file: this checkout's benchmarks and o
 
 from benchmarks import command_line, emit, program  # noqa: E402
 from benchmarks.extraction_vs_prefill import disk_write_rate  # noqa: E402
-from offline_extract.options import default  # noqa: E402
+from offline_extract.options import DEFAULT_WRITERS  # noqa: E402
 
 
 def copy_rate(nbytes: int, threads: int, pinned: bool, repeats: int = 3) -> float:
@@ -72,7 +72,7 @@ def hash_rate(new, nbytes: int) -> float:
 def main(directory, gb, copy_mb, repeats, bytes_per_token, json_path):
     cores = os.cpu_count() or 1
     pinned = torch.cuda.is_available()
-    writers = default("writers")
+    writers = DEFAULT_WRITERS
     repeated = [disk_write_rate(Path(directory), int(gb * (1 << 30)), writers) for _ in range(repeats)]
     counts = sorted({1, 2, 4, 8, 16, cores} & set(range(1, cores + 1)))
     copy = {str(n): copy_rate(copy_mb << 20, n, pinned) for n in counts}

@@ -31,9 +31,9 @@ sys.path.insert(0, str(ROOT))  # run as a file: this checkout's benchmarks and o
 
 from benchmarks import command_line, program  # noqa: E402
 
-from offline_extract.options import choices, default  # noqa: E402
+from offline_extract.options import DEFAULT_WRITERS, choices, default  # noqa: E402
 from offline_extract.store.schema import Encoding, RunInfo, SampleInfo  # noqa: E402
-from offline_extract.store.writer import WRITER_THREADS, ShardWriter  # noqa: E402
+from offline_extract.store.writer import ShardWriter  # noqa: E402
 from offline_extract.testing.states import activation_like  # noqa: E402
 
 K = 3  # aux layers, beside the last state
@@ -82,7 +82,7 @@ def _writer_rate(
     preallocate: bool,
     shard_bytes: int,
     encoding: Encoding = Encoding(),
-    writers: int = WRITER_THREADS,
+    writers: int = DEFAULT_WRITERS,
     hidden: int = H,
     samples: int = 8,
 ) -> dict:
@@ -166,7 +166,7 @@ def _record(suffix: str, measured: dict) -> None:
     help="Measure this store only (with --compress), at 512 MB shards, preallocated.",
 )
 @click.option("--compress", type=click.Choice(choices("compress")), default=default("compress"), show_default=True)
-@click.option("--writers", default=WRITER_THREADS, show_default=True)
+@click.option("--writers", default=DEFAULT_WRITERS, show_default=True)
 @click.option("--hidden", default=H, show_default=True, help="Hidden size of the states (576: SmolLM2-135M).")
 @click.option("--samples", "samples", default=8, show_default=True, help="Samples a 16,384-token batch.")
 def main(out: str, gb: float, store: str | None, compress: str, writers: int, hidden: int, samples: int) -> None:

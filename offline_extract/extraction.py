@@ -448,7 +448,9 @@ class Job:
         enc = encoding(self.opts)
         widths = enc.widths(_num_aux_layers(self.checked), self.checked.model.hidden_size)
         forward_tokens = max(self.checked.tokens_per_batch, self.opts.chunk_tokens or 0)
-        return HostMemory(enc, widths, forward_tokens, self.layout.local_rank, self.opts.shard_bytes, self.opts.writers)
+        return HostMemory(
+            enc, widths, forward_tokens, self.layout.local_rank, self.opts.shard_bytes, self.checked.writers
+        )
 
     def _load(self) -> None:
         """SGLang's imports, then its model load and the warm-up, with the tokenizer (unless it is loaded
@@ -517,7 +519,7 @@ class Job:
             self.out,
             self.meta,
             shard_bytes=self.opts.shard_bytes,
-            writers=self.opts.writers,
+            writers=self.checked.writers,
             shard_numbers=resume.shard_numbers(existing.first_number, self.layout.dp_rank, self.layout.dp_size),
             on_written=lambda shard: shard_log.append(asdict(shard)),
             # On a GPU the first shards would otherwise fill fresh pages on the hot path; on CPU

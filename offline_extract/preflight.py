@@ -29,7 +29,7 @@ from offline_extract.engine.sglang_adapter import (
     hide_gpus,
     validate_layer_ids,
 )
-from offline_extract.options import ExtractOptions, default, default_tokens_per_batch
+from offline_extract.options import ExtractOptions, default, default_tokens_per_batch, default_writers
 from offline_extract.recipes import RECIPES
 from offline_extract.store import manifest
 from offline_extract.store.index import shard_paths
@@ -62,6 +62,7 @@ class Checked:
     model: Model
     device: str
     tokens_per_batch: int
+    writers: int
     sources: list[Source]
     layer_ids: tuple[int, ...] | None  # validated and sorted; None: SGLang's EAGLE-3 default, resolved by the engine
 
@@ -126,10 +127,10 @@ def check(opts: ExtractOptions) -> Checked:
             f"({model.context_key} in {model.path / 'config.json'}); lower --max-length to at most "
             f"{model.context_length}"
         )
-    tokens_per_batch = opts.tokens_per_batch or default_tokens_per_batch(
-        torch.device(device).type, model.hidden_size, model.moe
-    )
-    return Checked(model, device, tokens_per_batch, sources, layer_ids)
+    device_type = torch.device(device).type
+    tokens_per_batch = opts.tokens_per_batch or default_tokens_per_batch(device_type, model.hidden_size, model.moe)
+    writers = opts.writers or default_writers(device_type, model.hidden_size, model.moe)
+    return Checked(model, device, tokens_per_batch, writers, sources, layer_ids)
 
 
 def check_out(out: str) -> None:

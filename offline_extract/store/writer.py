@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from offline_extract.options import default
+from offline_extract.options import DEFAULT_WRITERS, default
 from offline_extract.store.atomic import atomic_write
 from offline_extract.store import shard_file
 from offline_extract.store.shard import ShardHeader
@@ -35,9 +35,6 @@ from offline_extract.store.schema import (
     shard_number,
 )
 
-WRITER_THREADS = default(
-    "writers"
-)  # ShardWriter's default (--writers); it holds at most one more shard buffer than threads
 # The shard still buffered when a writer closes is written after the last forward, where nothing overlaps
 # it: it is cut into up to one shard a writer thread, each of at least this many state bytes (a part takes
 # tens of milliseconds), so that all threads write it at once (a file is written by one thread: a write
@@ -427,7 +424,7 @@ class ShardWriter:
         *,
         shard_bytes: int = default("shard_bytes"),
         shard_numbers: Iterator[int] | None = None,
-        writers: int = WRITER_THREADS,
+        writers: int = DEFAULT_WRITERS,  # it holds at most one more shard buffer than threads
         on_written: Callable[[WrittenShard], None] | None = None,
         widths: dict[str, int] | None = None,
         buffers: list[_ShardBuffer] | None = None,

@@ -697,16 +697,19 @@ def test_a_llama4_checkpoint_whose_index_names_no_tower_refuses_its_image_chats_
     assert text.images is None
 
 
-def test_the_token_budget_defaults_by_device_and_by_model(tmp_path, tiny_model_dir):
+def test_the_token_budget_and_the_writers_default_by_device_and_by_model(tmp_path, tiny_model_dir):
     """A dense model of hidden size 1024 or less gets 64k tokens a forward on a GPU, where a 16k forward of
-    it is short beside each batch's host work; a wider one and a MoE model (whose warm-up compiles per token
-    count up to the budget) 16k; the CPU 4k whatever the model. The facts come from the model's config."""
-    from offline_extract.options import default_tokens_per_batch
+    it is short beside each batch's host work, and 8 writers for the states it makes fastest; a wider one and
+    a MoE model (whose warm-up compiles per token count up to the budget) 16k and 4; the CPU 4k and 4 whatever
+    the model. The facts come from the model's config."""
+    from offline_extract.options import default_tokens_per_batch, default_writers
 
     wide = build_model("llama", tmp_path / "wide", weights=False, overrides={"hidden_size": 2048})
     moe = build_model("qwen3_moe", tmp_path / "moe", weights=False)
-    budgets = {}
+    budgets, writers = {}, {}
     for name, path in (("tiny", tiny_model_dir), ("wide", wide), ("moe", moe)):
         model = preflight.read_model(Path(path))
         budgets[name] = [default_tokens_per_batch(d, model.hidden_size, model.moe) for d in ("cuda", "cpu")]
+        writers[name] = [default_writers(d, model.hidden_size, model.moe) for d in ("cuda", "cpu")]
     assert budgets == {"tiny": [65536, 4096], "wide": [16384, 4096], "moe": [16384, 4096]}
+    assert writers == {"tiny": [8, 4], "wide": [4, 4], "moe": [4, 4]}

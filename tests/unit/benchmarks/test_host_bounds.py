@@ -7,7 +7,7 @@ import sys
 
 from extract_runs import ROOT
 
-from offline_extract.options import default
+from offline_extract.options import DEFAULT_WRITERS
 
 
 def test_every_bound_is_measured_and_its_files_removed(tmp_path):
@@ -21,7 +21,7 @@ def test_every_bound_is_measured_and_its_files_removed(tmp_path):
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     assert result["command"].startswith("python benchmarks/host_bounds.py --dir")
-    assert result["writers_repeated"] == default("writers")
+    assert result["writers_repeated"] == DEFAULT_WRITERS
     assert len(result["write_bytes_s_repeated"]) == 2 and min(result["write_bytes_s_repeated"]) > 0
     assert sorted(result["write_bytes_s_by_writers"], key=int) == ["1", "2", "4", "8", "12"]
     assert min(result["write_bytes_s_by_writers"].values()) > 0 and min(result["copy_bytes_s_by_threads"].values()) > 0
