@@ -749,7 +749,7 @@ def run_bench(opts: BenchOptions) -> list[dict]:
                 apart = tokenizing_apart(run, "cuda", tokenizer)
                 try:
                     if apart is not None:  # its processes' start-up is a run's beside the model load, not timed
-                        list(apart.many_ahead((None, []) for _ in range(apart.processes)))
+                        apart.ready()
                     fed = fed_batches(opts, run, tokenizer, layout, warm, timed, engine, apart)
                     fed_s = _timed(coord, lambda: extract(fed, w), clock)
                 finally:

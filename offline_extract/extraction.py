@@ -26,8 +26,8 @@ import torch
 
 from offline_extract import planning, preflight, stopping
 from offline_extract.data.batching import batch_by_tokens
-from offline_extract.data.corpus import BadRecordError, Record, Reject, read_corpus
-from offline_extract.data.sources import Source
+from offline_extract.data.corpus import BadRecordError, Record, Reject, Row, in_order, read_corpus, rows
+from offline_extract.data.sources import Source, open_sources
 from offline_extract.data.tokenization import Sample, SampleTokenizer, tokenizer_files
 from offline_extract.data.tokenizing_apart import TokenizingApart
 from offline_extract.engine import checkpoint, parity
@@ -68,6 +68,9 @@ def raise_terminated(signum, frame) -> None:
 # Records tokenized in one call of the tokenizer (SampleTokenizer.many), which spreads them over the cores:
 # enough to keep them busy, few enough that the first batch does not wait long for its chunk.
 TOKENIZED_TOGETHER = 64
+# Rows in one such chunk at most, those read for their ids alone (another replica's, or done) counted too: a
+# replica of many reads mostly others' rows, a resume mostly done ones.
+ROWS_TOGETHER = 16 * TOKENIZED_TOGETHER
 
 
 def _weights_fingerprint(model_dir: Path) -> str:
@@ -598,31 +601,41 @@ def pending_samples(
 ) -> Iterator[Sample]:
     """The samples of `share`'s records of `data` still to extract, in corpus order, every record read counted
     in `tally`: records -> samples as a run makes them (the bench's --data too). `done[i]` marks record i as
-    already written. The records are tokenized by `apart`'s processes where it is given, else here."""
+    already written. The rows are read here, and parsed and tokenized by `apart`'s processes where it is given
+    (`SampleTokenizer.from_rows`), else here too; which ids are duplicates is settled here, in order."""
+    sources = open_sources(data)
 
-    def chunks() -> Iterator[tuple[tuple[list, list[bool]], list[Record]]]:
-        items = iter(read_corpus(data, owns=share))
-        while chunk := list(islice(items, TOKENIZED_TOGETHER)):
-            resumed = [item.index < len(done) and bool(done[item.index]) for item in chunk]
-            yield (chunk, resumed), [item for item, r in zip(chunk, resumed) if not r and isinstance(item, Record)]
+    def resumed(index: int) -> bool:
+        return index < len(done) and bool(done[index])
+
+    def chunks() -> Iterator[tuple[list[Row], tuple[list[Row], list[bool]]]]:
+        chunk: list[Row] = []
+        wanted: list[bool] = []
+        taken = 0  # rows of the chunk wanted
+        for row in rows(sources):
+            want = share(row.index) and not resumed(row.index)
+            chunk.append(row)
+            wanted.append(want)
+            taken += want
+            if taken == TOKENIZED_TOGETHER or len(chunk) == ROWS_TOGETHER:
+                yield chunk, (chunk, wanted)
+                chunk, wanted, taken = [], [], 0
+        if chunk:
+            yield chunk, (chunk, wanted)
 
     if apart is None:
-        tokenized = ((key, tokenizer.many(records)) for key, records in chunks())
+        made = ((chunk, tokenizer.from_rows(*work)) for chunk, work in chunks())
     else:
-        tokenized = apart.many_ahead(chunks())
-    for (chunk, resumed), made in tokenized:
-        samples = iter(made)
-        for item, r in zip(chunk, resumed):
-            if r:
-                tally.resumed()
-                continue
-            if isinstance(item, Record):
-                item = next(samples)
-            if isinstance(item, Sample):
-                tally.to_extract()
-                yield item
-            else:
-                tally.left_out(item)
+        made = apart.many_ahead(chunks())
+    parsed = ((row, id_, item) for chunk, items in made for row, (id_, item) in zip(chunk, items))
+    for row, item in in_order(sources, parsed, owns=share):
+        if resumed(row.index):
+            tally.resumed()
+        elif isinstance(item, Sample):
+            tally.to_extract()
+            yield item
+        else:
+            tally.left_out(item)
 
 
 def _stop_at_the_first_bad_record(

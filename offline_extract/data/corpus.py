@@ -15,9 +15,10 @@ import json
 import re
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple, TypeVar
 
 from offline_extract.data.sources import FORMAT_KEYS, LineTooLong, open_sources
 from offline_extract.words import plural
@@ -391,6 +392,19 @@ def _record(obj: dict, raw: bytes, source: str, line: int, index: int, id_: str,
     return Record(**common, input_ids=ids, loss_mask=mask)
 
 
+class Row(NamedTuple):
+    """One record of the corpus as read, not yet parsed: what `parse` needs, and no more (a tokenizing process
+    parses rows a run reads; `base` is its source's, the same object for every row of it)."""
+
+    file_no: int  # the source's position among the run's
+    source: str  # its name, as rejects give it
+    label: str  # the start of a derived id
+    base: Path  # where its relative image paths start
+    line: int
+    index: int  # across all sources
+    raw: bytes | dict | LineTooLong
+
+
 def read_corpus(paths: Sequence[str | Path], owns: Callable[[int], bool] | None = None) -> Iterator[Record | Reject]:
     """Yield a Record or Reject for every record of `paths` (see `sources`), in order, streaming.
 
@@ -402,34 +416,64 @@ def read_corpus(paths: Sequence[str | Path], owns: Callable[[int], bool] | None 
     derived id is "NAME:LINE", NAME the file's name, or the entry as given where two sources share a name
     (`sources.open_sources`); an id given twice is reported record by record as a duplicate.
     """
-    return _read(open_sources(paths), owns)
+    sources = open_sources(paths)
+    parsed = ((row, *parse(row, owns is None or owns(row.index))) for row in rows(sources))
+    return (item for _, item in in_order(sources, parsed, owns))
 
 
-def _read(sources: list, owns: Callable[[int], bool] | None) -> Iterator[Record | Reject]:
-    # id -> (position in sources, line) of its first occurrence, compact enough for millions of ids.
-    seen: dict[str, tuple[int, int]] = {}
+def rows(sources: Sequence) -> Iterator[Row]:
+    """Every row of `sources` (`open_sources`), in order, numbered across them."""
     index = 0
     for file_no, source in enumerate(sources):
-        base = source.base
+        name, label, base = source.name, source.label, source.base
         for line, raw in source.rows():
-            id_ = None
-            try:
-                if isinstance(raw, LineTooLong):
-                    raise _BadRecord(raw.reason)
-                obj = _parse(raw, first_line=line == 1) if isinstance(raw, bytes) else raw
-                id_ = _explicit_id(obj)
-                if id_ is None:
-                    id_ = f"{source.label}:{line}"
-                # Registered before the format checks so the duplicates reported do not depend
-                # on which other lines happen to be malformed.
-                first = seen.setdefault(id_, (file_no, line))
-                if owns is not None and not owns(index):
-                    continue
-                if first != (file_no, line):
-                    raise _BadRecord(f"duplicate id {id_!r} (first at {sources[first[0]].name}:{first[1]})")
-                yield _record(obj, raw if isinstance(raw, bytes) else b"", source.name, line, index, id_, base)
-            except _BadRecord as e:
-                if owns is None or owns(index):
-                    yield Reject(source.name, line, index, id_, str(e))
-            finally:
-                index += 1
+            yield Row(file_no, name, label, base, line, index, raw)
+            index += 1
+
+
+def parse(row: Row, validate: bool = True) -> tuple[str | None, Record | Reject | None]:
+    """A row's id (None where its line cannot be read as a record), and its Record or the Reject saying why it is
+    none; without `validate` its id alone (a row another replica validates, or one done already). Whether the id
+    is the first of its kind is `in_order`'s to say: it depends on every row before."""
+    id_ = None
+    try:
+        if isinstance(row.raw, LineTooLong):
+            raise _BadRecord(row.raw.reason)
+        raw, obj = (
+            (row.raw, _parse(row.raw, first_line=row.line == 1)) if isinstance(row.raw, bytes) else (b"", row.raw)
+        )
+        id_ = _explicit_id(obj)
+        if id_ is None:
+            id_ = f"{row.label}:{row.line}"
+        if not validate:
+            return id_, None
+        return id_, _record(obj, raw, row.source, row.line, row.index, id_, row.base)
+    except _BadRecord as e:
+        return id_, Reject(row.source, row.line, row.index, id_, str(e))
+
+
+T = TypeVar("T")
+
+
+def in_order(
+    sources: Sequence, parsed: Iterable[tuple[Row, str | None, T]], owns: Callable[[int], bool] | None
+) -> Iterator[tuple[Row, T | Reject]]:
+    """(row, what `parse` made of it) for the rows `owns` accepts (all without it), of `parsed`: every row in
+    corpus order with its id and what was made of it. An id seen before is the row's Reject instead: each id is
+    registered where it first comes, before any check of its record, so which rows are called duplicates does not
+    depend on which other rows happen to be malformed."""
+    # id -> (position in sources, line) of its first occurrence, compact enough for millions of ids.
+    seen: dict[str, tuple[int, int]] = {}
+    for row, id_, made in parsed:
+        first = None if id_ is None else seen.setdefault(id_, (row.file_no, row.line))
+        if owns is not None and not owns(row.index):
+            continue
+        if first is not None and first != (row.file_no, row.line):
+            made = Reject(
+                row.source,
+                row.line,
+                row.index,
+                id_,
+                f"duplicate id {id_!r} (first at {sources[first[0]].name}:{first[1]})",
+            )
+        yield row, made

@@ -21,7 +21,7 @@ from typing import Sequence
 import jinja2
 import numpy as np
 
-from offline_extract.data.corpus import Record, Reject
+from offline_extract.data.corpus import Record, Reject, Row, parse
 from offline_extract.data.images import ImageError, Images, as_array, load_images
 from offline_extract.options import Overlong, check_choice, default_image_threads
 from offline_extract.words import plural
@@ -264,6 +264,15 @@ class SampleTokenizer:
                 except _Unusable as e:
                     done[i] = records[i].reject(str(e))
         return [d if isinstance(d, Reject) else self._fit.sample(r, *d) for r, d in zip(records, done)]
+
+    def from_rows(self, rows: Sequence[Row], wanted: Sequence[bool]) -> list[tuple[str | None, Sample | Reject | None]]:
+        """(id, what is made of it) for each row of the corpus: its Sample or Reject where `wanted`, else nothing
+        (`corpus.parse` reads its id alone), the records among them tokenized together (`many`). Where the rows'
+        reading runs is where their Python runs: a tokenizing process's (`tokenizing_apart`)."""
+        parsed = [parse(row, want) for row, want in zip(rows, wanted)]
+        records = [made for _, made in parsed if isinstance(made, Record)]
+        samples = iter(self.many(records))
+        return [(id_, next(samples) if isinstance(made, Record) else made) for id_, made in parsed]
 
     def _image_chat(self, record: Record) -> tuple[np.ndarray, np.ndarray, bool, Images]:
         """A chat with images, tokenized by the model's processor, which expands each image's placeholder into

@@ -2,13 +2,14 @@
 
 A text record's tokenization holds the GIL for much of its cost: the chat template's rendering (jinja, once for
 the whole chat and once for each assistant turn's bounds), transformers' wrapping of the Rust tokenizer's
-output, the lists of ids and offsets turned into arrays. On a thread of the process that launches the forwards,
-that Python competes with the launches for the GIL: a small model's forwards, each done in milliseconds, ran at
-half their rate beside it while the forwards never waited for a batch. On processes of their own only the
-records (read here) and the samples (made there) cross, pickled.
+output, the lists of ids and offsets turned into arrays; so does reading the record itself (its JSON, its
+checks). On a thread of the process that launches the forwards, that Python competes with the launches for the
+GIL: a small model's forwards, each done in milliseconds, ran at half their rate beside it while the forwards
+never waited for a batch. On processes of their own only the corpus's rows (read here, unparsed) and the samples
+(made there) cross, pickled.
 
 Each worker is `python -m offline_extract.data.tokenizing_apart`, reading pickles on its stdin (the tokenizer,
-then chunks of records) and writing one pickle of results on its stdout for each chunk, in order: not
+then chunks of rows) and writing one pickle of results on its stdout for each chunk, in order: not
 multiprocessing's, whose spawned children run the parent's main script again (a user's script, unguarded).
 """
 
@@ -24,7 +25,7 @@ from collections import deque
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence, TypeVar
 
-from offline_extract.data.corpus import Record
+from offline_extract.data.corpus import Row
 from offline_extract.data.tokenization import SampleTokenizer
 
 Key = TypeVar("Key")
@@ -66,8 +67,8 @@ class _Worker:
             except OSError:
                 pass
 
-    def submit(self, records: Sequence[Record]) -> None:
-        self._sending.put(pickle.dumps(list(records), protocol=pickle.HIGHEST_PROTOCOL))
+    def submit(self, work: tuple[Sequence[Row], Sequence[bool]]) -> None:
+        self._sending.put(pickle.dumps(work, protocol=pickle.HIGHEST_PROTOCOL))
 
     def result(self) -> list:
         try:
@@ -91,7 +92,7 @@ class _Worker:
 
 
 class TokenizingApart:
-    """`tokenizer.many` of each chunk of records on `processes` processes, `AHEAD_PER_PROCESS` chunks each ahead
+    """`tokenizer.from_rows` of each chunk of rows on `processes` processes, `AHEAD_PER_PROCESS` chunks each ahead
     of the caller, the chunks' results in their order (chunk k goes to process k mod processes). The workers
     start at once, so that their imports and their copy of the tokenizer are made beside whatever the caller
     does next (the model's load), not before the first batch. A text-only tokenizer's: an image chat's images are
@@ -115,14 +116,16 @@ class TokenizingApart:
     def processes(self) -> int:
         return len(self._workers)
 
-    def many_ahead(self, chunks: Iterable[tuple[Key, Sequence[Record]]]) -> Iterator[tuple[Key, list]]:
-        """(key, `tokenizer.many(records)`) for each (key, records) of `chunks`, in order; an error a chunk's
-        tokenizing raised (a configuration problem: `SampleTokenizer`) is raised here, where its results would
-        have come. Once `close`d, or after an error, no more."""
+    def many_ahead(
+        self, chunks: Iterable[tuple[Key, tuple[Sequence[Row], Sequence[bool]]]]
+    ) -> Iterator[tuple[Key, list]]:
+        """(key, `tokenizer.from_rows(rows, wanted)`) for each (key, (rows, wanted)) of `chunks`, in order; an error
+        a chunk's tokenizing raised (a configuration problem: `SampleTokenizer`) is raised here, where its results
+        would have come. Once `close`d, or after an error, no more."""
         keys: deque = deque()  # of the chunks in flight, the oldest first
         taken = 0
-        for given, (key, records) in enumerate(chunks):
-            self._workers[given % len(self._workers)].submit(records)
+        for given, (key, work) in enumerate(chunks):
+            self._workers[given % len(self._workers)].submit(work)
             keys.append(key)
             if len(keys) >= AHEAD_PER_PROCESS * len(self._workers):
                 yield keys.popleft(), self._workers[taken % len(self._workers)].result()
@@ -130,6 +133,12 @@ class TokenizingApart:
         while keys:
             yield keys.popleft(), self._workers[taken % len(self._workers)].result()
             taken += 1
+
+    def ready(self) -> None:
+        """Returns once every process has started and holds the tokenizer: a bench starts its clock after their
+        start-up, which a run spends beside the model's load."""
+        for _ in self.many_ahead((None, ([], [])) for _ in self._workers):
+            pass
 
     def close(self) -> None:
         """The workers stopped, chunks not yet tokenized dropped: they are only ever read ahead of a run."""
@@ -144,17 +153,17 @@ class TokenizingApart:
 
 
 def _serve() -> None:
-    """A worker: the tokenizer, then for each chunk of records its samples and rejects, or the error raised."""
+    """A worker: the tokenizer, then for each chunk of rows their ids and samples or rejects, or the error raised."""
     given, made = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # what a library prints must not land among the results
     tokenizer = pickle.load(given)
     while True:
         try:
-            records = pickle.load(given)
+            rows, wanted = pickle.load(given)
         except EOFError:  # the parent is done, or gone
             return
         try:
-            out = ("ok", tokenizer.many(records))
+            out = ("ok", tokenizer.from_rows(rows, wanted))
         except Exception as e:
             out = ("error", e)
         try:

@@ -10,7 +10,7 @@ import pytest
 from extract_runs import ROOT
 
 from offline_extract import extraction
-from offline_extract.data.corpus import read_corpus
+from offline_extract.data.corpus import rows
 from offline_extract.options import ExtractOptions
 from offline_extract.output import StoppedError
 
@@ -32,8 +32,8 @@ def _opts(corpus, out, **changes):
 
 
 def _changing(monkeypatch, corpus, change):
-    """The run's reader, with `change` made to the corpus file once the fifth record has been read."""
-    read = extraction.read_corpus
+    """The run's reader of the corpus's rows, with `change` made to the corpus file once the fifth has been read."""
+    read = extraction.rows
 
     def reading(*args, **kwargs):
         for n, item in enumerate(read(*args, **kwargs)):
@@ -41,7 +41,7 @@ def _changing(monkeypatch, corpus, change):
                 change(corpus)
             yield item
 
-    monkeypatch.setattr(extraction, "read_corpus", reading)
+    monkeypatch.setattr(extraction, "rows", reading)
 
 
 def _cut(corpus):
@@ -79,7 +79,7 @@ def test_a_corpus_changed_during_the_run_is_not_marked_complete_and_the_rerun_sa
     assert json.loads((out / "manifest.json").read_text())["status"] == "running"
 
     # As it says: with --force, the corpus as it is now is taken and the run completes.
-    monkeypatch.setattr(extraction, "read_corpus", read_corpus)
+    monkeypatch.setattr(extraction, "rows", rows)
     summary = extraction.run(_opts(corpus, out, force=True))
     records = len(corpus.read_text().splitlines())
     assert summary.records == records and json.loads((out / "manifest.json").read_text())["status"] == "complete"

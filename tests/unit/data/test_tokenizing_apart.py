@@ -1,3 +1,4 @@
+import json
 import os
 import threading
 
@@ -5,9 +6,15 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from offline_extract.data.corpus import Record, Reject
-from offline_extract.data.tokenization import Sample, SampleTokenizer
+from offline_extract.data import corpus
+from offline_extract.data.corpus import Reject, rows
+from offline_extract.data.sources import open_sources
+from offline_extract.data.tokenization import SampleTokenizer
 from offline_extract.data.tokenizing_apart import AHEAD_PER_PROCESS, TokenizingApart
+from offline_extract.engine.distributed import Layout, Share
+from offline_extract import extraction
+from offline_extract.extraction import pending_samples
+from offline_extract.summary import Tally
 
 
 @pytest.fixture(scope="module")
@@ -15,22 +22,32 @@ def tokenizer(tiny_model_dir):
     return SampleTokenizer(AutoTokenizer.from_pretrained(tiny_model_dir), max_length=64)
 
 
-def _records(n: int) -> list[Record]:
+def _lines(n: int) -> list[str]:
+    """Chats, texts, chats with no assistant turn (rejected by the tokenizer), lines that are no record (by the
+    reader), and ids given twice."""
     out = []
     for i in range(n):
-        if i % 3 == 0:
-            messages = (("user", f"question {i} " * (i % 7 + 1)), ("assistant", f"answer {i} " * (i % 5 + 1)))
-            out.append(Record(source="c.jsonl", line=i + 1, index=i, id=f"r{i}", format="openai", messages=messages))
-        elif i % 3 == 1:
-            out.append(Record(source="c.jsonl", line=i + 1, index=i, id=f"r{i}", format="text", text=f"text {i} " * i))
-        else:  # no assistant turn: a reject
-            messages = (("user", f"alone {i}"),)
-            out.append(Record(source="c.jsonl", line=i + 1, index=i, id=f"r{i}", format="openai", messages=messages))
+        if i % 5 == 0:
+            turns = [{"role": "user", "content": f"question {i} " * (i % 7 + 1)}]
+            turns.append({"role": "assistant", "content": f"answer {i} " * (i % 5 + 1)})
+            out.append(json.dumps({"id": f"r{i}", "messages": turns}))
+        elif i % 5 in (1, 2):
+            out.append(json.dumps({"id": f"r{i - 1 if i % 25 == 2 else i}", "text": f"text {i} " * i}))
+        elif i % 5 == 3:
+            out.append(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"alone {i}"}]}))
+        else:
+            out.append('{"id": "broken", "text": ')
     return out
 
 
+def _rows(tmp_path, n: int) -> list:
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(line + "\n" for line in _lines(n)))
+    return list(rows(open_sources([str(path)])))
+
+
 def _same(a, b) -> bool:
-    if isinstance(a, Reject) or isinstance(b, Reject):
+    if a is None or b is None or isinstance(a, Reject) or isinstance(b, Reject):
         return a == b
     return (
         (a.index, a.id, a.line, a.source_len, a.truncated) == (b.index, b.id, b.line, b.source_len, b.truncated)
@@ -39,36 +56,76 @@ def _same(a, b) -> bool:
     )
 
 
-def test_the_processes_give_each_chunk_what_the_tokenizer_gives_it_here_in_the_chunks_order(tokenizer):
-    records = _records(60)
-    chunks = [(k, records[k * 5 : k * 5 + 5]) for k in range(12)]  # more chunks than are ever in flight
-    assert len(chunks) > 3 * AHEAD_PER_PROCESS
+def test_the_processes_give_each_chunk_what_the_tokenizer_gives_it_here_in_the_chunks_order(tokenizer, tmp_path):
+    read = _rows(tmp_path, 60)
+    wanted = [i % 7 != 6 for i in range(60)]  # others' rows and done ones: their ids alone
+    chunks = [(k, (read[k * 5 : k * 5 + 5], wanted[k * 5 : k * 5 + 5])) for k in range(12)]
+    assert len(chunks) > 3 * AHEAD_PER_PROCESS  # more chunks than are ever in flight
     with TokenizingApart(tokenizer, 3) as apart:
+        apart.ready()  # as the bench starts its clock: nothing of it comes out later
         got = list(apart.many_ahead(iter(chunks)))
     assert [key for key, _ in got] == list(range(12))
     made = [m for _, ms in got for m in ms]
-    here = tokenizer.many(records)
+    here = tokenizer.from_rows(read, wanted)
     assert len(made) == len(here) == 60
-    assert any(isinstance(m, Reject) for m in made) and any(isinstance(m, Sample) for m in made)
-    assert all(_same(a, b) for a, b in zip(made, here))
+    kinds = {type(m).__name__ for _, m in made}
+    assert kinds == {"Sample", "Reject", "NoneType"}
+    # A row not wanted is read for its id alone, where it has one.
+    assert [i for i, (_, m) in enumerate(made) if m is None] == [i for i in range(60) if not wanted[i] and i % 5 != 4]
+    assert all(a[0] == b[0] and _same(a[1], b[1]) for a, b in zip(made, here))
 
 
-def test_an_error_raised_there_is_raised_here_where_its_chunk_would_have_come(tiny_model_dir):
+def test_a_run_reads_the_same_samples_and_rejects_with_the_rows_parsed_in_the_processes(
+    tokenizer, tmp_path, monkeypatch
+):
+    # Two replicas' shares, a resume's done records, and ids given twice: the parent settles which are
+    # duplicates and which are its own, in order, and parses none of the rows itself.
+    _rows(tmp_path, 150)
+    data = [str(tmp_path / "c.jsonl")]
+    done = np.zeros(40, dtype=bool)
+    done[[0, 5, 11, 12, 30]] = True
+
+    def run(layout, apart):
+        tally = Tally(None, strict=False, nonfinite="fail")
+        rejects = []
+        tally.left_out = lambda reject: (rejects.append(reject), Tally.left_out(tally, reject))
+        samples = list(pending_samples(data, Share(layout, done), tokenizer, done, tally, apart))
+        return samples, rejects, tally.summary
+
+    layouts = [Layout(rank=r, world_size=2) for r in range(2)]
+    here = [run(layout, None) for layout in layouts]
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a row parsed in the process that runs the forwards")
+
+    monkeypatch.setattr(corpus, "_parse", refused)
+    with TokenizingApart(tokenizer, 2) as apart:
+        there = [run(layout, apart) for layout in layouts]
+    for (s_here, r_here, sum_here), (s_there, r_there, sum_there) in zip(here, there):
+        assert len(s_here) == len(s_there) and all(_same(a, b) for a, b in zip(s_here, s_there))
+        assert r_here == r_there and sum_here == sum_there
+    assert sum(len(s) for s, _, _ in here) > 0 and all(sum_.resumed for _, _, sum_ in here)
+    reasons = [r.reason for _, rs, _ in here for r in rs]
+    assert any("duplicate id" in r for r in reasons) and any("invalid JSON" in r for r in reasons)
+    assert sum(sum_.records for _, _, sum_ in here) == 150
+
+
+def test_an_error_raised_there_is_raised_here_where_its_chunk_would_have_come(tiny_model_dir, tmp_path):
     # A tokenizer without a chat template: chat records are a configuration problem (`SampleTokenizer`).
     hf = AutoTokenizer.from_pretrained(tiny_model_dir)
     hf.chat_template = None
     tokenizer = SampleTokenizer(hf, max_length=64)
-    records = _records(6)
-    texts = [r for r in records if r.format == "text"]
+    read = _rows(tmp_path, 6)
+    texts = [row for row in read if b'"text"' in row.raw]
     with TokenizingApart(tokenizer, 2) as apart:
-        results = apart.many_ahead([("texts", texts), ("chats", records)])
+        results = apart.many_ahead([("texts", (texts, [True] * len(texts))), ("chats", (read, [True] * len(read)))])
         key, made = next(results)
         assert key == "texts" and len(made) == len(texts)
         with pytest.raises(ValueError, match="no chat template"):
             next(results)
 
 
-def test_a_worker_killed_from_outside_is_said_and_closing_ends_every_worker(tokenizer):
+def test_a_worker_killed_from_outside_is_said_and_closing_ends_every_worker(tokenizer, tmp_path):
     apart = TokenizingApart(tokenizer, 2)
     procs = [w.proc for w in apart._workers]
     # Out of the terminal's process group, which a Ctrl-C signals whole: the parent stops them itself.
@@ -76,7 +133,7 @@ def test_a_worker_killed_from_outside_is_said_and_closing_ends_every_worker(toke
     procs[0].kill()
     procs[0].wait()
     with pytest.raises(RuntimeError, match="tokenizing process .* ended with exit status -9"):
-        list(apart.many_ahead([(0, _records(3))]))
+        list(apart.many_ahead([(0, (_rows(tmp_path, 3), [True] * 3))]))
     apart.close()
     assert all(p.poll() is not None for p in procs)
 
@@ -90,9 +147,9 @@ def test_an_image_models_tokenizer_is_refused_with_the_option_to_give(tokenizer)
         TokenizingApart(WithProcessor(), 2)
 
 
-def test_closing_with_results_unread_ends_at_once(tokenizer):
+def test_closing_with_results_unread_ends_at_once(tokenizer, tmp_path):
     # Its workers wait to write results nobody reads, its senders to write chunks nobody takes: a run stopped.
-    big = [(k, _records(60)) for k in range(8)]
+    big = [(k, (_rows(tmp_path, 60), [True] * 60)) for k in range(8)]
     apart = TokenizingApart(tokenizer, 2)
     results = apart.many_ahead(iter(big))
     next(results)
@@ -101,3 +158,27 @@ def test_closing_with_results_unread_ends_at_once(tokenizer):
     closing.join(timeout=30)
     assert not closing.is_alive()
     assert all(w.proc.poll() is not None for w in apart._workers)
+
+
+def test_a_replicas_chunks_hold_a_tokenizer_calls_worth_of_its_own_rows(tokenizer, tmp_path, monkeypatch):
+    # One replica of four reads every row for the ids, a quarter of them its own: a chunk of 64 rows would give
+    # the tokenizer 16 records a call. A resume's done rows give it none: those chunks end at ROWS_TOGETHER.
+    _rows(tmp_path, 700)
+    monkeypatch.setattr(extraction, "ROWS_TOGETHER", 400)
+    done = np.zeros(700, dtype=bool)
+    done[:400] = True
+    calls = []
+
+    class Counting:
+        def from_rows(self, rows, wanted):
+            calls.append((len(rows), sum(wanted)))
+            return tokenizer.from_rows(rows, wanted)
+
+    layout = Layout(rank=1, world_size=4)
+    tally = Tally(None, strict=False, nonfinite="fail")
+    data = [str(tmp_path / "c.jsonl")]
+    list(pending_samples(data, Share(layout, done), Counting(), done, tally, None))
+    # The done rows for their ids, then 64 of the 75 left to this replica (300 dealt out in four), then the rest.
+    assert [w for _, w in calls] == [0, extraction.TOKENIZED_TOGETHER, 11]
+    assert calls[0][0] == 400 and sum(rows for rows, _ in calls) == 700
+    assert tally.summary.records == 75  # the done rows went with the first row left, to replica 0
