@@ -16,6 +16,11 @@ waits for its input where these fall below its forwards' tokens/s.
 weights, as bin/bench.py --shape writes them). `--threads 1` holds the tokenizer (RAYON_NUM_THREADS, read when
 it first tokenizes) and torch's image operations to one core, for the rate of one core; `--image-threads` is
 the run's option of that name (image chats prepared side by side); `cpu_s`, every thread's CPU seconds.
+
+`fed` is the corpus as a run feeds its forwards (`extraction.pending_samples`, then batched), for each
+`--tokenizer-processes` N (0: on the feeding thread itself): its tokens/s, and `feeder_cpu_us_per_token`, the
+feeding thread's own CPU time a token: the Python that, in a run, holds the GIL beside the thread launching the
+forwards (a small model's forwards on an H200 take about 0.8 us a token).
 """
 
 import os
@@ -59,6 +64,40 @@ def _rate(records, tokenize, budget: int, host=None) -> dict:
         "cpu_s": cpu,
         "batching_s": batched - tokenized,
         **({"host_inputs_s": seconds - (batched - start)} if host is not None else {}),
+    }
+
+
+def _fed(run, st, processes: int) -> dict:
+    """The corpus read, tokenized (on `processes` processes, or on this thread) and batched as a run feeds its
+    forwards, timed on this thread: its wall clock and its own CPU time."""
+    import numpy as np
+
+    from offline_extract.data.batching import batch_by_tokens
+    from offline_extract.data.tokenizing_apart import TokenizingApart
+    from offline_extract.engine.distributed import Layout, Share
+    from offline_extract.extraction import pending_samples
+    from offline_extract.summary import Tally
+
+    apart = TokenizingApart(st, processes) if processes else None
+    try:
+        if apart is not None:  # a run starts them beside the model's load
+            apart.ready()
+        none = np.zeros(0, dtype=bool)
+        tally = Tally(None, strict=False, nonfinite=run.nonfinite)
+        samples = pending_samples(run.data, Share(Layout(), none), st, none, tally, apart)
+        start, cpu = time.perf_counter(), time.thread_time()
+        tokens = sum(b.num_tokens for b in batch_by_tokens(samples, run.tokens_per_batch, run.seqs_per_batch))
+        seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
+    finally:
+        if apart is not None:
+            apart.close()
+    return {
+        "tokenizer_processes": processes,
+        "records": tally.summary.records,
+        "tokens": tokens,
+        "tokens_s": tokens / seconds,
+        "feeder_cpu_s": cpu,
+        "feeder_cpu_us_per_token": cpu / tokens * 1e6,
     }
 
 
@@ -114,8 +153,17 @@ def _kind(record) -> str:
     type=click.IntRange(min=1),
     help="ExtractOptions.image_threads; default: the run's default.",
 )
+@click.option(
+    "--tokenizer-processes",
+    "processes",
+    multiple=True,
+    type=click.IntRange(min=0),
+    default=(0,),
+    show_default=True,
+    help="`fed` with the records tokenized on this many processes (0: the feeding thread); repeatable.",
+)
 @click.option("--json", "json_path", default=None, help="Also write the result here.")
-def main(model, shape, data, max_length, tokens_per_batch, together, threads, image_threads, json_path):
+def main(model, shape, data, max_length, tokens_per_batch, together, threads, image_threads, processes, json_path):
     if threads:
         os.environ["RAYON_NUM_THREADS"] = str(threads)
     import torch
@@ -128,7 +176,13 @@ def main(model, shape, data, max_length, tokens_per_batch, together, threads, im
     if threads:
         torch.set_num_threads(threads)
     path = model_dir(model, shape)
-    run = ExtractOptions(data=(data,), model=str(path), max_length=max_length, image_threads=image_threads)
+    run = ExtractOptions(
+        data=(data,),
+        model=str(path),
+        max_length=max_length,
+        tokens_per_batch=tokens_per_batch,
+        image_threads=image_threads,
+    )
     st = sample_tokenizer(run, path)
     records = [r for r in read_corpus([data]) if isinstance(r, Record)]
     st.many(records[:8])  # the tokenizer's first call sets up its threads
@@ -157,6 +211,7 @@ def main(model, shape, data, max_length, tokens_per_batch, together, threads, im
                 host,
             ),
         }
+    result["fed"] = [_fed(run, st, n) for n in processes]
     emit(result, json_path)
 
 

@@ -5,7 +5,8 @@
 # or a part of either: `bench_small` (the GPU codec test, small's bench and bin/extract.py runs, ~200 s), `host` (the feed's rate
 # and the host's bounds, ~75 s), `warmup SHAPE...` (bin/extract.py cold then cached on each MoE shape),
 # `bench_moe SHAPE...` (moe's bench alone on the shapes named, ~100 s each), `data`
-# (the bench on the real text itself, `bin/bench.py --data`, beside bin/extract.py on it, bf16; ~150 s), `fresh`
+# (the bench on the real text itself, `bin/bench.py --data`, beside bin/extract.py on it, bf16, then the feed
+# alone as a run feeds it; ~300 s), `fresh`
 # (a fresh machine's first call: the host's bounds before anything else writes to its memory, then the real
 # model's bench at 4 writers twice and at 8; ~450 s).
 # BUDGET (seconds, default 540) is the call's own limit.
@@ -174,6 +175,10 @@ if [[ $part == data ]]; then
     --disk-probe-gb 1 --out /dev/shm/oe37_bench --results-dir $results/bench"
   extract_smol bf16
   extract_smol bf16 bf16_thread --tokenizer-processes 0
+  # The feed alone as a run feeds it, on the thread and on the run's default 4 processes: the feeding thread's
+  # own CPU a token, the Python beside the forwards' launches (~60 s; results/feed_cpu_20261205 on 2 cores).
+  step feed_rate_fed 90 "python benchmarks/feed_rate.py --model $SMOL --data $work/real.jsonl \
+    --tokenizer-processes 0 --tokenizer-processes 4 --json $results/feed_rate_fed.json"
 fi
 if [[ $part == fresh ]]; then
   # First, before the model's conversion or any bench writes to memory: the first of host_bounds' repeated writes
