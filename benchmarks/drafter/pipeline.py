@@ -218,17 +218,22 @@ def train(ctx, variant, seed, steps, batch_size, max_length, learning_rate):
 def serve(ctx, name, max_new_tokens, speed_prompts):
     from benchmarks.drafter.prompts import load_jsonl_gz
     from benchmarks.drafter.sglang_runs import serve as run
+    from benchmarks.drafter.table import TARGET
+    from benchmarks.drafter.table import trained as trained_as
 
     layout = ctx.obj["layout"]
     out = layout.serve_record(name)
+    drafter = None if name == TARGET else layout.drafter(name)
+    here = drafter is not None and lay.is_done(drafter)
+    trained = trained_as(lay.read_json(lay.marker(drafter))) if here else None
     if out.exists():
-        click.echo(f"serve {name}: complete in {out}")
-        return
-    drafter = None
-    if name != "target":
-        drafter = layout.drafter(name)
-        if not lay.is_done(drafter):
-            raise click.ClickException(f"drafter {name} is not on this machine ({drafter}): run states and train first")
+        # A drafter trained again (other --steps) since it was served is served again: the record is of another.
+        if not here or lay.read_json(out).get("trained") == trained:
+            click.echo(f"serve {name}: complete in {out}")
+            return
+        click.echo(f"serve {name}: {out} is of a drafter trained otherwise than this one ({trained}); serving it again")
+    if drafter is not None and not here:
+        raise click.ClickException(f"drafter {name} is not on this machine ({drafter}): run states and train first")
     result = run(
         _model(ctx),
         drafter and str(drafter),
@@ -239,6 +244,7 @@ def serve(ctx, name, max_new_tokens, speed_prompts):
         device=ctx.obj["device"],
     )
     result["command"] = command_line(LAUNCHER)
+    result["trained"] = trained
     lay.write_json(out, result)
     _record(ctx, f"serve {name}")
     click.echo(
@@ -253,7 +259,10 @@ def serve(ctx, name, max_new_tokens, speed_prompts):
 def table(ctx, json_path):
     from benchmarks.drafter.table import table as make
 
-    result = make(ctx.obj["layout"])
+    try:
+        result = make(ctx.obj["layout"])
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
     result["command"] = command_line(LAUNCHER)
     if json_path:
         lay.write_json(json_path, result)

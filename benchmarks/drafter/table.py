@@ -18,6 +18,42 @@ LABELS = {
 }
 # (a) must reach this share of (b)'s acceptance length (issue 36).
 PARITY = 0.98
+# What a drafter was trained with, as its train record states it and the serving record of it repeats it: a
+# serving figure stands for the drafter its train record describes, and every drafter is trained alike but for
+# its variant and seed.
+TRAINED = ("variant", "seed", "steps", "batch_size", "learning_rate")
+ALIKE = ("steps", "batch_size", "learning_rate")
+
+
+def trained(facts: dict) -> dict:
+    """The TRAINED facts of a train record (or of a drafter's DONE marker, which holds the same)."""
+    return {k: facts.get(k) for k in TRAINED}
+
+
+def mismatches(result: dict) -> list[str]:
+    """Why `result`'s figures cannot be set side by side, in words (none: they can): a serving record of
+    another drafter than its train record describes (one trained again since), or drafters trained unalike."""
+    problems = []
+    for name, r in sorted(result["serve"].items()):
+        t = result["train"].get(name)
+        if name == TARGET:
+            continue
+        if t is None:
+            problems.append(f"{name} was served, but DATA holds no train record of it")
+        elif r.get("trained") != trained(t):
+            served = r.get("trained") or "settings its serving record does not state"
+            problems.append(
+                f"{name} was served as trained with {served}, and its train record says {trained(t)}: "
+                f"remove its serving record and serve it again where it is trained"
+            )
+    for key in ALIKE:
+        values = {name: t.get(key) for name, t in sorted(result["train"].items())}
+        if len(set(values.values())) > 1:
+            problems.append(
+                f"the drafters were trained with different {key} ({', '.join(f'{n} {v}' for n, v in values.items())}): "
+                f"train every one alike"
+            )
+    return problems
 
 
 def collect(layout: lay.Layout) -> dict:
@@ -86,7 +122,12 @@ def markdown(result: dict) -> str:
 
 
 def table(layout: lay.Layout) -> dict:
+    """Every measurement of `layout`'s DATA, with the issue's verdicts; refused (ValueError) where the figures
+    cannot be set side by side (`mismatches`)."""
     result = collect(layout)
+    problems = mismatches(result)
+    if problems:
+        raise ValueError("the measurements cannot be compared:\n  " + "\n  ".join(problems))
     result["verdicts"] = verdicts(result["serve"])
     result["markdown"] = markdown(result)
     return result

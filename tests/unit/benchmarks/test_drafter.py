@@ -347,11 +347,17 @@ def test_draft_config_and_training_config(tmp_path, tiny_model_dir):
     assert a["data"]["hidden_states_path"] != b["data"]["hidden_states_path"]
 
 
-def _serve(name, length, speed, tmp: lay.Layout, samples=100):
+def _trained(name: str, steps: int = 2000) -> dict:
+    variant, seed = name.rsplit("-s", 1)
+    return {"variant": variant, "seed": int(seed), "steps": steps, "batch_size": 4, "learning_rate": 1e-4}
+
+
+def _serve(name, length, speed, tmp: lay.Layout, samples=100, steps=2000, served_steps=None):
     rec = {"batch1_decode_tok_s": speed, "accept_length": length, "first_position_accept_rate": length and length / 4}
-    lay.write_json(tmp.serve_record(name), rec)
     if name != table.TARGET:
-        lay.write_json(tmp.train_record(name), {"view": {"view_samples": samples}})
+        rec["trained"] = _trained(name, served_steps or steps)
+        lay.write_json(tmp.train_record(name), {"view": {"view_samples": samples}, **_trained(name, steps)})
+    lay.write_json(tmp.serve_record(name), rec)
 
 
 def test_table_judges_the_issues_targets(tmp_path):
@@ -377,6 +383,51 @@ def test_table_judges_the_issues_targets(tmp_path):
     md = result["markdown"]
     assert "| none (target alone) | | | | | 100 | 1.00 |" in md
     assert "| (c) ours, aux layers one deeper | 0 | 100 | 1.200 | 0.300 | 150 | 1.50 |" in md
+
+
+def test_table_refuses_figures_of_drafters_trained_unalike_or_since_they_were_served(tmp_path):
+    # ours-s0 was trained and served for 500 steps, then trained again for 2,000: its serving record is of the
+    # drafter before. specforge-s0 stands beside it at 2,000.
+    layout = lay.Layout(tmp_path, tmp_path / "s")
+    _serve("ours-s0", 1.29, 40.0, layout, steps=2000, served_steps=500)
+    _serve("specforge-s0", 1.6, 45.0, layout)
+    with pytest.raises(ValueError, match="ours-s0 was served as trained with .*'steps': 500.*'steps': 2000"):
+        table.table(layout)
+    _serve("ours-s0", 1.29, 40.0, layout, steps=500)
+    with pytest.raises(ValueError, match=r"different steps \(ours-s0 500, specforge-s0 2000\)"):
+        table.table(layout)
+    _serve("ours-s0", 1.59, 40.0, layout)
+    assert table.table(layout)["verdicts"]["ours_over_specforge"] == pytest.approx(1.59 / 1.6)
+
+
+def test_a_drafter_trained_again_since_it_was_served_is_served_again(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from benchmarks.drafter import pipeline
+
+    layout = lay.Layout(tmp_path / "d", tmp_path / "s")
+    served = []
+
+    def serving(model, drafter, prompts, **kwargs):  # the engine's figures, which need a GPU for EAGLE-3
+        served.append(drafter)
+        return {"drafter": drafter, "accept_length": 1.6, "batch1_decode_tok_s": 45.0}
+
+    monkeypatch.setattr(sglang_runs, "serve", serving)
+    layout.prompts.mkdir(parents=True)
+    (layout.prompts / "heldout.jsonl.gz").write_bytes(dump_jsonl_gz([]))
+    args = ["--data", str(layout.data), "--scratch", str(layout.scratch), "--model", str(tmp_path), "serve", "ours-s0"]
+    out = CliRunner().invoke(pipeline.main, args)
+    assert out.exit_code == 1 and "drafter ours-s0 is not on this machine" in out.output
+    lay.mark_done(layout.drafter("ours-s0"), **_trained("ours-s0", 500))
+    lay.write_json(layout.serve_record("ours-s0"), {"accept_length": 1.29, "trained": _trained("ours-s0", 500)})
+    out = CliRunner().invoke(pipeline.main, args)
+    assert out.exit_code == 0 and "complete" in out.output and not served  # the same drafter: not again
+    lay.mark_done(layout.drafter("ours-s0"), **_trained("ours-s0", 2000))
+    out = CliRunner().invoke(pipeline.main, args)
+    assert out.exit_code == 0 and "serving it again" in out.output, out.output
+    assert served == [str(layout.drafter("ours-s0"))]
+    record = lay.read_json(layout.serve_record("ours-s0"))
+    assert record["trained"] == _trained("ours-s0", 2000) and record["accept_length"] == 1.6
 
 
 def test_table_with_nothing_measured(tmp_path):
