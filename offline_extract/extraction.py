@@ -69,8 +69,10 @@ def raise_terminated(signum, frame) -> None:
 # enough to keep them busy, few enough that the first batch does not wait long for its chunk.
 TOKENIZED_TOGETHER = 64
 # Rows in one such chunk at most, those read for their ids alone (another replica's, or done) counted too: a
-# replica of many reads mostly others' rows, a resume mostly done ones.
+# replica of many reads mostly others' rows, a resume mostly done ones. And their bytes at most, past which a
+# chunk ends early: the chunks in flight to the tokenizing processes are held twice (the rows, their pickle).
 ROWS_TOGETHER = 16 * TOKENIZED_TOGETHER
+CHUNK_BYTES = 64 << 20
 
 
 def _weights_fingerprint(model_dir: Path) -> str:
@@ -611,15 +613,16 @@ def pending_samples(
     def chunks() -> Iterator[tuple[list[Row], tuple[list[Row], list[bool]]]]:
         chunk: list[Row] = []
         wanted: list[bool] = []
-        taken = 0  # rows of the chunk wanted
+        taken = size = 0  # rows of the chunk wanted, and its bytes
         for row in rows(sources):
             want = share(row.index) and not resumed(row.index)
             chunk.append(row)
             wanted.append(want)
             taken += want
-            if taken == TOKENIZED_TOGETHER or len(chunk) == ROWS_TOGETHER:
+            size += len(row.raw) if isinstance(row.raw, bytes) else 0
+            if taken == TOKENIZED_TOGETHER or len(chunk) == ROWS_TOGETHER or size >= CHUNK_BYTES:
                 yield chunk, (chunk, wanted)
-                chunk, wanted, taken = [], [], 0
+                chunk, wanted, taken, size = [], [], 0, 0
         if chunk:
             yield chunk, (chunk, wanted)
 

@@ -182,3 +182,22 @@ def test_a_replicas_chunks_hold_a_tokenizer_calls_worth_of_its_own_rows(tokenize
     assert [w for _, w in calls] == [0, extraction.TOKENIZED_TOGETHER, 11]
     assert calls[0][0] == 400 and sum(rows for rows, _ in calls) == 700
     assert tally.summary.records == 75  # the done rows went with the first row left, to replica 0
+
+
+def test_a_chunk_of_long_records_ends_at_its_bytes(tokenizer, tmp_path, monkeypatch):
+    # The chunks in flight to the processes are held twice in the run's process: long records keep fewer of them.
+    _rows(tmp_path, 100)
+    sizes = [len(line) + 1 for line in _lines(100)]
+    monkeypatch.setattr(extraction, "CHUNK_BYTES", 1000)
+    calls = []
+
+    class Counting:
+        def from_rows(self, rows, wanted):
+            calls.append(sum(len(row.raw) for row in rows))
+            return tokenizer.from_rows(rows, wanted)
+
+    tally = Tally(None, strict=False, nonfinite="fail")
+    none = np.zeros(0, dtype=bool)
+    list(pending_samples([str(tmp_path / "c.jsonl")], Share(Layout(), none), Counting(), none, tally, None))
+    assert sum(calls) == sum(sizes) and len(calls) > 1
+    assert all(1000 <= got < 1000 + max(sizes) for got in calls[:-1])
