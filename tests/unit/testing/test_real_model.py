@@ -3,6 +3,7 @@ checked by sha256, and never half-built under its final name."""
 
 import json
 import subprocess
+import sys
 import zipfile
 
 import pytest
@@ -141,6 +142,17 @@ def test_the_pinned_gguf_given_by_path_is_used_without_pypi(real_model_dir, tmp_
     monkeypatch.setenv(real_model.GGUF_ENV, gguf)
     monkeypatch.setattr(real_model.subprocess, "run", lambda *a, **k: pytest.fail("pip was run"))
     assert str(real_model._gguf(tmp_path / "work")) == gguf
+
+
+def test_the_checked_gguf_is_copied_for_a_machine_without_pypi(real_model_dir, tmp_path):
+    copy = tmp_path / "smol.gguf"
+    proc = subprocess.run(
+        [sys.executable, "-m", "offline_extract.testing.real_model", "--gguf", str(copy)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert real_model._sha256(copy) == real_model.GGUF_SHA256
 
 
 def test_the_english_corpus_is_chats_and_text_and_the_same_each_time():
