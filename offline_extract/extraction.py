@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from offline_extract import planning, preflight, stopping
+from offline_extract import collector, planning, preflight, stopping
 from offline_extract.data.batching import batch_by_tokens
 from offline_extract.data.corpus import BadRecordError, Record, Reject, Row, in_order, read_corpus, rows
 from offline_extract.data.sources import Source, open_sources
@@ -483,6 +483,7 @@ class Job:
                 if opts.warm_up and torch.device(checked.device).type == "cuda":  # nothing compiles on CPU
                     self.engine.warm_up()
                 self.timeline.mark("warm")
+                collector.start_up_done()
                 self._cached_when_warm = jit_cache_files(self.engine.jit_caches)
                 if beside is not None:
                     beside.wait()

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import click
 
-from offline_extract import stopping
+from offline_extract import collector, stopping
 from offline_extract.cli import TERMINATED, Interrupted, command
 from offline_extract.options import GROUPS, ExtractOptions, choices, is_choice
 
@@ -130,6 +130,8 @@ def main(dry_run, **options):
     existed = os.path.lexists(out)
     # Until the run takes --out over (extraction.Job.run), a stop leaves nothing to clean up.
     stopping.at_once(f"{stopping.STOPPED}{_left_by_a_dry_run(out, existed) if dry_run else _nothing_written(out)}")
+    if not dry_run:  # which loads no model, and may tokenize a whole corpus
+        collector.defer_full_collections()  # until the model is loaded (extraction.Job._load)
     # Here, not at the top: torch and transformers take seconds to import, which --help, --version and a
     # mistyped option need not wait for.
     from offline_extract.timeline import mark_process

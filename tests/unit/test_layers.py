@@ -13,7 +13,18 @@ PACKAGE = ROOT / "offline_extract"
 # Bottom first. A part is a top-level module or subpackage of offline_extract; the package itself
 # (its __init__, the public API) is the top floor.
 FLOORS = [
-    {"version", "words", "options", "recipes", "hub", "default_model", "final_norm", "stopping", "timeline"},
+    {
+        "version",
+        "words",
+        "options",
+        "recipes",
+        "hub",
+        "default_model",
+        "final_norm",
+        "stopping",
+        "timeline",
+        "collector",
+    },
     {"data"},
     {"store"},
     {"engine"},
