@@ -42,6 +42,7 @@ import torch
 
 from benchmarks.bench_options import BenchOptions
 from benchmarks.peers import baselines as peers
+from offline_extract import collector
 from offline_extract.data.batching import Batch, batch_by_tokens
 from offline_extract.data.corpus import Record
 from offline_extract.data.sources import open_sources
@@ -587,6 +588,7 @@ def run_bench(opts: BenchOptions) -> list[dict]:
     engine = Engine(engine_config(run, layout, model_dir, "cuda", opts.tokens_per_batch, layer_ids=None))
     timeline.mark("loaded")
     cold = _cold_start(engine, warm, timeline)
+    collector.start_up_done()  # where bin/extract.py's warm-up ends, as it does (bin/bench.py deferred)
     if opts.cold:
         shutil.rmtree(jit_cache, ignore_errors=True)
 

@@ -130,25 +130,26 @@ def main(dry_run, **options):
     existed = os.path.lexists(out)
     # Until the run takes --out over (extraction.Job.run), a stop leaves nothing to clean up.
     stopping.at_once(f"{stopping.STOPPED}{_left_by_a_dry_run(out, existed) if dry_run else _nothing_written(out)}")
-    if not dry_run:  # which loads no model, and may tokenize a whole corpus
-        collector.defer_full_collections()  # until the model is loaded (extraction.Job._load)
-    # Here, not at the top: torch and transformers take seconds to import, which --help, --version and a
-    # mistyped option need not wait for.
-    from offline_extract.timeline import mark_process
+    # No full garbage collection until the model is loaded (extraction.Job._load), but in a dry run, which
+    # loads none and may tokenize a whole corpus.
+    with contextlib.nullcontext() if dry_run else collector.start_up():
+        # Here, not at the top: torch and transformers take seconds to import, which --help, --version and a
+        # mistyped option need not wait for.
+        from offline_extract.timeline import mark_process
 
-    # torch first, and timed: SGLang cannot run without it, so its import is SGLang's share of the start-up
-    # (timings.run_timings), not ours.
-    mark_process("importing torch")
-    import torch  # noqa: F401
+        # torch first, and timed: SGLang cannot run without it, so its import is SGLang's share of the start-up
+        # (timings.run_timings), not ours.
+        mark_process("importing torch")
+        import torch  # noqa: F401
 
-    mark_process("torch imported")
-    from offline_extract.extraction import raise_terminated
+        mark_process("torch imported")
+        from offline_extract.extraction import raise_terminated
 
-    opts = ExtractOptions(**options)
-    # Torchrun stops every rank with SIGTERM once one fails, and schedulers preempt with it: stop as on an
-    # error (the unfinished shard dropped, the lock released) instead of dying mid-write.
-    signal.signal(signal.SIGTERM, raise_terminated)
-    result = _run(opts, dry_run, existed)
+        opts = ExtractOptions(**options)
+        # Torchrun stops every rank with SIGTERM once one fails, and schedulers preempt with it: stop as on an
+        # error (the unfinished shard dropped, the lock released) instead of dying mid-write.
+        signal.signal(signal.SIGTERM, raise_terminated)
+        result = _run(opts, dry_run, existed)
     if dry_run:
         _refuse_by_the_plan(opts, result)
     elif result is not None:

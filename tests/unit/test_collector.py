@@ -33,26 +33,59 @@ def _python(code: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT, timeout=600)
 
 
-def test_a_command_defers_full_collections_once_and_only_its_start_up_done_restores_them():
+def test_full_collections_wait_for_the_start_up_to_be_done_or_to_end():
     code = """
 import gc, json
 from offline_extract import collector
 default = gc.get_threshold()
-collector.start_up_done()  # nothing deferred: a library's caller keeps its collector as it set it
+collector.start_up_done()  # outside a start-up: a library's caller keeps its collector as it set it
 untouched = (gc.get_freeze_count(), gc.get_threshold())
-collector.defer_full_collections()
-collector.defer_full_collections()
-deferred = gc.get_threshold()
-kept = [[i] for i in range(1000)]
-collector.start_up_done()
-print(json.dumps([default, untouched, deferred, gc.get_freeze_count(), gc.get_threshold()]))
+with collector.start_up():
+    with collector.start_up():  # within another: that one restores
+        pass
+    deferred = gc.get_threshold()
+    kept = [[i] for i in range(1000)]
+    collector.start_up_done()
+    done = (gc.get_freeze_count(), gc.get_threshold())
+gc.unfreeze()
+try:
+    with collector.start_up():
+        raise KeyboardInterrupt  # a command that ends before its model is loaded
+except KeyboardInterrupt:
+    pass
+print(json.dumps([default, untouched, deferred, done, gc.get_freeze_count(), gc.get_threshold()]))
 """
     proc = _python(code)
     assert proc.returncode == 0, proc.stderr
-    default, untouched, deferred, frozen, restored = json.loads(proc.stdout)
+    default, untouched, deferred, done, frozen_after_end, after_end = json.loads(proc.stdout)
     assert untouched == [0, default]
     assert deferred[:2] == default[:2] and deferred[2] > 10**8
-    assert frozen >= 1000 and restored == default
+    assert done[0] >= 1000 and done[1] == default
+    assert frozen_after_end == 0 and after_end == default  # given back, nothing frozen
+
+
+def test_a_command_ended_in_process_before_its_load_gives_the_collector_back(tmp_path, monkeypatch):
+    # As the tests run the commands (and as a user's script may): the process goes on after them.
+    import gc
+
+    from click.testing import CliRunner
+
+    from offline_extract import extraction
+    from offline_extract.commands import extract
+
+    before = gc.get_threshold()
+    seen = []
+
+    def stopped(opts):
+        seen.append(gc.get_threshold())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(extraction, "run", stopped)
+    result = CliRunner().invoke(
+        extract.main, ["--data", str(ROOT / "examples" / "corpus.jsonl"), "--out", str(tmp_path)]
+    )
+    assert result.exit_code == 130
+    assert seen[0][2] > 10**8 and gc.get_threshold() == before
 
 
 def test_bin_extract_makes_no_full_collection_before_its_model_is_loaded(tmp_path):
