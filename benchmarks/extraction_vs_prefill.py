@@ -748,7 +748,7 @@ def run_bench(opts: BenchOptions) -> list[dict]:
                 )
             if opts.data and len(results) == 1:
                 w = writer("fed")
-                apart = tokenizing_apart(run, "cuda", tokenizer)
+                apart = tokenizing_apart(run, "cuda", tokenizer, layout)
                 try:
                     if apart is not None:  # its processes' start-up is a run's beside the model load, not timed
                         apart.ready()

@@ -218,12 +218,14 @@ def sample_tokenizer(opts: ExtractOptions, model_dir: Path) -> SampleTokenizer:
     )
 
 
-def tokenizing_apart(opts: ExtractOptions, device_type: str, tokenizer: SampleTokenizer) -> TokenizingApart | None:
-    """The processes tokenizing a run's records (--tokenizer-processes, by default `default_tokenizer_processes`),
-    started; None where they are tokenized on the feed's thread."""
+def tokenizing_apart(
+    opts: ExtractOptions, device_type: str, tokenizer: SampleTokenizer, layout: Layout
+) -> TokenizingApart | None:
+    """The processes tokenizing `layout`'s rank's records (--tokenizer-processes, by default
+    `default_tokenizer_processes`), started; None where they are tokenized on the feed's thread."""
     processes = opts.tokenizer_processes
     if processes is None:
-        processes = default_tokenizer_processes(device_type, tokenizer.processor is not None)
+        processes = default_tokenizer_processes(device_type, tokenizer.processor is not None, layout.local_world_size)
     return TokenizingApart(tokenizer, processes) if processes else None
 
 
@@ -379,7 +381,7 @@ class Job:
         self.timeline.mark("tokenizer loading")
         self.tokenizer = sample_tokenizer(self.opts, self.checked.model.path)
         self.known = replace(self.known, **self.tokenizer.fingerprint())
-        self.apart = tokenizing_apart(self.opts, torch.device(self.checked.device).type, self.tokenizer)
+        self.apart = tokenizing_apart(self.opts, torch.device(self.checked.device).type, self.tokenizer, self.layout)
         self.timeline.mark("tokenizer loaded")
 
     def run(self) -> Summary | None:

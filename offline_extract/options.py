@@ -66,18 +66,20 @@ def default_image_threads() -> int:
     return max(1, min(MOST_IMAGE_THREADS, len(os.sched_getaffinity(0))))
 
 
-# tokenizer_processes when not given, on a GPU for a text-only model: a quarter of the cores this process may
-# run on, at most this many. One process renders SmolLM2's chat template and wraps its tokens at about 0.6M
-# tokens/s of chats (its Rust tokenizing spread over the cores); an H200 prefills that model at 1.2M.
+# tokenizer_processes when not given, on a GPU for a text-only model: a quarter of this process's share of the
+# cores it may run on (the node's ranks share them), at most this many. One process renders SmolLM2's chat
+# template and wraps its tokens at about 0.6M tokens/s of chats (its Rust tokenizing spread over the cores); an
+# H200 prefills that model at 1.2M.
 MOST_TOKENIZER_PROCESSES = 4
 
 
-def default_tokenizer_processes(device_type: str, images: bool) -> int:
-    """ExtractOptions.tokenizer_processes's default (MOST_TOKENIZER_PROCESSES): none on CPU, whose forwards
-    take far longer than tokenizing, nor for a model with images (`TokenizingApart`)."""
+def default_tokenizer_processes(device_type: str, images: bool, local_ranks: int = 1) -> int:
+    """ExtractOptions.tokenizer_processes's default (MOST_TOKENIZER_PROCESSES) for one of `local_ranks` ranks
+    on its node: none on CPU, whose forwards take far longer than tokenizing, nor for a model with images
+    (`TokenizingApart`)."""
     if device_type != "cuda" or images:
         return 0
-    return max(1, min(MOST_TOKENIZER_PROCESSES, len(os.sched_getaffinity(0)) // 4))
+    return max(1, min(MOST_TOKENIZER_PROCESSES, len(os.sched_getaffinity(0)) // local_ranks // 4))
 
 
 def cache_root() -> Path:
@@ -204,8 +206,9 @@ class ExtractOptions:
         minimum=0,
         help="Processes tokenizing the records (chat templates, the tokenizer) ahead of the forwards, beside "
         "this one, whose thread launching the forwards would otherwise share the GIL with that Python; 0: a "
-        "thread of this process. Default: on a GPU for a text-only model, a quarter of the cores this process "
-        f"may run on, at most {MOST_TOKENIZER_PROCESSES}; 0 on CPU and for a model with images.",
+        "thread of this process. Default: on a GPU for a text-only model, a quarter of this process's share of "
+        "the cores it may run on (shared with the node's other ranks), at most "
+        f"{MOST_TOKENIZER_PROCESSES}; 0 on CPU and for a model with images.",
     )
     shard_bytes: int = _option(
         512 << 20,

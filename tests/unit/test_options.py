@@ -166,3 +166,13 @@ def test_image_threads_default_is_the_cores_up_to_the_bound_its_help_names(monke
     assert options.default_image_threads() == options.MOST_IMAGE_THREADS
     monkeypatch.setattr(options.os, "sched_getaffinity", lambda pid: {0, 1})
     assert options.default_image_threads() == 2
+
+
+def test_the_tokenizing_processes_default_is_a_quarter_of_the_ranks_share_of_the_cores(monkeypatch):
+    # A node of 8 GPUs under torchrun: each rank's 4 processes, 32 in all, each with its tokenizer's own threads
+    # over every core, would crowd the forwards' own threads and the writers.
+    from offline_extract.options import default_tokenizer_processes
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert [default_tokenizer_processes("cuda", False, ranks) for ranks in (1, 2, 4, 8, 16, 32)] == [4, 4, 4, 2, 1, 1]
+    assert default_tokenizer_processes("cpu", False) == default_tokenizer_processes("cuda", True) == 0
