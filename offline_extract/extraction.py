@@ -637,6 +637,8 @@ def pending_samples(
     for row, item in in_order(sources, parsed, owns=share):
         if resumed(row.index):
             tally.resumed()
+        elif isinstance(item, Exception):  # the tokenizer refused the record whole (`from_rows`)
+            raise item
         elif isinstance(item, Sample):
             tally.to_extract()
             yield item

@@ -159,22 +159,32 @@ def _serve() -> None:
     tokenizer = pickle.load(given)
     while True:
         try:
-            rows, wanted = pickle.load(given)
+            work = pickle.load(given)
         except EOFError:  # the parent is done, or gone
             return
         try:
+            rows, wanted = work
             out = ("ok", tokenizer.from_rows(rows, wanted))
         except Exception as e:
             out = ("error", e)
         try:
             data = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:  # an error that does not pickle, in words
-            data = pickle.dumps(("error", RuntimeError(f"{type(out[1]).__name__}: {out[1]}")))
+            if out[0] == "ok":
+                out = ("ok", [(id_, _in_words(item)) for id_, item in out[1]])
+            else:
+                out = ("error", _in_words(out[1]))
+            data = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
         try:
             made.write(data)
             made.flush()
         except BrokenPipeError:
             return
+
+
+def _in_words(item):
+    """An exception as a RuntimeError of its type and words, which pickles whatever it held; anything else as it is."""
+    return RuntimeError(f"{type(item).__name__}: {item}") if isinstance(item, Exception) else item
 
 
 if __name__ == "__main__":

@@ -1,3 +1,4 @@
+import contextlib
 import json
 import os
 import threading
@@ -110,19 +111,47 @@ def test_a_run_reads_the_same_samples_and_rejects_with_the_rows_parsed_in_the_pr
     assert sum(sum_.records for _, _, sum_ in here) == 150
 
 
-def test_an_error_raised_there_is_raised_here_where_its_chunk_would_have_come(tiny_model_dir, tmp_path):
-    # A tokenizer without a chat template: chat records are a configuration problem (`SampleTokenizer`).
+def test_a_record_the_tokenizer_refuses_whole_gives_its_error_in_its_place(tiny_model_dir, tmp_path):
+    # A tokenizer without a chat template: chat records are a configuration problem (`SampleTokenizer`), said
+    # where the first chat comes and not for the texts around it.
     hf = AutoTokenizer.from_pretrained(tiny_model_dir)
     hf.chat_template = None
     tokenizer = SampleTokenizer(hf, max_length=64)
-    read = _rows(tmp_path, 6)
-    texts = [row for row in read if b'"text"' in row.raw]
+    read = _rows(tmp_path, 6)  # a chat, two texts, a chat with no answer, a broken line, a chat
     with TokenizingApart(tokenizer, 2) as apart:
-        results = apart.many_ahead([("texts", (texts, [True] * len(texts))), ("chats", (read, [True] * len(read)))])
-        key, made = next(results)
-        assert key == "texts" and len(made) == len(texts)
-        with pytest.raises(ValueError, match="no chat template"):
-            next(results)
+        ((_, made),) = apart.many_ahead([("rows", (read, [True] * len(read)))])
+    assert [type(m).__name__ for _, m in made] == ["ValueError", "Sample", "Sample", "Reject", "Reject", "ValueError"]
+    assert "no chat template" in str(made[0][1])
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_a_refused_record_stops_the_run_where_it_comes_unless_its_id_is_a_duplicate(
+    tiny_model_dir, tmp_path, processes
+):
+    # As before the rows were parsed in the processes: a duplicate is rejected as such, never tokenized.
+    hf = AutoTokenizer.from_pretrained(tiny_model_dir)
+    hf.chat_template = None
+    tokenizer = SampleTokenizer(hf, max_length=64)
+    chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    lines = [{"id": "a", "text": "hello there"}, {"id": "a", "messages": chat}, {"id": "b", "text": "more"}]
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    none = np.zeros(0, dtype=bool)
+
+    def run():
+        tally = Tally(None, strict=False, nonfinite="fail")
+        with TokenizingApart(tokenizer, processes) if processes else contextlib.nullcontext() as apart:
+            samples = [
+                s.id for s in pending_samples([str(corpus)], Share(Layout(), none), tokenizer, none, tally, apart)
+            ]
+        return samples, tally.summary
+
+    samples, summary = run()
+    assert samples == ["a", "b"] and (summary.records, summary.rejected) == (3, 1)
+    lines.append({"id": "c", "messages": chat})
+    corpus.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(ValueError, match="no chat template"):
+        run()
 
 
 def test_a_worker_killed_from_outside_is_said_and_closing_ends_every_worker(tokenizer, tmp_path):
