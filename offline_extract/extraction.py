@@ -622,7 +622,7 @@ def pending_samples(
             chunk.append(row)
             wanted.append(want)
             taken += want
-            size += len(row.raw) if isinstance(row.raw, bytes) else 0
+            size += row.size()
             if taken == TOKENIZED_TOGETHER or len(chunk) == ROWS_TOGETHER or size >= CHUNK_BYTES:
                 yield chunk, (chunk, wanted)
                 chunk, wanted, taken, size = [], [], 0, 0

@@ -404,6 +404,20 @@ class Row(NamedTuple):
     index: int  # across all sources
     raw: bytes | dict | LineTooLong
 
+    def size(self) -> int:
+        """About the bytes it holds: its line's, or a table row's texts and numbers."""
+        return _size(self.raw)
+
+
+def _size(value) -> int:
+    if isinstance(value, (bytes, str)):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_size(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_size(v) for v in value)
+    return 8
+
 
 def read_corpus(paths: Sequence[str | Path], owns: Callable[[int], bool] | None = None) -> Iterator[Record | Reject]:
     """Yield a Record or Reject for every record of `paths` (see `sources`), in order, streaming.

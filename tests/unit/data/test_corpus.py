@@ -2,6 +2,7 @@ import json
 import os
 import queue
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -471,3 +472,12 @@ def test_a_replica_reads_only_its_share_but_checks_ids_across_all(tmp_path):
     assert [type(x) for x in shares[1]] == [Reject, Reject]
     assert "invalid JSON" in shares[1][0].reason
     assert "duplicate id 'a' (first at" in shares[1][1].reason and shares[1][1].line == 4
+
+
+def test_a_rows_size_counts_a_table_rows_texts_as_a_lines_bytes():
+    # What bounds a chunk of rows in flight to the tokenizing processes (extraction.CHUNK_BYTES), parquet's too.
+    from offline_extract.data.corpus import Row
+
+    chat = {"id": 7, "conversations": [{"from": "human", "value": "x" * 100}, {"from": "gpt", "value": "y" * 50}]}
+    assert Row(0, "t.parquet", "t.parquet", Path("."), 1, 0, chat).size() == 8 + 5 + 100 + 3 + 50
+    assert Row(0, "c.jsonl", "c.jsonl", Path("."), 1, 0, b'{"text": "hi"}\n').size() == 15
