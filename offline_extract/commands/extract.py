@@ -130,8 +130,7 @@ def main(dry_run, **options):
     existed = os.path.lexists(out)
     # Until the run takes --out over (extraction.Job.run), a stop leaves nothing to clean up.
     stopping.at_once(f"{stopping.STOPPED}{_left_by_a_dry_run(out, existed) if dry_run else _nothing_written(out)}")
-    # No full garbage collection until the model is loaded (extraction.Job._load), but in a dry run, which
-    # loads none and may tokenize a whole corpus.
+    # No full garbage collection until the model is loaded (extraction.Job._load); a dry run loads none.
     with contextlib.nullcontext() if dry_run else collector.start_up():
         # Here, not at the top: torch and transformers take seconds to import, which --help, --version and a
         # mistyped option need not wait for.
