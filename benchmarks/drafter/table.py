@@ -21,8 +21,8 @@ PARITY = 0.98
 # What a drafter was trained with, as its train record states it and the serving record of it repeats it: a
 # serving figure stands for the drafter its train record describes, and every drafter is trained alike but for
 # its variant and seed.
-TRAINED = ("variant", "seed", "steps", "batch_size", "learning_rate")
-ALIKE = ("steps", "batch_size", "learning_rate")
+TRAINED = ("variant", "seed", "steps", "batch_size", "learning_rate", "max_length")
+ALIKE = ("steps", "batch_size", "learning_rate", "max_length")
 
 
 def trained(facts: dict) -> dict:

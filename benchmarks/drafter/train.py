@@ -211,6 +211,7 @@ def train(
         "steps": steps,
         "batch_size": batch_size,
         "learning_rate": learning_rate,
+        "max_length": max_length,
         "train": argv,
         "export": export,
         "train_wall_s": round(wall, 1),

@@ -349,7 +349,14 @@ def test_draft_config_and_training_config(tmp_path, tiny_model_dir):
 
 def _trained(name: str, steps: int = 2000) -> dict:
     variant, seed = name.rsplit("-s", 1)
-    return {"variant": variant, "seed": int(seed), "steps": steps, "batch_size": 4, "learning_rate": 1e-4}
+    return {
+        "variant": variant,
+        "seed": int(seed),
+        "steps": steps,
+        "batch_size": 4,
+        "learning_rate": 1e-4,
+        "max_length": 2048,
+    }
 
 
 def _serve(name, length, speed, tmp: lay.Layout, samples=100, steps=2000, served_steps=None):
