@@ -97,7 +97,7 @@ def _fed(run, st, processes: int) -> dict:
         "tokens": tokens,
         "tokens_s": tokens / seconds,
         "feeder_cpu_s": cpu,
-        "feeder_cpu_us_per_token": cpu / tokens * 1e6,
+        "feeder_cpu_us_per_token": cpu / tokens * 1e6 if tokens else None,
     }
 
 
@@ -184,6 +184,8 @@ def main(model, shape, data, max_length, tokens_per_batch, together, threads, im
         image_threads=image_threads,
     )
     st = sample_tokenizer(run, path)
+    if st.processor is not None and any(processes):  # refused by TokenizingApart: before anything is timed
+        raise click.UsageError(f"--tokenizer-processes above 0: {path} prepares image chats with its processor")
     records = [r for r in read_corpus([data]) if isinstance(r, Record)]
     st.many(records[:8])  # the tokenizer's first call sets up its threads
     result = {

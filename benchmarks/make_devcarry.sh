@@ -31,5 +31,6 @@ head -c "$half" "$work/smol.gguf" >"$out/g1/gguf.part0"
 tail -c +"$((half + 1))" "$work/smol.gguf" >"$out/g2/gguf.part1"
 download "$out/g1" zstandard==0.25.0
 download "$out/g2" gguf==0.19.0 accelerate==1.15.0
-cat "$out/g1/gguf.part0" "$out/g2/gguf.part1" | cmp -s - "$work/smol.gguf"
+cat "$out/g1/gguf.part0" "$out/g2/gguf.part1" | cmp -s - "$work/smol.gguf" ||
+  { echo "make_devcarry.sh: the two halves in $out do not join into the GGUF file (a full disk?)" >&2; exit 1; }
 du -sh "$out"/g1 "$out"/g2
