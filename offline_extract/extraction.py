@@ -28,7 +28,7 @@ from offline_extract import collector, planning, preflight, stopping
 from offline_extract.data.batching import batch_by_tokens
 from offline_extract.data.corpus import BadRecordError, Record, Reject, Row, in_order, read_corpus, rows
 from offline_extract.data.sources import Source, open_sources
-from offline_extract.data.tokenization import Sample, SampleTokenizer, tokenizer_files
+from offline_extract.data.tokenization import Sample, SampleTokenizer, from_rows, tokenizer_files
 from offline_extract.data.tokenizing_apart import TokenizingApart
 from offline_extract.engine import checkpoint, parity
 from offline_extract.engine.distributed import Coordinator, Layout, ReportedByLeader, Share, layout_from_env
@@ -607,7 +607,7 @@ def pending_samples(
     """The samples of `share`'s records of `data` still to extract, in corpus order, every record read counted
     in `tally`: records -> samples as a run makes them (the bench's --data too). `done[i]` marks record i as
     already written. The rows are read here, and parsed and tokenized by `apart`'s processes where it is given
-    (`SampleTokenizer.from_rows`), else here too; which ids are duplicates is settled here, in order."""
+    (`tokenization.from_rows`), else here too; which ids are duplicates is settled here, in order."""
     sources = open_sources(data)
 
     def resumed(index: int) -> bool:
@@ -630,7 +630,7 @@ def pending_samples(
             yield chunk, (chunk, wanted)
 
     if apart is None:
-        made = ((chunk, tokenizer.from_rows(*work)) for chunk, work in chunks())
+        made = ((chunk, from_rows(tokenizer, *work)) for chunk, work in chunks())
     else:
         made = apart.many_ahead(chunks())
     parsed = ((row, id_, item) for chunk, items in made for row, (id_, item) in zip(chunk, items))

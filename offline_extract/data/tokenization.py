@@ -265,31 +265,6 @@ class SampleTokenizer:
                     done[i] = records[i].reject(str(e))
         return [d if isinstance(d, Reject) else self._fit.sample(r, *d) for r, d in zip(records, done)]
 
-    def from_rows(
-        self, rows: Sequence[Row], wanted: Sequence[bool]
-    ) -> list[tuple[str | None, Sample | Reject | Exception | None]]:
-        """(id, what is made of it) for each row of the corpus: its Sample or Reject where `wanted`, else nothing
-        (`corpus.parse` reads its id alone), the records among them tokenized together (`many`). Where the rows'
-        reading runs is where their Python runs: a tokenizing process's (`tokenizing_apart`).
-
-        A record that the tokenizer refuses whole (a configuration problem: a chat without a chat template, an
-        image chat for a model that reads no images) gives the error it raised, in its place: the caller raises
-        it there, unless the record's id turns out a duplicate (`corpus.in_order`), which is rejected without
-        being tokenized anywhere else."""
-        parsed = [parse(row, want) for row, want in zip(rows, wanted)]
-        records = [made for _, made in parsed if isinstance(made, Record)]
-        try:
-            samples = iter(self.many(records))
-        except Exception:
-            samples = iter([self._alone(record) for record in records])
-        return [(id_, next(samples) if isinstance(made, Record) else made) for id_, made in parsed]
-
-    def _alone(self, record: Record) -> Sample | Reject | Exception:
-        try:
-            return self.many([record])[0]
-        except Exception as e:
-            return e
-
     def _image_chat(self, record: Record) -> tuple[np.ndarray, np.ndarray, bool, Images]:
         """A chat with images, tokenized by the model's processor, which expands each image's placeholder into
         the image's tokens. The loss mask is the assistant spans' (`_render_chat`) on the chat's text, carried
@@ -411,6 +386,33 @@ class SampleTokenizer:
                 else _sha256(self.processor.image_processor.to_json_string()),
             }
         return dict(self._fingerprint)
+
+
+def from_rows(
+    tokenizer: SampleTokenizer, rows: Sequence[Row], wanted: Sequence[bool]
+) -> list[tuple[str | None, Sample | Reject | Exception | None]]:
+    """(id, what is made of it) for each row of the corpus: its Sample or Reject where `wanted`, else nothing
+    (`corpus.parse` reads its id alone), the records among them tokenized together (`SampleTokenizer.many`).
+    Where the rows' reading runs is where their Python runs: a tokenizing process's (`tokenizing_apart`).
+
+    A record that the tokenizer refuses whole (a configuration problem: a chat without a chat template, an
+    image chat for a model that reads no images) gives the error it raised, in its place: the caller raises
+    it there, unless the record's id turns out a duplicate (`corpus.in_order`), which is rejected without
+    being tokenized anywhere else."""
+    parsed = [parse(row, want) for row, want in zip(rows, wanted)]
+    records = [made for _, made in parsed if isinstance(made, Record)]
+    try:
+        samples = iter(tokenizer.many(records))
+    except Exception:
+        samples = iter([_alone(tokenizer, record) for record in records])
+    return [(id_, next(samples) if isinstance(made, Record) else made) for id_, made in parsed]
+
+
+def _alone(tokenizer: SampleTokenizer, record: Record) -> Sample | Reject | Exception:
+    try:
+        return tokenizer.many([record])[0]
+    except Exception as e:
+        return e
 
 
 def _image_token_ids(processor, tokenizer, model: str, image_token_id: int | None) -> tuple[int, int]:

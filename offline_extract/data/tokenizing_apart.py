@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Sequence, TypeVar
 
 from offline_extract.data.corpus import Row
-from offline_extract.data.tokenization import SampleTokenizer
+from offline_extract.data.tokenization import SampleTokenizer, from_rows
 
 Key = TypeVar("Key")
 
@@ -92,7 +92,7 @@ class _Worker:
 
 
 class TokenizingApart:
-    """`tokenizer.from_rows` of each chunk of rows on `processes` processes, `AHEAD_PER_PROCESS` chunks each ahead
+    """`tokenization.from_rows` of each chunk of rows on `processes` processes, `AHEAD_PER_PROCESS` chunks each ahead
     of the caller, the chunks' results in their order (chunk k goes to process k mod processes). The workers
     start at once, so that their imports and their copy of the tokenizer are made beside whatever the caller
     does next (the model's load), not before the first batch. A text-only tokenizer's: an image chat's images are
@@ -119,7 +119,7 @@ class TokenizingApart:
     def many_ahead(
         self, chunks: Iterable[tuple[Key, tuple[Sequence[Row], Sequence[bool]]]]
     ) -> Iterator[tuple[Key, list]]:
-        """(key, `tokenizer.from_rows(rows, wanted)`) for each (key, (rows, wanted)) of `chunks`, in order; an error
+        """(key, `from_rows(tokenizer, rows, wanted)`) for each (key, (rows, wanted)) of `chunks`, in order; an error
         a chunk's tokenizing raised (a configuration problem: `SampleTokenizer`) is raised here, where its results
         would have come. Once `close`d, or after an error, no more."""
         keys: deque = deque()  # of the chunks in flight, the oldest first
@@ -164,7 +164,7 @@ def _serve() -> None:
             return
         try:
             rows, wanted = work
-            out = ("ok", tokenizer.from_rows(rows, wanted))
+            out = ("ok", from_rows(tokenizer, rows, wanted))
         except Exception as e:
             out = ("error", e)
         try:

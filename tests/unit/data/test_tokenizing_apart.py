@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from offline_extract.data import corpus
 from offline_extract.data.corpus import Reject, rows
 from offline_extract.data.sources import open_sources
-from offline_extract.data.tokenization import SampleTokenizer
+from offline_extract.data.tokenization import SampleTokenizer, from_rows
 from offline_extract.data.tokenizing_apart import AHEAD_PER_PROCESS, TokenizingApart
 from offline_extract.engine.distributed import Layout, Share
 from offline_extract import extraction
@@ -67,7 +67,7 @@ def test_the_processes_give_each_chunk_what_the_tokenizer_gives_it_here_in_the_c
         got = list(apart.many_ahead(iter(chunks)))
     assert [key for key, _ in got] == list(range(12))
     made = [m for _, ms in got for m in ms]
-    here = tokenizer.from_rows(read, wanted)
+    here = from_rows(tokenizer, read, wanted)
     assert len(made) == len(here) == 60
     kinds = {type(m).__name__ for _, m in made}
     assert kinds == {"Sample", "Reject", "NoneType"}
@@ -198,15 +198,15 @@ def test_a_replicas_chunks_hold_a_tokenizer_calls_worth_of_its_own_rows(tokenize
     done[:400] = True
     calls = []
 
-    class Counting:
-        def from_rows(self, rows, wanted):
-            calls.append((len(rows), sum(wanted)))
-            return tokenizer.from_rows(rows, wanted)
+    def counting(tokenizer, rows, wanted):
+        calls.append((len(rows), sum(wanted)))
+        return from_rows(tokenizer, rows, wanted)
 
+    monkeypatch.setattr(extraction, "from_rows", counting)
     layout = Layout(rank=1, world_size=4)
     tally = Tally(None, strict=False, nonfinite="fail")
     data = [str(tmp_path / "c.jsonl")]
-    list(pending_samples(data, Share(layout, done), Counting(), done, tally, None))
+    list(pending_samples(data, Share(layout, done), tokenizer, done, tally, None))
     # The done rows for their ids, then 64 of the 75 left to this replica (300 dealt out in four), then the rest.
     assert [w for _, w in calls] == [0, extraction.TOKENIZED_TOGETHER, 11]
     assert calls[0][0] == 400 and sum(rows for rows, _ in calls) == 700
@@ -220,13 +220,13 @@ def test_a_chunk_of_long_records_ends_at_its_bytes(tokenizer, tmp_path, monkeypa
     monkeypatch.setattr(extraction, "CHUNK_BYTES", 1000)
     calls = []
 
-    class Counting:
-        def from_rows(self, rows, wanted):
-            calls.append(sum(len(row.raw) for row in rows))
-            return tokenizer.from_rows(rows, wanted)
+    def counting(tokenizer, rows, wanted):
+        calls.append(sum(len(row.raw) for row in rows))
+        return from_rows(tokenizer, rows, wanted)
 
+    monkeypatch.setattr(extraction, "from_rows", counting)
     tally = Tally(None, strict=False, nonfinite="fail")
     none = np.zeros(0, dtype=bool)
-    list(pending_samples([str(tmp_path / "c.jsonl")], Share(Layout(), none), Counting(), none, tally, None))
+    list(pending_samples([str(tmp_path / "c.jsonl")], Share(Layout(), none), tokenizer, none, tally, None))
     assert sum(calls) == sum(sizes) and len(calls) > 1
     assert all(1000 <= got < 1000 + max(sizes) for got in calls[:-1])
