@@ -9,6 +9,7 @@ The whole pipeline, one step a command, each sized for one device call and resum
                           (ours, specforge, offbyone, prenorm, fp8)
   train VARIANT --seed S  GPU: SpecForge 0.2.0's offline EAGLE-3 trainer, then its SGLang export
   serve NAME              GPU: the held-out prompts with the drafter NAME (VARIANT-sSEED) or `target`
+  compare A B --json F    anywhere: two variants' files on the records both hold (ids, masks, states)
   table                   anywhere: the JSON and markdown of every measurement so far
   pack DIR                anywhere: DATA's measurements as one .tgz, to bring back from a device call
   drop VARIANT            anywhere: remove a variant's large files from SCRATCH (its drafters stay)
@@ -157,8 +158,14 @@ def responses(ctx, chunk, max_new_tokens, seconds):
 @click.option("--keep-store", is_flag=True, help="Keep our output directory after the export (it is as large).")
 @click.option("--specforge-batch-size", default=32, show_default=True)
 @click.option("--attention-backend", default="fa3", show_default=True, help="SpecForge's SGLang backend.")
+@click.option(
+    "--mem-fraction-static",
+    type=float,
+    default=None,
+    help="Our extraction's share of the GPU's memory (default: bin/extract.py's), where drafters train beside it.",
+)
 @click.pass_context
-def states(ctx, variant, max_length, keep_store, specforge_batch_size, attention_backend):
+def states(ctx, variant, max_length, keep_store, specforge_batch_size, attention_backend, mem_fraction_static):
     from benchmarks.drafter.states import states as run
 
     facts = run(
@@ -169,6 +176,7 @@ def states(ctx, variant, max_length, keep_store, specforge_batch_size, attention
         keep_store=keep_store,
         specforge_batch_size=specforge_batch_size,
         attention_backend=attention_backend,
+        mem_fraction_static=mem_fraction_static,
     )
     click.echo(
         f"states {variant}: {'complete, skipped' if facts.get('skipped') else 'made'}: "
@@ -213,9 +221,20 @@ def train(ctx, variant, seed, steps, batch_size, max_length, learning_rate):
 @main.command(help="Serve the held-out prompts with drafter NAME (VARIANT-sSEED), or `target` alone.")
 @click.argument("name")
 @click.option("--max-new-tokens", default=128, show_default=True)
-@click.option("--speed-prompts", default=16, show_default=True, help="Prompts served one at a time for tok/s.")
+@click.option(
+    "--speed-prompts",
+    default=16,
+    show_default=True,
+    help="Prompts served one at a time for tok/s; 0 for none (engines served side by side time nothing alone).",
+)
+@click.option(
+    "--mem-fraction-static",
+    type=float,
+    default=None,
+    help="The engine's share of the GPU's memory (default: SGLang's), to serve several drafters side by side.",
+)
 @click.pass_context
-def serve(ctx, name, max_new_tokens, speed_prompts):
+def serve(ctx, name, max_new_tokens, speed_prompts, mem_fraction_static):
     from benchmarks.drafter.prompts import load_jsonl_gz
     from benchmarks.drafter.sglang_runs import serve as run
     from benchmarks.drafter.table import TARGET
@@ -242,6 +261,7 @@ def serve(ctx, name, max_new_tokens, speed_prompts):
         speed_prompts=speed_prompts,
         log=layout.logs / f"serve_{name}.log",
         device=ctx.obj["device"],
+        mem_fraction_static=mem_fraction_static,
     )
     result["command"] = command_line(LAUNCHER)
     result["trained"] = trained
@@ -249,8 +269,37 @@ def serve(ctx, name, max_new_tokens, speed_prompts):
     _record(ctx, f"serve {name}")
     click.echo(
         f"serve {name}: accept length {result.get('accept_length')}, "
-        f"{result['batch1_decode_tok_s']:.0f} tok/s at batch 1 -> {out}"
+        f"{result['batch1_decode_tok_s'] or 0:.0f} tok/s at batch 1 ({result.get('batch1_prompts')} prompts) -> {out}"
     )
+
+
+@main.command(help="Variant A's feature files against B's on the records both hold: ids, loss masks, states.")
+@click.argument("a")
+@click.argument("b")
+@click.option("--states-every", default=10, show_default=True, help="Compare the states of every N-th shared record.")
+@click.option("--workers", default=8, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), required=True)
+@click.pass_context
+def compare(ctx, a, b, states_every, workers, json_path):
+    from benchmarks.drafter.compare import compare as run
+
+    tokenizer = None
+    if ctx.obj["model"]:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(_model(ctx))
+    result = run(ctx.obj["layout"], a, b, states_every=states_every, workers=workers, tokenizer=tokenizer)
+    result["command"] = command_line(LAUNCHER)
+    lay.write_json(json_path, result)
+    _record(ctx, f"compare {a} {b}")
+    click.echo(
+        f"compare {a} {b}: {result['records']:,} records, ids differ in {len(result['ids_differ'])}, stored masks in "
+        f"{result['stored_masks_differ']}; trained positions {result['trained_positions']}; -> {json_path}"
+    )
+    for layer, s in result["states"].items():
+        click.echo(
+            f"  {layer}: min cosine {s['min_cosine']:.5f} (record, token {s['worst']}), median {s['median_of_medians']:.6f}"
+        )
 
 
 @main.command(help="Every measurement so far as one JSON (--json) and the markdown table.")

@@ -221,6 +221,7 @@ def serve(
     speed_prompts: int,
     log: Path | None = None,
     device: str = "cuda",
+    mem_fraction_static: float | None = None,
 ) -> dict:
     """The held-out prompts served greedily, all at once for acceptance, then the first `speed_prompts`
     one at a time for decode tokens/s at batch 1 (each request's wall time, its short prefill included);
@@ -231,6 +232,8 @@ def serve(
     ids = [prompt_ids(tokenizer, r) for r in heldout]
     params = greedy(max_new_tokens, tokenizer)
     extra = {**SPECULATIVE, "speculative_draft_model_path": drafter} if drafter else {}
+    if mem_fraction_static is not None:
+        extra["mem_fraction_static"] = mem_fraction_static
     start = time.time()
     llm = engine(model, device, log=log, **extra)
     started = time.time() - start
@@ -253,6 +256,7 @@ def serve(
         "batch1_prompts": min(speed_prompts, len(ids)),
         "batch1_tokens": tokens,
         "batch1_decode_tok_s": tokens / timed if timed else None,
+        "mem_fraction_static": mem_fraction_static,
         "outputs_sha256": _digest([o["output_ids"] for o in outs]),
     }
     if drafter:

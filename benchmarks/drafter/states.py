@@ -73,10 +73,14 @@ def num_layers(model: str) -> int:
     return json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
 
 
-def extract_argv(layout: lay.Layout, variant: str, model: str, max_length: int) -> list[str]:
+def extract_argv(
+    layout: lay.Layout, variant: str, model: str, max_length: int, mem_fraction_static: float | None = None
+) -> list[str]:
     options = EXTRACT_OPTIONS[variant]
     if options is None:
         options = ["--layers", ",".join(map(str, offbyone_layers(num_layers(model))))]
+    if mem_fraction_static is not None:
+        options = [*options, "--mem-fraction-static", str(mem_fraction_static)]
     return [
         lay.python(),
         str(lay.ROOT / "bin" / "extract.py"),
@@ -140,11 +144,19 @@ def write_prenorm_as_postnorm(store: Path, dest: Path) -> int:
     return len(dataset)
 
 
-def ours(layout: lay.Layout, variant: str, model: str, *, max_length: int, keep_store: bool) -> dict:
+def ours(
+    layout: lay.Layout,
+    variant: str,
+    model: str,
+    *,
+    max_length: int,
+    keep_store: bool,
+    mem_fraction_static: float | None = None,
+) -> dict:
     """Extract, export (or the prenorm fault's writer), check the files, drop the store."""
     feats = layout.features(variant)
     logs = layout.logs
-    facts = {"variant": variant, "extract": extract_argv(layout, variant, model, max_length)}
+    facts = {"variant": variant, "extract": extract_argv(layout, variant, model, max_length, mem_fraction_static)}
     facts["extract_s"] = lay.run_logged(
         layout, f"states {variant}: extract", facts["extract"], logs / f"extract_{variant}.log"
     )
@@ -212,17 +224,18 @@ def specforge(layout: lay.Layout, model: str, *, max_length: int, batch_size: in
     }
 
 
-def expected_ids(layout: lay.Layout, tokenizer, max_length: int) -> dict[str, int]:
+def expected_ids(layout: lay.Layout, tokenizer, max_length: int) -> dict[str, list[int]]:
     """The sha256 of each corpus record's token ids as SpecForge tokenizes it (the chat template rendered
-    to text, tokenized without added special tokens, cut at max_length) -> the record's position."""
-    out = {}
+    to text, tokenized without added special tokens, cut at max_length) -> the positions of the records
+    with those ids, in corpus order (a corpus can hold the same chat twice; each has a file of its own)."""
+    out: dict[str, list[int]] = {}
     with open(layout.corpus) as f:
         for j, line in enumerate(f):
             text = tokenizer.apply_chat_template(
                 messages(json.loads(line)), tokenize=False, add_generation_prompt=False
             )
             ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"][:max_length], dtype=np.int64)
-            out[_ids_key(ids)] = j
+            out.setdefault(_ids_key(ids), []).append(j)
     return out
 
 
@@ -246,11 +259,11 @@ def specforge_positions(layout: lay.Layout, model: str, max_length: int) -> tupl
     found, unmatched = {}, []
     for path in sorted_files(layout.features("specforge")):
         ids = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["input_ids"].numpy()
-        j = expected.get(_ids_key(unpadded(ids)))
-        if j is None or j in found:
-            unmatched.append(path)
+        free = [j for j in expected.get(_ids_key(unpadded(ids)), []) if j not in found]
+        if free:
+            found[free[0]] = path
         else:
-            found[j] = path
+            unmatched.append(path)
     return found, unmatched
 
 
@@ -281,8 +294,10 @@ def states(
     keep_store: bool,
     specforge_batch_size: int,
     attention_backend: str,
+    mem_fraction_static: float | None = None,
 ) -> dict:
-    """One variant's states and view; skipped when its view is complete."""
+    """One variant's states and view; skipped when its view is complete. `mem_fraction_static`: our
+    extraction's share of the GPU, where drafters train beside it."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
     view = layout.view(variant)
@@ -299,7 +314,14 @@ def states(
         positions, unmatched = specforge_positions(layout, model, max_length)
         facts["unmatched_files"] = len(unmatched)
     else:
-        facts = ours(layout, variant, model, max_length=max_length, keep_store=keep_store)
+        facts = ours(
+            layout,
+            variant,
+            model,
+            max_length=max_length,
+            keep_store=keep_store,
+            mem_fraction_static=mem_fraction_static,
+        )
         positions = ours_positions(layout, variant)
     facts["view_samples"] = make_view(layout, variant, positions)
     lay.mark_done(view, **facts)

@@ -14,6 +14,7 @@ embedding (tied weights are the same matrix). Nothing of the target is changed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -78,9 +79,9 @@ def target_copy(model: str, dest: Path) -> dict:
     names = tensor_names(src)
     dest.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
-        link = dest / f.name
-        if not link.exists():
-            os.symlink(f, link)
+        # Drafters trained side by side on one GPU each make this copy: the first link made stands.
+        with contextlib.suppress(FileExistsError):
+            os.symlink(f, dest / f.name)
     made = None
     if not list(src.glob("*.index.json")):
         made = dest / "model.safetensors.index.json"

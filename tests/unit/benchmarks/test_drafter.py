@@ -267,16 +267,21 @@ def test_offbyone_asks_for_each_default_layer_one_deeper(tmp_path, tiny_model_di
 
 def test_specforge_files_found_back_by_their_tokens(tmp_path, tiny_model_dir):
     """SpecForge numbers its files in its shuffled order and pads each sample to its batch's longest: the
-    view puts each under its corpus position, and a file of another corpus is named as unmatched."""
+    view puts each under its corpus position, a chat the corpus holds twice gets both its files, and a file
+    of another corpus is named as unmatched."""
     from transformers import AutoTokenizer
 
     layout = _prompts_layout(tmp_path, 5)
     _responses_for(layout)
     states.corpus(layout)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    expected = {j: key for key, j in states.expected_ids(layout, tokenizer, 512).items()}
     lines = layout.corpus.read_text().splitlines()
-    order = [3, 0, 4, 1, 2]
+    twice = {**json.loads(lines[2]), "id": "train-000005"}
+    lines.append(json.dumps(twice))
+    layout.corpus.write_text("\n".join(lines) + "\n")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    expected = states.expected_ids(layout, tokenizer, 512)
+    assert sorted(expected.values()) == [[0], [1], [2, 5], [3], [4]]
+    order = [3, 0, 5, 4, 1, 2]
     feats = layout.features("specforge")
     for i, j in enumerate(order):
         r = json.loads(lines[j])
@@ -286,14 +291,17 @@ def test_specforge_files_found_back_by_their_tokens(tmp_path, tiny_model_dir):
         path = states.specforge_path_of(feats, i)
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"input_ids": padded, "loss_mask": torch.zeros_like(padded)}, path)
-    stray = states.specforge_path_of(feats, 5)
+    stray = states.specforge_path_of(feats, 6)
     torch.save({"input_ids": torch.tensor([5, 6, 7]), "loss_mask": torch.zeros(3, dtype=torch.int64)}, stray)
     found, unmatched = states.specforge_positions(layout, str(tiny_model_dir), 512)
     assert unmatched == [str(stray)]
-    assert {j: Path(p).name for j, p in found.items()} == {j: f"data_{i}.ckpt" for i, j in enumerate(order)}
-    assert len(expected) == 5
-    assert states.make_view(layout, "specforge", found) == 5
-    for j in range(5):
+    # The chat held twice: its two files, in sorted order, go to its two positions in corpus order.
+    by_file = {2: "data_2.ckpt", 5: "data_5.ckpt"}
+    assert {j: Path(p).name for j, p in found.items()} == {
+        j: by_file.get(j, f"data_{i}.ckpt") for i, j in enumerate(order)
+    }
+    assert states.make_view(layout, "specforge", found) == 6
+    for j in range(6):
         assert Path(states.specforge_path_of(layout.view("specforge"), j)).resolve() == Path(found[j]).resolve()
 
 
@@ -485,3 +493,50 @@ def test_pack_brings_back_what_the_prompts_are_not(tmp_path):
         "logs/extract_ours.log",
     } <= names
     assert not any(n.startswith("prompts") for n in names)
+
+
+def test_compare_names_what_separates_two_variants_files(tmp_path):
+    """Unpadded files against padded ones: the trainer's last-position zeroing then trains one more token of
+    the padded side, a loss mask that differs is counted, and a perturbed layer shows in its cosines."""
+    from benchmarks.drafter import compare
+
+    layout = lay.Layout(tmp_path / "data", tmp_path / "scratch")
+    gen = torch.Generator().manual_seed(0)
+    for variant in ("ours", "specforge"):
+        feats = layout.features(variant)
+        positions = {}
+        for j in range(4):
+            ids = torch.tensor([5, 6, 7, 8, 9 + j])
+            mask = torch.tensor([0, 0, 1, 1, 1])
+            aux = torch.randn(1, 5, 12, generator=torch.Generator().manual_seed(j))
+            final = torch.randn(1, 5, 4, generator=torch.Generator().manual_seed(100 + j))
+            if variant == "specforge":
+                pad = 2
+                ids, mask = (
+                    torch.cat([ids, torch.zeros(pad, dtype=ids.dtype)]),
+                    torch.cat([mask, torch.zeros(pad, dtype=mask.dtype)]),
+                )
+                aux, final = (
+                    torch.cat([aux, torch.randn(1, pad, 12, generator=gen)], 1),
+                    torch.cat([final, torch.randn(1, pad, 4, generator=gen)], 1),
+                )
+                if j == 1:
+                    mask[1] = 1
+                if j == 2:
+                    aux[0, 3, 4:8] = -aux[0, 3, 4:8]  # aux layer 1 of token 3, turned around
+            path = states.specforge_path_of(feats, j)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"input_ids": ids, "loss_mask": mask, "hidden_state": final, "aux_hidden_state": aux}, path)
+            positions[j] = str(path)
+        states.make_view(layout, variant, positions)
+        lay.mark_done(layout.view(variant), view_samples=4)
+    result = compare.compare(layout, "ours", "specforge", states_every=1, workers=1)
+    assert result["records"] == 4 and result["ids_differ"] == []
+    assert result["stored_masks_differ"] == 1
+    assert result["padding_tokens_b"] == 8
+    # Ours: 3 loss tokens less the last = 2 a record; theirs 3 (4 in record 1).
+    assert result["trained_positions"] == {"a": 8, "b": 13}
+    assert {"token": "9", "from_end": -1, "count": 1} in result["trained_only"]["b"]
+    assert result["states"]["aux_1"]["min_cosine"] < -0.99 and result["states"]["aux_1"]["worst"] == (2, 3)
+    for layer in ("aux_0", "aux_2", "final"):
+        assert result["states"][layer]["min_cosine"] > 0.9999
