@@ -392,9 +392,13 @@ def test_table_judges_the_issues_targets(tmp_path):
     v = result["verdicts"]
     assert v["ours_over_specforge"] == pytest.approx(2.01 / 2.02)
     assert v["ours_reaches_parity"] is True
-    assert v["offbyone_below_both"] is True
-    assert v["prenorm_below_both"] is False  # within the seeds' spread of (a): not clearly below
-    assert v["fp8_over_ours"] == pytest.approx(1.99 / 2.01)
+    assert v["gap_within_seed_noise"] is True  # 0.01 behind, seeds 0.02 apart
+    assert v["offbyone_margin_in_seed_spreads"] == pytest.approx((2.01 - 1.2) / 0.02)
+    assert v["prenorm_over_ours"] == pytest.approx(2.0 / 2.01) and v["prenorm_caught"] is False
+    assert v["fp8_over_ours"] == pytest.approx(1.99 / 2.01) and v["fp8_holds"] is True
+    for name, length in (("specforge-s0", 2.10), ("specforge-s1", 2.11)):  # (b) ahead by more than seeds explain
+        _serve(name, length, 150.0, layout)
+    assert table.table(layout)["verdicts"]["gap_within_seed_noise"] is False
     md = result["markdown"]
     assert "| none (target alone) | | | | | 100 | 1.00 |" in md
     assert "| (c) ours, aux layers one deeper | 0 | 100 | 1.200 | 0.300 | 150 | 1.50 |" in md
