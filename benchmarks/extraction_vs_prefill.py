@@ -249,6 +249,8 @@ def model_flops_per_token(config, samples: list[Sample]) -> float:
 
 
 def _peak_flops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
     name = torch.cuda.get_device_name()
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
@@ -322,6 +324,11 @@ def disk_write_rate(directory: Path, total_bytes: int, streams: int) -> float:
     for t in threads:
         t.join()
     return streams * (per_stream // len(chunk)) * len(chunk) / (time.perf_counter() - start)
+
+
+def _on_gpu(engine: Engine) -> bool:
+    # The bench runs on a GPU; its CPU tests drive the same code through the engine on CPU.
+    return torch.device(engine.device).type == "cuda"
 
 
 def _synchronize() -> None:
@@ -423,7 +430,7 @@ class _ForwardClock:
 
     def __init__(self, engine: Engine):
         self._engine = engine
-        self._on_gpu = torch.device(engine.device).type == "cuda"
+        self._on_gpu = _on_gpu(engine)
         self.restart()
 
     def restart(self) -> None:
@@ -536,8 +543,67 @@ class _DiscardWriter:
         return []
 
 
+@dataclasses.dataclass
+class _Bench:
+    """What every mode of one run shares: its options, this rank's place among the replicas, the corpus and the
+    batches made of it (the warm-up ones and the timed ones), the model's config, and where results go."""
+
+    opts: BenchOptions
+    layout: Layout
+    coord: Coordinator
+    run: ExtractOptions
+    model_dir: Path
+    tokenizer: SampleTokenizer
+    samples: list[Sample]
+    warm: list[Batch]
+    timed: list[Batch]
+    data: dict | None
+    config: object  # the model's HF config; its language model's is `text_config`
+    files: ResultFiles
+    # The timed tokens of every replica: each counts once, however many TP ranks computed it.
+    timed_tokens: int = 0
+
+    @property
+    def text_config(self):
+        return self.config.get_text_config()
+
+
+@dataclasses.dataclass(frozen=True)
+class _BareFigures:
+    """Bare prefill over the timed batches, before any extraction: the first pass (cold for a token count the
+    warm-up did not have), then the timed pass every ratio divides by, with where its time went."""
+
+    seconds: float
+    forward_s: float
+    phases: dict
+    ranks: list[dict]
+    first_pass: dict
+    jit_cache_entries: int  # the JIT caches' files once the first pass is done
+    by_chunk: dict[str, float] | None
+    fp8_error: dict | None  # fp8's decoded states against bf16's, where any --store is fp8
+
+
 def run_bench(opts: BenchOptions) -> list[dict]:
     timeline = Timeline()
+    layout = _checked_layout(opts)
+    torch.cuda.set_device(layout.local_rank)
+    coord = Coordinator(layout, namespace=f"bench-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
+    model_dir = Path(opts.model) if opts.model else _generated_config(opts.shape, opts.longest, layout, coord)
+    bench = _bench_inputs(for_the_model(opts, model_dir), layout, coord, model_dir)
+    pending = peers_first(
+        bench.opts,
+        bench.files,
+        model_dir,
+        bench.tokenizer.tokenizer,
+        [[s.input_ids for s in b.samples] for b in bench.warm + bench.timed],
+        bench.text_config.num_hidden_layers,
+    )
+    engine, cold = _loaded_engine(bench, timeline)
+    return measure(bench, engine, cold, pending)
+
+
+def _checked_layout(opts: BenchOptions) -> Layout:
+    """This process's place among the ranks, once the machine and the options allow a measurement at all."""
     if not torch.cuda.is_available():
         raise ValueError("bin/bench.py times extraction on a GPU, but torch sees no CUDA GPU here")
     if "hf" in opts.baselines and opts.tp > 1:
@@ -550,10 +616,11 @@ def run_bench(opts: BenchOptions) -> list[dict]:
         )
     if opts.baselines:
         peers.check_names(opts.baselines)
-    torch.cuda.set_device(layout.local_rank)
-    coord = Coordinator(layout, namespace=f"bench-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
-    model_dir = Path(opts.model) if opts.model else _generated_config(opts.shape, opts.longest, layout, coord)
-    opts = for_the_model(opts, model_dir)
+    return layout
+
+
+def _bench_inputs(opts: BenchOptions, layout: Layout, coord: Coordinator, model_dir: Path) -> _Bench:
+    """The corpus and its batches, split into the warm-up ones and those timed, with the model's config."""
     from transformers import AutoConfig
 
     run = run_options(opts, model_dir)
@@ -565,246 +632,357 @@ def run_bench(opts: BenchOptions) -> list[dict]:
             f"{corpus} makes {len(batches)} batches, all taken by --warmup-batches "
             f"{opts.warmup_batches}: nothing left to time"
         )
-    # Each replica's tokens count once, however many TP ranks computed them.
     tokens = sum(b.num_tokens for b in timed) if layout.writes else 0
-    config = AutoConfig.from_pretrained(model_dir)
-    text_config = config.get_text_config()
-    files = ResultFiles(opts, layout)
-    pending = peers_first(
+    return _Bench(
         opts,
-        files,
+        layout,
+        coord,
+        run,
         model_dir,
-        tokenizer.tokenizer,
-        [[s.input_ids for s in b.samples] for b in batches],
-        text_config.num_hidden_layers,
+        tokenizer,
+        samples,
+        warm,
+        timed,
+        data,
+        AutoConfig.from_pretrained(model_dir),
+        ResultFiles(opts, layout),
+        timed_tokens=sum(coord.all_gather(tokens)),
     )
-    jit_cache = opts.jit_cache
+
+
+def _loaded_engine(bench: _Bench, timeline: Timeline) -> tuple[Engine, dict]:
+    """Our engine, loaded as bin/extract.py loads it (into an empty JIT cache with --cold), and the cold start:
+    the warm-up batches timed one by one on it (`_cold_start`)."""
+    opts, jit_cache = bench.opts, bench.opts.jit_cache
     if opts.cold:
         jit_cache = tempfile.mkdtemp(prefix="offline_extract_cold_jit_")
         for key in JIT_CACHES:
             os.environ.pop(key, None)  # even a cache the environment names would not be cold
     timeline.mark("engine")
-    run = dataclasses.replace(run, jit_cache=jit_cache)
-    engine = Engine(engine_config(run, layout, model_dir, "cuda", opts.tokens_per_batch, layer_ids=None))
+    run = dataclasses.replace(bench.run, jit_cache=jit_cache)
+    engine = Engine(engine_config(run, bench.layout, bench.model_dir, "cuda", opts.tokens_per_batch, layer_ids=None))
     timeline.mark("loaded")
-    cold = _cold_start(engine, warm, timeline)
+    cold = _cold_start(engine, bench.warm, timeline)
     collector.start_up_done()  # where bin/extract.py's warm-up ends, as it does (bin/bench.py deferred)
     if opts.cold:
         shutil.rmtree(jit_cache, ignore_errors=True)
+    return engine, cold
 
+
+def measure(bench: _Bench, engine: Engine, cold: dict, pending: list[peers.Pending]) -> list[dict]:
+    """Every mode on the loaded `engine`: bare prefill, then for each --store x --compress the copy-out alone and
+    the extraction into each --out, then HF and the peers' cross-checks; each result saved as it is measured."""
     clock = _ForwardClock(engine)
-    first_pass = _first_pass(engine, coord, timed)
-    warm_entries = jit_cache_entries(engine.jit_caches)
-    bare_s = _timed(coord, lambda: _bare(clock, timed), clock)
-    bare_forward_s, bare_phases = clock.seconds, clock.phases()
-    bare_ranks = coord.all_gather(_rank_report(layout, clock))
-    bare_by_chunk = _chunk_sweep(engine, coord, timed[0], opts.chunk_sweep) if opts.chunk_sweep else None
-    longest = max(s.num_tokens for s in samples)
-    # fp8's error against the bf16 states of the same forward passes, once for every fp8 encoding.
-    fp8_error = _fp8_error(engine, timed, opts.fp8_error_tokens) if any(s == "fp8" for s, _ in opts.encodings) else None
-
-    results = []
-    for encoding in (Encoding(store, compress) for store, compress in opts.encodings):
-        staging = staging_buffers(engine, encoding)
-        widths = encoding.widths(len(engine.layer_ids), engine.hidden_size)
-        scratch = longest if longest > opts.tokens_per_batch else 0
-        discard = _DiscardWriter(encoding, scratch, widths) if layout.writes else None
-        copy_only_s = _timed(coord, lambda: extract_batches(clock, timed, discard, staging=staging), clock)
-        for out in opts.outs:
-            root = Path(out) / f"rank{layout.rank}"
-            shutil.rmtree(root, ignore_errors=True)
-            disk_rate = disk_write_rate(root / "probe", opts.disk_probe_bytes, opts.writers) if layout.writes else 0.0
-            torch.cuda.reset_peak_memory_stats()
-            info = RunInfo(
-                model=str(model_dir),
-                layer_ids=tuple(engine.layer_ids),
-                store=encoding.store,
-                compress=encoding.compress,
-            )
-
-            def writer(name: str) -> ShardWriter | None:
-                # Created before the clock starts, as a run creates it before its first batch.
-                if not layout.writes:
-                    return None
-                return ShardWriter(root / name, info, writers=opts.writers, widths=widths)
-
-            host_times = {}
-
-            def extract(batches: list[Batch], w: ShardWriter | None) -> None:
-                host_times.update(extract_batches(clock, batches, w, staging=staging))
-                if w is not None:
-                    w.close()
-
-            extract(warm, writer("warm"))
-            if opts.profile:
-                profiled = timed[: opts.profile_batches]
-                _profile(lambda: _bare(engine, profiled), Path(opts.profile), "bare")
-                w = writer("profile")
-                _profile(lambda: extract(profiled, w), Path(opts.profile), "extract")
-            w = writer("shards")
-            extract_s = _timed(coord, lambda: extract(timed, w), clock)
-            extract_ranks = coord.all_gather(_rank_report(layout, clock, host_times, w))
-            total_tokens = sum(coord.all_gather(tokens))
-            row_bytes = sum(encoding.bytes_per_token(len(engine.layer_ids), engine.hidden_size).values())
-            written = sum(coord.all_gather(w.bytes_written if w is not None else 0))
-            results.append(
-                {
-                    "command": opts.command,
-                    "device": torch.cuda.get_device_name(),
-                    "host": _host_facts(),
-                    "world_size": layout.world_size,
-                    "tp_size": layout.tp_size,
-                    "dp_size": layout.dp_size,
-                    "sglang_version": importlib.metadata.version("sglang"),
-                    "torch_version": torch.__version__,
-                    "model": opts.model or f"{opts.shape} (generated config, load_format={opts.load_format})",
-                    "dtype": opts.dtype,
-                    "attention_backend": engine.attention_backend,
-                    "layer_ids": list(engine.layer_ids),
-                    "lengths": _lengths(opts),
-                    # With --data, what the samples came from and all of them (the timed ones are those below).
-                    "data": data,
-                    "num_samples": sum(coord.all_gather(sum(len(b.samples) for b in timed) if layout.writes else 0)),
-                    "num_tokens": total_tokens,
-                    "num_image_tokens": sum(
-                        coord.all_gather(image_tokens(s for b in timed for s in b.samples) if layout.writes else 0)
-                    ),
-                    "tokens_per_batch": opts.tokens_per_batch,
-                    "chunk_tokens": engine.chunk_tokens,
-                    "longest_sample": longest,
-                    # On warm kernels: the same batches ran once before (`first_pass`), so that nothing compiles
-                    # while a mode is timed; `timed_compiled` counts what did.
-                    "bare_prefill_tok_s": total_tokens / bare_s,
-                    "bare_first_pass_tok_s": total_tokens / first_pass["seconds"],
-                    "bare_first_pass_s": first_pass["seconds"],
-                    "bare_first_pass_compiled": first_pass["compiled"],
-                    "first_pass_over_warm": bare_s / first_pass["seconds"],
-                    # Files added to the JIT caches from the end of the first pass to the end of this extraction:
-                    # 0 says every timed mode ran on warm kernels.
-                    "timed_compiled": max(coord.all_gather(jit_cache_entries(engine.jit_caches) - warm_entries)),
-                    "extract_tok_s": total_tokens / extract_s,
-                    "extract_over_bare": bare_s / extract_s,
-                    # Diagnostics: copy-out without writing, and where the main thread's time went.
-                    "copy_only_tok_s": total_tokens / copy_only_s,
-                    "bare_forward_s": bare_forward_s,
-                    "bare_wall_s": bare_s,
-                    "extract_forward_s": clock.seconds,
-                    "extract_wall_s": extract_s,
-                    # Start-up and tail, from CUDA events (see _ForwardClock): this rank's, not the slowest's.
-                    **{f"bare_{k}": v for k, v in bare_phases.items()},
-                    **{f"extract_{k}": v for k, v in clock.phases().items()},
-                    # Every rank's own (TP ranks that do not write included), forward by forward, and on writing
-                    # ranks where the host's time went around the forwards: waits for staging (the consumer is
-                    # behind), for the copies, in the consumer, for shard buffers (the writes are behind), and
-                    # each shard's write (_rank_report).
-                    "bare_ranks": bare_ranks,
-                    "extract_ranks": extract_ranks,
-                    # The cold start of this process: command -> model loaded -> first warm-up batches, timed
-                    # as they ran (this rank's); `bare_prefill_tok_s` is the warm figure beside them.
-                    **cold,
-                    "cold_over_warm": cold["cold_tok_s"] / (total_tokens / bare_s) if cold.get("cold_tok_s") else None,
-                    "jit_cache": engine.jit_caches,
-                    "jit_cache_cold": opts.cold,
-                    "writers": opts.writers,
-                    "image_threads": tokenizer.image_threads,  # with --data, the threads preparing its images
-                    "out": out,
-                    "out_kind": out_kind(out),
-                    "disk_write_bytes_s": sum(coord.all_gather(disk_rate)),
-                    "store": encoding.store,
-                    "compress": encoding.compress,
-                    # Per token before compression (states, fp8 scales, input_ids, loss_mask), and as written
-                    # (compression, offsets, metadata and headers included).
-                    "bytes_per_token": row_bytes,
-                    "bytes_per_token_written": written / total_tokens,
-                    "compression_ratio": total_tokens * row_bytes / written,
-                    "extract_bytes_s": total_tokens * row_bytes / extract_s,
-                    "written_bytes_s": written / extract_s,
-                    **({"fp8_cosine_vs_bf16": fp8_error} if encoding.store == "fp8" else {}),
-                    # Counting causal attention (attention_flops) as well as the matmuls.
-                    # Of the language model (a vision tower's are not counted).
-                    "flops_per_token": model_flops_per_token(text_config, samples),
-                    "mfu_bare": _mfu(text_config, samples, total_tokens / bare_s / layout.world_size),
-                    "mfu_extract": _mfu(text_config, samples, total_tokens / extract_s / layout.world_size),
-                    **({"bare_tok_s_by_chunk": bare_by_chunk} if bare_by_chunk else {}),
-                    "host_peak_rss_bytes": max(coord.all_gather(_host_peak_rss())),
-                    # Intra-op threads of the host-side copies into shard buffers, once the model is loaded.
-                    "host_torch_threads": torch.get_num_threads(),
-                    "gpu_peak_bytes": max(coord.all_gather(torch.cuda.max_memory_allocated())),
-                }
-            )
-            # Bare again on the same batches, after the extraction: a bare rate that moved while the modes were
-            # timed (the GPU's clocks, the host's load) shows here rather than as the extraction's gain or loss.
-            bare_after_s = _timed(coord, lambda: _bare(clock, timed), clock)
-            results[-1]["bare_after_tok_s"] = total_tokens / bare_after_s
-            results[-1]["bare_after_over_bare"] = bare_s / bare_after_s
-            if opts.host_threads and len(results) == 1:
-
-                def timed_into(name: str) -> float:
-                    w = writer(name)
-                    return _timed(coord, lambda: extract(timed, w), clock)
-
-                results[-1]["extract_tok_s_by_host_threads"] = _host_thread_sweep(
-                    opts.host_threads, timed_into, root, total_tokens
-                )
-            if opts.data and len(results) == 1:
-                w = writer("fed")
-                apart = tokenizing_apart(run, "cuda", tokenizer, layout)
-                try:
-                    if apart is not None:  # its processes' start-up is a run's beside the model load, not timed
-                        apart.ready()
-                    fed = fed_batches(opts, run, tokenizer, layout, warm, timed, engine, apart)
-                    fed_s = _timed(coord, lambda: extract(fed, w), clock)
-                finally:
-                    if apart is not None:
-                        apart.close()
-                results[-1].update(
-                    _fed_figures(coord, clock, host_times, timed, total_tokens, fed_s, bare_s, extract_s)
-                )
-            files.measured(len(results) - 1, results[-1])
-            if layout.leads:
-                print(summary_line(results[-1]), file=sys.stderr, flush=True)
-            shutil.rmtree(root, ignore_errors=True)
-
-    if "hf" in opts.baselines:
-        check = [s.input_ids for b in timed for s in b.samples][: opts.peer_options.cross_check_samples]
-        # Only the same weights make HF's states comparable with ours; the dummy loader draws its own.
-        weights = model_dir if opts.load_format != "dummy" else None
-        start = time.perf_counter()
-        hf_s, hf_states = _hf_baseline(
-            config,
-            engine,
-            warm,
-            timed,
-            coord,
-            weights,
-            lambda model: peers.states_of(model, engine.layer_ids, check) if weights else None,
-        )
-        for r in results:
-            r["hf_tok_s"] = r["num_tokens"] / hf_s
-            r["extract_over_hf"] = hf_s * r["extract_tok_s"] / r["num_tokens"]
-        pending.append(peers.hf_row(results[0]["hf_tok_s"], opts.command, hf_states))
-        print(peers.summary(pending[-1].row, time.perf_counter() - start), file=sys.stderr, flush=True)
-        files.peer(pending[-1].row)
+    bare = _bare_modes(bench, engine, clock)
+    results: list[dict] = []
+    for encoding in (Encoding(store, compress) for store, compress in bench.opts.encodings):
+        extraction = _Extraction(bench, engine, clock, encoding)
+        copy_only_s = extraction.copy_only()
+        for out in bench.opts.outs:
+            results.append(_measure_out(extraction, out, bare, cold, copy_only_s, index=len(results)))
+    if "hf" in bench.opts.baselines:
+        pending.append(_hf_row(bench, engine, results))
     if pending:
         ours = peers.our_states(engine)
         for p in pending:
             peers.cross_check(p, ours)
-            files.done(f"cross-check {p.row.name}")
-    if opts.single_gpu_results:
-        singles = {}
-        for path in opts.single_gpu_results:
-            single = json.loads(Path(path).read_text())
-            singles[single["out_kind"]] = (path, single)
-        for r in results:
-            if r["out_kind"] not in singles:
-                raise ValueError(f"no --single-gpu-result for {r['out_kind']} (given: {', '.join(singles)})")
-            path, single = singles[r["out_kind"]]
-            # Aggregate tokens/s over one GPU's writing to the same kind of target, both measured in this
-            # session on the same corpus settings.
-            r["scaling"] = r["extract_tok_s"] / single["extract_tok_s"]
-            r["bare_scaling"] = r["bare_prefill_tok_s"] / single["bare_prefill_tok_s"]
-            r["single_gpu_result"] = path
-    return files.write(final=True)
+            bench.files.done(f"cross-check {p.row.name}")
+    if bench.opts.single_gpu_results:
+        _add_scaling(results, bench.opts.single_gpu_results)
+    return bench.files.write(final=True)
+
+
+def _bare_modes(bench: _Bench, engine: Engine, clock: _ForwardClock) -> _BareFigures:
+    coord, timed = bench.coord, bench.timed
+    first_pass = _first_pass(engine, coord, timed)
+    entries = jit_cache_entries(engine.jit_caches)
+    seconds = _timed(coord, lambda: _bare(clock, timed), clock)
+    forward_s, phases = clock.seconds, clock.phases()
+    ranks = coord.all_gather(_rank_report(bench.layout, clock))
+    by_chunk = _chunk_sweep(engine, coord, timed[0], bench.opts.chunk_sweep) if bench.opts.chunk_sweep else None
+    # fp8's error against the bf16 states of the same forward passes, once for every fp8 encoding.
+    fp8 = any(store == "fp8" for store, _ in bench.opts.encodings)
+    fp8_error = _fp8_error(engine, timed, bench.opts.fp8_error_tokens) if fp8 else None
+    return _BareFigures(seconds, forward_s, phases, ranks, first_pass, entries, by_chunk, fp8_error)
+
+
+class _Extraction:
+    """Extraction in one encoding, shared by every --out: its staging buffers, the shards' widths, and the
+    writers of its runs."""
+
+    def __init__(self, bench: _Bench, engine: Engine, clock: _ForwardClock, encoding: Encoding):
+        self.bench, self.engine, self.clock, self.encoding = bench, engine, clock, encoding
+        self.staging = staging_buffers(engine, encoding)
+        self.widths = encoding.widths(len(engine.layer_ids), engine.hidden_size)
+        self.info = RunInfo(
+            model=str(bench.model_dir),
+            layer_ids=tuple(engine.layer_ids),
+            store=encoding.store,
+            compress=encoding.compress,
+        )
+        self.host_times: dict = {}  # the host's side of the last extraction (`HostOffload.times`)
+
+    def copy_only(self) -> float:
+        """Seconds of the copy-out alone over the timed batches: captured and copied to host, nothing written."""
+        bench = self.bench
+        longest = max(s.num_tokens for s in bench.samples)
+        scratch = longest if longest > bench.opts.tokens_per_batch else 0
+        discard = _DiscardWriter(self.encoding, scratch, self.widths) if bench.layout.writes else None
+        return _timed(
+            bench.coord, lambda: extract_batches(self.clock, bench.timed, discard, staging=self.staging), self.clock
+        )
+
+    def writer(self, folder: Path) -> ShardWriter | None:
+        """A run's writer into `folder`, made before its clock starts, as a run makes it before its first batch."""
+        if not self.bench.layout.writes:
+            return None
+        return ShardWriter(folder, self.info, writers=self.bench.opts.writers, widths=self.widths)
+
+    def extract(self, batches, writer: ShardWriter | None) -> None:
+        self.host_times.update(extract_batches(self.clock, batches, writer, staging=self.staging))
+        if writer is not None:
+            writer.close()
+
+    def timed(self, batches, writer: ShardWriter | None) -> float:
+        return _timed(self.bench.coord, lambda: self.extract(batches, writer), self.clock)
+
+
+def _measure_out(
+    extraction: _Extraction, out: str, bare: _BareFigures, cold: dict, copy_only_s: float, index: int
+) -> dict:
+    """The extraction into `out`, timed until its last shard is written, and the result of it (the `index`-th
+    file), saved: with bare again after it, and on the first result the host-thread sweep and --data's fed run."""
+    bench, clock = extraction.bench, extraction.clock
+    opts, layout, coord = bench.opts, bench.layout, bench.coord
+    root = Path(out) / f"rank{layout.rank}"
+    shutil.rmtree(root, ignore_errors=True)
+    disk_rate = disk_write_rate(root / "probe", opts.disk_probe_bytes, opts.writers) if layout.writes else 0.0
+    if _on_gpu(extraction.engine):
+        torch.cuda.reset_peak_memory_stats()
+    extraction.extract(bench.warm, extraction.writer(root / "warm"))
+    if opts.profile:
+        profiled = bench.timed[: opts.profile_batches]
+        _profile(lambda: _bare(extraction.engine, profiled), Path(opts.profile), "bare")
+        writer = extraction.writer(root / "profile")
+        _profile(lambda: extraction.extract(profiled, writer), Path(opts.profile), "extract")
+    writer = extraction.writer(root / "shards")
+    extract_s = extraction.timed(bench.timed, writer)
+    ranks = coord.all_gather(_rank_report(layout, clock, extraction.host_times, writer))
+    written = sum(coord.all_gather(writer.bytes_written if writer is not None else 0))
+    result = {
+        **_run_facts(bench, extraction.engine),
+        **_bare_result(bench, bare, cold),
+        **_extract_result(extraction, bare, extract_s, copy_only_s, ranks),
+        **_stored_result(extraction, out, disk_rate, written, extract_s, bare),
+        **_host_result(bench, extraction.engine),
+    }
+    # Bare again on the same batches, after the extraction: a bare rate that moved while the modes were timed
+    # (the GPU's clocks, the host's load) shows here rather than as the extraction's gain or loss.
+    bare_after_s = _timed(coord, lambda: _bare(clock, bench.timed), clock)
+    result |= {
+        "bare_after_tok_s": bench.timed_tokens / bare_after_s,
+        "bare_after_over_bare": bare.seconds / bare_after_s,
+    }
+    if index == 0:
+        result |= _first_result_extras(extraction, root, bare, extract_s)
+    bench.files.measured(index, result)
+    if layout.leads:
+        print(summary_line(result), file=sys.stderr, flush=True)
+    shutil.rmtree(root, ignore_errors=True)
+    return result
+
+
+def _first_result_extras(extraction: _Extraction, root: Path, bare: _BareFigures, extract_s: float) -> dict:
+    """What the first --store/--out's extraction is also timed for: at each --host-threads count, and with --data
+    fed from the records as bin/extract.py feeds it."""
+    bench, clock = extraction.bench, extraction.clock
+    extras = {}
+    if bench.opts.host_threads:
+        extras["extract_tok_s_by_host_threads"] = _host_thread_sweep(
+            bench.opts.host_threads,
+            lambda name: extraction.timed(bench.timed, extraction.writer(root / name)),
+            root,
+            bench.timed_tokens,
+        )
+    if bench.opts.data:
+        writer = extraction.writer(root / "fed")
+        apart = tokenizing_apart(bench.run, "cuda", bench.tokenizer, bench.layout)
+        try:
+            if apart is not None:  # its processes' start-up is a run's beside the model load, not timed
+                apart.ready()
+            fed = fed_batches(
+                bench.opts, bench.run, bench.tokenizer, bench.layout, bench.warm, bench.timed, extraction.engine, apart
+            )
+            fed_s = extraction.timed(fed, writer)
+        finally:
+            if apart is not None:
+                apart.close()
+        extras |= _fed_figures(
+            bench.coord, clock, extraction.host_times, bench.timed, bench.timed_tokens, fed_s, bare.seconds, extract_s
+        )
+    return extras
+
+
+def _run_facts(bench: _Bench, engine: Engine) -> dict:
+    """What ran: the command, machine, versions, model, and the corpus of the timed batches."""
+    opts, layout, coord, timed = bench.opts, bench.layout, bench.coord, bench.timed
+    return {
+        "command": opts.command,
+        "device": torch.cuda.get_device_name() if _on_gpu(engine) else str(engine.device),
+        "host": _host_facts(),
+        "world_size": layout.world_size,
+        "tp_size": layout.tp_size,
+        "dp_size": layout.dp_size,
+        "sglang_version": importlib.metadata.version("sglang"),
+        "torch_version": torch.__version__,
+        "model": opts.model or f"{opts.shape} (generated config, load_format={opts.load_format})",
+        "dtype": opts.dtype,
+        "attention_backend": engine.attention_backend,
+        "layer_ids": list(engine.layer_ids),
+        "lengths": _lengths(opts),
+        # With --data, what the samples came from and all of them (the timed ones are those below).
+        "data": bench.data,
+        "num_samples": sum(coord.all_gather(sum(len(b.samples) for b in timed) if layout.writes else 0)),
+        "num_tokens": bench.timed_tokens,
+        "num_image_tokens": sum(
+            coord.all_gather(image_tokens(s for b in timed for s in b.samples) if layout.writes else 0)
+        ),
+        "tokens_per_batch": opts.tokens_per_batch,
+        "chunk_tokens": engine.chunk_tokens,
+        "longest_sample": max(s.num_tokens for s in bench.samples),
+    }
+
+
+def _bare_result(bench: _Bench, bare: _BareFigures, cold: dict) -> dict:
+    tokens, first_pass = bench.timed_tokens, bare.first_pass
+    return {
+        # On warm kernels: the same batches ran once before (`first_pass`), so that nothing compiles while a mode
+        # is timed; `timed_compiled` counts what did.
+        "bare_prefill_tok_s": tokens / bare.seconds,
+        "bare_first_pass_tok_s": tokens / first_pass["seconds"],
+        "bare_first_pass_s": first_pass["seconds"],
+        "bare_first_pass_compiled": first_pass["compiled"],
+        "first_pass_over_warm": bare.seconds / first_pass["seconds"],
+        "bare_forward_s": bare.forward_s,
+        "bare_wall_s": bare.seconds,
+        # Start-up and tail, from CUDA events (see _ForwardClock): this rank's, not the slowest's.
+        **{f"bare_{k}": v for k, v in bare.phases.items()},
+        "bare_ranks": bare.ranks,
+        # The cold start of this process: command -> model loaded -> first warm-up batches, timed as they ran
+        # (this rank's); `bare_prefill_tok_s` is the warm figure beside them.
+        **cold,
+        "cold_over_warm": cold["cold_tok_s"] / (tokens / bare.seconds) if cold.get("cold_tok_s") else None,
+        "mfu_bare": _mfu(bench.text_config, bench.samples, tokens / bare.seconds / bench.layout.world_size),
+        **({"bare_tok_s_by_chunk": bare.by_chunk} if bare.by_chunk else {}),
+    }
+
+
+def _extract_result(
+    extraction: _Extraction, bare: _BareFigures, extract_s: float, copy_only_s: float, ranks: list[dict]
+) -> dict:
+    bench, engine, clock = extraction.bench, extraction.engine, extraction.clock
+    tokens = bench.timed_tokens
+    return {
+        "extract_tok_s": tokens / extract_s,
+        "extract_over_bare": bare.seconds / extract_s,
+        # Files added to the JIT caches from the end of the first pass to the end of this extraction: 0 says
+        # every timed mode ran on warm kernels.
+        "timed_compiled": max(bench.coord.all_gather(jit_cache_entries(engine.jit_caches) - bare.jit_cache_entries)),
+        # Diagnostics: copy-out without writing, and where the main thread's time went.
+        "copy_only_tok_s": tokens / copy_only_s,
+        "extract_forward_s": clock.seconds,
+        "extract_wall_s": extract_s,
+        **{f"extract_{k}": v for k, v in clock.phases().items()},
+        # Every rank's own (TP ranks that do not write included), forward by forward, and on writing ranks where
+        # the host's time went around the forwards: waits for staging (the consumer is behind), for the copies,
+        # in the consumer, for shard buffers (the writes are behind), and each shard's write (_rank_report).
+        "extract_ranks": ranks,
+        "mfu_extract": _mfu(bench.text_config, bench.samples, tokens / extract_s / bench.layout.world_size),
+        # Counting causal attention (attention_flops) as well as the matmuls; of the language model (a vision
+        # tower's are not counted).
+        "flops_per_token": model_flops_per_token(bench.text_config, bench.samples),
+    }
+
+
+def _stored_result(
+    extraction: _Extraction, out: str, disk_rate: float, written: int, extract_s: float, bare: _BareFigures
+) -> dict:
+    """Where the states went and what they weighed there."""
+    bench, encoding, engine = extraction.bench, extraction.encoding, extraction.engine
+    tokens = bench.timed_tokens
+    row_bytes = sum(encoding.bytes_per_token(len(engine.layer_ids), engine.hidden_size).values())
+    return {
+        "jit_cache": engine.jit_caches,
+        "jit_cache_cold": bench.opts.cold,
+        "writers": bench.opts.writers,
+        "image_threads": bench.tokenizer.image_threads,  # with --data, the threads preparing its images
+        "out": out,
+        "out_kind": out_kind(out),
+        "disk_write_bytes_s": sum(bench.coord.all_gather(disk_rate)),
+        "store": encoding.store,
+        "compress": encoding.compress,
+        # Per token before compression (states, fp8 scales, input_ids, loss_mask), and as written (compression,
+        # offsets, metadata and headers included).
+        "bytes_per_token": row_bytes,
+        "bytes_per_token_written": written / tokens,
+        "compression_ratio": tokens * row_bytes / written,
+        "extract_bytes_s": tokens * row_bytes / extract_s,
+        "written_bytes_s": written / extract_s,
+        **({"fp8_cosine_vs_bf16": bare.fp8_error} if encoding.store == "fp8" else {}),
+    }
+
+
+def _host_result(bench: _Bench, engine: Engine) -> dict:
+    coord = bench.coord
+    gpu_peak = torch.cuda.max_memory_allocated() if _on_gpu(engine) else None
+    return {
+        "host_peak_rss_bytes": max(coord.all_gather(_host_peak_rss())),
+        # Intra-op threads of the host-side copies into shard buffers, once the model is loaded.
+        "host_torch_threads": torch.get_num_threads(),
+        "gpu_peak_bytes": None if gpu_peak is None else max(coord.all_gather(gpu_peak)),
+    }
+
+
+def _hf_row(bench: _Bench, engine: Engine, results: list[dict]) -> peers.Pending:
+    """HF's loop over the same batches, its rate into every result, and its row among the peers (cross-checked
+    with the rest where it ran on the same weights as ours)."""
+    opts = bench.opts
+    check = [s.input_ids for b in bench.timed for s in b.samples][: opts.peer_options.cross_check_samples]
+    # Only the same weights make HF's states comparable with ours; the dummy loader draws its own.
+    weights = bench.model_dir if opts.load_format != "dummy" else None
+    start = time.perf_counter()
+    hf_s, hf_states = _hf_baseline(
+        bench.config,
+        engine,
+        bench.warm,
+        bench.timed,
+        bench.coord,
+        weights,
+        lambda model: peers.states_of(model, engine.layer_ids, check) if weights else None,
+    )
+    for r in results:
+        r["hf_tok_s"] = r["num_tokens"] / hf_s
+        r["extract_over_hf"] = hf_s * r["extract_tok_s"] / r["num_tokens"]
+    pending = peers.hf_row(results[0]["hf_tok_s"], opts.command, hf_states)
+    print(peers.summary(pending.row, time.perf_counter() - start), file=sys.stderr, flush=True)
+    bench.files.peer(pending.row)
+    return pending
+
+
+def _add_scaling(results: list[dict], single_gpu_results: tuple[str, ...]) -> None:
+    """Each result's aggregate tokens/s over one GPU's writing to the same kind of target (tmpfs, disk), both
+    measured in one session on the same corpus settings."""
+    singles = {}
+    for path in single_gpu_results:
+        single = json.loads(Path(path).read_text())
+        singles[single["out_kind"]] = (path, single)
+    for r in results:
+        if r["out_kind"] not in singles:
+            raise ValueError(f"no --single-gpu-result for {r['out_kind']} (given: {', '.join(singles)})")
+        path, single = singles[r["out_kind"]]
+        r["scaling"] = r["extract_tok_s"] / single["extract_tok_s"]
+        r["bare_scaling"] = r["bare_prefill_tok_s"] / single["bare_prefill_tok_s"]
+        r["single_gpu_result"] = path
 
 
 def fed_batches(
@@ -944,7 +1122,7 @@ def _cold_start(engine: Engine, batches: list[Batch], timeline: Timeline) -> dic
     """Runs the warm-up `batches` one by one, each waited for, on the freshly loaded engine: the start-up
     (command to model loaded, and to the first forward) and what the first batches cost while kernels
     compile and caches fill. Each rank's own."""
-    on_gpu = torch.device(engine.device).type == "cuda"
+    on_gpu = _on_gpu(engine)
     seconds = []
     timeline.mark("first forward")
     for b in batches:
@@ -1089,11 +1267,13 @@ class ResultFiles:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         model = opts.shape if not opts.model else Path(opts.model).name
         corpus = f"data-{Path(opts.data[0]).stem}" if opts.data else opts.lengths
+        kinds = [out_kind(out) for out in opts.outs]
+        # Numbered where two --out share a kind: one file would otherwise take the other's place.
+        targets = [kind if kinds.count(kind) == 1 else f"{kind}{i + 1}" for i, kind in enumerate(kinds)]
         self._names = [
-            f"bench_{model}_{corpus}_{out_kind(out)}_{store}_{compress}_w{layout.world_size}"
-            f"_tp{layout.tp_size}_{stamp}.json"
+            f"bench_{model}_{corpus}_{target}_{store}_{compress}_w{layout.world_size}_tp{layout.tp_size}_{stamp}.json"
             for store, compress in opts.encodings
-            for out in opts.outs
+            for target in targets
         ]
         self._command = opts.command
         self.ours: list[dict | None] = [None] * len(self._names)  # in the order run_bench measures them

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from extract_runs import ROOT
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from benchmarks.extraction_vs_prefill import (
     BenchOptions,
@@ -28,12 +28,15 @@ from benchmarks.extraction_vs_prefill import (
     _host_facts,
     _host_thread_sweep,
     ResultFiles,
+    _Bench,
     _rank_report,
     _timed,
     attention_flops,
     jit_cache_entries,
+    measure,
     model_flops_per_token,
     out_kind,
+    run_options,
     shard_writes,
     summary_line,
     synthetic_corpus,
@@ -354,3 +357,61 @@ def test_the_cold_start_times_each_first_batch_after_the_start_up(tiny_engine, t
     assert cold["cold_tok_s"] == pytest.approx(sum(b.num_tokens for b in batches) / sum(cold["cold_batch_s"]))
     assert 0 < cold["startup_to_engine_s"] <= cold["startup_to_first_forward_s"]
     assert cold["engine_load_s"] >= 0
+
+
+def test_every_mode_after_the_load_runs_into_a_result_per_encoding_and_out(
+    tiny_engine, tiny_model_dir, bench_batches, tokenizer, tmp_path, monkeypatch
+):
+    """run_bench once its engine is loaded (`measure`), on CPU at tiny size: bare prefill, then for each encoding
+    the copy-out and the extraction into each --out, each result saved with its command as it is measured, the
+    shards removed once timed."""
+    monkeypatch.setattr("benchmarks.extraction_vs_prefill.disk_write_rate", lambda *args: 1e9)  # 64 MiB a writer
+    layout = Layout(rank=0, world_size=1)
+    coord = Coordinator(layout, "bench-test")
+    outs = (str(tmp_path / "a"), str(tmp_path / "b"))
+    opts = BenchOptions(
+        model=str(tiny_model_dir),
+        outs=outs,
+        encodings=(("bf16", "none"), ("fp8", "zstd")),
+        tokens_per_batch=tiny_engine.cfg.max_tokens_per_batch,
+        writers=2,
+        warmup_batches=1,
+        fp8_error_tokens=100,
+        results_dir=str(tmp_path / "results"),
+        command="python bin/bench.py --the-test",
+    )
+    samples = [s for b in bench_batches for s in b.samples]
+    tokens = sum(b.num_tokens for b in bench_batches)
+    bench = _Bench(
+        opts,
+        layout,
+        coord,
+        run_options(opts, tiny_model_dir),
+        tiny_model_dir,
+        tokenizer,
+        samples,
+        bench_batches[:1],
+        bench_batches,
+        None,
+        AutoConfig.from_pretrained(tiny_model_dir),
+        ResultFiles(opts, layout),
+        timed_tokens=tokens,
+    )
+    results = measure(bench, tiny_engine, {"cold_tok_s": None}, [])
+    assert [(r["store"], r["compress"], r["out"]) for r in results] == [
+        (store, compress, out) for store, compress in opts.encodings for out in outs
+    ]
+    saved = [json.loads(p.read_text()) for p in (tmp_path / "results").glob("*.json")]
+    key = lambda r: (r["store"], r["compress"], r["out"])  # noqa: E731
+    assert {key(d): d for d in saved} == {key(r): json.loads(json.dumps(r)) for r in results}
+    for r in results:
+        assert r["command"] == opts.command and r["parts"] == {"done": ["ours"], "left": []}
+        assert r["num_tokens"] == tokens and r["longest_sample"] > opts.tokens_per_batch
+        assert r["bare_prefill_tok_s"] > 0 and r["extract_tok_s"] > 0 and r["copy_only_tok_s"] > 0
+        assert r["extract_over_bare"] == pytest.approx(r["extract_tok_s"] / r["bare_prefill_tok_s"])
+        assert r["bytes_per_token_written"] > 0 and r["bare_after_over_bare"] > 0
+        assert len(r["extract_ranks"][0]["shard_writes"]) >= 1
+        assert ("fp8_cosine_vs_bf16" in r) == (r["store"] == "fp8")
+        assert r["device"] == "cpu" and r["gpu_peak_bytes"] is None
+    assert results[2]["fp8_cosine_vs_bf16"]["last"]["worst"] > 0.999
+    assert all(not (Path(out) / "rank0").exists() for out in outs), "each out's shards removed once timed"
