@@ -86,6 +86,16 @@ def _shifted(hs: list, by: int) -> list:
     return [*moved, hs[-1]]
 
 
+# Which rows each wrong state makes wrong: the ids' the aux layers, the norm's the final state.
+WRONG_ROWS = {
+    "ids -1": "aux",
+    "ids +1": "aux",
+    "perturbed 1%": "all",
+    "pre for post": "last",
+    "post for pre": "last",
+}
+
+
 def measure(model: str, data: str, samples: int, device: str, dtype: str, attention_backend: str | None) -> dict:
     from offline_extract.engine.distributed import free_port
     from offline_extract.engine.sglang_adapter import Engine, EngineConfig, prepare_process
@@ -105,20 +115,8 @@ def measure(model: str, data: str, samples: int, device: str, dtype: str, attent
         )
     )
     default_ids = list(engine.layer_ids)
-    hf = reference.load_hf_model(model, dtype, device)
-    hf_device = next(hf.parameters()).device
+    captured, references = _captured_and_references(engine, reference.load_hf_model(model, dtype, device), seqs)
     generator = torch.Generator().manual_seed(0)
-    captured, references = [], []
-    for ids in seqs:
-        c = engine.capture([ids])
-        refs = {"post-norm": ([], []), "pre-norm": ([], [])}
-        for kept, pass_ in ((1, contextlib.nullcontext), (0, lambda: parity.float32_pass(hf))):
-            with pass_():
-                both = _both_final_states(hf, ids, hf_device)
-            for final_state, states in both.items():
-                refs[final_state][kept].extend(states)
-        captured.append((c.aux.cpu(), c.last.cpu(), refs["pre-norm"][1][-1]))
-        references.append(refs)
 
     def judged(shift=0, perturb=False, ours="post-norm", reference="post-norm"):
         """The gate's rows for the engine's states (its final state `ours`) against HF's (`reference`)."""
@@ -144,21 +142,47 @@ def measure(model: str, data: str, samples: int, device: str, dtype: str, attent
         "pre for post": judged(ours="pre-norm"),
         "post for pre": judged(reference="pre-norm"),
     }
-
-    # Which rows each wrong state makes wrong: the ids' the aux layers, the norm's the final state.
-    wrong_rows = {
-        "ids -1": "aux",
-        "ids +1": "aux",
-        "perturbed 1%": "all",
-        "pre for post": "last",
-        "post for pre": "last",
+    return {
+        "model": model,
+        "device": device,
+        "dtype": dtype,
+        "attention_backend": engine.attention_backend,
+        "layer_ids": default_ids,
+        "samples": len(seqs),
+        "tokens": sum(map(len, seqs)),
+        "rule": parity.HALF_FLOOR,
+        "perturbation": PERTURBATION,
+        "layers": _margins(variants),
+        "variants": variants,
     }
+
+
+def _captured_and_references(engine, hf, seqs: list[list[int]]) -> tuple[list, list]:
+    """For each sample, the engine's (aux, post-norm last, HF's pre-norm last in float32) and HF's states in the
+    engine's dtype and in float32, with the post-norm and the pre-norm final state."""
+    hf_device = next(hf.parameters()).device
+    captured, references = [], []
+    for ids in seqs:
+        c = engine.capture([ids])
+        refs = {"post-norm": ([], []), "pre-norm": ([], [])}
+        for kept, pass_ in ((1, contextlib.nullcontext), (0, lambda: parity.float32_pass(hf))):
+            with pass_():
+                both = _both_final_states(hf, ids, hf_device)
+            for final_state, states in both.items():
+                refs[final_state][kept].extend(states)
+        captured.append((c.aux.cpu(), c.last.cpu(), refs["pre-norm"][1][-1]))
+        references.append(refs)
+    return captured, references
+
+
+def _margins(variants: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per layer, the correct states' ratio to the rule beside each wrong state's that concerns the layer."""
     layers = {}
     for i, row in enumerate(variants["correct"]):
         name = row["layer"]
         wrong = {
             v: variants[v][i]["ratio"]
-            for v, rows in wrong_rows.items()
+            for v, rows in WRONG_ROWS.items()
             if rows == "all" or (rows == "aux") == name.startswith("aux")
         }
         correct = row["ratio"]
@@ -172,19 +196,7 @@ def measure(model: str, data: str, samples: int, device: str, dtype: str, attent
             "correct_passes": correct <= 1,
             "wrong_all_fail": all(r > 1 for r in wrong.values()),
         }
-    return {
-        "model": model,
-        "device": device,
-        "dtype": dtype,
-        "attention_backend": engine.attention_backend,
-        "layer_ids": default_ids,
-        "samples": len(seqs),
-        "tokens": sum(map(len, seqs)),
-        "rule": parity.HALF_FLOOR,
-        "perturbation": PERTURBATION,
-        "layers": layers,
-        "variants": variants,
-    }
+    return layers
 
 
 @program(__doc__)

@@ -153,49 +153,12 @@ def run_benchmark(config: BenchConfig, work_dir: str | os.PathLike | None = None
     """
     root = Path(tempfile.mkdtemp(prefix="read_bench_", dir=work_dir))
     out_dir, dest = root / "shards", root / "specforge"
-    rows_per_folder = DEFAULT_ROWS_PER_FOLDER
     try:
-        lengths = synthetic_lengths(config)
-        state_bytes = sum(lengths) * Encoding().state_bytes_per_token(config.num_aux, config.hidden_size)
-        start = time.perf_counter()
-        write_synthetic(
-            out_dir,
-            lengths,
-            hidden_size=config.hidden_size,
-            num_aux=config.num_aux,
-            shard_bytes=config.shard_mb << 20,
-            seed=config.seed,
-        )
-        write_seconds = time.perf_counter() - start
-        start = time.perf_counter()
-        export_specforge(out_dir, dest, rows_per_folder=rows_per_folder, progress=False)
-        export_seconds = time.perf_counter() - start
-
+        data = _both_copies(config, out_dir, dest)
         _read_fully([*shard_paths(out_dir), *sorted(dest.rglob("*.ckpt"))])
         order = np.random.default_rng(config.seed).permutation(config.num_samples)
-        readers = _readers(out_dir, dest, rows_per_folder)
-        timings: dict[str, list[float]] = {name: [] for name in readers}
-        threads = torch.get_num_threads()
-        torch.set_num_threads(READ_THREADS)
-        try:
-            # Readers take turns pass by pass, so drifts in machine speed fall on all of them alike.
-            for _ in range(config.passes):
-                for name, make_reader in readers.items():
-                    read = make_reader()
-                    timings[name].append(_timed_pass(read, order))
-                    del read
-        finally:
-            torch.set_num_threads(threads)
-        results = {}
-        for name, seconds in timings.items():
-            best = min(seconds)
-            results[name] = {
-                "pass_seconds": [round(s, 4) for s in seconds],
-                "samples_per_s": round(config.num_samples / best, 1),
-                "gb_per_s": round(state_bytes / best / 1e9, 3),
-                "samples_per_s_median": round(config.num_samples / statistics.median(seconds), 1),
-                "gb_per_s_median": round(state_bytes / statistics.median(seconds) / 1e9, 3),
-            }
+        timings = _timed_passes(_readers(out_dir, dest, DEFAULT_ROWS_PER_FOLDER), order, config.passes)
+        results = {name: _rates(seconds, config.num_samples, data["state_bytes"]) for name, seconds in timings.items()}
         ours = results["offline_extract"]["samples_per_s"]
         return {
             "benchmark": "read_throughput_cpu",
@@ -205,17 +168,7 @@ def run_benchmark(config: BenchConfig, work_dir: str | os.PathLike | None = None
             "versions": _versions(),
             "machine": _machine(),
             "config": asdict(config),
-            "data": {
-                "samples": config.num_samples,
-                "tokens": sum(lengths),
-                "length_min_median_max": [min(lengths), int(np.median(lengths)), max(lengths)],
-                "state_bytes": state_bytes,
-                "shard_bytes_on_disk": sum(p.stat().st_size for p in shard_paths(out_dir)),
-                "shards": len(shard_paths(out_dir)),
-                "specforge_bytes_on_disk": sum(p.stat().st_size for p in dest.rglob("*.ckpt")),
-                "write_shards_seconds": round(write_seconds, 2),
-                "export_seconds": round(export_seconds, 2),
-            },
+            "data": data,
             "method": (
                 "page cache warmed by reading every file once; each pass reads every sample once in one seeded "
                 "random order with fresh readers, readers taking turns; best of passes reported (median "
@@ -228,6 +181,64 @@ def run_benchmark(config: BenchConfig, work_dir: str | os.PathLike | None = None
     finally:
         if not keep:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _both_copies(config: BenchConfig, out_dir: Path, dest: Path) -> dict:
+    """The synthetic output in `out_dir` and its SpecForge export in `dest`, and what they hold."""
+    lengths = synthetic_lengths(config)
+    state_bytes = sum(lengths) * Encoding().state_bytes_per_token(config.num_aux, config.hidden_size)
+    start = time.perf_counter()
+    write_synthetic(
+        out_dir,
+        lengths,
+        hidden_size=config.hidden_size,
+        num_aux=config.num_aux,
+        shard_bytes=config.shard_mb << 20,
+        seed=config.seed,
+    )
+    write_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    export_specforge(out_dir, dest, rows_per_folder=DEFAULT_ROWS_PER_FOLDER, progress=False)
+    export_seconds = time.perf_counter() - start
+    return {
+        "samples": config.num_samples,
+        "tokens": sum(lengths),
+        "length_min_median_max": [min(lengths), int(np.median(lengths)), max(lengths)],
+        "state_bytes": state_bytes,
+        "shard_bytes_on_disk": sum(p.stat().st_size for p in shard_paths(out_dir)),
+        "shards": len(shard_paths(out_dir)),
+        "specforge_bytes_on_disk": sum(p.stat().st_size for p in dest.rglob("*.ckpt")),
+        "write_shards_seconds": round(write_seconds, 2),
+        "export_seconds": round(export_seconds, 2),
+    }
+
+
+def _timed_passes(readers: dict[str, Callable], order: np.ndarray, passes: int) -> dict[str, list[float]]:
+    """Each reader's seconds a pass over `order`, on one torch thread as in a DataLoader worker."""
+    timings: dict[str, list[float]] = {name: [] for name in readers}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(READ_THREADS)
+    try:
+        # Readers take turns pass by pass, so drifts in machine speed fall on all of them alike.
+        for _ in range(passes):
+            for name, make_reader in readers.items():
+                read = make_reader()
+                timings[name].append(_timed_pass(read, order))
+                del read
+    finally:
+        torch.set_num_threads(threads)
+    return timings
+
+
+def _rates(seconds: list[float], samples: int, state_bytes: int) -> dict:
+    best, median = min(seconds), statistics.median(seconds)
+    return {
+        "pass_seconds": [round(s, 4) for s in seconds],
+        "samples_per_s": round(samples / best, 1),
+        "gb_per_s": round(state_bytes / best / 1e9, 3),
+        "samples_per_s_median": round(samples / median, 1),
+        "gb_per_s_median": round(state_bytes / median / 1e9, 3),
+    }
 
 
 DEFAULTS = BenchConfig()

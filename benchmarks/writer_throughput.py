@@ -109,18 +109,7 @@ def _writer_rate(
         lengths = [n] * (samples - 1) + [BATCH_TOKENS - n * (samples - 1)]
         start = time.perf_counter()
         for b in range(batches):
-            infos = [
-                SampleInfo(
-                    index=b * samples + i,
-                    id=f"s{b * samples + i}",
-                    source="synthetic",
-                    line=b * samples + i + 1,
-                    source_len=length,
-                    truncated=False,
-                )
-                for i, length in enumerate(lengths)
-            ]
-            writer.add_batch(infos, ids, mask, aux, last, lengths=lengths)
+            writer.add_batch(_infos(b * samples, lengths), ids, mask, aux, last, lengths=lengths)
         fed = time.perf_counter()
         writer.close()
         done = time.perf_counter()
@@ -141,6 +130,21 @@ def _writer_rate(
         "end_to_end_bytes_s": data / (done - start),
         "tail_s": done - fed,
     }
+
+
+def _infos(first: int, lengths: list[int]) -> list[SampleInfo]:
+    """A batch's samples, numbered from `first`."""
+    return [
+        SampleInfo(
+            index=first + i,
+            id=f"s{first + i}",
+            source="synthetic",
+            line=first + i + 1,
+            source_len=length,
+            truncated=False,
+        )
+        for i, length in enumerate(lengths)
+    ]
 
 
 def _record(suffix: str, measured: dict) -> None:

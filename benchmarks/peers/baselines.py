@@ -143,8 +143,15 @@ def _sglang_engine(popts, work, model_dir, batches, warmup, max_length, dtype) -
         return Pending(
             PeerRow(sglang_engine.NAME, _version("sglang"), cmd, None, None, None, None, error=proc.stderr[-4000:]), []
         )
-    r = json.loads(result.read_text())
-    row = PeerRow(
+    tokens = sum(len(ids) for batch in batches for ids in batch)
+    return Pending(
+        _sglang_engine_row(json.loads(result.read_text()), cmd, tokens / launch_to_exit_s), dumped_states(dump)
+    )
+
+
+def _sglang_engine_row(r: dict, cmd: str, end_to_end_tok_s: float) -> PeerRow:
+    """sglang-engine's row from the result its process wrote."""
+    return PeerRow(
         name=sglang_engine.NAME,
         version=r["version"],
         command=cmd,
@@ -159,11 +166,10 @@ def _sglang_engine(popts, work, model_dir, batches, warmup, max_length, dtype) -
             "tok_s": f"prompt tokens a second over its {r['num_tokens']:,} timed tokens ({r['wall_s']:.0f} s), "
             "after its warm-up batches; start-up excluded",
             # As SpecForge's: every token it was given (warm-up batches too) over its launch-to-exit seconds.
-            "end_to_end_tok_s": sum(len(ids) for batch in batches for ids in batch) / launch_to_exit_s,
+            "end_to_end_tok_s": end_to_end_tok_s,
             "bytes_per_token": "nothing is written: its returned state stored as bf16, plus an int32 id",
         },
     )
-    return Pending(row, dumped_states(dump))
 
 
 def dumped_states(dump: Path) -> list[tuple[str, np.ndarray, dict[str, torch.Tensor]]]:
@@ -185,7 +191,6 @@ def _specforge(popts, work, model_dir, tokenizer, batches, warmup, max_length, l
             raise FileNotFoundError(
                 f"{path} is missing: build and stage the peer bundle (benchmarks/peers/make_peer_bundle.sh)"
             )
-    source = (sf / "SOURCE").read_text().strip() if (sf / "SOURCE").exists() else "unknown"
     timed = [s for b in batches[warmup:] for s in b]  # its own first batch is its warm-up
     prepared = specforge.prepare(work / "specforge_in", timed, tokenizer, max_length)
     out = work / "specforge_out"
@@ -205,49 +210,42 @@ def _specforge(popts, work, model_dir, tokenizer, batches, warmup, max_length, l
         draft_config=draft,
     )
     ran = specforge.run(argv, Path(popts.peer_site), work / "specforge.log")
-    cmd = shlex.join(argv)
-    notes = {"source": source, "log": str(ran.log), "wall_s": ran.wall_s}
+    source = (sf / "SOURCE").read_text().strip() if (sf / "SOURCE").exists() else "unknown"
+    row = PeerRow(
+        specforge.NAME,
+        specforge.VERSION,
+        shlex.join(argv),
+        None,
+        None,
+        ran.host_peak_rss_bytes,
+        None,
+        notes={"source": source, "log": str(ran.log), "wall_s": ran.wall_s},
+    )
     if ran.returncode != 0:
-        tail = ran.log.read_text()[-4000:]
-        return Pending(
-            PeerRow(
-                specforge.NAME,
-                specforge.VERSION,
-                cmd,
-                None,
-                None,
-                ran.host_peak_rss_bytes,
-                None,
-                notes=notes,
-                error=f"exit {ran.returncode}: {tail}",
-            ),
-            [],
-        )
-    output = specforge.read_output(out, prepared, popts.specforge_batch_size)
-    notes.update(
+        row.error = f"exit {ran.returncode}: {ran.log.read_text()[-4000:]}"
+        return Pending(row, [])
+    return _specforge_measured(row, popts, specforge.read_output(out, prepared, popts.specforge_batch_size), layer_ids)
+
+
+def _specforge_measured(row: PeerRow, popts, output, layer_ids) -> Pending:
+    """SpecForge's row, filled from what its run wrote (`specforge.read_output`), with the states of its first
+    --cross-check-samples samples for the cross-check."""
+    row.notes.update(
         files=output.files,
         real_tokens=output.real_tokens,
         stored_tokens=output.stored_tokens,
         padding_share=1 - output.real_tokens / output.stored_tokens,
         unmatched_files=len(output.unmatched),
-        end_to_end_tok_s=output.real_tokens / ran.wall_s,
+        end_to_end_tok_s=output.real_tokens / row.notes["wall_s"],
         tok_s="real (unpadded) tokens a second from the end of its first batch to its last file",
         stores={"layers": [*map(str, layer_ids), "final"], "norm": "post-norm (Llama)", "padded_rows": True},
     )
+    row.tok_s = output.steady_tok_s
+    row.bytes_per_token = output.bytes / output.real_tokens
     states = []
     for path, own in output.matched[: popts.cross_check_samples]:
         layers, ids = specforge.load_states(path, len(own), layer_ids)
         states.append((str(path), ids, layers))
-    row = PeerRow(
-        name=specforge.NAME,
-        version=specforge.VERSION,
-        command=cmd,
-        tok_s=output.steady_tok_s,
-        bytes_per_token=output.bytes / output.real_tokens,
-        host_peak_rss_bytes=ran.host_peak_rss_bytes,
-        cosine_vs_ours=None,
-        notes=notes,
-    )
     return Pending(row, states)
 
 

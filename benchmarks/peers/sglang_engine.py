@@ -67,6 +67,59 @@ def returned_states(output: dict, num_tokens: int, sample: str) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.bfloat16)
 
 
+def _engine(model: str, dtype: str, device: str, longest: int, max_length: int, **kwargs):
+    """SGLang's engine as a user would start it for hidden states, with room for `longest` tokens a prefill."""
+    import sglang
+
+    return sglang.Engine(
+        model_path=model,
+        dtype=dtype,
+        device=device,
+        enable_return_hidden_states=True,
+        skip_tokenizer_init=True,
+        disable_radix_cache=True,
+        chunked_prefill_size=-1,
+        max_prefill_tokens=max(longest, max_length),
+        # KV room for one of our batches: the scheduler packs prefills as ours are packed. SGLang 0.5.17
+        # admits an input only under its context less 6 (the generated token and 5 more,
+        # TpModelWorker.get_worker_info), so the longest sample needs that much room above it.
+        max_total_tokens=max(longest, max_length) + 64,
+        context_length=max_length + 6 + 1,
+        # Graphs serve decode steps only, which a max_new_tokens=1 request never takes; its one sampled
+        # token costs the same on any sampler, and PyTorch's runs on every device.
+        disable_cuda_graph=True,
+        sampling_backend="pytorch",
+        log_level="error",
+        **kwargs,
+    )
+
+
+def _prefilled(engine, batches: list, warmup: int, dump_samples: int) -> tuple[int, float, dict[str, torch.Tensor]]:
+    """The timed batches' tokens and seconds, after the warm-up ones, and the first `dump_samples` timed samples'
+    ids and returned states."""
+
+    def prefill(batch, keep: dict | None) -> int:
+        outs = engine.generate(
+            input_ids=[s.tolist() for s in batch],
+            sampling_params={"max_new_tokens": 1},
+            return_hidden_states=True,
+        )
+        for ids, out in zip(batch, outs):
+            states = returned_states(out, len(ids), f"sample of {len(ids)} tokens")
+            if keep is not None and len(keep) < 2 * dump_samples:
+                n = len(keep) // 2
+                keep[f"{n}.input_ids"] = torch.from_numpy(ids.astype("int32"))
+                keep[f"{n}.final"] = states
+        return sum(len(s) for s in batch)
+
+    for batch in batches[:warmup]:
+        prefill(batch, None)
+    keep: dict = {}
+    start = time.perf_counter()
+    tokens = sum(prefill(batch, keep) for batch in batches[warmup:])
+    return tokens, time.perf_counter() - start, keep
+
+
 def run(
     model: str,
     batches_path: Path,
@@ -93,49 +146,9 @@ def run(
         k: v for k, v in (("attention_backend", attention_backend), ("mem_fraction_static", mem_fraction_static)) if v
     }
     with TreePeakRss(os.getpid()) as rss:
-        engine = sglang.Engine(
-            model_path=model,
-            dtype=dtype,
-            device=device,
-            enable_return_hidden_states=True,
-            skip_tokenizer_init=True,
-            disable_radix_cache=True,
-            chunked_prefill_size=-1,
-            max_prefill_tokens=max(largest, max_length),
-            # KV room for one of our batches: the scheduler packs prefills as ours are packed. SGLang 0.5.17
-            # admits an input only under its context less 6 (the generated token and 5 more,
-            # TpModelWorker.get_worker_info), so the longest sample needs that much room above it.
-            max_total_tokens=max(largest, max_length) + 64,
-            context_length=max_length + 6 + 1,
-            # Graphs serve decode steps only, which a max_new_tokens=1 request never takes; its one sampled
-            # token costs the same on any sampler, and PyTorch's runs on every device.
-            disable_cuda_graph=True,
-            sampling_backend="pytorch",
-            log_level="error",
-            **kwargs,
-        )
+        engine = _engine(model, dtype, device, largest, max_length, **kwargs)
         try:
-
-            def prefill(batch, keep: dict | None) -> int:
-                outs = engine.generate(
-                    input_ids=[s.tolist() for s in batch],
-                    sampling_params={"max_new_tokens": 1},
-                    return_hidden_states=True,
-                )
-                for ids, out in zip(batch, outs):
-                    states = returned_states(out, len(ids), f"sample of {len(ids)} tokens")
-                    if keep is not None and len(keep) < 2 * dump_samples:
-                        n = len(keep) // 2
-                        keep[f"{n}.input_ids"] = torch.from_numpy(ids.astype("int32"))
-                        keep[f"{n}.final"] = states
-                return sum(len(s) for s in batch)
-
-            for batch in batches[:warmup]:
-                prefill(batch, None)
-            keep: dict = {}
-            start = time.perf_counter()
-            tokens = sum(prefill(batch, keep) for batch in batches[warmup:])
-            seconds = time.perf_counter() - start
+            tokens, seconds, keep = _prefilled(engine, batches, warmup, dump_samples)
         finally:
             engine.shutdown()
     hidden = int(next(v for k, v in keep.items() if k.endswith(".final")).shape[1]) if keep else None
