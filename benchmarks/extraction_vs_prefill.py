@@ -1257,7 +1257,7 @@ def _generated_config(shape: str, longest: int, layout: Layout, coord: Coordinat
 
 class ResultFiles:
     """The run's result JSONs, one per --store x --compress x --out, rewritten whole as each part of the run
-    finishes (each peer, ours, each cross-check), so that a run cut short (a device call's time limit)
+    finishes (each peer, ours, each cross-check), so that a run cut short (by a time limit, say)
     leaves a valid JSON of what it measured. `parts` lists the parts done and those left; until ours is
     measured a file holds the command, the peers and `parts` only."""
 

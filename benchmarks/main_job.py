@@ -1,8 +1,11 @@
-"""Inputs and outputs of the main job as users run it (benchmarks/main_job.sh).
+"""Inputs and outputs of the main job as users run it (benchmarks/main_job.sh, benchmarks/model_classes.sh).
 
 python benchmarks/main_job.py corpus MODEL_DIR CORPUS.jsonl --num-tokens N
     a chat corpus (OpenAI `messages`) of the bench's lognormal lengths (mean 1,700 tokens, cap
     8,192), so that the command's samples are the bench's and its figures compare with the bench's;
+python benchmarks/main_job.py docstrings CORPUS.jsonl --records N
+    real English: the standard library's docstrings, six a record, as text records and as chats in turn
+    (about 800 tokens a record with SmolLM2's tokenizer); the same records on every host of one Python version;
 python benchmarks/main_job.py stacks ARGS...
     runs `ARGS` (a Python script and its arguments) with every thread's stack dumped every
     $OE_STACKS_EVERY seconds (default 5) into $OE_STACKS: where a cold start's minute goes, on a machine
@@ -47,6 +50,40 @@ def corpus(model_dir, corpus, num_tokens):
     with open(corpus, "w") as f:
         f.writelines(json.dumps({"id": r["id"], "messages": r["conversations"]}) + "\n" for r in records)
     click.echo(f"{len(records)} records, {sum(s.num_tokens for s in samples):,} tokens -> {corpus}")
+
+
+@main.command()
+@click.argument("corpus", type=click.Path(dir_okay=False))
+@click.option("--records", default=1500, show_default=True)
+def docstrings(corpus, records):
+    import importlib
+    import warnings
+
+    warnings.simplefilter("ignore")  # importing every standard module warns of the deprecated ones
+    docs = []
+    for name in sorted(sys.stdlib_module_names):
+        # Modules that open windows or print on import.
+        if name.startswith("_") or name in ("antigravity", "this", "idlelib", "turtledemo", "tkinter"):
+            continue
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # a module this platform or build lacks
+            continue
+        for attr in sorted(dir(module)):
+            doc = getattr(getattr(module, attr, None), "__doc__", None)
+            if isinstance(doc, str) and len(doc) > 200:
+                docs.append(doc.strip())
+    docs = list(dict.fromkeys(docs))
+    with open(corpus, "w") as f:
+        for i in range(records):
+            parts = [docs[(i * 7 + k) % len(docs)] for k in range(6)]
+            if i % 2:
+                record = {"id": f"doc-{i}", "text": "\n\n".join(parts)}
+            else:
+                turns = [{"role": "user" if k % 2 == 0 else "assistant", "content": p} for k, p in enumerate(parts)]
+                record = {"id": f"chat-{i}", "messages": turns}
+            f.write(json.dumps(record) + "\n")
+    click.echo(f"{records} records of {len(docs)} docstrings -> {corpus}")
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

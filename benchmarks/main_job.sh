@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job as users type it, on one GPU of a fresh machine (issues 21 and 26), SGLang 0.5.17 on the path:
+# The main job as users type it, on one GPU of a fresh machine, the project installed (SGLang with it):
 #   bash benchmarks/main_job.sh RESULTS_DIR [NUM_TOKENS]
 # 1. bin/extract.py on the 8B-shaped model with its generated weights (benchmarks/make_8b_model.sh), a
 #    lognormal chat corpus of NUM_TOKENS (default: what fits 70% of the free disk, at most 1.5M), --verify 8,
@@ -9,15 +9,14 @@
 # 2. bin/inspect.py --verify on that output;
 # 3. the same command again into a fresh folder, now that SGLang's JIT kernels are in their cache;
 # 4. bin/bench.py on the same model and lengths, for bare prefill's rate (the ratio's denominator).
-# Each step runs under its own time limit within MAIN_JOB_SECONDS (default 590, one device call); its command,
-# exit status and seconds go to RESULTS_DIR/steps.jsonl, its output to <step>.log in RESULTS_DIR/logs.tar.gz,
-# and what SGLang's JIT caches hold before and after the first run to caches.txt.
-# A job too big for one call runs as several, back to back while the machine is held (README, "The main job
-# at 17M tokens"):
-#   MAIN_JOB_STEPS         the steps this call runs, in this order, of: model corpus extract_cold
+# Each step runs under its own time limit within MAIN_JOB_SECONDS (default 590); its command, exit status and
+# seconds go to RESULTS_DIR/steps.jsonl, its output to <step>.log in RESULTS_DIR/logs.tar.gz, and what SGLang's
+# JIT caches hold before and after the first run to caches.txt.
+# A job too big for one sitting runs as several, one after another on the same machine:
+#   MAIN_JOB_STEPS         the steps this invocation runs, in this order, of: model corpus extract_cold
 #                          inspect_verify extract_warm bench. Unset: all six, in a work folder made afresh and
-#                          removed at the end. Set: the work folder (corpus, outputs) stays for the next call,
-#                          and each step may take what is left of this call;
+#                          removed at the end. Set: the work folder (corpus, outputs) stays for the next one,
+#                          and each step may take what is left of MAIN_JOB_SECONDS;
 #   MAIN_JOB_EXTRACT_ARGS  options added to both extractions (e.g. --store fp8 --compress zstd);
 #   MAIN_JOB_BENCH_ARGS    options added to the bench's (e.g. the same encoding, --num-tokens 1000000).
 source "$(dirname "$0")/steps.sh"
@@ -35,7 +34,7 @@ tokens=${2:-$(python3 -c "print(min(1_500_000, int($free * 0.7 / 32773) // 1000 
 corpus=""; [[ " $steps " == *" corpus "* ]] && corpus="; corpus of $tokens tokens"
 echo "free disk under $work: $free bytes; steps: $steps$corpus" | tee "$results/plan.txt"
 
-logged() {  # a step, then the logs archived, so that a call cut short keeps them
+logged() {  # a step, then the logs archived, so that a job cut short keeps them
   step "$@"
   tar -czf "$results/logs.tar.gz" -C "$logs" .
 }

@@ -1,14 +1,14 @@
-# Sourced first by the device-call scripts (gpu_suite.sh, gpu_moe.sh, gpu_perf.sh, main_job.sh) as
+# Sourced first by the scripts that run a sequence of steps on a GPU machine (main_job.sh, model_classes.sh) as
 # `source "$(dirname "$0")/steps.sh"`: it sets -uo pipefail and moves to the checkout's root, which each of them
 # needs for its relative paths, and gives them
 #   step NAME LIMIT_SECONDS COMMAND...
-# which runs COMMAND under `timeout`, cut to what is left of the call's budget so that a slow step leaves the others
-# their time, its output into $logs/NAME.log (a step out of time gets SIGINT first, so that pytest still prints
-# the failures it has seen and a bench its partial result, then SIGKILL 15 s later), and appends its command, exit status and seconds to
-# $results/steps.jsonl. The caller sets results, budget and start with `begin RESULTS_DIR SECONDS` (or
-# `begin_gpu_suite`), and logs (default: results);
-# an environment assignment in front of `step` reaches the command; CUDA_VISIBLE_DEVICES is recorded too; the
-# command sees its own text as STEP_COMMAND, to keep beside what it writes.
+# which runs COMMAND under `timeout`, cut to what is left of the script's budget so that a slow step leaves the
+# others their time, its output into $logs/NAME.log (a step out of time gets SIGINT first, so that pytest still
+# prints the failures it has seen and a bench its partial result, then SIGKILL 15 s later), and appends its
+# command, exit status and seconds to $results/steps.jsonl. The caller sets results, budget and start with
+# `begin RESULTS_DIR SECONDS`, and logs (default: results); an environment assignment in front of `step` reaches
+# the command; CUDA_VISIBLE_DEVICES is recorded too; the command sees its own text as STEP_COMMAND, to keep
+# beside what it writes.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -28,14 +28,7 @@ step() {
     "$name" "$*" "${CUDA_VISIBLE_DEVICES:+CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES}" "$rc" "$(( $(date +%s) - t0 ))" >>"$results/steps.jsonl"
 }
 
-begin() {  # begin RESULTS_DIR SECONDS: the results folder (made), the call's budget, and its clock started
+begin() {  # begin RESULTS_DIR SECONDS: the results folder (made), the script's budget, and its clock started
   results=$(realpath -m "$1") budget=$2 start=$(date +%s)
   mkdir -p "$results"
-}
-
-begin_gpu_suite() {  # begin, for the scripts that run the GPU suite: the tests' parity JSONs into RESULTS_DIR/parity,
-  # and $pytest, the suite as they run it (no .pytest_cache left in the checkout)
-  begin "$@"
-  export OFFLINE_EXTRACT_RESULTS=$results/parity
-  pytest="python -m pytest -v -rA -p no:cacheprovider"
 }

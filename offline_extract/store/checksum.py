@@ -2,8 +2,7 @@
 
 The checksum is there to catch damage (a flipped bit on a disk or in a copy, a file cut short or written
 twice over), not an adversary who forges a file to match: a 128-bit non-cryptographic hash tells damage
-apart as surely as sha256 does, at several times the rate. One core hashes about 6 GB/s with xxh3_128
-against 0.75-2 GB/s with sha256 (benchmarks/host_bounds.py, benchmarks/checksum_throughput.py); the
+apart as surely as sha256 does, at several times the rate (benchmarks/README.md, "Checksums"); the
 writer hashes every byte it writes and the datasets read every shard once to verify it, so with sha256
 a small model's extraction and its first epoch would run at the hash's rate, not the GPU's.
 

@@ -19,9 +19,9 @@ def llama3_8b(tmp_path_factory):
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items):
     """test_gpu_architectures.py's tests one engine run at a time: every test of an (architecture, backend)
-    right after its run, so that a lane its device call's time limit cuts leaves whole verdicts for the
+    right after its run, so that a run its time limit cuts leaves whole verdicts for the
     families it reached. pytest groups a module-scoped parameter's tests by fixture, which put every MoE
-    family's forced-routing test after all the other tests (two calls' lanes were cut before any ran).
+    family's forced-routing test after all the other tests, where a time limit cut them before any ran.
     trylast: after pytest's own grouping, which would undo this."""
     slots = [i for i, item in enumerate(items) if item.path.name == "test_gpu_architectures.py"]
     runs: dict = {}

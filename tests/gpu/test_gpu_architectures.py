@@ -8,7 +8,7 @@ fp32 on those experts, which shows how far bf16 arithmetic alone moves each fami
 One process per (architecture, backend), through tests/arch_parity.py. With OFFLINE_EXTRACT_RESULTS set,
 each run's parity rows (and, for MoE models, the forced-routing rows, routing disagreements and the fp32
 comparison) are written to $OFFLINE_EXTRACT_RESULTS/<architecture>-<backend>.json with the command that ran
-them. benchmarks/gpu_moe.sh runs the MoE part.
+them. `-m "gpu and moe"` selects the MoE part.
 """
 
 import pytest

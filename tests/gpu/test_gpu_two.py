@@ -1,9 +1,8 @@
 """Two GPUs through bin/extract.py in bf16: TP=2 against HF, TP=2, DP=2 and two one-GPU "nodes" against one
 GPU, and killed runs that resume under the other topology (run with `-m gpu` on a two-GPU machine).
 
-Every extraction start costs about 50 s on the H200 (SGLang's imports alone 27 s; 50 s is where two earlier
-calls' time limits cut the file, on 12-01), so the file starts as few as its checks need, for
-`benchmarks/two_gpus.sh tests` to run it in one device call, each test under a time limit.
+Every extraction start costs about 50 s on an H200 (SGLang's imports alone 27 s), so the file starts as few as
+its checks need, to run whole within ten minutes, each test under a time limit.
 
 States computed with TP=2 sum their all-reduced partial products in another order than one GPU does, so
 across topologies the tests compare each token's cosine (as the parity gate does in bf16), and tokens,
@@ -149,7 +148,7 @@ def test_dp2_gives_the_samples_of_one_gpu(tiny, corpus, one_gpu, tmp_path):
 
 def test_two_one_gpu_nodes_give_the_samples_of_one_gpu(tiny, corpus, one_gpu, tmp_path):
     out = tmp_path / "out"
-    # Kept where the device call's results go: a failed run's node logs are its only account.
+    # Kept beside the run's results: a failed run's node logs are its only account.
     results = os.environ.get("OFFLINE_EXTRACT_RESULTS")
     logs = Path(results) / "two_nodes" if results else tmp_path
     nodes = start_nodes(

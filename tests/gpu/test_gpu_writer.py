@@ -1,6 +1,6 @@
 """The shard writer at a real run's scale on the engine's own states (run with `-m gpu`): a file of its own,
-since each case runs a 380k-token extraction and reads all of it back (minutes), beside test_gpu.py's
-budget in benchmarks/gpu_suite.sh."""
+since each case runs a 380k-token extraction and reads all of it back (minutes), and can run beside
+test_gpu.py on a second GPU."""
 
 import subprocess
 import sys
