@@ -7,6 +7,10 @@ from pathlib import Path
 
 import click
 
+# Where the programs write by default: ad-hoc runs, which git ignores. A run whose figure is published is copied
+# into results/ under the naming rule of docs/architecture.md.
+RUNS = Path(__file__).resolve().parent / "runs"
+
 
 def program(help: str):
     """`click.command` for a benchmark program: `help` is its --help, which -h answers too."""

@@ -62,7 +62,7 @@ class BenchOptions:
     encodings: tuple[tuple[str, str], ...] = (("bf16", "none"),)  # (--store, --compress) pairs, one model load
     fp8_error_tokens: int = 131072  # tokens over which fp8's decoded states are compared with bf16's
     seed: int = 0
-    results_dir: str = "benchmarks/results"
+    results_dir: str = "benchmarks/runs"  # ad-hoc runs, git-ignored (benchmarks.RUNS)
     profile: str | None = None
     profile_batches: int = 4
     single_gpu_results: tuple[str, ...] = ()  # one-GPU result JSONs of the same session, for `scaling`

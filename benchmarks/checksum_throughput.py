@@ -18,7 +18,7 @@ the hashing rate is the share of a core this process got. The disk's rate bounds
 it is below the hashing rate.
 
 \b
-    python benchmarks/checksum_throughput.py --json benchmarks/results/checksum_throughput_cpu.json
+    python benchmarks/checksum_throughput.py --json benchmarks/runs/checksum.json
     python benchmarks/checksum_throughput.py --files 16 --threads 8 --dir /some/nvme/dir --json RESULT.json
 """
 

@@ -34,7 +34,7 @@ sys.path.insert(
     0, str(Path(__file__).resolve().parents[1])
 )  # run as a file: this checkout's benchmarks and offline_extract
 
-from benchmarks import program  # noqa: E402
+from benchmarks import RUNS, program  # noqa: E402
 
 from offline_extract import __version__  # noqa: E402
 from offline_extract.store.index import shard_paths  # noqa: E402
@@ -242,7 +242,7 @@ def _rates(seconds: list[float], samples: int, state_bytes: int) -> dict:
 
 
 DEFAULTS = BenchConfig()
-RESULTS = Path(__file__).resolve().parent / "results" / "read_throughput_cpu.json"
+RESULTS = RUNS / "read_throughput.json"
 
 
 @program(__doc__)

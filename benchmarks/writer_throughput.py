@@ -8,7 +8,7 @@ buffers preallocated, and what a first-touch copy costs against a copy into resi
     python benchmarks/writer_throughput.py --store fp8 --compress zstd --writers 4 --gb 2
     python benchmarks/writer_throughput.py --store bf16 --hidden 576 --samples 20 --gb 4   # SmolLM2-135M
 
-Writes benchmarks/results/writer_throughput_<host>[_<store>_<compress>].json with this command. The
+Writes benchmarks/runs/writer_throughput_<host>[_<store>_<compress>].json with this command. The
 states are Gaussian with a few large channels per layer, which zstd compresses about as it does real
 activations (ones, as before, would compress to nothing and hide its cost).
 """
@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a file: this checkout's benchmarks and offline_extract
 
-from benchmarks import command_line, program  # noqa: E402
+from benchmarks import RUNS, command_line, program  # noqa: E402
 
 from offline_extract.options import DEFAULT_WRITERS, choices, default  # noqa: E402
 from offline_extract.store.schema import Encoding, RunInfo, SampleInfo  # noqa: E402
@@ -148,14 +148,15 @@ def _infos(first: int, lengths: list[int]) -> list[SampleInfo]:
 
 
 def _record(suffix: str, measured: dict) -> None:
-    """Writes benchmarks/results/writer_throughput_<host><suffix>.json, the command and machine first."""
+    """Writes benchmarks/runs/writer_throughput_<host><suffix>.json, the command and machine first."""
     result = {
         "command": command_line("python benchmarks/writer_throughput.py"),
         "host": platform.node(),
         "cpus": os.cpu_count(),
         **measured,
     }
-    path = ROOT / "benchmarks" / "results" / f"writer_throughput_{platform.node() or 'host'}{suffix}.json"
+    path = RUNS / f"writer_throughput_{platform.node() or 'host'}{suffix}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

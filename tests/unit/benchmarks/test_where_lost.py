@@ -52,7 +52,9 @@ def test_the_extra_seconds_land_in_the_part_that_grew(tmp_path, capsys, monkeypa
 def test_a_committed_h200_run_decomposes_into_its_parts():
     """The bench's own fields add up to its wall clock: the split explains every second of both sides."""
     result = json.loads(
-        (ROOT / "benchmarks" / "results" / "peers_lognormal_sglang_engine_20261201-0629.json").read_text()
+        (
+            ROOT / "benchmarks" / "results" / "peers-h200-20261201" / "peers_lognormal_sglang_engine_20261201-0629.json"
+        ).read_text()
     )
     r = where_lost(result)
     for side in ("bare", "extract"):

@@ -1,0 +1,46 @@
+"""benchmarks/results/ holds one record a published figure, named as docs/architecture.md says
+(`<what>-<device>-<yyyymmdd>/`, every JSON in it with the command that made it); the programs' ad-hoc runs go to
+a folder git ignores."""
+
+import json
+import re
+import subprocess
+
+from extract_runs import ROOT
+
+from benchmarks import RUNS
+from benchmarks.bench_options import BenchOptions
+
+RESULTS = ROOT / "benchmarks" / "results"
+RECORD = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*-(?:cpu|[a-z]\d{3}(?:x\d+)?)-20\d{6}")
+# Written by the test suites (OFFLINE_EXTRACT_RESULTS), each file with its command: docs/parity.md's table.
+PARITY = "parity"
+# The drafter pipeline's records, named before the rule and cited by benchmarks/drafter/README.md; the list
+# only shrinks.
+DRAFTER = {"gpu_20261202b", "gpu_20261202c", "gpu_20261203b", "gpu_20261203c", "gpu_20261203d"}
+
+
+def test_every_record_is_named_by_the_rule():
+    names = {p.name for p in RESULTS.iterdir()}
+    odd = sorted(n for n in names if not (RECORD.fullmatch(n) or n == PARITY or n in DRAFTER))
+    assert not odd, f"name these <what>-<device>-<yyyymmdd> (docs/architecture.md): {odd}"
+    assert DRAFTER <= names, f"gone, so take them off DRAFTER: {DRAFTER - names}"
+    assert all((RESULTS / n).is_dir() for n in names)
+
+
+def test_every_json_of_a_record_holds_its_command():
+    records = [p for p in RESULTS.iterdir() if RECORD.fullmatch(p.name)]
+    assert len(records) >= 10
+    missing = [
+        str(path.relative_to(RESULTS))
+        for record in records
+        for path in sorted(record.rglob("*.json"))
+        if not json.loads(path.read_text()).get("command")
+    ]
+    assert not missing, f"a figure without its command does not count: {missing}"
+
+
+def test_ad_hoc_runs_go_where_git_ignores_them():
+    assert (ROOT / BenchOptions.results_dir) == RUNS
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(RUNS / "x.json")], cwd=ROOT)
+    assert ignored.returncode == 0, f"{RUNS} is not ignored by git"
