@@ -22,18 +22,18 @@ Compression = Literal["none", "zstd"]  # store/codecs.py
 # One forward's token budget when tokens_per_batch is not given, by device type.
 DEFAULT_TOKENS_PER_BATCH = {"cuda": 16384, "cpu": 4096}
 # ...and on a GPU for a dense model of at most SMALL_MODEL_HIDDEN: its forward of 16k tokens takes a few
-# milliseconds, beside which what every batch costs the host (its launches, copy and shard work) halved the
-# rate (SmolLM2-135M on an H200: 0.51 x bare prefill at 16k tokens, 0.84 at 64k). Not for a MoE model, whose
-# warm-up compiles per token count up to the budget.
+# milliseconds, beside which what every batch costs the host (its launches, copy and shard work) halves the
+# rate; four times the tokens a forward pay it a quarter as often (benchmarks/README.md, "Small dense model").
+# Not for a MoE model, whose warm-up compiles per token count up to the budget.
 SMALL_MODEL_HIDDEN = 1024
 SMALL_MODEL_TOKENS_PER_BATCH = 65536
 
 
 # Shard-writing threads when writers is not given...
 DEFAULT_WRITERS = 4
-# ...and for a small model on a GPU, whose states reach the host fastest: SmolLM2-135M on an H200 makes
-# 5.5 GB/s of them, where 4 writers into tmpfs take 7.3 GB/s and the run reached 0.78 x bare prefill; 8
-# take 12.2 GB/s and it reached 0.91. Each writer holds a shard buffer (--shard-size-mb) of host memory.
+# ...and for a small model on a GPU, whose states reach the host fastest: faster than 4 writers write them
+# into tmpfs, where 8 keep up (benchmarks/README.md, "Small dense model"). Each writer holds a shard buffer
+# (--shard-size-mb) of host memory.
 SMALL_MODEL_WRITERS = 8
 
 
@@ -55,9 +55,10 @@ def default_writers(device_type: str, hidden_size: int, moe: bool) -> int:
 
 # port_base when not given, under torchrun (alone, any free port serves; engine/distributed.py).
 DEFAULT_PORT_BASE = 29600
-# image_threads when not given: the cores this process may run on, at most this many. On a 16-core H200 host, 4
+# image_threads when not given: the cores this process may run on, at most this many. On a 16-core GPU host, 4
 # prepare images faster than a 7B model's forwards take them; more threads do not feed it faster but take the
-# host from the forwards' own thread and the writers, and the forwards run slower beside them.
+# host from the forwards' own thread and the writers, and the forwards run slower beside them
+# (benchmarks/README.md, "Vision-language").
 MOST_IMAGE_THREADS = 4
 
 
@@ -67,9 +68,9 @@ def default_image_threads() -> int:
 
 
 # tokenizer_processes when not given, on a GPU for a text-only model: a quarter of this process's share of the
-# cores it may run on (the node's ranks share them), at most this many. One process renders SmolLM2's chat
-# template and wraps its tokens at about 0.6M tokens/s of chats (its Rust tokenizing spread over the cores); an
-# H200 prefills that model at 1.2M.
+# cores it may run on (the node's ranks share them), at most this many. One process tokenizes a small model's
+# chats at about half the rate a GPU prefills them, so a few keep ahead of it (benchmarks/README.md, "Storage and
+# the host side").
 MOST_TOKENIZER_PROCESSES = 4
 
 

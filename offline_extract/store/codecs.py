@@ -32,9 +32,8 @@ _QUANTIZE_BYTES = 512 << 20
 ZSTD_LEVEL = 1
 # What the states gain from zstd is entropy coding (a plane of sign and exponent bytes takes few values),
 # hardly repeats: level 1's match finder costs most of the time and finds little. Matches of 7 bytes or
-# more, looked up in a 256-entry hash table that stays in L1 cache, keep the few worth having: about 1.5x
-# plain level 1's speed on a bf16 frame (byte-plane split included), with a ratio within 1% of it either
-# way; about the same on fp8 (benchmarks/README.md). The frames are ordinary zstd frames.
+# more, looked up in a 256-entry hash table that stays in L1 cache, keep the few worth having, faster at
+# the same ratio (docs/output.md, "Encodings"). The frames are ordinary zstd frames.
 _ZSTD_MIN_MATCH, _ZSTD_HASH_LOG = 7, 8
 
 

@@ -168,7 +168,7 @@ def write(
     the file's inode lock (tmpfs, ext4, xfs): several threads writing one file go one at a time, and while
     they wait, no other shard is written. With one thread a file, the writer threads write their shards
     side by side (blocks of one shard handed to the pool's threads would write one file at a time, at one
-    stream's rate, below what TP=2 hands over; benchmarks/README.md has the figures).
+    stream's rate, below what TP=2 hands over; docs/start-up.md, "The tail after the last forward").
     With `filling`, the state rows from `filling.final` on are still arriving: a block goes as soon as
     every row it holds is final, and is flushed to disk, so that once the last row is, only the blocks it
     lands in are left (with one hash over the file, its second state tensor, a gigabyte for a
