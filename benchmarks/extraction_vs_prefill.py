@@ -265,7 +265,7 @@ def _host_peak_rss() -> int:
 
 def _host_facts() -> dict:
     """The host's CPU and the GPU's clocks: a small model's rate follows the host's speed, and a run's bare rate
-    the GPU's clocks, and neither is the same on every loan of a machine."""
+    the GPU's clocks, and neither is the same on every machine of one kind."""
     cpu = None
     with open("/proc/cpuinfo") as f:
         for line in f:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 21's end-to-end target within one device call: ours and SpecForge 0.2.0, each on its first run on a fresh
-# machine of two H200s (the SGLang 0.5.17 bundle and the peer bundle staged, README.md here), side by side on the
-# same lognormal records, each on a GPU of its own:
+# Ours and SpecForge 0.2.0 end to end, start-up counted, each on its first run on a fresh machine of two GPUs
+# (this project and the peer stack installed, README.md here), side by side on the same lognormal records, each on
+# a GPU of its own:
 #   bash benchmarks/peers/end_to_end.sh RESULTS_DIR
 # GPU 0: bin/extract.py --verify 8 as users type it, then the same command again (benchmarks/main_job.sh into
 # RESULTS_DIR/ours: each run's seconds from launch to exit in steps.jsonl, its start-up and token lines in its log).
@@ -10,7 +10,7 @@
 # the bench's records with the same generator and seed, so both read the same samples. The two share the host's
 # cores and disk, as two jobs on one node would; neither has compiled anything before (run nothing of ours on the
 # machine first). E2E_SECONDS (default 540) bounds both sides. On a machine of one GPU the two run one after the other,
-# and ours runs once: a second run of ours there would leave SpecForge too little of the call.
+# and ours runs once: a second run of ours there would leave SpecForge too little of E2E_SECONDS.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 results=$(realpath -m "$1") seconds=${E2E_SECONDS:-540}

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Builds the peer bundle at the root of the current git checkout, for `bin/bench.py --baseline specforge`:
 #   .peer-bundle/1..N/   SGLang 0.5.14, SpecForge 0.2.0 and what they pin differently from SGLang 0.5.17
-#                        (specforge-0.2.0-bundle.txt), in parts of at most 56 MiB, one device call each;
+#                        (specforge-0.2.0-bundle.txt), in parts of at most 56 MiB, to carry one at a time;
 #   .peer-bundle/specforge/  SpecForge's scripts/prepare_hidden_states.py and a draft config, taken from its
 #                        repository mirror (fetched code: git-ignored, never committed; carried by the run).
-# On the GPU machine the last part installs into /tmp/peer-site, a prefix of its own beside /tmp/sglang-site:
-# the 0.5.17 site must be installed first (the peer site is layered over it, and FlashAttention-3's kernel
-# library is taken from it, see below). Call sequence: benchmarks/peers/README.md.
+# On the GPU machine the last part installs into /tmp/peer-site, layered over the SGLang 0.5.17 site at
+# /tmp/sglang-site, which must be installed first (FlashAttention-3's kernel library is taken from it, see
+# below). How to run the peers then: benchmarks/peers/README.md.
 #
 #   benchmarks/peers/make_peer_bundle.sh [SPECFORGE_GIT_DIR [COMMIT]]
 #
@@ -39,7 +39,7 @@ done
 ((${#missing[@]} == 0)) || { echo "downloading ${missing[*]}"; download "$cache/wheels" "${missing[@]}"; }
 
 # sglang-kernel 0.4.4, as SGLang 0.5.14 pins it, for Hopper (sm90) only and without its FlashAttention-3
-# library (1.7 GB, which no device call carries). The last part links in the 0.5.17 site's FA3 library
+# library (1.7 GB, too large to carry). The last part links in the 0.5.17 site's FA3 library
 # (sglang-kernel 0.4.5): the Python wrapper that calls it, sgl_kernel/flash_attn.py, is byte-identical in
 # 0.4.4 and 0.4.5. That library is the one piece of SpecForge's stack not at its pinned version.
 kernel=$cache/sgl_kernel_0.4.4_sm90_no_fa3.tar.xz

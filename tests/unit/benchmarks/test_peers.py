@@ -279,7 +279,7 @@ time.sleep(600)
 @pytest.mark.slow
 def test_sglang_return_hidden_states_is_our_post_norm_final_state(tmp_path, tiny_model_dir, tiny_engine, seqs):
     """The bench's sglang-engine peer, run on CPU in fp32, in a bench stopped by SIGTERM (as `timeout` stops a
-    device call) once the peer has finished: the result JSON holds the peer's row, and the states it left
+    run) once the peer has finished: the result JSON holds the peer's row, and the states it left
     show that sglang.Engine(enable_return_hidden_states=True) returns, per prompt token, the state after
     the final norm, equal to our engine's `last`."""
     work, results, log = tmp_path / "work", tmp_path / "results", tmp_path / "bench.log"
