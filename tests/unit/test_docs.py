@@ -1,4 +1,4 @@
-"""Every command the README, CONTRIBUTING.md and docs/ give can be pasted as it stands: a bin/ or benchmarks/
+"""Every command the README, CONTRIBUTING.md, docs/ and benchmarks/README.md give can be pasted as it stands: a bin/ or benchmarks/
 command line parses with the program's own options, torchrun's part with torchrun's parser, a script or test
 file it names exists, and no `...` stands in for what the reader would have to guess. The training snippet
 runs on an output directory, and every name the pages give in an engine module is defined there."""
@@ -18,7 +18,12 @@ from extract_runs import ROOT
 
 from offline_extract.testing.shards import write_synthetic
 
-PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [
+    ROOT / "README.md",
+    ROOT / "CONTRIBUTING.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "benchmarks" / "README.md",
+]
 PROGRAMS = ("python", "torchrun", "bash")
 # Tools of other projects that a page tells the reader to run; their options are theirs to check.
 OTHERS = ("pip", "jq", "speculators")
@@ -160,11 +165,10 @@ def test_the_docs_name_engine_functions_where_they_are_defined():
 def test_no_page_repeats_the_bound_of_the_image_threads_default():
     # options.MOST_IMAGE_THREADS bounds it, and --help states its value from there (tests/unit/test_options.py):
     # a page that gave the number too would go stale when it changes.
-    pages = [*PAGES, ROOT / "benchmarks" / "README.md"]
     defaults = [
         (page.name, " ".join(default.split()))
-        for page in pages
+        for page in PAGES
         for default in re.findall(r"`--image-threads`[^()]{0,80}\(default: ([^)]*)\)", page.read_text())
     ]
-    assert len(defaults) >= 2, "the pattern finds the pages' defaults of --image-threads"
+    assert defaults, "the pattern finds the pages' defaults of --image-threads"
     assert [(page, default) for page, default in defaults if re.search(r"\d", default)] == []
