@@ -1,6 +1,6 @@
 """The per-family parity table of docs/parity.md, built from the parity JSONs the test suites write
 (`OFFLINE_EXTRACT_RESULTS=DIR`: tests/unit/engine/test_architectures.py on CPU, tests/gpu/test_gpu_architectures.py,
-tests/gpu/test_gpu_fp8.py and tests/gpu/test_gpu_mxfp4.py on the GPU; `benchmarks/gpu_moe.sh` writes the MoE ones).
+tests/gpu/test_gpu_fp8.py and tests/gpu/test_gpu_mxfp4.py on the GPU, `-m "gpu and moe"` the MoE ones).
 
 \b
     python benchmarks/parity_table.py [RESULTS_DIR] [--page docs/parity.md]
