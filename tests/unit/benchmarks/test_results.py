@@ -12,7 +12,7 @@ from benchmarks import RUNS
 from benchmarks.bench_options import BenchOptions
 
 RESULTS = ROOT / "benchmarks" / "results"
-RECORD = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*-(?:cpu|[a-z]\d{3}(?:x\d+)?)-20\d{6}")
+RECORD = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*-(?:cpu|[a-z]\d{3}(?:x\d+)?)-20\d{6}[a-z]?")
 # Written by the test suites (OFFLINE_EXTRACT_RESULTS), each file with its command: docs/parity.md's table.
 PARITY = "parity"
 # The drafter pipeline's records, named before the rule and cited by benchmarks/drafter/README.md; the list
