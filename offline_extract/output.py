@@ -21,7 +21,7 @@ from offline_extract.progress import note
 from offline_extract.store import manifest, resume
 from offline_extract.store.atomic import atomic_write
 from offline_extract.store.index import write_index
-from offline_extract.store.journal import read_journal
+from offline_extract.store.journal import read_journal, replicas_files
 from offline_extract.store.schema import REJECTS_FILE, RunInfo
 from offline_extract.summary import Summary
 from offline_extract.timeline import Timeline
@@ -162,7 +162,7 @@ class OutputDirectory:
 
 def _merge_rejects(out: Path) -> None:
     """One rejects.jsonl in record order from the replicas' parts; the parts go."""
-    parts = sorted(out.glob(resume.REJECTS_PART.format("*")))
+    parts = replicas_files(out, resume.REJECTS_PART)
     rows = sorted((row for part in parts for row in read_journal(part)), key=lambda row: row["index"])
     atomic_write(out / REJECTS_FILE, lambda tmp: tmp.write_text("".join(json.dumps(row) + "\n" for row in rows)))
     for part in parts:

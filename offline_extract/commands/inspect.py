@@ -101,7 +101,9 @@ def _verify(path: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({"path": path, **asdict(report), "exit_status": status}, indent=2))
         raise SystemExit(status)
-    for line in report.problems + [f"unfinished: {note}" for note in report.unfinished]:
+    for line in (
+        [report.ignored] * bool(report.ignored) + report.problems + [f"unfinished: {n}" for n in report.unfinished]
+    ):
         click.echo(line)
     if report.refused:
         click.echo(f"refused: the run {report.refused}")

@@ -19,8 +19,15 @@ def _fsync(path: Path) -> None:
 
 def temporary_name(name: str) -> str:
     """The name `atomic_write` writes `name` under before renaming it into place, beside it and hidden; given a
-    glob, the glob of those temporaries (a crashed run's leftovers: resume.LEFTOVER_GLOBS)."""
+    glob, the glob of those temporaries."""
     return f".{name}.tmp"
+
+
+def final_name(name: str) -> str | None:
+    """The name that the temporary `name` is renamed to (`temporary_name`'s inverse); None where `name` is none."""
+    before, _, after = temporary_name("{}").partition("{}")
+    inner = name[len(before) : -len(after)]
+    return inner if name.startswith(before) and name.endswith(after) and inner else None
 
 
 def atomic_write(final: Path, write, *, durable: bool = True):

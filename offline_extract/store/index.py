@@ -20,9 +20,11 @@ from offline_extract.store.schema import (
     SampleInfo,
     ShardError,
     check_format_version,
+    is_shard_name,
     shard_number,
 )
 from offline_extract.store.shard import ShardHeader, open_shard, read_header
+from offline_extract.words import listing, plural
 
 # Shards from different runs must never be indexed together; these run keys identify a run's output
 # (by content: the same model resumed from another mount point is still the same model).
@@ -30,8 +32,21 @@ RUN_KEYS_THAT_MUST_AGREE = ("config_sha256", "weights", "layer_ids")
 
 
 def shard_paths(out_dir: str | os.PathLike) -> list[Path]:
-    """The directory's shards in shard-number order (numeric, so shard_1000 sorts after shard_999)."""
-    return sorted(Path(out_dir).glob(SHARD_GLOB), key=shard_number)
+    """The directory's shards in shard-number order (numeric, so shard_1000 sorts after shard_999); a file the
+    shards' glob matches under another name is none of them (`not_shards`)."""
+    return sorted((p for p in Path(out_dir).glob(SHARD_GLOB) if is_shard_name(p.name)), key=shard_number)
+
+
+def not_shards(out_dir: str | os.PathLike) -> str | None:
+    """One line naming the files of out_dir named like shards but not as one (shard_<digits>.safetensors: a copy
+    "shard_000 - Copy.safetensors"), which every reader, check and run leaves alone; None where there are none."""
+    names = sorted(p.name for p in Path(out_dir).glob(SHARD_GLOB) if not is_shard_name(p.name))
+    if not names:
+        return None
+    return (
+        f"ignored {plural(len(names), 'file')} in {out_dir} named like a shard but not shard_<digits>.safetensors, "
+        f"so no run's shard: {listing(names)}"
+    )
 
 
 def _check_run_agrees(first: ShardHeader, other: ShardHeader) -> None:

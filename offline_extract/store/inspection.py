@@ -24,7 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from offline_extract.store import manifest
-from offline_extract.store.index import index_mismatch, scan, shard_paths
+from offline_extract.store.index import index_mismatch, not_shards, scan, shard_paths
 from offline_extract.store.schema import FINAL_STATE_TENSOR, SHARD_GLOB, STATE_TENSORS, RunInfo, ShardError
 from offline_extract.store.shard import Shard, open_shard, read_header
 from offline_extract.words import number
@@ -51,6 +51,9 @@ def resolve_shards(path: str | os.PathLike) -> list[Path]:
     if not path.is_dir():
         raise ShardError(f"{path} is neither a shard file nor an output directory")
     paths = shard_paths(path)
+    ignored = not_shards(path)
+    if ignored:
+        warnings.warn(ignored)
     if not paths:
         raise ShardError(f"{path} contains no {SHARD_GLOB} files")
     return paths

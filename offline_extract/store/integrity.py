@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from offline_extract.store import manifest
-from offline_extract.store.index import index_run, read_index, shard_paths
+from offline_extract.store.index import index_run, not_shards, read_index, shard_paths
 from offline_extract.store.lock import running
 from offline_extract.store.schema import (
     FRAMES_SUFFIX,
@@ -43,6 +43,7 @@ class Verification:
     manifest: bool = True  # whether manifest.json was there: without it a re-run needs --force
     running: str | None = None  # the live run writing the directory now, in words (`lock.running`)
     refused: str | None = None  # a run refused before extracting (manifest.refusal): a re-run refuses it again
+    ignored: str | None = None  # the files named like shards but not as one, which nothing reads (`not_shards`)
 
     def damage(self, name: str, problems: list[str]) -> None:
         self.problems += problems
@@ -53,7 +54,7 @@ class Verification:
 def verify(out: str | os.PathLike, threads: int = 8) -> Verification:
     out = Path(out)
     paths = shard_paths(out)
-    report = Verification(len(paths), running=running(out))
+    report = Verification(len(paths), running=running(out), ignored=not_shards(out))
     recorded = manifest.load(out)
     unrecorded: dict[str, str] = {}
     if recorded is None:

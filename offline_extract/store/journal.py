@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,6 +43,14 @@ class Journal:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def replicas_files(folder: Path, template: str) -> list[Path]:
+    """The files of `folder` named `template` with a replica's rank (digits) in its {}, in name order: only those,
+    since the names a glob also matches (a user's `.rejects.dpnotes.jsonl`) are not a run's to read or delete."""
+    before, _, after = template.partition("{}")
+    name = re.compile(re.escape(before) + "[0-9]+" + re.escape(after))
+    return sorted(p for p in folder.glob(template.format("*")) if name.fullmatch(p.name))
 
 
 def read_journal(path: str | os.PathLike) -> list[dict]:

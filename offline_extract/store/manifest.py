@@ -24,7 +24,7 @@ from typing import Sequence
 from offline_extract.store import checksum
 from offline_extract.store.atomic import atomic_write
 from offline_extract.store.index import shard_paths
-from offline_extract.store.journal import load_json, read_journal
+from offline_extract.store.journal import load_json, read_journal, replicas_files
 from offline_extract.store.lock import running
 from offline_extract.store.schema import (
     FORMAT_VERSION,
@@ -41,7 +41,7 @@ MANIFEST_NAME = "manifest.json"
 # The status of a run that a check refused before it extracted anything (the parity gate): its `result` holds
 # who refused it and the verdict, which a re-run with the same options gives again.
 REFUSED = "refused"
-JOURNAL_GLOB = ".manifest.dp*.jsonl"
+JOURNAL = ".manifest.dp{}.jsonl"  # a replica's shards completed since manifest.json was written, by its DP rank
 # A corpus file is identified by its name, size, and the sha256 of this many blocks spread evenly over
 # it (the whole file when that covers it): a few milliseconds at start-up for a terabyte corpus, where
 # a full hash would take an hour on every resume. Appending, truncating or replacing a file changes its
@@ -221,7 +221,7 @@ def save(out: str | os.PathLike, manifest: dict) -> None:
 
 
 def journal_path(out: str | os.PathLike, dp_rank: int) -> Path:
-    return Path(out) / f".manifest.dp{dp_rank}.jsonl"
+    return Path(out) / JOURNAL.format(dp_rank)
 
 
 def checksums(paths: Sequence[Path], entries: Sequence[dict], threads: int = 8) -> list[str]:
@@ -258,7 +258,7 @@ def differences(path: Path, digest: str, entry: dict, where: str = MANIFEST_NAME
 def journal_entries(out: str | os.PathLike) -> dict[str, dict]:
     """The replicas' journals by shard name: shards completed since manifest.json was last written."""
     entries = {}
-    for journal in sorted(Path(out).glob(JOURNAL_GLOB)):
+    for journal in replicas_files(Path(out), JOURNAL):
         for entry in read_journal(journal):
             entries[entry.pop("name")] = entry
     return entries
@@ -269,7 +269,7 @@ def consolidate(out: str | os.PathLike, **updates) -> tuple[dict, list[str]]:
     `updates` to its top level, and saves it. Returns the manifest and notes on what was repaired."""
     out = Path(out)
     manifest = load(out) or {}
-    journals = sorted(out.glob(JOURNAL_GLOB))
+    journals = replicas_files(out, JOURNAL)
     recorded = {**manifest.get("shards", {}), **journal_entries(out)}
     notes = []
     on_disk = {p.name: p for p in shard_paths(out)}

@@ -25,21 +25,29 @@ import numpy as np
 from offline_extract.data import images
 from offline_extract.data.corpus import Reject, read_corpus
 from offline_extract.store import manifest
-from offline_extract.store.atomic import temporary_name
+from offline_extract.store.atomic import final_name, temporary_name
+from offline_extract.store.journal import replicas_files
 from offline_extract.store.lock import LOCK_NAME, holder
-from offline_extract.store.index import index_differences, read_index, scan, shard_paths, write_index
-from offline_extract.store.schema import INDEX_NAME, REJECTS_FILE, SHARD_GLOB, RunInfo, ShardError, shard_number
+from offline_extract.store.index import index_differences, not_shards, read_index, scan, shard_paths, write_index
+from offline_extract.store.schema import INDEX_NAME, REJECTS_FILE, RunInfo, ShardError, is_shard_name, shard_number
 from offline_extract.store.shard import read_header
 from offline_extract.words import listing, plural
 
 REJECTS_PART = ".rejects.dp{}.jsonl"  # a replica's rejects, by its DP rank, merged into REJECTS_FILE at the end
-# Files only a live run owns: the temporaries of the files it writes into --out (half-written shards, index,
-# manifest or merged rejects) and the replicas' reject lists. These names only: a hidden file of the user's
-# in --out (a .notes.tmp) is not ours to delete. A new file written into --out through atomic_write joins the tuple.
-LEFTOVER_GLOBS = (
-    *(temporary_name(name) for name in (SHARD_GLOB, INDEX_NAME, manifest.MANIFEST_NAME, REJECTS_FILE)),
-    REJECTS_PART.format("*"),
-)
+# The files besides shards that a run writes into --out through atomic_write; a new one joins the tuple.
+WRITTEN_WHOLE = (INDEX_NAME, manifest.MANIFEST_NAME, REJECTS_FILE)
+
+
+def _leftovers(out: Path) -> list[Path]:
+    """The files in `out` that only a live run owns: the temporaries of the files it writes there (half-written
+    shards, index, manifest or merged rejects) and the replicas' reject lists. These names only: a hidden file of
+    the user's in --out (a .notes.tmp, a .shard_mine.safetensors.tmp) is not ours to delete."""
+    written = [p for p in out.glob(temporary_name("*")) if _ours(final_name(p.name))]
+    return sorted({*written, *replicas_files(out, REJECTS_PART)})
+
+
+def _ours(name: str | None) -> bool:
+    return name is not None and (is_shard_name(name) or name in WRITTEN_WHOLE)
 
 
 class TakeoverError(ValueError):
@@ -139,13 +147,17 @@ def take_over(out: Path) -> tuple[OutputLock, Existing]:
     out.mkdir(parents=True, exist_ok=True)
     lock = OutputLock(out)
     try:
-        leftovers = sorted({p for pattern in LEFTOVER_GLOBS for p in out.glob(pattern)})
-        for p in leftovers:
+        left = _leftovers(out)
+        for p in left:
             p.unlink()
         notes = []
-        if leftovers:
-            names = listing([p.name for p in leftovers])
-            notes.append(f"removed {plural(len(leftovers), 'file')} left by an interrupted run: {names}")
+        if left:
+            notes.append(
+                f"removed {plural(len(left), 'file')} left by an interrupted run: {listing([p.name for p in left])}"
+            )
+        stray = not_shards(out)
+        if stray:
+            notes.append(stray)
         paths = shard_paths(out)
         first = shard_number(paths[-1]) + 1 if paths else 0
         return lock, Existing([p.name for p in paths], first, notes)

@@ -14,6 +14,7 @@ per sample (see `SampleInfo`).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import UnionType
@@ -37,6 +38,9 @@ METADATA_KEY = "offline_extract"
 INDEX_NAME = "index.json"
 REJECTS_FILE = "rejects.jsonl"  # the records a run left out, with why: its replicas' lists, merged at its end
 SHARD_GLOB = "shard_*.safetensors"
+# A shard's whole name: the glob also matches a copy ("shard_000 - Copy.safetensors") or a file of the user's
+# ("shard_abc.safetensors"), which are no run's shards: never read as one, never deleted.
+SHARD_NAME = re.compile(r"shard_([0-9]+)\.safetensors")
 
 
 def check_format_version(version, path: Path) -> None:
@@ -49,8 +53,13 @@ def shard_name(number: int) -> str:
     return f"shard_{number:03d}.safetensors"
 
 
+def is_shard_name(name: str) -> bool:
+    return SHARD_NAME.fullmatch(name) is not None
+
+
 def shard_number(path: Path) -> int:
-    return int(path.name[len("shard_") : -len(".safetensors")])
+    """The number of the shard at `path`, whose name `is_shard_name`."""
+    return int(SHARD_NAME.fullmatch(path.name)[1])
 
 
 @dataclass(frozen=True)

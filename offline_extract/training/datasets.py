@@ -43,7 +43,7 @@ from safetensors import safe_open
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from offline_extract.store import manifest, verdicts
-from offline_extract.store.index import index_mismatch, read_index, scan, shard_paths
+from offline_extract.store.index import index_mismatch, not_shards, read_index, scan, shard_paths
 from offline_extract.store.schema import RunInfo, ShardError
 from offline_extract.store.shard import encoding_of, read_samples, sample_bounds
 
@@ -87,6 +87,9 @@ def load_catalog(out_dir: str | os.PathLike, allow_partial: bool = False, verify
         raise ShardError(f"{reason}, or allow a partial read (allow_partial=True, --allow-partial)")
     if reason:
         warnings.warn(reason)
+    ignored = not_shards(out_dir)
+    if ignored:
+        warnings.warn(ignored)
     if verify_checksums:
         _check_checksums(out_dir)
     if not shard_paths(out_dir) and (read_index(out_dir) or {}).get("num_samples") == 0:

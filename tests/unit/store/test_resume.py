@@ -45,16 +45,29 @@ def test_take_over_clears_our_leftovers_only_and_numbers_new_shards_above_existi
         ".manifest.json.tmp",
         ".rejects.jsonl.tmp",
     ]
-    # The user's own: take-over deleted every hidden .tmp file in --out.
-    theirs = [".notes.tmp", ".shard_011.safetensors.tmp.bak", ".shard_notes.tmp"]
-    for name in leftovers + theirs:
+    # The user's own: take-over deleted every hidden .tmp file in --out, and any named like our temporaries.
+    theirs = [
+        ".notes.tmp",
+        ".shard_011.safetensors.tmp.bak",
+        ".shard_notes.tmp",
+        ".shard_mine.safetensors.tmp",
+        ".rejects.dpnotes.jsonl",
+    ]
+    # Named like shards, but no run's: they stopped the take-over with "invalid literal for int()".
+    copies = ["shard_003 - Copy.safetensors", "shard_abc.safetensors"]
+    for name in leftovers + theirs + copies:
         (tmp_path / name).write_text("partial")
     lock, existing = resume.take_over(tmp_path)
     lock.release()
     assert existing.shards == ["shard_003.safetensors", "shard_010.safetensors"]
     assert existing.first_number == 11
-    assert existing.notes[0] == f"removed 5 files left by an interrupted run: {', '.join(sorted(leftovers))}"
+    assert existing.notes == [
+        f"removed 5 files left by an interrupted run: {', '.join(sorted(leftovers))}",
+        f"ignored 2 files in {tmp_path} named like a shard but not shard_<digits>.safetensors, so no run's shard: "
+        f"{', '.join(copies)}",
+    ]
     assert hidden_files(tmp_path) == sorted(theirs)
+    assert all((tmp_path / name).is_file() for name in copies)
 
     mask = resume.done_mask(tmp_path, existing.shards)
     assert np.flatnonzero(mask).tolist() == [0, 2, 5]
