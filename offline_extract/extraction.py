@@ -75,6 +75,10 @@ ROWS_TOGETHER = 16 * TOKENIZED_TOGETHER
 CHUNK_BYTES = 64 << 20
 
 
+# What to do about a run that the parity gate refused, recorded with its verdict.
+_AFTER_PARITY = "Fix what the verdict names (or run in float32, --dtype float32), then re-run"
+
+
 def _weights_fingerprint(model_dir: Path) -> str:
     """The sha256 of the weight files (*.safetensors, *.bin, *.pt, *.pth) in name order: each one's name (UTF-8),
     its size (8 bytes, little-endian) and, for a safetensors file, its JSON header (the bytes after its 8-byte
@@ -422,7 +426,7 @@ class Job:
         self._load()
         done = self.output.claim(existing, self.meta, self.checked.corpus_paths, self.opts.data, self.opts.force)
         self.share = Share(layout, done)
-        with resumable(self.out), ExitStack() as journals:
+        with self.output.refused_where_the_corpus_breaks_off(), resumable(self.out), ExitStack() as journals:
             rejects = (
                 journals.enter_context(Journal(self.out / resume.REJECTS_PART.format(layout.dp_rank)))
                 if layout.writes
@@ -441,7 +445,7 @@ class Job:
                 if rejects is not None:
                     rejects.path.unlink(missing_ok=True)
                 if layout.leads:
-                    resume.refuse(self.out, "the parity gate", str(e))
+                    resume.refuse(self.out, "the parity gate", str(e), _AFTER_PARITY)
                 raise
             self.timeline.mark("verified")
             staging, buffers = host.take(self.engine) if host else (None, [])

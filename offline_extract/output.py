@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from offline_extract.data.sources import Source
+from offline_extract.data.sources import CorpusReadError, Source
 from offline_extract.engine.distributed import Coordinator, Layout
 from offline_extract.engine.nonfinite import NonFiniteError
 from offline_extract.progress import note
@@ -136,6 +136,24 @@ class OutputDirectory:
             )
         note(timing_line(timings))
         return total
+
+    @contextmanager
+    def refused_where_the_corpus_breaks_off(self) -> Iterator[None]:
+        """A corpus file that cannot be read to its end (cut short, damaged) stops a re-run of the same command at
+        the same place: the leader records the refusal, so that the directory does not read as an interrupted
+        run that a re-run would finish."""
+        try:
+            yield
+        except CorpusReadError as e:
+            if self.layout.leads:
+                resume.refuse(
+                    self.out,
+                    "its corpus, which cannot be read to its end",
+                    str(e),
+                    "Put a whole copy of the corpus file in its place and re-run the same command with --force (the "
+                    "corpus recorded is the damaged file): the samples kept are of the records read before the damage",
+                )
+            raise
 
     def _check_corpus_unchanged(self, total: Summary, sources: Sequence[Source]) -> None:
         """The corpus files fingerprinted again, as the identity recorded them when the run began: one changed

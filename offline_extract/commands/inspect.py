@@ -105,12 +105,12 @@ def _verify(path: str, as_json: bool) -> None:
         [report.ignored] * bool(report.ignored) + report.problems + [f"unfinished: {n}" for n in report.unfinished]
     ):
         click.echo(line)
-    if report.refused:
-        click.echo(f"refused: the run {report.refused}")
     verdict = plural(len(report.problems), "problem") if report.problems else "no problems"
     click.echo(
         f"verified {plural(report.shards, 'shard')} holding {plural(report.samples, 'sample')} in {path}: {verdict}"
     )
+    if report.refused:  # its words end with what to do
+        click.echo(f"refused: the run {report.refused}")
     _advise(report, path)
     raise SystemExit(status)
 
@@ -128,10 +128,6 @@ def _advise(report, path: str) -> None:
     if report.damaged:
         their = "its" if len(report.damaged) == 1 else "their"
         click.echo(f"delete {', '.join(report.damaged)} and {rerun}, which redoes exactly {their} samples")
-    elif report.refused:
-        click.echo(
-            "the run extracted nothing: fix what the verdict names (or run in float32, --dtype float32), then re-run"
-        )
     elif report.problems and report.manifest:
         click.echo("no shard is damaged: delete nothing, re-running the extraction repairs the rest")
     elif report.problems:

@@ -38,8 +38,9 @@ from offline_extract.store.shard import read_header
 from offline_extract.words import listing, plural
 
 MANIFEST_NAME = "manifest.json"
-# The status of a run that a check refused before it extracted anything (the parity gate): its `result` holds
-# who refused it and the verdict, which a re-run with the same options gives again.
+# The status of a run that a check refused (the parity gate; a corpus file that breaks off; kept samples that the
+# corpus does not hold): its `result` holds who refused it, the verdict, which a re-run with the same command
+# gives again, and what to do instead.
 REFUSED = "refused"
 JOURNAL = ".manifest.dp{}.jsonl"  # a replica's shards completed since manifest.json was written, by its DP rank
 # A corpus file is identified by its name, size, and the sha256 of this many blocks spread evenly over
@@ -205,13 +206,16 @@ def unfinished(out: str | os.PathLike) -> str | None:
 
 
 def refusal(recorded: dict) -> str | None:
-    """What a refused run's manifest says of it, in words (None: the run was not refused)."""
+    """What a refused run's manifest says of it, in words, ending with what to do (None: the run was not
+    refused)."""
     if recorded.get("status") != REFUSED:
         return None
     result = recorded.get("result") or {}
+    when = "" if recorded.get("shards") else " before it extracted anything"
     return (
-        f"was refused by {result.get('refused_by', 'a check')} before it extracted anything ({MANIFEST_NAME} "
-        f"status {REFUSED!r}); re-running the same command gives the same verdict:\n{result.get('verdict', '')}"
+        f"was refused by {result.get('refused_by', 'a check')}{when} ({MANIFEST_NAME} status {REFUSED!r}); "
+        f"re-running the same command gives the same verdict:\n{result.get('verdict', '')}\n"
+        + result.get("advice", "Fix what the verdict names, then re-run")
     )
 
 

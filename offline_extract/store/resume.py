@@ -307,10 +307,12 @@ def claim(out: Path, identity: dict) -> list[str]:
     return manifest.consolidate(out, identity=identity, status="running", result=None)[1]
 
 
-def refuse(out: Path, by: str, verdict: str) -> None:
-    """The leader's side, once `by` (the parity gate) has refused the run: the manifest says so, with the
-    verdict, so that the directory does not read as an interrupted run that a re-run would finish."""
-    manifest.consolidate(out, status=manifest.REFUSED, result={"refused_by": by, "verdict": verdict})
+def refuse(out: Path, by: str, verdict: str, advice: str) -> None:
+    """The leader's side, once `by` has refused the run: the manifest says so, with the verdict and what to do
+    (`advice`), so that the directory does not read as an interrupted run that a re-run would finish. Its
+    complete shards are recorded, as they are."""
+    result = {"refused_by": by, "verdict": verdict, "advice": advice}
+    manifest.consolidate(out, status=manifest.REFUSED, result=result)
 
 
 def done_mask(out: Path, shards: Sequence[str]) -> np.ndarray:

@@ -1,20 +1,30 @@
 """A corpus file that changes while a run reads it (cut short in place, appended to) is found at the run's end,
 fingerprinted again as its identity recorded it at the start: the run is not marked complete for a corpus it
-did not read whole, and says what to do. In-process, on the session's engine (SGLang starts one a process)."""
+did not read whole, and says what to do. A corpus file that cannot be read to its end refuses the run, and the
+directory says so. In-process, on the session's engine (SGLang starts one a process)."""
 
+import gzip
 import json
+import random
 import re
 import shutil
 
 import pytest
+from click.testing import CliRunner
 from extract_runs import ROOT
 
 from offline_extract import extraction
+from offline_extract.commands import inspect
 from offline_extract.data.corpus import rows
+from offline_extract.data.sources import CorpusReadError
 from offline_extract.options import ExtractOptions
 from offline_extract.output import StoppedError
 
 CORPUS = ROOT / "examples" / "corpus.jsonl"
+
+
+def _status(out) -> str:
+    return json.loads((out / "manifest.json").read_text())["status"]
 
 
 def _opts(corpus, out, **changes):
@@ -76,13 +86,13 @@ def test_a_corpus_changed_during_the_run_is_not_marked_complete_and_the_rerun_sa
         rf"--force",
         message,
     ), message
-    assert json.loads((out / "manifest.json").read_text())["status"] == "running"
+    assert _status(out) == "running"
 
     # As it says: with --force, the corpus as it is now is taken and the run completes.
     monkeypatch.setattr(extraction, "rows", rows)
     summary = extraction.run(_opts(corpus, out, force=True))
     records = len(corpus.read_text().splitlines())
-    assert summary.records == records and json.loads((out / "manifest.json").read_text())["status"] == "complete"
+    assert summary.records == records and _status(out) == "complete"
 
 
 def test_an_unchanged_corpus_is_marked_complete(tiny_engine, tmp_path, monkeypatch):
@@ -92,3 +102,29 @@ def test_an_unchanged_corpus_is_marked_complete(tiny_engine, tmp_path, monkeypat
     _changing(monkeypatch, corpus, lambda path: path.touch())  # a new mtime is no change of content
     assert extraction.run(_opts(corpus, tmp_path / "out")).extracted == 24
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["status"] == "complete"
+
+
+def test_a_corpus_file_that_breaks_off_is_said_to_be_damaged_not_finished_by_a_rerun(
+    tiny_engine, tmp_path, monkeypatch
+):
+    """A .jsonl.gz cut short: the run stopped at its end with the manifest at "running", and inspect then advised a
+    re-run, which stopped at the same place."""
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: tiny_engine)
+    letters = random.Random(0)
+    text = "".join(
+        json.dumps({"text": " ".join("".join(letters.choices("abcdefghij", k=5)) for _ in range(20))}) + "\n"
+        for _ in range(300)
+    )
+    whole = gzip.compress(text.encode())
+    corpus, out = tmp_path / "corpus.jsonl.gz", tmp_path / "out"
+    corpus.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(CorpusReadError) as stopped:
+        extraction.run(_opts(corpus, out))
+    verdict = str(stopped.value)
+    assert verdict.startswith(f"{corpus} cannot be read past line ") and "a truncated or damaged file?" in verdict
+    assert _status(out) == "refused"
+    for args in ([str(out)], [str(out), "--verify"]):
+        said = CliRunner().invoke(inspect.main, args).output
+        assert "was refused by its corpus, which cannot be read to its end" in said and verdict in said, said
+        assert "Put a whole copy of the corpus file in its place and re-run the same command with --force" in said
+        assert "finish" not in said and "interrupted" not in said, said

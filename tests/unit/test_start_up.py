@@ -427,9 +427,10 @@ def test_a_mismatch_at_the_gate_stops_the_run_before_any_shard_naming_the_failin
     _names_the_failing_layers(err, wrong_reference["rows"], tiny_engine.layer_ids)
     verdict = err.removeprefix("Error: ").removesuffix("\n")
     recorded = json.loads((out / "manifest.json").read_text())
+    advice = "Fix what the verdict names (or run in float32, --dtype float32), then re-run"
     assert (recorded["status"], recorded["result"]) == (
         "refused",
-        {"refused_by": "the parity gate", "verdict": verdict},
+        {"refused_by": "the parity gate", "verdict": verdict, "advice": advice},
     )
 
     # What is left reads as refused, not as an interrupted run that a re-run would finish.
@@ -440,10 +441,9 @@ def test_a_mismatch_at_the_gate_stops_the_run_before_any_shard_naming_the_failin
     checked = CliRunner().invoke(inspect.main, [str(out), "--verify"])
     assert checked.exit_code == 1, checked.output
     assert checked.output == (
-        f"refused: the run was refused by the parity gate before it extracted anything (manifest.json status "
-        f"'refused'); re-running the same command gives the same verdict:\n{verdict}\n"
         f"verified 0 shards holding 0 samples in {out}: no problems\n"
-        "the run extracted nothing: fix what the verdict names (or run in float32, --dtype float32), then re-run\n"
+        f"refused: the run was refused by the parity gate before it extracted anything (manifest.json status "
+        f"'refused'); re-running the same command gives the same verdict:\n{verdict}\n{advice}\n"
     )
     summary = CliRunner().invoke(inspect.main, [str(out)])
     assert summary.exit_code == 1 and "interrupted" not in summary.output and "unfinished" not in summary.output
