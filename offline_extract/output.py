@@ -52,6 +52,7 @@ class OutputDirectory:
     def __init__(self, out: Path, layout: Layout, coord: Coordinator):
         self.out, self.layout, self.coord = out, layout, coord
         self.identity: dict | None = None  # the identity the leader recorded, with the corpus as it was then
+        self.kept: tuple[list[str], np.ndarray] = ([], np.zeros(0, dtype=bool))  # the shards kept, their records
 
     def already_complete(self, finished: dict, data: Sequence[str], force: bool) -> Summary | None:
         """The directory holds this run's finished output. Every rank finds the same, and no rank loads the
@@ -92,6 +93,7 @@ class OutputDirectory:
 
         notes = self.coord.from_leader(claim)
         done = resume.done_mask(out, existing.shards)
+        self.kept = (existing.shards, done)
         if self.layout.leads:
             for line in notes:
                 note(line)
@@ -121,6 +123,7 @@ class OutputDirectory:
         if not self.layout.leads:
             return None
         self._check_corpus_unchanged(total, sources)
+        resume.check_kept(self.out, *self.kept, total.records)
         with resumable(self.out):
             _merge_rejects(self.out)
             write_index(self.out, written)

@@ -328,6 +328,29 @@ def done_mask(out: Path, shards: Sequence[str]) -> np.ndarray:
     return mask
 
 
+def check_kept(out: Path, shards: Sequence[str], done: np.ndarray, records: int) -> None:
+    """The leader's side at the end of a run that kept the samples of `shards` (`done`: their records): a kept
+    sample of a record past the `records` the corpus held proves that the corpus is neither the one it was
+    extracted from nor that one with records appended, which --force (or a directory without its manifest) took
+    it for. The run is refused, recorded so (`refuse`), where it would be marked complete with counts that its
+    shards contradict, and serve those samples as records they are not."""
+    past = int(done[records:].sum())
+    if not past:
+        return
+    holding = [name for name in shards if any(info.index >= records for info in read_header(out / name).samples)]
+    verdict = (
+        f"{out} holds {plural(past, 'sample')} of records past the {plural(records, 'record')} its corpus holds now, "
+        f"in {listing(holding)}: the corpus is neither the one they were extracted from nor that one with records "
+        f"appended, so the samples kept there cannot be taken for its records"
+    )
+    advice = (
+        f"Choose another --out, or move out of {out} every shard holding a sample_index of {records} or more "
+        f"({listing(holding)}) and re-run the same command: it extracts their samples of this corpus again"
+    )
+    refuse(out, "its kept samples, which the corpus does not hold", verdict, advice)
+    raise TakeoverError(f"{verdict}\n{advice}")
+
+
 # Kept samples whose changed images a refusal names one by one; the rest are counted.
 CHANGED_IMAGES_SHOWN = 5
 

@@ -1,7 +1,8 @@
 """A corpus file that changes while a run reads it (cut short in place, appended to) is found at the run's end,
 fingerprinted again as its identity recorded it at the start: the run is not marked complete for a corpus it
-did not read whole, and says what to do. A corpus file that cannot be read to its end refuses the run, and the
-directory says so. In-process, on the session's engine (SGLang starts one a process)."""
+did not read whole, and says what to do. A corpus that no longer holds the records of samples kept in --out (cut
+short, or shards of another run copied in), or a corpus file that cannot be read to its end, refuses the run, and
+the directory says so. In-process, on the session's engine (SGLang starts one a process)."""
 
 import gzip
 import json
@@ -19,6 +20,11 @@ from offline_extract.data.corpus import rows
 from offline_extract.data.sources import CorpusReadError
 from offline_extract.options import ExtractOptions
 from offline_extract.output import StoppedError
+from offline_extract.store.index import shard_paths
+from offline_extract.store.resume import TakeoverError
+from offline_extract.store.schema import ShardError
+from offline_extract.store.shard import read_header
+from offline_extract.training.datasets import HiddenStateDataset
 
 CORPUS = ROOT / "examples" / "corpus.jsonl"
 
@@ -88,10 +94,16 @@ def test_a_corpus_changed_during_the_run_is_not_marked_complete_and_the_rerun_sa
     ), message
     assert _status(out) == "running"
 
-    # As it says: with --force, the corpus as it is now is taken and the run completes.
+    # As it says: with --force, the corpus as it is now is taken and the run completes; where it was cut short,
+    # the samples of the records it no longer holds are not taken for its own (test_force_keeps_no_sample_...).
     monkeypatch.setattr(extraction, "rows", rows)
-    summary = extraction.run(_opts(corpus, out, force=True))
     records = len(corpus.read_text().splitlines())
+    if change is _cut:
+        with pytest.raises(TakeoverError, match=f"of records past the {records} records its corpus holds now"):
+            extraction.run(_opts(corpus, out, force=True))
+        assert _status(out) == "refused"
+        return
+    summary = extraction.run(_opts(corpus, out, force=True))
     assert summary.records == records and _status(out) == "complete"
 
 
@@ -102,6 +114,53 @@ def test_an_unchanged_corpus_is_marked_complete(tiny_engine, tmp_path, monkeypat
     _changing(monkeypatch, corpus, lambda path: path.touch())  # a new mtime is no change of content
     assert extraction.run(_opts(corpus, tmp_path / "out")).extracted == 24
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["status"] == "complete"
+
+
+def _kept_past(out, records: int) -> list:
+    return [p for p in shard_paths(out) if any(info.index >= records for info in read_header(p).samples)]
+
+
+@pytest.mark.parametrize("manifest", [True, False], ids=["resumed", "shards copied into an --out without manifest"])
+def test_force_keeps_no_sample_of_a_record_the_corpus_does_not_hold(manifest, tiny_engine, tmp_path, monkeypatch):
+    """The corpus cut to its first 5 records, or shards of another run copied in: with --force the run said "records
+    5, extracted 5, complete", and the datasets served all 24 samples, 19 of records that were not there."""
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: tiny_engine)
+    out, first_five = tmp_path / "out", tmp_path / "first_five.jsonl"
+    first_five.write_text("".join(CORPUS.read_text().splitlines(keepends=True)[:5]))
+    extraction.run(_opts(CORPUS, tmp_path / "whole"))
+    if manifest:
+        shutil.copytree(tmp_path / "whole", out)
+    else:
+        out.mkdir()
+        for path in shard_paths(tmp_path / "whole"):
+            shutil.copy(path, out)
+    past = _kept_past(out, 5)
+    assert past, "some shard holds records past the fifth"
+
+    with pytest.raises(TakeoverError) as refused:
+        extraction.run(_opts(first_five, out, force=True))
+    verdict, advice = str(refused.value).split("\n")
+    assert verdict.startswith(f"{out} holds 19 samples of records past the 5 records its corpus holds now, in ")
+    assert advice.startswith(f"Choose another --out, or move out of {out} every shard holding a sample_index of 5 or ")
+    recorded = json.loads((out / "manifest.json").read_text())
+    assert (recorded["status"], recorded["result"]["verdict"], recorded["result"]["advice"]) == (
+        "refused",
+        verdict,
+        advice,
+    )
+    # Not served as the corpus's samples, nor said to be finished by a re-run.
+    with pytest.raises(ShardError, match="was refused by its kept samples, which the corpus does not hold"):
+        HiddenStateDataset(out)
+    checked = CliRunner().invoke(inspect.main, [str(out), "--verify"])
+    assert checked.exit_code == 1 and checked.output.endswith(f"{verdict}\n{advice}\n"), checked.output
+
+    # As it says: those shards moved out, the same command extracts the 5 records' samples that they held.
+    for path in past:
+        path.rename(tmp_path / path.name)
+    summary = extraction.run(_opts(first_five, out, force=True))
+    assert (summary.records, summary.extracted + summary.resumed, _status(out)) == (5, 5, "complete")
+    assert len(HiddenStateDataset(out)) == 5
+    assert sorted(info.index for p in shard_paths(out) for info in read_header(p).samples) == [0, 1, 2, 3, 4]
 
 
 def test_a_corpus_file_that_breaks_off_is_said_to_be_damaged_not_finished_by_a_rerun(
