@@ -56,7 +56,8 @@ than silently producing a drafter trained on the wrong state.
 DEST also gets export_manifest.json (ignored by both trainers): the format, the source directory, the
 run, the options, the final state exported and whether it was converted, and sample i's id at position
 i. An interrupted export resumes when rerun with the same source and options: every per-sample file is
-renamed into place complete, so existing ones are skipped.
+renamed into place complete, so existing ones are skipped, and the token table and frequencies are made again
+whole.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 import yaml
 from safetensors.torch import save as safetensors_bytes
@@ -474,13 +476,10 @@ def _write_speculators_tokens(dataset: HiddenStateDataset, dest: Path) -> None:
     and the frequencies of the tokens in the loss."""
     import datasets
 
-    freq: Counter[int] = Counter()
-
     def rows():
         for i in range(len(dataset)):
             with _interrupt_between_samples():
                 ids, mask = dataset.tokens(i)
-                freq.update(ids[mask.bool()].tolist())
                 row = {"input_ids": ids.numpy(), "loss_mask": mask.to(torch.int64).numpy(), "seq_len": len(ids)}
             yield row
 
@@ -500,11 +499,23 @@ def _write_speculators_tokens(dataset: HiddenStateDataset, dest: Path) -> None:
         table = datasets.Dataset.from_generator(rows, features=features, cache_dir=str(cache))
         table.set_format(type="torch")
         table.save_to_disk(str(dest))
+        freq = _loss_token_counts(table)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
         if bars:
             datasets.enable_progress_bars()
-    atomic_write(dest / SPECULATORS_TOKEN_FREQ, lambda tmp: _write_bytes(tmp, _torch_bytes(dict(freq))))
+    atomic_write(dest / SPECULATORS_TOKEN_FREQ, lambda tmp: _write_bytes(tmp, _torch_bytes(freq)))
+
+
+def _loss_token_counts(table) -> dict[int, int]:
+    """{token id: count} of the loss tokens in the datasets `table`, read from the table itself: `datasets` builds it
+    from its cache where an interrupted export left one finished, without reading a sample again."""
+    counts: Counter[int] = Counter()
+    for batch in table.data.to_batches():
+        ids, mask = (batch.column(name).flatten().to_numpy() for name in ("input_ids", "loss_mask"))
+        tokens, n = np.unique(ids[mask != 0], return_counts=True)
+        counts.update(dict(zip(tokens.tolist(), n.tolist())))
+    return dict(counts)
 
 
 # Each format's writer; what the format is (its --help, final state and options): formats.EXPORTERS.

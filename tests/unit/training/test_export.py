@@ -3,10 +3,12 @@ import json
 import os
 import re
 import resource
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -483,3 +485,31 @@ def test_each_format_is_one_exporter_whose_options_its_writer_and_the_command_ta
         assert {"progress", "allow_partial"} <= set(takes), name
         assert set(exporter.options) <= set(takes) & params, (name, exporter.options)
         assert exporter.final_state in choices("final_state"), name
+
+
+def test_a_resumed_speculators_export_counts_the_token_frequencies_of_every_sample(pre_norm_dir, tmp_path, monkeypatch):
+    """Killed once `datasets` had finished its table in DEST's cache, the export was resumed: `datasets` took the
+    table from that cache, never reading the samples again, and token_freq.pt was written empty."""
+    dest = tmp_path / "spec"
+    clean = export_speculators(pre_norm_dir, tmp_path / "clean", progress=False)
+    want = torch.load(clean.dest / "token_freq.pt", weights_only=True)
+    assert sum(want.values()) > 0
+    remove = shutil.rmtree
+    # The kill: the cache stays, and token_freq.pt is not written.
+    monkeypatch.setattr(
+        shutil, "rmtree", lambda path, *a, **k: None if Path(path).name == ".datasets-cache" else remove(path, *a, **k)
+    )
+    write = export_module.atomic_write
+    monkeypatch.setattr(
+        export_module,
+        "atomic_write",
+        lambda path, *a, **k: None if path.name == "token_freq.pt" else write(path, *a, **k),
+    )
+    export_speculators(pre_norm_dir, dest, progress=False)
+    assert (dest / ".datasets-cache").is_dir() and not (dest / "token_freq.pt").exists()
+    monkeypatch.undo()
+
+    summary = export_speculators(pre_norm_dir, dest, progress=False)
+    assert summary.samples_skipped == len(LENGTHS)
+    assert torch.load(dest / "token_freq.pt", weights_only=True) == want
+    assert not (dest / ".datasets-cache").exists()
