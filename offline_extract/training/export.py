@@ -56,8 +56,8 @@ than silently producing a drafter trained on the wrong state.
 DEST also gets export_manifest.json (ignored by both trainers): the format, the source directory, the
 run, the options, the final state exported and whether it was converted, and sample i's id at position
 i. An interrupted export resumes when rerun with the same source and options: every per-sample file is
-renamed into place complete, so existing ones are skipped, and the token table and frequencies are made again
-whole.
+renamed into place complete, so existing ones are skipped (but for an empty one, which a power loss leaves), and
+the token table and frequencies are made again whole.
 """
 
 from __future__ import annotations
@@ -323,11 +323,12 @@ def _write_samples(
 ) -> None:
     """One file per sample (item `read(i)` saved by `save`), skipping those an earlier attempt wrote. Not
     fsynced per file (that would dominate an export of millions of small files); the rename still means a
-    reader or a resumed export never sees a partial file."""
+    reader or a resumed export never sees a partial file, but a power loss may leave one empty, which is written
+    again (no file of ours is empty)."""
     with RunProgress(lambda: len(dataset), "export", enabled=progress) as bar:
         for i in range(len(dataset)):
             path = path_of(i)
-            if path.exists():
+            if path.is_file() and path.stat().st_size:
                 summary.samples_skipped += 1
                 bar.advance(1, 0, summary.bytes_written)
                 continue

@@ -108,6 +108,20 @@ def test_resumes_an_interrupted_export(out_dir, tmp_path):
     assert specforge_path(dest, 2).stat().st_mtime_ns == before
 
 
+@pytest.mark.parametrize("fmt", ["specforge", "speculators"])
+def test_a_resumed_export_writes_again_a_file_left_empty(out_dir, pre_norm_dir, tmp_path, fmt):
+    """A file under its final name but empty (a power loss after its rename: per-sample files are not fsynced) was
+    counted as already there, and the export served it."""
+    source, path = (out_dir, specforge_path) if fmt == "specforge" else (pre_norm_dir, speculators_path)
+    dest = tmp_path / fmt
+    WRITERS[fmt](source, dest, progress=False)
+    whole = path(dest, 5).read_bytes()
+    path(dest, 5).write_bytes(b"")
+    summary = WRITERS[fmt](source, dest, progress=False)
+    assert (summary.samples_written, summary.samples_skipped) == (1, len(LENGTHS) - 1)
+    assert path(dest, 5).read_bytes() == whole
+
+
 def test_refuses_a_destination_holding_other_data(out_dir, tmp_path):
     dest = tmp_path / "sf"
     export_specforge(out_dir, dest, progress=False)
