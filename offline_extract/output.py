@@ -130,7 +130,7 @@ class OutputDirectory:
             timeline.mark("finished")
             timings = take_timings()
             # Last, so that a manifest saying "complete" means the index and rejects.jsonl are final too.
-            counts = {key: getattr(total, key) for key in ("records", "skipped", "rejected", "dropped")}
+            counts = {key: getattr(total, key) for key in ("records", *manifest.LEFT_OUT)}
             manifest.consolidate(
                 self.out,
                 status="complete",

@@ -125,14 +125,21 @@ def _advise(report, path: str) -> None:
         if report.manifest
         else f"re-run the extraction with --force and the same --data (no {manifest.MANIFEST_NAME} records its corpus)"
     )
+    if report.strays:
+        one = len(report.strays) == 1
+        click.echo(
+            f"move {', '.join(report.strays)} out of {path}: {'it is no shard' if one else 'they are none'} of the "
+            "run (samples another shard holds, or not listed in its finished manifest), which no reader or run "
+            "takes as they are; then verify again"
+        )
     if report.damaged:
         their = "its" if len(report.damaged) == 1 else "their"
         click.echo(f"delete {', '.join(report.damaged)} and {rerun}, which redoes exactly {their} samples")
-    elif report.problems and report.manifest:
-        click.echo("no shard is damaged: delete nothing, re-running the extraction repairs the rest")
-    elif report.problems:
+    elif report.problems and not report.strays:  # with strays, the rest may be theirs alone: verified again, it is said
         click.echo(
-            f"no shard is damaged as far as can be told without checksums: delete nothing; {rerun}, which "
+            "no shard is damaged: delete nothing, re-running the extraction repairs the rest"
+            if report.manifest
+            else f"no shard is damaged as far as can be told without checksums: delete nothing; {rerun}, which "
             f"rebuilds {manifest.MANIFEST_NAME} (checksumming the shards as they are now) and the rest"
         )
     if report.unfinished and report.running:

@@ -39,11 +39,17 @@ class Verification:
     samples: int = 0
     problems: list[str] = field(default_factory=list)  # damage or inconsistency, each line naming what
     damaged: list[str] = field(default_factory=list)  # the shard files among them: delete these and re-run
+    # Shards of no part of the run (another's samples again, or not listed by its complete manifest): move these out
+    strays: list[str] = field(default_factory=list)
     unfinished: list[str] = field(default_factory=list)  # an interrupted run's state: a re-run finishes it
     manifest: bool = True  # whether manifest.json was there: without it a re-run needs --force
     running: str | None = None  # the live run writing the directory now, in words (`lock.running`)
     refused: str | None = None  # a run refused before extracting (manifest.refusal): a re-run refuses it again
     ignored: str | None = None  # the files named like shards but not as one, which nothing reads (`not_shards`)
+
+    def stray(self, name: str) -> None:
+        if name not in self.strays:
+            self.strays.append(name)
 
     def damage(self, name: str, problems: list[str]) -> None:
         self.problems += problems
@@ -69,15 +75,12 @@ def verify(out: str | os.PathLike, threads: int = 8) -> Verification:
         report.damage(path.name, found)
         if header is not None:
             headers[path.name] = header
-    seen: dict[int, str] = {}
-    for name, header in headers.items():
-        for info in header.samples:
-            if info.index in seen:
-                report.problems.append(
-                    f"sample index {info.index} (id {info.id!r}) is in both {seen[info.index]} and {name}"
-                )
-            seen.setdefault(info.index, name)
-    report.samples = len(seen)
+    listed = set((recorded or {}).get("shards", {}))
+    _check_repeats(headers, listed, report)
+    if recorded is not None:
+        # The run's result over some of the shards alone would add a false problem to the one that names the others.
+        whole = len(headers) == len(paths) and set(headers) == listed
+        report.problems += _count_differences(out, recorded, list(headers.values()), whole)
     # One line per way of checking, not per shard: a killed run may leave hundreds of them.
     by_how: dict[str, list[str]] = {}
     for name, how in unrecorded.items():
@@ -95,6 +98,37 @@ def verify(out: str | os.PathLike, threads: int = 8) -> Verification:
     elif not report.refused:  # a refused run writes no index, and its refusal says why
         report.problems += stale
     return report
+
+
+def _check_repeats(headers: dict[str, ShardHeader], listed: set[str], report: Verification) -> None:
+    """One problem for each pair of shards that hold samples of the same records, and of each pair the shard to
+    move out (`Verification.strays`): the one manifest.json does not list (a copy under a new number), else the
+    later. Counts the samples held once."""
+    seen: dict[int, str] = {}
+    shared: dict[tuple[str, str], list[int]] = {}
+    for name, header in headers.items():
+        for info in header.samples:
+            first = seen.setdefault(info.index, name)
+            if first != name:
+                shared.setdefault((first, name), []).append(info.index)
+    report.samples = len(seen)
+    for (first, later), indices in shared.items():
+        extra = first if first not in listed and later in listed else later
+        report.problems.append(
+            f"{later} holds {plural(len(indices), 'sample')} that {first} holds too (sample_index "
+            f"{listing([str(i) for i in indices])})"
+        )
+        report.stray(extra)
+
+
+def _count_differences(out: Path, recorded: dict, headers: list[ShardHeader], whole: bool) -> list[str]:
+    """How the counts manifest.json records differ from what the shards `headers` and rejects.jsonl hold; the run's
+    result only where `headers` are all the shards it lists."""
+    try:
+        rejects = manifest.read_rejects(out) if whole else None
+    except ValueError as e:  # a damaged line: named, and the counts it would give are not checked
+        return [str(e)]
+    return manifest.count_differences(recorded, manifest.counts_held(headers, rejects))
 
 
 def _check_checksums(
@@ -121,7 +155,8 @@ def _check_checksums(
         if path.name in listed:
             continue
         if status == "complete":
-            report.problems.append(f"{path.name}: not listed in {manifest.MANIFEST_NAME}")
+            report.problems.append(f"{path.name}: not listed in {manifest.MANIFEST_NAME}, so no shard of its run")
+            report.stray(path.name)
         else:
             unrecorded[path.name] = "checked against the run's journal" if path.name in logged else unlogged
     entries = {p: listed.get(p.name) or logged.get(p.name) for p in paths}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
@@ -30,11 +31,12 @@ from offline_extract.store.schema import (
     FORMAT_VERSION,
     IDENTITY_KEYS,
     READABLE_FORMAT_VERSIONS,
+    REJECTS_FILE,
     RunInfo,
     ShardError,
     shard_number,
 )
-from offline_extract.store.shard import read_header
+from offline_extract.store.shard import ShardHeader, read_header
 from offline_extract.words import listing, plural
 
 MANIFEST_NAME = "manifest.json"
@@ -42,6 +44,8 @@ MANIFEST_NAME = "manifest.json"
 # corpus does not hold): its `result` holds who refused it, the verdict, which a re-run with the same command
 # gives again, and what to do instead.
 REFUSED = "refused"
+# The kinds of record a run leaves out (rejects.jsonl's `kind`), each counted in a complete run's result.
+LEFT_OUT = ("skipped", "rejected", "dropped")
 JOURNAL = ".manifest.dp{}.jsonl"  # a replica's shards completed since manifest.json was written, by its DP rank
 # A corpus file is identified by its name, size, and the sha256 of this many blocks spread evenly over
 # it (the whole file when that covers it): a few milliseconds at start-up for a terabyte corpus, where
@@ -171,9 +175,9 @@ def _not_ours(document) -> str | None:
 
 
 def unfinished(out: str | os.PathLike) -> str | None:
-    """Why `out` does not hold a finished extraction's every sample, or None when it does: its manifest
-    says complete and every shard it lists is there. A directory without manifest.json (shards written
-    through the library) claims nothing, so nothing is held against it."""
+    """Why `out` does not hold a finished extraction's every sample and those alone, or None when it does: its
+    manifest says complete, every shard it lists is there, and no other, and its counts are theirs. A directory
+    without manifest.json (shards written through the library) claims nothing, so nothing is held against it."""
     out = Path(out)
     recorded = load(out)
     if recorded is None:
@@ -196,13 +200,32 @@ def unfinished(out: str | os.PathLike) -> str | None:
         )
     listed = recorded.get("shards", {})
     gone = [name for name in listed if not (out / name).is_file()]
-    if not gone:
-        return None
-    lost = sum(listed[name]["num_samples"] for name in gone)
-    return (
-        f"{out} is missing {', '.join(gone)}, listed in {MANIFEST_NAME}: {plural(lost, 'sample')} of the extraction "
-        f"are not there. Re-run the extraction to redo them"
-    )
+    extra = unlisted(out, recorded)
+    if extra:
+        return (
+            f"{out} holds {listing(extra)}, which its finished run's {MANIFEST_NAME} does not list: "
+            f"{'no shard' if len(extra) == 1 else 'none'} of that run (a copy, or another run's). Move "
+            f"{'it' if len(extra) == 1 else 'them'} out of {out}"
+        )
+    if gone:
+        lost = sum(listed[name]["num_samples"] for name in gone)
+        return (
+            f"{out} is missing {', '.join(gone)}, listed in {MANIFEST_NAME}: {plural(lost, 'sample')} of the "
+            f"extraction are not there. Re-run the extraction to redo them"
+        )
+    wrong = contradicted(out, recorded)
+    if wrong:
+        return (
+            f"{out} is complete by its {MANIFEST_NAME}, with counts that its shards and {REJECTS_FILE} contradict "
+            f"({'; '.join(wrong)}). Re-run the extraction: it reads the corpus again and records what it holds"
+        )
+    return None
+
+
+def unlisted(out: Path, recorded: dict) -> list[str]:
+    """The shards in `out` that its complete manifest `recorded` does not list: no run's that finished there, since
+    a run lists every shard on disk as it finishes."""
+    return [p.name for p in shard_paths(out) if p.name not in recorded.get("shards", {})]
 
 
 def refusal(recorded: dict) -> str | None:
@@ -217,6 +240,67 @@ def refusal(recorded: dict) -> str | None:
         f"re-running the same command gives the same verdict:\n{result.get('verdict', '')}\n"
         + result.get("advice", "Fix what the verdict names, then re-run")
     )
+
+
+def read_rejects(out: str | os.PathLike) -> list[dict] | None:
+    """The rows of out/rejects.jsonl, None where there is none; a damaged line is an error naming it."""
+    path = Path(out) / REJECTS_FILE
+    return read_journal(path) if path.is_file() else None
+
+
+def counts_held(headers: Sequence[ShardHeader], rejects: list[dict] | None) -> dict:
+    """The counts a complete run's manifest records, as the directory holds them: each shard's samples and tokens
+    (its header) and, where rejects.jsonl was read (`rejects`), the run's result: the samples in the shards, the
+    records left out by kind, and the records read, which are their sum."""
+    held: dict = {"shards": {h.path.name: {"num_samples": len(h.samples), "num_tokens": h.num_tokens} for h in headers}}
+    if rejects is not None:
+        kinds = Counter(row.get("kind") for row in rejects)
+        result = {"extracted": sum(len(h.samples) for h in headers), **{kind: kinds[kind] for kind in LEFT_OUT}}
+        held["result"] = {"records": sum(result.values()), **result}
+    return held
+
+
+def count_differences(recorded: dict, held: dict) -> list[str]:
+    """How the counts that the manifest `recorded` holds differ from those the directory holds (`counts_held`),
+    one line each: a shard's, and a complete run's result."""
+    listed = recorded.get("shards", {})
+    found = [
+        f"{MANIFEST_NAME}: {name} {key} is {listed[name].get(key)!r}, the shard holds {value}"
+        for name, counts in held["shards"].items()
+        if name in listed
+        for key, value in counts.items()
+        if listed[name].get(key) != value
+    ]
+    result = recorded.get("result")
+    if "result" in held and recorded.get("status") == "complete" and isinstance(result, dict):
+        found += [
+            f"{MANIFEST_NAME}: result {key} is {result.get(key)!r}, the shards and {REJECTS_FILE} hold {value}"
+            for key, value in held["result"].items()
+            if result.get(key) != value
+        ]
+    return found
+
+
+def contradicted(out: str | os.PathLike, recorded: dict) -> list[str]:
+    """How the counts of the complete manifest `recorded` differ from those its shards and rejects.jsonl in `out`
+    hold (`count_differences`); none where a shard it lists is missing or unreadable, or rejects.jsonl is
+    damaged, which other checks name."""
+    out = Path(out)
+    try:
+        held = counts_held([read_header(out / name) for name in recorded.get("shards", {})], read_rejects(out))
+    except ValueError:  # ShardError too
+        return []
+    return count_differences(recorded, held)
+
+
+def recount(out: str | os.PathLike, held: dict) -> None:
+    """manifest.json of `out` with each shard's counts the directory holds (`counts_held`) in place of those it
+    records."""
+    recorded = load(out)
+    for name, counts in held["shards"].items():
+        if name in recorded["shards"]:
+            recorded["shards"][name].update(counts)
+    save(out, recorded)
 
 
 def save(out: str | os.PathLike, manifest: dict) -> None:

@@ -172,7 +172,7 @@ def finished(out: Path, known: RunInfo, data: Sequence[str]) -> dict | None:
     `known` is the run's facts before its model loads; what only SGLang decides (default layer ids, an
     "auto" compute dtype: None in `known`) is taken as recorded, and so are the tokenizer's hashes when
     `known` has none but names the same `tokenizer_files` as recorded. The corpus `data` must be the
-    recorded one, and every recorded shard still on disk at its size.
+    recorded one, every recorded shard still on disk at its size, and the counts recorded those of the directory.
     """
     current = _complete(out)
     if current is None or tokenizer_decides(out, known, current):
@@ -184,7 +184,8 @@ def finished(out: Path, known: RunInfo, data: Sequence[str]) -> dict | None:
     for name, entry in current["shards"].items():
         if not (out / name).is_file() or (out / name).stat().st_size != entry["bytes"]:
             return None
-    return current
+    # Counts that the shards contradict are not the run's: a resume reads the corpus again and counts it.
+    return None if manifest.contradicted(out, current) else current
 
 
 def _taken_as_recorded(known: RunInfo, recorded: dict) -> dict:
@@ -228,16 +229,23 @@ def _complete(out: Path) -> dict | None:
 
 
 def settle_finished(out: Path, recorded: dict) -> list[str]:
-    """The leader's side of a rerun that `finished` let through: a shard whose bytes differ from its
-    checksum refuses the run, saying what to do, and an index.json that is missing or does not describe the
-    shards' headers (stale, edited or damaged) is rebuilt from them (the model is not needed for that).
-    Returns notes on what was rebuilt."""
+    """The leader's side of a rerun that `finished` let through: a shard whose bytes differ from its checksum, or
+    one that the manifest does not list, refuses the run, saying what to do, and an index.json that is missing or
+    does not describe the shards' headers (stale, edited or damaged) is rebuilt from them (the model is not needed
+    for that). Returns notes on what was rebuilt."""
     damaged = manifest.damaged_shards(out, recorded)
     if damaged:
         raise TakeoverError(
             f"{out} holds this run's finished output, but damaged:\n  "
             + "\n  ".join(damaged)
             + "\nDelete the damaged shards and re-run the same command: it extracts exactly their samples again"
+        )
+    extra = manifest.unlisted(out, recorded)
+    if extra:
+        raise TakeoverError(
+            f"{out} holds this run's finished output and {listing(extra)}, which its {manifest.MANIFEST_NAME} does "
+            f"not list: no shard of this run (a copy, or another run's). Move them out of {out} and re-run the same "
+            f"command"
         )
     try:
         index = read_index(out)
@@ -302,9 +310,15 @@ def check_identity(out: Path, identity: dict, force: bool) -> list[str]:
 
 def claim(out: Path, identity: dict) -> list[str]:
     """The leader's side, once the run may resume in `out`: the manifest brought up to date with the shards
-    on disk (a crashed attempt's journals folded in) and this run's identity recorded, status running.
-    Returns notes on what was repaired."""
-    return manifest.consolidate(out, identity=identity, status="running", result=None)[1]
+    on disk (a crashed attempt's journals folded in, each shard's counts its header's) and this run's identity
+    recorded, status running. Returns notes on what was repaired."""
+    recorded, notes = manifest.consolidate(out, identity=identity, status="running", result=None)
+    held = manifest.counts_held([read_header(out / name) for name in recorded["shards"]], None)
+    wrong = manifest.count_differences(recorded, held)
+    if wrong:
+        manifest.recount(out, held)
+        notes.append(f"rebuilt the counts in {manifest.MANIFEST_NAME} that the shards contradicted: {'; '.join(wrong)}")
+    return notes
 
 
 def refuse(out: Path, by: str, verdict: str, advice: str) -> None:
