@@ -426,7 +426,11 @@ class Job:
         self._load()
         done = self.output.claim(existing, self.meta, self.checked.corpus_paths, self.opts.data, self.opts.force)
         self.share = Share(layout, done)
-        with self.output.refused_where_the_corpus_breaks_off(), resumable(self.out), ExitStack() as journals:
+        with (
+            self.output.refused_where_the_corpus_breaks_off(),
+            resumable(self.out, self.opts.data),
+            ExitStack() as journals,
+        ):
             rejects = (
                 journals.enter_context(Journal(self.out / resume.REJECTS_PART.format(layout.dp_rank)))
                 if layout.writes

@@ -34,14 +34,14 @@ class StoppedError(RuntimeError):
 
 
 @contextmanager
-def resumable(out: Path) -> Iterator[None]:
-    """Turns a failure that a re-run recovers from into a StoppedError that says so."""
+def resumable(out: Path, data: Sequence[str]) -> Iterator[None]:
+    """Turns a failure that a re-run of the corpus `data` (the --data entries) recovers from into a StoppedError that
+    says so."""
     try:
         yield
     except (OSError, NonFiniteError) as e:
         raise StoppedError(
-            f"{e}\nThe complete shards in {out} are kept: once the cause is fixed, re-running the same command "
-            f"resumes from them."
+            f"{e}\nThe complete shards in {out} are kept: once the cause is fixed, {resume.to_resume(data)}."
         ) from e
 
 
@@ -124,7 +124,7 @@ class OutputDirectory:
             return None
         self._check_corpus_unchanged(total, sources)
         resume.check_kept(self.out, *self.kept, total.records)
-        with resumable(self.out):
+        with resumable(self.out, [source.name for source in sources]):
             _merge_rejects(self.out)
             write_index(self.out, written)
             timeline.mark("finished")

@@ -173,29 +173,31 @@ def _run(opts: ExtractOptions, dry_run: bool, existed: bool):
     except ReportedByLeader:
         sys.exit(1)  # rank 0 printed why, once for the whole run
     except KeyboardInterrupt:
-        raise Interrupted(_left(opts.out, existed, dry_run)) from None
+        raise Interrupted(_left(opts, existed, dry_run)) from None
     except Terminated:
         rank = f"rank {os.environ['RANK']}" if "RANK" in os.environ else "dry run" if dry_run else "extraction"
         click.echo(
             f"{rank}: stopped by SIGTERM (under torchrun: another rank failed, and torchrun's report names "
-            f"it){_left(opts.out, existed, dry_run)}",
+            f"it){_left(opts, existed, dry_run)}",
             err=True,
         )
         sys.exit(TERMINATED)
 
 
-def _left(out: str, existed: bool, dry_run: bool) -> str:
+def _left(opts: ExtractOptions, existed: bool, dry_run: bool) -> str:
     """What a stop leaves in --out, said as it is: a directory that this run made and left empty goes."""
     from offline_extract.store.index import shard_paths
+    from offline_extract.store.resume import to_resume
     from offline_extract.words import plural
 
+    out = opts.out
     if dry_run:
         return _left_by_a_dry_run(out, existed)
     shards = shard_paths(Path(out)) if os.path.isdir(out) else []
     if shards:
         return (
             f"; the {plural(len(shards), 'complete shard')} in {out} {'are' if len(shards) > 1 else 'is'} "
-            f"kept, and re-running the same command resumes from them"
+            f"kept, and {to_resume(opts.data)}"
         )
     if not existed:
         with contextlib.suppress(OSError):  # not empty: it holds what the run wrote, or another's files

@@ -64,7 +64,7 @@ def file_fingerprint(path: str | os.PathLike) -> dict:
     sampled sha256: reading it here would take its records from the run."""
     path = Path(path)
     st = path.stat()
-    if not path.is_dir() and not path.is_file():
+    if streamed(path):
         size = sampled = None
     elif path.is_dir():
         files = sorted(f for f in path.rglob("*") if f.is_file())
@@ -82,6 +82,13 @@ def file_fingerprint(path: str | os.PathLike) -> dict:
         "path": str(path.resolve()),
         "mtime_ns": st.st_mtime_ns,
     }
+
+
+def streamed(path: str | os.PathLike) -> bool:
+    """Whether the corpus at `path` is a pipe (neither a file nor a folder): its records are read once, as they
+    stream, and cannot be compared with those a run recorded."""
+    path = Path(path)
+    return path.exists() and not path.is_file() and not path.is_dir()
 
 
 def _sampled_sha256(path: Path) -> str:

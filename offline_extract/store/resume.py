@@ -261,6 +261,19 @@ def settle_finished(out: Path, recorded: dict) -> list[str]:
     return [f"rebuilt {INDEX_NAME}, which was missing or did not describe the shards"]
 
 
+def to_resume(data: Sequence[str]) -> str:
+    """What resumes a run of the corpus `data` (the --data entries) from the complete shards it leaves, in words: the
+    same command, or where a pipe is among them, whose records cannot be compared with theirs, the same with --force."""
+    pipes = [name for name in data if manifest.streamed(name)]
+    if not pipes:
+        return "re-running the same command resumes from them"
+    return (
+        f"re-running the same command with --force resumes from them: --data {listing(pipes)} "
+        f"{'is a pipe' if len(pipes) == 1 else 'are pipes'}, whose records cannot be compared with theirs (right "
+        f"where it gives the same records in the same order)"
+    )
+
+
 def check_identity(out: Path, identity: dict, force: bool) -> list[str]:
     """The leader's side, once the model is loaded: refuse to mix runs, writing nothing (`claim` records
     the identity once every check has passed).
