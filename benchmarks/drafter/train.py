@@ -139,6 +139,21 @@ def config(
     }
 
 
+def peer_env() -> dict:
+    """This environment with the peer bundle's site first: SpecForge's trainer runs on its own pins."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PEER_SITE), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def export_to_sglang(layout: lay.Layout, run: str, checkpoint: Path, env: dict) -> list[str]:
+    """`specforge export --to sglang` of a run's last checkpoint into its drafter folder; returns its argv."""
+    argv = [lay.python(), "-m", "specforge.cli", "export", "--to", "sglang", "--checkpoint", str(checkpoint)]
+    argv += ["--draft-config", str(layout.draft_config), "--output-dir", str(layout.drafter(run))]
+    lay.run_logged(layout, f"export {run}", argv, layout.logs / f"export_{run}.log", env=env)
+    return argv
+
+
 def run_name(variant: str, seed: int) -> str:
     return f"{variant}-s{seed}"
 
@@ -166,18 +181,9 @@ def train(
         raise RuntimeError(f"{view} is not complete: run `states {variant}` first (on this machine)")
     write_draft_config(model, layout.draft_config)
     keys = target_copy(model, layout.target_copy)
+    settings = {"seed": seed, "steps": steps, "batch_size": batch_size, "max_length": max_length}
+    cfg = config(layout, run, view, keys, learning_rate=learning_rate, **settings)
     out = layout.train_dir(run)
-    cfg = config(
-        layout,
-        run,
-        view,
-        keys,
-        seed=seed,
-        steps=steps,
-        batch_size=batch_size,
-        max_length=max_length,
-        learning_rate=learning_rate,
-    )
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "config.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -185,34 +191,15 @@ def train(
     argv = [lay.python(), "-m", "specforge.cli", "train", "--config", str(cfg_path)]
     if latest.exists():
         argv.append(f"training.resume_from={latest}")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PEER_SITE), env.get("PYTHONPATH", "")) if p)
-    logs = layout.logs
-    wall = lay.run_logged(layout, f"train {run}", argv, logs / f"train_{run}.log", env=env)
-    export = [
-        lay.python(),
-        "-m",
-        "specforge.cli",
-        "export",
-        "--to",
-        "sglang",
-        "--checkpoint",
-        str(latest),
-        "--draft-config",
-        str(layout.draft_config),
-        "--output-dir",
-        str(drafter),
-    ]
-    lay.run_logged(layout, f"export {run}", export, logs / f"export_{run}.log", env=env)
+    env = peer_env()
+    wall = lay.run_logged(layout, f"train {run}", argv, layout.logs / f"train_{run}.log", env=env)
+    export = export_to_sglang(layout, run, latest, env)
     facts = {
         "command": command,
         "run": run,
         "variant": variant,
-        "seed": seed,
-        "steps": steps,
-        "batch_size": batch_size,
+        **settings,
         "learning_rate": learning_rate,
-        "max_length": max_length,
         "train": argv,
         "export": export,
         "train_wall_s": round(wall, 1),
