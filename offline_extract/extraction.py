@@ -399,9 +399,9 @@ class Job:
             with stopping.held_back():  # a lock taken is a lock released on the way out
                 lock, existing = resume.take_over(self.out)
                 locks.append(lock)
+                stopping.undo_at_once(lock.release)
             return asdict(existing)
 
-        stopping.clean_up_from_here()
         try:
             # Nobody touches the directory before the leader holds it and has cleared a crashed run's leftovers.
             existing = resume.Existing(**self.coord.from_leader(take_over))

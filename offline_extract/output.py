@@ -14,6 +14,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from offline_extract import stopping
 from offline_extract.data.sources import CorpusReadError, Source
 from offline_extract.engine.distributed import Coordinator, Layout
 from offline_extract.engine.nonfinite import NonFiniteError
@@ -81,7 +82,11 @@ class OutputDirectory:
     ) -> np.ndarray:
         """Checks that the directory's earlier shards come from this same run (once the model is loaded: the
         default layer ids and the compute dtype come from SGLang), and from the images the corpus `data` (the
-        --data entries) names now, and returns which records they hold."""
+        --data entries) names now, and returns which records they hold.
+
+        Until here the run has only locked --out (and made it), and a stop ends it at once, SGLang's import and
+        load included; the claim writes the manifest, and from it on a stop drops and keeps what it must."""
+        stopping.clean_up_from_here()
         out = self.out
 
         def claim() -> list[str]:

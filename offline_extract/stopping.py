@@ -2,9 +2,11 @@
 
 A command runs inside `guard`. Until a run has anything of its own to clean up (`at_once`), and where
 the command runs as the program, Ctrl-C ends the process at once with one line: nothing has been written,
-so nothing is lost, and no exception lands in code that cannot take one. From `clean_up_from_here` on
-(an extraction taking its --out over) it is a KeyboardInterrupt, so that the run drops its unfinished
-shard, keeps its journals and releases its lock on the way out. It is raised:
+so nothing is lost, and no exception lands in code that cannot take one. What little a run has to undo by
+then (its lock on --out, the empty --out it made) is undone on the way (`undo_at_once`). That holds through
+SGLang's import and model load, which take seconds, so that Ctrl-C is never kept waiting for them. From
+`clean_up_from_here` on (an extraction about to write into its --out) it is a KeyboardInterrupt, so that
+the run drops its unfinished shard, keeps its journals and releases its lock on the way out. It is raised:
 
 - not while the main thread imports a module (nor inside `held_back`), but as soon as the import
   returns (a timer looks again every POLL_S): raised inside an import it leaves torch, numpy or SGLang half-imported, so that their
@@ -23,7 +25,7 @@ import os
 import signal
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 # The shell's status for a command stopped by Ctrl-C (128 + SIGINT).
 INTERRUPTED = 128 + signal.SIGINT
@@ -39,6 +41,8 @@ class _State:
         self.failure = False  # a thread asks the main thread to stop (`interrupt_main`), not the user
         self.exits_at_once = exits_at_once  # the command runs as the program: it may end the process itself
         self.at_once: str | None = None  # the words to end the process with, while nothing needs cleaning up
+        self.undo: list[Callable[[], None]] = []  # what a stop at once undoes first (`undo_at_once`)
+        self.terminal: int | None = None  # the stderr the command started with, duplicated (`guard`)
         self.holding = 0  # `held_back` sections the main thread is in
 
 
@@ -47,9 +51,6 @@ _state = _State()
 
 def _on_sigint(signum, frame) -> None:
     _state.requested = _state.unraised = True
-    if _state.at_once is not None and _state.exits_at_once:
-        os.write(2, (_state.at_once + "\n").encode())
-        os._exit(INTERRUPTED)
     _deliver(frame)
 
 
@@ -60,11 +61,27 @@ def _on_alarm(signum, frame) -> None:
 def _deliver(frame) -> None:
     if not (_state.unraised or _state.failure):
         return
-    if _state.holding or _importing(frame):
+    if _state.holding:
+        signal.setitimer(signal.ITIMER_REAL, POLL_S)
+        return
+    if _state.unraised and _state.at_once is not None and _state.exits_at_once:
+        _exit_at_once()
+    if _importing(frame):
         signal.setitimer(signal.ITIMER_REAL, POLL_S)
         return
     _state.unraised = _state.failure = False
     raise KeyboardInterrupt
+
+
+def _exit_at_once() -> None:
+    for step in reversed(_state.undo):
+        try:
+            step()
+        except OSError:  # what it leaves is named by the words, or harmless (a lock file the kernel unlocked)
+            pass
+    # To the terminal the command started with: the model's load may have diverted fd 2 to hide its libraries' output.
+    os.write(2 if _state.terminal is None else _state.terminal, (_state.at_once + "\n").encode())
+    os._exit(INTERRUPTED)
 
 
 def _importing(frame) -> bool:
@@ -85,6 +102,8 @@ def guard(exits_at_once: bool) -> Iterator[None]:
         yield
         return
     _state = _State(exits_at_once)
+    if exits_at_once:
+        _state.terminal = os.dup(2)
     found = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGALRM)}
     signal.signal(signal.SIGALRM, _on_alarm)
     signal.signal(signal.SIGINT, _on_sigint)
@@ -94,6 +113,8 @@ def guard(exits_at_once: bool) -> Iterator[None]:
         signal.setitimer(signal.ITIMER_REAL, 0)
         for number, handler in found.items():
             signal.signal(number, handler)
+        if _state.terminal is not None:
+            os.close(_state.terminal)
         _state = _State()
 
 
@@ -110,14 +131,23 @@ def held_back() -> Iterator[None]:
 
 
 def at_once(words: str) -> None:
-    """Until `clean_up_from_here`: nothing of this command needs cleaning up, and Ctrl-C ends the process
-    with `words` (where the command runs as the program)."""
+    """Until `clean_up_from_here`: nothing of this command needs cleaning up beyond its `undo_at_once` steps, and
+    Ctrl-C ends the process with `words` (where the command runs as the program), even inside an import."""
     _state.at_once = words
+
+
+def undo_at_once(step: Callable[[], None]) -> None:
+    """Until `clean_up_from_here`, a stop at once runs `step` before its words, the steps last given first: a
+    lock released, an empty directory removed. It runs in the signal handler, between any two bytecodes of
+    the main thread, so it must be quick, import nothing (the import it interrupts may hold a module's lock)
+    and take no lock; an OSError it raises is passed over."""
+    _state.undo.append(step)
 
 
 def clean_up_from_here() -> None:
     """The run is about to write: from here Ctrl-C is a KeyboardInterrupt, for its cleanup to run."""
     _state.at_once = None
+    _state.undo.clear()
 
 
 def requested() -> bool:

@@ -128,8 +128,11 @@ SECTIONS = {
 def main(dry_run, **options):
     out = options["out"]
     existed = os.path.lexists(out)
-    # Until the run takes --out over (extraction.Job.run), a stop leaves nothing to clean up.
+    # Until the run writes into --out (output.OutputDirectory.claim), a stop leaves nothing to clean up but the --out
+    # it made.
     stopping.at_once(f"{stopping.STOPPED}{_left_by_a_dry_run(out, existed) if dry_run else _nothing_written(out)}")
+    if not (existed or dry_run):
+        stopping.undo_at_once(lambda: _remove_if_empty(out))
     # No full garbage collection until the model is loaded (extraction.Job._load); a dry run loads none.
     with contextlib.nullcontext() if dry_run else collector.start_up():
         # Here, not at the top: torch and transformers take seconds to import, which --help, --version and a
@@ -200,8 +203,7 @@ def _left(opts: ExtractOptions, existed: bool, dry_run: bool) -> str:
             f"kept, and {to_resume(opts.data)}"
         )
     if not existed:
-        with contextlib.suppress(OSError):  # not empty: it holds what the run wrote, or another's files
-            os.rmdir(out)
+        _remove_if_empty(out)
     return _nothing_written(out) if not os.path.lexists(out) else f" before any shard was written to {out}"
 
 
@@ -233,6 +235,12 @@ def _report(opts: ExtractOptions, summary) -> None:
     if verdict:
         # The manifest says complete (with these counts): re-running would only repeat this verdict.
         raise click.ClickException(f"{verdict}, see {Path(opts.out) / REJECTS_FILE}" if summary.records else verdict)
+
+
+def _remove_if_empty(out: str) -> None:
+    """--out, which this command made, removed where the stop leaves it empty."""
+    with contextlib.suppress(OSError):  # not empty: it holds what the run wrote, or another's files
+        os.rmdir(out)
 
 
 def _nothing_written(out: str) -> str:

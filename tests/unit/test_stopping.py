@@ -119,6 +119,38 @@ def test_ctrl_c_before_anything_is_written_ends_the_program_at_once_with_its_wor
     )
 
 
+def test_a_stop_at_once_inside_an_import_undoes_its_steps_and_tells_the_terminal(tmp_path):
+    # SGLang's import and model load ran after the run took its --out over, so Ctrl-C waited seconds for the import
+    # to return; ending at once there must release the lock and remove the empty --out first, and say so on the
+    # terminal while the load has fd 2 diverted to hide its libraries' output.
+    (tmp_path / "slow_module.py").write_text(_SLOW_MODULE)
+    made = tmp_path / "out"
+    code = textwrap.dedent(f"""
+        import os, sys, time
+        from offline_extract import stopping
+        sys.path.insert(0, {str(tmp_path)!r})
+        os.mkdir({str(made)!r})
+        lock = open({str(made / ".lock")!r}, "w")
+        with stopping.guard(exits_at_once=True):
+            stopping.at_once("stopped (Ctrl-C) before anything was written to out")
+            stopping.undo_at_once(lambda: os.rmdir({str(made)!r}))
+            stopping.undo_at_once(lambda: os.unlink(lock.name))
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+            with stopping.held_back():
+                import slow_module
+                print("held back to the end", flush=True)
+            time.sleep(30)
+            print("not reached")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        130,
+        "held back to the end\n",
+        "stopped (Ctrl-C) before anything was written to out\n",
+    )
+    assert not made.exists()
+
+
 def test_ctrl_c_inside_a_held_back_step_lands_once_it_is_done(guarded):
     # A stop inside the output lock's creation left OUT/.lock behind (the lock not yet the run's to release), and
     # one while the terminal was being given back sent the stop's line into the hidden output.
