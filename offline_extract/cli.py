@@ -13,6 +13,7 @@ import click
 
 from offline_extract import stopping
 from offline_extract.version import __version__
+from offline_extract.words import for_terminal
 
 
 class Interrupted(click.ClickException):
@@ -88,6 +89,12 @@ class _Command(click.Command):
                     return super().invoke(ctx)
             except KeyboardInterrupt:
                 raise Interrupted() from None
+            except click.ClickException as e:
+                # Laid out with the "Error: " that click's `show` puts before it. A stop stays one line, as the
+                # README promises.
+                if not isinstance(e, Interrupted):
+                    e.message = for_terminal(f"Error: {e.message}", sys.stderr).removeprefix("Error:").removeprefix(" ")
+                raise
 
 
 def command(sections: dict[str, tuple[str, ...]] | None = None, **kwargs):

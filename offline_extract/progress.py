@@ -17,12 +17,12 @@ from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeE
 from rich.text import Text
 
 from offline_extract import stopping
-from offline_extract.words import human_bytes, number
+from offline_extract.words import for_terminal, human_bytes, number
 
 
 def note(message: str) -> None:
     """One of our own lines, on stderr and at once (before a long phase starts, not after it)."""
-    print(message, file=sys.stderr, flush=True)
+    print(for_terminal(message, sys.stderr), file=sys.stderr, flush=True)
 
 
 class _Done(ProgressColumn):

@@ -1,4 +1,10 @@
+import fcntl
+import os
+import pty
+import select
 import signal
+import struct
+import termios
 import warnings
 
 import pytest
@@ -86,3 +92,30 @@ def signals_kept():
     yield
     for number, handler in kept.items():
         signal.signal(number, handler)
+
+
+@pytest.fixture
+def terminal():
+    """`terminal(columns)`: a pseudo-terminal that wide, as (the descriptor a process writes to as its terminal,
+    a function giving the rows written to it so far); the caller closes the descriptor once written."""
+    controllers = []
+
+    def make(columns: int):
+        controller, fd = pty.openpty()
+        controllers.append(controller)
+        fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+
+        def shown() -> list[str]:
+            written = b""
+            while select.select([controller], [], [], 0.5)[0]:
+                try:
+                    written += os.read(controller, 1 << 16)
+                except OSError:  # EIO: every writer's end is closed and everything is read
+                    break
+            return written.decode().replace("\r\n", "\n").splitlines()
+
+        return fd, shown
+
+    yield make
+    for controller in controllers:
+        os.close(controller)

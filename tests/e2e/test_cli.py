@@ -140,6 +140,21 @@ def test_a_stopped_dry_run_says_it_wrote_nothing(stop, status, said, tmp_path, m
     assert (result.exit_code, result.output) == (status, f"{said}a dry run writes nothing, so {out} is as it was\n")
 
 
+def test_a_refusal_is_broken_to_the_terminals_width_and_left_whole_in_a_log(terminal, tmp_path):
+    # Some ran to 600 characters, which the terminal broke mid-word.
+    missing = tmp_path / "an-output-directory-whose-name-alone-is-long-enough-to-need-a-line-of-its-own" / "out"
+    command = [sys.executable, str(ROOT / "bin" / "inspect.py"), str(missing)]
+    logged = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    (line,) = logged.stderr.splitlines()
+    assert logged.returncode == 1 and line.startswith(f"Error: {missing} does not exist: ") and len(line) > 120
+    fd, shown = terminal(60)
+    proc = subprocess.run(command, stderr=fd, cwd=ROOT, timeout=120)
+    os.close(fd)
+    rows = shown()
+    assert proc.returncode == 1 and rows[0].rstrip() == "Error:" and rows[1] == f"  {missing}", rows
+    assert all(len(row) <= 60 for row in rows[2:]) and " ".join(row.strip() for row in rows) == line, rows
+
+
 @pytest.mark.parametrize(
     "first",
     [

@@ -197,3 +197,30 @@ def test_a_count_in_a_message_is_worded_with_its_thousands_grouped():
 
     assert (plural(1, "shard"), plural(20000, "sample")) == ("1 shard", "20,000 samples")
     assert [human_bytes(n) for n in (999, 328_600, 4_300_000_000)] == ["999 B", "328.6 KB", "4.3 GB"]
+
+
+def test_a_long_line_is_broken_to_the_terminals_width_and_left_whole_elsewhere(terminal, monkeypatch, capfd):
+    # The start-up line ran to 600 characters, the terminal breaking it mid-word.
+    from offline_extract.progress import note
+    from offline_extract.words import WIDEST
+
+    line = "start-up 12.5 s to the first forward: " + ", ".join(f"part {i} {i / 10:.1f} s" for i in range(40))
+    fd, shown = terminal(80)
+    with open(fd, "w") as stream:
+        monkeypatch.setattr(sys, "stderr", stream)
+        note(line)
+        note(f"one word wider than the terminal: /{'d' * 90}/shard_000.safetensors")
+    shown = shown()
+    assert len(shown) > 4 and all(len(row) <= 80 for row in shown[:-2]), shown
+    assert " ".join(row.strip() for row in shown[:-2]) == line and shown[1].startswith("  ")
+    assert not [row for row in shown if row[-1].isdigit()], "a figure is kept with its unit"
+    assert shown[-2:] == ["one word wider than the terminal:", f"  /{'d' * 90}/shard_000.safetensors"]
+    monkeypatch.undo()
+    note(line)
+    assert capfd.readouterr().err == line + "\n"  # a log keeps it one line
+    fd, shown = terminal(300)
+    with open(fd, "w") as stream:
+        monkeypatch.setattr(sys, "stderr", stream)
+        note(line)
+    shown = shown()
+    assert max(len(row) for row in shown) <= WIDEST < 300
