@@ -35,6 +35,7 @@ it was writing.
 import contextlib
 import dataclasses
 import os
+import shlex
 import signal
 import sys
 import typing
@@ -45,6 +46,7 @@ import click
 from offline_extract import collector, stopping
 from offline_extract.cli import TERMINATED, Interrupted, command
 from offline_extract.options import GROUPS, ExtractOptions, choices, is_choice
+from offline_extract.words import for_terminal
 
 
 def _comma_separated(ctx, param, value: str | None) -> tuple[int, ...] | None:
@@ -235,6 +237,28 @@ def _report(opts: ExtractOptions, summary) -> None:
     if verdict:
         # The manifest says complete (with these counts): re-running would only repeat this verdict.
         raise click.ClickException(f"{verdict}, see {Path(opts.out) / REJECTS_FILE}" if summary.records else verdict)
+    click.echo(for_terminal(_next_steps(opts.out), sys.stderr), err=True)
+
+
+def _next_steps(out: str) -> str:
+    """What to do with a finished output, in the commands as this one was run (a checkout's bin/ scripts, or
+    the installed commands), ready to paste."""
+    given = os.path.normpath(out)
+    inspect = f"{_sibling('inspect')} {shlex.quote(given)}"
+    export = f"{_sibling('export')} --format specforge {shlex.quote(given)} --to {shlex.quote(given + '-specforge')}"
+    return (
+        f"next: {inspect}  (a summary; --sample ID shows one sample, --verify checks every shard)\n"
+        f"      {export}  (a trainer's layout; or --format speculators)"
+    )
+
+
+def _sibling(name: str) -> str:
+    """The command `name` (inspect, export) as this one was run: the bin/ script beside this one's, or the
+    installed command (setup.cfg's console scripts)."""
+    script = sys.argv[0]
+    if script.endswith(".py") and os.path.basename(os.path.dirname(os.path.abspath(script))) == "bin":
+        return f"python {shlex.quote(os.path.join(os.path.dirname(script), f'{name}.py'))}"
+    return f"offline-extract-{name}"
 
 
 def _remove_if_empty(out: str) -> None:

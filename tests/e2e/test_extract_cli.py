@@ -5,6 +5,7 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -53,7 +54,7 @@ SINGLE_ARGS = (
 # Every line a plain run prints is one of ours.
 OUR_LINES = re.compile(
     r"^(parity |start-up [\d.]+ s to the first forward: |extract: \d+/24 samples, |records \d+: "
-    r"|tokens [\d,]+: |\d+ new shards, )"
+    r"|tokens [\d,]+: |\d+ new shards, |next: |      python )"
 )
 
 
@@ -182,15 +183,33 @@ def test_the_start_up_line_names_the_kernel_prebuild_where_one_ran(single):
     assert f"warm-up {t['warm_up_s']:.1f} s (kernel prebuild 11.0 s, 9.5 s of it during the load)" in line
 
 
+def test_the_closing_lines_give_the_commands_to_inspect_and_export_the_output_and_they_run(single):
+    # The run ended on "1 new shard, 723.5 KB -> out", and the user had to find in the README what came next.
+    out, proc = single
+    last = proc.stderr.splitlines()[-2:]
+    assert last[0].startswith("next: ") and last[1].startswith("      python "), last
+    inspect, export = (shlex.split(line.removeprefix("next:").split("  (")[0]) for line in last)
+    assert inspect == ["python", str(ROOT / "bin" / "inspect.py"), str(out)]
+    assert export == [
+        "python",
+        str(ROOT / "bin" / "export.py"),
+        *("--format", "specforge", str(out), "--to", f"{out}-specforge"),
+    ]
+    for command in (inspect, export):
+        succeeded(subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True, timeout=600))
+    assert (out.parent / f"{out.name}-specforge").is_dir()
+
+
 def test_a_finished_run_run_again_says_so_without_loading_the_model(single, cache_env):
     out, _ = single
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     # --verbose would show SGLang's start-up, had it started.
     proc = succeeded(run_extract(out, *SINGLE_ARGS, "--verbose", env=cache_env))
-    assert proc.stderr.splitlines() == [
+    assert proc.stderr.splitlines()[:2] == [
         f"already complete: {out} holds this run's finished output, nothing to extract",
         "records 24: extracted 24 (24 by earlier attempts), skipped 0, rejected 0, dropped 0",
     ]
+    assert proc.stderr.splitlines()[2].startswith("next: ") and len(proc.stderr.splitlines()) == 4
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 
 
