@@ -4,8 +4,10 @@ file it names exists, and no `...` stands in for what the reader would have to g
 runs on an output directory, and every name the pages give in an engine module is defined there."""
 
 import ast
+import fnmatch
 import importlib
 import importlib.util
+import json
 import re
 import shlex
 import sys
@@ -120,9 +122,54 @@ def test_each_command_in_the_docs_pastes_as_it_stands(page, line, monkeypatch):
 def test_the_docs_give_the_commands_this_test_checks():
     # The pages' commands are found at all: a change to how they are written would otherwise pass unchecked.
     lines = {line for _, line in COMMANDS}
-    assert "python bin/inspect.py /data/hs --verify" in lines
+    assert "python bin/inspect.py out --verify" in lines
     assert any(line.startswith("torchrun --nnodes 2") and "--tp 4" in line for line in lines)
     assert "python -m pytest" in lines
+
+
+# The options by which a documented command writes a path, and whether that is a directory.
+WRITES = {"--out": True, "--to": True, "--corpus": False}
+
+
+def _written_here() -> list[tuple[str, str, bool]]:
+    """(command, path, is a directory) for each relative path that a documented command writes: in the checkout,
+    where the README's commands run."""
+    written = []
+    for _, line in COMMANDS:
+        words = shlex.split(line)
+        if words[1:3] == ["-m", "venv"]:
+            written.append((line, words[3], True))
+        written += [(line, words[i + 1], WRITES[w]) for i, w in enumerate(words[:-1]) if w in WRITES]
+    # Absolute paths are elsewhere; OUT, DEST and FILE stand for the reader's own.
+    return [(line, p, is_dir) for line, p, is_dir in written if not (p.startswith(("/", "$", "~")) or p.isupper())]
+
+
+def _ignored(path: str, is_dir: bool) -> bool:
+    """Whether a pattern of .gitignore of one path component covers `path`'s first (the paths the pages write are
+    at the top of the checkout)."""
+    patterns = [p for p in (ROOT / ".gitignore").read_text().splitlines() if p.strip() and not p.startswith("#")]
+    first, *rest = path.split("/")
+    return any(
+        fnmatch.fnmatchcase(first, pattern.strip("/")) and (is_dir or rest or not pattern.endswith("/"))
+        for pattern in patterns
+    )
+
+
+def test_git_ignores_what_the_documented_commands_write_in_the_checkout():
+    # out-layers and out-dflash, which the README's own commands write, showed up in `git status`.
+    written = _written_here()
+    assert {"out", "out-layers", "out-specforge", "english.jsonl"} <= {path for _, path, _ in written}
+    assert [(line, path) for line, path, is_dir in written if not _ignored(path, is_dir)] == []
+
+
+def test_a_sample_the_docs_inspect_is_in_the_output_they_inspect():
+    # `inspect /data/hs --sample conversation-42` named a sample that no output of the README holds.
+    ids = {json.loads(line).get("id") for line in (ROOT / "examples" / "corpus.jsonl").read_text().splitlines()}
+    shown = [shlex.split(line) for _, line in COMMANDS if " --sample " in line]
+    assert shown, "the pattern finds the pages' --sample"
+    for words in shown:
+        assert words[2] == "out", f"{words}: inspects the README's output, of examples/corpus.jsonl"
+        assert words[words.index("--sample") + 1] in ids, words
 
 
 def test_the_training_snippet_runs_on_an_output_directory(tmp_path, capsys):
