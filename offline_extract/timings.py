@@ -1,5 +1,5 @@
 """Where a run's seconds went, from its timeline: the start-up to the first forward, ours and SGLang's, and the
-tail after the last (`run_timings`, kept in the manifest), and that in the one line a run prints (`timing_line`).
+tail after the last (`run_timings`, kept in the manifest), and that in the lines a run prints (`timing_line`).
 """
 
 from __future__ import annotations
@@ -72,12 +72,13 @@ def run_timings(
 
 
 def timing_line(t: dict) -> str:
-    """`run_timings` in one line: what a user waited for before the first forward and after the last."""
+    """`run_timings` in a few lines, one for each part: what a user waited for before the first forward and
+    after the last."""
     if "startup_s" not in t:
         return f"start-up: no forward ran ({t['marks'].get('checked', 0.0):.1f} s of imports and checks)"
     # A rank that ran the reference says so however quick it was: a user who asked for --verify looks for it.
     ran = "gate_engine_s" in t or t["parity_gate_s"] >= 0.05
-    gate = f"; parity gate {t['parity_gate_s']:.1f} s{_gate_words(t)}" if ran else ""
+    gate = f"\n  parity gate {t['parity_gate_s']:.1f} s{_gate_words(t)}" if ran else ""
     prebuild = (
         f" (kernel prebuild {t['prebuild_s']:.1f} s, {t['prebuild_during_load_s']:.1f} s of it during the load)"
         if "prebuild_s" in t
@@ -91,21 +92,24 @@ def timing_line(t: dict) -> str:
     beside = " beside the load" if t["tokenizer_beside_load"] else ""
     waited = f"the other replicas {t['replicas_waited_s']:.2f} s, " if "replicas_waited_s" in t else ""
     return (
-        f"start-up {t['startup_s']:.1f} s to the first forward: ours {t['ours_s']:.1f} s (imports and checks "
-        f"{t['imports_and_checks_s']:.1f} s, tokenizer {t['tokenizer_waited_s']:.1f} s waited of its "
-        f"{t['tokenizer_s']:.1f} s{beside}, output directory and first batch {t['ours_other_s']:.1f} s); SGLang's "
-        f"{t['sglang_s']:.1f} s (torch import {t['torch_import_s']:.1f} s, SGLang import {t['sglang_import_s']:.1f} s, "
-        f"model load {t['model_load_s']:.1f} s, warm-up {t['warm_up_s']:.1f} s{prebuild}){gate}; tail "
-        f"{t['tail_s']:.2f} s after the last forward: states to host {t['to_host_s']:.2f} s, last shards "
-        f"{t['last_shards_s']:.2f} s, {waited}rejects and index {t['rejects_and_index_s']:.2f} s; between forwards, "
-        f"{t['input_wait_s']:.2f} s waited for input, {t['writer_wait_s']:.2f} s for the writer{_compiled_words(t)}"
+        f"start-up {t['startup_s']:.1f} s to the first forward:\n"
+        f"  ours {t['ours_s']:.1f} s (imports and checks {t['imports_and_checks_s']:.1f} s, tokenizer "
+        f"{t['tokenizer_waited_s']:.1f} s waited of its {t['tokenizer_s']:.1f} s{beside}, output directory and first "
+        f"batch {t['ours_other_s']:.1f} s)\n"
+        f"  SGLang's {t['sglang_s']:.1f} s (torch import {t['torch_import_s']:.1f} s, SGLang import "
+        f"{t['sglang_import_s']:.1f} s, model load {t['model_load_s']:.1f} s, warm-up {t['warm_up_s']:.1f} s{prebuild})"
+        f"{gate}\n"
+        f"tail {t['tail_s']:.2f} s after the last forward: states to host {t['to_host_s']:.2f} s, last shards "
+        f"{t['last_shards_s']:.2f} s, {waited}rejects and index {t['rejects_and_index_s']:.2f} s\n"
+        f"between forwards, {t['input_wait_s']:.2f} s waited for input, {t['writer_wait_s']:.2f} s for the writer"
+        f"{_compiled_words(t)}"
     )
 
 
 def _compiled_words(t: dict) -> str:
     """The kernels the warm-up missed (`Job._timings`): a run whose first batches compiled says so."""
     n = t.get("compiled_in_extraction", 0)
-    return f"; {plural(n, 'kernel cache file')} compiled during the extraction, not in the warm-up" if n else ""
+    return f"\n{plural(n, 'kernel cache file')} compiled during the extraction, not in the warm-up" if n else ""
 
 
 def _gate_words(t: dict) -> str:

@@ -36,6 +36,7 @@ from offline_extract.store import integrity, manifest
 from offline_extract.store.index import iter_samples, shard_paths
 from offline_extract.store.schema import ShardError
 from offline_extract.store.shard import open_shard
+from offline_extract.timings import timing_line
 from offline_extract.training.datasets import HiddenStateDataset
 
 CORPUS = ROOT / "examples" / "corpus.jsonl"
@@ -53,8 +54,8 @@ SINGLE_ARGS = (
 )
 # Every line a plain run prints is one of ours.
 OUR_LINES = re.compile(
-    r"^(parity |start-up [\d.]+ s to the first forward: |extract: \d+/24 samples, |records \d+: "
-    r"|tokens [\d,]+: |\d+ new shards, |next: |      python )"
+    r"^(parity |start-up [\d.]+ s to the first forward:$|  ours |  SGLang's |  parity gate |tail |between forwards, "
+    r"|extract: \d+/24 samples, |records \d+: |tokens [\d,]+: |\d+ new shards, |next: |      python )"
 )
 
 
@@ -160,22 +161,24 @@ def test_start_up_and_tail_are_printed_and_kept_in_the_manifest(single):
     assert t["tokenizer_waited_s"] == pytest.approx(t["marks"]["tokenizer waited"] - t["marks"]["warm"])
     assert t["to_host_s"] + t["last_shards_s"] + t["rejects_and_index_s"] == pytest.approx(t["tail_s"])
     assert sum(t[key] for key in GATE_PARTS) == pytest.approx(t["parity_gate_s"])
-    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("start-up ")]
+    printed = timing_line(t)  # from the manifest's figures, as the run printed them
+    assert f"\n{printed}\n" in proc.stderr
+    # A part a line: the one line they made ran to 600 characters (a terminal breaks each to its width).
+    assert printed.count("\n") == 5 and max(len(line) for line in printed.splitlines()) <= 220
+    line = printed
     assert (
-        f"parity gate {t['parity_gate_s']:.1f} s (engine {t['gate_engine_s']:.1f} s; HF: waited "
+        f"\n  parity gate {t['parity_gate_s']:.1f} s (engine {t['gate_engine_s']:.1f} s; HF: waited "
         f"{t['gate_preload_waited_s']:.1f} s for its weights read beside the load"
     ) in line
-    assert f"start-up {t['startup_s']:.1f} s to the first forward: ours {t['ours_s']:.1f} s" in line
+    assert f"start-up {t['startup_s']:.1f} s to the first forward:\n  ours {t['ours_s']:.1f} s" in line
     assert f"tokenizer {t['tokenizer_waited_s']:.1f} s waited of its {t['tokenizer_s']:.1f} s beside the load" in line
     assert f"SGLang's {t['sglang_s']:.1f} s (torch import {t['torch_import_s']:.1f} s" in line
-    assert f"tail {t['tail_s']:.2f} s after the last forward" in line
+    assert f"\ntail {t['tail_s']:.2f} s after the last forward" in line
 
 
 def test_the_start_up_line_names_the_kernel_prebuild_where_one_ran(single):
     """On CPU nothing is prebuilt (the manifest has no prebuild figures); on a GPU the line says how long
     SGLang's nvcc modules took and how much of it the model load covered."""
-    from offline_extract.timings import timing_line
-
     out, _ = single
     t = json.loads((out / "manifest.json").read_text())["timings"]
     assert not [key for key in t if key.startswith("prebuild")] and "prebuild" not in timing_line(t)

@@ -144,7 +144,7 @@ def test_verify_reads_the_reference_weights_beside_the_load_and_the_gate_builds_
     hot_loop = t["marks"]["finished"] - t["marks"]["first forward"]
     assert 0 <= t["input_wait_s"] < hot_loop and 0 <= t["writer_wait_s"] < hot_loop
     assert line.endswith(
-        f"; between forwards, {t['input_wait_s']:.2f} s waited for input, {t['writer_wait_s']:.2f} s for the writer"
+        f"\nbetween forwards, {t['input_wait_s']:.2f} s waited for input, {t['writer_wait_s']:.2f} s for the writer"
     )
     assert (
         f"parity gate {t['parity_gate_s']:.1f} s (engine {t['gate_engine_s']:.1f} s; HF: waited "
@@ -622,7 +622,7 @@ def test_a_parity_gate_quicker_than_a_twentieth_of_a_second_is_still_reported():
         0.001,
     )
     t.update(parity_gate_s=0.01, tokenizer_beside_load=True, gate_preload="no preload", marks={})
-    assert "; parity gate 0.0 s (engine 0.0 s; HF: weights not read ahead (no preload), " in timing_line(t)
+    assert "\n  parity gate 0.0 s (engine 0.0 s; HF: weights not read ahead (no preload), " in timing_line(t)
     del t["gate_engine_s"]  # a run without --verify, or a rank that only waited
     assert "parity gate" not in timing_line(t)
 
@@ -649,7 +649,7 @@ def test_kernels_compiled_once_the_run_was_warm_are_named_and_said(tiny_engine, 
     assert quiet["compiled_in_extraction"] == 0 and "compiled" not in timing_line(quiet)
     name = f"{triton.name}/{cache.name}/kernel/k.cubin"
     assert compiled["compiled_in_extraction"] == 1 and compiled["compiled_in_extraction_files"] == [name]
-    assert timing_line(compiled).endswith("; 1 kernel cache file compiled during the extraction, not in the warm-up")
+    assert timing_line(compiled).endswith("\n1 kernel cache file compiled during the extraction, not in the warm-up")
 
 
 def test_a_writer_slower_than_the_forwards_shows_as_their_wait_for_it(
