@@ -42,7 +42,6 @@ import torch
 
 from benchmarks.bench_options import BenchOptions
 from benchmarks.peers import baselines as peers
-from offline_extract import collector
 from offline_extract.data.batching import Batch, batch_by_tokens
 from offline_extract.data.corpus import Record
 from offline_extract.data.sources import open_sources
@@ -54,6 +53,8 @@ from offline_extract.engine.kernels import JIT_CACHES, jit_cache_files  # noqa: 
 from offline_extract.engine.sglang_adapter import Engine
 from offline_extract.extraction import engine_config, pending_samples, sample_tokenizer, tokenizing_apart
 from offline_extract.feed import extract_batches, prepared_ahead, staging_buffers
+from offline_extract.lifecycle import startup_gc
+from offline_extract.lifecycle.timeline import Timeline
 from offline_extract.options import ExtractOptions, default_tokens_per_batch, default_writers
 from offline_extract.preflight import read_model
 from offline_extract.store.manifest import file_fingerprint
@@ -61,7 +62,6 @@ from offline_extract.store.schema import FINAL_STATE_TENSOR, STATE_TENSORS, Enco
 from offline_extract.store.writer import ShardWriter
 from offline_extract.summary import Tally
 from offline_extract.testing.models import build_model
-from offline_extract.timeline import Timeline
 
 # Dense bf16 tensor-core peaks, for MFU.
 PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
@@ -663,7 +663,7 @@ def _loaded_engine(bench: _Bench, timeline: Timeline) -> tuple[Engine, dict]:
     engine = Engine(engine_config(run, bench.layout, bench.model_dir, "cuda", opts.tokens_per_batch, layer_ids=None))
     timeline.mark("loaded")
     cold = _cold_start(engine, bench.warm, timeline)
-    collector.start_up_done()  # where bin/extract.py's warm-up ends, as it does (bin/bench.py deferred)
+    startup_gc.start_up_done()  # where bin/extract.py's warm-up ends, as it does (bin/bench.py deferred)
     if opts.cold:
         shutil.rmtree(jit_cache, ignore_errors=True)
     return engine, cold

@@ -45,9 +45,9 @@ import sys
 import click
 
 from benchmarks.bench_options import BASELINES, LOGNORMAL_CAP, SYNTHETIC_TOKENS, BenchOptions, PeerOptions
-from offline_extract import collector
 from offline_extract.cli import command
 from offline_extract.commands.extract import extract_option
+from offline_extract.lifecycle import startup_gc
 from offline_extract.options import choices, default
 
 
@@ -353,7 +353,7 @@ def main(
         command=_command(),
     )
     # Started as bin/extract.py starts, so that the modes are timed over a heap frozen as a run's is (run_bench).
-    with collector.start_up():
+    with startup_gc.start_up():
         # Here, not at the top: torch and SGLang take seconds to import, which --help and --version need not wait for.
         from benchmarks.extraction_vs_prefill import run_bench
 

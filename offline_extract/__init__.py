@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 # First: a run's clock starts here (timeline.interpreter_age), as every command and bin/ script imports the
 # package before anything else of ours.
-from offline_extract import timeline  # noqa: F401
+from offline_extract.lifecycle import timeline  # noqa: F401
 from offline_extract.version import __version__
 
 # Public name -> (module, name there). Imported on first use, so that `import offline_extract` (and so

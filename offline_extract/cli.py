@@ -11,7 +11,7 @@ import warnings
 
 import click
 
-from offline_extract import stopping
+from offline_extract.lifecycle import interrupts
 from offline_extract.version import __version__
 from offline_extract.words import for_terminal
 
@@ -21,10 +21,10 @@ class Interrupted(click.ClickException):
     scheduler sees an interruption rather than a failure, and in words that read as the stop it is, not
     as an error: 'stopped (Ctrl-C)', then what `detail` says of what the command leaves."""
 
-    exit_code = stopping.INTERRUPTED
+    exit_code = interrupts.INTERRUPTED
 
     def __init__(self, detail: str = ""):
-        super().__init__(f"{stopping.STOPPED}{detail}")
+        super().__init__(f"{interrupts.STOPPED}{detail}")
 
     def show(self, file=None) -> None:
         click.echo(self.format_message(), err=True, file=file)
@@ -82,10 +82,10 @@ class _Command(click.Command):
     def invoke(self, ctx: click.Context):
         # A warning is for the person at the terminal: its words, not Python's file, line and source line.
         warnings.formatwarning = _one_line
-        # Ctrl-C from here is taken as `stopping` says (offline_extract.commands ends it while it imports).
-        with stopping.guard(self.as_program):
+        # Ctrl-C from here is taken as `lifecycle.interrupts` says (offline_extract.commands ends it while it imports).
+        with interrupts.guard(self.as_program):
             try:
-                with stopping.as_stop(Interrupted, click.exceptions.Exit):
+                with interrupts.as_stop(Interrupted, click.exceptions.Exit):
                     return super().invoke(ctx)
             except KeyboardInterrupt:
                 raise Interrupted() from None

@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from offline_extract import collector, planning, preflight, stopping
+from offline_extract import planning, preflight
 from offline_extract.data.batching import batch_by_tokens
 from offline_extract.data.corpus import BadRecordError, Record, Reject, Row, in_order, read_corpus, rows
 from offline_extract.data.sources import Source, open_sources
@@ -37,10 +37,13 @@ from offline_extract.engine.multimodal import IMAGE_MODELS
 from offline_extract.engine.nonfinite import NonFiniteGuard
 from offline_extract.engine.sglang_adapter import LAYER_CONVENTION, Engine, EngineConfig, PortTaken, import_sglang
 from offline_extract.feed import HostMemory, extract_batches, prepared_ahead
+from offline_extract.lifecycle import interrupts, startup_gc
+from offline_extract.lifecycle.progress import RunProgress, foreign_output_hidden, note
+from offline_extract.lifecycle.timeline import Timeline
+from offline_extract.lifecycle.timings import run_timings
 from offline_extract.options import FINAL_STATES, ExtractOptions, default_tokenizer_processes
 from offline_extract.output import OutputDirectory, resumable
 from offline_extract.parity_gate import ParityGate
-from offline_extract.progress import RunProgress, foreign_output_hidden, note
 from offline_extract.recipes import RECIPES
 from offline_extract.store import manifest, resume
 from offline_extract.store.index import shard_paths
@@ -48,8 +51,6 @@ from offline_extract.store.journal import Journal
 from offline_extract.store.schema import Encoding, RunInfo
 from offline_extract.store.writer import ShardWriter
 from offline_extract.summary import Summary, Tally
-from offline_extract.timeline import Timeline
-from offline_extract.timings import run_timings
 from offline_extract.version import __version__
 
 
@@ -396,10 +397,10 @@ class Job:
         locks = []
 
         def take_over() -> dict:
-            with stopping.held_back():  # a lock taken is a lock released on the way out
+            with interrupts.held_back():  # a lock taken is a lock released on the way out
                 lock, existing = resume.take_over(self.out)
                 locks.append(lock)
-                stopping.undo_at_once(lock.release)
+                interrupts.undo_at_once(lock.release)
             return asdict(existing)
 
         try:
@@ -493,7 +494,7 @@ class Job:
                 if opts.warm_up and torch.device(checked.device).type == "cuda":  # nothing compiles on CPU
                     self.engine.warm_up()
                 self.timeline.mark("warm")
-                collector.start_up_done()
+                startup_gc.start_up_done()
                 self._cached_when_warm = jit_cache_files(self.engine.jit_caches)
                 if beside is not None:
                     beside.wait()
@@ -689,14 +690,14 @@ class _Beside:
     The tokenizer loads so beside SGLang's model load. Started once SGLang is imported (`import_sglang`),
     it finds every module it needs imported already: the two threads never import the same modules at once,
     and transformers' import, which SGLang needs anyway, counts as SGLang's. A failure should not cost a
-    whole model load to learn: where the caller is the main thread of a command (`stopping.guard`), the
-    failure interrupts it at once (`stopping.interrupt_main`), and the caller raises `error` in its place.
+    whole model load to learn: where the caller is the main thread of a command (`interrupts.guard`), the
+    failure interrupts it at once (`interrupts.interrupt_main`), and the caller raises `error` in its place.
     `settle`, on the way out, makes sure no such interrupt lands later."""
 
     def __init__(self, call: Callable[[], None]):
         self.error: BaseException | None = None
         self._call = call
-        self._armed = threading.current_thread() is threading.main_thread() and stopping.guarded()
+        self._armed = threading.current_thread() is threading.main_thread() and interrupts.guarded()
         self._sent = False
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="beside-the-load", daemon=True)
@@ -711,7 +712,7 @@ class _Beside:
             with self._lock:
                 self.error = e
                 if self._armed:
-                    stopping.interrupt_main()
+                    interrupts.interrupt_main()
                     self._sent = True
 
     def wait(self) -> None:
@@ -729,7 +730,7 @@ class _Beside:
         with self._lock:
             self._armed = False
             if self._sent:
-                stopping.withdraw()
+                interrupts.withdraw()
 
 
 def _pending_signals_run() -> None:

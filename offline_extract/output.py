@@ -14,19 +14,19 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from offline_extract import stopping
 from offline_extract.data.sources import CorpusReadError, Source
 from offline_extract.engine.distributed import Coordinator, Layout
 from offline_extract.engine.nonfinite import NonFiniteError
-from offline_extract.progress import note
+from offline_extract.lifecycle import interrupts
+from offline_extract.lifecycle.progress import note
+from offline_extract.lifecycle.timeline import Timeline
+from offline_extract.lifecycle.timings import timing_line
 from offline_extract.store import manifest, resume
 from offline_extract.store.atomic import atomic_write
 from offline_extract.store.index import write_index
 from offline_extract.store.journal import read_journal, replicas_files
 from offline_extract.store.schema import REJECTS_FILE, RunInfo
 from offline_extract.summary import Summary
-from offline_extract.timeline import Timeline
-from offline_extract.timings import timing_line
 from offline_extract.words import plural
 
 
@@ -86,7 +86,7 @@ class OutputDirectory:
 
         Until here the run has only locked --out (and made it), and a stop ends it at once, SGLang's import and
         load included; the claim writes the manifest, and from it on a stop drops and keeps what it must."""
-        stopping.clean_up_from_here()
+        interrupts.clean_up_from_here()
         out = self.out
 
         def claim() -> list[str]:

@@ -17,7 +17,7 @@ import numpy as np
 
 from offline_extract.data.corpus import BadRecordError, Record, Reject, read_corpus
 from offline_extract.data.tokenization import Sample, SampleTokenizer
-from offline_extract.progress import note
+from offline_extract.lifecycle.progress import note
 from offline_extract.store.schema import Encoding
 from offline_extract.words import human_bytes, number, plural
 

@@ -3,7 +3,7 @@
 
 Both import this package before anything heavy (torch, SGLang), so Ctrl-C while those still import ends the
 command with the shell's status for it and one line, not a traceback of the import; once the command runs,
-`offline_extract.stopping` takes Ctrl-C (cli._Command.invoke), so that an interrupted run cleans up.
+`offline_extract.lifecycle.interrupts` takes Ctrl-C (cli._Command.invoke), so that an interrupted run cleans up.
 """
 
 import atexit
@@ -11,12 +11,12 @@ import gc
 import os
 import signal
 
-from offline_extract import stopping
+from offline_extract.lifecycle import interrupts
 
 
 def _interrupted_while_starting(signum, frame) -> None:
-    os.write(2, f"{stopping.STOPPED}\n".encode())
-    os._exit(stopping.INTERRUPTED)
+    os.write(2, f"{interrupts.STOPPED}\n".encode())
+    os._exit(interrupts.INTERRUPTED)
 
 
 signal.signal(signal.SIGINT, _interrupted_while_starting)

@@ -43,8 +43,8 @@ from pathlib import Path
 
 import click
 
-from offline_extract import collector, stopping
 from offline_extract.cli import TERMINATED, Interrupted, command
+from offline_extract.lifecycle import interrupts, startup_gc
 from offline_extract.options import GROUPS, ExtractOptions, choices, is_choice
 from offline_extract.words import for_terminal
 
@@ -132,14 +132,14 @@ def main(dry_run, **options):
     existed = os.path.lexists(out)
     # Until the run writes into --out (output.OutputDirectory.claim), a stop leaves nothing to clean up but the --out
     # it made.
-    stopping.at_once(f"{stopping.STOPPED}{_left_by_a_dry_run(out, existed) if dry_run else _nothing_written(out)}")
+    interrupts.at_once(f"{interrupts.STOPPED}{_left_by_a_dry_run(out, existed) if dry_run else _nothing_written(out)}")
     if not (existed or dry_run):
-        stopping.undo_at_once(lambda: _remove_if_empty(out))
+        interrupts.undo_at_once(lambda: _remove_if_empty(out))
     # No full garbage collection until the model is loaded (extraction.Job._load); a dry run loads none.
-    with contextlib.nullcontext() if dry_run else collector.start_up():
+    with contextlib.nullcontext() if dry_run else startup_gc.start_up():
         # Here, not at the top: torch and transformers take seconds to import, which --help, --version and a
         # mistyped option need not wait for.
-        from offline_extract.timeline import mark_process
+        from offline_extract.lifecycle.timeline import mark_process
 
         # torch first, and timed: SGLang cannot run without it, so its import is SGLang's share of the start-up
         # (timings.run_timings), not ours.
@@ -170,7 +170,7 @@ def _run(opts: ExtractOptions, dry_run: bool, existed: bool):
     from offline_extract.output import StoppedError
 
     try:
-        with stopping.as_stop():
+        with interrupts.as_stop():
             return extraction.dry_run(opts) if dry_run else extraction.run(opts)
     except (OSError, ValueError, NotImplementedError, ParityError, StoppedError, LeaderFailed, PeerLost) as e:
         # Bad input, a failed check or a full disk: the message names it; a traceback would only bury it.

@@ -82,7 +82,7 @@ import yaml
 from safetensors.torch import save as safetensors_bytes
 
 from offline_extract import final_norm
-from offline_extract.progress import RunProgress
+from offline_extract.lifecycle.progress import RunProgress
 from offline_extract.store.atomic import atomic_write
 from offline_extract.store.journal import load_json
 from offline_extract.store.schema import FINAL_STATE_TENSOR, SCALE_SUFFIX, STATE_DTYPE, STATE_TENSORS, RunInfo

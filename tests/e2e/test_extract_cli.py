@@ -32,11 +32,11 @@ from transformers import AutoTokenizer
 
 from offline_extract.data.corpus import Record, read_corpus
 from offline_extract.data.tokenization import SampleTokenizer
+from offline_extract.lifecycle.timings import timing_line
 from offline_extract.store import integrity, manifest
 from offline_extract.store.index import iter_samples, shard_paths
 from offline_extract.store.schema import ShardError
 from offline_extract.store.shard import open_shard
-from offline_extract.timings import timing_line
 from offline_extract.training.datasets import HiddenStateDataset
 
 CORPUS = ROOT / "examples" / "corpus.jsonl"

@@ -23,9 +23,10 @@ import pytest
 import torch
 from extract_runs import GATE_PARTS, ROOT
 
-from offline_extract import extraction, parity_gate, stopping
+from offline_extract import extraction, parity_gate
+from offline_extract.lifecycle import interrupts
+from offline_extract.lifecycle.timings import timing_line
 from offline_extract.options import ExtractOptions
-from offline_extract.timings import timing_line
 
 CORPUS = str(ROOT / "examples" / "corpus.jsonl")
 
@@ -270,8 +271,8 @@ def two_rank_gate(tiny_engine, model_copy, monkeypatch):
     from offline_extract.data.tokenization import Sample
     from offline_extract.engine import reference
     from offline_extract.engine.distributed import Coordinator, Layout, free_port
+    from offline_extract.lifecycle.timeline import Timeline
     from offline_extract.parity_gate import ParityGate
-    from offline_extract.timeline import Timeline
 
     port = free_port()
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -491,10 +492,10 @@ def test_under_strict_the_tokenizer_loads_before_the_model_and_counts_as_ours(
 
 @pytest.fixture
 def ctrl_c_raises():
-    """SIGINT as a command runs with it (cli._Command.invoke, called from Python): `stopping.guard`, under
+    """SIGINT as a command runs with it (cli._Command.invoke, called from Python): `interrupts.guard`, under
     which Ctrl-C raises KeyboardInterrupt. Without it (offline_extract used as a library, or a command still
     importing) the run rightly sends no interrupt."""
-    with stopping.guard(exits_at_once=False):
+    with interrupts.guard(exits_at_once=False):
         yield
 
 
@@ -591,7 +592,7 @@ def test_the_last_forward_is_marked_after_a_long_last_samples_last_chunk(
 ):
     """The feed reads a batch ahead, so the batches run out during the last batch's first forward; the
     tail is counted from its last (here the last chunk of a sample longer than the engine's budget)."""
-    from offline_extract.timeline import Timeline
+    from offline_extract.lifecycle.timeline import Timeline
 
     corpus = tmp_path / "long_last.jsonl"
     long = tiny_engine.cfg.max_tokens_per_batch + 500

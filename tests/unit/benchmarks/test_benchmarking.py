@@ -345,7 +345,7 @@ def test_shard_writes_count_overlaps_and_the_rate_while_writing():
 
 def test_the_cold_start_times_each_first_batch_after_the_start_up(tiny_engine, tokenizer):
     from offline_extract.data.batching import batch_by_tokens
-    from offline_extract.timeline import Timeline
+    from offline_extract.lifecycle.timeline import Timeline
 
     timeline = Timeline()
     timeline.mark("engine")

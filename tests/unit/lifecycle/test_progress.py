@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from offline_extract.progress import RunProgress, foreign_output_hidden
+from offline_extract.lifecycle.progress import RunProgress, foreign_output_hidden
 
 BEAT = re.compile(
     r"^extract: (\d+)/24 samples, ([\d,]+) tokens, [\d,]+ tok/s, (\d+\.\d [KMGT]B) written, \d+:\d\d:\d\d elapsed, "
@@ -127,7 +127,7 @@ def test_a_long_list_of_names_is_kept_to_one_short_line():
 def test_the_count_column_shows_no_question_mark_while_the_total_is_unknown():
     from types import SimpleNamespace
 
-    from offline_extract.progress import _Done
+    from offline_extract.lifecycle.progress import _Done
 
     assert _Done().render(SimpleNamespace(completed=15, total=None)).plain == "15"
     assert _Done().render(SimpleNamespace(completed=15, total=24)).plain == "15/24"
@@ -201,7 +201,7 @@ def test_a_count_in_a_message_is_worded_with_its_thousands_grouped():
 
 def test_a_long_line_is_broken_to_the_terminals_width_and_left_whole_elsewhere(terminal, monkeypatch, capfd):
     # The start-up line ran to 600 characters, the terminal breaking it mid-word.
-    from offline_extract.progress import note
+    from offline_extract.lifecycle.progress import note
     from offline_extract.words import WIDEST
 
     line = "start-up 12.5 s to the first forward: " + ", ".join(f"part {i} {i / 10:.1f} s" for i in range(40))

@@ -1,4 +1,4 @@
-"""Full garbage collections held off while a run starts (offline_extract.collector): each walks every object
+"""Full garbage collections held off while a run starts (offline_extract.lifecycle.startup_gc): each walks every object
 torch, transformers and SGLang made, none of it garbage; once the model is loaded they are frozen and full
 collections run again. Each case in a process of its own: the collector's state is the process's."""
 
@@ -11,18 +11,18 @@ from extract_runs import ROOT
 WATCHED_RUN = """
 import atexit, gc, json, runpy, sys
 sys.path.insert(0, {bin!r})
-from offline_extract import collector
+from offline_extract.lifecycle import startup_gc
 seen = {{"gen2_deferred": 0, "gen1_deferred": 0, "default": gc.get_threshold()}}
 def count(phase, info):
-    if phase == "stop" and collector._deferred is not None:
+    if phase == "stop" and startup_gc._deferred is not None:
         seen[f"gen{{info['generation']}}_deferred"] = seen.get(f"gen{{info['generation']}}_deferred", 0) + 1
 gc.callbacks.append(count)
-done = collector.start_up_done
+done = startup_gc.start_up_done
 def watched():
-    seen["deferred_at_load"] = collector._deferred is not None
+    seen["deferred_at_load"] = startup_gc._deferred is not None
     done()
     seen["frozen"], seen["threshold"] = gc.get_freeze_count(), gc.get_threshold()
-collector.start_up_done = watched
+startup_gc.start_up_done = watched
 atexit.register(lambda: print("WATCHED " + json.dumps(seen)))  # after the command's own exit freeze
 sys.argv = ["bin/extract.py", *sys.argv[1:]]
 runpy.run_path({script!r}, run_name="__main__")
@@ -36,20 +36,20 @@ def _python(code: str, *args: str) -> subprocess.CompletedProcess:
 def test_full_collections_wait_for_the_start_up_to_be_done_or_to_end():
     code = """
 import gc, json
-from offline_extract import collector
+from offline_extract.lifecycle import startup_gc
 default = gc.get_threshold()
-collector.start_up_done()  # outside a start-up: a library's caller keeps its collector as it set it
+startup_gc.start_up_done()  # outside a start-up: a library's caller keeps its collector as it set it
 untouched = (gc.get_freeze_count(), gc.get_threshold())
-with collector.start_up():
-    with collector.start_up():  # within another: that one restores
+with startup_gc.start_up():
+    with startup_gc.start_up():  # within another: that one restores
         pass
     deferred = gc.get_threshold()
     kept = [[i] for i in range(1000)]
-    collector.start_up_done()
+    startup_gc.start_up_done()
     done = (gc.get_freeze_count(), gc.get_threshold())
 gc.unfreeze()
 try:
-    with collector.start_up():
+    with startup_gc.start_up():
         raise KeyboardInterrupt  # a command that ends before its model is loaded
 except KeyboardInterrupt:
     pass

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
-from offline_extract import stopping
+from offline_extract.lifecycle import interrupts
 
 
 def interpreter_age() -> float:
@@ -59,8 +59,8 @@ class Timeline:
         """Records `name` as reached now; marked again, it moves to now (and to the end of the order).
 
         A run's every phase and batch is marked, which makes each mark a safe point to stop at
-        (`stopping.check`): a Ctrl-C that a library swallowed is taken here."""
-        stopping.check()
+        (`interrupts.check`): a Ctrl-C that a library swallowed is taken here."""
+        interrupts.check()
         with self._lock:
             self.marks.pop(name, None)
             self.marks[name] = now = self.now()

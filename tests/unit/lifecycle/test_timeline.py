@@ -1,4 +1,4 @@
-"""A run's clock (offline_extract.timeline) starts with the interpreter that runs our program, whichever
+"""A run's clock (offline_extract.lifecycle.timeline) starts with the interpreter that runs our program, whichever
 process it was exec'd in."""
 
 import subprocess
@@ -10,7 +10,7 @@ from extract_runs import ROOT
 # What a command's first line does (bin/ and the console scripts import the package first), then the clock's
 # origin as wall-clock time, the clock's reading and the process's id.
 CLOCK = (
-    "import offline_extract.commands, os, time; from offline_extract.timeline import Timeline; "
+    "import offline_extract.commands, os, time; from offline_extract.lifecycle.timeline import Timeline; "
     "{before}now = Timeline().now(); print(time.time() - now, now, os.getpid())"
 )
 

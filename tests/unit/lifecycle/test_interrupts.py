@@ -1,4 +1,4 @@
-"""Ctrl-C through `stopping`: never inside an import, never lost, an error after it taken as the stop."""
+"""Ctrl-C through `lifecycle.interrupts`: never inside an import, never lost, an error after it taken as the stop."""
 
 import os
 import signal
@@ -11,7 +11,7 @@ import time
 import pytest
 from extract_runs import ROOT
 
-from offline_extract import stopping
+from offline_extract.lifecycle import interrupts
 
 # A module whose import takes a Ctrl-C half-way: torch's, numpy's or SGLang's as a user's Ctrl-C reaches it.
 _SLOW_MODULE = """
@@ -26,8 +26,8 @@ whole = True
 
 @pytest.fixture
 def guarded(signals_kept):
-    with stopping.guard(exits_at_once=False):
-        stopping.clean_up_from_here()
+    with interrupts.guard(exits_at_once=False):
+        interrupts.clean_up_from_here()
         yield
 
 
@@ -47,7 +47,7 @@ def test_ctrl_c_during_an_import_lands_once_the_import_returns(guarded, tmp_path
 
 
 def test_a_ctrl_c_that_a_library_swallowed_is_taken_at_the_next_safe_point(guarded):
-    from offline_extract.timeline import Timeline
+    from offline_extract.lifecycle.timeline import Timeline
 
     timeline = Timeline()
     try:
@@ -61,27 +61,27 @@ def test_a_ctrl_c_that_a_library_swallowed_is_taken_at_the_next_safe_point(guard
 
 def test_an_error_after_ctrl_c_and_a_return_all_the_same_end_as_the_stop(guarded):
     with pytest.raises(ValueError):  # before Ctrl-C, an error is what it is
-        with stopping.as_stop():
+        with interrupts.as_stop():
             raise ValueError("bad input")
     with pytest.raises(KeyboardInterrupt):
-        with stopping.as_stop():
+        with interrupts.as_stop():
             try:
                 os.kill(os.getpid(), signal.SIGINT)
                 time.sleep(5)
             except KeyboardInterrupt:
                 raise ImportError("partially initialized module 'numpy'") from None  # what a library made of it
     with pytest.raises(KeyboardInterrupt):
-        with stopping.as_stop():
+        with interrupts.as_stop():
             pass  # it ran on, the Ctrl-C swallowed on the way
 
 
 def test_a_threads_interrupt_is_no_stop_and_once_withdrawn_never_lands(guarded):
     with pytest.raises(KeyboardInterrupt):
-        threading.Thread(target=stopping.interrupt_main).start()
+        threading.Thread(target=interrupts.interrupt_main).start()
         time.sleep(5)
-    assert not stopping.requested()  # a thread's failure, not the user's Ctrl-C
-    stopping.withdraw()  # nothing pending: withdrawing is harmless
-    thread = threading.Thread(target=lambda: (stopping.interrupt_main(), stopping.withdraw()))
+    assert not interrupts.requested()  # a thread's failure, not the user's Ctrl-C
+    interrupts.withdraw()  # nothing pending: withdrawing is harmless
+    thread = threading.Thread(target=lambda: (interrupts.interrupt_main(), interrupts.withdraw()))
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])  # the alarm arrives after the withdrawal
     try:
         thread.start()
@@ -94,10 +94,10 @@ def test_a_threads_interrupt_is_no_stop_and_once_withdrawn_never_lands(guarded):
 
 def test_the_guard_puts_back_the_handlers_it_found(signals_kept):
     found = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGALRM)
-    with stopping.guard(exits_at_once=False):
-        assert stopping.guarded()
+    with interrupts.guard(exits_at_once=False):
+        assert interrupts.guarded()
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGALRM)) == found
-    assert not stopping.guarded()
+    assert not interrupts.guarded()
 
 
 def test_ctrl_c_before_anything_is_written_ends_the_program_at_once_with_its_words():
@@ -105,9 +105,9 @@ def test_ctrl_c_before_anything_is_written_ends_the_program_at_once_with_its_wor
     # whatever C code runs at that moment.
     code = textwrap.dedent("""
         import os, signal, time
-        from offline_extract import stopping
-        with stopping.guard(exits_at_once=True):
-            stopping.at_once("stopped (Ctrl-C) before anything was written to out")
+        from offline_extract.lifecycle import interrupts
+        with interrupts.guard(exits_at_once=True):
+            interrupts.at_once("stopped (Ctrl-C) before anything was written to out")
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(30)
     """)
@@ -127,16 +127,16 @@ def test_a_stop_at_once_inside_an_import_undoes_its_steps_and_tells_the_terminal
     made = tmp_path / "out"
     code = textwrap.dedent(f"""
         import os, sys, time
-        from offline_extract import stopping
+        from offline_extract.lifecycle import interrupts
         sys.path.insert(0, {str(tmp_path)!r})
         os.mkdir({str(made)!r})
         lock = open({str(made / ".lock")!r}, "w")
-        with stopping.guard(exits_at_once=True):
-            stopping.at_once("stopped (Ctrl-C) before anything was written to out")
-            stopping.undo_at_once(lambda: os.rmdir({str(made)!r}))
-            stopping.undo_at_once(lambda: os.unlink(lock.name))
+        with interrupts.guard(exits_at_once=True):
+            interrupts.at_once("stopped (Ctrl-C) before anything was written to out")
+            interrupts.undo_at_once(lambda: os.rmdir({str(made)!r}))
+            interrupts.undo_at_once(lambda: os.unlink(lock.name))
             os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
-            with stopping.held_back():
+            with interrupts.held_back():
                 import slow_module
                 print("held back to the end", flush=True)
             time.sleep(30)
@@ -156,7 +156,7 @@ def test_ctrl_c_inside_a_held_back_step_lands_once_it_is_done(guarded):
     # one while the terminal was being given back sent the stop's line into the hidden output.
     done = []
     with pytest.raises(KeyboardInterrupt):
-        with stopping.held_back():
+        with interrupts.held_back():
             os.kill(os.getpid(), signal.SIGINT)
             started = time.monotonic()
             while time.monotonic() - started < 0.3:  # more of the step, in Python, where the handler runs

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
 
-from offline_extract import stopping
+from offline_extract.lifecycle import interrupts
 from offline_extract.words import for_terminal, human_bytes, number
 
 
@@ -173,7 +173,7 @@ def foreign_output_hidden(hide: bool = True) -> Iterator[None]:
         # Python-level writes too, where sys.stdout or sys.stderr is not a file descriptor's (notebooks).
         diverted = _Diverted(streams[0], text), _Diverted(streams[1], text)
 
-        @stopping.held_back()
+        @interrupts.held_back()
         def restore() -> None:
             for stream in (*diverted, *streams):
                 stream.flush()

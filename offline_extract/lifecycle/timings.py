@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from offline_extract.timeline import Timeline
+from offline_extract.lifecycle.timeline import Timeline
 from offline_extract.words import plural
 
 Span = Callable[[str, str], float]  # the seconds between two marks of the timeline, 0 where one is missing
