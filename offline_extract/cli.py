@@ -11,9 +11,9 @@ import warnings
 
 import click
 
+from offline_extract.formatting import for_terminal
 from offline_extract.lifecycle import interrupts
 from offline_extract.version import __version__
-from offline_extract.words import for_terminal
 
 
 class Interrupted(click.ClickException):

@@ -17,6 +17,7 @@ import numpy as np
 from offline_extract.data.sources import CorpusReadError, Source
 from offline_extract.engine.distributed import Coordinator, Layout
 from offline_extract.engine.nonfinite import NonFiniteError
+from offline_extract.formatting import plural
 from offline_extract.lifecycle import interrupts
 from offline_extract.lifecycle.progress import note
 from offline_extract.lifecycle.timeline import Timeline
@@ -27,7 +28,6 @@ from offline_extract.store.index import write_index
 from offline_extract.store.journal import read_journal, replicas_files
 from offline_extract.store.schema import REJECTS_FILE, RunInfo
 from offline_extract.summary import Summary
-from offline_extract.words import plural
 
 
 class StoppedError(RuntimeError):

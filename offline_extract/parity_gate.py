@@ -14,11 +14,11 @@ from offline_extract.data.tokenization import Sample
 from offline_extract.engine import checkpoint, parity, reference
 from offline_extract.engine.distributed import Coordinator, Layout
 from offline_extract.engine.sglang_adapter import Engine
+from offline_extract.formatting import plural
 from offline_extract.lifecycle.progress import foreign_output_hidden, note
 from offline_extract.lifecycle.timeline import Timeline
 from offline_extract.lifecycle.timings import Span
 from offline_extract.options import ExtractOptions
-from offline_extract.words import plural
 
 
 def parity_lines(rows: list[dict]) -> list[str]:

@@ -17,9 +17,9 @@ import numpy as np
 
 from offline_extract.data.corpus import BadRecordError, Record, Reject, read_corpus
 from offline_extract.data.tokenization import Sample, SampleTokenizer
+from offline_extract.formatting import human_bytes, number, plural
 from offline_extract.lifecycle.progress import note
 from offline_extract.store.schema import Encoding
-from offline_extract.words import human_bytes, number, plural
 
 # Rejected records listed by a dry run, with their reasons; the run itself lists every one in rejects.jsonl.
 REJECTS_SHOWN = 10

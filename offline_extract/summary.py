@@ -12,11 +12,11 @@ from typing import Sequence
 from offline_extract.data.batching import Batch
 from offline_extract.data.corpus import BadRecordError, Reject
 from offline_extract.data.tokenization import Sample
+from offline_extract.formatting import human_bytes, number, plural
 from offline_extract.lifecycle.progress import note
 from offline_extract.store.journal import Journal
 from offline_extract.store.schema import REJECTS_FILE
 from offline_extract.store.writer import ShardWriter
-from offline_extract.words import human_bytes, number, plural
 
 
 @dataclass

@@ -6,8 +6,8 @@ from pathlib import Path
 import click
 
 from offline_extract.cli import Interrupted, command
+from offline_extract.formatting import human_bytes, number, plural
 from offline_extract.training.formats import DEFAULT_ROWS_PER_FOLDER, EXPORTERS, FORMATS
-from offline_extract.words import human_bytes, number, plural
 
 HELP = "\n\n".join(
     [

@@ -44,9 +44,9 @@ from pathlib import Path
 import click
 
 from offline_extract.cli import TERMINATED, Interrupted, command
+from offline_extract.formatting import for_terminal
 from offline_extract.lifecycle import interrupts, startup_gc
 from offline_extract.options import GROUPS, ExtractOptions, choices, is_choice
-from offline_extract.words import for_terminal
 
 
 def _comma_separated(ctx, param, value: str | None) -> tuple[int, ...] | None:
@@ -191,9 +191,9 @@ def _run(opts: ExtractOptions, dry_run: bool, existed: bool):
 
 def _left(opts: ExtractOptions, existed: bool, dry_run: bool) -> str:
     """What a stop leaves in --out, said as it is: a directory that this run made and left empty goes."""
+    from offline_extract.formatting import plural
     from offline_extract.store.index import shard_paths
     from offline_extract.store.resume import to_resume
-    from offline_extract.words import plural
 
     out = opts.out
     if dry_run:

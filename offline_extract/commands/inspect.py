@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from offline_extract.cli import command
-from offline_extract.words import plural
+from offline_extract.formatting import plural
 
 
 @command()

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import NamedTuple, TypeVar
 
 from offline_extract.data.sources import FORMAT_KEYS, LineTooLong, open_sources
-from offline_extract.words import plural
+from offline_extract.formatting import plural
 
 SHAREGPT_ROLES = {
     "system": "system",

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from offline_extract import hub
-from offline_extract.words import human_bytes, plural
+from offline_extract.formatting import human_bytes, plural
 
 _GZIP_MAGIC = b"\x1f\x8b"
 # A record's fields that say its format (data/corpus.py reads them); an object with none is no record.

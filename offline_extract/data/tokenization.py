@@ -23,8 +23,8 @@ import numpy as np
 
 from offline_extract.data.corpus import Record, Reject, Row, parse
 from offline_extract.data.images import ImageError, Images, as_array, load_images
+from offline_extract.formatting import plural
 from offline_extract.options import Overlong, check_choice, default_image_threads
-from offline_extract.words import plural
 
 
 # Records handed to each of `_image_chats`' threads at a time: enough that a slow image (two images, a large

@@ -22,7 +22,7 @@ from offline_extract.engine.checkpoint import (
 )
 from offline_extract.engine.families import FAMILIES
 from offline_extract.engine.parity import ParityError
-from offline_extract.words import human_bytes
+from offline_extract.formatting import human_bytes
 
 
 def wrapped_text_config(raw: dict):

@@ -16,8 +16,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
 
+from offline_extract.formatting import for_terminal, human_bytes, number
 from offline_extract.lifecycle import interrupts
-from offline_extract.words import for_terminal, human_bytes, number
 
 
 def note(message: str) -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from offline_extract.formatting import plural
 from offline_extract.lifecycle.timeline import Timeline
-from offline_extract.words import plural
 
 Span = Callable[[str, str], float]  # the seconds between two marks of the timeline, 0 where one is missing
 

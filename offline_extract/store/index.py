@@ -10,6 +10,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from offline_extract.formatting import listing, plural
 from offline_extract.store.atomic import atomic_write
 from offline_extract.store.journal import load_json
 from offline_extract.store.schema import (
@@ -24,7 +25,6 @@ from offline_extract.store.schema import (
     shard_number,
 )
 from offline_extract.store.shard import ShardHeader, open_shard, read_header
-from offline_extract.words import listing, plural
 
 # Shards from different runs must never be indexed together; these run keys identify a run's output
 # (by content: the same model resumed from another mount point is still the same model).

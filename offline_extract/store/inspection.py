@@ -23,11 +23,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from offline_extract.formatting import number
 from offline_extract.store import manifest
 from offline_extract.store.index import index_mismatch, not_shards, scan, shard_paths
 from offline_extract.store.schema import FINAL_STATE_TENSOR, SHARD_GLOB, STATE_TENSORS, RunInfo, ShardError
 from offline_extract.store.shard import Shard, open_shard, read_header
-from offline_extract.words import number
 
 # Upper bound on the float32 copy of one chunk of rows; the float64 reduction temporaries double it.
 CHUNK_BYTES = 256 << 20

@@ -29,8 +29,8 @@ from offline_extract.store.schema import (
     Encoding,
     ShardError,
 )
+from offline_extract.formatting import listing, plural
 from offline_extract.store.shard import ShardHeader, read_header
-from offline_extract.words import listing, plural
 
 
 @dataclass

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
+from offline_extract.formatting import listing, plural
 from offline_extract.store import checksum
 from offline_extract.store.atomic import atomic_write
 from offline_extract.store.index import shard_paths
@@ -37,7 +38,6 @@ from offline_extract.store.schema import (
     shard_number,
 )
 from offline_extract.store.shard import ShardHeader, read_header
-from offline_extract.words import listing, plural
 
 MANIFEST_NAME = "manifest.json"
 # The status of a run that a check refused (the parity gate; a corpus file that breaks off; kept samples that the

@@ -24,6 +24,7 @@ import numpy as np
 
 from offline_extract.data import images
 from offline_extract.data.corpus import Reject, read_corpus
+from offline_extract.formatting import listing, plural
 from offline_extract.store import manifest
 from offline_extract.store.atomic import final_name, temporary_name
 from offline_extract.store.journal import replicas_files
@@ -31,7 +32,6 @@ from offline_extract.store.lock import LOCK_NAME, holder
 from offline_extract.store.index import index_differences, not_shards, read_index, scan, shard_paths, write_index
 from offline_extract.store.schema import INDEX_NAME, REJECTS_FILE, RunInfo, ShardError, is_shard_name, shard_number
 from offline_extract.store.shard import read_header
-from offline_extract.words import listing, plural
 
 REJECTS_PART = ".rejects.dp{}.jsonl"  # a replica's rejects, by its DP rank, merged into REJECTS_FILE at the end
 # The files besides shards that a run writes into --out through atomic_write; a new one joins the tuple.

@@ -15,7 +15,7 @@ PACKAGE = ROOT / "offline_extract"
 FLOORS = [
     {
         "version",
-        "words",
+        "formatting",
         "options",
         "recipes",
         "hub",

@@ -117,7 +117,7 @@ def test_verbose_shows_library_output_as_it_comes(capfd):
 
 
 def test_a_long_list_of_names_is_kept_to_one_short_line():
-    from offline_extract.words import listing
+    from offline_extract.formatting import listing
 
     names = [f"shard_{i:03d}.safetensors" for i in range(374)]
     assert listing(names) == ", ".join(names[:5]) + " and 369 more"
@@ -193,7 +193,7 @@ def test_counts_and_sizes_read_the_same_in_every_line():
 
 
 def test_a_count_in_a_message_is_worded_with_its_thousands_grouped():
-    from offline_extract.words import human_bytes, plural
+    from offline_extract.formatting import human_bytes, plural
 
     assert (plural(1, "shard"), plural(20000, "sample")) == ("1 shard", "20,000 samples")
     assert [human_bytes(n) for n in (999, 328_600, 4_300_000_000)] == ["999 B", "328.6 KB", "4.3 GB"]
@@ -202,7 +202,7 @@ def test_a_count_in_a_message_is_worded_with_its_thousands_grouped():
 def test_a_long_line_is_broken_to_the_terminals_width_and_left_whole_elsewhere(terminal, monkeypatch, capfd):
     # The start-up line ran to 600 characters, the terminal breaking it mid-word.
     from offline_extract.lifecycle.progress import note
-    from offline_extract.words import WIDEST
+    from offline_extract.formatting import WIDEST
 
     line = "start-up 12.5 s to the first forward: " + ", ".join(f"part {i} {i / 10:.1f} s" for i in range(40))
     fd, shown = terminal(80)
