@@ -46,12 +46,12 @@ from offline_extract.data.batching import Batch, batch_by_tokens
 from offline_extract.data.corpus import Record
 from offline_extract.data.sources import open_sources
 from offline_extract.data.tokenization import Sample, SampleTokenizer
-from offline_extract.data.tokenizing_apart import TokenizingApart
+from offline_extract.data.tokenizer_processes import TokenizerProcesses
 from offline_extract.default_model import TRAINING_TEXT
 from offline_extract.engine.distributed import Coordinator, Layout, Share, layout_from_env
 from offline_extract.engine.kernels import JIT_CACHES, jit_cache_files  # noqa: E402
 from offline_extract.engine.sglang_adapter import Engine
-from offline_extract.extraction import engine_config, pending_samples, sample_tokenizer, tokenizing_apart
+from offline_extract.extraction import engine_config, pending_samples, sample_tokenizer, start_tokenizer_processes
 from offline_extract.feed import extract_batches, prepared_ahead, staging_buffers
 from offline_extract.lifecycle import startup_gc
 from offline_extract.lifecycle.timeline import Timeline
@@ -806,7 +806,7 @@ def _first_result_extras(extraction: _Extraction, root: Path, bare: _BareFigures
         )
     if bench.opts.data:
         writer = extraction.writer(root / "fed")
-        apart = tokenizing_apart(bench.run, "cuda", bench.tokenizer, bench.layout)
+        apart = start_tokenizer_processes(bench.run, "cuda", bench.tokenizer, bench.layout)
         try:
             if apart is not None:  # its processes' start-up is a run's beside the model load, not timed
                 apart.ready()
@@ -993,7 +993,7 @@ def fed_batches(
     warm: list[Batch],
     timed: list[Batch],
     engine: Engine | None = None,
-    apart: TokenizingApart | None = None,
+    apart: TokenizerProcesses | None = None,
 ) -> Iterator[Batch]:
     """`timed` made again while the forwards run, as bin/extract.py makes its batches: the corpus's records read,
     tokenized (by `apart`'s processes where given) and their images decoded and prepared (and hashed for `engine`)

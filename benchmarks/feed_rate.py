@@ -73,12 +73,12 @@ def _fed(run, st, processes: int) -> dict:
     import numpy as np
 
     from offline_extract.data.batching import batch_by_tokens
-    from offline_extract.data.tokenizing_apart import TokenizingApart
+    from offline_extract.data.tokenizer_processes import TokenizerProcesses
     from offline_extract.engine.distributed import Layout, Share
     from offline_extract.extraction import pending_samples
     from offline_extract.summary import Tally
 
-    apart = TokenizingApart(st, processes) if processes else None
+    apart = TokenizerProcesses(st, processes) if processes else None
     try:
         if apart is not None:  # a run starts them beside the model's load
             apart.ready()
@@ -184,7 +184,7 @@ def main(model, shape, data, max_length, tokens_per_batch, together, threads, im
         image_threads=image_threads,
     )
     st = sample_tokenizer(run, path)
-    if st.processor is not None and any(processes):  # refused by TokenizingApart: before anything is timed
+    if st.processor is not None and any(processes):  # refused by TokenizerProcesses: before anything is timed
         raise click.UsageError(f"--tokenizer-processes above 0: {path} prepares image chats with its processor")
     records = [r for r in read_corpus([data]) if isinstance(r, Record)]
     st.many(records[:8])  # the tokenizer's first call sets up its threads

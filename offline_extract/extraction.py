@@ -29,7 +29,7 @@ from offline_extract.data.batching import batch_by_tokens
 from offline_extract.data.corpus import BadRecordError, Record, Reject, Row, in_order, read_corpus, rows
 from offline_extract.data.sources import Source, open_sources
 from offline_extract.data.tokenization import Sample, SampleTokenizer, from_rows, tokenizer_files
-from offline_extract.data.tokenizing_apart import TokenizingApart
+from offline_extract.data.tokenizer_processes import TokenizerProcesses
 from offline_extract.engine import checkpoint, parity
 from offline_extract.engine.distributed import Coordinator, Layout, ReportedByLeader, Share, layout_from_env
 from offline_extract.engine.kernels import jit_cache_files
@@ -223,15 +223,15 @@ def sample_tokenizer(opts: ExtractOptions, model_dir: Path) -> SampleTokenizer:
     )
 
 
-def tokenizing_apart(
+def start_tokenizer_processes(
     opts: ExtractOptions, device_type: str, tokenizer: SampleTokenizer, layout: Layout
-) -> TokenizingApart | None:
+) -> TokenizerProcesses | None:
     """The processes tokenizing `layout`'s rank's records (--tokenizer-processes, by default
     `default_tokenizer_processes`), started; None where they are tokenized on the feed's thread."""
     processes = opts.tokenizer_processes
     if processes is None:
         processes = default_tokenizer_processes(device_type, tokenizer.processor is not None, layout.local_world_size)
-    return TokenizingApart(tokenizer, processes) if processes else None
+    return TokenizerProcesses(tokenizer, processes) if processes else None
 
 
 def _image_processor(opts: ExtractOptions, model_dir: Path):
@@ -364,7 +364,7 @@ class Job:
         self.known = _known_before_loading(opts, self.checked)
         self.timeline.mark("checked")
         self.tokenizer: SampleTokenizer | None = None
-        self.apart: TokenizingApart | None = None  # the processes tokenizing the records, if any
+        self.apart: TokenizerProcesses | None = None  # the processes tokenizing the records, if any
         # Set by _load: the engine, and the run's facts that every shard carries.
         self.engine: Engine | None = None
         self.meta: RunInfo | None = None
@@ -386,7 +386,9 @@ class Job:
         self.timeline.mark("tokenizer loading")
         self.tokenizer = sample_tokenizer(self.opts, self.checked.model.path)
         self.known = replace(self.known, **self.tokenizer.fingerprint())
-        self.apart = tokenizing_apart(self.opts, torch.device(self.checked.device).type, self.tokenizer, self.layout)
+        self.apart = start_tokenizer_processes(
+            self.opts, torch.device(self.checked.device).type, self.tokenizer, self.layout
+        )
         self.timeline.mark("tokenizer loaded")
 
     def run(self) -> Summary | None:
@@ -611,7 +613,7 @@ def pending_samples(
     tokenizer: SampleTokenizer,
     done: np.ndarray,
     tally: Tally,
-    apart: TokenizingApart | None = None,
+    apart: TokenizerProcesses | None = None,
 ) -> Iterator[Sample]:
     """The samples of `share`'s records of `data` still to extract, in corpus order, every record read counted
     in `tally`: records -> samples as a run makes them (the bench's --data too). `done[i]` marks record i as

@@ -77,7 +77,7 @@ MOST_TOKENIZER_PROCESSES = 4
 def default_tokenizer_processes(device_type: str, images: bool, local_ranks: int = 1) -> int:
     """ExtractOptions.tokenizer_processes's default (MOST_TOKENIZER_PROCESSES) for one of `local_ranks` ranks
     on its node: none on CPU, whose forwards take far longer than tokenizing, nor for a model with images
-    (`TokenizingApart`)."""
+    (`TokenizerProcesses`)."""
     if device_type != "cuda" or images:
         return 0
     return max(1, min(MOST_TOKENIZER_PROCESSES, len(os.sched_getaffinity(0)) // local_ranks // 4))

@@ -393,7 +393,7 @@ def from_rows(
 ) -> list[tuple[str | None, Sample | Reject | Exception | None]]:
     """(id, what is made of it) for each row of the corpus: its Sample or Reject where `wanted`, else nothing
     (`corpus.parse` reads its id alone), the records among them tokenized together (`SampleTokenizer.many`).
-    Where the rows' reading runs is where their Python runs: a tokenizing process's (`tokenizing_apart`).
+    Where the rows' reading runs is where their Python runs: a tokenizing process's (`tokenizer_processes`).
 
     A record that the tokenizer refuses whole (a configuration problem: a chat without a chat template, an
     image chat for a model that reads no images) gives the error it raised, in its place: the caller raises

@@ -97,7 +97,7 @@ def test_records_tokenized_on_processes_of_their_own_give_the_same_samples(singl
     proc = succeeded(run_extract(out, *SINGLE_ARGS, "--tokenizer-processes", "2", env=cache_env))
     assert "records 24: extracted 24, skipped 0, rejected 0, dropped 0" in proc.stderr
     assert_same_samples(single[0], out)
-    assert subprocess.run(["pgrep", "-f", "offline_extract.data.tokenizing_apart"]).returncode == 1  # none left
+    assert subprocess.run(["pgrep", "-f", "offline_extract.data.tokenizer_processes"]).returncode == 1  # none left
 
 
 def test_shards_carry_provenance_and_parity(single):

@@ -11,7 +11,7 @@ from offline_extract.data import corpus
 from offline_extract.data.corpus import Reject, rows
 from offline_extract.data.sources import open_sources
 from offline_extract.data.tokenization import SampleTokenizer, from_rows
-from offline_extract.data.tokenizing_apart import AHEAD_PER_PROCESS, TokenizingApart
+from offline_extract.data.tokenizer_processes import AHEAD_PER_PROCESS, TokenizerProcesses
 from offline_extract.engine.distributed import Layout, Share
 from offline_extract import extraction
 from offline_extract.extraction import pending_samples
@@ -62,7 +62,7 @@ def test_the_processes_give_each_chunk_what_the_tokenizer_gives_it_here_in_the_c
     wanted = [i % 7 != 6 for i in range(60)]  # others' rows and done ones: their ids alone
     chunks = [(k, (read[k * 5 : k * 5 + 5], wanted[k * 5 : k * 5 + 5])) for k in range(12)]
     assert len(chunks) > 3 * AHEAD_PER_PROCESS  # more chunks than are ever in flight
-    with TokenizingApart(tokenizer, 3) as apart:
+    with TokenizerProcesses(tokenizer, 3) as apart:
         apart.ready()  # as the bench starts its clock: nothing of it comes out later
         got = list(apart.many_ahead(iter(chunks)))
     assert [key for key, _ in got] == list(range(12))
@@ -100,7 +100,7 @@ def test_a_run_reads_the_same_samples_and_rejects_with_the_rows_parsed_in_the_pr
         raise AssertionError("a row parsed in the process that runs the forwards")
 
     monkeypatch.setattr(corpus, "_parse", refused)
-    with TokenizingApart(tokenizer, 2) as apart:
+    with TokenizerProcesses(tokenizer, 2) as apart:
         there = [run(layout, apart) for layout in layouts]
     for (s_here, r_here, sum_here), (s_there, r_there, sum_there) in zip(here, there):
         assert len(s_here) == len(s_there) and all(_same(a, b) for a, b in zip(s_here, s_there))
@@ -118,7 +118,7 @@ def test_a_record_the_tokenizer_refuses_whole_gives_its_error_in_its_place(tiny_
     hf.chat_template = None
     tokenizer = SampleTokenizer(hf, max_length=64)
     read = _rows(tmp_path, 6)  # a chat, two texts, a chat with no answer, a broken line, a chat
-    with TokenizingApart(tokenizer, 2) as apart:
+    with TokenizerProcesses(tokenizer, 2) as apart:
         ((_, made),) = apart.many_ahead([("rows", (read, [True] * len(read)))])
     assert [type(m).__name__ for _, m in made] == ["ValueError", "Sample", "Sample", "Reject", "Reject", "ValueError"]
     assert "no chat template" in str(made[0][1])
@@ -140,7 +140,7 @@ def test_a_refused_record_stops_the_run_where_it_comes_unless_its_id_is_a_duplic
 
     def run():
         tally = Tally(None, strict=False, nonfinite="fail")
-        with TokenizingApart(tokenizer, processes) if processes else contextlib.nullcontext() as apart:
+        with TokenizerProcesses(tokenizer, processes) if processes else contextlib.nullcontext() as apart:
             samples = [
                 s.id for s in pending_samples([str(corpus)], Share(Layout(), none), tokenizer, none, tally, apart)
             ]
@@ -155,7 +155,7 @@ def test_a_refused_record_stops_the_run_where_it_comes_unless_its_id_is_a_duplic
 
 
 def test_a_worker_killed_from_outside_is_said_and_closing_ends_every_worker(tokenizer, tmp_path):
-    apart = TokenizingApart(tokenizer, 2)
+    apart = TokenizerProcesses(tokenizer, 2)
     procs = [w.proc for w in apart._workers]
     # Out of the terminal's process group, which a Ctrl-C signals whole: the parent stops them itself.
     assert all(os.getpgid(p.pid) != os.getpgid(0) for p in procs)
@@ -173,13 +173,13 @@ def test_an_image_models_tokenizer_is_refused_with_the_option_to_give(tokenizer)
         model = "org/vl-model"
 
     with pytest.raises(ValueError, match="org/vl-model prepares image chats.*--tokenizer-processes 0"):
-        TokenizingApart(WithProcessor(), 2)
+        TokenizerProcesses(WithProcessor(), 2)
 
 
 def test_closing_with_results_unread_ends_at_once(tokenizer, tmp_path):
     # Its workers wait to write results nobody reads, its senders to write chunks nobody takes: a run stopped.
     big = [(k, (_rows(tmp_path, 60), [True] * 60)) for k in range(8)]
-    apart = TokenizingApart(tokenizer, 2)
+    apart = TokenizerProcesses(tokenizer, 2)
     results = apart.many_ahead(iter(big))
     next(results)
     closing = threading.Thread(target=apart.close)

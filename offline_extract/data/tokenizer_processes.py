@@ -8,7 +8,7 @@ GIL: a small model's forwards, each done in milliseconds, ran at half their rate
 never waited for a batch. On processes of their own only the corpus's rows (read here, unparsed) and the samples
 (made there) cross, pickled.
 
-Each worker is `python -m offline_extract.data.tokenizing_apart`, reading pickles on its stdin (the tokenizer,
+Each worker is `python -m offline_extract.data.tokenizer_processes`, reading pickles on its stdin (the tokenizer,
 then chunks of rows) and writing one pickle of results on its stdout for each chunk, in order: not
 multiprocessing's, whose spawned children run the parent's main script again (a user's script, unguarded).
 """
@@ -91,7 +91,7 @@ class _Worker:
         self.proc.wait()
 
 
-class TokenizingApart:
+class TokenizerProcesses:
     """`tokenization.from_rows` of each chunk of rows on `processes` processes, `AHEAD_PER_PROCESS` chunks each ahead
     of the caller, the chunks' results in their order (chunk k goes to process k mod processes). The workers
     start at once, so that their imports and their copy of the tokenizer are made beside whatever the caller
@@ -100,7 +100,7 @@ class TokenizingApart:
 
     def __init__(self, tokenizer: SampleTokenizer, processes: int):
         if processes < 1:
-            raise ValueError(f"TokenizingApart needs at least one process, got {processes}")
+            raise ValueError(f"TokenizerProcesses needs at least one process, got {processes}")
         if tokenizer.processor is not None:
             raise ValueError(
                 f"--tokenizer-processes {processes}: {tokenizer.model} prepares image chats with its HF processor, "
@@ -145,7 +145,7 @@ class TokenizingApart:
         for worker in self._workers:
             worker.stop()
 
-    def __enter__(self) -> TokenizingApart:
+    def __enter__(self) -> TokenizerProcesses:
         return self
 
     def __exit__(self, *exc) -> None:
