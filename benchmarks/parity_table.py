@@ -54,7 +54,7 @@ CPU_FP32_MAX_REL = 1e-5
 
 def _cpu(result: dict | None, arch: str) -> str:
     if result is None:
-        return "no CPU run (docs/architectures.md)"
+        return "no CPU run (docs/supported-models.md)"
     rows = result["rows"] + result.get("image_rows", [])
     rel = max(r["max_rel"] for r in rows)
     verdict = "pass" if rel <= CPU_FP32_MAX_REL else "**FAIL**"

@@ -155,7 +155,7 @@ def test_a_model_file_without_eagle3_capture_is_refused_with_the_reason():
 
 
 def test_gpt_oss_reference_is_hfs_eager_attention_with_the_sinks_in_play(tiny_model_dir, tmp_path):
-    # SGLang runs GPT-OSS on GPU attention backends only (docs/architectures.md), so its parity is in the GPU
+    # SGLang runs GPT-OSS on GPU attention backends only (docs/supported-models.md), so its parity is in the GPU
     # suite; this is the HF side of it, which transformers implements in eager attention alone.
     model = reference.load_hf_model(
         str(build_model("gpt_oss", tmp_path / "m", tokenizer_dir=tiny_model_dir)), "float32", "cpu"

@@ -1,5 +1,5 @@
 """The family table against what reads it: each family's random checkpoint is of its SGLang class, its HF
-routing names a scoring the parity gate has, and the README and docs/architectures.md name it."""
+routing names a scoring the parity gate has, and the README and docs/supported-models.md name it."""
 
 import json
 from dataclasses import replace
@@ -36,7 +36,7 @@ def test_names_and_classes_are_each_one_familys():
     assert len({f.sglang_class for f in FAMILIES}) == len(FAMILIES)
 
 
-@pytest.mark.parametrize("page", ["README.md", "docs/architectures.md"])
+@pytest.mark.parametrize("page", ["README.md", "docs/supported-models.md"])
 def test_the_model_tables_name_every_family(page):
     text = (ROOT / page).read_text()
     assert [f.sglang_class for f in FAMILIES if f"`{f.sglang_class}`" not in text] == []
