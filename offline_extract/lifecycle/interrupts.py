@@ -40,7 +40,7 @@ class _State:
         self.unraised = False  # ... and its KeyboardInterrupt is still to be raised
         self.failure = False  # a thread asks the main thread to stop (`interrupt_main`), not the user
         self.exits_at_once = exits_at_once  # the command runs as the program: it may end the process itself
-        self.at_once: str | None = None  # the words to end the process with, while nothing needs cleaning up
+        self.at_once: str | None = None  # the line to end the process with, while nothing needs cleaning up
         self.undo: list[Callable[[], None]] = []  # what a stop at once undoes first (`undo_at_once`)
         self.terminal: int | None = None  # the stderr the command started with, duplicated (`guard`)
         self.holding = 0  # `held_back` sections the main thread is in
@@ -77,7 +77,7 @@ def _exit_at_once() -> None:
     for step in reversed(_state.undo):
         try:
             step()
-        except OSError:  # what it leaves is named by the words, or harmless (a lock file the kernel unlocked)
+        except OSError:  # what it leaves is named by the line, or harmless (a lock file the kernel unlocked)
             pass
     # To the terminal the command started with: the model's load may have diverted fd 2 to hide its libraries' output.
     os.write(2 if _state.terminal is None else _state.terminal, (_state.at_once + "\n").encode())
@@ -130,14 +130,15 @@ def held_back() -> Iterator[None]:
         _state.holding -= 1
 
 
-def at_once(words: str) -> None:
+def at_once(line: str) -> None:
     """Until `clean_up_from_here`: nothing of this command needs cleaning up beyond its `undo_at_once` steps, and
-    Ctrl-C ends the process with `words` (where the command runs as the program), even inside an import."""
-    _state.at_once = words
+    Ctrl-C ends the process at once, printing `line` (where the command runs as the program), even inside an
+    import."""
+    _state.at_once = line
 
 
 def undo_at_once(step: Callable[[], None]) -> None:
-    """Until `clean_up_from_here`, a stop at once runs `step` before its words, the steps last given first: a
+    """Until `clean_up_from_here`, a stop at once runs `step` before its line, the steps last given first: a
     lock released, an empty directory removed. It runs in the signal handler, between any two bytecodes of
     the main thread, so it must be quick, import nothing (the import it interrupts may hold a module's lock)
     and take no lock; an OSError it raises is passed over."""
