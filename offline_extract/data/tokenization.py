@@ -136,6 +136,59 @@ class _Fit:
         return Sample(record.index, record.id, record.source, record.line, ids, mask, source_len, truncated, images)
 
 
+class ChatTemplate:
+    """The model's chat template, which renders a chat as the model sees it at inference, and finds where its
+    assistant turns lie in the text: what the loss mask covers."""
+
+    def __init__(self, tokenizer, processor=None):
+        self._tokenizer, self._processor = tokenizer, processor
+
+    @property
+    def template(self) -> str | dict | None:
+        """The processor's, where it has one, else the tokenizer's."""
+        return getattr(self._processor, "chat_template", None) or self._tokenizer.chat_template
+
+    def render(self, messages: tuple[tuple[str, str | tuple], ...]) -> tuple[str, list[int]]:
+        """The whole conversation as the chat template renders it, and the character bounds
+        [start_0, end_0, start_1, end_1, ...] of its assistant spans. A content of parts (a chat with images)
+        is given to the template as HF's content parts, an image's as {"type": "image"}."""
+        if self.template is None:
+            raise ValueError("the tokenizer has no chat template, which chat records need")
+        conversation = [{"role": role, "content": _hf_content(content)} for role, content in messages]
+        turns = [i for i, (role, _) in enumerate(messages) if role == "assistant"]
+        if not turns:
+            raise _Unusable("no assistant turn")
+        heads = self._render([conversation[:i] for i in turns], True)
+        full, *tails = self._render([conversation] + [conversation[: i + 1] for i in turns], False)
+
+        # Character positions [start_0, end_0, start_1, end_1, ...] of the assistant spans.
+        bounds = []
+        for i, head, tail in zip(turns, heads, tails):
+            for prefix, what in ((head, f"messages[:{i}] with the generation prompt"), (tail, f"messages[:{i + 1}]")):
+                if not full.startswith(prefix):
+                    raise _Unusable(
+                        f"chat template is not prefix-stable: {what} does not render as a prefix"
+                        " of the whole conversation"
+                    )
+                bounds.append(len(prefix))
+        if bounds != sorted(bounds):
+            raise _Unusable("chat template is not prefix-stable: assistant spans come out of order")
+        return full, bounds
+
+    def _render(self, conversations: list[list[dict]], add_generation_prompt: bool) -> list[str]:
+        # Always the batched form: transformers cannot render an empty conversation on its own, and
+        # the header before an opening assistant turn is exactly that rendering.
+        try:
+            return self._tokenizer.apply_chat_template(
+                conversations,
+                chat_template=self.template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+            )
+        except jinja2.TemplateError as e:
+            raise _Unusable(f"chat template error: {e}") from None
+
+
 class SampleTokenizer:
     """Callable mapping a Record to a Sample, or to a Reject when the record cannot be used.
 
@@ -185,6 +238,7 @@ class SampleTokenizer:
         # `images_refused`: why a model with a processor takes no image even so (a checkpoint without its tower's
         # weights, extraction._without_its_tower), said after its name when its first image chat is refused.
         self.processor = processor
+        self._template = ChatTemplate(tokenizer, processor)
         self.images_refused = _TEXT_ONLY if processor is None else images_refused
         if processor is not None:
             self.placeholder_id, self.image_token_id = _image_token_ids(processor, tokenizer, model, image_token_id)
@@ -199,8 +253,8 @@ class SampleTokenizer:
 
     @property
     def chat_template(self) -> str | dict | None:
-        """The template every chat is rendered with: the processor's, where it has one, else the tokenizer's."""
-        return getattr(self.processor, "chat_template", None) or self.tokenizer.chat_template
+        """The template every chat is rendered with (`ChatTemplate.template`)."""
+        return self._template.template
 
     @property
     def _cut_chars(self) -> int:
@@ -238,7 +292,7 @@ class SampleTokenizer:
                     done[i] = next(pictured)
                 elif record.format in ("sharegpt", "openai"):
                     kept = _cut_contents(record.messages, self._cut_chars)
-                    chats.append((i, kept, *self._render_chat(kept)))
+                    chats.append((i, kept, *self._template.render(kept)))
                 elif record.format == "text":
                     texts.append((i, record.text))
                 elif record.format == "tokens":
@@ -267,14 +321,14 @@ class SampleTokenizer:
 
     def _image_chat(self, record: Record) -> tuple[np.ndarray, np.ndarray, bool, Images]:
         """A chat with images, tokenized by the model's processor, which expands each image's placeholder into
-        the image's tokens. The loss mask is the assistant spans' (`_render_chat`) on the chat's text, carried
+        the image's tokens. The loss mask is the assistant spans' (`ChatTemplate.render`) on the chat's text, carried
         over to the expanded tokens, and never at an image token. Not cut before tokenizing: an image is
         extracted whole or not at all (`_Fit.sample`)."""
         try:
             pictures, fingerprint = load_images(record.images)
         except ImageError as e:
             raise _Unusable(str(e)) from None
-        full, bounds = self._render_chat(record.messages)
+        full, bounds = self._template.render(record.messages)
         text = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         text_ids = np.asarray(text["input_ids"], dtype=np.int32)
         text_mask = _assistant_mask(text["offset_mapping"], bounds)
@@ -320,51 +374,11 @@ class SampleTokenizer:
                 out.append((one, len(cut) < len(text)))
         return out
 
-    def _render(self, conversations: list[list[dict]], add_generation_prompt: bool) -> list[str]:
-        # Always the batched form: transformers cannot render an empty conversation on its own, and
-        # the header before an opening assistant turn is exactly that rendering.
-        try:
-            return self.tokenizer.apply_chat_template(
-                conversations,
-                chat_template=self.chat_template,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-            )
-        except jinja2.TemplateError as e:
-            raise _Unusable(f"chat template error: {e}") from None
-
     def _chat_tokens(self, messages: tuple[tuple[str, str], ...]) -> tuple[np.ndarray, np.ndarray, bool]:
         """One chat's tokens, loss mask and whether it was cut before tokenizing (`_encode`)."""
-        full, bounds = self._render_chat(messages)
+        full, bounds = self._template.render(messages)
         enc, cut = self._encode(full, add_special_tokens=False, return_offsets_mapping=True)
         return np.asarray(enc["input_ids"], dtype=np.int32), _assistant_mask(enc["offset_mapping"], bounds), cut
-
-    def _render_chat(self, messages: tuple[tuple[str, str | tuple], ...]) -> tuple[str, list[int]]:
-        """The whole conversation as the chat template renders it, and the character bounds
-        [start_0, end_0, start_1, end_1, ...] of its assistant spans. A content of parts (a chat with images)
-        is given to the template as HF's content parts, an image's as {"type": "image"}."""
-        if self.chat_template is None:
-            raise ValueError("the tokenizer has no chat template, which chat records need")
-        conversation = [{"role": role, "content": _hf_content(content)} for role, content in messages]
-        turns = [i for i, (role, _) in enumerate(messages) if role == "assistant"]
-        if not turns:
-            raise _Unusable("no assistant turn")
-        heads = self._render([conversation[:i] for i in turns], True)
-        full, *tails = self._render([conversation] + [conversation[: i + 1] for i in turns], False)
-
-        # Character positions [start_0, end_0, start_1, end_1, ...] of the assistant spans.
-        bounds = []
-        for i, head, tail in zip(turns, heads, tails):
-            for prefix, what in ((head, f"messages[:{i}] with the generation prompt"), (tail, f"messages[:{i + 1}]")):
-                if not full.startswith(prefix):
-                    raise _Unusable(
-                        f"chat template is not prefix-stable: {what} does not render as a prefix"
-                        " of the whole conversation"
-                    )
-                bounds.append(len(prefix))
-        if bounds != sorted(bounds):
-            raise _Unusable("chat template is not prefix-stable: assistant spans come out of order")
-        return full, bounds
 
     def fingerprint(self) -> dict:
         """Hashes identifying the tokenization, for shard metadata: equal hashes mean equal tokens."""

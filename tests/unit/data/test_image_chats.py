@@ -14,7 +14,7 @@ from image_chats import PATCH, save_image
 from transformers import AutoProcessor
 
 from offline_extract.data.corpus import read_corpus
-from offline_extract.data.tokenization import IMAGES_AHEAD_PER_THREAD, Sample, SampleTokenizer
+from offline_extract.data.tokenization import IMAGES_AHEAD_PER_THREAD, ChatTemplate, Sample, SampleTokenizer
 from offline_extract.testing.models import VL_CHAT_TEMPLATE
 
 
@@ -415,7 +415,7 @@ def test_image_threads_run_torch_on_one_thread_and_give_the_processors_own_pixel
         assert counts == {1} and torch.get_num_threads() == 2 and started == [2]
         for record, sample in zip(records, samples, strict=True):
             pictures = [Image.open(ref.location).convert("RGB") for ref in record.images]
-            full, _ = st._render_chat(record.messages)
+            full, _ = ChatTemplate(processor.tokenizer, processor).render(record.messages)
             expected = processor(text=[full], images=pictures, return_tensors="pt", add_special_tokens=False)
             assert sample.input_ids.tolist() == expected["input_ids"][0].tolist()
             for key in ("pixel_values", "image_grid_thw"):
