@@ -397,6 +397,18 @@ class _Writes:
         self._blocks.shutdown(wait=True)
 
 
+@dataclass
+class _Begun:
+    """A sample begun (`ShardWriter.begin_sample`) and not ended: its `tokens` rows of `row_bytes` each in the
+    shard buffer `buf`; with `filling`, its rows still arriving while that shard is already being written."""
+
+    sample: SampleInfo
+    tokens: int
+    row_bytes: int
+    buf: _ShardBuffer
+    filling: shard_file.Filling | None = None
+
+
 class ShardWriter:
     """Assembles batches of extracted samples into shards of about `shard_bytes` and writes them.
 
@@ -440,10 +452,7 @@ class ShardWriter:
         self._writers = writers
         self._closed = False
         self._current: _ShardBuffer | None = None
-        self._open: tuple[SampleInfo, int, int] | None = None  # (sample, tokens, row bytes): begun, not ended
-        self._filling: shard_file.Filling | None = (
-            None  # the begun sample's rows, when its shard is already being written
-        )
+        self._open: _Begun | None = None
         self._buffers = _Buffers(run.encoding, shard_bytes, writers + 1, widths, buffers or [])
 
     # What the writer threads wrote (`_Writes`): shards, samples, tokens and bytes, the shards' headers as
@@ -546,38 +555,37 @@ class ShardWriter:
         rows = buf.reserve(n)
         for name, t in tokens.items():
             rows[name].copy_(t)
-        self._open = (sample, n, row_bytes)
+        self._open = begun = _Begun(sample, n, row_bytes, buf)
         if stream and not self.encoding.compressed and (buf.tokens + n) * row_bytes >= self.shard_bytes:
-            self._filling = shard_file.Filling(buf.tokens, buf.tokens + n)
-            self._flush(pending=(sample, n), filling=self._filling)
+            begun.filling = shard_file.Filling(buf.tokens, buf.tokens + n)
+            self._flush(pending=(sample, n), filling=begun.filling)
         return {t.name: rows[t.name] for t in self.encoding.staged}
 
     def filled(self, rows: int) -> None:
         """The begun sample's first `rows` rows hold their final states."""
-        if self._filling is not None:
-            self._filling.advance(self._filling.end - self._open[1] + rows)
+        if self._open is not None and self._open.filling is not None:
+            self._open.filling.advance(self._open.filling.end - self._open.tokens + rows)
 
     def end_sample(self, keep: bool = True, ending: bool = False) -> None:
         """Completes the sample begun last, whose rows are now filled; keep=False leaves it out. `ending` as
         for add_staged."""
         if self._open is None:
             raise ShardError("end_sample called with no sample begun")
-        (sample, n, row_bytes), self._open = self._open, None
-        filling, self._filling = self._filling, None
-        if filling is not None:  # its shard, handed to a writer thread at begin_sample, may now complete
-            _end_streamed(sample, filling, keep)
+        begun, self._open = self._open, None
+        if begun.filling is not None:  # its shard, handed to a writer thread at begin_sample, may now complete
+            _end_streamed(begun.sample, begun.filling, keep)
             return
         if keep:
-            self._current.record([sample], [n])
-            self._writes.compress_recorded(self._current)
-            if self._current.tokens * row_bytes >= self.shard_bytes:
+            begun.buf.record([begun.sample], [begun.tokens])
+            self._writes.compress_recorded(begun.buf)
+            if begun.buf.tokens * begun.row_bytes >= self.shard_bytes:
                 self._flush(parts=self._tail_parts() if ending else 1)
 
     def _check_open(self, call: str) -> None:
         if self._closed:
             raise ShardError(f"{call} called on a closed ShardWriter")
         if self._open is not None:
-            raise ShardError(f"{call} called while sample {self._open[0].id!r} is begun and not ended")
+            raise ShardError(f"{call} called while sample {self._open.sample.id!r} is begun and not ended")
         self._writes.raise_failed()
 
     def _buffered_tokens(self) -> int:
@@ -616,7 +624,7 @@ class ShardWriter:
     def close(self) -> list[Path]:
         """Writes the buffered tail, waits for every write, and returns the shards written."""
         if self._open is not None:
-            raise ShardError(f"close called while sample {self._open[0].id!r} is begun and not ended")
+            raise ShardError(f"close called while sample {self._open.sample.id!r} is begun and not ended")
         if not self._closed:
             self._closed = True
             try:
@@ -642,9 +650,9 @@ class ShardWriter:
         """
         if not self._closed:
             self._closed = True
-            self._current = self._open = None
-            if self._filling is not None:
-                self._filling.abort()
+            begun, self._current, self._open = self._open, None, None
+            if begun is not None and begun.filling is not None:
+                begun.filling.abort()
             self._writes.shutdown()
 
 

@@ -175,8 +175,9 @@ def feed(writer: ShardWriter, source: Source, rng: random.Random, shard_rows: in
                 for name, t in staged.items():
                     rows[name][a:b].copy_(t[a:b])
                 writer.filled(b)
-                if isinstance(writer._filling, PacedFilling):  # streamed: its shard is written as it fills
-                    writer._filling.until_taken(b)
+                filling = writer._open.filling
+                if isinstance(filling, PacedFilling):  # streamed: its shard is written as it fills
+                    filling.until_taken(b)
                 a = b
             writer.end_sample(keep=keep, ending=ending)
 
