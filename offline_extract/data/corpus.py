@@ -17,6 +17,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple, TypeVar
 
@@ -374,11 +375,11 @@ def _record(obj: dict, raw: bytes, source: str, line: int, index: int, id_: str,
     fmt = FORMAT_KEYS[key]
     _check_mask_fields(obj, key)
     _check_surrogates(raw, obj, key)
-    common = dict(source=source, line=line, index=index, id=id_, format=fmt)
+    record = partial(Record, source=source, line=line, index=index, id=id_, format=fmt)
     if fmt in ("sharegpt", "openai"):
         fields = ("from", "value", SHAREGPT_ROLES) if fmt == "sharegpt" else ("role", "content", OPENAI_ROLES)
         messages, images = _messages(obj, key, *fields, base)
-        return Record(**common, messages=messages, images=images)
+        return record(messages=messages, images=images)
     if obj.get("images") is not None:
         raise _BadRecord(f"images are read with a chat (conversations or messages), not with {key}")
     if fmt == "text":
@@ -387,9 +388,9 @@ def _record(obj: dict, raw: bytes, source: str, line: int, index: int, id_: str,
             raise _BadRecord(f"text is not a string (got {_json_type(text)})")
         if not text:
             raise _BadRecord("text is empty")
-        return Record(**common, text=text)
+        return record(text=text)
     ids, mask = _tokens(obj)
-    return Record(**common, input_ids=ids, loss_mask=mask)
+    return record(input_ids=ids, loss_mask=mask)
 
 
 class Row(NamedTuple):
@@ -401,7 +402,8 @@ class Row(NamedTuple):
     label: str  # the start of a derived id
     base: Path  # where its relative image paths start
     line: int
-    index: int  # across all sources
+    # Across all sources, as Record.index; it shadows tuple.index, which nothing calls on a Row.
+    index: int  # type: ignore[assignment]
     raw: bytes | dict | LineTooLong
 
     def size(self) -> int:
@@ -432,7 +434,13 @@ def read_corpus(paths: Sequence[str | Path], owns: Callable[[int], bool] | None 
     """
     sources = open_sources(paths)
     parsed = ((row, *parse(row, owns is None or owns(row.index))) for row in rows(sources))
-    return (item for _, item in in_order(sources, parsed, owns))
+    return _validated(in_order(sources, parsed, owns))
+
+
+def _validated(items: Iterable[tuple[Row, Record | Reject | None]]) -> Iterator[Record | Reject]:
+    for _, item in items:
+        assert item is not None, "in_order passes only the rows `owns` accepts, and parse validated those"
+        yield item
 
 
 def rows(sources: Sequence) -> Iterator[Row]:
@@ -483,11 +491,7 @@ def in_order(
         if owns is not None and not owns(row.index):
             continue
         if first is not None and first != (row.file_no, row.line):
-            made = Reject(
-                row.source,
-                row.line,
-                row.index,
-                id_,
-                f"duplicate id {id_!r} (first at {sources[first[0]].name}:{first[1]})",
-            )
-        yield row, made
+            duplicate = f"duplicate id {id_!r} (first at {sources[first[0]].name}:{first[1]})"
+            yield row, Reject(row.source, row.line, row.index, id_, duplicate)
+        else:
+            yield row, made

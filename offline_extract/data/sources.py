@@ -118,7 +118,7 @@ class Source:
                 f"{self.name} cannot be read{past}: {e or type(e).__name__} (a truncated or damaged file?)"
             ) from e
 
-    def _rows(self) -> Iterator[tuple[int, bytes | dict]]:
+    def _rows(self) -> Iterator[tuple[int, bytes | dict | LineTooLong]]:
         if self.kind in ("jsonl", "jsonl.gz"):
             with (gzip.open if self.kind == "jsonl.gz" else open)(self.path, "rb") as f:
                 yield from _lines(f)
@@ -162,7 +162,7 @@ class Source:
         the line and column where it stops being one."""
         decoder = json.JSONDecoder()
         bounds = array.array("q")
-        at = _BLANKS.match(text, _BLANKS.match(text).end() + 1).end()  # past the "[" open_source found
+        at = _past_blanks(text, _past_blanks(text, 0) + 1)  # past the "[" open_source found
         closed = text.startswith("]", at)
         try:
             while not closed:
@@ -173,13 +173,13 @@ class Source:
                 except (ValueError, RecursionError) as e:  # integers past Python's digit limit, absurd nesting
                     raise json.JSONDecodeError(f"{e}, in the element starting", text, at) from None
                 bounds.extend((at, end))
-                at = _BLANKS.match(text, end).end()
+                at = _past_blanks(text, end)
                 closed = text.startswith("]", at)
                 if not closed:
                     if not text.startswith(",", at):
                         raise json.JSONDecodeError("Expecting ',' or ']' after an element", text, at)
-                    at = _BLANKS.match(text, at + 1).end()
-            if (after := _BLANKS.match(text, at + 1).end()) < len(text):
+                    at = _past_blanks(text, at + 1)
+            if (after := _past_blanks(text, at + 1)) < len(text):
                 raise json.JSONDecodeError("Extra data after the array's closing ']'", text, after)
         except json.JSONDecodeError as e:
             raise CorpusReadError(
@@ -217,6 +217,13 @@ class Source:
         if self.kind == "saved":
             return len(self._saved())
         return None
+
+
+def _past_blanks(text: str, at: int) -> int:
+    """The first position from `at` on that is not JSON whitespace."""
+    blanks = _BLANKS.match(text, at)
+    assert blanks is not None, "_BLANKS matches the empty string"
+    return blanks.end()
 
 
 def _lines(f) -> Iterator[tuple[int, bytes | LineTooLong]]:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence, cast
 
 import jinja2
 import numpy as np
@@ -282,18 +283,19 @@ class SampleTokenizer:
         texts: list[tuple[int, str]] = []  # (position, text)
         chats: list[tuple[int, tuple, str, list[int]]] = []  # (position, contents cut, rendered, assistant bounds)
         done: list = [None] * len(records)  # a Reject, or (ids, mask, cut), or with images (ids, mask, cut, images)
-        pictured = [r for r in records if r.images]
-        if pictured and self.images_refused:
-            _refuse_images(pictured[0], self.model, self.images_refused)
-        pictured = iter(_image_chats(self._image_chat, pictured, self.image_threads))
+        with_images = [r for r in records if r.images]
+        if with_images and self.images_refused:
+            _refuse_images(with_images[0], self.model, self.images_refused)
+        pictured = iter(_image_chats(self._image_chat, with_images, self.image_threads))
         for i, record in enumerate(records):
             try:
                 if record.images:
                     done[i] = next(pictured)
                 elif record.format in ("sharegpt", "openai"):
-                    kept = _cut_contents(record.messages, self._cut_chars)
+                    kept = _cut_contents(_text_chat(record), self._cut_chars)
                     chats.append((i, kept, *self._template.render(kept)))
                 elif record.format == "text":
+                    assert record.text is not None, "a text record has its text (corpus._record)"
                     texts.append((i, record.text))
                 elif record.format == "tokens":
                     done[i] = (*_given_tokens(record, self.vocab_size), False)
@@ -309,7 +311,7 @@ class SampleTokenizer:
         )
         for (i, kept, _, bounds), (enc, cut) in zip(chats, encoded):
             ids = np.asarray(enc["input_ids"], dtype=np.int32)
-            messages = records[i].messages
+            messages = _text_chat(records[i])
             if kept is messages or len(ids) >= self.max_length + CUT_MARGIN_TOKENS:
                 done[i] = (ids, _assistant_mask(enc["offset_mapping"], bounds), cut or kept is not messages)
             else:  # cut, the contents gave too few tokens (`SampleTokenizer`)
@@ -328,6 +330,7 @@ class SampleTokenizer:
             pictures, fingerprint = load_images(record.images)
         except ImageError as e:
             raise _Unusable(str(e)) from None
+        assert record.messages is not None, "a record with images is a chat (corpus._record)"
         full, bounds = self._template.render(record.messages)
         text = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         text_ids = np.asarray(text["input_ids"], dtype=np.int32)
@@ -374,7 +377,7 @@ class SampleTokenizer:
                 out.append((one, len(cut) < len(text)))
         return out
 
-    def _chat_tokens(self, messages: tuple[tuple[str, str], ...]) -> tuple[np.ndarray, np.ndarray, bool]:
+    def _chat_tokens(self, messages: TextChat) -> tuple[np.ndarray, np.ndarray, bool]:
         """One chat's tokens, loss mask and whether it was cut before tokenizing (`_encode`)."""
         full, bounds = self._template.render(messages)
         enc, cut = self._encode(full, add_special_tokens=False, return_offsets_mapping=True)
@@ -415,6 +418,7 @@ def from_rows(
     being tokenized anywhere else."""
     parsed = [parse(row, want) for row, want in zip(rows, wanted)]
     records = [made for _, made in parsed if isinstance(made, Record)]
+    samples: Iterator[Sample | Reject | Exception]
     try:
         samples = iter(tokenizer.many(records))
     except Exception:
@@ -493,7 +497,8 @@ def _image_chat_or_reject(prepare, record: Record) -> tuple | Reject:
     except _Unusable as e:
         return record.reject(str(e))
     except Exception as e:  # the processor's own failure stops the run, raised from a pool thread or not
-        e.add_note(f"while preparing the images of {_where(record)}")
+        if sys.version_info >= (3, 11):  # Python 3.10 has no notes: the error goes as it came
+            e.add_note(f"while preparing the images of {_where(record)}")
         raise
 
 
@@ -536,6 +541,7 @@ def _widened(ids: np.ndarray, text_ids: np.ndarray, placeholder: int) -> np.ndar
     widened = np.ones(len(ids), dtype=bool)
     start = 0
     for k, text in enumerate(texts):
+        end: int | None
         if not k:
             end = 0
         elif k == len(texts) - 1:
@@ -577,7 +583,17 @@ def _cuts_images(record: Record, images: Images | None, kept: int, why: str) -> 
     )
 
 
-def _cut_contents(messages: tuple[tuple[str, str], ...], limit: int) -> tuple[tuple[str, str], ...]:
+# A chat without images: each turn's content is a text.
+TextChat = tuple[tuple[str, str], ...]
+
+
+def _text_chat(record: Record) -> TextChat:
+    """A chat record's turns, where it has no images: each content is then a text (corpus._messages)."""
+    assert record.messages is not None and not record.images, "a chat without images"
+    return cast(TextChat, record.messages)
+
+
+def _cut_contents(messages: TextChat, limit: int) -> TextChat:
     """`messages` with their contents cut where together they pass `limit` characters, those after emptied (their
     turns rendered still, past the cut); `messages` itself where they do not."""
     if sum(len(content) for _, content in messages) <= limit:

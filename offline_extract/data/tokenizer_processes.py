@@ -49,6 +49,8 @@ class _Worker:
             env=env,
             start_new_session=True,
         )
+        assert self.proc.stdin is not None and self.proc.stdout is not None, "both piped"
+        self._to, self._from = self.proc.stdin, self.proc.stdout
         self._sending: queue.Queue = queue.Queue()
         self._sending.put(tokenizer_pickle)
         self._sender = threading.Thread(target=self._send, name="tokenizing-apart", daemon=True)
@@ -57,13 +59,13 @@ class _Worker:
     def _send(self) -> None:
         try:
             while (data := self._sending.get()) is not None:
-                self.proc.stdin.write(data)
-                self.proc.stdin.flush()
+                self._to.write(data)
+                self._to.flush()
         except (BrokenPipeError, ValueError):  # it died, or was stopped: its reader says which
             pass
         finally:
             try:
-                self.proc.stdin.close()
+                self._to.close()
             except OSError:
                 pass
 
@@ -72,7 +74,7 @@ class _Worker:
 
     def result(self) -> list:
         try:
-            kind, value = pickle.load(self.proc.stdout)
+            kind, value = pickle.load(self._from)
         except (EOFError, pickle.UnpicklingError):
             raise RuntimeError(
                 f"a tokenizing process (--tokenizer-processes) ended with exit status {self.proc.wait()} "
@@ -162,6 +164,7 @@ def _serve() -> None:
             work = pickle.load(given)
         except EOFError:  # the parent is done, or gone
             return
+        out: tuple[str, list | Exception]
         try:
             rows, wanted = work
             out = ("ok", from_rows(tokenizer, rows, wanted))
@@ -170,11 +173,9 @@ def _serve() -> None:
         try:
             data = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:  # an error that does not pickle, in words
-            if out[0] == "ok":
-                out = ("ok", [(id_, _in_words(item)) for id_, item in out[1]])
-            else:
-                out = ("error", _in_words(out[1]))
-            data = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
+            kind, value = out
+            words = [(id_, _in_words(item)) for id_, item in value] if isinstance(value, list) else _in_words(value)
+            data = pickle.dumps((kind, words), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             made.write(data)
             made.flush()
