@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, TypeVar
+from typing import Callable, Mapping, TypeVar
 
 import numpy as np
 
@@ -133,7 +133,7 @@ class Share:
         return int(self._mine[:known].sum()) + past
 
 
-def layout_from_env(tp_size: int = 1, env: dict | None = None) -> Layout:
+def layout_from_env(tp_size: int = 1, env: Mapping[str, str] | None = None) -> Layout:
     env = os.environ if env is None else env
     world = int(env.get("WORLD_SIZE", 1))
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
@@ -205,22 +205,22 @@ class Coordinator:
         except Exception:
             return  # the store is gone with torchrun's agent: the main thread's next wait says so
 
-    def _wait(self, keys: list[str]) -> None:
+    def _wait(self, store, keys: list[str]) -> None:
         """Until every key is set, checking every 2 x HEARTBEAT that the ranks still missing are alive."""
         from torch.distributed import DistNetworkError
 
         try:
-            self._wait_alive(keys)
+            self._wait_alive(store, keys)
         except DistNetworkError:
             raise _store_lost("stopped answering") from None
 
-    def _wait_alive(self, keys: list[str]) -> None:
+    def _wait_alive(self, store, keys: list[str]) -> None:
         # Polled, not store.wait(keys, timeout): each wait that times out makes c10d print two warnings
         # ("waitForInput ... timed out"), every 4 s of a rank waiting for a slower one. The poll starts at a
         # millisecond, so that a barrier the ranks reach together costs nothing, and settles at POLL.
         last_beat: dict[int, tuple[int, float]] = {}
         pause, next_look = 0.001, time.monotonic() + 2 * HEARTBEAT.total_seconds()
-        while not self.store.check(keys):
+        while not store.check(keys):
             time.sleep(pause)
             pause = min(2 * pause, POLL.total_seconds())
             now = time.monotonic()
@@ -228,10 +228,10 @@ class Coordinator:
                 continue
             next_look = now + 2 * HEARTBEAT.total_seconds()
             for key in keys:
-                if self.store.check([key]):
+                if store.check([key]):
                     continue
                 rank = int(key.rsplit("/", 1)[1])
-                beats = self.store.add(f"alive/{rank}", 0)
+                beats = store.add(f"alive/{rank}", 0)
                 seen = last_beat.get(rank)
                 if seen is None or seen[0] != beats:
                     last_beat[rank] = (beats, now)
@@ -251,14 +251,15 @@ class Coordinator:
 
     def all_gather(self, value) -> list:
         """Every rank's JSON-serializable `value`, in rank order; also a barrier."""
-        if self.store is None:
+        store = self.store
+        if store is None:
             return [value]
         self._rounds += 1
         key = f"{self._rounds}/"
-        self.store.set(key + str(self.layout.rank), json.dumps(value))
+        store.set(key + str(self.layout.rank), json.dumps(value))
         keys = [key + str(r) for r in range(self.layout.world_size)]
-        self._wait(keys)
-        return [json.loads(self.store.get(k)) for k in keys]
+        self._wait(store, keys)
+        return [json.loads(store.get(k)) for k in keys]
 
     def barrier(self) -> None:
         self.all_gather(None)
@@ -269,16 +270,17 @@ class Coordinator:
         If it raises, the leader re-raises and every other rank raises LeaderFailed with its message, so
         no rank goes on, or waits forever, after the leader gave up.
         """
-        outcome = error = None
+        outcome: dict | None = None
+        error: Exception | None = None
         if self.layout.leads:
             try:
                 outcome = {"result": decide()}
             except Exception as e:
                 error = e
                 outcome = {"error": f"{type(e).__name__}: {e}"}
-        outcome = self.all_gather(outcome)[0]
+        decided = self.all_gather(outcome)[0]
         if error is not None:
             raise error
-        if "error" in outcome:
-            raise LeaderFailed(f"rank 0 stopped the run: {outcome['error']}")
-        return outcome["result"]
+        if "error" in decided:
+            raise LeaderFailed(f"rank 0 stopped the run: {decided['error']}")
+        return decided["result"]

@@ -11,6 +11,7 @@ Nothing here imports SGLang or torch: the test rig reads this table too.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 # A capture point p means "record the residual stream entering decoder layer p" (SGLang's
@@ -159,7 +160,9 @@ _CHUNKED = "SGLang implements its chunked attention in the fa3 backend only, so 
 # Qwen's processors (Qwen2VLImageProcessor behind Qwen2.5-VL's and Qwen3-VL's) return each image's patches
 # flattened, all images' rows concatenated, with one [t, h, w] grid row per image; mm_token_type_ids marks
 # the image tokens, which the token ids already do.
-_QWEN_VL = dict(feature="pixel_values", beside=("image_grid_thw",), restating=("mm_token_type_ids",), mrope=True)
+_qwen_vl = partial(
+    ImageModel, feature="pixel_values", beside=("image_grid_thw",), restating=("mm_token_type_ids",), mrope=True
+)
 
 # In the parity record's order.
 FAMILIES = (
@@ -279,7 +282,7 @@ FAMILIES = (
         "Qwen2_5_VLForConditionalGeneration",
         "qwen2_5_vl",
         _plus_one("qwen2_5_vl.py:897"),
-        images=ImageModel("qwen2_5_vl.py, served by qwen_vl.py's QwenVLImageProcessor", **_QWEN_VL),
+        images=_qwen_vl("qwen2_5_vl.py, served by qwen_vl.py's QwenVLImageProcessor"),
     ),
     # Its decoder loop records a layer's output before adding the DeepStack features that the next layer
     # takes (qwen3_vl.py:1164 and 1174), as HF records hidden_states before adding them.
@@ -289,7 +292,7 @@ FAMILIES = (
         "Qwen3VLForConditionalGeneration",
         "qwen3_vl",
         _plus_one("qwen3_vl.py:1542"),
-        images=ImageModel("qwen3_vl.py, served by qwen_vl.py's QwenVLImageProcessor", **_QWEN_VL),
+        images=_qwen_vl("qwen3_vl.py, served by qwen_vl.py's QwenVLImageProcessor"),
     ),
 )
 

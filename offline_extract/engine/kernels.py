@@ -316,6 +316,7 @@ class RoutingPrebuild:
         (`routing_prebuild_s`; the warm-up's forwards ran beside them), the token counts and processes, and
         each failed process's last line of error (`routing_prebuild_failed`)."""
         self._collector.join()
+        assert self._ended is not None, "the collector thread sets it before it ends"
         return {
             "routing_prebuild_s": self._ended - self._started,
             "routing_prebuild_token_counts": self.counts,

@@ -36,7 +36,7 @@ def recording_routing(model, experts_per_token: int, routed: int):
     """
     from sglang.srt.layers.moe.topk import TopK
 
-    chosen: dict[int, list[torch.Tensor]] = {}
+    chosen: dict[int, list[torch.Tensor | None]] = {}
     k = experts_per_token
 
     def record(layer: int, output) -> None:
@@ -57,7 +57,10 @@ def recording_routing(model, experts_per_token: int, routed: int):
     handles = []
     for name, module in model.named_modules():
         if isinstance(module, TopK):
-            layer = int(re.search(r"layers\.(\d+)\.", name).group(1))
+            found = re.search(r"layers\.(\d+)\.", name)
+            if found is None:
+                raise RuntimeError(f"SGLang's top-k module {name} is not inside a numbered decoder layer")
+            layer = int(found.group(1))
             handles.append(module.register_forward_hook(lambda m, args, out, layer=layer: record(layer, out)))
     try:
         yield chosen
@@ -83,12 +86,19 @@ def warm_up_token_counts(runner, device, quantized: bool, max_tokens: int) -> li
     moe_runner = getattr(getattr(layer, "quant_method", None), "runner", None)
     # The tuned tables are looked up by the CUDA device's name; on CPU the experts take torch's own path.
     on_cuda = torch.device(device).type == "cuda"
-    if on_cuda and moe_runner is not None and moe_runner.runner_backend == MoeRunnerBackend.TRITON and not quantized:
+    config_of: Callable[[int], object]
+    if (
+        on_cuda
+        and layer is not None
+        and moe_runner is not None
+        and moe_runner.runner_backend == MoeRunnerBackend.TRITON
+        and not quantized
+    ):
         # As fused_moe.py's _prepare_fused_moe_run asks for an unquantized layer (no padding, no blocks).
         w1, w2, k = tuple(layer.w13_weight.shape), tuple(layer.w2_weight.shape), layer.top_k
         dtype = get_config_dtype_str(dtype=runner.model_config.dtype)
 
-        def config_of(m: int) -> str:
+        def config_of(m: int) -> object:
             return json.dumps(try_get_optimal_moe_config(w1, w2, k, dtype, m, return_down_config=True), sort_keys=True)
     else:
         config_of = int.bit_length

@@ -13,14 +13,15 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Callable
+from typing import Callable, Generic, TypeVar
 
 import torch
 
 from offline_extract.store.schema import Encoding
 
+B = TypeVar("B")
 # Called with whatever the caller submitted as its batch, then the host copies of the staged tensors.
-Consumer = Callable[[object, dict[str, torch.Tensor]], None]
+Consumer = Callable[[B, dict[str, torch.Tensor]], None]
 
 
 def pinned_buffers(
@@ -37,12 +38,12 @@ def pinned_buffers(
     ]
 
 
-class HostOffload:
+class HostOffload(Generic[B]):
     """`encode(aux, last)` turns a batch's captured states into the staged tensors the buffers hold."""
 
     def __init__(
         self,
-        consume: Consumer,
+        consume: Consumer[B],
         device: torch.device | str,
         buffers: list,
         encode: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]],
@@ -65,7 +66,7 @@ class HostOffload:
         self._thread = threading.Thread(target=self._drain, name="host-offload", daemon=True)
         self._thread.start()
 
-    def submit(self, batch: object, aux: torch.Tensor, last: torch.Tensor) -> None:
+    def submit(self, batch: B, aux: torch.Tensor, last: torch.Tensor) -> None:
         """Start moving one batch's states to the host; returns before the copy is done."""
         self._raise_error()
         start = time.perf_counter()

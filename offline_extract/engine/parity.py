@@ -16,19 +16,26 @@ import re
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Callable, Collection, Iterable, Mapping, Sequence, TypedDict
 
 import torch
 
 from offline_extract.data.images import Images
 from offline_extract.engine.families import HFRouting, hf_routings
 
+
+class Tolerance(TypedDict):
+    max_abs: float | None
+    max_rel: float | None  # of the states' scale
+    min_cosine: float
+
+
 # fp32 runs the same math in both stacks and must agree to rounding, and rounding scales with the values:
 # the same states differ by a few float32 steps of their largest value (about 3e-7 of it), by how much
 # depends on the CPU's GEMM blocking (an AMD EPYC's differs from an Intel Xeon's), so the bound is 1e-5 of
 # the states' scale, where a layer off by one lands at 1e-2 or more. bf16 differs by accumulation order,
 # so it is judged by direction (cosine) and by error relative to the states' own scale.
-TOLERANCES = {
+TOLERANCES: dict[str, Tolerance] = {
     "float32": {"max_abs": None, "max_rel": 1e-5, "min_cosine": 0.99999},
     "bfloat16": {"max_abs": None, "max_rel": 0.05, "min_cosine": 0.999},
     "float16": {"max_abs": None, "max_rel": 0.02, "min_cosine": 0.999},
@@ -93,7 +100,7 @@ class LayerParity:
     def floor_ratio(self) -> float | None:
         """How far the engine is from float32 in units of what HALF_FLOOR allows, the larger of the median's and
         the worst token's: at most 1 passes (None: no float32 reference)."""
-        if self.floor_rel_err is None:
+        if self.floor_rel_err is None or self.floor_median_rel_err is None:
             return None
         pairs = {
             "median": (self.median_rel_err, self.floor_median_rel_err),
@@ -150,7 +157,8 @@ def hf_hidden_states(
     makes it, not HF's list of every layer's, which for a 131k-token sample of an 8B model takes 35 GB in
     bf16 and 70 GB in float32 beside the engine."""
     ids = torch.as_tensor(list(input_ids), dtype=torch.long, device=device)[None]
-    decoder, seen = _decoder(model), {}
+    decoder = _decoder(model)
+    seen: dict[int | str, torch.Tensor] = {}  # by hidden_states index, and the final norm's "pre" and "post"
 
     def taken(index):
         return lambda module, args, out: seen.__setitem__(index, out[0] if isinstance(out, tuple) else out)
@@ -254,7 +262,7 @@ COMPARE_TOKENS = 8192
 
 
 def compare(
-    engine_states: Sequence[tuple[Sequence[int], torch.Tensor, torch.Tensor]],
+    engine_states: Sequence[tuple],
     hf_model,
     layer_ids: Sequence[int],
     dtype: str,
@@ -396,14 +404,15 @@ class _StateFigures:
 def _passes(row: LayerParity, dtype: str, moe: bool, fp8: bool = False) -> bool:
     if fp8:
         return row.median_cosine >= FP8_MIN_MEDIAN_COSINE
-    if row.floor_rel_err is not None:
-        return row.floor_ratio() <= 1
+    if (ratio := row.floor_ratio()) is not None:
+        return ratio <= 1
     if moe and dtype != "float32":
         return row.median_cosine >= MOE_HALF_MIN_MEDIAN_COSINE
     tol = TOLERANCES[dtype]
+    max_abs, max_rel = tol["max_abs"], tol["max_rel"]
     ok = row.cosine >= tol["min_cosine"]
-    ok &= tol["max_abs"] is None or row.max_abs <= tol["max_abs"]
-    ok &= tol["max_rel"] is None or row.max_rel <= tol["max_rel"]
+    ok &= max_abs is None or row.max_abs <= max_abs
+    ok &= max_rel is None or row.max_rel <= max_rel
     return bool(ok)
 
 
@@ -535,7 +544,7 @@ class ForcedRouting:
             raise ValueError(f"no forced experts for MoE layers {missing}")
         self._forced = experts
 
-    def _force(self, block, layer: int, routing: HFRouting, logits: torch.Tensor, args: tuple) -> tuple:
+    def _force(self, block, layer: int, routing: HFRouting, logits: torch.Tensor, args: tuple) -> tuple | None:
         hidden, own_ids, own_weights = args
         self.own_choice[layer] = own_ids.detach().cpu()
         if self._forced is None:

@@ -178,6 +178,8 @@ class ReferencePreload:
                 f"parity gate: reading HF's reference weights from {self.model_path} failed: {why}"
             ) from e
         tensors, self._tensors = self._tensors, None
+        if tensors is None:
+            raise RuntimeError("the reference weights were taken already: they are handed over once")
         return tensors
 
     def drop(self) -> None:

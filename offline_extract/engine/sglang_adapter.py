@@ -20,7 +20,7 @@ import types
 from pathlib import Path
 from array import array
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, Sequence, cast
 
 import numpy as np
 import torch
@@ -193,6 +193,13 @@ class Captured:
 
     aux: torch.Tensor  # [T, k*H]
     last: torch.Tensor  # [T, H], the final state EngineConfig.final_state names
+
+
+def _captured(states: Captured | None) -> Captured:
+    """The states of a forward that captured them (`Engine._extend` with capture=True)."""
+    if states is None:
+        raise RuntimeError("a capturing forward returned no states")
+    return states
 
 
 def default_attention_backend(device: str) -> str:
@@ -625,7 +632,7 @@ class Engine:
         sequence's image tokens stand for. A single text sequence longer than one forward's token budget is
         prefilled in chunks (`chunks`); a sequence with images never is, and is refused there.
         """
-        return self._prefill(seqs, capture=True, images=self._checked_images(seqs, images))
+        return _captured(self._prefill(seqs, capture=True, images=self._checked_images(seqs, images)))
 
     def _checked_images(
         self, seqs: Sequence[np.ndarray], images: Sequence[Images | None] | None
@@ -714,7 +721,7 @@ class Engine:
         """All of `chunks(ids, chunk)` in one piece: states equal to an unchunked prefill's. For the tests;
         extraction takes the chunks one by one (`chunks`), so as to copy each out while the
         next one computes."""
-        return self._chunked(ids, chunk, capture=True)
+        return _captured(self._chunked(ids, chunk, capture=True))
 
     def prefill_chunked(self, ids: np.ndarray, chunk: int) -> None:
         """`prefill` of one long sequence, `chunk` tokens at a time: the bench's bare baseline for chunked
@@ -722,9 +729,10 @@ class Engine:
         self._chunked(ids, chunk, capture=False)
 
     def _chunked(self, ids: np.ndarray, chunk: int, capture: bool) -> Captured | None:
-        parts = [states for _, _, states in self._chunks(ids, chunk, capture)]
+        states = [states for _, _, states in self._chunks(ids, chunk, capture)]
         if not capture:
             return None
+        parts = [_captured(p) for p in states]
         return Captured(aux=torch.cat([p.aux for p in parts]), last=torch.cat([p.last for p in parts]))
 
     def chunks(self, ids: np.ndarray, chunk: int) -> Iterator[tuple[int, int, Captured]]:
@@ -735,7 +743,7 @@ class Engine:
 
         The sequence holds the KV pool until the generator is exhausted or closed.
         """
-        return self._chunks(ids, chunk, capture=True)
+        return cast(Iterator[tuple[int, int, Captured]], self._chunks(ids, chunk, capture=True))  # with states
 
     def _chunks(self, ids: np.ndarray, chunk: int, capture: bool) -> Iterator[tuple[int, int, Captured | None]]:
         self._check_lengths([ids])
@@ -797,10 +805,9 @@ class _StateCapture:
     def configure(self, model, requested: tuple[int, ...] | None) -> tuple[int, ...]:
         """Capture the layer ids `requested` (None: SGLang's EAGLE-3 default for the model); returns them."""
         rule = model_capture_rule(model, self.model_path)
-        if requested is None:
-            # Ask SGLang for its own default, so training data matches what EAGLE-3 inference captures.
-            requested = [p - 1 for p in resolve_capture(model, rule, None)]
-        ids = validate_layer_ids(requested, self.num_layers)
+        # None: ask SGLang for its own default, so training data matches what EAGLE-3 inference captures.
+        wanted = [p - 1 for p in resolve_capture(model, rule, None)] if requested is None else requested
+        ids = validate_layer_ids(wanted, self.num_layers)
         points = [k + 1 for k in ids]
         resolved = resolve_capture(model, rule, points)
         if resolved != points:
