@@ -66,8 +66,8 @@ def scan(
     paths = shard_paths(out_dir)
     if not paths:
         raise ShardError(f"no {SHARD_GLOB} files in {out_dir}")
-    known = {h.path.name: h for h in known}
-    headers = [known.get(p.name) or read_header(p) for p in paths]
+    by_name = {h.path.name: h for h in known}
+    headers = [by_name.get(p.name) or read_header(p) for p in paths]
     where: dict[int, tuple[int, int]] = {}
     for s_pos, h in enumerate(headers):
         _check_run_agrees(headers[0], h)
@@ -131,7 +131,8 @@ def index_differences(
         if key == "format_version":
             continue  # read_index refused one it cannot read
         if key == "run":
-            there = None if there is None else index_run(index, out_dir).to_json()
+            run = None if there is None else index_run(index, out_dir)
+            there = None if run is None else run.to_json()
             if there != value:
                 found.append("its run differs from the shards' run")
         elif key == "samples":

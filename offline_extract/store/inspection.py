@@ -193,7 +193,7 @@ def _state_shape(shards: list[Shard]) -> tuple[dict[str, int], int, int]:
         num_aux = aux_width // hidden
     elif aux_width != num_aux * hidden:
         raise ShardError(
-            f"run lists {num_aux} layer_ids {list(run.layer_ids)} but aux_hidden_states holds {aux_width // hidden} layers"
+            f"run lists {num_aux} layer_ids {list(run.layer_ids or ())} but aux_hidden_states holds {aux_width // hidden} layers"
         )
     return widths, hidden, num_aux
 
@@ -364,7 +364,17 @@ def render_sample(view: dict, console: Console) -> None:
     meta = Table(title=f"sample {view['id']}", show_header=False)
     meta.add_column(style="bold")
     meta.add_column()
-    keys = ("index", "source", "line", "source_len", "truncated", "shard", "row", "num_tokens", "loss_tokens")
+    keys: tuple[str, ...] = (
+        "index",
+        "source",
+        "line",
+        "source_len",
+        "truncated",
+        "shard",
+        "row",
+        "num_tokens",
+        "loss_tokens",
+    )
     keys += ("image_tokens", "images_sha256") if view["image_tokens"] else ()
     for key in keys:
         meta.add_row(key, Text(str(view[key])))

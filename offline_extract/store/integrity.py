@@ -159,9 +159,10 @@ def _check_checksums(
             report.stray(path.name)
         else:
             unrecorded[path.name] = "checked against the run's journal" if path.name in logged else unlogged
-    entries = {p: listed.get(p.name) or logged.get(p.name) for p in paths}
-    checked = [p for p, entry in entries.items() if entry is not None]
-    for path, digest in zip(checked, manifest.checksums(checked, [entries[p] for p in checked], threads)):
+    found = {p: listed.get(p.name) or logged.get(p.name) for p in paths}
+    entries = {p: entry for p, entry in found.items() if entry is not None}
+    checked = list(entries)
+    for path, digest in zip(checked, manifest.checksums(checked, list(entries.values()), threads)):
         where = manifest.MANIFEST_NAME if path.name in listed else "the run's journal"
         report.damage(path.name, manifest.differences(path, digest, entries[path], where))
 
@@ -238,7 +239,8 @@ def _check_encoding(name: str, f, encoding: Encoding, offsets: list[int], dtypes
         itemsize = next(t.dtype.itemsize for t in encoding.staged if t.name == state)
         for i, (a, b) in enumerate(zip(frames, frames[1:])):
             rows = offsets[i + 1] - offsets[i] if i + 1 < len(offsets) else -1
-            content = encoding.codec.content_size(blob[a : min(b, a + encoding.codec.header_bytes)].numpy().tobytes())
+            codec = encoding.frame_codec
+            content = codec.content_size(blob[a : min(b, a + codec.header_bytes)].numpy().tobytes())
             if content < 0 or content % max(rows * itemsize, 1) or (rows == 0) != (content == 0):
                 problems.append(f"{name}: {state} frame of sample position {i} does not hold its {rows} rows")
     return problems

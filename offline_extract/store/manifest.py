@@ -154,6 +154,7 @@ def load(out: str | os.PathLike) -> dict | None:
     path = Path(out) / MANIFEST_NAME
     if not path.exists():
         return None
+    why: str | None
     try:
         document = load_json(path)
     except ValueError as e:  # invalid JSON, or not UTF-8 text

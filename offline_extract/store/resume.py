@@ -166,7 +166,7 @@ def take_over(out: Path) -> tuple[OutputLock, Existing]:
         raise
 
 
-def finished(out: Path, known: RunInfo, data: Sequence[str]) -> dict | None:
+def finished(out: Path, known: RunInfo, data: Sequence[str | os.PathLike]) -> dict | None:
     """The manifest of `out` if it holds a complete run that this one would only repeat, else None.
 
     `known` is the run's facts before its model loads; what only SGLang decides (default layer ids, an
@@ -199,7 +199,7 @@ def _taken_as_recorded(known: RunInfo, recorded: dict) -> dict:
     return facts
 
 
-def check_before_loading(out: Path, known: RunInfo, data: Sequence[str], force: bool) -> dict:
+def check_before_loading(out: Path, known: RunInfo, data: Sequence[str | os.PathLike], force: bool) -> dict:
     """`check_identity` as far as a run's facts are known before its model loads (`known`; the rest taken as
     recorded), for --dry-run into a directory holding shards: raises as the real run will once its model is loaded.
     Returns the identity checked."""

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import UnionType
-from typing import Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import torch
 
@@ -81,9 +81,15 @@ class TensorSpec:
         """Row width for a model; None for a 1-D tensor, or when the width depends on an unknown."""
         if self.cols is None:
             return None
-        if (hidden_size is None and "H" in self.cols) or (num_aux_layers is None and "k" in self.cols):
-            return None
-        return {"k*H": num_aux_layers * (hidden_size or 0), "H": hidden_size, "k": num_aux_layers, "1": 1}[self.cols]
+        both = None if num_aux_layers is None or hidden_size is None else num_aux_layers * hidden_size
+        return {"k*H": both, "H": hidden_size, "k": num_aux_layers, "1": 1}[self.cols]
+
+    def row_width(self, num_aux_layers: int | None, hidden_size: int | None = None) -> int:
+        """`width` of a 2-D tensor whose width the sizes given decide."""
+        width = self.width(num_aux_layers, hidden_size)
+        if width is None:
+            raise ValueError(f"{self.name} has no row width for {num_aux_layers} layers of width {hidden_size}")
+        return width
 
     def shape(self, tokens: int, samples: int, num_aux_layers: int | None, hidden_size: int | None) -> tuple:
         """The expected shape; an unknown length or width is None."""
@@ -190,6 +196,13 @@ class Encoding:
         return CODECS.get(self.compress)
 
     @property
+    def frame_codec(self) -> FrameCodec:
+        """`codec`, of an encoding that stores frames (`compressed` names the tensors it stores so)."""
+        if self.codec is None:
+            raise ValueError(f"--compress {self.compress} stores no frames")
+        return self.codec
+
+    @property
     def compressed(self) -> tuple[str, ...]:
         """The staged tensors stored as frames of the codec: the states (their scales are small and stay raw)."""
         return self.states if self.codec else ()
@@ -214,9 +227,9 @@ class Encoding:
         memory-mapped without a copy (the header is padded to 8 bytes)."""
         return tuple(t.name for t in sorted(self.tensors, key=lambda t: -t.dtype.itemsize))
 
-    def widths(self, num_aux_layers: int, hidden_size: int) -> dict[str, int]:
+    def widths(self, num_aux_layers: int | None, hidden_size: int | None) -> dict[str, int]:
         """Row width of each staged tensor for a model."""
-        return {t.name: t.width(num_aux_layers, hidden_size) for t in self.staged}
+        return {t.name: t.row_width(num_aux_layers, hidden_size) for t in self.staged}
 
     def state_bytes(self, widths: dict[str, int]) -> int:
         """Bytes of one token's staged states (and fp8 scales) at these widths: what a shard's size target
@@ -233,16 +246,18 @@ class Encoding:
         per_token = {t.name: t.dtype.itemsize * widths[t.name] for t in self.staged}
         return {**per_token, **{name: SPECS[name].dtype.itemsize for name in self.token_tensors}}
 
-    def encode(self, aux: torch.Tensor, last: torch.Tensor | None, num_aux_layers: int) -> dict[str, torch.Tensor]:
+    def encode(
+        self, aux: torch.Tensor, last: torch.Tensor | None, num_aux_layers: int | None
+    ) -> dict[str, torch.Tensor]:
         """The staged tensors of a batch's states, on the states' device (the GPU, before the copy)."""
-        given = dict(zip(STATE_TENSORS, (aux, last)))
+        given = {name: state for name, state in zip(STATE_TENSORS, (aux, last)) if state is not None}
         out = {}
         for t in self.staged:
             if t.name in given:
                 out[t.name] = given[t.name].to(t.dtype)
             else:  # a scale, after its state: quantize the state to fp8 with it
                 state = t.name.removesuffix(SCALE_SUFFIX)
-                out[state], out[t.name] = fp8_quantize(given[state], t.width(num_aux_layers, None))
+                out[state], out[t.name] = fp8_quantize(given[state], t.row_width(num_aux_layers))
         return out
 
     def decode(self, staged: dict[str, torch.Tensor], dtype: torch.dtype = STATE_DTYPE) -> dict[str, torch.Tensor]:
@@ -376,7 +391,8 @@ class RunInfo:
         if not isinstance(document, dict):
             raise ShardError(f"{where}: the run is {type(document).__name__}, not a JSON object")
         types = _field_types()
-        facts, extra = {}, {}
+        facts: dict[str, Any] = {}  # each checked against its field's type (`_fits`)
+        extra = {}
         for key, value in document.items():
             if key in RETIRED_KEYS:
                 continue

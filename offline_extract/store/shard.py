@@ -117,12 +117,16 @@ def read_samples(
         if t.name.removesuffix(SCALE_SUFFIX) not in states:
             continue
         if t.name in encoding.compressed:
-            frames, decode_frame, blob = bounds[t.name + FRAMES_SUFFIX], encoding.codec.decoder(), f.get_slice(t.name)
+            frames, decode_frame, blob = (
+                bounds[t.name + FRAMES_SUFFIX],
+                encoding.frame_codec.decoder(),
+                f.get_slice(t.name),
+            )
             pieces = []
             for i in range(first, stop):
                 try:
                     pieces.append(decode_frame(blob[frames[i] : frames[i + 1]], t.dtype, offsets[i + 1] - offsets[i]))
-                except (*encoding.codec.errors, ValueError) as e:
+                except encoding.frame_codec.errors + (ValueError,) as e:
                     raise ShardError(f"{path}: the {t.name} frame of sample position {i} is damaged ({e})") from e
             staged[t.name] = torch.cat(pieces)
         else:

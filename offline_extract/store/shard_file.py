@@ -65,7 +65,7 @@ class Filling:
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+    return t.view(torch.uint8).reshape(-1).numpy().data
 
 
 class Frames:
@@ -117,7 +117,7 @@ def _layout(
     offset = len(head)
     for t in tensors.values():
         data = (
-            list(map(memoryview, t.frames))
+            [memoryview(frame) for frame in t.frames]
             if isinstance(t, Frames)
             else [_as_bytes(t.contiguous())]
             if t.numel()
@@ -199,7 +199,7 @@ def write(
         try:
             final = filling.final if filling is not None else 0
             for k in order:
-                while needs[k] > final:
+                while filling is not None and needs[k] > final:  # without it every row is final: needs are 0
                     final = filling.wait(final)
                 hashing.append(pool.submit(hash_block, k))
                 for offset, part in parts(k):

@@ -57,7 +57,7 @@ def _state_widths(encoding: Encoding, widths: dict[str, int]) -> dict[str, int]:
     if sorted(widths) != sorted(want):
         raise ShardError(f"states {sorted(widths)} given, but the encoding {encoding.to_json()} stores {want}")
     widths = {name: int(w) for name, w in widths.items()}
-    aux, hidden = (widths.get(name) for name in STATE_TENSORS)
+    aux, hidden = widths[STATE_TENSORS[0]], widths.get(STATE_TENSORS[1])
     if hidden is not None and (hidden == 0 or aux % hidden != 0):
         raise ShardError(f"aux width {aux} is not a multiple of hidden size {hidden}")
     return widths
@@ -227,8 +227,14 @@ class _Buffers:
             raise ShardError(f"state widths changed from {self.widths} to {widths}")
         return self._encoding.state_bytes(widths)
 
+    def fixed(self) -> dict[str, int]:
+        """The widths, once given or fixed by the first batch (`fix`)."""
+        if self.widths is None:
+            raise ShardError("no batch has fixed the state widths yet")
+        return self.widths
+
     def _make(self) -> _ShardBuffer:
-        return shard_buffers(self._encoding, self.widths, self._shard_bytes, 1, touch=self._touch)[0]
+        return shard_buffers(self._encoding, self.fixed(), self._shard_bytes, 1, touch=self._touch)[0]
 
     def take(self) -> _ShardBuffer:
         """A buffer to fill: a new one while fewer than `count` exist, else the next one handed back."""
@@ -311,18 +317,18 @@ class _Writes:
     ) -> Path:
         start = time.perf_counter()
         try:
-            tensors = self._compressed(tensors, frames)
-            tensors = {name: tensors[name] for name in self._encoding.file_order}
+            compressed = self._compressed(tensors, frames)
+            stored = {name: compressed[name] for name in self._encoding.file_order}
             document = {
                 "format_version": FORMAT_VERSION,
                 "run": self._run_document,
                 "samples": [s.to_json() for s in samples],
             }
             metadata = {METADATA_KEY: json.dumps(document)}
-            digest = atomic_write(path, lambda tmp: shard_file.write(tmp, tensors, metadata, self._blocks, filling))
-            size, tokens = path.stat().st_size, tensors["input_ids"].shape[0]
+            digest = atomic_write(path, lambda tmp: shard_file.write(tmp, stored, metadata, self._blocks, filling))
+            size, tokens = path.stat().st_size, stored["input_ids"].shape[0]
             header = ShardHeader(
-                path, self._run, samples, {name: tuple(t.shape) for name, t in tensors.items()}, self._encoding
+                path, self._run, samples, {name: tuple(t.shape) for name, t in stored.items()}, self._encoding
             )
             with self._lock:
                 self.bytes += size
@@ -344,9 +350,7 @@ class _Writes:
         self, tensors: dict[str, torch.Tensor], frames: list[dict[str, Future]]
     ) -> dict[str, torch.Tensor | shard_file.Frames]:
         """Under zstd, each compressed state as its samples' `frames`, and their byte offsets."""
-        if not self._encoding.compressed:
-            return tensors
-        out = dict(tensors)
+        out: dict[str, torch.Tensor | shard_file.Frames] = dict(tensors)
         for name in self._encoding.compressed:
             data = [sample[name].result() for sample in frames]
             out[name] = shard_file.Frames(data)
@@ -375,7 +379,7 @@ class _Writes:
 
     def _compress_frame(self, rows: torch.Tensor) -> bytes:
         if not hasattr(self._encoders, "encode"):
-            self._encoders.encode = self._encoding.codec.encoder()  # an encoder serves one thread at a time
+            self._encoders.encode = self._encoding.frame_codec.encoder()  # an encoder serves one thread at a time
         return self._encoders.encode(rows)
 
     def raise_failed(self) -> None:
@@ -603,7 +607,7 @@ class ShardWriter:
         """Into how many shards the current buffer is cut when the caller waits for its write: one a writer
         thread, each LAST_SHARD_PART_BYTES or more."""
         size = (
-            self._current.tokens * self.encoding.state_bytes(self._buffers.widths) if self._current is not None else 0
+            self._current.tokens * self.encoding.state_bytes(self._buffers.fixed()) if self._current is not None else 0
         )
         return max(1, min(self._writers, size // LAST_SHARD_PART_BYTES))
 
