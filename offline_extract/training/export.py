@@ -165,6 +165,8 @@ def speculators_layer_ids(run: RunInfo, out_dir) -> list[int]:
     layers' HF indices, then num_layers for the final state."""
     if run.num_layers is None:
         raise ExportError(f"{out_dir} does not record the model's num_layers, which names speculators' final layer")
+    if run.layer_ids is None:
+        raise ExportError(f"{out_dir} does not record its layer_ids, which speculators' hidden_states are named by")
     return [k + 1 for k in run.layer_ids] + [run.num_layers]
 
 
@@ -435,13 +437,12 @@ def export_speculators(
         ),
     )
     summary = ExportSummary(dest, 0, 0, 0, _speculators_notes(run, dest, layer_ids, fp8, convert))
+    aux = len(layer_ids) - 1  # the run's aux layers, before the final state's
+    read: Callable[[int], dict]
     if fp8:
-        read, record = dataset.stored, lambda stored: speculators_fp8_record(stored, run.num_aux_layers)
+        read, record = dataset.stored, lambda stored: speculators_fp8_record(stored, aux)
     else:
-        read, record = (
-            dataset.__getitem__,
-            lambda item: speculators_record(_converted(item, convert), run.num_aux_layers),
-        )
+        read, record = dataset.__getitem__, lambda item: speculators_record(_converted(item, convert), aux)
     _write_samples(
         dataset,
         lambda i: speculators_path(dest, i),

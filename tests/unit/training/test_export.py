@@ -30,6 +30,7 @@ from offline_extract.training.export import (
     export_specforge,
     export_speculators,
     specforge_path,
+    speculators_layer_ids,
     speculators_path,
 )
 
@@ -337,6 +338,17 @@ def test_speculators_export_is_what_its_trainer_reads(pre_norm_dir, tmp_path):
     again = export_speculators(pre_norm_dir, dest, progress=False)
     assert (again.samples_written, again.samples_skipped) == (1, len(LENGTHS) - 1)
     assert len(datasets.load_from_disk(str(dest))) == len(LENGTHS)
+
+
+def test_speculators_refuses_a_run_that_records_no_layer_ids():
+    from dataclasses import replace
+
+    from offline_extract.testing.shards import synthetic_run
+
+    run = synthetic_run(hidden_size=H)
+    assert speculators_layer_ids(run, "out") == [1, 2, 3, run.num_layers]
+    with pytest.raises(ExportError, match="out does not record its layer_ids"):
+        speculators_layer_ids(replace(run, layer_ids=None), "out")
 
 
 def test_each_trainer_refuses_the_other_final_state(out_dir, pre_norm_dir, tmp_path):
