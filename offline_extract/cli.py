@@ -53,7 +53,7 @@ class _Command(click.Command):
         placed = {name for names in self.sections.values() for name in names}
         sections = [*self.sections.items(), ("Other options", tuple(n for n in records if n not in placed))]
         for title, names in sections:
-            rows = [records[name] for name in names if records.get(name)]
+            rows = [row for name in names if (row := records.get(name))]
             if rows:
                 with formatter.section(title):
                     formatter.write_dl(rows)

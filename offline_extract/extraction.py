@@ -366,8 +366,8 @@ class Job:
         self.tokenizer: SampleTokenizer | None = None
         self.apart: TokenizerProcesses | None = None  # the processes tokenizing the records, if any
         # Set by _load: the engine, and the run's facts that every shard carries.
-        self.engine: Engine | None = None
-        self.meta: RunInfo | None = None
+        self.engine: Engine
+        self.meta: RunInfo
         self.written: list = []  # headers of the shards this rank wrote (ShardWriter.headers)
         self.output = OutputDirectory(self.out, self.layout, self.coord)
         self.gate = ParityGate(opts, self.layout, self.coord, self.timeline, self.checked.model.path)
@@ -395,6 +395,7 @@ class Job:
         if self.opts.strict:
             if self.tokenizer is None:
                 self.load_tokenizer()
+            assert self.tokenizer is not None, "load_tokenizer sets it"
             _stop_at_the_first_bad_record(self.opts, self.layout, self.coord, self.checked.sources, self.tokenizer)
         locks = []
 
@@ -516,6 +517,7 @@ class Job:
         self.meta = run_metadata(self.known, self.engine)
 
     def _pending(self, done: np.ndarray, tally: Tally) -> Iterator[Sample]:
+        assert self.tokenizer is not None, "loaded with the model, if not before (_load)"
         return pending_samples(self.opts.data, self.share, self.tokenizer, done, tally, self.apart)
 
     def _gate(self, head: list[Sample]) -> list[dict]:
@@ -571,7 +573,7 @@ class Job:
                 self.timeline.mark("last forward")
                 tally.batch_done(batch)
                 bar.advance(read_by_batch.popleft(), batch.num_tokens, writer.bytes_written if writer else 0)
-                if watch is not None:
+                if watch is not None and writer is not None:
                     watch.check(bar.done, bar.total, bar.tokens, writer.tokens_written, writer.bytes_written)
 
             extract_start = time.perf_counter()
@@ -640,6 +642,7 @@ def pending_samples(
         if chunk:
             yield chunk, (chunk, wanted)
 
+    made: Iterator[tuple[list[Row], list]]
     if apart is None:
         made = ((chunk, from_rows(tokenizer, *work)) for chunk, work in chunks())
     else:
@@ -653,8 +656,10 @@ def pending_samples(
         elif isinstance(item, Sample):
             tally.to_extract()
             yield item
-        else:
+        elif isinstance(item, Reject):
             tally.left_out(item)
+        else:  # a row is made nothing only where it is not wanted: another replica's, or resumed
+            raise AssertionError(f"{row.source}:{row.line} was read and neither tokenized nor rejected")
 
 
 def _stop_at_the_first_bad_record(
@@ -667,11 +672,10 @@ def _stop_at_the_first_bad_record(
     count = (lambda: _count_owned(share, sources)) if layout.leads else None
     with _progress(opts, "--strict check", count, shown=layout.leads) as bar:
         for item in read_corpus(opts.data, owns=share):
-            if isinstance(item, Record):
-                item = tokenizer(item)
-            bar.advance(1, item.num_tokens if isinstance(item, Sample) else 0, 0)
-            if isinstance(item, Reject) and item.kind != "skipped":
-                first = item.to_json()
+            made = tokenizer(item) if isinstance(item, Record) else item
+            bar.advance(1, made.num_tokens if isinstance(made, Sample) else 0, 0)
+            if isinstance(made, Reject) and made.kind != "skipped":
+                first = made.to_json()
                 break
     found = [reject for reject in coord.all_gather(first) if reject]
     if not found:
@@ -696,7 +700,7 @@ class _Beside:
     failure interrupts it at once (`interrupts.interrupt_main`), and the caller raises `error` in its place.
     `settle`, on the way out, makes sure no such interrupt lands later."""
 
-    def __init__(self, call: Callable[[], None]):
+    def __init__(self, call: Callable[[], object]):
         self.error: BaseException | None = None
         self._call = call
         self._armed = threading.current_thread() is threading.main_thread() and interrupts.guarded()
@@ -757,7 +761,8 @@ def _progress(
 def _count_records(sources: Sequence[Source]) -> int | None:
     """The records of the whole corpus, for the progress ETA; None when a source cannot say."""
     counts = [source.count() for source in sources]
-    return None if None in counts else sum(counts)
+    known = [n for n in counts if n is not None]
+    return sum(known) if len(known) == len(counts) else None
 
 
 def _count_owned(share: Share, sources: Sequence[Source]) -> int | None:

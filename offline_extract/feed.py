@@ -97,12 +97,14 @@ class _WriterFeed:
                 _info(sample), sample.input_ids, sample.loss_mask, widths, stream=stream
             )
             self._flagged = False
+        rows = self._rows
+        assert rows is not None, "begun at the sample's first piece"
         for name, t in staged.items():
-            self._rows[name][piece.start : piece.stop].copy_(t)
+            rows[name][piece.start : piece.stop].copy_(t)
         self.writer.filled(piece.stop)
         self._flagged |= bool(piece.flag)
         if piece.stop == sample.num_tokens:
-            kept = self._screen([sample], self._rows)[0] if self._flagged else [sample]
+            kept = self._screen([sample], rows)[0] if self._flagged else [sample]
             self._rows = None
             self.writer.end_sample(keep=bool(kept), ending=piece.ending)
 
@@ -217,20 +219,20 @@ def extract_batches(
     Returns where the host's time went around the forwards: `input_wait_s`, its wait for the next batch
     (`_Input`), and with a writer `HostOffload.times`.
     """
-    batches = _Input(batches)
+    incoming = _Input(batches)
     if writer is None:
-        while (batch := batches.next()) is not None:
+        while (batch := incoming.next()) is not None:
             for _ in _forwards(engine, batch):
                 pass
             on_batch(batch)
-        return {"input_wait_s": batches.waited_s}
+        return {"input_wait_s": incoming.waited_s}
     feed = _WriterFeed(writer, nonfinite or NonFiniteGuard("fail", engine.layer_ids))
 
     def encode(aux: torch.Tensor, last: torch.Tensor) -> dict[str, torch.Tensor]:
         return writer.encoding.encode(aux, last, len(engine.layer_ids))
 
     buffers = staging or staging_buffers(engine, writer.encoding)
-    ahead = deque([batches.next()])  # the batches after the current one; None where the run ends
+    ahead = deque([incoming.next()])  # the batches after the current one; None where the run ends
     with HostOffload(feed, engine.device, buffers, encode) as offload:
         while (batch := ahead.popleft()) is not None:
             for i, (start, stop, captured) in enumerate(_forwards(engine, batch)):
@@ -238,12 +240,12 @@ def extract_batches(
                     # Read while the batch's first forward computes: how near the run's end the batch is
                     # decides how its shards are written.
                     while len(ahead) < ENDING_BATCHES and (not ahead or ahead[-1] is not None):
-                        ahead.append(batches.next())
+                        ahead.append(incoming.next())
                 ending = ahead[-1] is None
                 piece = _Piece(batch, start, stop, batch_flag(captured.aux, captured.last), ending)
                 offload.submit(piece, captured.aux, captured.last)
             on_batch(batch)
-    return {"input_wait_s": batches.waited_s, **offload.times}
+    return {"input_wait_s": incoming.waited_s, **offload.times}
 
 
 def staging_buffers(engine: Engine, encoding: Encoding) -> list:

@@ -167,14 +167,16 @@ class OutputDirectory:
         """The corpus files fingerprinted again, as the identity recorded them when the run began: one changed
         while it was read (cut short, appended to, rewritten) gave samples of neither version whole, and the
         run is not marked complete for the corpus it records."""
+        identity = self.identity
+        assert identity is not None, "the run was claimed before it finishes"
         now, changed = [], []
-        for i, (source, then) in enumerate(zip(sources, self.identity["corpus"])):
+        for i, (source, then) in enumerate(zip(sources, identity["corpus"])):
             try:
                 now.append(then if source.streamed else manifest.file_fingerprint(source.path))
             except OSError as e:  # moved or deleted meanwhile
                 now.append(then)
                 changed.append(f"corpus file {i + 1} ({then['path']}): {e.strerror or e} now")
-        changed += manifest.corpus_differences(self.identity, {"corpus": now}, pipes=False)
+        changed += manifest.corpus_differences(identity, {"corpus": now}, pipes=False)
         if changed:
             raise StoppedError(
                 "the corpus changed while this run read it:\n  "

@@ -123,7 +123,8 @@ class ParityGate:
             states.append((s.input_ids.tolist(), c.aux.cpu(), c.last.cpu(), experts))
         mark("gate captured")
         fp8 = checkpoint.is_fp8_block(engine.quantization)
-        result, failure, error = {"rows": []}, None, None
+        result: dict = {"rows": []}
+        failure = error = None
         # Which replica failed, where there are several to tell apart; a run of one has no replicas to its user.
         where = f"dp replica {layout.dp_rank}: " if layout.dp_size > 1 else ""
         if layout.writes and head:
@@ -189,7 +190,7 @@ class ParityGate:
         del hf
         if torch.device(engine.device).type == "cuda":
             torch.cuda.empty_cache()  # once, so HF's weights do not shrink the extraction's activation room
-        result = {"rows": [r.to_json() for r in rows]}
+        result: dict = {"rows": [r.to_json() for r in rows]}
         if engine.is_moe:
             result["routing"] = [layer.to_json() for layer in forcing.layers.values()] if forcing else "not forced"
         return rows, result

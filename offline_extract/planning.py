@@ -12,6 +12,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 
@@ -25,6 +26,20 @@ from offline_extract.store.schema import Encoding
 REJECTS_SHOWN = 10
 # Per sample, besides its rows of the per-sample tensors: its metadata entry (about 150 bytes of JSON).
 _SAMPLE_METADATA_BYTES = 150
+
+
+class _Counts(TypedDict):
+    """What `_count` counts of a corpus, by the names of Plan's fields."""
+
+    records: int
+    samples: int
+    skipped: int
+    rejected: int
+    tokens: int
+    loss_tokens: int
+    kept: int
+    image_tokens: int
+    image_samples: int
 
 
 @dataclass(frozen=True)
@@ -145,13 +160,12 @@ def plan(
 
 def _count(
     data, tokenizer: SampleTokenizer, strict: bool, advance: Callable[[int], None] | None, done: np.ndarray | None
-) -> tuple[dict[str, int], list[Reject]]:
-    """`plan`'s counts of the corpus (by the names of Plan's fields) and its first rejects, as `plan` says."""
-    n = dict.fromkeys(
-        ("records", "samples", "skipped", "rejected", "tokens", "loss_tokens", "kept", "image_tokens", "image_samples"),
-        0,
+) -> tuple[_Counts, list[Reject]]:
+    """`plan`'s counts of the corpus and its first rejects, as `plan` says."""
+    n = _Counts(
+        records=0, samples=0, skipped=0, rejected=0, tokens=0, loss_tokens=0, kept=0, image_tokens=0, image_samples=0
     )
-    first_rejects = []
+    first_rejects: list[Reject] = []
     for item in read_corpus(data):
         n["records"] += 1
         if done is not None and item.index < len(done) and done[item.index]:
@@ -159,25 +173,24 @@ def _count(
             if advance is not None:
                 advance(0)
             continue
-        if isinstance(item, Record):
-            item = tokenizer(item)
+        made = tokenizer(item) if isinstance(item, Record) else item
         if advance is not None:
-            advance(item.num_tokens if isinstance(item, Sample) else 0)
-        if isinstance(item, Sample):
+            advance(made.num_tokens if isinstance(made, Sample) else 0)
+        if isinstance(made, Sample):
             n["samples"] += 1
-            n["tokens"] += item.num_tokens
-            n["loss_tokens"] += int(item.loss_mask.sum())
-            if item.images is not None:
+            n["tokens"] += made.num_tokens
+            n["loss_tokens"] += int(made.loss_mask.sum())
+            if made.images is not None:
                 n["image_samples"] += 1
-                n["image_tokens"] += int(item.images.token_mask.sum())
-        elif item.kind == "skipped":
+                n["image_tokens"] += int(made.images.token_mask.sum())
+        elif made.kind == "skipped":
             n["skipped"] += 1
         elif strict:
-            raise BadRecordError(item)
+            raise BadRecordError(made)
         else:
             n["rejected"] += 1
             if len(first_rejects) < REJECTS_SHOWN:
-                first_rejects.append(item)
+                first_rejects.append(made)
     return n, first_rejects
 
 

@@ -57,13 +57,7 @@ def main(path: str, sample_id: str | None, as_json: bool, verify: bool, allow_pa
     if verify:
         _verify(path, as_json)
     try:
-        if sample_id is not None:
-            result = inspection.sample_view(path, sample_id)
-        else:
-            result = inspection.summarize(path, allow_partial)
-    except inspection.SampleNotFound as e:
-        why = _left_out(Path(path), sample_id)
-        raise click.ClickException(f"{e.what}; {why}" if why else str(e)) from e
+        result = inspection.summarize(path, allow_partial) if sample_id is None else _sample(path, sample_id)
     except ShardError as e:
         raise click.ClickException(str(e)) from e
     if as_json:
@@ -152,6 +146,17 @@ def _advise(report, path: str) -> None:
             "the run was interrupted: the shards marked unfinished are sound and kept (delete nothing for "
             "them); re-running the same extraction command finishes it"
         )
+
+
+def _sample(path: str, sample_id: str) -> dict:
+    """--sample: the sample's view; where there is none, what rejects.jsonl says of its id."""
+    from offline_extract.store import inspection
+
+    try:
+        return inspection.sample_view(path, sample_id)
+    except inspection.SampleNotFound as e:
+        why = _left_out(Path(path), sample_id)
+        raise click.ClickException(f"{e.what}; {why}" if why else str(e)) from e
 
 
 def _left_out(out: Path, sample_id: str) -> str | None:

@@ -186,7 +186,9 @@ def interrupt_main() -> None:
     """From another thread: a KeyboardInterrupt in the main thread as soon as it may take one, as for
     Ctrl-C, though no stop was asked for (a thread beside the model load failed). `withdraw` takes it back."""
     _state.failure = True
-    signal.pthread_kill(threading.main_thread().ident, signal.SIGALRM)
+    main = threading.main_thread().ident
+    assert main is not None, "the main thread runs"
+    signal.pthread_kill(main, signal.SIGALRM)
 
 
 def withdraw() -> None:

@@ -44,7 +44,11 @@ class RunProgress:
     """
 
     def __init__(
-        self, count_total: Callable[[], int] | None, label: str, enabled: bool = True, heartbeat: float | None = None
+        self,
+        count_total: Callable[[], int | None] | None,
+        label: str,
+        enabled: bool = True,
+        heartbeat: float | None = None,
     ):
         self.enabled = enabled
         self.label = label
@@ -75,7 +79,7 @@ class RunProgress:
         if count_total is not None:
             threading.Thread(target=lambda: self._set_total(count_total()), daemon=True).start()
 
-    def _set_total(self, total: int) -> None:
+    def _set_total(self, total: int | None) -> None:
         self.total = total
         self._progress.update(self._task, total=total)
 
@@ -146,8 +150,9 @@ class _Diverted(io.TextIOBase):
     def isatty(self) -> bool:
         return self._sink is None and self._stream.isatty()
 
+    # TextIOBase declares encoding a plain attribute; here it is the encoding of the stream written to now.
     @property
-    def encoding(self) -> str:
+    def encoding(self) -> str:  # type: ignore[override]
         return getattr(self._target(), "encoding", "utf-8")
 
     def __getattr__(self, name: str):

@@ -315,7 +315,7 @@ def english_corpus(records: int, max_chars: int = 1500) -> list[dict]:
                 docs.append((what, doc))
     if len(docs) < records:
         raise ValueError(f"the standard library's docstrings give {len(docs)} records, not {records}")
-    out = []
+    out: list[dict] = []
     for i, (what, doc) in enumerate(docs[:records]):
         text = doc if len(doc) <= max_chars else doc[: doc.rfind("\n", 0, max_chars) + 1 or max_chars]
         if i % 2:

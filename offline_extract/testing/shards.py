@@ -44,7 +44,8 @@ def write_synthetic(
 ) -> list[Path]:
     """`write_samples` of random tokens, loss mask and bf16 states, generated a few thousand rows at a time;
     `facts` set the run's fields (`synthetic_run`), e.g. store="fp8"."""
-    run = synthetic_run(facts.pop("layer_ids", range(num_aux)), hidden_size, **facts)
+    layer_ids = tuple(facts.pop("layer_ids", range(num_aux)))
+    run = synthetic_run(layer_ids, hidden_size, **facts)
     positions = list(range(len(lengths)))
     indices = positions if indices is None else list(indices)
     gen = torch.Generator().manual_seed(seed)
@@ -56,7 +57,7 @@ def write_synthetic(
             [lengths[i] for i in group],
             torch.randint(0, 128_000, (total,), generator=gen, dtype=torch.int32),
             torch.rand(total, generator=gen) < 0.7,
-            torch.randn(total, run.num_aux_layers * hidden_size, generator=gen).to(torch.bfloat16),
+            torch.randn(total, len(layer_ids) * hidden_size, generator=gen).to(torch.bfloat16),
             torch.randn(total, hidden_size, generator=gen).to(torch.bfloat16)
             if run.encoding.keeps_final_state
             else None,

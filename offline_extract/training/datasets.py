@@ -193,14 +193,14 @@ class HiddenStateDataset(Dataset):
         if not -n <= i < n:
             raise IndexError(f"sample {i} out of range for {n} samples")
         i %= n
-        item = self._handles.read(int(self.catalog.shard[i]), int(self.catalog.row[i]))
+        item: dict = self._handles.read(int(self.catalog.shard[i]), int(self.catalog.row[i]))
         item["id"] = self.catalog.ids[i]
         return item
 
     def stored(self, i: int) -> dict:
         """Item i with its states as the shards store them, decompressed but not decoded (under --store fp8:
         e4m3 values and their float32 `<state>_scale` tensors), for an export that keeps the run's store."""
-        item = self._handles.read(int(self.catalog.shard[i]), int(self.catalog.row[i]), decode=False)
+        item: dict = self._handles.read(int(self.catalog.shard[i]), int(self.catalog.row[i]), decode=False)
         item["id"] = self.catalog.ids[i]
         return item
 
