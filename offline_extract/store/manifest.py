@@ -305,6 +305,8 @@ def recount(out: str | os.PathLike, held: dict) -> None:
     """manifest.json of `out` with each shard's counts the directory holds (`counts_held`) in place of those it
     records."""
     recorded = load(out)
+    if recorded is None:
+        raise ShardError(f"{Path(out) / MANIFEST_NAME} is gone: its counts cannot be rebuilt")
     for name, counts in held["shards"].items():
         if name in recorded["shards"]:
             recorded["shards"][name].update(counts)

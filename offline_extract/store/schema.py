@@ -59,7 +59,10 @@ def is_shard_name(name: str) -> bool:
 
 def shard_number(path: Path) -> int:
     """The number of the shard at `path`, whose name `is_shard_name`."""
-    return int(SHARD_NAME.fullmatch(path.name)[1])
+    named = SHARD_NAME.fullmatch(path.name)
+    if named is None:
+        raise ValueError(f"{path} is not named as a shard is ({shard_name(0)}, ...)")
+    return int(named[1])
 
 
 @dataclass(frozen=True)

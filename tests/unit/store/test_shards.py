@@ -6,6 +6,7 @@ import stat
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import xxhash
 
 from offline_extract.store import checksum, codecs
 from offline_extract.store.index import iter_samples, read_index, shard_paths, write_index
-from offline_extract.store.schema import FORMAT_VERSION, Encoding, SampleInfo, ShardError, shard_name
+from offline_extract.store.schema import FORMAT_VERSION, Encoding, SampleInfo, ShardError, shard_name, shard_number
 from offline_extract.store.shard import open_shard, read_header
 from offline_extract.store import shard_file
 from offline_extract.store import writer as writer_module
@@ -126,6 +127,12 @@ def test_shard_name_width_grows_with_number():
     assert shard_name(42) == "shard_042.safetensors"
     assert shard_name(999) == "shard_999.safetensors"
     assert shard_name(1234) == "shard_1234.safetensors"
+
+
+def test_a_shard_number_is_read_only_from_a_shard_name():
+    assert shard_number(Path("out") / shard_name(1234)) == 1234
+    with pytest.raises(ValueError, match="out/shard_1.tmp is not named as a shard is"):
+        shard_number(Path("out/shard_1.tmp"))
 
 
 def test_widened_names_sort_numerically(tmp_path):
