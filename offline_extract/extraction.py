@@ -224,13 +224,14 @@ def sample_tokenizer(opts: ExtractOptions, model_dir: Path) -> SampleTokenizer:
 
 
 def start_tokenizer_processes(
-    opts: ExtractOptions, device_type: str, tokenizer: SampleTokenizer, layout: Layout
+    opts: ExtractOptions, device: str, tokenizer: SampleTokenizer, layout: Layout
 ) -> TokenizerProcesses | None:
-    """The processes tokenizing `layout`'s rank's records (--tokenizer-processes, by default
+    """The processes tokenizing `layout`'s rank's records on `device` (--tokenizer-processes, by default
     `default_tokenizer_processes`), started; None where they are tokenized on the feed's thread."""
     processes = opts.tokenizer_processes
     if processes is None:
-        processes = default_tokenizer_processes(device_type, tokenizer.processor is not None, layout.local_world_size)
+        device_type, images = torch.device(device).type, tokenizer.processor is not None
+        processes = default_tokenizer_processes(device_type, images, layout.local_world_size)
     return TokenizerProcesses(tokenizer, processes) if processes else None
 
 
@@ -375,28 +376,25 @@ class Job:
         self.waits = {"input_wait_s": 0.0, "writer_wait_s": 0.0}
         self._cached_when_warm: set[str] = set()  # the compilers' cache files once the engine was warm
 
-    def load_tokenizer(self) -> None:
+    def load_tokenizer(self) -> SampleTokenizer:
         """Before the model loads, where the tokenizer decides what happens next (--strict, a rerun into a
         complete directory of another tokenizer's files): transformers alone takes seconds to import, which
         a run that goes on to load the model pays inside SGLang's import instead (`_load`)."""
         with foreign_output_hidden(not self.opts.verbose):
-            self._tokenizer_now()
+            return self._tokenizer_now()
 
-    def _tokenizer_now(self) -> None:
+    def _tokenizer_now(self) -> SampleTokenizer:
         self.timeline.mark("tokenizer loading")
         self.tokenizer = sample_tokenizer(self.opts, self.checked.model.path)
         self.known = replace(self.known, **self.tokenizer.fingerprint())
-        self.apart = start_tokenizer_processes(
-            self.opts, torch.device(self.checked.device).type, self.tokenizer, self.layout
-        )
+        self.apart = start_tokenizer_processes(self.opts, self.checked.device, self.tokenizer, self.layout)
         self.timeline.mark("tokenizer loaded")
+        return self.tokenizer
 
     def run(self) -> Summary | None:
         if self.opts.strict:
-            if self.tokenizer is None:
-                self.load_tokenizer()
-            assert self.tokenizer is not None, "load_tokenizer sets it"
-            _stop_at_the_first_bad_record(self.opts, self.layout, self.coord, self.checked.sources, self.tokenizer)
+            tokenizer = self.tokenizer or self.load_tokenizer()
+            _stop_at_the_first_bad_record(self.opts, self.layout, self.coord, self.checked.sources, tokenizer)
         locks = []
 
         def take_over() -> dict:

@@ -56,8 +56,9 @@ def tokenizer_loaded(monkeypatch):
     load = extraction.Job._tokenizer_now
 
     def loading(job):
-        load(job)
+        tokenizer = load(job)
         loaded.set()
+        return tokenizer
 
     monkeypatch.setattr(extraction.Job, "_tokenizer_now", loading)
     return loaded
