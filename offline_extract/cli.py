@@ -93,7 +93,9 @@ class _Command(click.Command):
                 # Laid out with the "Error: " that click's `show` puts before it. A stop stays one line, as the
                 # README promises.
                 if not isinstance(e, Interrupted):
-                    e.message = for_terminal(f"Error: {e.message}", sys.stderr).removeprefix("Error:").removeprefix(" ")
+                    # click types message Final, yet nothing of click's reads it before `show`, which lays it out.
+                    laid_out = for_terminal(f"Error: {e.message}", sys.stderr).removeprefix("Error:").removeprefix(" ")
+                    e.message = laid_out  # type: ignore[misc]
                 raise
 
 

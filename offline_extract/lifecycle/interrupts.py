@@ -65,7 +65,7 @@ def _deliver(frame) -> None:
         signal.setitimer(signal.ITIMER_REAL, POLL_S)
         return
     if _state.unraised and _state.at_once is not None and _state.exits_at_once:
-        _exit_at_once()
+        _exit_at_once(_state.at_once)
     if _importing(frame):
         signal.setitimer(signal.ITIMER_REAL, POLL_S)
         return
@@ -73,14 +73,14 @@ def _deliver(frame) -> None:
     raise KeyboardInterrupt
 
 
-def _exit_at_once() -> None:
+def _exit_at_once(line: str) -> None:
     for step in reversed(_state.undo):
         try:
             step()
         except OSError:  # what it leaves is named by the line, or harmless (a lock file the kernel unlocked)
             pass
     # To the terminal the command started with: the model's load may have diverted fd 2 to hide its libraries' output.
-    os.write(2 if _state.terminal is None else _state.terminal, (_state.at_once + "\n").encode())
+    os.write(2 if _state.terminal is None else _state.terminal, (line + "\n").encode())
     os._exit(INTERRUPTED)
 
 
