@@ -7,6 +7,8 @@ import base64
 import binascii
 import hashlib
 import io
+import os
+import stat
 import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,6 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from offline_extract.data.corpus import ImageRef
+from offline_extract.formatting import human_bytes
+
+# The most bytes an image file may hold; a larger one is refused unread. A photo of tens of megapixels takes a few
+# tens of MB, and the vision processors shrink every image to a few megapixels: a file past this is no image a
+# chat means (a video, a disk image named by mistake), and each image thread would hold it whole.
+MAX_IMAGE_BYTES = 256 << 20
 
 
 # eq=False: the generated __eq__/__hash__ would compare numpy arrays, which raises.
@@ -53,13 +61,54 @@ def image_bytes(ref: ImageRef) -> bytes:
             except binascii.Error as e:
                 raise ImageError(f"{ref.named} is not valid base64: {e}") from None
         return urllib.parse.unquote_to_bytes(payload)
+    return _file_bytes(ref)
+
+
+def _file_bytes(ref: ImageRef) -> bytes:
+    """A regular file's bytes, at most MAX_IMAGE_BYTES. Anything else is refused before it is read: a FIFO would
+    block the run until something wrote to it, a device such as /dev/zero never ends. Opened without blocking and
+    judged again by what was opened, so that a path swapped after the first look is not read either."""
     try:
-        with open(ref.location, "rb") as f:
-            return f.read()
+        _check_regular(ref, os.stat(ref.location))
+        fd = os.open(ref.location, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as f:
+            _check_regular(ref, os.fstat(fd))
+            data = f.read(MAX_IMAGE_BYTES + 1)
     except FileNotFoundError:
         raise ImageError(f"{ref.named} not found") from None
     except OSError as e:
         raise ImageError(f"{ref.named} cannot be read: {e.strerror or e}") from None
+    if len(data) > MAX_IMAGE_BYTES:  # it grew after its size was looked at
+        raise _too_large(ref, f"more than {human_bytes(MAX_IMAGE_BYTES)}")
+    return data
+
+
+def _check_regular(ref: ImageRef, st: os.stat_result) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise ImageError(f"{ref.named} is {_file_kind(st.st_mode)}, not a regular file: an image is read from a file")
+    if st.st_size > MAX_IMAGE_BYTES:
+        raise _too_large(ref, human_bytes(st.st_size))
+
+
+def _too_large(ref: ImageRef, size: str) -> ImageError:
+    return ImageError(
+        f"{ref.named} holds {size}, past the {human_bytes(MAX_IMAGE_BYTES)} an image file may hold: give a smaller "
+        "image (the model's processor shrinks it to a few megapixels anyway)"
+    )
+
+
+def _file_kind(mode: int) -> str:
+    """What a path that is not a regular file is, in words."""
+    for test, kind in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "an unusual kind of file"
 
 
 def decode(ref: ImageRef, data: bytes):

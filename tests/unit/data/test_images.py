@@ -1,4 +1,6 @@
 import base64
+import os
+import threading
 import hashlib
 import io
 import urllib.parse
@@ -8,6 +10,7 @@ import pytest
 from PIL import Image
 
 from offline_extract.data.corpus import ImageRef
+from offline_extract.data import images
 from offline_extract.data.images import ImageError, load_images
 
 
@@ -50,7 +53,11 @@ def test_a_palette_image_is_given_in_rgb(tmp_path):
     "make, location, reason",
     [
         (None, "missing.png", "images[0] ({}) not found"),
-        (lambda p: p.mkdir(), "folder.png", "images[0] ({}) cannot be read: Is a directory"),
+        (
+            lambda p: p.mkdir(),
+            "folder.png",
+            "images[0] ({}) is a directory, not a regular file: an image is read from a file",
+        ),
         (
             lambda p: p.write_bytes(b"not an image"),
             "text.png",
@@ -74,3 +81,53 @@ def test_an_unusable_image_is_named_with_the_reason(tmp_path, make, location, re
         assert message.startswith(expected) and len(message) > len(expected)
     else:
         assert message == expected
+
+
+def _refusal(location: str, seconds: float = 30) -> str:
+    """load_images' refusal of the image at `location`, on a thread, failing the test where it does not end."""
+    raised = []
+
+    def load():
+        try:
+            load_images([ImageRef("images[0]", location)])
+        except ImageError as e:
+            raised.append(str(e))
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"reading {location} did not end"
+    (message,) = raised
+    return message
+
+
+def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
+    os.mkfifo(tmp_path / "pipe.png")
+    assert _refusal(str(tmp_path / "pipe.png")) == (
+        f"images[0] ({tmp_path / 'pipe.png'}) is a FIFO (named pipe), not a regular file: an image is read from a file"
+    )
+
+
+def test_a_device_is_refused_unread():
+    assert _refusal("/dev/zero") == (
+        "images[0] (/dev/zero) is a character device, not a regular file: an image is read from a file"
+    )
+
+
+def test_a_file_past_the_limit_is_refused_unread(tmp_path):
+    huge = tmp_path / "huge.png"
+    with open(huge, "wb") as f:
+        f.truncate(images.MAX_IMAGE_BYTES + 1)  # sparse: nothing of it is on disk
+    assert _refusal(str(huge)) == (
+        f"images[0] ({huge}) holds 268.4 MB, past the 268.4 MB an image file may hold: give a smaller image "
+        "(the model's processor shrinks it to a few megapixels anyway)"
+    )
+
+
+def test_a_file_that_holds_more_than_its_size_says_is_read_only_up_to_the_limit(monkeypatch):
+    # A procfs file says it is empty and holds more: only what the limit allows is read, and the rest refused.
+    monkeypatch.setattr(images, "MAX_IMAGE_BYTES", 16)
+    assert _refusal("/proc/self/status") == (
+        "images[0] (/proc/self/status) holds more than 16 B, past the 16 B an image file may hold: give a smaller "
+        "image (the model's processor shrinks it to a few megapixels anyway)"
+    )
