@@ -34,6 +34,7 @@ it was writing.
 
 import contextlib
 import dataclasses
+import math
 import os
 import shlex
 import signal
@@ -60,6 +61,25 @@ def _comma_separated(ctx, param, value: str | None) -> tuple[int, ...] | None:
         ) from None
 
 
+class _Finite:
+    """A float option's type that refuses nan and inf, which Python's float() reads and no size, fraction or
+    interval is."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
+class _FiniteFloat(_Finite, click.types.FloatParamType):
+    pass
+
+
+class _FiniteFloatRange(_Finite, click.FloatRange):
+    pass
+
+
 def _in_units(unit: int):
     return lambda ctx, param, value: int(value * unit)
 
@@ -83,9 +103,9 @@ def _option(f: dataclasses.Field):
     elif types & {int, float}:
         number = float if float in types or cli.unit != 1 else int
         if cli.minimum is None:
-            given["type"] = number
+            given["type"] = _FiniteFloat() if number is float else int
         else:
-            ranged = click.FloatRange if number is float else click.IntRange
+            ranged = _FiniteFloatRange if number is float else click.IntRange
             given["type"] = ranged(cli.minimum, min_open=not cli.minimum_taken)
         if cli.unit != 1:
             given.update(default=f.default / cli.unit, callback=_in_units(cli.unit))

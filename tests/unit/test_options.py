@@ -71,6 +71,29 @@ def test_help_lists_every_option_once_in_its_section():
         assert text.index(f"{section}:") < row, (flag, section)
 
 
+# The options the command line reads as floats, each with a value it takes.
+_FLOATS = {"--shard-size-mb": "1.5", "--mem-fraction-static": "0.5", "--progress-every": "10"}
+
+
+def test_the_float_options_are_the_ones_read_as_floats():
+    floats = {p.opts[0] for p in extract_command.params if isinstance(p.type, click.types.FloatParamType)}
+    assert floats == set(_FLOATS)
+
+
+@pytest.mark.parametrize("flag", sorted(_FLOATS))
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "NaN", "Infinity"])
+def test_a_float_option_that_is_not_a_finite_number_is_a_usage_error(flag, value):
+    result = CliRunner().invoke(extract_command, ["--data", "c.jsonl", flag, value])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{flag}': " in result.output and "Traceback" not in result.output
+    assert "not a finite number" in result.output or "is not in the range" in result.output
+    # A finite value of the same option is taken: the refusal is the value's.
+    taken = extract_command.make_context("extract", ["--data", "c.jsonl", flag, _FLOATS[flag]])
+    name = next(p.name for p in extract_command.params if p.opts[0] == flag)
+    unit = next(f.metadata["cli"].unit for f in fields(ExtractOptions) if f.name == name)
+    assert taken.params[name] == float(_FLOATS[flag]) * unit
+
+
 def _choice_fields() -> set[str]:
     names = set()
     for f in fields(ExtractOptions):
