@@ -1,8 +1,8 @@
 """What a run can know is wrong before the engine starts, answered in seconds and before the output
 directory is touched: the options, the corpus sources (a missing file, an uncached hub data set), the
-model (a directory or a hub id; its architecture, depth and context length, read from its config
-alone) and the device. A real run and --dry-run make exactly these checks, so a dry run that passes
-means the real one starts.
+model (a directory or a hub id; its architecture, depth and context length, read from its config, whose
+sizes are held against its weights' names and headers) and the device. A real run and --dry-run make
+exactly these checks, so a dry run that passes means the real one starts.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from offline_extract import hub
 from offline_extract.data.sources import Source, open_sources
 from offline_extract.default_model import ensure_tiny_model
-from offline_extract.engine.checkpoint import DAMAGED_MODEL_FILE
+from offline_extract.engine.checkpoint import DAMAGED_MODEL_FILE, SIZES_SHOWN, check_config_sizes
 from offline_extract.engine.distributed import layout_from_env
 from offline_extract.engine.moe import routed_expert_count
 from offline_extract.engine.reference import wrapped_text_config
@@ -112,7 +112,7 @@ def check(opts: ExtractOptions) -> Checked:
     if torch.device(device).type == "cpu":
         hide_gpus()  # now, before resolve_model may import transformers, which asks the CUDA driver
     check_dtype(device, opts.dtype)
-    model = resolve_model(opts.model, opts.trust_remote_code)
+    model = resolve_model(opts.model, opts.trust_remote_code, weights=opts.load_format != "dummy")
     recipe = RECIPES[opts.recipe]
     if not recipe.keeps_final_state and opts.final_state != default("final_state"):
         raise ValueError(
@@ -218,15 +218,15 @@ def resolve_device(device: str | None, embedded_model: bool = False) -> str:
     return device
 
 
-def resolve_model(name: str | None, trust_remote_code: bool = False) -> Model:
-    """The embedded tiny model (None), a local directory, or a hub id through the local cache."""
+def resolve_model(name: str | None, trust_remote_code: bool = False, weights: bool = True) -> Model:
+    """The embedded tiny model (None), a local directory, or a hub id through the local cache (`read_model`)."""
     if name is None:
-        return read_model(ensure_tiny_model(), trust_remote_code)
+        return read_model(ensure_tiny_model(), trust_remote_code, weights)
     path = Path(name).expanduser()
     if path.exists() or not hub.looks_like_repo_id(name):
         if not path.is_dir():
             raise FileNotFoundError(f"no model directory at {name}")
-        return read_model(path, trust_remote_code)
+        return read_model(path, trust_remote_code, weights)
 
     def has_weights(snapshot: Path) -> bool:
         return (snapshot / "config.json").exists() and any(snapshot.glob("*.safetensors"))
@@ -235,13 +235,14 @@ def resolve_model(name: str | None, trust_remote_code: bool = False) -> Model:
         snap = hub.snapshot(name, "model", has_weights, allow_patterns=hub.MODEL_FILES)
     except hub.HubError as e:
         raise hub.HubError(f"no model directory at {name}, and {e}") from None
-    model = read_model(snap.path, trust_remote_code)
+    model = read_model(snap.path, trust_remote_code, weights)
     return Model(**{**model.__dict__, "repo_id": snap.repo_id, "revision": snap.revision})
 
 
-def read_model(path: Path, trust_remote_code: bool = False) -> Model:
+def read_model(path: Path, trust_remote_code: bool = False, weights: bool = True) -> Model:
     """The facts the checks need, from config.json: its architecture is judged before transformers
-    parses the rest, since a refused architecture needs no further reading."""
+    parses the rest, since a refused architecture needs no further reading. `weights`: the run loads the
+    checkpoint's weights (not SGLang's dummy ones), so the config's sizes must be theirs."""
     config_file = path / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"{path} holds no config.json, so it is not a Hugging Face model directory")
@@ -251,6 +252,17 @@ def read_model(path: Path, trust_remote_code: bool = False) -> Model:
         raise ValueError(f"{config_file} names no architectures, so the model cannot be identified")
     capture_rule(architectures[0], str(path))
     text = _text_config(path, raw, trust_remote_code)
+    where = "text_config." if raw.get("text_config") else ""
+    for key in ("num_hidden_layers", "hidden_size"):
+        value = getattr(text, key)
+        if type(value) is not int or value < 1:
+            raise ValueError(
+                f"{config_file} gives {where}{key} {value!r}, where a whole number of at least 1 belongs: put back "
+                f"the config.json that came with the weights"
+            )
+    if weights:
+        sizes = {key: getattr(text, key, None) for key, _, _ in SIZES_SHOWN}
+        check_config_sizes(path, text.num_hidden_layers, sizes, where)
     limit, key = context_length(text)
     moe = routed_expert_count(text) > 0
     return Model(path, architectures[0], text.num_hidden_layers, text.hidden_size, limit, key, moe)

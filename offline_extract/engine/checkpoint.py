@@ -5,6 +5,8 @@ them (`check_checkpoint_complete`, `check_safetensors`); the parity gate reads t
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -12,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file  # here, so that ReferencePreload's thread imports nothing
 
 from offline_extract.store.journal import load_json
+from offline_extract.formatting import listing
 
 CHECKPOINT_INDEX = "model.safetensors.index.json"  # maps each tensor to the file that holds it
 # What to do about a damaged file of the model's (its config.json, its index): the user's to fetch again, where a
@@ -100,6 +103,80 @@ def check_safetensors(path: Path) -> None:
         with safe_open(path, framework="pt"):
             pass
     except Exception as e:  # safetensors raises its own SafetensorError
+        raise WeightsUnreadable(path, e) from e
+
+
+# A decoder's embedding, whose name less this (model., language_model.model., model.language_model.) is where its
+# layers' weights are named too.
+EMBEDDING = "embed_tokens.weight"
+_LAYER = re.compile(r"layers\.(\d+)\.")
+# Sizes a config states that a decoder's weights show: (the key, the weight under the decoder's name, its dimension).
+SIZES_SHOWN = (
+    ("vocab_size", re.compile(re.escape(EMBEDDING)), 0),
+    ("hidden_size", re.compile(re.escape(EMBEDDING)), 1),
+    ("intermediate_size", re.compile(r"layers\.\d+\.mlp\.down_proj\.weight"), 1),  # a dense layer's MLP
+)
+# The dtypes a weight is stored in at its own shape; a packed 4-bit encoding (bitsandbytes) stores another.
+_UNPACKED = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+
+
+def check_config_sizes(model_dir: Path, num_layers: int, sizes: Mapping[str, object], where: str) -> None:
+    """The decoder's `num_layers` and `sizes` (its config's SIZES_SHOWN keys), as config.json gives them under
+    `where`, held against the safetensors weights' names and headers: SGLang allocates the model from the config
+    before it reads a weight, so a config that is not the weights' (edited, or another model's) would fail only
+    there, on an allocation no machine may hold, or run layers the weights lack on what the allocation held.
+    Raises ValueError naming the key, the weight and its file. A checkpoint in another format, or whose decoder
+    has no `EMBEDDING`, is not checked."""
+    check_checkpoint_complete(model_dir)
+    files = _weight_files(model_dir)
+    embeddings = [name for name in files if name.endswith(EMBEDDING) and not _LAYER.search(name)]
+    if not embeddings:
+        return
+    decoder = min(embeddings, key=len).removesuffix(EMBEDDING)
+    layers = {int(m[1]) for name in files if name.startswith(decoder) and (m := _LAYER.match(name, len(decoder)))}
+    missing = [str(i) for i in range(num_layers) if i not in layers]
+    if missing:
+        raise ValueError(
+            f"{model_dir / 'config.json'} gives {where}num_hidden_layers {num_layers}, but the "
+            f"weights hold no {decoder}layers.N.* for layers {listing(missing)}. The config is not these weights': "
+            f"put back the config.json that came with them"
+        )
+    for key, pattern, dim in SIZES_SHOWN:
+        name = next(
+            (name for name in files if name.startswith(decoder) and pattern.fullmatch(name, len(decoder))), None
+        )
+        if name is None or sizes.get(key) is None:
+            continue
+        dtype, shape = _dtype_and_shape(files[name], name)
+        if dtype in _UNPACKED and shape[dim] != sizes[key]:
+            raise ValueError(
+                f"{model_dir / 'config.json'} gives {where}{key} {sizes[key]}, but the weights say {shape[dim]}: "
+                f"{name} in {files[name].name} has the shape {list(shape)}. The config is not these weights': put "
+                f"back the config.json that came with them"
+            )
+
+
+def _weight_files(model_dir: Path) -> dict[str, Path]:
+    """Each safetensors weight's file, by the weight's name: as the index maps them, else model.safetensors's."""
+    index = model_dir / CHECKPOINT_INDEX
+    if index.is_file():
+        return {name: model_dir / file for name, file in _weight_map(index).items()}
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        return {}
+    try:
+        with safe_open(single, framework="pt") as f:
+            return dict.fromkeys(f.keys(), single)
+    except Exception as e:  # safetensors raises its own SafetensorError
+        raise WeightsUnreadable(single, e) from e
+
+
+def _dtype_and_shape(path: Path, name: str) -> tuple[str, list[int]]:
+    try:
+        with safe_open(path, framework="pt") as f:
+            weight = f.get_slice(name)
+            return weight.get_dtype(), weight.get_shape()
+    except Exception as e:  # a damaged file, one the index names that is not there, a name it lacks
         raise WeightsUnreadable(path, e) from e
 
 

@@ -713,3 +713,92 @@ def test_the_token_budget_and_the_writers_default_by_device_and_by_model(tmp_pat
         writers[name] = [default_writers(d, model.hidden_size, model.moe) for d in ("cuda", "cpu")]
     assert budgets == {"tiny": [65536, 4096], "wide": [16384, 4096], "moe": [16384, 4096]}
     assert writers == {"tiny": [8, 4], "wide": [4, 4], "moe": [4, 4]}
+
+
+def _edited_model(tiny_model_dir, tmp_path, **changes) -> Path:
+    """A copy of the tiny model whose config.json has `changes`."""
+    model = tmp_path / "edited"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **changes}))
+    return model
+
+
+@pytest.mark.parametrize(
+    "key, value", [("num_hidden_layers", -1), ("num_hidden_layers", 0), ("hidden_size", 0), ("num_hidden_layers", 2.5)]
+)
+def test_a_config_without_a_layer_or_a_width_is_refused_by_the_real_and_the_dry_run(
+    key, value, tiny_model_dir, tmp_path, monkeypatch
+):
+    # num_hidden_layers -1 passed both, and the run died inside SGLang on an AssertionError.
+    model = _edited_model(tiny_model_dir, tmp_path, **{key: value})
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
+    opts = ExtractOptions(data=(CORPUS,), model=str(model), out=str(tmp_path / "out"))
+    for attempt in (extraction.run, extraction.dry_run):
+        with pytest.raises(ValueError) as refused:
+            attempt(opts)
+        assert str(refused.value) == (
+            f"{model / 'config.json'} gives {key} {value!r}, where a whole number of at least 1 belongs: put back "
+            f"the config.json that came with the weights"
+        )
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "key, value, said",
+    [
+        (
+            "hidden_size",
+            10**7,
+            "the weights say 64: model.embed_tokens.weight in model.safetensors has the shape [384, 64]",
+        ),
+        (
+            "vocab_size",
+            10**9,
+            "the weights say 384: model.embed_tokens.weight in model.safetensors has the shape [384, 64]",
+        ),
+        (
+            "intermediate_size",
+            10**8,
+            "the weights say 160: model.layers.0.mlp.down_proj.weight in model.safetensors has the shape [64, 160]",
+        ),
+        ("num_hidden_layers", 12, "the weights hold no model.layers.N.* for layers 8, 9, 10, 11"),
+    ],
+)
+def test_a_config_whose_sizes_are_not_the_weights_is_refused_by_the_real_and_the_dry_run(
+    key, value, said, tiny_model_dir, tmp_path, monkeypatch
+):
+    # hidden_size 10**7 passed both (the dry run said "fits"), and the run died allocating 4e15 bytes.
+    model = _edited_model(tiny_model_dir, tmp_path, **{key: value})
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
+    opts = ExtractOptions(data=(CORPUS,), model=str(model), out=str(tmp_path / "out"))
+    for attempt in (extraction.run, extraction.dry_run):
+        with pytest.raises(ValueError) as refused:
+            attempt(opts)
+        assert str(refused.value) == (
+            f"{model / 'config.json'} gives {key} {value}, but {said}. The config is not these weights': put back "
+            f"the config.json that came with them"
+        )
+    assert not (tmp_path / "out").exists()
+    # SGLang's dummy loader draws weights of the config's shapes: a config edited for it is its own.
+    assert preflight.check(replace(opts, load_format="dummy")).model.path == model
+
+
+@pytest.mark.parametrize(
+    "arch, kind",
+    [("qwen3_vl", {}), ("llama4", {}), ("qwen3_moe", {}), ("deepseek_v3", {"fp8": True}), ("gpt_oss", {"mxfp4": True})],
+)
+def test_every_kind_of_checkpoint_passes_the_sizes_and_its_decoder_is_found(arch, kind, tiny_model_dir, tmp_path):
+    """A text config nested in a wrapper's (text_config.), weights under another name than model. (with an index,
+    Llama 4's), experts, FP8 and MXFP4 weights: the config agrees with its own weights, and a wrong width is
+    named where that decoder's embedding says otherwise."""
+    model = build_model(arch, tmp_path / arch, tokenizer_dir=tiny_model_dir, **kind)
+    assert preflight.read_model(model).hidden_size == 256
+    config = json.loads((model / "config.json").read_text())
+    (config.get("text_config") or config)["hidden_size"] = 512
+    (model / "config.json").write_text(json.dumps(config))
+    nested = "text_config." if "text_config" in config else ""
+    with pytest.raises(
+        ValueError, match=rf"gives {nested}hidden_size 512, but the weights say 256: \S*embed_tokens.weight "
+    ):
+        preflight.read_model(model)
