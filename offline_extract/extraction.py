@@ -85,9 +85,10 @@ def _weights_fingerprint(model_dir: Path) -> str:
     its size (8 bytes, little-endian) and, for a safetensors file, its JSON header (the bytes after its 8-byte
     length). Cheap even for a 1 TB checkpoint, and it changes whenever the set of tensors, their shapes or their
     files change. A safetensors file whose header is damaged or that is cut short (an interrupted download, say),
-    or one that the checkpoint's index names and that is not there, is refused here, naming it, where SGLang's
-    load would fail on it with a traceback."""
+    or one that the checkpoint's index names and that is not there, or a pickled one holding objects beyond tensors,
+    is refused here, naming it, where SGLang's load would fail on it with a traceback."""
     checkpoint.check_checkpoint_complete(model_dir)
+    checkpoint.check_pickled_weights(model_dir)
     files = sorted(f for pattern in ("*.safetensors", "*.bin", "*.pt", "*.pth") for f in model_dir.glob(pattern))
     if not files:
         raise FileNotFoundError(f"no weight files (*.safetensors, *.bin, *.pt) in {model_dir}")

@@ -1,6 +1,7 @@
 """A checkpoint's weight files: which they are, whether they are whole, and the tensors in them, read as stored
 or dequantized (FP8 blocks, MXFP4 experts) for HF's reference. The run checks the files before SGLang loads
-them (`check_checkpoint_complete`, `check_safetensors`); the parity gate reads them (`engine/reference.py`).
+them (`check_checkpoint_complete`, `check_safetensors`, `check_pickled_weights`) and holds the config's sizes
+against them (`check_config_sizes`); the parity gate reads them (`engine/reference.py`).
 """
 
 from __future__ import annotations
@@ -104,6 +105,35 @@ def check_safetensors(path: Path) -> None:
             pass
     except Exception as e:  # safetensors raises its own SafetensorError
         raise WeightsUnreadable(path, e) from e
+
+
+# What HF's Trainer saves beside a model's weights (its arguments, optimizer and scheduler states): pickled objects
+# that SGLang's loader leaves out of the weights it reads.
+TRAINER_FILES = ("training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt")
+
+
+def check_pickled_weights(model_dir: Path) -> None:
+    """Raises ValueError naming a pickled weight file (torch.save's *.bin or *.pt, which SGLang loads where the
+    checkpoint has no safetensors files) that holds objects beyond tensors: SGLang loads those files with torch's
+    weights_only unpickler, which refuses them, but in a traceback whose advice is to load them without it, which
+    would run whatever code the file names. Reads each file's pickle alone, not its tensors, and runs none of it."""
+    if any(model_dir.glob("*.safetensors")):
+        return
+    for path in sorted(f for pattern in ("*.bin", "*.pt") for f in model_dir.glob(pattern)):
+        if path.name in TRAINER_FILES:
+            continue
+        try:
+            beyond = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except ValueError:  # torch.save's format before zip files: weights_only alone judges it, as it loads
+            continue
+        except (OSError, RuntimeError) as e:  # unreadable, or not a whole zip file
+            raise WeightsUnreadable(path, e) from e
+        if beyond:
+            raise ValueError(
+                f"{path} holds pickled objects beyond tensors ({listing(sorted(beyond), 3)}), which are refused: "
+                f"loading them would run code the file names. Use a checkpoint of safetensors weights, or convert "
+                f"this one's tensors where you trust its source"
+            )
 
 
 # A decoder's embedding, whose name less this (model., language_model.model., model.language_model.) is where its

@@ -802,3 +802,21 @@ def test_every_kind_of_checkpoint_passes_the_sizes_and_its_decoder_is_found(arch
         ValueError, match=rf"gives {nested}hidden_size 512, but the weights say 256: \S*embed_tokens.weight "
     ):
         preflight.read_model(model)
+
+
+def test_a_pickled_checkpoint_holding_code_is_refused_in_one_line_by_the_real_and_the_dry_run(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    # SGLang's load refused it through a 100-line traceback advising weights_only=False, once the model was built.
+    model = tmp_path / "pickled"
+    shutil.copytree(tiny_model_dir, model, ignore=shutil.ignore_patterns("*.safetensors"))
+    torch.save({"w": torch.ones(1), "f": print}, model / "pytorch_model.bin")
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
+    opts = ExtractOptions(data=(CORPUS,), model=str(model), out=str(tmp_path / "out"))
+    for attempt in (extraction.run, extraction.dry_run):
+        with pytest.raises(ValueError) as refused:
+            attempt(opts)
+        assert str(refused.value).startswith(
+            f"{model / 'pytorch_model.bin'} holds pickled objects beyond tensors (builtins.print), which are refused"
+        )
+    assert not (tmp_path / "out").exists()

@@ -114,3 +114,35 @@ def test_a_damaged_safetensors_file_is_refused_naming_it(damage, tmp_path):
     assert str(refused.value).endswith(
         "): it is damaged, or was cut short by an interrupted download or copy. Download or copy it again, then re-run"
     )
+
+
+class _RunsCode:
+    """What a malicious pickle holds: unpickled, it calls a function of the file's choosing."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_pickled_weight_file_holding_more_than_tensors_is_refused_in_one_line_without_running_it(tmp_path):
+    from offline_extract.engine.checkpoint import check_pickled_weights
+
+    weights = {"w": torch.ones(2, 3)}
+    torch.save(weights, tmp_path / "pytorch_model.bin")
+    # What HF's Trainer pickles beside the weights is no weight file: SGLang's loader leaves it out, and so does this.
+    torch.save({"args": _RunsCode(tmp_path / "args-ran")}, tmp_path / "training_args.bin")
+    check_pickled_weights(tmp_path)
+    torch.save({**weights, "evil": _RunsCode(tmp_path / "ran")}, tmp_path / "pytorch_model-00002-of-00002.bin")
+    with pytest.raises(ValueError) as refused:
+        check_pickled_weights(tmp_path)
+    assert str(refused.value) == (
+        f"{tmp_path / 'pytorch_model-00002-of-00002.bin'} holds pickled objects beyond tensors (io.open), which are "
+        f"refused: loading them would run code the file names. Use a checkpoint of safetensors weights, or convert "
+        f"this one's tensors where you trust its source"
+    )
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "args-ran").exists()
+    # Beside safetensors weights, SGLang loads only those: the pickles are not read.
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    check_pickled_weights(tmp_path)
