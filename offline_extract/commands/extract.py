@@ -200,12 +200,14 @@ def _run(opts: ExtractOptions, dry_run: bool, existed: bool):
     except KeyboardInterrupt:
         raise Interrupted(_left(opts, existed, dry_run)) from None
     except Terminated:
-        rank = f"rank {os.environ['RANK']}" if "RANK" in os.environ else "dry run" if dry_run else "extraction"
-        click.echo(
-            f"{rank}: stopped by SIGTERM (under torchrun: another rank failed, and torchrun's report names "
-            f"it){_left(opts, existed, dry_run)}",
-            err=True,
-        )
+        if "RANK" in os.environ:
+            stopped = (
+                f"rank {os.environ['RANK']}: stopped by SIGTERM (torchrun sends it to every rank once one fails, "
+                f"and its report names that one)"
+            )
+        else:  # sent by whatever stops this process: a scheduler, a time limit, kill
+            stopped = f"{'dry run' if dry_run else 'extraction'}: stopped by SIGTERM"
+        click.echo(f"{stopped}{_left(opts, existed, dry_run)}", err=True)
         sys.exit(TERMINATED)
 
 

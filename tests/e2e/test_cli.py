@@ -109,11 +109,8 @@ def test_ctrl_c_stops_an_export_with_130_and_says_how_to_resume(tmp_path, monkey
     "stop, status, said",
     [
         (KeyboardInterrupt, 130, "stopped (Ctrl-C); "),
-        (
-            Terminated,
-            143,
-            "dry run: stopped by SIGTERM (under torchrun: another rank failed, and torchrun's report names it); ",
-        ),
+        # Not under torchrun, it blamed "another rank" of a run that had none.
+        (Terminated, 143, "dry run: stopped by SIGTERM; "),
     ],
 )
 def test_a_stopped_dry_run_says_it_wrote_nothing(stop, status, said, tmp_path, monkeypatch, signals_kept):
@@ -198,6 +195,30 @@ def test_ctrl_c_stops_an_extraction_with_130_says_what_it_left_and_a_rerun_finis
     assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
 
 
+@pytest.mark.parametrize("rank", [None, "3"])
+def test_sigterm_is_put_down_to_torchrun_only_under_torchrun(rank, tmp_path, monkeypatch, signals_kept):
+    from offline_extract import extraction
+    from offline_extract.commands import extract
+
+    def stopped(opts):
+        raise Terminated
+
+    if rank is None:
+        monkeypatch.delenv("RANK", raising=False)
+    else:
+        monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(extraction, "run", stopped)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(extract.main, ["--data", str(ROOT / "examples" / "corpus.jsonl"), "--out", str(out)])
+    assert result.exit_code == 143
+    assert result.output == (
+        f"extraction: stopped by SIGTERM before anything was written to {out}\n"
+        if rank is None
+        else f"rank 3: stopped by SIGTERM (torchrun sends it to every rank once one fails, and its report names that "
+        f"one) before anything was written to {out}\n"
+    )
+
+
 @pytest.mark.parametrize("pipe", [False, True], ids=["a file", "a pipe"])
 def test_a_stopped_extraction_names_the_complete_shards_it_keeps(pipe, tmp_path, monkeypatch, signals_kept):
     from offline_extract import extraction
@@ -255,11 +276,7 @@ main()  # as bin/extract.py and the console script run it
     "stop, status, said",
     [
         ("KeyboardInterrupt", 130, "stopped (Ctrl-C)"),
-        (
-            "extraction.Terminated",
-            143,
-            "extraction: stopped by SIGTERM (under torchrun: another rank failed, and torchrun's report names it)",
-        ),
+        ("extraction.Terminated", 143, "extraction: stopped by SIGTERM"),
     ],
 )
 def test_a_stopped_command_exits_with_its_status_without_the_interpreters_teardown(stop, status, said, tmp_path):
