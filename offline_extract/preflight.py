@@ -90,9 +90,9 @@ def check(opts: ExtractOptions) -> Checked:
         raise ValueError(
             f"--mem-fraction-static is a fraction of the GPU's memory, above 0 and at most 1, got {opts.mem_fraction_static}"
         )
+    replicas = layout_from_env(opts.tp).dp_size  # refuses a --tp that does not divide the processes per node
     if opts.port_base is not None:
         # SGLang takes any integer and refuses it only once the model is loaded, without naming the option.
-        replicas = layout_from_env(opts.tp).dp_size
         last = 65536 - replicas
         if not 1 <= opts.port_base <= last:
             each = f" for {replicas} data-parallel replicas (each uses port-base + its rank)" if replicas > 1 else ""

@@ -34,6 +34,11 @@ REFUSED = {
     "a negative layer": ({"layers": (-1,)}, "layer id -1 is out of range"),
     "duplicate layers": ({"layers": (1, 1, 2)}, "--layers has duplicate ids: [1, 1, 2]"),
     "no layers": ({"layers": ()}, "--layers needs at least one layer id"),
+    # The dry run passed it, and said "fits".
+    "more tensor-parallel ranks than processes": (
+        {"tp": 3},
+        "--tp 3 must divide the processes per node (1): a TP group has to stay inside one node",
+    ),
     "no sequences a batch": ({"seqs_per_batch": 0}, "--seqs-per-batch must be at least 1, got 0"),
     "no tokens a batch": ({"tokens_per_batch": 0}, "--tokens-per-batch must be at least 1, got 0"),
     "negative verify": ({"parity_samples": -3}, "--verify must be at least 0, got -3"),
