@@ -124,8 +124,8 @@ def _option(default=MISSING, **cli):
 class ExtractOptions:
     data: tuple[str, ...] = _option(
         group="input",
-        help="Corpus: a .jsonl or .jsonl.gz file (JSONL also through a pipe, read once: not with --strict "
-        "or torchrun), a .json file of one JSON array (read whole into memory: convert a large one to "
+        help="Corpus: a .jsonl or .jsonl.gz file (JSONL also through a pipe, or - for standard input, read once: "
+        "not with --strict or torchrun), a .json file of one JSON array (read whole into memory: convert a large one to "
         "JSONL), a .parquet file, a datasets.save_to_disk folder, or a hub "
         "data set id (org/name, or org/name:split; the local hub cache first, HF_HUB_OFFLINE honoured). "
         "Repeat for several (records are numbered across them in order).",

@@ -32,6 +32,8 @@ FORMAT_KEYS = {"conversations": "sharegpt", "messages": "openai", "text": "text"
 _PARQUET_MAGIC = b"PAR1"
 # What datasets.save_to_disk writes beside the arrow files: a Dataset, or a DatasetDict of several.
 _SAVED_DATASET = ("state.json", "dataset_dict.json")
+# The --data entry that names standard input, as other commands take "-".
+STDIN = "-"
 # File names that say "a local file", never a hub id, when nothing is found at them.
 _FILE_SUFFIXES = (".jsonl", ".json", ".gz", ".parquet", ".arrow")
 _ROWS_PER_BATCH = 1024
@@ -422,13 +424,28 @@ def open_sources(names: Sequence[str | Path]) -> list[Source]:
 
 
 def open_source(name: str) -> Source:
-    """The --data entry `name`: a datasets.save_to_disk folder, a corpus file, or a hub data set."""
+    """The --data entry `name`: standard input (STDIN), a datasets.save_to_disk folder, a corpus file, or a hub data
+    set."""
+    if name == STDIN:
+        return _standard_input()
     path = Path(name)
     if path.is_dir():
         return _saved_dataset(name, path)
     if path.exists():
         return _corpus_file(name, path)
     return _hub_dataset(name)
+
+
+def _standard_input() -> Source:
+    """--data -: a pipe into the command, read once as it streams as any pipe is; a file redirected into it, read as
+    that file is when named (so a rerun can tell it is the same corpus)."""
+    if os.isatty(0):
+        raise ValueError(
+            f"--data {STDIN} reads the corpus from standard input, which is a terminal here: pipe the corpus into "
+            f"the command (zcat corpus.jsonl.gz | python bin/extract.py --data {STDIN} ...), or name its file"
+        )
+    stdin = Path("/dev/stdin")
+    return _corpus_file(STDIN, stdin.resolve()) if stdin.is_file() else Source(STDIN, stdin, "jsonl")
 
 
 def _saved_dataset(name: str, path: Path) -> Source:

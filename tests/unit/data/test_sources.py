@@ -362,3 +362,66 @@ def test_a_line_past_the_most_a_record_may_be_is_rejected_without_being_read_who
     )
     assert items[2].text == "x" * 988 and items[3].id == f"{name}:5"
     assert held and all(0 < size <= 1 << 20 for size in held), "no read of a line without a bound"
+
+
+# Reads --data - in a process of its own, whose standard input the test chooses, and prints what it found.
+_READ_STDIN = """
+import json
+from offline_extract.data.corpus import read_corpus
+from offline_extract.data.sources import open_source
+
+try:
+    source = open_source("-")
+except ValueError as e:
+    print(json.dumps({"refused": str(e)}))
+else:
+    ids = [record.id for record in read_corpus(["-"])]
+    print(json.dumps({"kind": source.kind, "streamed": source.streamed, "path": str(source.path), "ids": ids}))
+"""
+
+
+def _read_stdin(stdin) -> dict:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _READ_STDIN], stdin=stdin, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_a_dash_reads_a_pipe_as_it_streams_and_a_redirected_file_as_that_file(tmp_path):
+    # It said "corpus file not found: -".
+    import subprocess
+
+    corpus = tmp_path / "c.jsonl.gz"
+    with gzip.open(corpus, "wt") as f:
+        f.write('{"text": "one"}\n{"text": "two"}\n')
+    with open(corpus, "rb") as f:
+        redirected = _read_stdin(f)
+    # As if the file were named: its kind by its bytes, its fingerprint (so a rerun can resume), ids by its name.
+    assert redirected == {
+        "kind": "jsonl.gz",
+        "streamed": False,
+        "path": str(corpus),
+        "ids": ["c.jsonl.gz:1", "c.jsonl.gz:2"],
+    }
+    zcat = subprocess.Popen(["zcat", str(corpus)], stdout=subprocess.PIPE)
+    streamed = _read_stdin(zcat.stdout)
+    zcat.wait()
+    assert streamed == {"kind": "jsonl", "streamed": True, "path": "/dev/stdin", "ids": ["stdin:1", "stdin:2"]}
+
+
+def test_a_dash_with_a_terminal_on_standard_input_is_refused_instead_of_waiting_for_typing():
+    import os
+    import pty
+
+    leader, terminal = pty.openpty()
+    try:
+        refused = _read_stdin(terminal)
+    finally:
+        os.close(leader)
+        os.close(terminal)
+    assert refused == {
+        "refused": "--data - reads the corpus from standard input, which is a terminal here: pipe the corpus into the "
+        "command (zcat corpus.jsonl.gz | python bin/extract.py --data - ...), or name its file"
+    }
