@@ -188,7 +188,13 @@ class _Images:
         if scheme == "data":
             return url
         if scheme == "file":
-            return str(self.base / urllib.request.url2pathname(urllib.parse.urlsplit(url).path))
+            parts = urllib.parse.urlsplit(url)
+            if parts.netloc not in ("", "localhost"):  # file://host/path: a file of another machine
+                raise _BadRecord(
+                    f"{where} is a file: URL of the host {parts.netloc!r} ({url[:80]}); images are read from this "
+                    f"machine's files: give file:///path, or the path"
+                )
+            return str(self.base / urllib.request.url2pathname(parts.path))
         if len(scheme) > 1:  # a single letter is a Windows drive, a path
             raise _BadRecord(
                 f"{where} is a {scheme}: URL ({url[:80]}); images are read from files or data: URLs, "

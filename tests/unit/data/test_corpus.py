@@ -99,6 +99,7 @@ def test_openai_image_parts_resolve_against_the_corpus_folder(tmp_path, monkeypa
         {"type": "image_url", "image_url": {"url": "pics/a.png"}},
         {"type": "image_url", "image_url": {"url": "file:///srv/b.jpg"}},
         {"type": "text", "text": "and"},
+        {"type": "image_url", "image_url": {"url": "file://localhost/srv/c.jpg"}},
         {"type": "image_url", "image_url": {"url": data_url}},
     ]
     path = write_lines(
@@ -108,13 +109,14 @@ def test_openai_image_parts_resolve_against_the_corpus_folder(tmp_path, monkeypa
         ],
     )
     (record,) = read_corpus(["corpus/c.jsonl"])
-    assert record.messages == (("user", ("compare", 0, 1, "and", 2)), ("assistant", "same"))
+    assert record.messages == (("user", ("compare", 0, 1, "and", 2, 3)), ("assistant", "same"))
     assert record.images == (
         ImageRef("messages[0].content[1].image_url", str(path.parent / "pics" / "a.png")),
         ImageRef("messages[0].content[2].image_url", "/srv/b.jpg"),
-        ImageRef("messages[0].content[4].image_url", data_url),
+        ImageRef("messages[0].content[4].image_url", "/srv/c.jpg"),
+        ImageRef("messages[0].content[5].image_url", data_url),
     )
-    assert record.images[2].named == "messages[0].content[4].image_url (a data: URL)"
+    assert record.images[3].named == "messages[0].content[5].image_url (a data: URL)"
 
 
 def test_llava_markers_take_the_listed_images_in_order(tmp_path):
@@ -245,6 +247,14 @@ BAD_LINES = [
         b'"https://example.com/cat.png"}}]}, {"role": "assistant", "content": "a"}]}',
         "messages[0].content[0].image_url is a https: URL (https://example.com/cat.png); images are read from files "
         "or data: URLs, never fetched: download them and give their paths",
+        "bad.jsonl:2",
+    ),
+    # The host was dropped, and the path read on this machine.
+    (
+        b'{"conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "a"}], '
+        b'"images": ["file://nas/pics/a.png"]}',
+        "images[0] is a file: URL of the host 'nas' (file://nas/pics/a.png); images are read from this machine's "
+        "files: give file:///path, or the path",
         "bad.jsonl:2",
     ),
     (
