@@ -108,6 +108,7 @@ def check(opts: ExtractOptions) -> Checked:
         )
     sources = open_sources(opts.data)
     _check_pipes(sources, opts.strict)
+    _check_out_outside_the_corpus(opts.out, sources)
     device = resolve_device(opts.device, embedded_model=opts.model is None)
     if torch.device(device).type == "cpu":
         hide_gpus()  # now, before resolve_model may import transformers, which asks the CUDA driver
@@ -195,6 +196,20 @@ def _check_pipes(sources: list[Source], strict: bool) -> None:
             f"--data {', '.join(pipes)} is a pipe, which can be read only once, but {' and '.join(readers)}: "
             f"save it to a file first (a .jsonl.gz keeps it small)"
         )
+
+
+def _check_out_outside_the_corpus(out: str, sources: list[Source]) -> None:
+    """--out is not inside a corpus folder (a saved or a hub data set), whose fingerprint takes in every file there:
+    the run's own files would change the corpus it recorded, and the run would never be marked complete
+    (`output.OutputDirectory._check_corpus_unchanged`)."""
+    where = Path(out).resolve()
+    for source in sources:
+        if source.path.is_dir() and where.is_relative_to(source.path.resolve()):
+            raise ValueError(
+                f"--out {out} is inside the corpus folder --data {source.name}, every file of which the corpus's "
+                f"fingerprint takes in: the run's own files would change the corpus it records, and the run would "
+                f"never be marked complete. Choose an --out outside {source.name}"
+            )
 
 
 def check_dtype(device: str, dtype: str) -> None:

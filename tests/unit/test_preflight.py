@@ -825,3 +825,28 @@ def test_a_pickled_checkpoint_holding_code_is_refused_in_one_line_by_the_real_an
             f"{model / 'pytorch_model.bin'} holds pickled objects beyond tensors (builtins.print), which are refused"
         )
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("inside", ["out", "deeper/out", "."])
+def test_an_out_inside_a_corpus_folder_is_refused_by_the_real_and_the_dry_run(inside, tmp_path, monkeypatch):
+    # The run's own files changed the folder's fingerprint: every run ended "the corpus changed while this run read
+    # it", naming no cause, and a rerun the same.
+    import datasets
+
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list([{"text": "one"}, {"text": "two"}]).save_to_disk(str(saved))
+    before = sorted(p.name for p in saved.iterdir())
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
+    out = saved / inside
+    opts = ExtractOptions(data=(str(saved),), out=str(out))
+    for attempt in (extraction.run, extraction.dry_run):
+        with pytest.raises(ValueError) as refused:
+            attempt(opts)
+        assert str(refused.value) == (
+            f"--out {out} is inside the corpus folder --data {saved}, every file of which the corpus's fingerprint "
+            f"takes in: the run's own files would change the corpus it records, and the run would never be marked "
+            f"complete. Choose an --out outside {saved}"
+        )
+    assert sorted(p.name for p in saved.iterdir()) == before
+    # Beside it, the same corpus runs.
+    assert preflight.check(replace(opts, out=str(tmp_path / "out"))).sources[0].kind == "saved"
