@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections import deque
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, replace
 from itertools import chain, islice
 from pathlib import Path
@@ -26,9 +26,17 @@ import torch
 
 from offline_extract import planning, preflight
 from offline_extract.data.batching import batch_by_tokens
-from offline_extract.data.corpus import BadRecordError, Record, Reject, Row, in_order, read_corpus, rows
+from offline_extract.data.corpus import BadRecordError, Record, Reject, Row, in_order, parse, read_corpus, rows
 from offline_extract.data.sources import Source, open_sources
-from offline_extract.data.tokenization import Sample, SampleTokenizer, from_rows, tokenizer_files
+from offline_extract.data.tokenization import (
+    TEXT_ONLY,
+    ImagesRefused,
+    Sample,
+    SampleTokenizer,
+    from_rows,
+    refuse_images,
+    tokenizer_files,
+)
 from offline_extract.data.tokenizer_processes import TokenizerProcesses
 from offline_extract.engine import checkpoint, parity
 from offline_extract.engine.distributed import Coordinator, Layout, ReportedByLeader, Share, layout_from_env
@@ -78,6 +86,8 @@ CHUNK_BYTES = 64 << 20
 
 # What to do about a run that the parity gate refused, recorded with its verdict.
 _AFTER_PARITY = "Fix what the verdict names (or run in float32, --dtype float32), then re-run"
+# ...and what to do after an image chat for a model that takes none: the kept shards are of this model and corpus.
+_AFTER_IMAGES = "Give a vision-language model, or a corpus without image chats, and a new --out"
 
 
 def _weights_fingerprint(model_dir: Path) -> str:
@@ -216,7 +226,7 @@ def sample_tokenizer(opts: ExtractOptions, model_dir: Path) -> SampleTokenizer:
         overlong=opts.overlong,
         trim_after_last_loss=opts.trim_after_last_loss,
         min_loss_run=_min_loss_run(opts),
-        model=opts.model or "the default model",
+        model=_model_name(opts),
         processor=processor,
         image_token_id=None if processor is None else _image_token_id(model_dir),
         image_threads=opts.image_threads,
@@ -236,11 +246,19 @@ def start_tokenizer_processes(
     return TokenizerProcesses(tokenizer, processes) if processes else None
 
 
+def _model_name(opts: ExtractOptions) -> str:
+    return opts.model or "the default model"
+
+
+def _vision_language(model_dir: Path) -> bool:
+    """Whether the model is a vision-language one: its config has a vision_config."""
+    return "vision_config" in json.loads((model_dir / "config.json").read_text())
+
+
 def _image_processor(opts: ExtractOptions, model_dir: Path):
-    """A vision-language model's HF processor (its config has a vision_config), which renders its image chats and
-    prepares their pixels; None for a text-only model."""
-    config = json.loads((model_dir / "config.json").read_text())
-    if "vision_config" not in config:
+    """A vision-language model's HF processor (`_vision_language`), which renders its image chats and prepares
+    their pixels; None for a text-only model."""
+    if not _vision_language(model_dir):
         return None
     from transformers import AutoProcessor
 
@@ -276,6 +294,27 @@ def _without_its_tower(model_dir: Path) -> str | None:
         f"runs text-only in SGLang: its index {index} {lacks}, and SGLang builds the vision tower only from the "
         f"weights the index names. Give the checkpoint with its vision weights, or a corpus without images"
     )
+
+
+def _refuse_images_ahead(opts: ExtractOptions, checked: preflight.Checked) -> None:
+    """A model that takes no image (a text-only one, or one whose checkpoint lacks its tower's weights) given a
+    corpus whose first records hold images is refused before the model loads, as the tokenizer refuses the first
+    of them after it (`tokenization.refuse_images`), where a corpus of image chats given the wrong model would cost
+    a model load to learn so. The rows of the feed's first chunk are read at most (`ROWS_TOGETHER`, `CHUNK_BYTES`),
+    and none of a pipe, which can be read only once: an image chat past them is refused as it is tokenized, and the
+    directory then says so (`Job._attempt`)."""
+    model_dir = checked.model.path
+    why = _without_its_tower(model_dir) if _vision_language(model_dir) else TEXT_ONLY
+    if why is None or any(source.streamed for source in checked.sources):
+        return
+    size = 0
+    for row in islice(rows(checked.sources), ROWS_TOGETHER):
+        _, item = parse(row)
+        if isinstance(item, Record) and item.images:
+            refuse_images(item, _model_name(opts), why)
+        size += row.size()
+        if size >= CHUNK_BYTES:
+            return
 
 
 def _image_token_id(model_dir: Path) -> int | None:
@@ -393,6 +432,7 @@ class Job:
         return self.tokenizer
 
     def run(self) -> Summary | None:
+        _refuse_images_ahead(self.opts, self.checked)
         if self.opts.strict:
             tokenizer = self.tokenizer or self.load_tokenizer()
             _stop_at_the_first_bad_record(self.opts, self.layout, self.coord, self.checked.sources, tokenizer)
@@ -443,21 +483,17 @@ class Job:
             samples = self._pending(done, tally)
             head = list(islice(samples, opts.parity_samples))
             self.timeline.mark("verifying")
-            try:
+            # Nothing was extracted: this rank's rejects journal goes with the refusal.
+            gone = None if rejects is None else rejects.path
+            with _refusal_recorded(
+                self.out, layout, journals, parity.ParityMismatch, "the parity gate", _AFTER_PARITY, gone
+            ):
                 tally.summary.parity = self._gate(head)
-            except parity.ParityMismatch as e:
-                # Nothing was extracted: this rank's rejects journal goes, and the directory says it was refused
-                # (not interrupted, which a re-run would finish).
-                journals.close()
-                if rejects is not None:
-                    rejects.path.unlink(missing_ok=True)
-                if layout.leads:
-                    resume.refuse(self.out, "the parity gate", str(e), _AFTER_PARITY)
-                raise
             self.timeline.mark("verified")
             staging, buffers = host.take(self.engine) if host else (None, [])
             writer = self._writer(existing, journals, buffers, on_gpu) if layout.writes else None
-            self._extract(chain(head, samples), writer, staging, tally)
+            with _refusal_recorded(self.out, layout, journals, ImagesRefused, "the tokenizer", _AFTER_IMAGES):
+                self._extract(chain(head, samples), writer, staging, tally)
         tally.summary.seconds = self.timeline.now()  # from the command, as a user waits for it
         return self.output.finish(tally.summary, self.written, self.checked.sources, self.timeline, self._timings)
 
@@ -598,6 +634,30 @@ class Job:
             bar.advance(tally.records_read(), 0, writer.bytes_written if writer else 0)
             self.timeline.mark("written")
             tally.summary.extract_seconds = time.perf_counter() - extract_start
+
+
+@contextmanager
+def _refusal_recorded(
+    out: Path,
+    layout: Layout,
+    journals: ExitStack,
+    refusal: type[Exception],
+    by: str,
+    advice: str,
+    gone: Path | None = None,
+) -> Iterator[None]:
+    """A `refusal` raised inside, which a re-run would meet again (the parity gate's verdict, an image chat for a
+    model that takes none), leaves `out` saying that `by` refused the run, with its verdict and `advice`, not reading
+    as an interrupted run that a re-run would finish; the journals are closed first, and `gone` deleted."""
+    try:
+        yield
+    except refusal as e:
+        journals.close()
+        if gone is not None:
+            gone.unlink(missing_ok=True)
+        if layout.leads:
+            resume.refuse(out, by, str(e), advice)
+        raise
 
 
 def _marked(batches: Iterator, timeline: Timeline) -> Iterator:

@@ -240,7 +240,7 @@ class SampleTokenizer:
         # weights, extraction._without_its_tower), said after its name when its first image chat is refused.
         self.processor = processor
         self._template = ChatTemplate(tokenizer, processor)
-        self.images_refused = _TEXT_ONLY if processor is None else images_refused
+        self.images_refused = TEXT_ONLY if processor is None else images_refused
         if processor is not None:
             self.placeholder_id, self.image_token_id = _image_token_ids(processor, tokenizer, model, image_token_id)
         self.image_threads = image_threads or default_image_threads()  # preparing a `many` call's image chats
@@ -285,7 +285,7 @@ class SampleTokenizer:
         done: list = [None] * len(records)  # a Reject, or (ids, mask, cut), or with images (ids, mask, cut, images)
         with_images = [r for r in records if r.images]
         if with_images and self.images_refused:
-            _refuse_images(with_images[0], self.model, self.images_refused)
+            refuse_images(with_images[0], self.model, self.images_refused)
         pictured = iter(_image_chats(self._image_chat, with_images, self.image_threads))
         for i, record in enumerate(records):
             try:
@@ -502,16 +502,20 @@ def _image_chat_or_reject(prepare, record: Record) -> tuple | Reject:
         raise
 
 
-_TEXT_ONLY = (
+TEXT_ONLY = (
     "is a text-only model (its config.json has no vision_config): nothing of it reads images. Give a "
     "vision-language model, or a corpus without images"
 )
 
 
-def _refuse_images(record: Record, model: str, why: str) -> None:
-    """A record with images, for a model that reads none (`why`): every such record would fail alike, so the run
-    stops (as for chat records without a chat template), naming the record and the model."""
-    raise ValueError(f"{_where(record)} holds {plural(len(record.images), 'image')}, but {model} {why}")
+class ImagesRefused(ValueError):
+    """A record with images, for a model that reads none: every such record would fail alike, so the run stops (as
+    for chat records without a chat template), naming the record and the model."""
+
+
+def refuse_images(record: Record, model: str, why: str) -> None:
+    """Raises ImagesRefused for `record`, which holds images that `model` takes none of (`why`)."""
+    raise ImagesRefused(f"{_where(record)} holds {plural(len(record.images), 'image')}, but {model} {why}")
 
 
 def _where(record: Record) -> str:

@@ -89,3 +89,75 @@ def test_image_chats_extract_with_their_image_tokens_and_a_changed_image_refuses
     refused = run_extract(out, *common)
     assert refused.returncode != 0 and "already complete" not in refused.stderr
     assert changed in refused.stderr
+
+
+# bin/extract.py with the look ahead for image chats cut to two rows, so that the corpus's image chat comes past it.
+_LOOKING_TWO_ROWS_AHEAD = """
+import sys
+sys.path.insert(0, "bin")
+import _bin_path
+from offline_extract import extraction
+from offline_extract.commands.extract import main
+
+extraction.ROWS_TOGETHER = 2
+sys.argv = ["extract.py", *sys.argv[1:]]
+main()
+"""
+
+
+def test_an_image_chat_for_a_text_only_model_refuses_the_run_and_the_directory_says_so(tmp_path):
+    """The first image chats are refused before the model loads (tests/unit/test_preflight.py); one past them
+    stops the run as it is tokenized, and the directory reads as refused with the verdict, not as an interrupted
+    run that a re-run would finish (a re-run stops at the same record)."""
+    import subprocess
+    import sys
+
+    from click.testing import CliRunner
+    from extract_runs import ROOT
+
+    from offline_extract.commands import inspect
+
+    save_image(tmp_path / "a.png", PATCH, PATCH)
+    corpus = tmp_path / "c.jsonl"
+    picture = {"id": "pic", "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "x"}]}
+    corpus.write_text(
+        "".join(json.dumps({"input_ids": list(range(5, 40))}) + "\n" for _ in range(20))
+        + json.dumps({**picture, "images": ["a.png"]})
+        + "\n"
+    )
+    out = tmp_path / "out"
+    # A forward of each record, and a shard of a few: shards complete before the image chat's turn comes.
+    args = [
+        "--data",
+        str(corpus),
+        "--out",
+        str(out),
+        "--no-progress",
+        "--shard-size-mb",
+        "0.01",
+        "--tokens-per-batch",
+        "40",
+    ]
+    run = subprocess.run(
+        [sys.executable, "-c", _LOOKING_TWO_ROWS_AHEAD, *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    verdict = (
+        f"{corpus}:21 (id 'pic') holds 1 image, but the default model is a text-only model (its config.json has no "
+        f"vision_config): nothing of it reads images. Give a vision-language model, or a corpus without images"
+    )
+    assert run.returncode == 1 and run.stderr.endswith(f"Error: {verdict}\n"), run.stderr[-3000:]
+    recorded = json.loads((out / "manifest.json").read_text())
+    advice = "Give a vision-language model, or a corpus without image chats, and a new --out"
+    assert (recorded["status"], recorded["result"]) == (
+        "refused",
+        {"refused_by": "the tokenizer", "verdict": verdict, "advice": advice},
+    )
+    kept = sum(shard["num_samples"] for shard in recorded["shards"].values())
+    assert kept > 0, "the shards completed before the image chat are kept"
+    checked = CliRunner().invoke(inspect.main, [str(out), "--verify"])
+    assert checked.exit_code == 1
+    assert checked.output == (
+        f"verified {len(recorded['shards'])} shards holding {kept} samples in {out}: no problems\n"
+        f"refused: the run was refused by the tokenizer (manifest.json status 'refused'); re-running the same command "
+        f"gives the same verdict:\n{verdict}\n{advice}\n"
+    )

@@ -661,12 +661,13 @@ def test_a_vision_language_model_tokenizes_with_its_processor_or_is_refused_nami
 
 
 def test_a_llama4_checkpoint_whose_index_names_no_tower_refuses_its_image_chats_naming_the_index(
-    tiny_model_dir, tmp_path
+    tiny_model_dir, tmp_path, monkeypatch
 ):
     """SGLang builds Llama 4's vision tower only from weights the checkpoint's index names, else runs it text-only:
     without them the first image chat is refused as it is tokenized, before any forward (the dry run's, or the
     --strict run's before the model loads), naming the record, the index and the prefixes it lacks, where the
-    forward would fail inside SGLang naming neither; its text records still tokenize."""
+    forward would fail inside SGLang naming neither; its text records still tokenize. The run refuses them before
+    the model loads."""
     model = build_model("llama4", tmp_path / "m", tokenizer_dir=tiny_model_dir)
     save_image(tmp_path / "a.png", PATCH, PATCH)
     reply = {"from": "gpt", "value": "ok"}
@@ -693,7 +694,8 @@ def test_a_llama4_checkpoint_whose_index_names_no_tower_refuses_its_image_chats_
         f"vision_model.* or multi_modal_projector.* weights, and SGLang builds the vision tower only from the "
         f"weights the index names. Give the checkpoint with its vision weights, or a corpus without images"
     )
-    for attempt in (extraction.dry_run, lambda o: extraction.run(replace(o, strict=True))):
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
+    for attempt in (extraction.dry_run, extraction.run, lambda o: extraction.run(replace(o, strict=True))):
         with pytest.raises(ValueError) as refused:
             attempt(opts)
         assert str(refused.value) == refusal
@@ -850,3 +852,22 @@ def test_an_out_inside_a_corpus_folder_is_refused_by_the_real_and_the_dry_run(in
     assert sorted(p.name for p in saved.iterdir()) == before
     # Beside it, the same corpus runs.
     assert preflight.check(replace(opts, out=str(tmp_path / "out"))).sources[0].kind == "saved"
+
+
+def test_image_chats_for_a_text_only_model_are_refused_before_the_model_loads(tmp_path, monkeypatch):
+    # The run loaded the model first, then stopped at the first image chat and left its manifest at "running", which
+    # inspect read as an interrupted run that a rerun would finish.
+    save_image(tmp_path / "a.png", PATCH, PATCH)
+    corpus = tmp_path / "c.jsonl"
+    picture = {"id": "pic", "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "x"}]}
+    corpus.write_text('{"text": "first"}\n' + json.dumps({**picture, "images": ["a.png"]}) + "\n")
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
+    opts = ExtractOptions(data=(str(corpus),), out=str(tmp_path / "out"))
+    for attempt in (extraction.run, extraction.dry_run):
+        with pytest.raises(ValueError) as refused:
+            attempt(opts)
+        assert str(refused.value) == (
+            f"{corpus}:2 (id 'pic') holds 1 image, but the default model is a text-only model (its config.json has no "
+            f"vision_config): nothing of it reads images. Give a vision-language model, or a corpus without images"
+        )
+    assert not (tmp_path / "out").exists()
