@@ -722,6 +722,18 @@ def test_the_token_budget_and_the_writers_default_by_device_and_by_model(tmp_pat
     assert writers == {"tiny": [8, 4], "wide": [4, 4], "moe": [4, 4]}
 
 
+def _refused_alike(opts: ExtractOptions, monkeypatch) -> str:
+    """The words the real run and the dry run both refuse `opts` with, before the engine starts."""
+    monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
+    said = set()
+    for attempt in (extraction.run, extraction.dry_run):
+        with pytest.raises(ValueError) as refused:
+            attempt(opts)
+        said.add(str(refused.value))
+    (words,) = said
+    return words
+
+
 def _edited_model(tiny_model_dir, tmp_path, **changes) -> Path:
     """A copy of the tiny model whose config.json has `changes`."""
     model = tmp_path / "edited"
@@ -739,15 +751,11 @@ def test_a_config_without_a_layer_or_a_width_is_refused_by_the_real_and_the_dry_
 ):
     # num_hidden_layers -1 passed both, and the run died inside SGLang on an AssertionError.
     model = _edited_model(tiny_model_dir, tmp_path, **{key: value})
-    monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
     opts = ExtractOptions(data=(CORPUS,), model=str(model), out=str(tmp_path / "out"))
-    for attempt in (extraction.run, extraction.dry_run):
-        with pytest.raises(ValueError) as refused:
-            attempt(opts)
-        assert str(refused.value) == (
-            f"{model / 'config.json'} gives {key} {value!r}, where a whole number of at least 1 belongs: put back "
-            f"the config.json that came with the weights"
-        )
+    assert _refused_alike(opts, monkeypatch) == (
+        f"{model / 'config.json'} gives {key} {value!r}, where a whole number of at least 1 belongs: put back "
+        f"the config.json that came with the weights"
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -777,15 +785,11 @@ def test_a_config_whose_sizes_are_not_the_weights_is_refused_by_the_real_and_the
 ):
     # hidden_size 10**7 passed both (the dry run said "fits"), and the run died allocating 4e15 bytes.
     model = _edited_model(tiny_model_dir, tmp_path, **{key: value})
-    monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
     opts = ExtractOptions(data=(CORPUS,), model=str(model), out=str(tmp_path / "out"))
-    for attempt in (extraction.run, extraction.dry_run):
-        with pytest.raises(ValueError) as refused:
-            attempt(opts)
-        assert str(refused.value) == (
-            f"{model / 'config.json'} gives {key} {value}, but {said}. The config is not these weights': put back "
-            f"the config.json that came with them"
-        )
+    assert _refused_alike(opts, monkeypatch) == (
+        f"{model / 'config.json'} gives {key} {value}, but {said}. The config is not these weights': put back "
+        f"the config.json that came with them"
+    )
     assert not (tmp_path / "out").exists()
     # SGLang's dummy loader draws weights of the config's shapes: a config edited for it is its own.
     assert preflight.check(replace(opts, load_format="dummy")).model.path == model
@@ -818,14 +822,10 @@ def test_a_pickled_checkpoint_holding_code_is_refused_in_one_line_by_the_real_an
     model = tmp_path / "pickled"
     shutil.copytree(tiny_model_dir, model, ignore=shutil.ignore_patterns("*.safetensors"))
     torch.save({"w": torch.ones(1), "f": print}, model / "pytorch_model.bin")
-    monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
     opts = ExtractOptions(data=(CORPUS,), model=str(model), out=str(tmp_path / "out"))
-    for attempt in (extraction.run, extraction.dry_run):
-        with pytest.raises(ValueError) as refused:
-            attempt(opts)
-        assert str(refused.value).startswith(
-            f"{model / 'pytorch_model.bin'} holds pickled objects beyond tensors (builtins.print), which are refused"
-        )
+    assert _refused_alike(opts, monkeypatch).startswith(
+        f"{model / 'pytorch_model.bin'} holds pickled objects beyond tensors (builtins.print), which are refused"
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -838,17 +838,13 @@ def test_an_out_inside_a_corpus_folder_is_refused_by_the_real_and_the_dry_run(in
     saved = tmp_path / "saved"
     datasets.Dataset.from_list([{"text": "one"}, {"text": "two"}]).save_to_disk(str(saved))
     before = sorted(p.name for p in saved.iterdir())
-    monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
     out = saved / inside
     opts = ExtractOptions(data=(str(saved),), out=str(out))
-    for attempt in (extraction.run, extraction.dry_run):
-        with pytest.raises(ValueError) as refused:
-            attempt(opts)
-        assert str(refused.value) == (
-            f"--out {out} is inside the corpus folder --data {saved}, every file of which the corpus's fingerprint "
-            f"takes in: the run's own files would change the corpus it records, and the run would never be marked "
-            f"complete. Choose an --out outside {saved}"
-        )
+    assert _refused_alike(opts, monkeypatch) == (
+        f"--out {out} is inside the corpus folder --data {saved}, every file of which the corpus's fingerprint "
+        f"takes in: the run's own files would change the corpus it records, and the run would never be marked "
+        f"complete. Choose an --out outside {saved}"
+    )
     assert sorted(p.name for p in saved.iterdir()) == before
     # Beside it, the same corpus runs.
     assert preflight.check(replace(opts, out=str(tmp_path / "out"))).sources[0].kind == "saved"
@@ -861,13 +857,9 @@ def test_image_chats_for_a_text_only_model_are_refused_before_the_model_loads(tm
     corpus = tmp_path / "c.jsonl"
     picture = {"id": "pic", "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "x"}]}
     corpus.write_text('{"text": "first"}\n' + json.dumps({**picture, "images": ["a.png"]}) + "\n")
-    monkeypatch.setattr(extraction, "Engine", lambda cfg: pytest.fail("the engine was started"))
     opts = ExtractOptions(data=(str(corpus),), out=str(tmp_path / "out"))
-    for attempt in (extraction.run, extraction.dry_run):
-        with pytest.raises(ValueError) as refused:
-            attempt(opts)
-        assert str(refused.value) == (
-            f"{corpus}:2 (id 'pic') holds 1 image, but the default model is a text-only model (its config.json has no "
-            f"vision_config): nothing of it reads images. Give a vision-language model, or a corpus without images"
-        )
+    assert _refused_alike(opts, monkeypatch) == (
+        f"{corpus}:2 (id 'pic') holds 1 image, but the default model is a text-only model (its config.json has no "
+        f"vision_config): nothing of it reads images. Give a vision-language model, or a corpus without images"
+    )
     assert not (tmp_path / "out").exists()
