@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from offline_extract.data.corpus import ImageRef
+from offline_extract.data.sources import file_kind
 from offline_extract.formatting import human_bytes
 
 # The most bytes an image file may hold; a larger one is refused unread. A photo of tens of megapixels takes a few
@@ -85,7 +86,7 @@ def _file_bytes(ref: ImageRef) -> bytes:
 
 def _check_regular(ref: ImageRef, st: os.stat_result) -> None:
     if not stat.S_ISREG(st.st_mode):
-        raise ImageError(f"{ref.named} is {_file_kind(st.st_mode)}, not a regular file: an image is read from a file")
+        raise ImageError(f"{ref.named} is {file_kind(st.st_mode)}, not a regular file: an image is read from a file")
     if st.st_size > MAX_IMAGE_BYTES:
         raise _too_large(ref, human_bytes(st.st_size))
 
@@ -95,20 +96,6 @@ def _too_large(ref: ImageRef, size: str) -> ImageError:
         f"{ref.named} holds {size}, past the {human_bytes(MAX_IMAGE_BYTES)} an image file may hold: give a smaller "
         "image (the model's processor shrinks it to a few megapixels anyway)"
     )
-
-
-def _file_kind(mode: int) -> str:
-    """What a path that is not a regular file is, in words."""
-    for test, kind in (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO (named pipe)"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return kind
-    return "an unusual kind of file"
 
 
 def decode(ref: ImageRef, data: bytes):

@@ -14,6 +14,7 @@ import gzip
 import json
 import os
 import re
+import stat
 import sys
 import zlib
 from collections import Counter
@@ -445,7 +446,7 @@ def _standard_input() -> Source:
             f"the command (zcat corpus.jsonl.gz | python bin/extract.py --data {STDIN} ...), or name its file"
         )
     stdin = Path("/dev/stdin")
-    return _corpus_file(STDIN, stdin.resolve()) if stdin.is_file() else Source(STDIN, stdin, "jsonl")
+    return _corpus_file(STDIN, stdin.resolve() if stdin.is_file() else stdin)
 
 
 def _saved_dataset(name: str, path: Path) -> Source:
@@ -477,6 +478,12 @@ def _corpus_file(name: str, path: Path) -> Source:
     """A file (or a pipe) by its bytes: gzipped JSONL, parquet, a .json array, or JSONL; a file that reading it as
     JSONL would reject line by line (a JSON array, a parquet name on other bytes, one JSON object) is refused now."""
     if not path.is_file():
+        mode = path.stat().st_mode
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):  # /dev/zero, a disk: no end, or no records
+            shown = f"{name} (standard input)" if name == STDIN else name
+            raise CorpusReadError(
+                f"--data {shown} is {file_kind(mode)}, not a corpus file or a pipe: give the corpus's file, or pipe it in"
+            )
         return Source(name, path, "jsonl")  # a pipe (e.g. <(zcat ...)) is read once, as it streams
     with open(path, "rb") as f:
         magic = f.read(4)
@@ -513,6 +520,20 @@ def _corpus_file(name: str, path: Path) -> Source:
     if path.suffix == ".json" and outer == b"{" and (refusal := _one_object(name, path)):
         raise refusal
     return Source(name, path, "jsonl")
+
+
+def file_kind(mode: int) -> str:
+    """What a path that is not a regular file is (its st_mode), in words."""
+    for test, kind in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "an unusual kind of file"
 
 
 def _hub_dataset(name: str) -> Source:

@@ -425,3 +425,17 @@ def test_a_dash_with_a_terminal_on_standard_input_is_refused_instead_of_waiting_
         "refused": "--data - reads the corpus from standard input, which is a terminal here: pipe the corpus into the "
         "command (zcat corpus.jsonl.gz | python bin/extract.py --data - ...), or name its file"
     }
+
+
+def test_a_device_is_no_corpus_and_is_refused_before_it_is_read():
+    # --data /dev/zero read on for ever, with no line end in sight.
+    with pytest.raises(CorpusReadError) as refused:
+        open_source("/dev/zero")
+    assert str(refused.value) == (
+        "--data /dev/zero is a character device, not a corpus file or a pipe: give the corpus's file, or pipe it in"
+    )
+    with open("/dev/null", "rb") as nothing:
+        assert _read_stdin(nothing) == {
+            "refused": "--data - (standard input) is a character device, not a corpus file or a pipe: give the "
+            "corpus's file, or pipe it in"
+        }
