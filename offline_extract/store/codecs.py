@@ -1,5 +1,5 @@
-"""How hidden states are encoded for storage: fp8 with per-token scales, and the frame codecs of
-`--compress` (`CODECS`: zstd).
+"""How hidden states are encoded for storage: fp8 with per-token scales, nvfp4 with block scales under
+per-token ones, and the frame codecs of `--compress` (`CODECS`: zstd).
 
 fp8 (`--store fp8`): float8 e4m3 values with one float32 scale per token per stored layer, scale =
 absmax / 448 (e4m3's largest finite value) rounded up to a bfloat16 value, so every token's largest
@@ -9,6 +9,14 @@ speculators' FP8 reader does) round exactly as ours does (float32 product, one r
 product of a 4-bit and an 8-bit significand is exact in float32. The functions are plain torch ops, so
 the extraction runs them on the GPU before the copy to host and the reader runs them on the CPU.
 
+nvfp4 (`--store nvfp4`): NVIDIA's NVFP4 layout, e2m1 values (1 sign, 2 exponent, 1 mantissa bit) packed
+two a byte with an e4m3 scale per block of 16 elements, under a second float32 scale per token per layer
+where NVFP4 has one per tensor: a tensor's scale would tie each sample's bytes to the batch it ran in. The
+token scale (absmax / (6 x 448), rounded up to bfloat16) puts the token's largest block at e4m3's top, so
+its blocks' scales span e4m3's range below it; without it, activations whose outlier channels pass
+6 x 448 saturate their blocks. On SmolLM2-135M (benchmarks/fp4_encodings.py) each token keeps a cosine of
+0.993 or more to its bf16 state in every layer, where MXFP4 (an e8m0 scale per 32) keeps 0.974.
+
 zstd (`--compress zstd`): each sample's rows of a tensor become one zstd frame, its bytes grouped by
 significance first (byte planes: the bf16 high bytes, sign and exponent, sit together and compress;
 the low mantissa bytes barely do). A frame per sample keeps random access: a reader decompresses
@@ -17,7 +25,8 @@ exactly the sample it reads, and memory stays one sample's worth.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -44,20 +53,13 @@ def fp8_quantize(states: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch
     non-finite, so the damage stays visible in the scales (`inspect --verify` reports it).
     """
     rows, width = states.shape
-    if width % layers:
-        raise ValueError(f"states of width {width} do not split into {layers} layers")
+    _check_layers(width, layers, 1)
     values = torch.empty(rows, width, dtype=FP8_DTYPE, device=states.device)
     scales = torch.empty(rows, layers, dtype=torch.float32, device=states.device)
-    step = max(1, _QUANTIZE_BYTES // (4 * max(width, 1)))
-    for start in range(0, rows, step):
-        stop = min(start + step, rows)
+    for start, stop in _row_chunks(rows, width):
         # The absmax of the bfloat16 values is one of them: taking it before widening them is exact.
         x = states[start:stop].reshape(stop - start, layers, -1)
-        absmax = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1).float()
-        # A tensor divisor, not the Python number: CUDA divides by a scalar as a product with its float32
-        # reciprocal, one ulp off the true quotient at times, so GPU scales would differ from the CPU's.
-        quotient = absmax / torch.full_like(absmax, FP8_MAX)
-        scale = torch.where(absmax == 0, 1.0, _round_up_to_bf16(quotient))
+        scale = _token_scales(torch.linalg.vector_norm(x, ord=float("inf"), dim=-1).float(), FP8_MAX)
         # Widened to float32 by the division itself, so no float32 copy of the states is made first.
         x = x / scale.unsqueeze(-1)
         # e4m3fn has no infinity and torch's cast does not saturate: a quotient rounded a hair past 448
@@ -66,6 +68,30 @@ def fp8_quantize(states: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch
         values[start:stop].view(stop - start, layers, -1).copy_(x)
         scales[start:stop] = scale
     return values, scales
+
+
+def _check_layers(width: int, layers: int, block: int) -> None:
+    if width % layers or (width // layers) % block:
+        raise ValueError(
+            f"states of width {width} do not split into {layers} layers"
+            + (f" of whole {block}-element blocks" if block > 1 else "")
+        )
+
+
+def _row_chunks(rows: int, width: int) -> Iterator[tuple[int, int]]:
+    """Bounds of consecutive row chunks whose float32 quotients stay within _QUANTIZE_BYTES."""
+    step = max(1, _QUANTIZE_BYTES // (4 * max(width, 1)))
+    for start in range(0, rows, step):
+        yield start, min(start + step, rows)
+
+
+def _token_scales(absmax: torch.Tensor, top: float) -> torch.Tensor:
+    """Each token's scale from its float32 absmax per layer: absmax / top rounded up to a bfloat16 value, 1 for
+    an all-zero token (every scale stays positive), non-finite for a token holding NaN or Inf."""
+    # A tensor divisor, not the Python number: CUDA divides by a scalar as a product with its float32
+    # reciprocal, one ulp off the true quotient at times, so GPU scales would differ from the CPU's.
+    quotient = absmax / torch.full_like(absmax, top)
+    return torch.where(absmax == 0, 1.0, _round_up_to_bf16(quotient))
 
 
 def _round_up_to_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -82,6 +108,96 @@ def fp8_dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     layers = scales.shape[-1]
     x = values.reshape(rows, layers, width // layers).float() * scales.reshape(rows, layers, 1)
     return x.reshape(rows, width).to(dtype)
+
+
+def nvfp4_quantize(states: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[T, layers*H] states -> (e2m1 codes packed two a byte [T, layers*H/2] uint8, e4m3 block scales
+    [T, layers*H/16], float32 token scales [T, layers]), on states' device; H a multiple of 16.
+
+    An element decodes as e2m1 value x block scale x token scale. The token scale (absmax / (6 * 448)
+    rounded up to a bfloat16 value, as fp8's) puts each token's largest block at e4m3's top, so the block
+    scales spend e4m3's range on that token's own spread; a block whose scale falls under e4m3's smallest
+    step decodes to zeros. NaN or Inf make the token scale non-finite, as under fp8.
+    """
+    rows, width = states.shape
+    _check_layers(width, layers, NVFP4_BLOCK)
+    device = states.device
+    packed = torch.empty(rows, width // 2, dtype=torch.uint8, device=device)
+    blocks = torch.empty(rows, width // NVFP4_BLOCK, dtype=FP8_DTYPE, device=device)
+    scales = torch.empty(rows, layers, dtype=torch.float32, device=device)
+    for start, stop in _row_chunks(rows, width):
+        n = stop - start
+        x = states[start:stop].reshape(n, layers, -1, NVFP4_BLOCK)
+        block_max = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1).float()
+        scale = _token_scales(block_max.amax(dim=-1), E2M1_MAX * FP8_MAX)
+        # scale x 6 is exact (a bfloat16 value times 3, doubled), so the quotient rounds once, alike on every
+        # device; the clamp keeps a quotient rounded a hair past 448 from becoming e4m3fn's NaN.
+        block = (block_max / (scale * E2M1_MAX).unsqueeze(-1)).clamp_(max=FP8_MAX).to(FP8_DTYPE)
+        # The step of each block's e2m1 grid: a product of 4 and 8 significant bits, exact in float32.
+        step = block.float() * scale.unsqueeze(-1)
+        # Divided by infinity, a block whose scale rounded to zero codes as zeros, as it decodes.
+        step.masked_fill_(step == 0, float("inf"))
+        packed[start:stop] = pack_nibbles(e2m1_codes(x / step.unsqueeze(-1))).view(n, -1)
+        blocks[start:stop] = block.view(n, -1)
+        scales[start:stop] = scale
+    return packed, blocks, scales
+
+
+def nvfp4_dequantize(
+    packed: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """The inverse of nvfp4_quantize (up to e2m1 rounding): [T, layers*H] in `dtype`. The float32 products are
+    exact (2, 4 and 8 significant bits), so the one rounding is to `dtype`."""
+    rows, layers = scales.shape
+    step = blocks.float().reshape(rows, layers, -1, 1) * scales.reshape(rows, layers, 1, 1)
+    x = e2m1_values(packed).reshape(rows, layers, -1, NVFP4_BLOCK) * step
+    return x.reshape(rows, -1).to(dtype)
+
+
+def e2m1_codes(q: torch.Tensor) -> torch.Tensor:
+    """float32 values -> their nearest e2m1 codes (uint8 0..15), ties to the even code, saturating at +-6."""
+    boundaries, codes = _e2m1_tables(q.device)
+    return codes[torch.bucketize(q, boundaries, out_int32=True)]
+
+
+def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n] of two e2m1 codes a byte (the first in the low nibble) -> float32 [..., 2n]."""
+    nibbles = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+    return _e2m1_decode_table(packed.device)[nibbles.int()]
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..15 [..., 2n] -> [..., n], element 2i in the low nibble of byte i (NVIDIA's and OCP's order)."""
+    pairs = codes.unflatten(-1, (-1, 2))
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+# e2m1 (OCP's FP4): a sign bit, 2 exponent bits and 1 mantissa bit; code c & 7 stands for E2M1_MAGNITUDES[c & 7].
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = E2M1_MAGNITUDES[-1]
+NVFP4_BLOCK = 16  # elements a block scale covers, NVFP4's
+
+
+@functools.cache
+def _e2m1_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bucket boundaries between e2m1's 15 distinct values in ascending order, and each bucket's code.
+
+    A value on a midpoint goes to the neighbour whose code is even (its mantissa bit 0), as round-to-nearest-
+    even does: bucketize puts a value equal to a boundary in the lower bucket, so where the upper neighbour is
+    the even one the boundary moves one float32 step down."""
+    grid = sorted(
+        {(-m if sign else m, (sign << 3 | c) if m else 0) for sign in (0, 1) for c, m in enumerate(E2M1_MAGNITUDES)}
+    )
+    boundaries = []
+    for (low, _), (high, high_code) in zip(grid, grid[1:]):
+        mid = torch.tensor((low + high) / 2, dtype=torch.float32)
+        boundaries.append(torch.nextafter(mid, torch.tensor(-float("inf"))) if high_code % 2 == 0 else mid)
+    return torch.stack(boundaries).to(device), torch.tensor([c for _, c in grid], dtype=torch.uint8, device=device)
+
+
+@functools.cache
+def _e2m1_decode_table(device: torch.device) -> torch.Tensor:
+    return torch.tensor([*E2M1_MAGNITUDES, *(-m for m in E2M1_MAGNITUDES)], dtype=torch.float32, device=device)
 
 
 def compress_frame(tensor: torch.Tensor, compressor: zstandard.ZstdCompressor) -> bytes:

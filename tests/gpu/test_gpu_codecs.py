@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from offline_extract.store.codecs import fp8_quantize
+from offline_extract.store.codecs import fp8_quantize, nvfp4_dequantize, nvfp4_quantize
 from offline_extract.testing.states import residual_like
 
 pytestmark = pytest.mark.gpu
@@ -16,3 +16,15 @@ def test_fp8_on_the_gpu_matches_the_cpu():
     assert torch.equal(gpu[1].cpu(), cpu[1])
     # Division may round differently on the two devices only where a quotient sits on a rounding tie.
     assert (gpu[0].cpu().view(torch.uint8) != cpu[0].view(torch.uint8)).float().mean() < 1e-4
+
+
+def test_nvfp4_on_the_gpu_matches_the_cpu():
+    x = residual_like(3000, 4, 1024)
+    cpu = nvfp4_quantize(x, layers=4)
+    gpu = [t.cpu() for t in nvfp4_quantize(x.cuda(), layers=4)]
+    assert torch.equal(gpu[2], cpu[2])
+    # As fp8's values: the block scales and the codes may differ only where a quotient sits on a rounding tie.
+    for g, c in zip(gpu[:2], cpu[:2]):
+        assert (g.view(torch.uint8) != c.view(torch.uint8)).float().mean() < 1e-4
+    # Decoding multiplies exactly and rounds once, alike on both.
+    assert torch.equal(nvfp4_dequantize(*(t.cuda() for t in cpu)).cpu(), nvfp4_dequantize(*cpu))
