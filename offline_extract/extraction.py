@@ -49,7 +49,7 @@ from offline_extract.lifecycle import interrupts, startup_gc
 from offline_extract.lifecycle.progress import RunProgress, foreign_output_hidden, note
 from offline_extract.lifecycle.timeline import Timeline
 from offline_extract.lifecycle.timings import run_timings
-from offline_extract.options import FINAL_STATES, ExtractOptions, default_tokenizer_processes
+from offline_extract.options import FINAL_STATES, ExtractOptions, default_tokenizer_processes, final_store
 from offline_extract.output import OutputDirectory, resumable
 from offline_extract.parity_gate import ParityGate
 from offline_extract.recipes import RECIPES
@@ -131,6 +131,7 @@ def _known_before_loading(opts: ExtractOptions, checked: preflight.Checked) -> R
         min_loss_run=_min_loss_run(opts),
         final_state=opts.final_state if RECIPES[opts.recipe].keeps_final_state else None,
         store=opts.store,
+        final_store=final_store(opts),
         compress=opts.compress,
         tp_size=opts.tp,
         max_length=opts.max_length,
@@ -329,7 +330,12 @@ def _min_loss_run(opts: ExtractOptions) -> int:
 
 
 def encoding(opts: ExtractOptions) -> Encoding:
-    return Encoding(opts.store, opts.compress, keeps_final_state=RECIPES[opts.recipe].keeps_final_state)
+    return Encoding(
+        opts.store,
+        opts.compress,
+        keeps_final_state=RECIPES[opts.recipe].keeps_final_state,
+        final_store=final_store(opts),
+    )
 
 
 def dry_run(opts: ExtractOptions) -> planning.Plan:

@@ -16,7 +16,7 @@ Overlong = Literal["truncate", "skip"]  # a sample longer than max_length (data/
 Nonfinite = Literal["fail", "drop", "keep"]  # a sample whose states hold NaN or Inf (engine/nonfinite.py)
 FinalState = Literal["post-norm", "pre-norm"]  # which final state Captured.last holds (engine/sglang_adapter.py)
 RecipeName = Literal["eagle3", "dflash", "dspark"]  # recipes.RECIPES
-Store = Literal["bf16", "fp8"]  # the stored dtype of the states (store/schema.py STORES)
+Store = Literal["bf16", "fp8", "nvfp4"]  # how the states are stored (store/schema.py STORES)
 Compression = Literal["none", "zstd"]  # store/codecs.py
 
 # One forward's token budget when tokens_per_batch is not given, by device type.
@@ -327,9 +327,13 @@ class ExtractOptions:
     store: Store = _option(
         "bf16",
         group="storage",
-        help="How states are stored. fp8: float8 e4m3 with one float32 scale per token per layer "
-        "(absmax/448), quantized on the GPU before the copy to host: about half the bytes. Readers, "
-        "export and inspect decode to bf16.",
+        help="How states are stored, quantized on the GPU before the copy to host, decoded to bf16 by every reader. "
+        "fp8: e4m3, a float32 scale per token per layer (absmax/448): half a state's bytes. nvfp4: 4-bit e2m1, an "
+        "e4m3 scale per 16, a float32 one per token per layer: 0.29 of them; the final state fp8 unless --final-store.",
+    )
+    # The final state gives the trainer its target logits: docs/usage.md#storage says why nvfp4 keeps it in fp8.
+    final_store: Store | None = _option(
+        None, group="storage", help="The final state's store. Default: fp8 under --store nvfp4, else --store's."
     )
     compress: Compression = _option(
         "none",
@@ -404,6 +408,15 @@ def check_choice(option: str, value: str) -> None:
     """Raises ValueError naming `option` and its values unless `value` is one of them."""
     if value not in _CHOICES[option]:
         raise ValueError(f"{option} must be one of {', '.join(_CHOICES[option])}, got {value!r}")
+
+
+# The final state's store where --final-store is not given, by --store (the others keep --store's).
+FINAL_STORES: dict[Store, Store] = {"nvfp4": "fp8"}
+
+
+def final_store(opts: ExtractOptions) -> Store:
+    """The store of the run's final state: --final-store, else FINAL_STORES' for --store, else --store."""
+    return opts.final_store or FINAL_STORES.get(opts.store, opts.store)
 
 
 # What each final state is, in the words the run metadata records. Trainers disagree, and a drafter fed

@@ -29,12 +29,12 @@ from offline_extract.engine.sglang_adapter import (
     hide_gpus,
     validate_layer_ids,
 )
-from offline_extract.options import ExtractOptions, default, default_tokens_per_batch, default_writers
+from offline_extract.options import ExtractOptions, default, default_tokens_per_batch, default_writers, final_store
 from offline_extract.recipes import RECIPES
 from offline_extract.store import manifest
 from offline_extract.store.index import shard_paths
 from offline_extract.store.journal import load_json
-from offline_extract.store.schema import INDEX_NAME, REJECTS_FILE
+from offline_extract.store.schema import INDEX_NAME, REJECTS_FILE, STORES
 
 
 @dataclass(frozen=True)
@@ -115,10 +115,7 @@ def check(opts: ExtractOptions) -> Checked:
     check_dtype(device, opts.dtype)
     model = resolve_model(opts.model, opts.trust_remote_code, weights=opts.load_format != "dummy")
     recipe = RECIPES[opts.recipe]
-    if not recipe.keeps_final_state and opts.final_state != default("final_state"):
-        raise ValueError(
-            f"--recipe {opts.recipe} stores no final state, so --final-state {opts.final_state} has no effect"
-        )
+    _check_storage(opts, model)
     layer_ids = opts.layers if opts.layers is not None else recipe.layer_ids(model.num_layers)
     if layer_ids is not None:
         layer_ids = validate_layer_ids(layer_ids, model.num_layers)
@@ -132,6 +129,23 @@ def check(opts: ExtractOptions) -> Checked:
     tokens_per_batch = opts.tokens_per_batch or default_tokens_per_batch(device_type, model.hidden_size, model.moe)
     writers = opts.writers or default_writers(device_type, model.hidden_size, model.moe)
     return Checked(model, device, tokens_per_batch, writers, sources, layer_ids)
+
+
+def _check_storage(opts: ExtractOptions, model: Model) -> None:
+    """The final state's options against the recipe, and each store's blocks against the model's width."""
+    if not RECIPES[opts.recipe].keeps_final_state:
+        for field, flag in (("final_state", "--final-state"), ("final_store", "--final-store")):
+            if getattr(opts, field) != default(field):
+                raise ValueError(
+                    f"--recipe {opts.recipe} stores no final state, so {flag} {getattr(opts, field)} has no effect"
+                )
+    for option, store in (("--store", opts.store), ("--final-store", final_store(opts))):
+        block = STORES[store].block
+        if model.hidden_size % block:
+            raise ValueError(
+                f"{option} {store} scales blocks of {block} elements, but {model.path / 'config.json'} gives a hidden "
+                f"size of {model.hidden_size}, not a multiple of {block}: give {option} fp8 or bf16"
+            )
 
 
 def check_out(out: str) -> None:

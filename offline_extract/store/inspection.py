@@ -26,7 +26,7 @@ from rich.text import Text
 from offline_extract.formatting import number
 from offline_extract.store import manifest
 from offline_extract.store.index import index_mismatch, not_shards, scan, shard_paths
-from offline_extract.store.schema import FINAL_STATE_TENSOR, SHARD_GLOB, STATE_TENSORS, RunInfo, ShardError
+from offline_extract.store.schema import FINAL_STATE_TENSOR, SHARD_GLOB, STATE_TENSORS, STORES, RunInfo, ShardError
 from offline_extract.store.shard import Shard, open_shard, read_header
 
 # Upper bound on the float32 copy of one chunk of rows; the float64 reduction temporaries double it.
@@ -319,7 +319,9 @@ def _percent(x: float | None) -> str:
 
 def _stored_as(encoding: dict) -> str:
     """An Encoding's JSON in words: its keys and raw values read as "final_state True"."""
-    store = encoding["store"] + (" (a float32 scale per token per layer)" if encoding["store"] == "fp8" else "")
+    store = STORES[encoding["store"]].words
+    if encoding.get("final_store"):
+        store += f", the final state {STORES[encoding['final_store']].words}"
     words = [store, "uncompressed" if encoding["compress"] == "none" else encoding["compress"]]
     return ", ".join(words + ([] if encoding["final_state"] else ["no final state"]))
 

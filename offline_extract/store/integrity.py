@@ -24,7 +24,6 @@ from offline_extract.store.schema import (
     FRAMES_SUFFIX,
     IDENTITY_KEYS,
     INDEX_NAME,
-    SCALE_SUFFIX,
     SPECS,
     Encoding,
     ShardError,
@@ -214,21 +213,13 @@ def _check_image_mask(name: str, image_mask: torch.Tensor, loss_mask: torch.Tens
 
 
 def _check_encoding(name: str, f, encoding: Encoding, offsets: list[int], dtypes: dict) -> list[str]:
-    """fp8 scales finite and positive; compressed frames covering the byte stream, each holding its
-    sample's bytes (read from the frame headers, without decompressing)."""
+    """Scales finite and positive (a block scale may be zero); compressed frames covering the byte stream, each
+    holding its sample's bytes (read from the frame headers, without decompressing)."""
     problems = []
     for t in encoding.staged:
-        if t.name.endswith(SCALE_SUFFIX) and dtypes.get(t.name) == t.safetensors_dtype:
-            scales = f.get_tensor(t.name)
-            bad = ~(torch.isfinite(scales) & (scales > 0))
-            if bad.any():
-                rows = bad.any(dim=-1).nonzero().flatten()
-                samples = sorted({bisect.bisect_right(offsets, int(r)) - 1 for r in rows})
-                problems.append(
-                    f"{name}: {int(bad.sum())} {t.name} values are not finite and positive, in samples at "
-                    f"positions {samples[:10]}{' ...' if len(samples) > 10 else ''} (non-finite states, e.g. kept "
-                    f"under --nonfinite keep, or damage)"
-                )
+        scale = encoding.scales.get(t.name)
+        if scale is not None and t.name not in encoding.compressed and dtypes.get(t.name) == t.safetensors_dtype:
+            problems += _check_scales(name, t.name, f.get_tensor(t.name), scale.zero_taken, offsets)
     for state in encoding.compressed:
         frames = f.get_tensor(state + FRAMES_SUFFIX).tolist()
         blob = f.get_slice(state)
@@ -244,6 +235,20 @@ def _check_encoding(name: str, f, encoding: Encoding, offsets: list[int], dtypes
             if content < 0 or content % max(rows * itemsize, 1) or (rows == 0) != (content == 0):
                 problems.append(f"{name}: {state} frame of sample position {i} does not hold its {rows} rows")
     return problems
+
+
+def _check_scales(name: str, tensor: str, scales: torch.Tensor, zero_taken: bool, offsets: list[int]) -> list[str]:
+    values = scales.float()
+    bad = ~(torch.isfinite(values) & ((values >= 0) if zero_taken else (values > 0)))
+    if not bad.any():
+        return []
+    rows = bad.any(dim=-1).nonzero().flatten()
+    samples = sorted({bisect.bisect_right(offsets, int(r)) - 1 for r in rows})
+    return [
+        f"{name}: {int(bad.sum())} {tensor} values are not finite and {'non-negative' if zero_taken else 'positive'}, "
+        f"in samples at positions {samples[:10]}{' ...' if len(samples) > 10 else ''} (non-finite states, e.g. kept "
+        f"under --nonfinite keep, or damage)"
+    ]
 
 
 def _check_index(out: Path, names: list[str], headers: dict[str, ShardHeader]) -> list[str]:

@@ -18,12 +18,21 @@ import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, Callable, Literal, Union, get_args, get_origin, get_type_hints
 
 import torch
 
 from offline_extract.options import Compression, FinalState, Overlong, RecipeName, Store, check_choice, choices
-from offline_extract.store.codecs import CODECS, FP8_DTYPE, FrameCodec, fp8_dequantize, fp8_quantize
+from offline_extract.store.codecs import (
+    CODECS,
+    FP8_DTYPE,
+    NVFP4_BLOCK,
+    FrameCodec,
+    fp8_dequantize,
+    fp8_quantize,
+    nvfp4_dequantize,
+    nvfp4_quantize,
+)
 
 # Of shards, index.json and manifest.json alike: they are read together, so they change together.
 # Version 3 adds image_mask, which tokens stand for images, and each sample's images_sha256. Version 2 records a
@@ -69,12 +78,14 @@ def shard_number(path: Path) -> int:
 class TensorSpec:
     """One tensor of a shard. `rows` and `cols` are symbolic: rows "T" (one per token), "n" (one per
     sample), "n+1", or "bytes" (a compressed byte stream); cols "k*H" (the aux layers side by side,
-    ascending layer order), "H", "k" (one per aux layer), "1", or None for a 1-D tensor."""
+    ascending layer order), "H", "k" (one per aux layer), "1", or None for a 1-D tensor, each column
+    standing for `per` of them (two e2m1 codes a byte, one block scale for 16 elements)."""
 
     name: str
     dtype: torch.dtype
     rows: str
     cols: str | None = None
+    per: int = 1
 
     @property
     def per_token(self) -> bool:
@@ -85,7 +96,8 @@ class TensorSpec:
         if self.cols is None:
             return None
         both = None if num_aux_layers is None or hidden_size is None else num_aux_layers * hidden_size
-        return {"k*H": both, "H": hidden_size, "k": num_aux_layers, "1": 1}[self.cols]
+        count = {"k*H": both, "H": hidden_size, "k": num_aux_layers, "1": 1}[self.cols]
+        return None if count is None else count // self.per
 
     def row_width(self, num_aux_layers: int | None, hidden_size: int | None = None) -> int:
         """`width` of a 2-D tensor whose width the sizes given decide."""
@@ -136,30 +148,100 @@ STATE_TENSORS = tuple(t.name for t in TENSORS if t.cols is not None)
 # The tensor of the final state (which one, post- or pre-norm, is the run's final_state).
 FINAL_STATE_TENSOR = STATE_TENSORS[-1]
 
-# --store: the dtype a state is stored in, in the order of its choices. fp8 adds, per state, a float32 scale
-# per token per layer.
-STORES = dict(zip(choices("store"), (torch.bfloat16, FP8_DTYPE), strict=True))
 SCALE_SUFFIX = "_scale"
+BLOCK_SCALE_SUFFIX = "_block_scale"
+
+
+@dataclass(frozen=True)
+class Scales:
+    """Scales stored beside a quantized state, `<state><suffix>`: a state decodes as its values times them."""
+
+    suffix: str
+    dtype: torch.dtype
+    block: int  # state elements one scale covers; 0: one per token per layer
+    # A block scale may be zero (its block decodes to zeros, being that far below its token's largest); a
+    # token's scale is positive (1 for an all-zero token), so a zero there is damage.
+    zero_taken: bool
+
+
+@dataclass(frozen=True)
+class StoreFormat:
+    """How one `--store` choice lays a state out: its values, the scales beside them (in the order its quantize
+    returns them after the values and its dequantize takes them), and how inspect words it."""
+
+    dtype: torch.dtype
+    per: int  # state elements one stored element holds
+    scales: tuple[Scales, ...]
+    quantize: Callable | None  # ([T, layers*H] states, layers) -> (values, *scales); None: a cast
+    dequantize: Callable | None  # (values, *scales, dtype) -> [T, layers*H] states
+    words: str
+
+    @property
+    def block(self) -> int:
+        """The elements a layer's state must be a whole number of."""
+        return max([1, *(s.block for s in self.scales)])
+
+
+_TOKEN_SCALES = Scales(SCALE_SUFFIX, torch.float32, 0, zero_taken=False)
+# --store, in the order of its choices.
+STORES = dict(
+    zip(
+        choices("store"),
+        (
+            StoreFormat(torch.bfloat16, 1, (), None, None, "bf16"),
+            StoreFormat(
+                FP8_DTYPE,
+                1,
+                (_TOKEN_SCALES,),
+                fp8_quantize,
+                fp8_dequantize,
+                "fp8 (e4m3, a float32 scale per token per layer)",
+            ),
+            StoreFormat(
+                torch.uint8,
+                2,
+                (Scales(BLOCK_SCALE_SUFFIX, FP8_DTYPE, NVFP4_BLOCK, zero_taken=True), _TOKEN_SCALES),
+                nvfp4_quantize,
+                nvfp4_dequantize,
+                f"nvfp4 (e2m1 two a byte, an e4m3 scale per {NVFP4_BLOCK} and a float32 one per token per layer)",
+            ),
+        ),
+        strict=True,
+    )
+)
 # Under --compress a state is one byte stream of per-sample frames; "<state>_frames" holds their bounds.
 FRAMES_SUFFIX = "_frames"
 
 
 @dataclass(frozen=True)
 class Encoding:
-    """How a run stores its states: `--store`, `--compress`, and whether the final state is kept."""
+    """How a run stores its states: `--store` (and `--final-store`, where the final state is stored otherwise),
+    `--compress`, and whether the final state is kept."""
 
     store: Store = "bf16"
     compress: Compression = "none"
     keeps_final_state: bool = True
     # Whether the shard stores image_mask (format version 3 on); readers hand one of zeros out where it does not.
     image_mask: bool = True
+    # The final state's store where it differs from `store`; None where it does not, or no final state is kept,
+    # so that one encoding has one spelling.
+    final_store: Store | None = None
 
     def __post_init__(self):
         check_choice("store", self.store)
         check_choice("compress", self.compress)
+        if self.final_store is not None:
+            check_choice("store", self.final_store)
+            if self.final_store == self.store or not self.keeps_final_state:
+                object.__setattr__(self, "final_store", None)
 
     def to_json(self) -> dict:
-        return {"store": self.store, "compress": self.compress, "final_state": self.keeps_final_state}
+        return {
+            "store": self.store,
+            "compress": self.compress,
+            "final_state": self.keeps_final_state,
+            "final_store": self.final_store,
+        }
 
     @classmethod
     def from_json(cls, document: dict) -> "Encoding":
@@ -180,18 +262,32 @@ class Encoding:
     def sample_tensors(self) -> tuple[str, ...]:
         return tuple(name for name in SAMPLE_TENSORS if name not in STATE_TENSORS or name in self.states)
 
+    def store_of(self, state: str) -> Store:
+        """How `state` (one of STATE_TENSORS) is stored."""
+        return self.final_store if self.final_store is not None and state == FINAL_STATE_TENSOR else self.store
+
+    def staged_of(self, state: str) -> tuple[TensorSpec, ...]:
+        """The per-token tensors `state` becomes on the device: its values, then its scales (`StoreFormat.scales`)."""
+        cols, store = SPECS[state].cols, STORES[self.store_of(state)]
+        per_layer = "k" if cols == "k*H" else "1"
+        return (
+            TensorSpec(state, store.dtype, "T", cols, store.per),
+            *(
+                TensorSpec(state + s.suffix, s.dtype, "T", cols if s.block else per_layer, s.block or 1)
+                for s in store.scales
+            ),
+        )
+
     @property
     def staged(self) -> tuple[TensorSpec, ...]:
-        """The per-token tensors the states become on the device, before they are copied to the host:
-        each state in the stored dtype, then (fp8) its scales, one per token per layer."""
-        specs = []
-        for name in self.states:
-            specs.append(TensorSpec(name, STORES[self.store], "T", SPECS[name].cols))
-            if self.store == "fp8":
-                specs.append(
-                    TensorSpec(name + SCALE_SUFFIX, torch.float32, "T", "k" if SPECS[name].cols == "k*H" else "1")
-                )
-        return tuple(specs)
+        """The per-token tensors the states become on the device, before they are copied to the host: each
+        state's values in its store's dtype, then its scales."""
+        return tuple(t for name in self.states for t in self.staged_of(name))
+
+    @property
+    def scales(self) -> dict[str, Scales]:
+        """The staged scale tensors, by name."""
+        return {name + s.suffix: s for name in self.states for s in STORES[self.store_of(name)].scales}
 
     @property
     def codec(self) -> FrameCodec | None:
@@ -207,8 +303,12 @@ class Encoding:
 
     @property
     def compressed(self) -> tuple[str, ...]:
-        """The staged tensors stored as frames of the codec: the states (their scales are small and stay raw)."""
-        return self.states if self.codec else ()
+        """The staged tensors stored as frames of the codec: the states' values and their block scales (the
+        scales per token per layer, 4 bytes a layer, stay raw)."""
+        if not self.codec:
+            return ()
+        scales = self.scales
+        return tuple(t.name for t in self.staged if t.name not in scales or scales[t.name].block)
 
     @property
     def tensors(self) -> tuple[TensorSpec, ...]:
@@ -235,7 +335,7 @@ class Encoding:
         return {t.name: t.row_width(num_aux_layers, hidden_size) for t in self.staged}
 
     def state_bytes(self, widths: dict[str, int]) -> int:
-        """Bytes of one token's staged states (and fp8 scales) at these widths: what a shard's size target
+        """Bytes of one token's staged states (and their scales) at these widths: what a shard's size target
         counts."""
         return sum(t.dtype.itemsize * widths[t.name] for t in self.staged)
 
@@ -255,21 +355,30 @@ class Encoding:
         """The staged tensors of a batch's states, on the states' device (the GPU, before the copy)."""
         given = {name: state for name, state in zip(STATE_TENSORS, (aux, last)) if state is not None}
         out = {}
-        for t in self.staged:
-            if t.name in given:
-                out[t.name] = given[t.name].to(t.dtype)
-            else:  # a scale, after its state: quantize the state to fp8 with it
-                state = t.name.removesuffix(SCALE_SUFFIX)
-                out[state], out[t.name] = fp8_quantize(given[state], t.row_width(num_aux_layers))
+        for name in self.states:
+            store, staged = STORES[self.store_of(name)], self.staged_of(name)
+            if store.quantize is None:
+                out[name] = given[name].to(store.dtype)
+                continue
+            layers = 1 if SPECS[name].cols == "H" else num_aux_layers
+            if layers is None:
+                raise ValueError(
+                    f"{name} stored as {self.store_of(name)} needs the aux layers' count: each has its scales"
+                )
+            out.update(zip((t.name for t in staged), store.quantize(given[name], layers)))
         return out
 
     def decode(self, staged: dict[str, torch.Tensor], dtype: torch.dtype = STATE_DTYPE) -> dict[str, torch.Tensor]:
         """The states (in `dtype`, bf16 by default) from rows of the staged tensors, for each state that
         `staged` holds."""
-        states = [name for name in self.states if name in staged]
-        if self.store == "fp8":
-            return {name: fp8_dequantize(staged[name], staged[name + SCALE_SUFFIX], dtype) for name in states}
-        return {name: staged[name].to(dtype) for name in states}
+        out = {}
+        for name in (name for name in self.states if name in staged):
+            store = STORES[self.store_of(name)]
+            if store.dequantize is None:
+                out[name] = staged[name].to(dtype)
+            else:
+                out[name] = store.dequantize(*(staged[t.name] for t in self.staged_of(name)), dtype)
+        return out
 
 
 class ShardError(ValueError):
@@ -331,6 +440,8 @@ class RunInfo:
     recipe: RecipeName = _identity("eagle3")
     min_loss_run: int = _identity(0)
     store: Store = _identity("bf16")
+    # The final state's store where it differs from `store` (Encoding.final_store: None where it does not).
+    final_store: Store | None = _identity()
     compress: Compression = _identity("none")
     compute_dtype: str | None = _identity()  # the dtype the model ran in; the stored one is `stored_dtype`
     quantization: dict | None = _identity()  # the checkpoint's quantization_config
@@ -360,14 +471,20 @@ class RunInfo:
     # Keys this version does not know (a library caller's own), kept and written back as they were.
     extra: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        # One spelling of one encoding, as Encoding has it: a resume compares the identity as recorded.
+        object.__setattr__(self, "final_store", self.encoding.final_store)
+
     @property
     def encoding(self) -> Encoding:
-        return Encoding(self.store, self.compress, keeps_final_state=self.final_state is not None)
+        return Encoding(
+            self.store, self.compress, keeps_final_state=self.final_state is not None, final_store=self.final_store
+        )
 
     @property
     def stored_dtype(self) -> torch.dtype:
-        """The dtype the states are stored in (`compute_dtype` is the one the model ran in)."""
-        return STORES[self.store]
+        """The dtype the aux states' values are stored in (`compute_dtype` is the one the model ran in)."""
+        return STORES[self.store].dtype
 
     @property
     def num_aux_layers(self) -> int | None:

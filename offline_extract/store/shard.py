@@ -15,7 +15,6 @@ from offline_extract.store.schema import (
     FRAMES_SUFFIX,
     IMAGE_MASK_SINCE,
     METADATA_KEY,
-    SCALE_SUFFIX,
     SPECS,
     STATE_TENSORS,
     Encoding,
@@ -100,7 +99,7 @@ def read_samples(
 ) -> dict:
     """Samples first:stop of the open shard `f` (at `path`), their states decoded (bf16), reading only
     their rows: the per-token tensors among `names` (any of the encoding's sample_tensors). With
-    decode=False the states come as stored, decompressed (fp8: values and their `_scale` tensors). A
+    decode=False the states come as stored, decompressed (fp8, nvfp4: values and their scale tensors). A
     frame whose checksum or structure is broken raises ShardError naming the shard and the sample."""
     offsets = bounds["offsets"]
     start, end = offsets[first], offsets[stop]
@@ -113,9 +112,7 @@ def read_samples(
     }
     states = [name for name in names if name in STATE_TENSORS]
     staged = {}
-    for t in encoding.staged:
-        if t.name.removesuffix(SCALE_SUFFIX) not in states:
-            continue
+    for t in (t for state in states for t in encoding.staged_of(state)):
         if t.name in encoding.compressed:
             frames, decode_frame, blob = (
                 bounds[t.name + FRAMES_SUFFIX],

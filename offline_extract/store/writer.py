@@ -57,7 +57,10 @@ def _state_widths(encoding: Encoding, widths: dict[str, int]) -> dict[str, int]:
     if sorted(widths) != sorted(want):
         raise ShardError(f"states {sorted(widths)} given, but the encoding {encoding.to_json()} stores {want}")
     widths = {name: int(w) for name, w in widths.items()}
-    aux, hidden = widths[STATE_TENSORS[0]], widths.get(STATE_TENSORS[1])
+    # In state elements, of which a stored column may hold several (two e2m1 codes a byte).
+    aux_values, last_values = (encoding.staged_of(name)[0] for name in STATE_TENSORS)
+    aux = widths[aux_values.name] * aux_values.per
+    hidden = widths[last_values.name] * last_values.per if last_values.name in widths else None
     if hidden is not None and (hidden == 0 or aux % hidden != 0):
         raise ShardError(f"aux width {aux} is not a multiple of hidden size {hidden}")
     return widths
@@ -665,8 +668,8 @@ def _check_writer(run: RunInfo, shard_bytes: int, writers: int) -> None:
         raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
     if writers < 1:
         raise ValueError(f"writers must be at least 1, got {writers}")
-    if run.store == "fp8" and run.num_aux_layers is None:
-        raise ValueError("an fp8 run must record its layer_ids: each layer gets its own scales")
+    if run.encoding.scales and run.num_aux_layers is None:
+        raise ValueError(f"a run stored as {run.store} must record its layer_ids: each layer gets its own scales")
 
 
 def _sample_tokens(sample: SampleInfo, input_ids, loss_mask, image_mask) -> dict[str, torch.Tensor]:

@@ -17,9 +17,10 @@ Each item is a dict:
                                            keeps none)
     id                 str
 
-States are decoded to bf16 whatever the shards store (fp8 values times their per-token scales, zstd
-frames decompressed). Under zstd each sample's states are one frame per tensor, so an item decompresses
-exactly its own bytes, once, and memory stays one sample's worth whatever the order of reading.
+States are decoded to bf16 whatever the shards store (fp8 values times their per-token scales, nvfp4's
+times their block and token scales, zstd frames decompressed). Under zstd each sample's states are one frame
+per tensor, so an item decompresses exactly its own bytes, once, and memory stays one sample's worth whatever
+the order of reading.
 
 Before serving anything, every shard is checked against the checksum its manifest records, once per file as it
 is (`store/verdicts.py`; `verify_checksums=False` opts out), and samples are located from the shards' own
@@ -73,7 +74,7 @@ def load_catalog(out_dir: str | os.PathLike, allow_partial: bool = False, verify
     whole would silently miss samples. allow_partial=True reads what is there, with a warning.
     Every shard manifest.json (or an unfinished run's journal) lists is first checked against its
     checksum there, and a damaged one refused: a flipped byte in a state is otherwise served as it is
-    (zstd frames carry their own checksum, but bf16 and fp8 states none). That reads the whole output
+    (zstd frames carry their own checksum, but raw states none). That reads the whole output
     once; the verdict is kept beside the shards (`store/verdicts.py`), so a later dataset pays a stat per
     shard. Without manifest.json there is nothing to check against, which a warning says.
     verify_checksums=False reads without the check (and without that warning).
@@ -199,7 +200,8 @@ class HiddenStateDataset(Dataset):
 
     def stored(self, i: int) -> dict:
         """Item i with its states as the shards store them, decompressed but not decoded (under --store fp8:
-        e4m3 values and their float32 `<state>_scale` tensors), for an export that keeps the run's store."""
+        e4m3 values and their float32 `<state>_scale` tensors; nvfp4 adds `<state>_block_scale`), for an export
+        that keeps the run's store."""
         item: dict = self._handles.read(int(self.catalog.shard[i]), int(self.catalog.row[i]), decode=False)
         item["id"] = self.catalog.ids[i]
         return item

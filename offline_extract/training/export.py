@@ -15,8 +15,8 @@ where i counts samples from 0 in sample-index order, and folder rows_{start}-{en
 [start, end). That is the layout SpecForge's scripts/prepare_hidden_states.py writes and its offline
 training reads; its loader walks DEST recursively for *.ckpt and *.ckpt.gz, so rows_per_folder only
 bounds directory sizes (SpecForge's default has been 2000 since its --file-group-size option; 5000
-before). SpecForge trains on bf16 tensors only, so an fp8 run is decoded; gzip (the default for a run
-stored as fp8 or compressed) keeps the export near the run's size, at the cost of SpecForge reading and
+before). SpecForge trains on bf16 tensors only, so an fp8 or nvfp4 run is decoded; gzip (the default for a
+run stored so or compressed) keeps the export nearer the run's size, at the cost of SpecForge reading and
 inflating each file whole.
 
 speculators (`--format speculators`), its offline training data directory:
@@ -37,7 +37,8 @@ speculators' fp8 layout (hs-connectors' FP8HiddenStatesConnector) has one scale 
 (`FP8Transfer`, `--hidden-states-backend fp8`) multiplies values by scales by broadcasting, so the run's
 finer scales (per token and layer) are read as they are, with no requantization: the export holds the
 run's bytes. A final state converted from post-norm (below) is not the run's fp8 values, and rounding it
-to fp8 again would add a second error, so that export is bf16 (and says so). Scales of runs before the
+to fp8 again would add a second error, so that export is bf16 (and says so), as is one of a run holding any
+state in nvfp4 (an nvfp4 final state too), whose block scales that layout has no place for. Scales of runs before the
 bf16-rounded ones (store/codecs.py) are rounded to bf16 by that reader, a relative change of at most 2^-9 per token and layer.
 
 speculators names layers by HF `output_hidden_states` index, which is our layer id + 1, and calls the
@@ -422,7 +423,7 @@ def export_speculators(
     # A converted final state is no longer the run's fp8 values: rounded to e4m3 a second time it would
     # drift from a direct run's (worst token cosine 0.9989 on the tiny model, where one rounding keeps
     # 0.999), and speculators' layout has one tensor for all layers. Such an export is bf16.
-    fp8 = run.store == "fp8" and convert is None
+    fp8 = all(run.encoding.store_of(name) == "fp8" for name in STATE_TENSORS) and convert is None
     dest = Path(dest)
     _prepare_dest(
         dest,
@@ -463,12 +464,18 @@ def _speculators_notes(run: RunInfo, dest: Path, layer_ids: list[int], fp8: bool
         f"train with --target-layer-ids {' '.join(map(str, layer_ids[:-1]))} (speculators' ids: ours + 1), "
         f"or --config {dest / SPECULATORS_TRAIN_CONFIG}"
     ]
+    stores = {run.encoding.store_of(name) for name in STATE_TENSORS}
     if fp8:
         notes.append("states kept in fp8 with the run's scales: train with --hidden-states-backend fp8")
-    elif run.store == "fp8":
+    elif stores == {"fp8"}:
         notes.append(
             "states written as bf16, not fp8: the converted final state would be rounded to fp8 a second "
             "time; extract with --final-state pre-norm for an fp8 export"
+        )
+    elif stores != {"bf16"}:
+        notes.append(
+            f"states written as bf16, decoded from the run's {' and '.join(sorted(stores - {'bf16'}))}: speculators "
+            "reads bf16, or fp8 states alone with a scale per token"
         )
     return [*notes, *_conversion_note("speculators", run, convert)]
 

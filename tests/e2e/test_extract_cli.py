@@ -507,12 +507,13 @@ def test_strict_under_torchrun_reports_the_first_bad_record_in_corpus_order_once
 
 @pytest.fixture(scope="module")
 def stored(tmp_path_factory, cache_env):
-    """The first 8 records extracted as bf16 and as zstd-compressed fp8, in the same batches (the other
-    combinations are written and read back in test_encodings.py)."""
+    """The first 8 records extracted as bf16, as zstd-compressed fp8 and as zstd-compressed nvfp4 (its final state
+    fp8, the option's default), in the same batches (the other combinations are written and read back in
+    test_encodings.py)."""
     corpus = tmp_path_factory.mktemp("corpus") / "c.jsonl"
     corpus.write_text("".join(CORPUS.read_text().splitlines(keepends=True)[:8]))
     outs = {}
-    for store, compress in (("bf16", "none"), ("fp8", "zstd")):
+    for store, compress in (("bf16", "none"), ("fp8", "zstd"), ("nvfp4", "zstd")):
         out = tmp_path_factory.mktemp(f"{store}-{compress}") / "out"
         succeeded(
             run_extract(
@@ -534,7 +535,11 @@ def stored(tmp_path_factory, cache_env):
     return outs
 
 
-@pytest.mark.parametrize("store", ["bf16", "fp8"])
+# Each token's least cosine to the bf16 run's state (the same forward passes), by how the state was stored.
+LEAST_COSINE = {"bf16": 1 - 1e-6, "fp8": 0.999, "nvfp4": 0.98}
+
+
+@pytest.mark.parametrize("store", ["bf16", "fp8", "nvfp4"])
 def test_extraction_round_trips_through_reader_export_and_verify(stored, store, tmp_path):
     from offline_extract.training.datasets import HiddenStateDataset
     from offline_extract.training.export import export_specforge, specforge_path
@@ -548,7 +553,8 @@ def test_extraction_round_trips_through_reader_export_and_verify(stored, store, 
     )
     assert verify.returncode == 0 and "no problems" in verify.stdout, verify.stdout + verify.stderr
     run = open_shard(shard_paths(out)[0]).run
-    assert run.store == store and run.compress == ("zstd" if store == "fp8" else "none")
+    assert run.store == store and run.compress == ("none" if store == "bf16" else "zstd")
+    assert run.final_store == ("fp8" if store == "nvfp4" else None)
     got, bf16 = HiddenStateDataset(out), HiddenStateDataset(stored["bf16"])
     export_specforge(out, tmp_path / "sf", progress=False)
     for i in range(len(got)):
@@ -559,15 +565,29 @@ def test_extraction_round_trips_through_reader_export_and_verify(stored, store, 
             a, b = item[name].float(), bf16[i][name].float()
             layers = a.shape[1] // 64
             cosine = torch.nn.functional.cosine_similarity(a.reshape(-1, layers, 64), b.reshape(-1, layers, 64), dim=-1)
-            # The same forward passes: fp8 keeps every token's direction; bf16 is the reference itself.
-            assert cosine.min() >= (0.999 if store == "fp8" else 1 - 1e-6), (item["id"], name)
-        # An fp8 run exports gzipped by default (export.py: near the run's size instead of decoded bf16's).
-        path = specforge_path(tmp_path / "sf", i, gzipped=store == "fp8")
-        with gzip.open(path, "rb") if store == "fp8" else open(path, "rb") as f:
+            assert cosine.min() >= LEAST_COSINE[run.encoding.store_of(name)], (item["id"], name)
+        # A quantized run exports gzipped by default (export.py: near the run's size instead of decoded bf16's).
+        path = specforge_path(tmp_path / "sf", i, gzipped=store != "bf16")
+        with gzip.open(path, "rb") if store != "bf16" else open(path, "rb") as f:
             exported = torch.load(io.BytesIO(f.read()), weights_only=True)
         assert torch.equal(exported["aux_hidden_state"][0], item["aux_hidden_states"])
     sizes = {key: sum(p.stat().st_size for p in shard_paths(o)) for key, o in stored.items()}
-    assert sizes["fp8"] < 0.6 * sizes["bf16"], sizes
+    # The tiny model's token, 518 bytes in bf16: fp8's 278, 194 under nvfp4 with its final state in fp8 (aux
+    # 3 x (32 + 4 + 4), final 64 + 4, the tokens' 6), before zstd; and the shards' metadata.
+    assert sizes["fp8"] < 0.6 * sizes["bf16"] and sizes["nvfp4"] < 0.42 * sizes["bf16"], sizes
+
+
+def test_a_resume_in_another_store_is_refused_writing_nothing(stored, tmp_path, cache_env):
+    """Shards of two encodings would not be one data set: the same run in fp8 refuses the nvfp4 output."""
+    out = tmp_path / "out"
+    shutil.copytree(stored["nvfp4"], out)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    corpus = manifest.load(out)["identity"]["corpus"][0]["path"]
+    same = ("--tokens-per-batch", "512", "--max-length", "512", "--compress", "zstd")
+    refused = run_extract(out, "--data", corpus, *same, "--store", "fp8", env=cache_env)
+    assert refused.returncode != 0 and "holds shards of a different run" in refused.stderr, refused.stderr
+    assert "store: 'nvfp4' -> 'fp8'" in refused.stderr and "final_store: 'fp8' -> None" in refused.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 
 
 def test_dflash_recipe_captures_spread_layers_without_final_state_and_skips_short_loss_runs(tmp_path, cache_env):

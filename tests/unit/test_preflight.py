@@ -59,6 +59,10 @@ REFUSED = {
         {"load_format": "safetensor"},
         "--load-format safetensor is not one of SGLang 0.5.17's: auto, ",
     ),
+    "a final store without a final state": (
+        {"recipe": "dflash", "final_store": "fp8"},
+        "--recipe dflash stores no final state, so --final-store fp8 has no effect",
+    ),
     "a gate on random weights": (
         {"load_format": "dummy", "parity_samples": 2},
         "--verify 2 compares the states with HF on the model's own weights, but --load-format dummy",
@@ -310,6 +314,8 @@ def test_a_dry_run_refuses_an_out_holding_another_runs_shards_as_the_real_run_wi
         ({"layers": (1, 3, 4)}, "layer_ids: [0, 2] -> [1, 3, 4]"),
         ({"max_length": 1024}, "max_length: 4096 -> 1024"),
         ({"store": "fp8", "force": True}, "store: 'bf16' -> 'fp8'"),
+        ({"store": "nvfp4", "force": True}, "store: 'bf16' -> 'nvfp4'"),
+        ({"final_store": "nvfp4", "force": True}, "final_store: None -> 'nvfp4'"),
     ):
         with pytest.raises(resume.TakeoverError) as refused:
             extraction.dry_run(replace(opts, **change))
@@ -461,6 +467,23 @@ def test_an_architecture_without_a_capture_rule_is_refused_from_its_config_alone
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     with pytest.raises(NotImplementedError, match="GPT2LMHeadModel .* is not supported.*LlamaForCausalLM"):
         preflight.check(ExtractOptions(data=(CORPUS,), model=str(tmp_path)))
+
+
+@pytest.mark.parametrize("changes", [{"store": "nvfp4", "final_store": "bf16"}, {"final_store": "nvfp4"}])
+def test_nvfp4_is_refused_for_a_hidden_size_its_blocks_do_not_divide(changes, tiny_model_dir, tmp_path):
+    # 72 wide, 6 heads of 12: a real checkpoint of that width, whose weights agree with its config.
+    model = build_model(
+        "llama",
+        tmp_path / "m",
+        overrides={"hidden_size": 72, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 12},
+        tokenizer_dir=tiny_model_dir,
+    )
+    option = "--store" if "store" in changes else "--final-store"
+    with pytest.raises(
+        ValueError, match=rf"{option} nvfp4 scales blocks of 16 elements, but .*config.json gives a hidden size of 72"
+    ):
+        preflight.check(ExtractOptions(data=(CORPUS,), model=str(model), **changes))
+    preflight.check(ExtractOptions(data=(CORPUS,), model=str(tiny_model_dir), **changes))  # 64: four blocks
 
 
 @pytest.mark.parametrize("arch", [*ARCHITECTURES, "kimi_k25", "llama4"])

@@ -111,7 +111,12 @@ def test_summary_of_a_single_shard(tmp_path):
         ({"store": "bf16", "compress": "none", "final_state": True}, "bf16, uncompressed"),
         (
             {"store": "fp8", "compress": "zstd", "final_state": False},
-            "fp8 (a float32 scale per token per layer), zstd, no final state",
+            "fp8 (e4m3, a float32 scale per token per layer), zstd, no final state",
+        ),
+        (
+            {"store": "nvfp4", "compress": "zstd", "final_state": True, "final_store": "fp8"},
+            "nvfp4 (e2m1 two a byte, an e4m3 scale per 16 and a float32 one per token per layer), the final "
+            "state fp8 (e4m3, a float32 scale per token per layer), zstd",
         ),
     ],
 )

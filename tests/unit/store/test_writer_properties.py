@@ -31,7 +31,7 @@ from offline_extract.store.shard import read_header
 from offline_extract.store.writer import ShardWriter
 from offline_extract.testing.shards import synthetic_run
 
-ENCODINGS = [("bf16", "none"), ("fp8", "none"), ("bf16", "zstd"), ("fp8", "zstd")]
+ENCODINGS = [(store, compress) for store in ("bf16", "fp8", "nvfp4") for compress in ("none", "zstd")]
 
 
 def _seeds() -> range:
@@ -131,10 +131,15 @@ class PacedFilling(shard_file.Filling):
 
 
 def draw_run(seed: int, rng: random.Random):
-    store, compress = ENCODINGS[seed % 4]
-    k, h = rng.randint(1, 3), rng.choice([4, 8, 12])
-    final_state = "post-norm" if (seed // 4) % 2 == 0 else None
-    return synthetic_run(tuple(range(1, 2 * k, 2)), h, store=store, compress=compress, final_state=final_state)
+    store, compress = ENCODINGS[seed % len(ENCODINGS)]
+    # nvfp4 scales blocks of 16 elements, of which a layer's state is a whole number.
+    k, h = rng.randint(1, 3), rng.choice([16, 32] if store == "nvfp4" else [4, 8, 12])
+    final_state = "post-norm" if (seed // len(ENCODINGS)) % 2 == 0 else None
+    # Under nvfp4, the final state in fp8 at times (the option's default) or in nvfp4.
+    final_store = rng.choice(["fp8", "nvfp4"]) if store == "nvfp4" else None
+    return synthetic_run(
+        tuple(range(1, 2 * k, 2)), h, store=store, final_store=final_store, compress=compress, final_state=final_state
+    )
 
 
 def feed(writer: ShardWriter, source: Source, rng: random.Random, shard_rows: int, kept: list[Fed], steps: int) -> None:

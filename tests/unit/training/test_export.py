@@ -445,7 +445,7 @@ def test_speculators_export_needs_the_models_layer_count(tmp_path):
         export_speculators(out, tmp_path / "spec", progress=False)
 
 
-@pytest.mark.parametrize("store, compress", [("fp8", "none"), ("bf16", "zstd")])
+@pytest.mark.parametrize("store, compress", [("fp8", "none"), ("bf16", "zstd"), ("nvfp4", "none")])
 def test_specforge_export_of_a_smaller_run_is_gzipped_by_default(tmp_path, store, compress):
     import gzip
     import io
@@ -498,6 +498,30 @@ def test_speculators_export_of_an_fp8_run_keeps_its_bytes(tmp_path):
     export_speculators(bf16, tmp_path / "spec16", progress=False)
     bf16_bytes = sum(p.stat().st_size for p in (tmp_path / "spec16" / "hidden_states").iterdir())
     assert fp8_bytes < 0.6 * bf16_bytes, (fp8_bytes, bf16_bytes)
+
+
+@pytest.mark.parametrize("final_store", [None, "fp8"])
+def test_speculators_export_of_an_nvfp4_run_is_its_states_decoded_to_bf16(tmp_path, final_store):
+    """speculators reads bf16, or fp8 with a scale per token: nvfp4's block scales have no place there, and an
+    fp8 final state beside nvfp4 aux layers cannot share its one stacked tensor."""
+    from safetensors.torch import load_file
+
+    from offline_extract.training.datasets import HiddenStateDataset
+
+    out = tmp_path / "run"
+    write_synthetic(
+        out, LENGTHS, hidden_size=H, num_aux=K, store="nvfp4", final_store=final_store, final_state="pre-norm"
+    )
+    summary = export_speculators(out, tmp_path / "spec", progress=False)
+    stores = "fp8 and nvfp4" if final_store else "nvfp4"
+    assert any(f"states written as bf16, decoded from the run's {stores}" in note for note in summary.notes)
+    assert "hidden_states_backend: file" in (tmp_path / "spec" / SPECULATORS_TRAIN_CONFIG).read_text()
+    ours = HiddenStateDataset(out)
+    for i in range(len(LENGTHS)):
+        hs = load_file(speculators_path(tmp_path / "spec", i))
+        assert set(hs) == {"hidden_states", "token_ids"} and hs["hidden_states"].dtype == torch.bfloat16
+        assert torch.equal(hs["hidden_states"][:, :K].flatten(1), ours[i]["aux_hidden_states"])
+        assert torch.equal(hs["hidden_states"][:, K], ours[i]["hidden_states"])
 
 
 def test_each_format_is_one_exporter_whose_options_its_writer_and_the_command_take():
