@@ -5,6 +5,8 @@
     offbyone   ours with every aux layer one deeper than the model's default (the seeds' off-by-one)
     prenorm    ours with the pre-norm final state written where SpecForge reads the post-norm one
     fp8        ours with --store fp8, exported to bf16 as SpecForge trains on it
+    nvfp4      ours with --store nvfp4 (its final state in fp8, the option's default), exported so too
+    nvfp4all   the same with the final state in nvfp4 too (--final-store nvfp4)
 
 Every variant is made from the same corpus file (`corpus.jsonl`: the training prompts with the target's
 own responses), which both our reader and SpecForge's read. Each ends in a view, `views/VARIANT/`, of
@@ -27,9 +29,16 @@ from benchmarks.drafter import layout as lay
 from benchmarks.drafter.sglang_runs import load_responses, messages
 from benchmarks.peers import specforge as peer
 
-VARIANTS = ("ours", "specforge", "offbyone", "prenorm", "fp8")
+VARIANTS = ("ours", "specforge", "offbyone", "prenorm", "fp8", "nvfp4", "nvfp4all")
 # Our own variants: the options given to bin/extract.py beyond the common ones.
-EXTRACT_OPTIONS = {"ours": [], "offbyone": None, "prenorm": ["--final-state", "pre-norm"], "fp8": ["--store", "fp8"]}
+EXTRACT_OPTIONS = {
+    "ours": [],
+    "offbyone": None,
+    "prenorm": ["--final-state", "pre-norm"],
+    "fp8": ["--store", "fp8"],
+    "nvfp4": ["--store", "nvfp4"],
+    "nvfp4all": ["--store", "nvfp4", "--final-store", "nvfp4"],
+}
 ROWS_PER_FOLDER = 2000
 PEER_SITE = Path("/tmp/peer-site")
 
