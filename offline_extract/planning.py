@@ -211,8 +211,10 @@ def render(p: Plan, out: str | Path) -> str:
             else []
         ),
     ]
-    lines += [f"  {name:<32} {human_bytes(size):>12}" for name, size in p.bytes_by_tensor.items()]
-    lines.append(f"  {'total':<32} {human_bytes(p.total_bytes):>12}")
+    # As wide as a tensor's name (nvfp4's block scales before zstd run to 43); the small ones, listed together, run past.
+    width = max([32, *(len(name) for name in p.bytes_by_tensor if "," not in name)])
+    lines += [f"  {name:<{width}} {human_bytes(size):>12}" for name, size in p.bytes_by_tensor.items()]
+    lines.append(f"  {'total':<{width}} {human_bytes(p.total_bytes):>12}")
     lines.append(f"free at {out}: {human_bytes(p.free_bytes)} -> {p.verdict()}")
     if not p.writable:
         lines.append(f"{out} cannot be written here (read-only, or no permission)")

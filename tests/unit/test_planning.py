@@ -97,6 +97,18 @@ def test_a_compressed_output_too_big_before_zstd_says_how_much_zstd_must_save(ti
     assert bf16.ratio_needed is None and "DOES NOT FIT" in planning.render(bf16, tmp_path)
 
 
+def test_an_nvfp4_plan_counts_its_block_scales_as_compressed_and_lines_up_every_tensors_size(tiny_model_dir, tmp_path):
+    tok = SampleTokenizer(AutoTokenizer.from_pretrained(tiny_model_dir), max_length=4096)
+    p = planning.plan(
+        [CORPUS], tok, tmp_path, hidden_size=64, num_aux_layers=3, encoding=Encoding("nvfp4", "zstd", final_store="fp8")
+    )
+    # Codes two a byte and an e4m3 scale per 16 (aux), fp8 values (final): what zstd frames; token scales stay raw.
+    assert p.compressible_bytes == 1381 * (3 * (32 + 4) + 64)
+    rows = [line for line in planning.render(p, tmp_path).splitlines() if line.startswith("  ") and "," not in line]
+    assert "  aux_hidden_states_block_scale (before zstd)" in rows[1]
+    assert len({len(line) for line in rows}) == 1, rows  # every size ends in one column
+
+
 def _extract(engine, model_dir, out, monkeypatch, progress_every, **options):
     """The run in-process on the session's engine (SGLang starts one engine a process), in shards of about
     60 tokens; the leader's progress counts the records, shown (a heartbeat) or not (progress_every=0)."""
