@@ -40,7 +40,7 @@ from offline_extract.engine import parity, reference  # noqa: E402
 PERTURBATION = 0.01  # of each token's norm
 
 
-def _samples(model: str, data: str, count: int) -> list[list[int]]:
+def corpus_samples(model: str, data: str, count: int) -> list[list[int]]:
     """The corpus's first `count` samples, tokenized as an extraction tokenizes them."""
     from transformers import AutoTokenizer
 
@@ -101,7 +101,7 @@ def measure(model: str, data: str, samples: int, device: str, dtype: str, attent
     from offline_extract.engine.sglang_adapter import Engine, EngineConfig, prepare_process
 
     prepare_process(device)
-    seqs = _samples(model, data, samples)
+    seqs = corpus_samples(model, data, samples)
     engine = Engine(
         EngineConfig(
             model_path=model,
