@@ -14,7 +14,7 @@ two a byte with an e4m3 scale per block of 16 elements, under a second float32 s
 where NVFP4 has one per tensor: a tensor's scale would tie each sample's bytes to the batch it ran in. The
 token scale (absmax / (6 x 448), rounded up to bfloat16) puts the token's largest block at e4m3's top, so
 its blocks' scales span e4m3's range below it; without it, activations whose outlier channels pass
-6 x 448 saturate their blocks. On SmolLM2-135M (benchmarks/fp4_encodings.py) each token keeps a cosine of
+6 x 448 saturate their blocks. On SmolLM2-135M (benchmarks/results/fp4-cpu-20261206) each token keeps a cosine of
 0.993 or more to its bf16 state in every layer, where MXFP4 (an e8m0 scale per 32) keeps 0.974.
 
 zstd (`--compress zstd`): each sample's rows of a tensor become one zstd frame, its bytes grouped by
