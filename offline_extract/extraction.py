@@ -27,7 +27,7 @@ import torch
 from offline_extract import planning, preflight
 from offline_extract.data.batching import batch_by_tokens
 from offline_extract.data.corpus import BadRecordError, Record, Reject, Row, in_order, parse, read_corpus, rows
-from offline_extract.data.sources import Source, open_sources
+from offline_extract.data.sources import CorpusReadError, Source, open_sources
 from offline_extract.data.tokenization import (
     TEXT_ONLY,
     ImagesRefused,
@@ -303,19 +303,24 @@ def _refuse_images_ahead(opts: ExtractOptions, checked: preflight.Checked) -> No
     of them after it (`tokenization.refuse_images`), where a corpus of image chats given the wrong model would cost
     a model load to learn so. The rows of the feed's first chunk are read at most (`ROWS_TOGETHER`, `CHUNK_BYTES`),
     and none of a pipe, which can be read only once: an image chat past them is refused as it is tokenized, and the
-    directory then says so (`Job._attempt`)."""
+    directory then says so (`Job._attempt`). A file that breaks off within them is left for the run's own reading
+    to meet, which records the refusal in --out (`OutputDirectory.refused_where_the_corpus_breaks_off`): raised
+    here, before the directory is claimed, it would leave an interrupted run's manifest that reads as resumable."""
     model_dir = checked.model.path
     why = _without_its_tower(model_dir) if _vision_language(model_dir) else TEXT_ONLY
     if why is None or any(source.streamed for source in checked.sources):
         return
     size = 0
-    for row in islice(rows(checked.sources), ROWS_TOGETHER):
-        _, item = parse(row)
-        if isinstance(item, Record) and item.images:
-            refuse_images(item, _model_name(opts), why)
-        size += row.size()
-        if size >= CHUNK_BYTES:
-            return
+    try:
+        for row in islice(rows(checked.sources), ROWS_TOGETHER):
+            _, item = parse(row)
+            if isinstance(item, Record) and item.images:
+                refuse_images(item, _model_name(opts), why)
+            size += row.size()
+            if size >= CHUNK_BYTES:
+                return
+    except CorpusReadError:
+        return
 
 
 def _image_token_id(model_dir: Path) -> int | None:

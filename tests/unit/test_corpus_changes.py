@@ -48,16 +48,24 @@ def _opts(corpus, out, **changes):
 
 
 def _changing(monkeypatch, corpus, change):
-    """The run's reader of the corpus's rows, with `change` made to the corpus file once the fifth has been read."""
-    read = extraction.rows
+    """The run's reader of the corpus's rows, with `change` made to the corpus file once, when the fifth has been
+    read after the directory was claimed: the checks before the model loads read the corpus's head too, and a
+    change made then is the corpus the run records."""
+    read, attempt = extraction.rows, extraction.Job._attempt
+    pending: list = []
 
     def reading(*args, **kwargs):
         for n, item in enumerate(read(*args, **kwargs)):
-            if n == 5:
-                change(corpus)
+            if n == 5 and pending:
+                pending.pop()(corpus)
             yield item
 
+    def attempting(job, existing):
+        pending.append(change)
+        return attempt(job, existing)
+
     monkeypatch.setattr(extraction, "rows", reading)
+    monkeypatch.setattr(extraction.Job, "_attempt", attempting)
 
 
 def _cut(corpus):
