@@ -2,8 +2,9 @@
 
 Each process runs one `Job`; `distributed.Layout` decides whether it writes, `resume` which records earlier
 attempts into the same directory already wrote, and `distributed.Share` which of the records it reads. The
-job's methods are its phases; feeding the batches to the engine and the writer is `feed`, the counting is
-`summary`.
+job's methods are its phases: the run's set-up (the checks, the tokenizer, the model's load, the output directory
+claimed, the parity gate) and its finish are here, the extraction itself is `extract_phase`, whose hot loop is
+`feed`; the counting is `summary`.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import importlib.metadata
 import json
 import os
 import threading
-import time
-from collections import deque
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, replace
 from itertools import chain, islice
@@ -25,7 +24,6 @@ import numpy as np
 import torch
 
 from offline_extract import planning, preflight
-from offline_extract.data.batching import batch_by_tokens
 from offline_extract.data.corpus import BadRecordError, Record, Reject, Row, in_order, parse, read_corpus, rows
 from offline_extract.data.sources import CorpusReadError, Source, open_sources
 from offline_extract.data.tokenization import (
@@ -42,22 +40,21 @@ from offline_extract.engine import checkpoint, parity
 from offline_extract.engine.distributed import Coordinator, Layout, ReportedByLeader, Share, layout_from_env
 from offline_extract.engine.kernels import jit_cache_files
 from offline_extract.engine.multimodal import IMAGE_MODELS
-from offline_extract.engine.nonfinite import NonFiniteGuard
 from offline_extract.engine.sglang_adapter import LAYER_CONVENTION, Engine, EngineConfig, PortTaken, import_sglang
-from offline_extract.feed import HostMemory, extract_batches, prepared_ahead
+from offline_extract.extract_phase import ExtractPhase, count_owned, count_records, progress
+from offline_extract.feed import HostMemory
 from offline_extract.lifecycle import interrupts, startup_gc
-from offline_extract.lifecycle.progress import RunProgress, foreign_output_hidden, note
+from offline_extract.lifecycle.progress import foreign_output_hidden, note
 from offline_extract.lifecycle.timeline import Timeline
 from offline_extract.lifecycle.timings import run_timings
 from offline_extract.options import FINAL_STATES, ExtractOptions, default_tokenizer_processes, final_store
 from offline_extract.output import OutputDirectory, resumable
 from offline_extract.parity_gate import ParityGate
 from offline_extract.recipes import RECIPES
-from offline_extract.store import manifest, resume
+from offline_extract.store import resume
 from offline_extract.store.index import shard_paths
 from offline_extract.store.journal import Journal
 from offline_extract.store.schema import Encoding, RunInfo
-from offline_extract.store.writer import ShardWriter
 from offline_extract.summary import Summary, Tally
 from offline_extract.version import __version__
 
@@ -357,7 +354,7 @@ def dry_run(opts: ExtractOptions) -> planning.Plan:
         resume.check_images(out, shards, identity, opts.data, opts.force)
     model = checked.model
     tokenizer = sample_tokenizer(opts, model.path)
-    with _progress(opts, "dry run", lambda: _count_records(checked.sources)) as bar:
+    with progress(opts, "dry run", lambda: count_records(checked.sources)) as bar:
         plan = planning.plan(
             opts.data,
             tokenizer,
@@ -420,11 +417,9 @@ class Job:
         # Set by _load: the engine, and the run's facts that every shard carries.
         self.engine: Engine
         self.meta: RunInfo
-        self.written: list = []  # headers of the shards this rank wrote (ShardWriter.headers)
         self.output = OutputDirectory(self.out, self.layout, self.coord)
         self.gate = ParityGate(opts, self.layout, self.coord, self.timeline, self.checked.model.path)
-        # The hot loop's waits for its next batch and for a free staging buffer (feed.extract_batches).
-        self.waits = {"input_wait_s": 0.0, "writer_wait_s": 0.0}
+        self.extract = ExtractPhase(opts, self.layout, self.checked, self.out, self.timeline)
         self._cached_when_warm: set[str] = set()  # the compilers' cache files once the engine was warm
 
     def load_tokenizer(self) -> SampleTokenizer:
@@ -502,11 +497,13 @@ class Job:
                 tally.summary.parity = self._gate(head)
             self.timeline.mark("verified")
             staging, buffers = host.take(self.engine) if host else (None, [])
-            writer = self._writer(existing, journals, buffers, on_gpu) if layout.writes else None
+            writer = self.extract.writer(self.meta, existing, journals, buffers, on_gpu) if layout.writes else None
             with _refusal_recorded(self.out, layout, journals, ImagesRefused, "the tokenizer", _AFTER_IMAGES):
-                self._extract(chain(head, samples), writer, staging, tally)
+                self.extract.run(self.engine, self.share, chain(head, samples), writer, staging, tally)
         tally.summary.seconds = self.timeline.now()  # from the command, as a user waits for it
-        return self.output.finish(tally.summary, self.written, self.checked.sources, self.timeline, self._timings)
+        return self.output.finish(
+            tally.summary, self.extract.written, self.checked.sources, self.timeline, self._timings
+        )
 
     def _host_memory(self) -> HostMemory:
         """Started before the model loads, with the widths the config predicts (`_num_aux_layers`)."""
@@ -574,77 +571,11 @@ class Job:
 
     def _timings(self) -> dict:
         timings = run_timings(
-            self.timeline, self.layout.dp_size, self.waits, self.gate.timings, self.engine.prebuild_report
+            self.timeline, self.layout.dp_size, self.extract.waits, self.gate.timings, self.engine.prebuild_report
         )
         # What compiled once the run was warm is what its warm-up missed: the first batches paid for it.
         compiled = sorted(jit_cache_files(self.engine.jit_caches) - self._cached_when_warm)
         return {**timings, "compiled_in_extraction": len(compiled), "compiled_in_extraction_files": compiled[:40]}
-
-    def _writer(self, existing: resume.Existing, journals: ExitStack, buffers: list, on_gpu: bool) -> ShardWriter:
-        shard_log = journals.enter_context(Journal(manifest.journal_path(self.out, self.layout.dp_rank), durable=True))
-        return ShardWriter(
-            self.out,
-            self.meta,
-            shard_bytes=self.opts.shard_bytes,
-            writers=self.checked.writers,
-            shard_numbers=resume.shard_numbers(existing.first_number, self.layout.dp_rank, self.layout.dp_size),
-            on_written=lambda shard: shard_log.append(asdict(shard)),
-            # On a GPU the first shards would otherwise fill fresh pages on the hot path; on CPU
-            # (tiny models, tests) that memory would mostly sit unused.
-            widths=self.meta.encoding.widths(self.meta.num_aux_layers, self.meta.hidden_size) if on_gpu else None,
-            buffers=buffers,
-        )
-
-    def _extract(
-        self, samples: Iterator[Sample], writer: ShardWriter | None, staging: list | None, tally: Tally
-    ) -> None:
-        opts, layout = self.opts, self.layout
-        label = f"dp {layout.dp_rank}/{layout.dp_size}" if layout.dp_size > 1 else "extract"
-        # The leader's share stands for every replica's; its progress counts the records, shown or not.
-        watch = planning.OutputWatch(self.out, layout.dp_size) if layout.leads and writer is not None else None
-        count = (lambda: _count_owned(self.share, self.checked.sources)) if layout.leads else None
-        with _progress(opts, label, count, shown=layout.leads) as bar:
-            # The records read up to each batch, counted as the batch is made: the batches are made ahead of
-            # the forwards (prepared_ahead), so the records read by the time a batch is done run ahead of it.
-            read_by_batch: deque[int] = deque()
-
-            def counted(batches: Iterator) -> Iterator:
-                for batch in batches:
-                    read_by_batch.append(tally.records_read())
-                    yield batch
-
-            def advance(batch) -> None:
-                # Every batch's forwards are enqueued by now: the last batch's mark stays. (The feed reads
-                # batches ahead, so the batches running out says nothing of the last one's forwards.)
-                self.timeline.mark("last forward")
-                tally.batch_done(batch)
-                bar.advance(read_by_batch.popleft(), batch.num_tokens, writer.bytes_written if writer else 0)
-                if watch is not None and writer is not None:
-                    watch.check(bar.done, bar.total, bar.tokens, writer.tokens_written, writer.bytes_written)
-
-            extract_start = time.perf_counter()
-            batches = _marked(
-                prepared_ahead(
-                    counted(batch_by_tokens(samples, self.checked.tokens_per_batch, opts.seqs_per_batch)), self.engine
-                ),
-                self.timeline,
-            )
-            guard = NonFiniteGuard(opts.nonfinite, self.engine.layer_ids, tally.nonfinite)
-            try:
-                times = extract_batches(self.engine, batches, writer, advance, staging=staging, nonfinite=guard)
-            except BaseException:
-                if writer is not None:
-                    writer.abort()
-                raise
-            self.waits = {name: times.get(name, 0.0) for name in self.waits}
-            self.timeline.mark("drained")
-            if writer is not None:
-                tally.written(writer.close(), writer)
-                self.written = writer.headers
-            # The last shards land after the last batch, and records after it (resumed ones) gave no batch.
-            bar.advance(tally.records_read(), 0, writer.bytes_written if writer else 0)
-            self.timeline.mark("written")
-            tally.summary.extract_seconds = time.perf_counter() - extract_start
 
 
 @contextmanager
@@ -669,14 +600,6 @@ def _refusal_recorded(
         if layout.leads:
             resume.refuse(out, by, str(e), advice)
         raise
-
-
-def _marked(batches: Iterator, timeline: Timeline) -> Iterator:
-    """`batches`, marking on `timeline` when the first is handed to the engine."""
-    for i, batch in enumerate(batches):
-        if not i:
-            timeline.mark("first forward")
-        yield batch
 
 
 def pending_samples(
@@ -739,8 +662,8 @@ def _stop_at_the_first_bad_record(
     the first bad record in corpus order, whichever replica holds it, reported once."""
     first = None
     share = Share(layout, np.zeros(0, dtype=bool))
-    count = (lambda: _count_owned(share, sources)) if layout.leads else None
-    with _progress(opts, "--strict check", count, shown=layout.leads) as bar:
+    count = (lambda: count_owned(share, sources)) if layout.leads else None
+    with progress(opts, "--strict check", count, shown=layout.leads) as bar:
         for item in read_corpus(opts.data, owns=share):
             made = tokenizer(item) if isinstance(item, Record) else item
             bar.advance(1, made.num_tokens if isinstance(made, Sample) else 0, 0)
@@ -812,30 +735,3 @@ class _Beside:
 def _pending_signals_run() -> None:
     """Does nothing: the main thread runs a pending signal's handler on entering a Python function, so a
     call to this one takes the signal where the caller catches what it raises."""
-
-
-def _progress(
-    opts: ExtractOptions, label: str, count: Callable[[], int | None] | None, shown: bool = True
-) -> RunProgress:
-    """The bar, or with --no-progress a line every --progress-every seconds, over a pass through the records:
-    the extraction, and the reading and tokenizing of the whole corpus that --dry-run and --strict make before
-    any forward, which on a large corpus takes minutes that would otherwise pass in silence."""
-    return RunProgress(
-        count,
-        label,
-        enabled=shown and (opts.progress or opts.progress_every > 0),
-        heartbeat=None if opts.progress else opts.progress_every,
-    )
-
-
-def _count_records(sources: Sequence[Source]) -> int | None:
-    """The records of the whole corpus, for the progress ETA; None when a source cannot say."""
-    counts = [source.count() for source in sources]
-    known = [n for n in counts if n is not None]
-    return sum(known) if len(known) == len(counts) else None
-
-
-def _count_owned(share: Share, sources: Sequence[Source]) -> int | None:
-    """This replica's share of the records, for the progress ETA; None when a source cannot say."""
-    total = _count_records(sources)
-    return None if total is None else share.count(total)

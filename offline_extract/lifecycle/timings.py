@@ -21,7 +21,7 @@ def run_timings(
     parallelism the wait for the other replicas to finish theirs, rejects and index); `marks` holds every
     point of the timeline, counted from the interpreter's start. `gate` gives the parity gate's split
     (`ParityGate.timings`), `prebuild` the kernel prebuild's (`Engine.prebuild_report`), `waits` the hot
-    loop's waits between forwards (`Job.waits`).
+    loop's waits between forwards (`ExtractPhase.waits`).
 
     The tokenizer counts as ours only for the time the run waited for it: loaded beside SGLang's load
     (`tokenizer_beside_load`), what that covered is SGLang's; loaded before it, all of it."""

@@ -26,7 +26,7 @@ FLOORS = [
     {"store"},
     {"engine"},
     {"lifecycle", "training", "testing"},
-    {"preflight", "planning", "summary", "feed", "parity_gate", "output"},
+    {"preflight", "planning", "summary", "feed", "parity_gate", "output", "extract_phase"},
     {"extraction"},
     {"cli"},
     {"commands"},

@@ -156,16 +156,16 @@ def test_a_run_warns_once_when_its_output_is_on_course_to_outgrow_the_disk(
 def test_writers_sets_the_shard_writer_threads_of_a_run(tiny_engine, tiny_model_dir, tmp_path, monkeypatch):
     """--writers reaches the run's ShardWriter (one file a thread, writers + 1 shard buffers), and the run
     writes every sample with it."""
-    from offline_extract import extraction
+    from offline_extract import extract_phase
 
     made = []
 
-    class Recorded(extraction.ShardWriter):
+    class Recorded(extract_phase.ShardWriter):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             made.append(self._writers)
 
-    monkeypatch.setattr(extraction, "ShardWriter", Recorded)
+    monkeypatch.setattr(extract_phase, "ShardWriter", Recorded)
     summary = _extract(tiny_engine, tiny_model_dir, tmp_path / "out", monkeypatch, 0, writers=2)
     assert made == [2] and summary.extracted == 24 and len(summary.shards) > 1
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 from extract_runs import GATE_PARTS, ROOT
 
-from offline_extract import extraction, parity_gate
+from offline_extract import extract_phase, extraction, parity_gate
 from offline_extract.lifecycle import interrupts
 from offline_extract.lifecycle.timings import timing_line
 from offline_extract.options import ExtractOptions
@@ -634,17 +634,17 @@ def test_kernels_compiled_once_the_run_was_warm_are_named_and_said(tiny_engine, 
     manifest names the cache files added after the warm-up and the start-up line says how many."""
     monkeypatch.setattr(extraction, "Engine", lambda cfg: tiny_engine)
     triton = Path(tiny_engine.jit_caches["TRITON_CACHE_DIR"])
-    extract = extraction.Job._extract
+    extract = extract_phase.ExtractPhase.run
     cache = triton / f"test-{os.getpid()}-{tmp_path.name}"
 
-    def compiling(job, *args):
+    def compiling(phase, *args):
         (cache / "kernel").mkdir(parents=True)
         (cache / "kernel" / "k.cubin").write_bytes(b"0")
-        extract(job, *args)
+        extract(phase, *args)
 
     try:
         _, quiet = _run(tmp_path / "a", tiny_model_dir)
-        monkeypatch.setattr(extraction.Job, "_extract", compiling)
+        monkeypatch.setattr(extract_phase.ExtractPhase, "run", compiling)
         _, compiled = _run(tmp_path / "b", tiny_model_dir)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
