@@ -2,7 +2,8 @@
 
 On the bottom floor, where importing it costs neither torch nor SGLang, so that `--help` and a mistyped
 option answer at once. The command line takes its choices and defaults from here; the modules that
-implement a choice key their tables by these names and check a value with `check_choice`.
+implement a choice key their tables by these names and check a value with `check_choice`. The options come in
+groups, the sections of `--help` (`GROUPS`), each stating its own; `ExtractOptions` is all of them in one value.
 """
 
 import os
@@ -89,24 +90,13 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "offline_extract"
 
 
-# The sections of `bin/extract.py --help`, in its order; each option names its own (Cli.group).
-GROUPS = {
-    "input": "Input",
-    "model": "Model",
-    "layers": "Layers and final state",
-    "storage": "Output and storage",
-    "parallelism": "Parallelism and batching",
-    "run": "Run",
-}
-
-
 @dataclass(frozen=True)
 class Cli:
     """How an ExtractOptions field is given on the command line: commands/extract.py makes its click option
     from this and the field's type (a Literal: its choices; bool: a flag; tuple[str, ...]: repeatable;
-    tuple[int, ...]: comma-separated) and default (shown unless None or a flag)."""
+    tuple[int, ...]: comma-separated) and default (shown unless None or a flag); its `--help` section is the
+    group that states it (`GROUPS`)."""
 
-    group: str  # a key of GROUPS
     help: str
     flag: str | None = None  # its name on the command line; None: --the-field-name
     inverse: bool = False  # a flag that turns off a field that is on by default (--no-progress)
@@ -120,25 +110,47 @@ def _option(default=MISSING, **cli):
     return field(default=default, metadata={"cli": Cli(**cli)})
 
 
-@dataclass(frozen=True)
-class ExtractOptions:
+@dataclass(frozen=True, kw_only=True)
+class InputOptions:
+    """The corpus, and how its records become samples."""
+
     data: tuple[str, ...] = _option(
-        group="input",
         help="Corpus: a .jsonl or .jsonl.gz file (JSONL also through a pipe, or - for standard input, read once: "
         "not with --strict or torchrun), a .json file of one JSON array (read whole into memory: convert a large one to "
         "JSONL), a .parquet file, a datasets.save_to_disk folder, or a hub "
         "data set id (org/name, or org/name:split; the local hub cache first, HF_HUB_OFFLINE honoured). "
         "Repeat for several (records are numbered across them in order).",
     )
-    out: str = _option(
-        "out",
-        group="storage",
-        directory=True,
-        help="Output directory for shards, index.json, manifest.json and rejects.jsonl.",
+    max_length: int = _option(
+        4096,
+        help="Longest sample in tokens, at most the model's context length; a longer one is cut or skipped "
+        "(--overlong).",
     )
+    overlong: Overlong = _option(
+        "truncate",
+        help="What to do with a sample longer than --max-length (recorded per sample either way). A "
+        "truncated sample whose loss tokens all lay past the cut is skipped, listed in rejects.jsonl "
+        "and counted as skipped: it has nothing left to train on.",
+    )
+    trim_after_last_loss: bool = _option(
+        False,
+        flag="--trim-after-last-loss-token",
+        help="Drop each sample's tokens after its last loss token (they carry no training signal).",
+    )
+    strict: bool = _option(
+        False,
+        help="Stop at the first bad record in corpus order (named by source and line) instead of listing it in "
+        "rejects.jsonl. Every record is read and tokenized first (each replica its share), so the run stops "
+        "before the model loads and writes nothing.",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelOptions:
+    """The checkpoint, and how SGLang loads and runs it."""
+
     model: str | None = _option(  # None: the embedded tiny Llama, on CPU
         None,
-        group="model",
         help="HF model directory, or a hub id (org/name) taken from the local hub cache, else downloaded "
         "unless HF_HUB_OFFLINE is set; the commit it resolved to is recorded. Default: the embedded tiny "
         "random Llama, built once into $XDG_CACHE_HOME/offline_extract (~/.cache/offline_extract), run "
@@ -146,74 +158,69 @@ class ExtractOptions:
     )
     device: Device | None = _option(  # None: cuda if available, else cpu
         None,
-        group="model",
         help="Default: cpu for the embedded tiny model (no --model), also on a GPU machine; otherwise cuda when a "
         "GPU is visible, else cpu. A cpu run hides the GPUs from its own process (SGLang chooses its kernels "
         "from whether torch sees a GPU).",
     )
     dtype: ComputeDtype = _option(
         "auto",
-        group="model",
         help="Compute dtype (auto = the checkpoint's; float32 on CPU only, SGLang's CUDA kernels take half "
         "precision). How the states are stored is --store's.",
     )
-    tp: int = _option(1, group="parallelism", help="Tensor-parallel size; world size / tp replicas run data-parallel.")
+    attention_backend: str | None = _option(
+        None,
+        help="SGLang attention backend. Default: fa3 on Hopper when installed, else triton; torch_native on CPU.",
+    )
+    load_format: str = _option(
+        "auto",
+        help="SGLang load format; 'dummy' gives random weights (benchmarks only; refused with --verify, whose HF "
+        "reference reads the real ones).",
+    )
+    trust_remote_code: bool = _option(False, help="Allow model code from the model directory.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerOptions:
+    """Which states each sample keeps, for which drafter."""
+
     layers: tuple[int, ...] | None = _option(
         None,
-        group="layers",
         help="Comma-separated layer ids stored as aux_hidden_states (id k = output of decoder layer k). "
         "Default: the --recipe's: SGLang's EAGLE-3 default for the model under eagle3, e.g. "
         "[1, N/2-1, N-4] for Llama; 5 layers spread over 1..N-3 under dflash and dspark.",
     )
-    max_length: int = _option(
-        4096,
-        group="input",
-        help="Longest sample in tokens, at most the model's context length; a longer one is cut or skipped "
-        "(--overlong).",
+    final_state: FinalState = _option(
+        "post-norm",
+        help="Which final state to store as hidden_states: after the model's final norm (SGLang's EAGLE-3 and "
+        "SpecForge train on it) or before it (vLLM and speculators store this one and apply the "
+        "verifier's norm while training). A drafter trained on the other one is silently wrong.",
     )
-    overlong: Overlong = _option(
-        "truncate",
-        group="input",
-        help="What to do with a sample longer than --max-length (recorded per sample either way). A "
-        "truncated sample whose loss tokens all lay past the cut is skipped, listed in rejects.jsonl "
-        "and counted as skipped: it has nothing left to train on.",
+    recipe: RecipeName = _option(
+        "eagle3",
+        help="Which drafter the states are for (SpecForge's data preparation). eagle3: SGLang's EAGLE-3 "
+        "layers plus the final state. dflash (also Domino): 5 layers spread evenly over 1..N-3, no final "
+        "state, and only samples with consecutive loss tokens. dspark: the dflash layers and rule plus "
+        "the final state. --layers overrides the layers; the recipe is recorded in the manifest.",
     )
-    tokens_per_batch: int | None = _option(  # None: default_tokens_per_batch of the device and model
+    min_loss_run: int | None = _option(  # None: the recipe's
         None,
-        group="parallelism",
-        help=f"Token budget of one forward. Default: {DEFAULT_TOKENS_PER_BATCH['cuda']} on GPU "
-        f"({SMALL_MODEL_TOKENS_PER_BATCH} for a dense model of hidden size {SMALL_MODEL_HIDDEN} or less), "
-        f"{DEFAULT_TOKENS_PER_BATCH['cpu']} on CPU. A longer sample is prefilled alone, in chunks of "
-        "--chunk-tokens.",
-    )
-    chunk_tokens: int | None = _option(  # for samples longer than tokens_per_batch; None: tokens_per_batch
-        None,
-        group="parallelism",
-        help="Tokens a forward when a sample longer than --tokens-per-batch is prefilled in chunks. "
-        "Default: --tokens-per-batch.",
-    )
-    seqs_per_batch: int = _option(256, group="parallelism", help="Most sequences in one forward.")
-    image_threads: int | None = _option(  # None: default_image_threads
-        None,
-        group="parallelism",
-        minimum=1,
-        help="Threads decoding image chats' images and preparing them with the model's HF processor, side by "
-        "side, ahead of the forwards (the records keep their order). Default: the cores this process may "
-        f"run on, at most {MOST_IMAGE_THREADS}.",
-    )
-    tokenizer_processes: int | None = _option(  # None: default_tokenizer_processes
-        None,
-        group="parallelism",
         minimum=0,
-        help="Processes tokenizing the records (chat templates, the tokenizer) ahead of the forwards, beside "
-        "this one, whose thread launching the forwards would otherwise share the GIL with that Python; 0: a "
-        "thread of this process. Default: on a GPU for a text-only model, a quarter of this process's share of "
-        "the cores it may run on (shared with the node's other ranks), at most "
-        f"{MOST_TOKENIZER_PROCESSES}; 0 on CPU and for a model with images.",
+        help="Skip samples without this many consecutive loss tokens (listed in rejects.jsonl as skipped). "
+        "Default: the recipe's (dflash, dspark: 2; eagle3: no rule).",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StorageOptions:
+    """Where the shards go, their size, and how their states are stored."""
+
+    out: str = _option(
+        "out",
+        directory=True,
+        help="Output directory for shards, index.json, manifest.json and rejects.jsonl.",
     )
     shard_bytes: int = _option(
         512 << 20,
-        group="storage",
         flag="--shard-size-mb",
         unit=1 << 20,
         minimum=0,
@@ -223,7 +230,6 @@ class ExtractOptions:
     writers: int | None = (
         _option(  # shard-writing threads (one file each), writers + 1 shard buffers; None: default_writers
             None,
-            group="storage",
             minimum=1,
             help="Threads writing shards, one file each, side by side; host memory holds writers + 1 shard "
             "buffers. Raise it when one writing rank produces states faster than that many files at once "
@@ -232,118 +238,102 @@ class ExtractOptions:
             f"size {SMALL_MODEL_HIDDEN} or less).",
         )
     )
-    attention_backend: str | None = _option(
-        None,
-        group="model",
-        help="SGLang attention backend. Default: fa3 on Hopper when installed, else triton; torch_native on CPU.",
-    )
-    load_format: str = _option(
-        "auto",
-        group="model",
-        help="SGLang load format; 'dummy' gives random weights (benchmarks only; refused with --verify, whose HF "
-        "reference reads the real ones).",
-    )
-    mem_fraction_static: float = _option(
-        0.85, group="parallelism", help="GPU memory fraction for weights plus the (prefill-sized) KV pool."
-    )
-    port_base: int | None = _option(  # None: DEFAULT_PORT_BASE under torchrun, else a free port
-        None,
-        group="parallelism",
-        help="Each data-parallel replica's SGLang rendezvous uses port-base + dp_rank. "
-        f"Default: a free port alone, {DEFAULT_PORT_BASE} under torchrun.",
-    )
-    parity_samples: int = (
-        _option(  # --verify N: the HF parity gate's samples a replica (integrity is store.integrity.verify)
-            0,
-            group="run",
-            flag="--verify",
-            help="Before extracting, compare each replica's first N samples against HF transformers and stop "
-            "on mismatch. HF loads the whole model on the GPU of each replica's tp_rank 0, so for a model "
-            "that needs TP, verify a smaller sibling of the same architecture. 0: no gate.",
-        )
-    )
-    trim_after_last_loss: bool = _option(
-        False,
-        group="input",
-        flag="--trim-after-last-loss-token",
-        help="Drop each sample's tokens after its last loss token (they carry no training signal).",
-    )
-    trust_remote_code: bool = _option(False, group="model", help="Allow model code from the model directory.")
-    progress: bool = _option(
-        True,
-        group="run",
-        inverse=True,
-        help="No progress bar (e.g. for logs): a line every --progress-every seconds instead. The bar or lines "
-        "also follow --dry-run's and --strict's pass through the corpus.",
-    )
-    progress_every: float = _option(  # without the bar (progress=False): a progress line this often, in seconds
-        60.0,
-        group="run",
-        minimum=0,
-        help="With --no-progress, seconds between progress lines (samples, tokens, tok/s, bytes written, ETA); "
-        "0: none.",
-    )
-    verbose: bool = _option(
-        False,
-        group="run",
-        help="Also show what SGLang, torch and HF print while loading (warnings, log lines, loading bars); "
-        "without it they are shown only if loading fails.",
-    )
-    strict: bool = _option(
-        False,
-        group="input",
-        help="Stop at the first bad record in corpus order (named by source and line) instead of listing it in "
-        "rejects.jsonl. Every record is read and tokenized first (each replica its share), so the run stops "
-        "before the model loads and writes nothing.",
-    )
-    nonfinite: Nonfinite = _option(
-        "fail",
-        group="run",
-        help="A sample whose hidden states hold NaN or Inf: stop the run, drop it (listed in rejects.jsonl "
-        "as dropped), or keep it with a warning.",
-    )
-    final_state: FinalState = _option(
-        "post-norm",
-        group="layers",
-        help="Which final state to store as hidden_states: after the model's final norm (SGLang's EAGLE-3 and "
-        "SpecForge train on it) or before it (vLLM and speculators store this one and apply the "
-        "verifier's norm while training). A drafter trained on the other one is silently wrong.",
-    )
-    recipe: RecipeName = _option(
-        "eagle3",
-        group="layers",
-        help="Which drafter the states are for (SpecForge's data preparation). eagle3: SGLang's EAGLE-3 "
-        "layers plus the final state. dflash (also Domino): 5 layers spread evenly over 1..N-3, no final "
-        "state, and only samples with consecutive loss tokens. dspark: the dflash layers and rule plus "
-        "the final state. --layers overrides the layers; the recipe is recorded in the manifest.",
-    )
-    min_loss_run: int | None = _option(  # None: the recipe's
-        None,
-        group="layers",
-        minimum=0,
-        help="Skip samples without this many consecutive loss tokens (listed in rejects.jsonl as skipped). "
-        "Default: the recipe's (dflash, dspark: 2; eagle3: no rule).",
-    )
     store: Store = _option(
         "bf16",
-        group="storage",
         help="How states are stored, quantized on the GPU before the copy to host, decoded to bf16 by every reader. "
         "fp8: e4m3, a float32 scale per token per layer (absmax/448): half a state's bytes. nvfp4: 4-bit e2m1, an "
         "e4m3 scale per 16, a float32 one per token per layer: 0.29 of them; the final state fp8 unless --final-store.",
     )
     # The final state gives the trainer its target logits: docs/usage.md#storage says why nvfp4 keeps it in fp8.
     final_store: Store | None = _option(
-        None, group="storage", help="The final state's store. Default: fp8 under --store nvfp4, else --store's."
+        None, help="The final state's store. Default: fp8 under --store nvfp4, else --store's."
     )
     compress: Compression = _option(
         "none",
-        group="storage",
         help="zstd: lossless, one frame per sample per state tensor with its bytes grouped by significance; "
         "compressed by the writer threads. Saves most on bf16 states; costs CPU while writing.",
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelismOptions:
+    """The ranks, the forwards' batches, and the host's threads and processes that feed them."""
+
+    tp: int = _option(1, help="Tensor-parallel size; world size / tp replicas run data-parallel.")
+    tokens_per_batch: int | None = _option(  # None: default_tokens_per_batch of the device and model
+        None,
+        help=f"Token budget of one forward. Default: {DEFAULT_TOKENS_PER_BATCH['cuda']} on GPU "
+        f"({SMALL_MODEL_TOKENS_PER_BATCH} for a dense model of hidden size {SMALL_MODEL_HIDDEN} or less), "
+        f"{DEFAULT_TOKENS_PER_BATCH['cpu']} on CPU. A longer sample is prefilled alone, in chunks of "
+        "--chunk-tokens.",
+    )
+    chunk_tokens: int | None = _option(  # for samples longer than tokens_per_batch; None: tokens_per_batch
+        None,
+        help="Tokens a forward when a sample longer than --tokens-per-batch is prefilled in chunks. "
+        "Default: --tokens-per-batch.",
+    )
+    seqs_per_batch: int = _option(256, help="Most sequences in one forward.")
+    image_threads: int | None = _option(  # None: default_image_threads
+        None,
+        minimum=1,
+        help="Threads decoding image chats' images and preparing them with the model's HF processor, side by "
+        "side, ahead of the forwards (the records keep their order). Default: the cores this process may "
+        f"run on, at most {MOST_IMAGE_THREADS}.",
+    )
+    tokenizer_processes: int | None = _option(  # None: default_tokenizer_processes
+        None,
+        minimum=0,
+        help="Processes tokenizing the records (chat templates, the tokenizer) ahead of the forwards, beside "
+        "this one, whose thread launching the forwards would otherwise share the GIL with that Python; 0: a "
+        "thread of this process. Default: on a GPU for a text-only model, a quarter of this process's share of "
+        "the cores it may run on (shared with the node's other ranks), at most "
+        f"{MOST_TOKENIZER_PROCESSES}; 0 on CPU and for a model with images.",
+    )
+    mem_fraction_static: float = _option(0.85, help="GPU memory fraction for weights plus the (prefill-sized) KV pool.")
+    port_base: int | None = _option(  # None: DEFAULT_PORT_BASE under torchrun, else a free port
+        None,
+        help="Each data-parallel replica's SGLang rendezvous uses port-base + dp_rank. "
+        f"Default: a free port alone, {DEFAULT_PORT_BASE} under torchrun.",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """The parity gate before the run, what it shows, and what it does when a check says no or a state is not finite."""
+
+    parity_samples: int = (
+        _option(  # --verify N: the HF parity gate's samples a replica (integrity is store.integrity.verify)
+            0,
+            flag="--verify",
+            help="Before extracting, compare each replica's first N samples against HF transformers and stop "
+            "on mismatch. HF loads the whole model on the GPU of each replica's tp_rank 0, so for a model "
+            "that needs TP, verify a smaller sibling of the same architecture. 0: no gate.",
+        )
+    )
+    progress: bool = _option(
+        True,
+        inverse=True,
+        help="No progress bar (e.g. for logs): a line every --progress-every seconds instead. The bar or lines "
+        "also follow --dry-run's and --strict's pass through the corpus.",
+    )
+    progress_every: float = _option(  # without the bar (progress=False): a progress line this often, in seconds
+        60.0,
+        minimum=0,
+        help="With --no-progress, seconds between progress lines (samples, tokens, tok/s, bytes written, ETA); "
+        "0: none.",
+    )
+    verbose: bool = _option(
+        False,
+        help="Also show what SGLang, torch and HF print while loading (warnings, log lines, loading bars); "
+        "without it they are shown only if loading fails.",
+    )
+    nonfinite: Nonfinite = _option(
+        "fail",
+        help="A sample whose hidden states hold NaN or Inf: stop the run, drop it (listed in rejects.jsonl "
+        "as dropped), or keep it with a warning.",
+    )
     force: bool = _option(
         False,
-        group="run",
         help="Go ahead even if a check says no: --dry-run's free space, or resuming into an --out whose "
         "manifest records another corpus (right when records were only appended). An --out holding "
         "shards of another model, tokenizer, layers, compute dtype or length policy is refused even so, "
@@ -351,7 +341,6 @@ class ExtractOptions:
     )
     jit_cache: str | None = _option(  # None: the engine's default
         None,
-        group="run",
         directory=True,
         help="Where the kernels SGLang compiles on first use (Triton, nvcc-built modules, Inductor, "
         "FlashInfer, DeepGEMM) are kept between runs; a cold cache costs the first run tens of seconds. "
@@ -360,12 +349,30 @@ class ExtractOptions:
     )
     warm_up: bool = _option(
         True,
-        group="run",
         inverse=True,
         help="Skip the throwaway batch that compiles those kernels right after the model loads (then the "
         "first real batch compiles them; start-up and tail are printed and kept in manifest.json either "
         "way).",
     )
+
+
+# The sections of `bin/extract.py --help`, in its order, by their titles: each group's fields are its options.
+GROUPS = {
+    InputOptions: "Input",
+    ModelOptions: "Model",
+    LayerOptions: "Layers and final state",
+    StorageOptions: "Output and storage",
+    ParallelismOptions: "Parallelism and batching",
+    RunOptions: "Run",
+}
+
+
+# Its bases in reverse of GROUPS: a dataclass takes its bases' fields last base first, so that its fields, and the
+# command's options, come in GROUPS' order.
+@dataclass(frozen=True, kw_only=True)
+class ExtractOptions(RunOptions, ParallelismOptions, StorageOptions, LayerOptions, ModelOptions, InputOptions):
+    """Every option of a run, one value: each option is stated once, in its group, and taken by its own name
+    here (`ExtractOptions(data=..., out=...)`, `opts.store`); a choice's value is checked as the options are made."""
 
     def __post_init__(self):
         for name in _CHOICES:

@@ -47,7 +47,7 @@ import click
 from offline_extract.cli import TERMINATED, Interrupted, command
 from offline_extract.formatting import for_terminal
 from offline_extract.lifecycle import interrupts, startup_gc
-from offline_extract.options import GROUPS, ExtractOptions, choices, is_choice
+from offline_extract.options import GROUPS, ExtractOptions, RunOptions, choices, is_choice
 
 
 def _comma_separated(ctx, param, value: str | None) -> tuple[int, ...] | None:
@@ -127,12 +127,9 @@ def extract_option(name: str):
     return _option(f)
 
 
-# --help's sections (options.GROUPS), each with its options: the fields', and --dry-run's.
+# --help's sections (options.GROUPS), each with its options: its group's fields, and --dry-run's.
 SECTIONS = {
-    title: (
-        *(f.name for f in dataclasses.fields(ExtractOptions) if f.metadata["cli"].group == group),
-        *(("dry_run",) if group == "run" else ()),
-    )
+    title: (*(f.name for f in dataclasses.fields(group)), *(("dry_run",) if group is RunOptions else ()))
     for group, title in GROUPS.items()
 }
 
