@@ -416,19 +416,80 @@ class _Begun:
     filling: shard_file.Filling | None = None
 
 
+class _OpenShard:
+    """The shard being filled: a buffer taken from `buffers` for its first sample (`buffer`), full once its state
+    bytes reach `shard_bytes` (`full`), then handed to `writes` under the next shard names of `numbers` that are
+    not on disk (`flush`): whole, or where the caller is about to wait for it, cut into up to one part a writer
+    thread (`tail_parts`)."""
+
+    def __init__(
+        self,
+        out_dir: Path,
+        numbers: Iterator[int],
+        shard_bytes: int,
+        writers: int,
+        buffers: _Buffers,
+        writes: _Writes,
+    ):
+        self._out_dir, self._numbers, self._shard_bytes, self._writers = out_dir, numbers, shard_bytes, writers
+        self._buffers, self._writes = buffers, writes
+        self._current: _ShardBuffer | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self._current.tokens if self._current is not None else 0
+
+    def full(self, tokens: int, row_bytes: int) -> bool:
+        """Whether a shard of `tokens` rows of `row_bytes` state bytes each is complete."""
+        return tokens * row_bytes >= self._shard_bytes
+
+    def buffer(self) -> _ShardBuffer:
+        if self._current is None:
+            waits = not self._buffers.left
+            self._current = self._buffers.take()
+            if waits:
+                self._writes.raise_failed()
+        return self._current
+
+    def tail_parts(self) -> int:
+        """Into how many shards the current buffer is cut when the caller waits for its write: one a writer
+        thread, each LAST_SHARD_PART_BYTES or more."""
+        buf = self._current
+        size = buf.tokens * buf.encoding.state_bytes(buf.widths) if buf is not None else 0
+        return max(1, min(self._writers, size // LAST_SHARD_PART_BYTES))
+
+    def flush(
+        self, pending: tuple[SampleInfo, int] | None = None, filling: shard_file.Filling | None = None, parts: int = 1
+    ) -> None:
+        """Hands the current buffer to a writer thread, with the `pending` sample whose rows are `filling`;
+        or, cut into up to `parts` shards, to as many threads."""
+        buf, self._current = self._current, None
+        if buf is None or not (buf.samples or pending):
+            return
+        shards = buf.contents(pending, parts)
+        paths = _new_shard_paths(self._out_dir, self._numbers, len(shards))
+        buf.writes_left = len(shards)
+        for path, (samples, tensors, frames) in zip(paths, shards):
+            self._writes.submit(path, buf, samples, tensors, frames, filling)
+
+    def drop(self) -> None:
+        """Leaves the shard being filled unwritten."""
+        self._current = None
+
+
 class ShardWriter:
     """Assembles batches of extracted samples into shards of about `shard_bytes` and writes them.
 
     A shard is closed as soon as its hidden-state bytes (aux + last as the run's encoding stores them, before any
-    compression) reach `shard_bytes`, so it exceeds that size by less than one sample; samples are never split
-    across shards. What is still buffered at `close` is written by every thread at once, as up to `writers` smaller
-    shards (LAST_SHARD_PART_BYTES), since the caller waits for it; so is a shard that one of the run's last batches
-    completes, when the caller says the end is near (`ending`). `add_batch` copies its input into a shard buffer and returns, so
-    callers may reuse their (pinned) staging memory at once. Complete shards are written by `writers` threads
-    (`_Writes`) from at most `writers + 1` shard buffers (`_Buffers`): host memory is bounded whatever the corpus
-    size, and a caller that outpaces the disk blocks in `add_batch`. A failed write (disk full, I/O error) is raised
-    from the next `add_batch` or from `close`, and leaves no file under a shard's final name. `on_written` is called
-    from a writer thread once a shard is complete under its final name.
+    compression) reach `shard_bytes` (`_OpenShard`), so it exceeds that size by less than one sample; samples are
+    never split across shards. What is still buffered at `close` is written by every thread at once, as up to
+    `writers` smaller shards (LAST_SHARD_PART_BYTES), since the caller waits for it; so is a shard that one of the
+    run's last batches completes, when the caller says the end is near (`ending`). `add_batch` copies its input into
+    a shard buffer and returns, so callers may reuse their (pinned) staging memory at once. Complete shards are
+    written by `writers` threads (`_Writes`) from at most `writers + 1` shard buffers (`_Buffers`): host memory is
+    bounded whatever the corpus size, and a caller that outpaces the disk blocks in `add_batch`. A failed write
+    (disk full, I/O error) is raised from the next `add_batch` or from `close`, and leaves no file under a shard's
+    final name. `on_written` is called from a writer thread once a shard is complete under its final name.
 
     A sample whose states arrive in pieces (a long sample, chunk by chunk) goes in with `begin_sample`, which hands
     out its rows in the shard buffer to fill, and `end_sample`: its states are then copied into host memory once,
@@ -455,12 +516,11 @@ class ShardWriter:
         self.run = run
         self.encoding = run.encoding
         self.shard_bytes = shard_bytes
-        self._numbers = shard_numbers if shard_numbers is not None else itertools.count()
-        self._writers = writers
         self._closed = False
-        self._current: _ShardBuffer | None = None
         self._open: _Begun | None = None
         self._buffers = _Buffers(run.encoding, shard_bytes, writers + 1, widths, buffers or [])
+        numbers = shard_numbers if shard_numbers is not None else itertools.count()
+        self._shard = _OpenShard(self.out_dir, numbers, shard_bytes, writers, self._buffers, self._writes)
 
     # What the writer threads wrote (`_Writes`): shards, samples, tokens and bytes, the shards' headers as
     # read_header would read them back, and for the bench each write as (perf_counter at its start, seconds,
@@ -525,15 +585,15 @@ class ShardWriter:
         first_sample = first_row = row = 0
         for i, n in enumerate(lengths):
             row += n
-            if (self._buffered_tokens() + row - first_row) * row_bytes >= self.shard_bytes:
+            if self._shard.full(self._shard.tokens + row - first_row, row_bytes):
                 self._append(samples[first_sample : i + 1], lengths[first_sample : i + 1], tensors, first_row, row)
-                self._flush(parts=self._tail_parts() if ending else 1)
+                self._shard.flush(parts=self._shard.tail_parts() if ending else 1)
                 first_sample, first_row = i + 1, row
         if first_sample < len(samples):
             self._append(samples[first_sample:], lengths[first_sample:], tensors, first_row, row)
 
     def _append(self, samples, lengths, tensors: dict[str, torch.Tensor], start: int, stop: int) -> None:
-        buf = self._buffer()
+        buf = self._shard.buffer()
         buf.append(samples, lengths, tensors, start, stop)
         self._writes.compress_recorded(buf)
 
@@ -558,14 +618,14 @@ class ShardWriter:
         row_bytes = self._buffers.fix(widths)
         tokens = _sample_tokens(sample, input_ids, loss_mask, image_mask)
         n = tokens["input_ids"].shape[0]
-        buf = self._buffer()
+        buf = self._shard.buffer()
         rows = buf.reserve(n)
         for name, t in tokens.items():
             rows[name].copy_(t)
         self._open = begun = _Begun(sample, n, row_bytes, buf)
-        if stream and not self.encoding.compressed and (buf.tokens + n) * row_bytes >= self.shard_bytes:
+        if stream and not self.encoding.compressed and self._shard.full(buf.tokens + n, row_bytes):
             begun.filling = shard_file.Filling(buf.tokens, buf.tokens + n)
-            self._flush(pending=(sample, n), filling=begun.filling)
+            self._shard.flush(pending=(sample, n), filling=begun.filling)
         return {t.name: rows[t.name] for t in self.encoding.staged}
 
     def filled(self, rows: int) -> None:
@@ -585,8 +645,8 @@ class ShardWriter:
         if keep:
             begun.buf.record([begun.sample], [begun.tokens])
             self._writes.compress_recorded(begun.buf)
-            if begun.buf.tokens * begun.row_bytes >= self.shard_bytes:
-                self._flush(parts=self._tail_parts() if ending else 1)
+            if self._shard.full(begun.buf.tokens, begun.row_bytes):
+                self._shard.flush(parts=self._shard.tail_parts() if ending else 1)
 
     def _check_open(self, call: str) -> None:
         if self._closed:
@@ -595,39 +655,6 @@ class ShardWriter:
             raise ShardError(f"{call} called while sample {self._open.sample.id!r} is begun and not ended")
         self._writes.raise_failed()
 
-    def _buffered_tokens(self) -> int:
-        return self._current.tokens if self._current is not None else 0
-
-    def _buffer(self) -> _ShardBuffer:
-        if self._current is None:
-            waits = not self._buffers.left
-            self._current = self._buffers.take()
-            if waits:
-                self._writes.raise_failed()
-        return self._current
-
-    def _tail_parts(self) -> int:
-        """Into how many shards the current buffer is cut when the caller waits for its write: one a writer
-        thread, each LAST_SHARD_PART_BYTES or more."""
-        size = (
-            self._current.tokens * self.encoding.state_bytes(self._buffers.fixed()) if self._current is not None else 0
-        )
-        return max(1, min(self._writers, size // LAST_SHARD_PART_BYTES))
-
-    def _flush(
-        self, pending: tuple[SampleInfo, int] | None = None, filling: shard_file.Filling | None = None, parts: int = 1
-    ) -> None:
-        """Hands the current buffer to a writer thread, with the `pending` sample whose rows are `filling`;
-        or, cut into up to `parts` shards, to as many threads."""
-        buf, self._current = self._current, None
-        if buf is None or not (buf.samples or pending):
-            return
-        shards = buf.contents(pending, parts)
-        paths = _new_shard_paths(self.out_dir, self._numbers, len(shards))
-        buf.writes_left = len(shards)
-        for path, (samples, tensors, frames) in zip(paths, shards):
-            self._writes.submit(path, buf, samples, tensors, frames, filling)
-
     def close(self) -> list[Path]:
         """Writes the buffered tail, waits for every write, and returns the shards written."""
         if self._open is not None:
@@ -635,7 +662,7 @@ class ShardWriter:
         if not self._closed:
             self._closed = True
             try:
-                self._flush(parts=self._tail_parts())
+                self._shard.flush(parts=self._shard.tail_parts())
                 self._writes.wait()
             finally:
                 self._writes.shutdown()
@@ -657,7 +684,8 @@ class ShardWriter:
         """
         if not self._closed:
             self._closed = True
-            begun, self._current, self._open = self._open, None, None
+            begun, self._open = self._open, None
+            self._shard.drop()
             if begun is not None and begun.filling is not None:
                 begun.filling.abort()
             self._writes.shutdown()

@@ -163,7 +163,7 @@ def test_writers_sets_the_shard_writer_threads_of_a_run(tiny_engine, tiny_model_
     class Recorded(extract_phase.ShardWriter):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            made.append(self._writers)
+            made.append(kwargs["writers"])
 
     monkeypatch.setattr(extract_phase, "ShardWriter", Recorded)
     summary = _extract(tiny_engine, tiny_model_dir, tmp_path / "out", monkeypatch, 0, writers=2)
