@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Every model class at the GPU's pace, on one GPU with the project installed (SGLang with it):
 #   bash benchmarks/model_classes.sh small RESULTS_DIR          # ~200 s
-#       the real small model (SmolLM2-135M-Instruct): the bench at bin/extract.py's defaults for it, bf16 and fp8
-#       in one load, 6M synthetic tokens to /dev/shm; then bin/extract.py on 1,500 records of real English, bf16
-#       and fp8 (its rate against the bench's; its start-up line ends with the seconds it waited for input)
+#       the real small model (SmolLM2-135M-Instruct): the bench at bin/extract.py's defaults for it, bf16, fp8
+#       and nvfp4 in one load, 6M synthetic tokens to /dev/shm; then bin/extract.py on 1,500 records of real
+#       English in each store (its rate against the bench's; its start-up line ends with the seconds it waited
+#       for input; the first run starts on an empty --jit-cache, as on a fresh machine)
 #   bash benchmarks/model_classes.sh small-data RESULTS_DIR     # ~300 s
 #       the bench on 6,000 records of real English itself (--data: pre-made batches, and fed from the records as
 #       bin/extract.py feeds them), then bin/extract.py on them with its tokenizing in processes (the default)
@@ -91,8 +92,8 @@ case $part in
     smol_inputs 1500
     # 6M tokens: at 1.2M tok/s a run of 2M lasts 1.9 s, of which the tail after the last forward is a tenth.
     step bench_smol 150 "python bin/bench.py --model $SMOL --load-format auto --num-tokens 6000000 \
-      --store bf16 --store fp8 --disk-probe-gb 1 --out /dev/shm/offline_extract_bench --results-dir $results/bench"
-    for store in bf16 fp8; do extract_smol "$store"; done ;;
+      --store bf16 --store fp8 --store nvfp4 --disk-probe-gb 1 --out /dev/shm/offline_extract_bench --results-dir $results/bench"
+    for store in bf16 fp8 nvfp4; do extract_smol "$store"; done ;;
   small-data)
     # 6,000 records, about 4.8M tokens: 1,500 made runs of 1.5 s at the GPU's pace, a quarter of it the tail.
     smol_inputs 6000
