@@ -34,6 +34,7 @@ from offline_extract.engine.moe import (
     triton_kernels_routing,
     warm_up_token_counts,
 )
+from offline_extract.engine.sglang_releases import NoTreeCache, installed
 from offline_extract.engine.multimodal import IMAGE_MODELS, HostWork, image_model, init_embedding_cache
 from offline_extract.options import DEFAULT_PORT_BASE, DEFAULT_TOKENS_PER_BATCH, FinalState, check_choice, default
 from offline_extract.final_norm import FinalNorm
@@ -475,15 +476,8 @@ def _model_config(sa, backend: str, cfg: EngineConfig):
     """SGLang's ModelConfig of the run, after the process-wide kernel configs it reads `sa` into; a model
     this engine cannot run is refused here, before any weight loads."""
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.layers.moe.utils import initialize_moe_config
-    from sglang.srt.layers.quantization.fp4_utils import initialize_fp4_gemm_config
-    from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
-    from sglang.srt.layers.quantization.unquant import initialize_bf16_gemm_config
 
-    initialize_moe_config(sa)
-    initialize_fp8_gemm_config(sa)
-    initialize_fp4_gemm_config(sa)
-    initialize_bf16_gemm_config(sa)
+    installed().configure_process(sa, cfg.tp_rank, cfg.gpu_id)
     mc = ModelConfig.from_server_args(sa)
     _refuse_unsupported_attention(mc, backend, cfg.model_path)
     _refuse_on_cpu(mc.hf_config.architectures[0], cfg.device, cfg.model_path)
@@ -492,41 +486,11 @@ def _model_config(sa, backend: str, cfg: EngineConfig):
 
 def _model_runner(cfg: EngineConfig, mc, sa):
     """SGLang's ModelRunner of this rank, its weights loaded."""
-    from sglang.srt.distributed.parallel_state_wrapper import ParallelState
-    from sglang.srt.model_executor.model_runner import ModelRunner
-
-    ps = ParallelState(
-        tp_rank=cfg.tp_rank,
-        tp_size=cfg.tp_size,
-        pp_rank=0,
-        pp_size=1,
-        dp_rank=None,
-        dp_size=1,
-        attn_tp_rank=cfg.tp_rank,
-        attn_tp_size=cfg.tp_size,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        attn_dp_rank=0,
-        attn_dp_size=1,
-        moe_ep_rank=0,
-        moe_ep_size=1,
-        moe_dp_rank=None,
-        moe_dp_size=1,
-        dcp_size=1,
-        gpu_id=cfg.gpu_id,
-    )
     threads = torch.get_num_threads()
     # ModelRunner makes the process groups: from here the process tears them down before it exits.
     _tear_down_process_groups_at_exit()
     try:
-        runner = ModelRunner(
-            model_config=mc,
-            mem_fraction_static=sa.mem_fraction_static,
-            gpu_id=cfg.gpu_id,
-            ps=ps,
-            nccl_port=cfg.nccl_port,
-            server_args=sa,
-        )
+        runner = installed().model_runner(sa, mc, cfg.tp_rank, cfg.tp_size, cfg.gpu_id, cfg.nccl_port)
     except torch.distributed.DistNetworkError as e:
         # The replica's TP rank 0 serves its process group's store on that port; torch says only EADDRINUSE.
         if "EADDRINUSE" not in str(e):
@@ -750,10 +714,7 @@ class Engine:
         req = _new_req(0, ids)
         try:
             for start, stop in chunk_bounds(len(ids), chunk):
-                if start:
-                    pool = self.runner.req_to_token_pool.req_to_token
-                    req.prefix_indices = pool[req.req_pool_idx, :start].to(req.prefix_indices.dtype)
-                req.set_extend_range(start, stop)
+                installed().set_extend(self.runner, req, start, stop)
                 yield start, stop, self._extend([req], capture)
         finally:
             self._clear_pools()
@@ -778,7 +739,7 @@ class Engine:
         if not capture:
             return None
         aux, last = self._states.take()
-        total = sum(r.extend_range.end - r.extend_range.start for r in reqs)
+        total = sum(installed().extend_length(r) for r in reqs)
         if aux.shape[0] != total or aux.shape[1] != len(self.layer_ids) * self.hidden_size:
             raise RuntimeError(
                 f"SGLang returned aux states of shape {tuple(aux.shape)} for {total} tokens and layers "
@@ -870,8 +831,8 @@ def _forward(runner, reqs: list, capture: bool) -> None:
         reqs=reqs,
         req_to_token_pool=runner.req_to_token_pool,
         token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
-        tree_cache=_NoTreeCache(
-            page_size=runner.server_args.page_size,
+        tree_cache=NoTreeCache(
+            page_size=installed().page_size(runner),
             device=runner.device,
             token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
         ),
@@ -905,7 +866,7 @@ def _new_req(i: int, ids: np.ndarray):
     )
     r.full_untruncated_fill_ids = r.origin_input_ids
     r.logprob_start_len = -1  # no input logprobs, hence no full-vocab logits
-    r.set_extend_range(len(r.prefix_indices), len(ids))
+    installed().set_extend(None, r, 0, len(ids))
     return r
 
 
@@ -964,28 +925,3 @@ class _CaptureOnly(torch.nn.Module):
     def take(self):
         out, self._taken = self._taken, None
         return out
-
-
-class _NoTreeCache(types.SimpleNamespace):
-    """The tree-cache interface ScheduleBatch needs when every batch starts from empty pools."""
-
-    def supports_swa(self):
-        return False
-
-    def supports_mamba(self):
-        return False
-
-    def is_chunk_cache(self):
-        return True
-
-    def is_tree_cache(self):
-        return False
-
-    def evict(self, params):
-        pass
-
-    def available_and_evictable_str(self):
-        return f"available={self.token_to_kv_pool_allocator.available_size()}"
-
-    def pretty_print(self):
-        pass

@@ -1,0 +1,212 @@
+"""The SGLang releases the engine runs on, and everything in which they differ, stated here once.
+
+The engine package (`sglang_adapter`, `kernels`, `moe`, `multimodal`) calls what the supported releases share;
+where they differ it asks `installed()`, the `Release` of the SGLang in this environment. The two kinds below
+are the whole of the difference:
+
+- bringing a process up: 0.5.17's `ModelRunner` takes a `ParallelState`, publishes the `ServerArgs` (resolved
+  when they were made) and starts torch.distributed itself, and the kernel configs read the `ServerArgs`
+  handed to them; from 0.5.23 the `ServerArgs` are resolved on request (`resolve_once`), published by the
+  process (`runtime_context.publish`) before anything reads them, the kernel configs read what was
+  published, and the process groups start before the runner (`bootstrap.init_parallel_runtime`);
+- a request's extend range: 0.5.17's `Req.set_extend_range` and the prefix's KV indices in
+  `Req.prefix_indices`; 0.5.23's `Req.prefix_len` and `Req.extend_end`, the prefix read from the request's
+  own row (`Req.kv`).
+
+The releases between (0.5.18 to 0.5.22) are refused: each changed some of these steps on its way from one
+kind to the other, and none of them has been run here.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import types
+from dataclasses import dataclass
+
+# Oldest first; the last is what a fresh install gets (setup.cfg's range ends there).
+SUPPORTED = ("0.5.17", "0.5.23")
+
+
+class UnsupportedSGLang(RuntimeError):
+    """The installed SGLang is not one of `SUPPORTED`."""
+
+
+@dataclass(frozen=True)
+class Release:
+    """One supported SGLang release: the versions its wheel pins, and its side of every difference."""
+
+    version: str
+    torch: str  # the torch its wheel pins
+    transformers: str  # the transformers its wheel pins
+
+    def configure_process(self, server_args, tp_rank: int, gpu_id: int) -> None:
+        """What must hold, process-wide, before SGLang's ModelConfig is read: the kernel configs."""
+        raise NotImplementedError
+
+    def model_runner(self, server_args, model_config, tp_rank: int, tp_size: int, gpu_id: int, port: int):
+        """SGLang's ModelRunner of this rank, its weights loaded and its process groups started."""
+        raise NotImplementedError
+
+    def set_extend(self, runner, req, start: int, stop: int) -> None:
+        """The next forward of `req` extends tokens [start, stop), the ones before already in its KV row of
+        `runner`'s request-to-token pool."""
+        raise NotImplementedError
+
+    def extend_length(self, req) -> int:
+        """How many tokens the forward of `req` extends."""
+        raise NotImplementedError
+
+    def page_size(self, runner) -> int:
+        raise NotImplementedError
+
+
+def _kernel_configs() -> list:
+    from sglang.srt.layers.moe.utils import initialize_moe_config
+    from sglang.srt.layers.quantization.fp4_utils import initialize_fp4_gemm_config
+    from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
+    from sglang.srt.layers.quantization.unquant import initialize_bf16_gemm_config
+
+    return [initialize_moe_config, initialize_fp8_gemm_config, initialize_fp4_gemm_config, initialize_bf16_gemm_config]
+
+
+class _ServerArgsRelease(Release):
+    """0.5.17: the ServerArgs resolved when made, handed to everything that reads them."""
+
+    def configure_process(self, server_args, tp_rank: int, gpu_id: int) -> None:
+        for initialize in _kernel_configs():
+            initialize(server_args)
+
+    def model_runner(self, server_args, model_config, tp_rank: int, tp_size: int, gpu_id: int, port: int):
+        from sglang.srt.distributed.parallel_state_wrapper import ParallelState
+        from sglang.srt.model_executor.model_runner import ModelRunner
+
+        ps = ParallelState(
+            **dict(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, dp_rank=None, dp_size=1),
+            **dict(attn_tp_rank=tp_rank, attn_tp_size=tp_size, attn_cp_rank=0, attn_cp_size=1),
+            **dict(attn_dp_rank=0, attn_dp_size=1, moe_ep_rank=0, moe_ep_size=1, moe_dp_rank=None, moe_dp_size=1),
+            dcp_size=1,
+            gpu_id=gpu_id,
+        )
+        return ModelRunner(
+            model_config=model_config,
+            mem_fraction_static=server_args.mem_fraction_static,
+            gpu_id=gpu_id,
+            ps=ps,
+            nccl_port=port,
+            server_args=server_args,
+        )
+
+    def set_extend(self, runner, req, start: int, stop: int) -> None:
+        if start:
+            row = runner.req_to_token_pool.req_to_token[req.req_pool_idx]
+            req.prefix_indices = row[:start].to(req.prefix_indices.dtype)
+        req.set_extend_range(start, stop)
+
+    def extend_length(self, req) -> int:
+        return req.extend_range.end - req.extend_range.start
+
+    def page_size(self, runner) -> int:
+        return runner.server_args.page_size
+
+
+class _PublishedRelease(Release):
+    """0.5.23: the ServerArgs resolved on request and published; the process groups started before the runner."""
+
+    def configure_process(self, server_args, tp_rank: int, gpu_id: int) -> None:
+        from sglang.srt.runtime_context import SpawnRanks, publish
+
+        server_args.resolve_once()
+        publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=tp_rank, gpu_id=gpu_id))
+        for initialize in _kernel_configs():
+            initialize()
+
+    def model_runner(self, server_args, model_config, tp_rank: int, tp_size: int, gpu_id: int, port: int):
+        from sglang.srt.distributed import bootstrap
+        from sglang.srt.model_executor.model_runner import ModelRunner
+        from sglang.srt.arg_groups.overrides import resolving_view
+        from sglang.srt.runtime_context import get_device
+
+        bootstrap.init_parallel_runtime(server_args=server_args, device=get_device().device, dist_port=port)
+        bootstrap.init_layer_runtime(model_config=model_config)
+        return ModelRunner(
+            model_config=model_config,
+            mem_fraction_static=resolving_view(server_args).mem_fraction_static,
+            gpu_id=gpu_id,
+            nccl_port=port,
+            server_args=server_args,
+        )
+
+    def set_extend(self, runner, req, start: int, stop: int) -> None:
+        req.prefix_len, req.extend_end = start, stop
+
+    def extend_length(self, req) -> int:
+        return req.extend_len
+
+    def page_size(self, runner) -> int:
+        from sglang.srt.runtime_context import get_schedule
+
+        return get_schedule().page_size
+
+
+RELEASES = {
+    r.version: r
+    for r in (
+        _ServerArgsRelease("0.5.17", torch="2.11.0", transformers="5.12.1"),
+        _PublishedRelease("0.5.23", torch="2.14.1", transformers="5.19.0"),
+    )
+}
+
+
+def installed_version() -> str:
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+@functools.cache
+def installed() -> Release:
+    """The release of the installed SGLang; an unsupported one is refused naming the supported releases."""
+    version = installed_version()
+    release = RELEASES.get(version)
+    if release is None:
+        raise UnsupportedSGLang(
+            f"SGLang {version} is installed, but the engine runs only on SGLang {' and '.join(SUPPORTED)} (the "
+            f"releases between are not supported). Install one: pip install sglang=={SUPPORTED[-1]}"
+        )
+    return release
+
+
+class NoTreeCache(types.SimpleNamespace):
+    """The tree-cache interface ScheduleBatch needs when every batch starts from empty pools: a cache that
+    shares no prefix, holds nothing to evict, and keeps no request's row."""
+
+    def supports_swa(self):
+        return False
+
+    def supports_mamba(self):
+        return False
+
+    def evict(self, params):
+        pass
+
+    def available_and_evictable_str(self):
+        return f"available={self.token_to_kv_pool_allocator.available_size()}"
+
+    def pretty_print(self):
+        pass
+
+    # 0.5.17 asks these two.
+    def is_chunk_cache(self):
+        return True
+
+    def is_tree_cache(self):
+        return False
+
+    # 0.5.23 asks these two.
+    def supports_prefix_sharing(self):
+        return False
+
+    def maybe_hand_to_session(self, req):
+        pass
