@@ -39,8 +39,6 @@ from offline_extract.engine.multimodal import IMAGE_MODELS, HostWork, image_mode
 from offline_extract.options import DEFAULT_PORT_BASE, DEFAULT_TOKENS_PER_BATCH, FinalState, check_choice, default
 from offline_extract.final_norm import FinalNorm
 
-SGLANG_VERSION = "0.5.17"
-
 LAYER_CONVENTION = "id k = output of decoder layer k (0-based) = HF output_hidden_states[k+1]"
 
 
@@ -84,7 +82,9 @@ def import_sglang(device: str, jit_cache: str | os.PathLike | None = None) -> di
     import transformers, tokenizers and jinja2 too. Returns where the compilers keep their results.
 
     A caller may call it first, on its own thread: once it returns, a tokenizer loads on another thread
-    beside the model without the two threads importing the same modules at once."""
+    beside the model without the two threads importing the same modules at once. An SGLang the engine does
+    not support is refused first (`UnsupportedSGLang`), before its import."""
+    installed()
     prepare_process(device)
     caches = use_jit_cache(jit_cache)
     importlib.import_module("sglang.srt.model_executor.model_runner")  # the engine's modules all come with it
@@ -314,7 +314,7 @@ def _refuse_unsupported_attention(model_config, backend: str, model_path: str) -
     chunk = model_config.attention_chunk_size
     if chunk is not None and backend not in _CHUNKED_ATTENTION_BACKENDS:
         raise NotImplementedError(
-            f"{model_path} uses chunked attention (attention_chunk_size={chunk}), which SGLang {SGLANG_VERSION} "
+            f"{model_path} uses chunked attention (attention_chunk_size={chunk}), which SGLang {installed().version} "
             f"implements only in the {' and '.join(_CHUNKED_ATTENTION_BACKENDS)} attention backend; on {backend} "
             f"tokens past the first {chunk} would attend to the wrong keys. Use --attention-backend fa3 on Hopper."
         )
@@ -328,68 +328,22 @@ def _refuse_on_cpu(architecture: str, device: str, model_path: str) -> None:
     reason = _CPU_UNSUPPORTED.get(architecture)
     if reason and device == "cpu":
         raise NotImplementedError(
-            f"{architecture} ({model_path}) cannot run on SGLang {SGLANG_VERSION}'s CPU path: {reason}. Run it on a GPU."
+            f"{architecture} ({model_path}) cannot run on SGLang {installed().version}'s CPU path: {reason}. Run it on a GPU."
         )
 
 
-# What SGLang 0.5.17 accepts (server_args.py's ATTENTION_BACKEND_CHOICES and LOAD_FORMAT_CHOICES, held to them
-# by tests/unit/engine/test_attention_backend.py), stated here so that a mistyped value is refused in the first
-# seconds: importing server_args takes seconds, and SGLang refuses an attention backend only once the model is
-# loaded.
-ATTENTION_BACKENDS = (
-    "triton",
-    "torch_native",
-    "flex_attention",
-    "dsa",
-    "nsa",
-    "dsv4",
-    "compressed",
-    "cutlass_mla",
-    "fa3",
-    "fa4",
-    "flashinfer",
-    "flashmla",
-    "trtllm_mla",
-    "cutedsl_mla",
-    "tokenspeed_mla",
-    "trtllm_mha",
-    "dual_chunk_flash_attn",
-    "hpc_ops",
-    "aiter",
-    "wave",
-    "intel_amx",
-    "ascend",
-    "intel_xpu",
-)
-LOAD_FORMATS = (
-    "auto",
-    "pt",
-    "safetensors",
-    "npcache",
-    "dummy",
-    "sharded_state",
-    "presharded",
-    "gguf",
-    "bitsandbytes",
-    "mistral",
-    "layered",
-    "flash_rl",
-    "remote",
-    "remote_instance",
-    "fastsafetensors",
-    "private",
-    "runai_streamer",
-)
-
-
 def check_engine_choices(attention_backend: str | None, load_format: str) -> None:
-    """Raises ValueError naming the option and SGLang's values when either is not one SGLang takes."""
+    """Raises ValueError naming the option and SGLang's values when either is not one the installed SGLang
+    takes: refused in the first seconds, where importing server_args takes seconds and SGLang refuses an
+    attention backend only once the model is loaded. An SGLang the engine does not support is refused here
+    too (`UnsupportedSGLang`)."""
+    release = installed()
     for option, value, allowed in (
-        ("--attention-backend", attention_backend, ATTENTION_BACKENDS),
-        ("--load-format", load_format, LOAD_FORMATS),
+        ("--attention-backend", attention_backend, release.attention_backends),
+        ("--load-format", load_format, release.load_formats),
     ):
         if value is not None and value not in allowed:
-            raise ValueError(f"{option} {value} is not one of SGLang {SGLANG_VERSION}'s: {', '.join(allowed)}")
+            raise ValueError(f"{option} {value} is not one of SGLang {release.version}'s: {', '.join(allowed)}")
 
 
 def validate_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
@@ -907,7 +861,7 @@ def _refuse_quantization(model_path: str, quantization: dict | None, device: str
 
         if not (is_triton_kernels_available() or is_sm100_supported() or is_sm120_supported()):
             raise NotImplementedError(
-                f"{model_path} is {name} ({quantization}); SGLang {SGLANG_VERSION} runs MXFP4 experts on this GPU "
+                f"{model_path} is {name} ({quantization}); SGLang {installed().version} runs MXFP4 experts on this GPU "
                 f"only through the triton_kernels package, which is not installed (pip install triton_kernels)"
             )
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 SUPPORTED = ("0.5.17", "0.5.23")
 
 
-class UnsupportedSGLang(RuntimeError):
-    """The installed SGLang is not one of `SUPPORTED`."""
+class UnsupportedSGLang(NotImplementedError):
+    """The installed SGLang is not one of `SUPPORTED` (or none is installed)."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,10 @@ class Release:
     version: str
     torch: str  # the torch its wheel pins
     transformers: str  # the transformers its wheel pins
+    # What its server_args.py accepts (ATTENTION_BACKEND_CHOICES and LOAD_FORMAT_CHOICES, held to them by
+    # tests/unit/engine/test_attention_backend.py), for preflight to refuse a mistyped value before SGLang loads.
+    attention_backends: tuple[str, ...]
+    load_formats: tuple[str, ...]
 
     def configure_process(self, server_args, tp_rank: int, gpu_id: int) -> None:
         """What must hold, process-wide, before SGLang's ModelConfig is read: the kernel configs."""
@@ -152,8 +156,38 @@ class _PublishedRelease(Release):
 RELEASES = {
     r.version: r
     for r in (
-        _ServerArgsRelease("0.5.17", torch="2.11.0", transformers="5.12.1"),
-        _PublishedRelease("0.5.23", torch="2.14.1", transformers="5.19.0"),
+        _ServerArgsRelease(
+            "0.5.17",
+            torch="2.11.0",
+            transformers="5.12.1",
+            attention_backends=(
+                *("triton", "torch_native", "flex_attention", "dsa", "nsa", "dsv4", "compressed", "cutlass_mla"),
+                *("fa3", "fa4", "flashinfer", "flashmla", "trtllm_mla", "cutedsl_mla", "tokenspeed_mla"),
+                *("trtllm_mha", "dual_chunk_flash_attn", "hpc_ops", "aiter", "wave", "intel_amx", "ascend"),
+                "intel_xpu",
+            ),
+            load_formats=(
+                *("auto", "pt", "safetensors", "npcache", "dummy", "sharded_state", "presharded", "gguf"),
+                *("bitsandbytes", "mistral", "layered", "flash_rl", "remote", "remote_instance", "fastsafetensors"),
+                *("private", "runai_streamer"),
+            ),
+        ),
+        _PublishedRelease(
+            "0.5.23",
+            torch="2.14.1",
+            transformers="5.19.0",
+            attention_backends=(
+                *("triton", "torch_native", "flex_attention", "dsa", "nsa", "qsa", "dsv4", "compressed", "fa3"),
+                *("fa4", "flashinfer", "llada2_cfg_flashinfer", "flashmla", "trtllm_mla", "cutedsl_mla"),
+                *("tokenspeed_mla", "trtllm_mha", "hpc_ops", "minicpm_flashattn", "minicpm_flashinfer", "aiter"),
+                *("wave", "intel_amx", "ascend", "intel_xpu"),
+            ),
+            load_formats=(
+                *("auto", "pt", "safetensors", "instanttensor", "npcache", "dummy", "sharded_state", "presharded"),
+                *("gguf", "expert_pack", "bitsandbytes", "mistral", "layered", "flash_rl", "remote"),
+                *("remote_instance", "fastsafetensors", "private", "runai_streamer"),
+            ),
+        ),
     )
 }
 

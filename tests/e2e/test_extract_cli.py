@@ -32,6 +32,7 @@ from transformers import AutoTokenizer
 
 from offline_extract.data.corpus import Record, read_corpus
 from offline_extract.data.tokenization import SampleTokenizer
+from offline_extract.engine.sglang_releases import installed
 from offline_extract.lifecycle.timings import timing_line
 from offline_extract.store import integrity, manifest
 from offline_extract.store.index import iter_samples, shard_paths
@@ -110,7 +111,7 @@ def test_shards_carry_provenance_and_parity(single):
     assert "HF output_hidden_states[k+1]" in run.layer_convention
     assert run.final_state == "post-norm" and "after the model's final norm" in run.layer_convention
     assert run.stored_dtype == torch.bfloat16 and run.compute_dtype == "float32" and run.quantization is None
-    assert run.sglang_version == "0.5.17"
+    assert run.sglang_version == installed().version
     for key in ("config_sha256", "weights", "tokenizer_sha256", "chat_template_sha256"):
         assert len(getattr(run, key)) == 64, key
     rows = {r["layer"]: r for r in run.parity}

@@ -21,6 +21,7 @@ from transformers import AutoProcessor
 from offline_extract import extraction, hub, planning, preflight
 from offline_extract.data.corpus import BadRecordError, Reject, read_corpus
 from offline_extract.default_model import TINY_VERSION
+from offline_extract.engine.sglang_releases import installed
 from offline_extract.testing.models import ARCHITECTURES, build_model
 from offline_extract.options import ExtractOptions
 from offline_extract.store import manifest, resume
@@ -53,11 +54,11 @@ REFUSED = {
     "a negative port": ({"port_base": -5}, "--port-base is a TCP port, from 1 to 65535, got -5"),
     "an unknown attention backend": (
         {"attention_backend": "flash"},
-        "--attention-backend flash is not one of SGLang 0.5.17's: triton, ",
+        f"--attention-backend flash is not one of SGLang {installed().version}'s: triton, ",
     ),
     "an unknown load format": (
         {"load_format": "safetensor"},
-        "--load-format safetensor is not one of SGLang 0.5.17's: auto, ",
+        f"--load-format safetensor is not one of SGLang {installed().version}'s: auto, ",
     ),
     "a final store without a final state": (
         {"recipe": "dflash", "final_store": "fp8"},

@@ -8,6 +8,7 @@ import torch
 
 from offline_extract.engine import sglang_adapter
 from offline_extract.engine.sglang_adapter import default_attention_backend
+from offline_extract.engine.sglang_releases import installed
 
 
 @pytest.fixture
@@ -56,5 +57,5 @@ def test_the_values_refused_before_the_model_loads_are_sglangs_own():
     sglang_adapter.import_sglang("cpu")
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, LOAD_FORMAT_CHOICES
 
-    assert sglang_adapter.ATTENTION_BACKENDS == tuple(ATTENTION_BACKEND_CHOICES)
-    assert sglang_adapter.LOAD_FORMATS == tuple(LOAD_FORMAT_CHOICES)
+    assert installed().attention_backends == tuple(ATTENTION_BACKEND_CHOICES)
+    assert installed().load_formats == tuple(LOAD_FORMAT_CHOICES)
