@@ -134,6 +134,8 @@ def _known_before_loading(opts: ExtractOptions, checked: preflight.Checked) -> R
         max_length=opts.max_length,
         overlong=opts.overlong,
         trim_after_last_loss_token=opts.trim_after_last_loss,
+        sglang_version=importlib.metadata.version("sglang"),
+        torch_version=torch.__version__,
     )
 
 
@@ -192,8 +194,6 @@ def run_metadata(known: RunInfo, engine: Engine) -> RunInfo:
         compute_dtype=engine.dtype,
         quantization=engine.quantization,
         attention_backend=engine.attention_backend,
-        sglang_version=importlib.metadata.version("sglang"),
-        torch_version=torch.__version__,
         offline_extract_version=__version__,
     )
 
@@ -349,7 +349,7 @@ def dry_run(opts: ExtractOptions) -> planning.Plan:
     shards = [path.name for path in shard_paths(out)] if out.is_dir() else []
     done = None
     if shards:
-        identity = resume.check_before_loading(out, known, checked.corpus_paths, opts.force)
+        identity = resume.check_before_loading(out, known, checked.corpus_paths, opts.force, opts.allow_other_sglang)
         done = resume.done_mask(out, shards)  # what the run resuming there keeps (a damaged shard refuses it)
         resume.check_images(out, shards, identity, opts.data, opts.force)
     model = checked.model
@@ -473,7 +473,7 @@ class Job:
         host = self._host_memory() if on_gpu and layout.writes else None
         self.gate.start_preload()
         self._load()
-        done = self.output.claim(existing, self.meta, self.checked.corpus_paths, self.opts.data, self.opts.force)
+        done = self.output.claim(existing, self.meta, self.checked.corpus_paths, self.opts)
         self.share = Share(layout, done)
         with (
             self.output.refused_where_the_corpus_breaks_off(),

@@ -339,6 +339,12 @@ class RunOptions:
         "shards of another model, tokenizer, layers, compute dtype or length policy is refused even so, "
         "before anything is written: mixed, its shards would not be one data set.",
     )
+    allow_other_sglang: bool = _option(
+        False,
+        help="Resume into an --out whose shards were extracted under another SGLang version than the one "
+        "installed, which is refused otherwise: the states of two versions differ in their last bits, so the "
+        "directory would mix them.",
+    )
     jit_cache: str | None = _option(  # None: the engine's default
         None,
         directory=True,

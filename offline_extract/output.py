@@ -22,6 +22,7 @@ from offline_extract.lifecycle import interrupts
 from offline_extract.lifecycle.progress import note
 from offline_extract.lifecycle.timeline import Timeline
 from offline_extract.lifecycle.timings import timing_line
+from offline_extract.options import ExtractOptions
 from offline_extract.store import manifest, resume
 from offline_extract.store.atomic import atomic_write
 from offline_extract.store.index import write_index
@@ -78,11 +79,11 @@ class OutputDirectory:
         )
 
     def claim(
-        self, existing: resume.Existing, meta: RunInfo, corpus_paths: Sequence[Path], data: Sequence[str], force: bool
+        self, existing: resume.Existing, meta: RunInfo, corpus_paths: Sequence[Path], opts: ExtractOptions
     ) -> np.ndarray:
         """Checks that the directory's earlier shards come from this same run (once the model is loaded: the
-        default layer ids and the compute dtype come from SGLang), and from the images the corpus `data` (the
-        --data entries) names now, and returns which records they hold.
+        default layer ids and the compute dtype come from SGLang), and from the images the corpus (--data) names
+        now, as far as `opts` (--force, --allow-other-sglang) let them differ, and returns which records they hold.
 
         Until here the run has only locked --out (and made it), and a stop ends it at once, SGLang's import and
         load included; the claim writes the manifest, and from it on a stop drops and keeps what it must."""
@@ -91,9 +92,9 @@ class OutputDirectory:
 
         def claim() -> list[str]:
             self.identity = identity = manifest.run_identity(meta, corpus_paths)
-            notes = resume.check_identity(out, identity, force)
+            notes = resume.check_identity(out, identity, opts.force, opts.allow_other_sglang)
             resume.done_mask(out, existing.shards)  # a damaged shard refuses the run before anything is written
-            notes += resume.check_images(out, existing.shards, identity, data, force)
+            notes += resume.check_images(out, existing.shards, identity, opts.data, opts.force)
             return notes + resume.claim(out, identity)
 
         notes = self.coord.from_leader(claim)

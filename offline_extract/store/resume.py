@@ -199,14 +199,16 @@ def _taken_as_recorded(known: RunInfo, recorded: dict) -> dict:
     return facts
 
 
-def check_before_loading(out: Path, known: RunInfo, data: Sequence[str | os.PathLike], force: bool) -> dict:
+def check_before_loading(
+    out: Path, known: RunInfo, data: Sequence[str | os.PathLike], force: bool, other_sglang: bool = False
+) -> dict:
     """`check_identity` as far as a run's facts are known before its model loads (`known`; the rest taken as
     recorded), for --dry-run into a directory holding shards: raises as the real run will once its model is loaded.
     Returns the identity checked."""
     current = manifest.load(out) or {}
     recorded = current.get("identity") or read_header(shard_paths(out)[0]).run.identity()
     identity = manifest.identity_of(_taken_as_recorded(known, recorded), data)
-    check_identity(out, identity, force)
+    check_identity(out, identity, force, other_sglang)
     return identity
 
 
@@ -274,13 +276,14 @@ def to_resume(data: Sequence[str]) -> str:
     )
 
 
-def check_identity(out: Path, identity: dict, force: bool) -> list[str]:
+def check_identity(out: Path, identity: dict, force: bool, other_sglang: bool = False) -> list[str]:
     """The leader's side, once the model is loaded: refuse to mix runs, writing nothing (`claim` records
     the identity once every check has passed).
 
     Shards of another model, tokenizer, layers, compute dtype or length policy are refused whatever
     --force says: a directory mixing them would not be one data set. --force only
-    lets a changed corpus through (e.g. records appended), where the shards stay one data set. A
+    lets a changed corpus through (e.g. records appended), where the shards stay one data set; `other_sglang`
+    (--allow-other-sglang) only shards of another SGLang version (`check_sglang`). A
     directory holding no complete shard has nothing to protect and is taken over. Returns notes on what
     was let through.
     """
@@ -304,6 +307,9 @@ def check_identity(out: Path, identity: dict, force: bool) -> list[str]:
                 + "\n--force cannot mix them: the directory would not be one data set. Choose another --out, or "
                 "move its shards away to start over there"
             )
+        # A manifest of an earlier version records no SGLang version; its shards always did.
+        then = recorded.get("sglang_version") or read_header(paths[0]).run.sglang_version
+        notes = check_sglang(out, then, identity.get("sglang_version"), other_sglang)
         if "identity" in current:
             diffs = manifest.corpus_differences(current["identity"], identity)
             what = "the output of another corpus"
@@ -317,8 +323,24 @@ def check_identity(out: Path, identity: dict, force: bool) -> list[str]:
                 + "\nChoose another --out, or pass --force to resume anyway (right when the corpus is the same, or "
                 "records were only appended: samples are matched to records by position)"
             )
-        notes = [f"--force: resuming despite {d}" for d in diffs]
+        notes += [f"--force: resuming despite {d}" for d in diffs]
     return notes
+
+
+def check_sglang(out: Path, then: str | None, now: str | None, allowed: bool) -> list[str]:
+    """Refuses to resume shards extracted under SGLang `then` in a run under SGLang `now` unless `allowed`: their
+    states differ in the last bits, so one data set would hold two engines' rounding. A version not known (None:
+    a run's before its model loads, in a library caller's RunInfo) is not compared. Returns the note of a resume
+    let through."""
+    if then is None or now is None or then == now:
+        return []
+    if allowed:
+        return [f"--allow-other-sglang: resuming shards of SGLang {then} under SGLang {now}"]
+    raise TakeoverError(
+        f"{out} holds shards extracted under SGLang {then}, and this run has SGLang {now}: their states differ in "
+        f"the last bits, so the directory would mix two engines' states. Resume under SGLang {then}, choose "
+        f"another --out, or pass --allow-other-sglang to resume anyway"
+    )
 
 
 def claim(out: Path, identity: dict) -> list[str]:

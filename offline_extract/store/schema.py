@@ -409,7 +409,9 @@ class SampleInfo:
 # Topology (DP, TP, batch budget, attention backend) is left out on purpose: a run may finish on different
 # hardware than it started on. A provenance fact is recorded with the identity but not compared: where the
 # model came from. A hub id's commit tells a reader which snapshot was used; whether two runs match is
-# decided by the config and weights hashes, so the same snapshot named by path and by hub id is one run.
+# decided by the config and weights hashes, so the same snapshot named by path and by hub id is one run. The
+# SGLang and torch versions are provenance too: another SGLang's states differ only in their last bits, and a
+# resume under it is refused unless asked for (store/resume.py, `check_sglang`).
 IDENTITY = "identity"
 PROVENANCE = "provenance"
 
@@ -463,8 +465,8 @@ class RunInfo:
     final_norm: dict | None = None  # final_norm.FinalNorm.to_json(): what an export converts the final state with
     tp_size: int | None = None
     attention_backend: str | None = None
-    sglang_version: str | None = None
-    torch_version: str | None = None
+    sglang_version: str | None = _provenance()
+    torch_version: str | None = _provenance()
     offline_extract_version: str | None = None
     parity: tuple[dict, ...] = ()  # the parity gate's rows (--verify)
     parity_routing: list | str | None = None  # on a MoE model, how HF was routed during the gate

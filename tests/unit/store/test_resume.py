@@ -17,6 +17,7 @@ from small_shards import RUN, journal_entry, write_shards
 from offline_extract.data import images
 from offline_extract.data.corpus import read_corpus
 from offline_extract.engine.distributed import Coordinator, Layout
+from offline_extract.options import ExtractOptions
 from offline_extract.output import OutputDirectory
 from offline_extract.store import checksum, manifest, resume
 from offline_extract.store.journal import Journal, read_journal
@@ -253,8 +254,9 @@ def _claim_as_a_rerun(out, corpus, force=False) -> None:
     lock, existing = resume.take_over(out)
     try:
         layout = Layout(rank=0, world_size=1)
+        opts = ExtractOptions(data=(str(corpus),), out=str(out), force=force)
         # The job's claim phase itself, as a job whose model has loaded calls it.
-        OutputDirectory(out, layout, Coordinator(layout, "test")).claim(existing, RUN, [corpus], [corpus], force)
+        OutputDirectory(out, layout, Coordinator(layout, "test")).claim(existing, RUN, [corpus], opts)
     finally:
         lock.release()
 
