@@ -191,7 +191,8 @@ def image_request(model, hf_config, spec: ImageModel, ids: np.ndarray, images: I
             **{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in ahead.mrope.items()},
         )
     )
-    return array("q", model.pad_input_ids(ids_t.tolist(), mm)), mm
+    # 0.5.23 takes the ids as array("q") only; 0.5.17 takes that as it takes a list.
+    return array("q", model.pad_input_ids(array("q", ids_t.tolist()), mm)), mm
 
 
 def _split(item, spec: ImageModel) -> list:

@@ -450,9 +450,10 @@ def _sigmoid_scaled(block, logits, experts):
     # DeepSeek-V3 and GLM-4.5: sigmoid scores (the correction bias only chooses), renormalized, times
     # routed_scaling_factor.
     weights = logits.sigmoid().gather(1, experts)
-    if block.norm_topk_prob:
+    # Read from the config: transformers 5.19 keeps them on the block's router, 5.12 on the block.
+    if block.config.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * block.routed_scaling_factor
+    return weights * block.config.routed_scaling_factor
 
 
 def _sigmoid_renormalized(block, logits, experts):

@@ -111,8 +111,14 @@ def test_every_rule_is_checked_here():
 @pytest.mark.parametrize("num_layers", [8, 11])
 def test_every_id_set_reaches_the_next_layers_input_through_sglangs_own_method(num_layers, monkeypatch):
     prepare_process("cpu")
-    # minimax_m2 asks the process-wide pipeline group, not the model, whether it is the last stage.
-    monkeypatch.setattr("sglang.srt.models.minimax_m2.get_pp_group", lambda: SimpleNamespace(is_last_rank=True))
+    # minimax_m2 asks the process-wide pipeline group, not the model, whether it is the last stage: SGLang 0.5.17
+    # through get_pp_group(), 0.5.23 through get_parallel().pp_group.
+    last = SimpleNamespace(is_last_rank=True)
+    minimax = importlib.import_module("sglang.srt.models.minimax_m2")
+    if hasattr(minimax, "get_pp_group"):
+        monkeypatch.setattr(minimax, "get_pp_group", lambda: last)
+    else:
+        monkeypatch.setattr(minimax, "get_parallel", lambda: SimpleNamespace(pp_group=last))
     for name, model in _stand_ins(num_layers).items():
         rule = model_capture_rule(model)
         # SGLang's default, as its model files write it: the inputs of layers [2, N//2, N-3].

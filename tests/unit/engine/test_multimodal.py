@@ -20,6 +20,14 @@ from offline_extract.testing.models import QWEN_VISION_TOKENS, VISION_LANGUAGE
 START, END, IMAGE, VIDEO = 384, 385, 386, 387
 
 
+def _pads(item, tokens: int) -> list[int]:
+    """The values SGLang pads an item's run of `tokens` image tokens with: 0.5.17 repeats its one pad_value,
+    0.5.23 cycles through several (padding_sequence)."""
+    if hasattr(item, "padding_sequence"):
+        return list(item.padding_sequence(tokens))
+    return [item.pad_value] * tokens
+
+
 def _sglang_model(family):
     """What image_request reads of the loaded model: its pad_input_ids, SGLang's own."""
     prepare_process("cpu")
@@ -130,11 +138,11 @@ def test_each_images_tokens_get_its_own_pad_value_and_the_positions_follow_its_g
     padded, mm = image_request(model, config, spec, ids, _images(ids, [[1, 2, 4], [1, 4, 4]], width))
     padded = np.array(padded)
     assert len(mm.mm_items) == 2
-    first, second = (item.pad_value for item in mm.mm_items)
-    assert first != second and min(first, second) > max(ids)  # no pad value is a token of the vocabulary
+    first, second = _pads(mm.mm_items[0], 2), _pads(mm.mm_items[1], 4)
+    assert not set(first) & set(second) and min(first + second) > max(ids)  # no pad value is a vocabulary token
     image = ids == IMAGE
     assert np.array_equal(padded[~image], ids[~image])
-    assert padded[image].tolist() == [first] * 2 + [second] * 4
+    assert padded[image].tolist() == first + second
     # Each item holds its own image's pixel rows: 8 and 16 patches.
     assert [tuple(item.feature.shape) for item in mm.mm_items] == [(8, width), (16, width)]
     # M-RoPE: (time, height, width) positions; an image's tokens share its start position in time and
@@ -236,9 +244,9 @@ def test_each_llama4_tiles_patches_get_its_own_pad_value_at_the_text_positions(l
         torch.equal(item.feature[0], torch.from_numpy(images.processor_outputs["pixel_values"][k]))
         for k, item in enumerate(mm.mm_items)
     )
-    pads = [item.pad_value for item in mm.mm_items]
-    assert len(set(pads)) == 4 and min(pads) > max(ids)
-    assert padded[images.token_mask].tolist() == [p for p in pads for _ in range(4)]
+    pads = [_pads(item, 4) for item in mm.mm_items]
+    assert len({p for tile in pads for p in tile}) == len({p for p in pads[0]}) * 4 and min(min(pads)) > max(ids)
+    assert padded[images.token_mask].tolist() == [p for tile in pads for p in tile]
     assert np.array_equal(padded[~images.token_mask], ids[~images.token_mask])
     # The markers and separators stay tokens (above); the positions are the text's (no M-RoPE).
     assert (mm.im_token_id, mm.im_start_id, mm.im_end_id) == (
