@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 
+from offline_extract.engine.sglang_releases import installed
+
 
 def routed_expert_count(text_config) -> int:
     """A decoder's routed experts under any of the names the supported configs use; 0 for a dense model."""
@@ -124,18 +126,17 @@ def routed_experts(topk_output) -> torch.Tensor | None:
     ids = getattr(topk_output, "topk_ids", None)
     if ids is not None:
         return ids
-    routing = getattr(topk_output, "routing_data", None)
-    if routing is None:
+    found = installed().triton_kernels_pairs(topk_output)
+    if found is None:
         return None
     # triton_kernels (GPT-OSS's default MoE runner on Hopper): no id table, but the (token, slot) pairs sorted by
-    # expert, gather_indx.src_indx numbering them token * k + slot, and expt_hist counting each expert's pairs.
-    # Reading the experts back off that order gives each pair its expert (triton_kernels' own reference,
-    # make_bitmatrix_metadata_torch, is a stable argsort of the flat id table).
-    k = routing.n_expts_act
-    pairs = topk_output.gather_indx.src_indx
+    # expert, numbered token * k + slot, and each expert's count of them. Reading the experts back off that
+    # order gives each pair its expert (triton_kernels' own reference, make_bitmatrix_metadata_torch, is a
+    # stable argsort of the flat id table).
+    pairs, counts, k = found
     pairs = pairs[pairs >= 0].long()
     experts = torch.repeat_interleave(
-        torch.arange(routing.n_expts_tot, device=pairs.device), routing.expt_hist.long(), output_size=len(pairs)
+        torch.arange(len(counts), device=pairs.device), counts.long(), output_size=len(pairs)
     )
     ids = torch.empty(len(pairs), dtype=torch.long, device=pairs.device)
     ids[pairs] = experts

@@ -54,10 +54,11 @@ def _hf_model_class(model_path: str, raw: dict):
     if (
         config is not None
         and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
-        and (type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING or raw.get("architectures", [None])[0] in _TAKE_IMAGES)
+        and raw.get("architectures", [None])[0] in _TAKE_IMAGES
     ):
-        # A vision-language model with no causal-LM class (Qwen2.5-VL), or one whose images the engine extracts
-        # (Llama 4): its own class, tower and all, which takes the images too.
+        # A vision-language model whose images the engine extracts (Qwen2.5-VL, which has no causal-LM class;
+        # Llama 4): its own class, tower and all, which takes the images too. A wrapper the engine runs for text
+        # (Kimi-K2.5, which transformers 5.19 knows and 5.12 does not) is read as its decoder, below.
         return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)], config, key_mapping
     # Where SGLang has registered its own config class for the wrapper, transformers parses it but has no
     # model for it.

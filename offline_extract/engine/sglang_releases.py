@@ -11,10 +11,13 @@ are the whole of the difference:
   published, and the process groups start before the runner (`bootstrap.init_parallel_runtime`);
 - a request's extend range: 0.5.17's `Req.set_extend_range` and the prefix's KV indices in
   `Req.prefix_indices`; 0.5.23's `Req.prefix_len` and `Req.extend_end`, the prefix read from the request's
-  own row (`Req.kv`).
+  own row (`Req.kv`);
+- the few facts each states otherwise: its tree cache's methods (`NoTreeCache`), where its triton_kernels
+  routing keeps the experts' choice, the attention backends and load formats it accepts.
 
-The releases between (0.5.18 to 0.5.22) are refused: each changed some of these steps on its way from one
-kind to the other, and none of them has been run here.
+The releases between (0.5.18 to 0.5.22) are refused: 0.5.18 to 0.5.21 each take some of these steps one way
+and some the other, and 0.5.22, which takes them all as 0.5.23 does, has not been run here
+(docs/supported-models.md, "SGLang versions").
 """
 
 from __future__ import annotations
@@ -64,6 +67,12 @@ class Release:
     def page_size(self, runner) -> int:
         raise NotImplementedError
 
+    def triton_kernels_pairs(self, topk_output) -> tuple | None:
+        """Of a TopK output on the triton_kernels MoE runner (GPT-OSS's on Hopper): the (token, slot) pairs
+        numbered token * k + slot and sorted by expert, each expert's count of them, and k; None for another
+        output."""
+        raise NotImplementedError
+
 
 def _kernel_configs() -> list:
     from sglang.srt.layers.moe.utils import initialize_moe_config
@@ -74,7 +83,7 @@ def _kernel_configs() -> list:
     return [initialize_moe_config, initialize_fp8_gemm_config, initialize_fp4_gemm_config, initialize_bf16_gemm_config]
 
 
-class _ServerArgsRelease(Release):
+class _Release0517(Release):
     """0.5.17: the ServerArgs resolved when made, handed to everything that reads them."""
 
     def configure_process(self, server_args, tp_rank: int, gpu_id: int) -> None:
@@ -113,8 +122,14 @@ class _ServerArgsRelease(Release):
     def page_size(self, runner) -> int:
         return runner.server_args.page_size
 
+    def triton_kernels_pairs(self, topk_output) -> tuple | None:
+        routing = getattr(topk_output, "routing_data", None)
+        if routing is None:
+            return None
+        return topk_output.gather_indx.src_indx, routing.expt_hist, routing.n_expts_act
 
-class _PublishedRelease(Release):
+
+class _Release0523(Release):
     """0.5.23: the ServerArgs resolved on request and published; the process groups started before the runner."""
 
     def configure_process(self, server_args, tp_rank: int, gpu_id: int) -> None:
@@ -152,11 +167,18 @@ class _PublishedRelease(Release):
 
         return get_schedule().page_size
 
+    def triton_kernels_pairs(self, topk_output) -> tuple | None:
+        # topk.py's routing: scatter_indx is the pairs sorted by expert, the ragged metadata counts them.
+        ragged = getattr(topk_output, "a_ragged_metadata", None)
+        if ragged is None:
+            return None
+        return topk_output.scatter_indx, ragged.slice_sizes, topk_output.n_expts_act
+
 
 RELEASES = {
     r.version: r
     for r in (
-        _ServerArgsRelease(
+        _Release0517(
             "0.5.17",
             torch="2.11.0",
             transformers="5.12.1",
@@ -172,7 +194,7 @@ RELEASES = {
                 *("private", "runai_streamer"),
             ),
         ),
-        _PublishedRelease(
+        _Release0523(
             "0.5.23",
             torch="2.14.1",
             transformers="5.19.0",

@@ -4,6 +4,8 @@ flips and nothing else (docs/moe-bf16-investigation.md). The GPU suite runs the 
 (tests/gpu/test_gpu_architectures.py) on every MoE family, including those SGLang cannot run on CPU; for those,
 the forcing itself is checked here on HF's own model, and the reading of SGLang's triton_kernels routing."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -135,7 +137,6 @@ def test_experts_are_read_back_from_triton_kernels_routing():
 
     prepare_process("cpu")
     from sglang.srt.layers.moe.topk import TritonKernelTopKOutput
-    from triton_kernels.matmul_ogs import GatherIndx, RoutingData, ScatterIndx
 
     generator = torch.Generator().manual_seed(0)
     tokens, num_experts, k = 37, 8, 3
@@ -144,10 +145,15 @@ def test_experts_are_read_back_from_triton_kernels_routing():
     # for ints): pairs numbered token * k + slot, stably sorted by expert.
     by_expert = torch.argsort(ids.flatten(), stable=True).int()
     inverse = torch.argsort(by_expert, stable=True).int()
-    routing = RoutingData(
-        torch.zeros(tokens * k), torch.bincount(ids.flatten(), minlength=num_experts).int(), num_experts, k
-    )
-    output = TritonKernelTopKOutput(routing, GatherIndx(by_expert, inverse), ScatterIndx(inverse, by_expert))
+    counts = torch.bincount(ids.flatten(), minlength=num_experts).int()
+    if "routing_data" in TritonKernelTopKOutput._fields:  # SGLang 0.5.17's, on its triton_kernels
+        from triton_kernels.matmul_ogs import GatherIndx, RoutingData, ScatterIndx
+
+        routing = RoutingData(torch.zeros(tokens * k), counts, num_experts, k)
+        output = TritonKernelTopKOutput(routing, GatherIndx(by_expert, inverse), ScatterIndx(inverse, by_expert))
+    else:  # 0.5.23's, as its topk.routing builds it from triton_kernels' sorted indices
+        ragged = SimpleNamespace(slice_sizes=counts)
+        output = TritonKernelTopKOutput(ragged, by_expert // k, by_expert, torch.zeros(tokens * k), k)
     assert torch.equal(routed_experts(output), ids)
     # A runner that routes inside its kernel states no choice.
     assert routed_experts(object()) is None
