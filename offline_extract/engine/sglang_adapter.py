@@ -431,7 +431,7 @@ def _model_config(sa, backend: str, cfg: EngineConfig):
     this engine cannot run is refused here, before any weight loads."""
     from sglang.srt.configs.model_config import ModelConfig
 
-    installed().configure_process(sa, cfg.tp_rank, cfg.gpu_id)
+    installed().configure_process(sa, cfg.tp_rank, cfg.gpu_id, cfg.device)
     mc = ModelConfig.from_server_args(sa)
     _refuse_unsupported_attention(mc, backend, cfg.model_path)
     _refuse_on_cpu(mc.hf_config.architectures[0], cfg.device, cfg.model_path)

@@ -47,7 +47,7 @@ class Release:
     attention_backends: tuple[str, ...]
     load_formats: tuple[str, ...]
 
-    def configure_process(self, server_args, tp_rank: int, gpu_id: int) -> None:
+    def configure_process(self, server_args, tp_rank: int, gpu_id: int, device: str) -> None:
         """What must hold, process-wide, before SGLang's ModelConfig is read: the kernel configs."""
         raise NotImplementedError
 
@@ -86,7 +86,7 @@ def _kernel_configs() -> list:
 class _Release0517(Release):
     """0.5.17: the ServerArgs resolved when made, handed to everything that reads them."""
 
-    def configure_process(self, server_args, tp_rank: int, gpu_id: int) -> None:
+    def configure_process(self, server_args, tp_rank: int, gpu_id: int, device: str) -> None:
         for initialize in _kernel_configs():
             initialize(server_args)
 
@@ -132,10 +132,14 @@ class _Release0517(Release):
 class _Release0523(Release):
     """0.5.23: the ServerArgs resolved on request and published; the process groups started before the runner."""
 
-    def configure_process(self, server_args, tp_rank: int, gpu_id: int) -> None:
+    def configure_process(self, server_args, tp_rank: int, gpu_id: int, device: str) -> None:
         from sglang.srt.runtime_context import SpawnRanks, publish
 
         server_args.resolve_once()
+        # On CPU, 0.5.23 binds a rank's threads to the NUMA node of its published gpu_id, where 0.5.17 took
+        # its TP rank: each data-parallel replica is a world of its own, so its local rank would run past
+        # the host's nodes.
+        gpu_id = tp_rank if device == "cpu" else gpu_id
         publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=tp_rank, gpu_id=gpu_id))
         for initialize in _kernel_configs():
             initialize()
