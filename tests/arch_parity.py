@@ -219,6 +219,7 @@ def _routing_under_triton_kernels(engine) -> dict:
     on Hopper; `moe.triton_kernels_routing`), with that runner, and with the runner SGLang chose here."""
     from dataclasses import asdict
 
+    from sglang.srt.layers.moe.topk import TopK, TopKOutputFormat
     from sglang.srt.layers.moe.utils import MoeRunnerBackend, get_flags
 
     def routing():
@@ -226,11 +227,20 @@ def _routing_under_triton_kernels(engine) -> dict:
 
     chosen = routing()
     moe = get_flags().moe
+    # SGLang 0.5.17's TopK asks the runner backend at each forward; 0.5.23's took its output format from its
+    # experts' runner as the model loaded (bind_runner_backend), so there the format is what a runner sets.
+    topks = [m for m in engine.runner.model.modules() if isinstance(m, TopK)]
+    formats = [t.topk_config.output_format for t in topks]
     before, moe.runner_backend = moe.runner_backend, MoeRunnerBackend.TRITON_KERNELS
+    if hasattr(TopK, "bind_runner_backend"):
+        for t in topks:
+            t.topk_config.output_format = TopKOutputFormat.TRITON_KERNEL
     try:
         forced = routing()
     finally:
         moe.runner_backend = before
+        for t, output_format in zip(topks, formats):
+            t.topk_config.output_format = output_format
     return {"chosen": chosen and asdict(chosen), "forced": forced and asdict(forced)}
 
 
