@@ -1,6 +1,7 @@
 """How the end-to-end tests start bin/extract.py (alone, under torchrun, or as several torchrun "nodes" on
 localhost) and compare what runs wrote, and the hub cache they find models in."""
 
+import dataclasses
 import hashlib
 import os
 import signal
@@ -16,6 +17,7 @@ import psutil
 import torch
 
 from offline_extract.engine.distributed import free_port
+from offline_extract.options import ExtractOptions
 from offline_extract.store.index import iter_samples, shard_paths
 from offline_extract.store.schema import shard_number
 from offline_extract.store.shard import read_header
@@ -33,6 +35,23 @@ GATE_PARTS = (
     "gate_compare_s",
     "gate_other_s",
 )
+
+
+def small_run(corpus, out, **options) -> ExtractOptions:
+    """The options of a run of `corpus` into `out` on CPU, as the in-process tests make it on the session's
+    engine: no parity gate nor progress, forwards of 256 tokens and shards of 32 KiB, so that even the example
+    corpus fills several; `options` over these."""
+    small = ExtractOptions(
+        data=(str(corpus),),
+        out=str(out),
+        device="cpu",
+        parity_samples=0,
+        tokens_per_batch=256,
+        shard_bytes=32 << 10,
+        progress=False,
+        progress_every=0,
+    )
+    return dataclasses.replace(small, **options)
 
 
 def extract_command(out, *args, torchrun: int | None = None) -> list[str]:

@@ -12,13 +12,12 @@ import shutil
 
 import pytest
 from click.testing import CliRunner
-from extract_runs import ROOT
+from extract_runs import ROOT, small_run
 
 from offline_extract import extraction
 from offline_extract.commands import inspect
 from offline_extract.data.corpus import rows
 from offline_extract.data.sources import CorpusReadError
-from offline_extract.options import ExtractOptions
 from offline_extract.output import StoppedError
 from offline_extract.store.index import shard_paths
 from offline_extract.store.resume import TakeoverError
@@ -31,20 +30,6 @@ CORPUS = ROOT / "examples" / "corpus.jsonl"
 
 def _status(out) -> str:
     return json.loads((out / "manifest.json").read_text())["status"]
-
-
-def _opts(corpus, out, **changes):
-    return ExtractOptions(
-        data=(str(corpus),),
-        out=str(out),
-        device="cpu",
-        parity_samples=0,
-        tokens_per_batch=256,
-        shard_bytes=32 << 10,
-        progress=False,
-        progress_every=0,
-        **changes,
-    )
 
 
 def _changing(monkeypatch, corpus, change):
@@ -90,7 +75,7 @@ def test_a_corpus_changed_during_the_run_is_not_marked_complete_and_the_rerun_sa
     monkeypatch.setattr(extraction, "Engine", lambda cfg: tiny_engine)
     _changing(monkeypatch, corpus, change)
     with pytest.raises(StoppedError) as stopped:
-        extraction.run(_opts(corpus, out))
+        extraction.run(small_run(corpus, out))
     message = str(stopped.value)
     assert message.startswith(f"the corpus changed while this run read it:\n  corpus file 1 ({corpus}): bytes ")
     assert re.search(
@@ -108,10 +93,10 @@ def test_a_corpus_changed_during_the_run_is_not_marked_complete_and_the_rerun_sa
     records = len(corpus.read_text().splitlines())
     if change is _cut:
         with pytest.raises(TakeoverError, match=f"of records past the {records} records its corpus holds now"):
-            extraction.run(_opts(corpus, out, force=True))
+            extraction.run(small_run(corpus, out, force=True))
         assert _status(out) == "refused"
         return
-    summary = extraction.run(_opts(corpus, out, force=True))
+    summary = extraction.run(small_run(corpus, out, force=True))
     assert summary.records == records and _status(out) == "complete"
 
 
@@ -120,7 +105,7 @@ def test_an_unchanged_corpus_is_marked_complete(tiny_engine, tmp_path, monkeypat
     shutil.copy(CORPUS, corpus)
     monkeypatch.setattr(extraction, "Engine", lambda cfg: tiny_engine)
     _changing(monkeypatch, corpus, lambda path: path.touch())  # a new mtime is no change of content
-    assert extraction.run(_opts(corpus, tmp_path / "out")).extracted == 24
+    assert extraction.run(small_run(corpus, tmp_path / "out")).extracted == 24
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["status"] == "complete"
 
 
@@ -135,7 +120,7 @@ def test_force_keeps_no_sample_of_a_record_the_corpus_does_not_hold(manifest, ti
     monkeypatch.setattr(extraction, "Engine", lambda cfg: tiny_engine)
     out, first_five = tmp_path / "out", tmp_path / "first_five.jsonl"
     first_five.write_text("".join(CORPUS.read_text().splitlines(keepends=True)[:5]))
-    extraction.run(_opts(CORPUS, tmp_path / "whole"))
+    extraction.run(small_run(CORPUS, tmp_path / "whole"))
     if manifest:
         shutil.copytree(tmp_path / "whole", out)
     else:
@@ -146,7 +131,7 @@ def test_force_keeps_no_sample_of_a_record_the_corpus_does_not_hold(manifest, ti
     assert past, "some shard holds records past the fifth"
 
     with pytest.raises(TakeoverError) as refused:
-        extraction.run(_opts(first_five, out, force=True))
+        extraction.run(small_run(first_five, out, force=True))
     verdict, advice = str(refused.value).split("\n")
     assert verdict.startswith(f"{out} holds 19 samples of records past the 5 records its corpus holds now, in ")
     assert advice.startswith(f"Choose another --out, or move out of {out} every shard holding a sample_index of 5 or ")
@@ -165,7 +150,7 @@ def test_force_keeps_no_sample_of_a_record_the_corpus_does_not_hold(manifest, ti
     # As it says: those shards moved out, the same command extracts the 5 records' samples that they held.
     for path in past:
         path.rename(tmp_path / path.name)
-    summary = extraction.run(_opts(first_five, out, force=True))
+    summary = extraction.run(small_run(first_five, out, force=True))
     assert (summary.records, summary.extracted + summary.resumed, _status(out)) == (5, 5, "complete")
     assert len(HiddenStateDataset(out)) == 5
     assert sorted(info.index for p in shard_paths(out) for info in read_header(p).samples) == [0, 1, 2, 3, 4]
@@ -186,7 +171,7 @@ def test_a_corpus_file_that_breaks_off_is_said_to_be_damaged_not_finished_by_a_r
     corpus, out = tmp_path / "corpus.jsonl.gz", tmp_path / "out"
     corpus.write_bytes(whole[: len(whole) // 2])
     with pytest.raises(CorpusReadError) as stopped:
-        extraction.run(_opts(corpus, out))
+        extraction.run(small_run(corpus, out))
     verdict = str(stopped.value)
     assert verdict.startswith(f"{corpus} cannot be read past line ") and "a truncated or damaged file?" in verdict
     assert _status(out) == "refused"

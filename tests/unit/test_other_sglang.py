@@ -6,29 +6,14 @@ import json
 
 import pytest
 import torch
-from extract_runs import ROOT
+from extract_runs import ROOT, small_run
 
 from offline_extract import extraction
 from offline_extract.engine.sglang_releases import installed
-from offline_extract.options import ExtractOptions
 from offline_extract.store.index import shard_paths
 from offline_extract.store.resume import TakeoverError
 
 CORPUS = ROOT / "examples" / "corpus.jsonl"
-
-
-def _opts(out, **changes):
-    return ExtractOptions(
-        data=(str(CORPUS),),
-        out=str(out),
-        device="cpu",
-        parity_samples=0,
-        tokens_per_batch=256,
-        shard_bytes=32 << 10,
-        progress=False,
-        progress_every=0,
-        **changes,
-    )
 
 
 def _left_running_under(out, version: str) -> None:
@@ -43,7 +28,7 @@ def _left_running_under(out, version: str) -> None:
 def test_a_resume_under_another_sglang_is_refused_naming_both_unless_allowed(tiny_engine, tmp_path, monkeypatch):
     monkeypatch.setattr(extraction, "Engine", lambda cfg: tiny_engine)
     out, now = tmp_path / "out", installed().version
-    extraction.run(_opts(out))
+    extraction.run(small_run(CORPUS, out))
     identity = json.loads((out / "manifest.json").read_text())["identity"]
     assert (identity["sglang_version"], identity["torch_version"]) == (now, torch.__version__)
 
@@ -51,7 +36,7 @@ def test_a_resume_under_another_sglang_is_refused_naming_both_unless_allowed(tin
     shards = {path.name: path.read_bytes() for path in shard_paths(out)}
     for attempt in (extraction.run, extraction.dry_run):
         with pytest.raises(TakeoverError) as refused:
-            attempt(_opts(out))
+            attempt(small_run(CORPUS, out))
         assert str(refused.value) == (
             f"{out} holds shards extracted under SGLang 0.5.9, and this run has SGLang {now}: their states differ "
             f"in the last bits, so the directory would mix two engines' states. Resume under SGLang 0.5.9, choose "
@@ -59,7 +44,7 @@ def test_a_resume_under_another_sglang_is_refused_naming_both_unless_allowed(tin
         )
     assert {path.name: path.read_bytes() for path in shard_paths(out)} == shards
 
-    summary = extraction.run(_opts(out, allow_other_sglang=True))
+    summary = extraction.run(small_run(CORPUS, out, allow_other_sglang=True))
     assert summary.records == 24 and summary.resumed == 24
     recorded = json.loads((out / "manifest.json").read_text())
     assert (recorded["status"], recorded["identity"]["sglang_version"]) == ("complete", now)

@@ -5,7 +5,7 @@ from collections import namedtuple
 
 import pytest
 
-from extract_runs import ROOT
+from extract_runs import ROOT, small_run
 from image_chats import PATCH, save_image
 from transformers import AutoProcessor, AutoTokenizer
 
@@ -113,21 +113,9 @@ def _extract(engine, model_dir, out, monkeypatch, progress_every, **options):
     """The run in-process on the session's engine (SGLang starts one engine a process), in shards of about
     60 tokens; the leader's progress counts the records, shown (a heartbeat) or not (progress_every=0)."""
     from offline_extract import extraction
-    from offline_extract.options import ExtractOptions
 
     monkeypatch.setattr(extraction, "Engine", lambda cfg: engine)
-    opts = ExtractOptions(
-        data=(str(CORPUS),),
-        out=str(out),
-        model=str(model_dir),
-        device="cpu",
-        parity_samples=0,
-        tokens_per_batch=128,
-        shard_bytes=32 << 10,
-        progress=False,
-        progress_every=progress_every,
-        **options,
-    )
+    opts = small_run(CORPUS, out, model=str(model_dir), tokens_per_batch=128, progress_every=progress_every, **options)
     return extraction.run(opts)
 
 
