@@ -42,10 +42,15 @@ class Release:
     version: str
     torch: str  # the torch its wheel pins
     transformers: str  # the transformers its wheel pins
-    # What its server_args.py accepts (ATTENTION_BACKEND_CHOICES and LOAD_FORMAT_CHOICES, held to them by
-    # tests/unit/engine/test_attention_backend.py), for preflight to refuse a mistyped value before SGLang loads.
-    attention_backends: tuple[str, ...]
-    load_formats: tuple[str, ...]
+
+    # What its server_args.py accepts, for preflight to refuse a mistyped value before SGLang loads.
+    @property
+    def attention_backends(self) -> tuple[str, ...]:
+        return _accepted(_ATTENTION_BACKENDS, self.version)
+
+    @property
+    def load_formats(self) -> tuple[str, ...]:
+        return _accepted(_LOAD_FORMATS, self.version)
 
     def configure_process(self, server_args, tp_rank: int, gpu_id: int, device: str) -> None:
         """What must hold, process-wide, before SGLang's ModelConfig is read: the kernel configs."""
@@ -179,6 +184,35 @@ class _Release0523(Release):
         return topk_output.scatter_indx, ragged.slice_sizes, topk_output.n_expts_act
 
 
+# What the releases' server_args.py accept (ATTENTION_BACKEND_CHOICES and LOAD_FORMAT_CHOICES, held to them by
+# tests/unit/engine/test_attention_backend.py), each value once, in their order; `_ONLY_IN` names the values that
+# one release takes and another does not.
+_ATTENTION_BACKENDS = (
+    *("triton", "torch_native", "flex_attention", "dsa", "nsa", "qsa", "dsv4", "compressed", "cutlass_mla", "fa3"),
+    *("fa4", "flashinfer", "llada2_cfg_flashinfer", "flashmla", "trtllm_mla", "cutedsl_mla", "tokenspeed_mla"),
+    *("trtllm_mha", "dual_chunk_flash_attn", "hpc_ops", "minicpm_flashattn", "minicpm_flashinfer", "aiter", "wave"),
+    *("intel_amx", "ascend", "intel_xpu"),
+)
+_LOAD_FORMATS = (
+    *("auto", "pt", "safetensors", "instanttensor", "npcache", "dummy", "sharded_state", "presharded", "gguf"),
+    *("expert_pack", "bitsandbytes", "mistral", "layered", "flash_rl", "remote", "remote_instance"),
+    *("fastsafetensors", "private", "runai_streamer"),
+)
+_ONLY_IN = {
+    "0.5.17": {"cutlass_mla", "dual_chunk_flash_attn"},
+    "0.5.23": {
+        *("qsa", "llada2_cfg_flashinfer", "minicpm_flashattn", "minicpm_flashinfer"),
+        "instanttensor",
+        "expert_pack",
+    },
+}
+
+
+def _accepted(choices: tuple[str, ...], version: str) -> tuple[str, ...]:
+    others = set().union(*(only for release, only in _ONLY_IN.items() if release != version))
+    return tuple(choice for choice in choices if choice not in others)
+
+
 RELEASES = {
     r.version: r
     for r in (
@@ -186,33 +220,11 @@ RELEASES = {
             "0.5.17",
             torch="2.11.0",
             transformers="5.12.1",
-            attention_backends=(
-                *("triton", "torch_native", "flex_attention", "dsa", "nsa", "dsv4", "compressed", "cutlass_mla"),
-                *("fa3", "fa4", "flashinfer", "flashmla", "trtllm_mla", "cutedsl_mla", "tokenspeed_mla"),
-                *("trtllm_mha", "dual_chunk_flash_attn", "hpc_ops", "aiter", "wave", "intel_amx", "ascend"),
-                "intel_xpu",
-            ),
-            load_formats=(
-                *("auto", "pt", "safetensors", "npcache", "dummy", "sharded_state", "presharded", "gguf"),
-                *("bitsandbytes", "mistral", "layered", "flash_rl", "remote", "remote_instance", "fastsafetensors"),
-                *("private", "runai_streamer"),
-            ),
         ),
         _Release0523(
             "0.5.23",
             torch="2.14.1",
             transformers="5.19.0",
-            attention_backends=(
-                *("triton", "torch_native", "flex_attention", "dsa", "nsa", "qsa", "dsv4", "compressed", "fa3"),
-                *("fa4", "flashinfer", "llada2_cfg_flashinfer", "flashmla", "trtllm_mla", "cutedsl_mla"),
-                *("tokenspeed_mla", "trtllm_mha", "hpc_ops", "minicpm_flashattn", "minicpm_flashinfer", "aiter"),
-                *("wave", "intel_amx", "ascend", "intel_xpu"),
-            ),
-            load_formats=(
-                *("auto", "pt", "safetensors", "instanttensor", "npcache", "dummy", "sharded_state", "presharded"),
-                *("gguf", "expert_pack", "bitsandbytes", "mistral", "layered", "flash_rl", "remote"),
-                *("remote_instance", "fastsafetensors", "private", "runai_streamer"),
-            ),
         ),
     )
 }
