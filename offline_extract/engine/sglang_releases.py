@@ -250,35 +250,24 @@ def installed() -> Release:
     return release
 
 
+def _no(*args, **kwargs) -> bool:
+    return False
+
+
+def _nothing(*args, **kwargs) -> None:
+    pass
+
+
 class NoTreeCache(types.SimpleNamespace):
     """The tree-cache interface ScheduleBatch needs when every batch starts from empty pools: a cache that
     shares no prefix, holds nothing to evict, and keeps no request's row."""
 
-    def supports_swa(self):
-        return False
+    # 0.5.17 asks is_chunk_cache and is_tree_cache, 0.5.23 supports_prefix_sharing and maybe_hand_to_session.
+    supports_swa = supports_mamba = is_tree_cache = supports_prefix_sharing = _no
+    evict = pretty_print = maybe_hand_to_session = _nothing
 
-    def supports_mamba(self):
-        return False
-
-    def evict(self, params):
-        pass
-
-    def available_and_evictable_str(self):
-        return f"available={self.token_to_kv_pool_allocator.available_size()}"
-
-    def pretty_print(self):
-        pass
-
-    # 0.5.17 asks these two.
     def is_chunk_cache(self):
         return True
 
-    def is_tree_cache(self):
-        return False
-
-    # 0.5.23 asks these two.
-    def supports_prefix_sharing(self):
-        return False
-
-    def maybe_hand_to_session(self, req):
-        pass
+    def available_and_evictable_str(self):
+        return f"available={self.token_to_kv_pool_allocator.available_size()}"
