@@ -1,5 +1,6 @@
 """The SGLang releases the engine runs on (engine/sglang_releases.py): an unsupported one is refused before
-SGLang is imported, naming the supported releases, and setup.cfg installs exactly those."""
+SGLang is imported, naming the supported releases, and setup.cfg installs exactly those, a fresh machine the
+tested one."""
 
 import configparser
 
@@ -40,12 +41,21 @@ def test_the_installed_sglang_is_a_supported_one():
     assert sglang_releases.installed().version in SUPPORTED
 
 
+def _requirements(config: configparser.ConfigParser, section: str, key: str) -> list[Requirement]:
+    lines = [line.strip() for line in config[section][key].splitlines()]
+    return [Requirement(line) for line in lines if line and not line.startswith("#")]
+
+
 def test_setup_cfg_installs_exactly_the_supported_releases_and_lets_sglang_pin_torch():
     config = configparser.ConfigParser()
     config.read(ROOT / "setup.cfg")
-    lines = [line.strip() for line in config["options"]["install_requires"].splitlines()]
-    requirements = [Requirement(line) for line in lines if line and not line.startswith("#")]
+    requirements = _requirements(config, "options", "install_requires")
     (sglang,) = [r for r in requirements if r.name == "sglang"]
     candidates = [f"0.5.{minor}" for minor in range(10, 30)]
     assert [v for v in candidates if sglang.specifier.contains(v)] == list(SUPPORTED)
     assert "torch" not in [r.name for r in requirements]  # each release pins its own
+    # The `tested` extra (the README's first command, CI's whole suite) pins one of them, and its torch with it.
+    tested = _requirements(config, "options.extras_require", "tested")
+    (pinned,) = [r for r in tested if r.name == "sglang"]
+    assert str(pinned.specifier) in [f"=={v}" for v in SUPPORTED]
+    assert "torch" not in [r.name for r in tested]
