@@ -242,11 +242,11 @@ class StorageOptions:
         "bf16",
         help="How states are stored, quantized on the GPU before the copy to host, decoded to bf16 by every reader. "
         "fp8: e4m3, a float32 scale per token per layer (absmax/448): half a state's bytes. nvfp4: 4-bit e2m1, an "
-        "e4m3 scale per 16, a float32 one per token per layer: 0.29 of them; the final state fp8 unless --final-store.",
+        "e4m3 scale per 16, a float32 one per token per layer: 0.29 of them.",
     )
-    # The final state gives the trainer its target logits: docs/usage.md#storage says why nvfp4 keeps it in fp8.
+    # The final state gives the trainer its target logits; docs/usage.md#storage shows 4 bits hold acceptance.
     final_store: Store | None = _option(
-        None, help="The final state's store. Default: fp8 under --store nvfp4, else --store's."
+        None, help="The final state's store (fp8, or bf16 for exact target logits). Default: --store's."
     )
     compress: Compression = _option(
         "none",
@@ -423,13 +423,9 @@ def check_choice(option: str, value: str) -> None:
         raise ValueError(f"{option} must be one of {', '.join(_CHOICES[option])}, got {value!r}")
 
 
-# The final state's store where --final-store is not given, by --store (the others keep --store's).
-FINAL_STORES: dict[Store, Store] = {"nvfp4": "fp8"}
-
-
 def final_store(opts: ExtractOptions) -> Store:
-    """The store of the run's final state: --final-store, else FINAL_STORES' for --store, else --store."""
-    return opts.final_store or FINAL_STORES.get(opts.store, opts.store)
+    """The store of the run's final state: --final-store, else --store."""
+    return opts.final_store or opts.store
 
 
 # What each final state is, in the words the run metadata records. Trainers disagree, and a drafter fed
