@@ -806,9 +806,10 @@ def _first_result_extras(extraction: _Extraction, root: Path, bare: _BareFigures
         )
     if bench.opts.data:
         writer = extraction.writer(root / "fed")
-        apart = start_tokenizer_processes(bench.run, "cuda", bench.tokenizer, bench.layout)
+        apart = start_tokenizer_processes(bench.run, "cuda", bench.tokenizer.processor is not None, bench.layout)
         try:
             if apart is not None:  # its processes' start-up is a run's beside the model load, not timed
+                apart.hand(bench.tokenizer)
                 apart.ready()
             fed = fed_batches(
                 bench.opts, bench.run, bench.tokenizer, bench.layout, bench.warm, bench.timed, extraction.engine, apart

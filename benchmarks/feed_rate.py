@@ -78,7 +78,7 @@ def _fed(run, st, processes: int) -> dict:
     from offline_extract.extraction import pending_samples
     from offline_extract.summary import Tally
 
-    apart = TokenizerProcesses(st, processes) if processes else None
+    apart = TokenizerProcesses(processes, st) if processes else None
     try:
         if apart is not None:  # a run starts them beside the model's load
             apart.ready()

@@ -233,15 +233,15 @@ def sample_tokenizer(opts: ExtractOptions, model_dir: Path) -> SampleTokenizer:
 
 
 def start_tokenizer_processes(
-    opts: ExtractOptions, device: str, tokenizer: SampleTokenizer, layout: Layout
+    opts: ExtractOptions, device: str, images: bool, layout: Layout
 ) -> TokenizerProcesses | None:
     """The processes tokenizing `layout`'s rank's records on `device` (--tokenizer-processes, by default
-    `default_tokenizer_processes`), started; None where they are tokenized on the feed's thread."""
+    `default_tokenizer_processes`) for a model with or without `images`, started and waiting for their
+    tokenizer (`TokenizerProcesses.hand`); None where the records are tokenized on the feed's thread."""
     processes = opts.tokenizer_processes
     if processes is None:
-        device_type, images = torch.device(device).type, tokenizer.processor is not None
-        processes = default_tokenizer_processes(device_type, images, layout.local_world_size)
-    return TokenizerProcesses(tokenizer, processes) if processes else None
+        processes = default_tokenizer_processes(torch.device(device).type, images, layout.local_world_size)
+    return TokenizerProcesses(processes) if processes else None
 
 
 def _model_name(opts: ExtractOptions) -> str:
@@ -433,15 +433,13 @@ class Job:
         self.timeline.mark("tokenizer loading")
         self.tokenizer = sample_tokenizer(self.opts, self.checked.model.path)
         self.known = replace(self.known, **self.tokenizer.fingerprint())
-        self.apart = start_tokenizer_processes(self.opts, self.checked.device, self.tokenizer, self.layout)
+        if self.apart is not None:
+            self.apart.hand(self.tokenizer)
         self.timeline.mark("tokenizer loaded")
         return self.tokenizer
 
     def run(self) -> Summary | None:
         _refuse_images_ahead(self.opts, self.checked)
-        if self.opts.strict:
-            tokenizer = self.tokenizer or self.load_tokenizer()
-            _stop_at_the_first_bad_record(self.opts, self.layout, self.coord, self.checked.sources, tokenizer)
         locks = []
 
         def take_over() -> dict:
@@ -452,6 +450,18 @@ class Job:
             return asdict(existing)
 
         try:
+            # First, so that the processes' imports pass beside SGLang's import and the model's load: started
+            # once the tokenizer has loaded, they would hold up the first batch wherever the model loads and
+            # warms up in a few seconds (a warm kernel cache).
+            images = _vision_language(self.checked.model.path)
+            self.apart = start_tokenizer_processes(self.opts, self.checked.device, images, self.layout)
+            if self.apart is not None:
+                self.timeline.mark("tokenizing processes started")
+                if self.tokenizer is not None:
+                    self.apart.hand(self.tokenizer)
+            if self.opts.strict:
+                tokenizer = self.tokenizer or self.load_tokenizer()
+                _stop_at_the_first_bad_record(self.opts, self.layout, self.coord, self.checked.sources, tokenizer)
             # Nobody touches the directory before the leader holds it and has cleared a crashed run's leftovers.
             existing = resume.Existing(**self.coord.from_leader(take_over))
             return self._attempt(existing)

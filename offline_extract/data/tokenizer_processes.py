@@ -11,6 +11,8 @@ never waited for a batch. On processes of their own only the corpus's rows (read
 Each worker is `python -m offline_extract.data.tokenizer_processes`, reading pickles on its stdin (the tokenizer,
 then chunks of rows) and writing one pickle of results on its stdout for each chunk, in order: not
 multiprocessing's, whose spawned children run the parent's main script again (a user's script, unguarded).
+A worker imports what an HF tokenizer's unpickling needs before its tokenizer arrives: started before the
+parent has loaded the tokenizer, its seconds of imports pass beside the parent's own.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class _Worker:
     """One process, with a thread sending it chunks (a chunk's pickle fills the pipe: written on the caller's
     thread while the worker writes its last result, both would wait on each other)."""
 
-    def __init__(self, tokenizer_pickle: bytes, env: dict):
+    def __init__(self, env: dict):
         # A session of its own: Ctrl-C reaches every process of the terminal's group, a worker still importing
         # would print its traceback; the parent stops its workers itself (`stop`), and a parent gone ends
         # them through their stdin's end.
@@ -52,7 +54,6 @@ class _Worker:
         assert self.proc.stdin is not None and self.proc.stdout is not None, "both piped"
         self._to, self._from = self.proc.stdin, self.proc.stdout
         self._sending: queue.Queue = queue.Queue()
-        self._sending.put(tokenizer_pickle)
         self._sender = threading.Thread(target=self._send, name="tokenizing-apart", daemon=True)
         self._sender.start()
 
@@ -69,8 +70,8 @@ class _Worker:
             except OSError:
                 pass
 
-    def submit(self, work: tuple[Sequence[Row], Sequence[bool]]) -> None:
-        self._sending.put(pickle.dumps(work, protocol=pickle.HIGHEST_PROTOCOL))
+    def submit(self, data: bytes) -> None:
+        self._sending.put(data)
 
     def result(self) -> list:
         try:
@@ -96,23 +97,38 @@ class _Worker:
 class TokenizerProcesses:
     """`tokenization.from_rows` of each chunk of rows on `processes` processes, `AHEAD_PER_PROCESS` chunks each ahead
     of the caller, the chunks' results in their order (chunk k goes to process k mod processes). The workers
-    start at once, so that their imports and their copy of the tokenizer are made beside whatever the caller
-    does next (the model's load), not before the first batch. A text-only tokenizer's: an image chat's images are
-    prepared on the tokenizer's image threads, which release the GIL themselves."""
+    start at once and import while the caller loads the tokenizer and then the model; they tokenize once
+    `hand`ed the tokenizer (given here, at once). A text-only tokenizer's: an image chat's images are prepared on
+    the tokenizer's image threads, which release the GIL themselves."""
 
-    def __init__(self, tokenizer: SampleTokenizer, processes: int):
+    def __init__(self, processes: int, tokenizer: SampleTokenizer | None = None):
         if processes < 1:
             raise ValueError(f"TokenizerProcesses needs at least one process, got {processes}")
-        if tokenizer.processor is not None:
-            raise ValueError(
-                f"--tokenizer-processes {processes}: {tokenizer.model} prepares image chats with its HF processor, "
-                "on --image-threads threads of the run's own process; give --tokenizer-processes 0"
-            )
         # A bin/ script finds this package through the checkout it puts on sys.path, which a child does not get.
         here = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
+        self._workers = [_Worker(env) for _ in range(processes)]
+        self._handed = False
+        if tokenizer is not None:
+            try:
+                self.hand(tokenizer)
+            except ValueError:
+                self.close()
+                raise
+
+    def hand(self, tokenizer: SampleTokenizer) -> None:
+        """The tokenizer every worker tokenizes with, once, before any chunk."""
+        if self._handed:
+            raise RuntimeError("the tokenizing processes were handed their tokenizer already")
+        if tokenizer.processor is not None:
+            raise ValueError(
+                f"--tokenizer-processes {self.processes}: {tokenizer.model} prepares image chats with its HF "
+                "processor, on --image-threads threads of the run's own process; give --tokenizer-processes 0"
+            )
         data = pickle.dumps(tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
-        self._workers = [_Worker(data, env) for _ in range(processes)]
+        for worker in self._workers:
+            worker.submit(data)
+        self._handed = True
 
     @property
     def processes(self) -> int:
@@ -124,10 +140,12 @@ class TokenizerProcesses:
         """(key, `from_rows(tokenizer, rows, wanted)`) for each (key, (rows, wanted)) of `chunks`, in order; an error
         a chunk's tokenizing raised (a configuration problem: `SampleTokenizer`) is raised here, where its results
         would have come. Once `close`d, or after an error, no more."""
+        if not self._handed:
+            raise RuntimeError("the tokenizing processes have no tokenizer yet: `hand` it to them first")
         keys: deque = deque()  # of the chunks in flight, the oldest first
         taken = 0
         for given, (key, work) in enumerate(chunks):
-            self._workers[given % len(self._workers)].submit(work)
+            self._workers[given % len(self._workers)].submit(pickle.dumps(work, protocol=pickle.HIGHEST_PROTOCOL))
             keys.append(key)
             if len(keys) >= AHEAD_PER_PROCESS * len(self._workers):
                 yield keys.popleft(), self._workers[taken % len(self._workers)].result()
@@ -158,6 +176,7 @@ def _serve() -> None:
     """A worker: the tokenizer, then for each chunk of rows their ids and samples or rejects, or the error raised."""
     given, made = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # what a library prints must not land among the results
+    _import_what_a_tokenizer_needs()
     tokenizer = pickle.load(given)
     while True:
         try:
@@ -181,6 +200,16 @@ def _serve() -> None:
             made.flush()
         except BrokenPipeError:
             return
+
+
+def _import_what_a_tokenizer_needs() -> None:
+    """transformers' tokenizer classes and what they import (torch among them): most of a worker's start-up,
+    which an HF tokenizer's unpickling would otherwise pay once the tokenizer arrives. The tokenizer's own
+    class module is left to the unpickling."""
+    import transformers
+
+    transformers.AutoTokenizer  # noqa: B018 (transformers imports its modules when first touched)
+    transformers.PreTrainedTokenizerFast  # noqa: B018
 
 
 def _in_words(item):

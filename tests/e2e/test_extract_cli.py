@@ -99,6 +99,9 @@ def test_records_tokenized_on_processes_of_their_own_give_the_same_samples(singl
     assert "records 24: extracted 24, skipped 0, rejected 0, dropped 0" in proc.stderr
     assert_same_samples(single[0], out)
     assert subprocess.run(["pgrep", "-f", "offline_extract.data.tokenizer_processes"]).returncode == 1  # none left
+    # Started before SGLang's import and the tokenizer's load, so that their own imports pass beside those.
+    marks = manifest.load(out)["timings"]["marks"]
+    assert marks["tokenizing processes started"] < min(marks["loading"], marks["tokenizer loading"]), marks
 
 
 def test_shards_carry_provenance_and_parity(single):

@@ -2,6 +2,8 @@ import contextlib
 import json
 import os
 import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -62,7 +64,7 @@ def test_the_processes_give_each_chunk_what_the_tokenizer_gives_it_here_in_the_c
     wanted = [i % 7 != 6 for i in range(60)]  # others' rows and done ones: their ids alone
     chunks = [(k, (read[k * 5 : k * 5 + 5], wanted[k * 5 : k * 5 + 5])) for k in range(12)]
     assert len(chunks) > 3 * AHEAD_PER_PROCESS  # more chunks than are ever in flight
-    with TokenizerProcesses(tokenizer, 3) as apart:
+    with TokenizerProcesses(3, tokenizer) as apart:
         apart.ready()  # as the bench starts its clock: nothing of it comes out later
         got = list(apart.many_ahead(iter(chunks)))
     assert [key for key, _ in got] == list(range(12))
@@ -100,7 +102,7 @@ def test_a_run_reads_the_same_samples_and_rejects_with_the_rows_parsed_in_the_pr
         raise AssertionError("a row parsed in the process that runs the forwards")
 
     monkeypatch.setattr(corpus, "_parse", refused)
-    with TokenizerProcesses(tokenizer, 2) as apart:
+    with TokenizerProcesses(2, tokenizer) as apart:
         there = [run(layout, apart) for layout in layouts]
     for (s_here, r_here, sum_here), (s_there, r_there, sum_there) in zip(here, there):
         assert len(s_here) == len(s_there) and all(_same(a, b) for a, b in zip(s_here, s_there))
@@ -118,7 +120,7 @@ def test_a_record_the_tokenizer_refuses_whole_gives_its_error_in_its_place(tiny_
     hf.chat_template = None
     tokenizer = SampleTokenizer(hf, max_length=64)
     read = _rows(tmp_path, 6)  # a chat, two texts, a chat with no answer, a broken line, a chat
-    with TokenizerProcesses(tokenizer, 2) as apart:
+    with TokenizerProcesses(2, tokenizer) as apart:
         ((_, made),) = apart.many_ahead([("rows", (read, [True] * len(read)))])
     assert [type(m).__name__ for _, m in made] == ["ValueError", "Sample", "Sample", "Reject", "Reject", "ValueError"]
     assert "no chat template" in str(made[0][1])
@@ -140,7 +142,7 @@ def test_a_refused_record_stops_the_run_where_it_comes_unless_its_id_is_a_duplic
 
     def run():
         tally = Tally(None, strict=False, nonfinite="fail")
-        with TokenizerProcesses(tokenizer, processes) if processes else contextlib.nullcontext() as apart:
+        with TokenizerProcesses(processes, tokenizer) if processes else contextlib.nullcontext() as apart:
             samples = [
                 s.id for s in pending_samples([str(corpus)], Share(Layout(), none), tokenizer, none, tally, apart)
             ]
@@ -155,7 +157,7 @@ def test_a_refused_record_stops_the_run_where_it_comes_unless_its_id_is_a_duplic
 
 
 def test_a_worker_killed_from_outside_is_said_and_closing_ends_every_worker(tokenizer, tmp_path):
-    apart = TokenizerProcesses(tokenizer, 2)
+    apart = TokenizerProcesses(2, tokenizer)
     procs = [w.proc for w in apart._workers]
     # Out of the terminal's process group, which a Ctrl-C signals whole: the parent stops them itself.
     assert all(os.getpgid(p.pid) != os.getpgid(0) for p in procs)
@@ -167,19 +169,42 @@ def test_a_worker_killed_from_outside_is_said_and_closing_ends_every_worker(toke
     assert all(p.poll() is not None for p in procs)
 
 
+def test_workers_import_the_tokenizers_libraries_before_they_are_handed_it(tokenizer, tmp_path):
+    # Started before the run has a tokenizer, a worker spends the wait on its imports (transformers, the Rust
+    # tokenizers library, torch), which its tokenizer's unpickling would otherwise pay before the first batch.
+    apart = TokenizerProcesses(1)
+    try:
+        with pytest.raises(RuntimeError, match="no tokenizer yet"):
+            list(apart.many_ahead([(0, ([], []))]))
+        maps = Path(f"/proc/{apart._workers[0].proc.pid}/maps")
+        deadline = time.monotonic() + 120
+        while "tokenizers.abi3.so" not in maps.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "tokenizers.abi3.so" in maps.read_text(), "the worker did not import the tokenizers library"
+        apart.hand(tokenizer)
+        with pytest.raises(RuntimeError, match="handed their tokenizer already"):
+            apart.hand(tokenizer)
+        read = _rows(tmp_path, 6)
+        ((_, made),) = apart.many_ahead([("rows", (read, [True] * len(read)))])
+        here = from_rows(tokenizer, read, [True] * len(read))
+        assert len(made) == len(here) == 6 and all(_same(m, h) for (_, m), (_, h) in zip(made, here))
+    finally:
+        apart.close()
+
+
 def test_an_image_models_tokenizer_is_refused_with_the_option_to_give(tokenizer):
     class WithProcessor:
         processor = object()
         model = "org/vl-model"
 
     with pytest.raises(ValueError, match="org/vl-model prepares image chats.*--tokenizer-processes 0"):
-        TokenizerProcesses(WithProcessor(), 2)
+        TokenizerProcesses(2, WithProcessor())
 
 
 def test_closing_with_results_unread_ends_at_once(tokenizer, tmp_path):
     # Its workers wait to write results nobody reads, its senders to write chunks nobody takes: a run stopped.
     big = [(k, (_rows(tmp_path, 60), [True] * 60)) for k in range(8)]
-    apart = TokenizerProcesses(tokenizer, 2)
+    apart = TokenizerProcesses(2, tokenizer)
     results = apart.many_ahead(iter(big))
     next(results)
     closing = threading.Thread(target=apart.close)
