@@ -63,17 +63,9 @@ echo "sgl-project/SpecForge $commit ($(git --git-dir="$mirror" show -s --format=
 files=$( (for spec in $wanted; do
   name=${spec%%==*}; ver=${spec##*==}; stem=$(echo "$name" | tr 'A-Z-' 'a-z_')
   ls "$cache"/wheels/*.whl | grep -i "/${stem}-${ver}-"
-done; echo "$kernel") | xargs -I{} stat -c '%s {}' {} | sort -rn)
-limit=$((56 * 1024 * 1024)); size=()
-while read -r bytes path; do
-  placed=
-  for ((i = 1; i <= ${#size[@]}; i++)); do
-    if ((size[i - 1] + bytes <= limit)); then size[i - 1]=$((size[i - 1] + bytes)); placed=$i; break; fi
-  done
-  [[ -n $placed ]] || { size+=("$bytes"); placed=${#size[@]}; }
-  mkdir -p "$out/$placed"; cp "$path" "$out/$placed/"
-done <<<"$files"
-parts=${#size[@]}
+done; echo "$kernel") | xargs -I{} stat -c '%s {}' {})
+source "$here/../pack_parts.sh"
+pack_parts "$out" $((56 * 1024 * 1024)) <<<"$files"
 for ((i = 1; i <= parts; i++)); do
   cat >"$out/$i/stage.sh" <<STAGE
 #!/usr/bin/env bash
