@@ -125,6 +125,24 @@ def nvfp4_quantize(states: torch.Tensor, layers: int) -> tuple[torch.Tensor, tor
     packed = torch.empty(rows, width // 2, dtype=torch.uint8, device=device)
     blocks = torch.empty(rows, width // NVFP4_BLOCK, dtype=FP8_DTYPE, device=device)
     scales = torch.empty(rows, layers, dtype=torch.float32, device=device)
+    if states.is_cuda:  # the same bytes in one kernel, where the ops' passes cost a small model's extraction
+        from offline_extract.store.nvfp4_kernel import nvfp4_quantize_rows
+
+        bounds = e2m1_positive_boundaries()
+        blocks_bytes = blocks.view(torch.uint8)
+        nvfp4_quantize_rows(
+            states.contiguous(), layers, packed, blocks_bytes, scales, bounds, NVFP4_BLOCK, FP8_MAX, E2M1_MAX
+        )
+    else:
+        nvfp4_quantize_ops(states, layers, packed, blocks, scales)
+    return packed, blocks, scales
+
+
+def nvfp4_quantize_ops(
+    states: torch.Tensor, layers: int, packed: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor
+) -> None:
+    """`nvfp4_quantize` in torch ops, on any device, filling its allocated outputs."""
+    rows, width = states.shape
     for start, stop in _row_chunks(rows, width):
         n = stop - start
         x = states[start:stop].reshape(n, layers, -1, NVFP4_BLOCK)
@@ -140,7 +158,6 @@ def nvfp4_quantize(states: torch.Tensor, layers: int) -> tuple[torch.Tensor, tor
         packed[start:stop] = pack_nibbles(e2m1_codes(x / step.unsqueeze(-1))).view(n, -1)
         blocks[start:stop] = block.view(n, -1)
         scales[start:stop] = scale
-    return packed, blocks, scales
 
 
 def nvfp4_dequantize(
@@ -193,6 +210,13 @@ def _e2m1_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         mid = torch.tensor((low + high) / 2, dtype=torch.float32)
         boundaries.append(torch.nextafter(mid, torch.tensor(-float("inf"))) if high_code % 2 == 0 else mid)
     return torch.stack(boundaries).to(device), torch.tensor([c for _, c in grid], dtype=torch.uint8, device=device)
+
+
+@functools.cache
+def e2m1_positive_boundaries() -> tuple[float, ...]:
+    """The seven boundaries above zero of `_e2m1_tables`, ascending: a magnitude's code is how many it passes."""
+    boundaries, _ = _e2m1_tables(torch.device("cpu"))
+    return tuple(float(b) for b in boundaries if b > 0)
 
 
 @functools.cache

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from offline_extract.store.codecs import fp8_quantize, nvfp4_dequantize, nvfp4_quantize
+from offline_extract.store.codecs import fp8_quantize, nvfp4_dequantize, nvfp4_quantize, nvfp4_quantize_ops
 from offline_extract.testing.states import residual_like
 
 pytestmark = pytest.mark.gpu
@@ -28,3 +28,12 @@ def test_nvfp4_on_the_gpu_matches_the_cpu():
         assert (g.view(torch.uint8) != c.view(torch.uint8)).float().mean() < 1e-4
     # Decoding multiplies exactly and rounds once, alike on both.
     assert torch.equal(nvfp4_dequantize(*(t.cuda() for t in cpu)).cpu(), nvfp4_dequantize(*cpu))
+
+
+def test_the_nvfp4_kernel_gives_the_torch_ops_bytes_on_the_gpu():
+    x = residual_like(3000, 4, 576).cuda()
+    kernel = nvfp4_quantize(x, layers=4)
+    ops = [torch.empty_like(t) for t in kernel]
+    nvfp4_quantize_ops(x, 4, *ops)
+    for k, o in zip(kernel, ops):
+        assert torch.equal(k.view(torch.uint8), o.view(torch.uint8))
