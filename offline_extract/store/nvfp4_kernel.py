@@ -41,7 +41,7 @@ def _e4m3(v):
     # Subnormal, steps of 2**-9: adding 2**23 rounds to a whole number, to nearest even.
     steps = (v * 512.0 + 8388608.0) - 8388608.0
     small = v < 0.015625
-    value = tl.where(small, steps / 512.0, normal)
+    value = tl.where(small, steps * 0.001953125, normal)  # 2**-9, a product: exact, where PTX divides approximately
     byte = tl.where(small, steps.to(tl.int32), normal_byte)
     return value, tl.where(v != v, 0x7F, byte).to(tl.uint8)
 
@@ -138,9 +138,16 @@ def nvfp4_quantize_rows(
         layers,
         width // layers,
         *boundaries,
-        BLOCK=block,
-        BLOCKS_AT_ONCE=_BLOCKS_AT_ONCE,
-        TOP=top * e2m1_top,
-        BLOCK_TOP=top,
-        E2M1_TOP=e2m1_top,
+        **launch_constants(block, top, e2m1_top),
     )
+
+
+def launch_constants(block: int, top: float, e2m1_top: float) -> dict:
+    """The kernel's constexprs for blocks of `block` elements, e4m3's `top` and e2m1's `e2m1_top`."""
+    return {
+        "BLOCK": block,
+        "BLOCKS_AT_ONCE": _BLOCKS_AT_ONCE,
+        "TOP": top * e2m1_top,
+        "BLOCK_TOP": top,
+        "E2M1_TOP": e2m1_top,
+    }

@@ -77,3 +77,25 @@ def test_the_kernel_gives_the_torch_ops_bytes(tmp_path):
     assert ties[2].abs().max() > 0 and not ties[3].any()
     # Each of those blocks' one element, 6.375 and 7.5 steps of the even scale, saturates at e2m1's 6.
     assert (ties[4][0].item(), ties[5][0].item()) == (6 * 8 * 2**-10, 6 * 2 * 2**-9 * 2**-10)
+
+
+def test_the_kernel_compiles_for_hopper_with_ieee_divisions_only():
+    # Compiled here, without a GPU, by Triton's own ptxas: what the interpreter cannot show is how it lowers.
+    # PTX's approximate division (div.full, div.approx) would round quotients otherwise than the torch ops.
+    from triton import compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from offline_extract.store import codecs
+    from offline_extract.store.nvfp4_kernel import _nvfp4_rows, launch_constants
+
+    pointers = {"states": "*bf16", "packed": "*u8", "blocks": "*u8", "scales": "*fp32"}
+    ints = {name: "i32" for name in ("width", "layers", "hidden")}
+    constexprs = launch_constants(codecs.NVFP4_BLOCK, codecs.FP8_MAX, codecs.E2M1_MAX)
+    signature = {**pointers, **ints, **{f"b{i}": "fp32" for i in range(7)}, **dict.fromkeys(constexprs, "constexpr")}
+    kernel = compile(
+        ASTSource(fn=_nvfp4_rows, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)
+    )
+    ptx = kernel.asm["ptx"]
+    assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
+    assert kernel.asm["cubin"], "ptxas made no binary"
