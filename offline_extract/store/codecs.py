@@ -16,6 +16,7 @@ token scale (absmax / (6 x 448), rounded up to bfloat16) puts the token's larges
 its blocks' scales span e4m3's range below it; without it, activations whose outlier channels pass
 6 x 448 saturate their blocks. On SmolLM2-135M (benchmarks/results/fp4-cpu-20261206) each token keeps a cosine of
 0.993 or more to its bf16 state in every layer, where MXFP4 (an e8m0 scale per 32) keeps 0.974.
+On a GPU its quantizing runs as one Triton kernel (`nvfp4_kernel`), whose bytes are the torch ops'.
 
 zstd (`--compress zstd`): each sample's rows of a tensor become one zstd frame, its bytes grouped by
 significance first (byte planes: the bf16 high bytes, sign and exponent, sit together and compress;
