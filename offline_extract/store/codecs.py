@@ -129,7 +129,7 @@ def nvfp4_quantize(states: torch.Tensor, layers: int) -> tuple[torch.Tensor, tor
     if states.is_cuda:  # the same bytes in one kernel, where the ops' passes cost a small model's extraction
         from offline_extract.store.nvfp4_kernel import nvfp4_quantize_rows
 
-        bounds = e2m1_positive_boundaries()
+        bounds = e2m1_positive_boundaries(device)
         blocks_bytes = blocks.view(torch.uint8)
         nvfp4_quantize_rows(
             states.contiguous(), layers, packed, blocks_bytes, scales, bounds, NVFP4_BLOCK, FP8_MAX, E2M1_MAX
@@ -214,10 +214,10 @@ def _e2m1_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.cache
-def e2m1_positive_boundaries() -> tuple[float, ...]:
-    """The seven boundaries above zero of `_e2m1_tables`, ascending: a magnitude's code is how many it passes."""
-    boundaries, _ = _e2m1_tables(torch.device("cpu"))
-    return tuple(float(b) for b in boundaries if b > 0)
+def e2m1_positive_boundaries(device: torch.device) -> torch.Tensor:
+    """The boundaries above zero of `_e2m1_tables`, ascending: a magnitude's code is how many it passes."""
+    boundaries, _ = _e2m1_tables(device)
+    return boundaries[boundaries > 0].contiguous()
 
 
 @functools.cache

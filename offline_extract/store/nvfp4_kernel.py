@@ -35,9 +35,8 @@ def _e4m3(v):
     bits = v.to(tl.int32, bitcast=True)
     # Normal: 3 mantissa bits kept, the 20 below rounded to nearest even; a carry moves into the exponent.
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    normal_byte = (((normal.to(tl.int32, bitcast=True) >> 23) - 120) << 3) | (
-        (normal.to(tl.int32, bitcast=True) >> 20) & 7
-    )
+    kept = normal.to(tl.int32, bitcast=True)
+    normal_byte = (((kept >> 23) - 120) << 3) | ((kept >> 20) & 7)  # e4m3's exponent bias is float32's less 120
     # Subnormal, steps of 2**-9: adding 2**23 rounds to a whole number, to nearest even.
     steps = (v * 512.0 + 8388608.0) - 8388608.0
     small = v < 0.015625
@@ -61,13 +60,8 @@ def _nvfp4_rows(
     width,
     layers,
     hidden,
-    b0,
-    b1,
-    b2,
-    b3,
-    b4,
-    b5,
-    b6,
+    boundaries,
+    BOUNDARIES: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCKS_AT_ONCE: tl.constexpr,
     TOP: tl.constexpr,
@@ -103,8 +97,9 @@ def _nvfp4_rows(
         # The e2m1 magnitude's code is how many boundaries it passes; ties go to the even code, which the
         # boundaries' placement (`codecs._e2m1_tables`) already holds, alike for either sign.
         a = tl.abs(q)
-        m = (a > b0).to(tl.int32) + (a > b1).to(tl.int32) + (a > b2).to(tl.int32) + (a > b3).to(tl.int32)
-        m += (a > b4).to(tl.int32) + (a > b5).to(tl.int32) + (a > b6).to(tl.int32)
+        m = tl.zeros(a.shape, dtype=tl.int32)
+        for k in tl.static_range(BOUNDARIES):
+            m += (a > tl.load(boundaries + k)).to(tl.int32)
         m = tl.where(q != q, 7, m)  # a damaged token's NaN codes as torch.bucketize puts it: past the last boundary
         code = tl.where((q < 0) & (m > 0), m | 8, m).to(tl.uint8)
         low, high = tl.split(tl.reshape(code, (BLOCKS_AT_ONCE, BLOCK // 2, 2)))
@@ -119,13 +114,13 @@ def nvfp4_quantize_rows(
     packed: torch.Tensor,
     blocks: torch.Tensor,
     scales: torch.Tensor,
-    boundaries: tuple[float, ...],
+    boundaries: torch.Tensor,
     block: int,
     top: float,
     e2m1_top: float,
 ) -> None:
     """Fills `packed`, `blocks` and `scales` (`codecs.nvfp4_quantize`'s outputs, allocated) from contiguous
-    [T, layers*H] `states`; `boundaries` are the seven positive e2m1 bucket boundaries, ascending."""
+    [T, layers*H] `states`; `boundaries` are the positive e2m1 bucket boundaries, ascending, on states' device."""
     rows, width = states.shape
     if rows == 0:
         return
@@ -137,14 +132,16 @@ def nvfp4_quantize_rows(
         width,
         layers,
         width // layers,
-        *boundaries,
-        **launch_constants(block, top, e2m1_top),
+        boundaries,
+        **launch_constants(len(boundaries), block, top, e2m1_top),
     )
 
 
-def launch_constants(block: int, top: float, e2m1_top: float) -> dict:
-    """The kernel's constexprs for blocks of `block` elements, e4m3's `top` and e2m1's `e2m1_top`."""
+def launch_constants(boundaries: int, block: int, top: float, e2m1_top: float) -> dict:
+    """The kernel's constexprs for `boundaries` positive e2m1 boundaries, blocks of `block` elements, e4m3's `top`
+    and e2m1's `e2m1_top`."""
     return {
+        "BOUNDARIES": boundaries,
         "BLOCK": block,
         "BLOCKS_AT_ONCE": _BLOCKS_AT_ONCE,
         "TOP": top * e2m1_top,

@@ -22,7 +22,7 @@ for states, layers in torch.load(sys.argv[1]):
     blocks = torch.empty(rows, width // codecs.NVFP4_BLOCK, dtype=torch.uint8)
     scales = torch.empty(rows, layers, dtype=torch.float32)
     nvfp4_quantize_rows(
-        states, layers, packed, blocks, scales, codecs.e2m1_positive_boundaries(), codecs.NVFP4_BLOCK,
+        states, layers, packed, blocks, scales, codecs.e2m1_positive_boundaries(torch.device('cpu')), codecs.NVFP4_BLOCK,
         codecs.FP8_MAX, codecs.E2M1_MAX,
     )
     out.append((packed, blocks.view(codecs.FP8_DTYPE), scales))
@@ -91,8 +91,8 @@ def test_the_kernel_compiles_for_hopper_with_ieee_divisions_only():
 
     pointers = {"states": "*bf16", "packed": "*u8", "blocks": "*u8", "scales": "*fp32"}
     ints = {name: "i32" for name in ("width", "layers", "hidden")}
-    constexprs = launch_constants(codecs.NVFP4_BLOCK, codecs.FP8_MAX, codecs.E2M1_MAX)
-    signature = {**pointers, **ints, **{f"b{i}": "fp32" for i in range(7)}, **dict.fromkeys(constexprs, "constexpr")}
+    constexprs = launch_constants(7, codecs.NVFP4_BLOCK, codecs.FP8_MAX, codecs.E2M1_MAX)
+    signature = {**pointers, **ints, "boundaries": "*fp32", **dict.fromkeys(constexprs, "constexpr")}
     kernel = compile(
         ASTSource(fn=_nvfp4_rows, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)
     )
