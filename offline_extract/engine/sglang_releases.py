@@ -13,7 +13,8 @@ are the whole of the difference:
   `Req.prefix_indices`; 0.5.23's `Req.prefix_len` and `Req.extend_end`, the prefix read from the request's
   own row (`Req.kv`);
 - the few facts each states otherwise: its tree cache's methods (`NoTreeCache`), where its triton_kernels
-  routing keeps the experts' choice, the attention backends and load formats it accepts.
+  routing keeps the experts' choice, the attention backends and load formats it accepts, and whether its own
+  server can return the aux layers (`Release.serves_aux_layers`, which only the bench's peer reads).
 
 The releases between (0.5.18 to 0.5.22) are refused: 0.5.18 to 0.5.21 each take some of these steps one way
 and some the other, and 0.5.22, which takes them all as 0.5.23 does, has not been run here
@@ -42,6 +43,9 @@ class Release:
     version: str
     torch: str  # the torch its wheel pins
     transformers: str  # the transformers its wheel pins
+    # Whether its server (sglang.Engine) returns EAGLE-3 aux layers without a draft model, through
+    # --enable-return-aux-hidden-states (server_args' exec group); the engine captures them itself either way.
+    serves_aux_layers: bool
 
     # What its server_args.py accepts, for preflight to refuse a mistyped value before SGLang loads.
     @property
@@ -220,11 +224,13 @@ RELEASES = {
             "0.5.17",
             torch="2.11.0",
             transformers="5.12.1",
+            serves_aux_layers=False,
         ),
         _Release0523(
             "0.5.23",
             torch="2.14.1",
             transformers="5.19.0",
+            serves_aux_layers=True,
         ),
     )
 }
