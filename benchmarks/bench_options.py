@@ -9,7 +9,8 @@ from pathlib import Path
 from offline_extract.options import default
 
 SGLANG_ENGINE, SPECFORGE = "sglang-engine", "specforge"  # peers/sglang_engine.py, peers/specforge.py
-OWN_PROCESS = (SGLANG_ENGINE, SPECFORGE)  # run by run_subprocess_peers; hf runs in the bench process
+SGLANG_AUX = "sglang-aux"  # peers/sglang_engine.py --aux-layers: SGLang 0.5.23's capture-only aux mode
+OWN_PROCESS = (SGLANG_ENGINE, SGLANG_AUX, SPECFORGE)  # run by run_subprocess_peers; hf runs in the bench process
 BASELINES = ("hf", *OWN_PROCESS)
 REPO = Path(__file__).resolve().parents[1]
 LOGNORMAL_CAP = 8192  # the synthetic lengths' cap when --max-length is not given
@@ -25,7 +26,7 @@ class PeerOptions:
     specforge_batch_size: int = 32  # its default
     # SpecForge's own default is flashinfer; fa3 is what our rows use on Hopper, so the engines compare.
     specforge_attention_backend: str = "fa3"
-    # sglang-engine on another device than the GPU, with its options there (the CPU tests' torch_native).
+    # The SGLang peers' device where not the GPU, with their options there (the CPU tests' torch_native).
     device: str = "cuda"
     sglang_attention_backend: str | None = None  # None: SGLang's own choice
     sglang_mem_fraction_static: float | None = None  # None: SGLang's own

@@ -611,7 +611,7 @@ def _checked_layout(opts: BenchOptions) -> Layout:
     layout = layout_from_env(opts.tp)
     if set(opts.baselines) - {"hf"} and layout.world_size > 1:
         raise ValueError(
-            f"--baseline sglang-engine and specforge run on one GPU; they cannot be combined with "
+            f"--baseline {', '.join(peers.OWN_PROCESS)} run on one GPU; they cannot be combined with "
             f"--tp or torchrun (world size {layout.world_size})"
         )
     if opts.baselines:

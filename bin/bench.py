@@ -31,9 +31,10 @@ cut short leaves what it measured.
 
 --baseline adds what users would run instead, on the same GPU, model and batches (benchmarks/peers/):
 `hf` (an HF transformers loop with output_hidden_states), `sglang-engine` (sglang.Engine with
-return_hidden_states) and `specforge` (SpecForge 0.2.0's prepare_hidden_states.py on SGLang 0.5.14, from the
-peer bundle). The two SGLang-based peers load the model from its files, so they need --model DIR with
-weights and --load-format auto. Each peer's row, with its per-layer cosine against our states for the
+return_hidden_states), `sglang-aux` (sglang.Engine's capture-only aux mode, enable_return_aux_hidden_states:
+SGLang 0.5.23) and `specforge` (SpecForge 0.2.0's prepare_hidden_states.py on SGLang 0.5.14, from the peer
+bundle). The SGLang-based peers load the model from its files, so they need --model DIR with weights and
+--load-format auto. Each peer's row, with its per-layer cosine against our states for the
 first --cross-check-samples samples, goes to the result's `peers` list.
 """
 

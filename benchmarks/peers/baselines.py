@@ -1,6 +1,6 @@
 """`bin/bench.py --baseline NAME`: the peers' rows next to our extraction, on the same GPU, model and batches.
 
-The peers that run in their own processes (sglang-engine, specforge) go first, each with the whole GPU,
+The peers that run in their own processes (sglang-engine, sglang-aux, specforge) go first, each with the whole GPU,
 before our engine starts; they leave their states for the first `cross_check_samples` samples on disk.
 After our run, our engine prefills exactly those token ids and every layer a peer stored is compared
 with ours (`accounting.LayerTally`). The HF loop runs inside the bench process (`extraction_vs_prefill._hf_pass`);
@@ -24,7 +24,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from benchmarks.bench_options import BASELINES, OWN_PROCESS, REPO, PeerOptions
+from benchmarks.bench_options import BASELINES, OWN_PROCESS, REPO, SGLANG_AUX, PeerOptions
 
 from . import sglang_engine, specforge
 from .accounting import LayerTally, PeerRow, split_layers
@@ -59,13 +59,16 @@ def run_subprocess_peers(
     num_layers: int,
     load_format: str,
 ) -> Iterator[Pending]:
-    """Run sglang-engine and specforge (those of `names`) on our batches, before our engine takes the GPU;
-    each peer is yielded as soon as it finishes, so that its row can be saved before the next part starts."""
+    """Run sglang-engine, sglang-aux and specforge (those of `names`) on our batches, before our engine takes the
+    GPU; each peer is yielded as soon as it finishes, so that its row can be saved before the next part starts."""
     work = Path(popts.workdir)
+    # The aux layers our engine captures by default on Llama (SGLang's EAGLE-3 ones), which SpecForge's are too.
+    layers = tuple(specforge.capture_layers(num_layers))
     runs = {
         sglang_engine.NAME: lambda: _sglang_engine(popts, work, model_dir, batches, warmup, max_length, dtype),
+        SGLANG_AUX: lambda: _sglang_engine(popts, work, model_dir, batches, warmup, max_length, dtype, layers),
         specforge.NAME: lambda: _specforge(
-            popts, work, model_dir, tokenizer, batches, warmup, max_length, specforge.capture_layers(num_layers)
+            popts, work, model_dir, tokenizer, batches, warmup, max_length, list(layers)
         ),
     }
     for name in (n for n in names if n in OWN_PROCESS):
@@ -101,12 +104,11 @@ def _needs_weights(name: str, load_format: str) -> None:
         )
 
 
-def _sglang_engine(popts, work, model_dir, batches, warmup, max_length, dtype) -> Pending:
-    batches_file, result, dump = (
-        work / "batches.npz",
-        work / "sglang_engine.json",
-        work / "sglang_engine_states.safetensors",
-    )
+def _sglang_engine(popts, work, model_dir, batches, warmup, max_length, dtype, aux_layers=()) -> Pending:
+    """sglang-engine, or with `aux_layers` sglang-aux, in its own process."""
+    name = SGLANG_AUX if aux_layers else sglang_engine.NAME
+    stem = name.replace("-", "_")
+    batches_file, result, dump = work / "batches.npz", work / f"{stem}.json", work / f"{stem}_states.safetensors"
     save_batches(batches_file, batches, warmup)
     argv = [
         sys.executable,
@@ -132,6 +134,7 @@ def _sglang_engine(popts, work, model_dir, batches, warmup, max_length, dtype) -
     for flag, value in (
         ("--attention-backend", popts.sglang_attention_backend),
         ("--mem-fraction-static", popts.sglang_mem_fraction_static),
+        ("--aux-layers", ",".join(map(str, aux_layers)) or None),
     ):
         if value is not None:
             argv += [flag, str(value)]
@@ -140,19 +143,17 @@ def _sglang_engine(popts, work, model_dir, batches, warmup, max_length, dtype) -
     launch_to_exit_s = time.perf_counter() - launched
     cmd = shlex.join(["python", *argv[1:]])
     if proc.returncode != 0:
-        return Pending(
-            PeerRow(sglang_engine.NAME, _version("sglang"), cmd, None, None, None, None, error=proc.stderr[-4000:]), []
-        )
+        return Pending(PeerRow(name, _version("sglang"), cmd, None, None, None, None, error=proc.stderr[-4000:]), [])
     tokens = sum(len(ids) for batch in batches for ids in batch)
     return Pending(
-        _sglang_engine_row(json.loads(result.read_text()), cmd, tokens / launch_to_exit_s), dumped_states(dump)
+        _sglang_engine_row(json.loads(result.read_text()), cmd, tokens / launch_to_exit_s), dumped_states(dump, name)
     )
 
 
 def _sglang_engine_row(r: dict, cmd: str, end_to_end_tok_s: float) -> PeerRow:
-    """sglang-engine's row from the result its process wrote."""
+    """sglang-engine's or sglang-aux's row from the result its process wrote."""
     return PeerRow(
-        name=sglang_engine.NAME,
+        name=r["name"],
         version=r["version"],
         command=cmd,
         tok_s=r["tok_s"],
@@ -167,20 +168,21 @@ def _sglang_engine_row(r: dict, cmd: str, end_to_end_tok_s: float) -> PeerRow:
             "after its warm-up batches; start-up excluded",
             # As SpecForge's: every token it was given (warm-up batches too) over its launch-to-exit seconds.
             "end_to_end_tok_s": end_to_end_tok_s,
-            "bytes_per_token": "nothing is written: its returned state stored as bf16, plus an int32 id",
+            "bytes_per_token": "nothing is written: its returned states stored as bf16, plus an int32 id",
         },
     )
 
 
-def dumped_states(dump: Path) -> list[tuple[str, np.ndarray, dict[str, torch.Tensor]]]:
-    """The states sglang-engine dumped for the cross-check, with their ids."""
+def dumped_states(dump: Path, name: str = sglang_engine.NAME) -> list[tuple[str, np.ndarray, dict[str, torch.Tensor]]]:
+    """The states sglang-engine or sglang-aux (`name`) dumped for the cross-check, with their ids: keys
+    `{sample}.input_ids` and `{sample}.{layer}`."""
     from safetensors.torch import load_file
 
-    dumped = load_file(str(dump))
-    return [
-        (f"sglang-engine #{i}", dumped[f"{i}.input_ids"].numpy(), {"final": dumped[f"{i}.final"]})
-        for i in range(len(dumped) // 2)
-    ]
+    samples: dict[int, dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(str(dump)).items():
+        sample, layer = key.split(".", 1)
+        samples.setdefault(int(sample), {})[layer] = tensor
+    return [(f"{name} #{i}", s.pop("input_ids").numpy(), s) for i, s in sorted(samples.items())]
 
 
 def _specforge(popts, work, model_dir, tokenizer, batches, warmup, max_length, layer_ids) -> Pending:

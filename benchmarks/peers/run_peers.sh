@@ -22,14 +22,14 @@ status=1
 # already holds each peer's row from the moment that peer finished.
 keep_peer_files() {
   [[ -f $work/specforge.log ]] && tail -c 4000000 "$work/specforge.log" >"$out/specforge.log"
-  [[ -f $work/sglang_engine.json ]] && cp "$work/sglang_engine.json" "$out/"
+  for f in sglang_engine.json sglang_aux.json; do [[ -f $work/$f ]] && cp "$work/$f" "$out/"; done
   echo "run_peers: exit $status after $((SECONDS - start)) s"
 }
 trap keep_peer_files EXIT
 trap 'status=143; exit 143' TERM
 trap 'status=130; exit 130' INT
 # An earlier run's files on the same machine must not pass for this run's.
-rm -f "$work/specforge.log" "$work/sglang_engine.json"
+rm -f "$work/specforge.log" "$work/sglang_engine.json" "$work/sglang_aux.json"
 bash benchmarks/make_8b_model.sh "$model" || exit 1
 baselines=()
 for b in ${PEERS_BASELINES:-sglang-engine specforge hf}; do baselines+=(--baseline "$b"); done

@@ -9,19 +9,29 @@ from the source alone):
   scheduler calls `.tolist()` on it and pickles it to the tokenizer process, which is where the time goes);
 - the state the logits processor receives, i.e. the final state AFTER the model's final norm on Llama
   (models that hand SGLang a pre-norm state, e.g. DeepSeek-V4 and Step-3.5, return that one instead);
-- no EAGLE-3 aux layers: SGLang only captures them when it runs EAGLE-3 speculative decoding with a draft
-  model, and then the returned state is the concatenated aux layers instead of the final one;
+- no EAGLE-3 aux layers: SGLang 0.5.17 only captures them when it runs EAGLE-3 speculative decoding with a
+  draft model, and then the returned state is the concatenated aux layers instead of the final one (0.5.23
+  also in its capture-only mode, below);
 - `max_new_tokens=0` returns no states at all, so each request generates one token (one extra sampling
   step, no decode forward);
 - the radix cache is disabled: a prompt prefix found in the cache is not recomputed and its rows are
   missing from the returned states (every synthetic chat starts with the same header tokens).
 
+With `--aux-layers` it is the sglang-aux peer: SGLang 0.5.23's capture-only mode
+(`enable_return_aux_hidden_states`, no draft model), whose `meta_info["hidden_states"][0]` is instead a
+[T][k*H] list, the k aux layers side by side in ascending order, and no final state (read from 0.5.23's
+logits_processor.py `_get_hidden_states_to_store`, tested on CPU by test_peers.py). Its layer ids go through
+the model file's set_eagle3_layers_to_capture, which on Llama adds one to each: our ids are handed over as
+engine/families.py's capture rule of the architecture turns them, so layer id k is HF hidden_states[k+1]
+here too. An SGLang without the mode (0.5.17) is refused before it starts.
+
 It takes the benchmark's batches (`corpus.save_batches`), prefills them through the engine, converts each
-sample's states to a bf16 tensor as a user would before saving them, and writes a JSON result; the first
-`--dump-samples` timed samples' states go to a safetensors file for the cross-check against ours.
+sample's states to a tensor of the run's dtype as a user would before saving them, and writes a JSON result;
+the first `--dump-samples` timed samples' states go to a safetensors file for the cross-check against ours.
 
 \b
     python -m benchmarks.peers.sglang_engine --model DIR --batches batches.npz --result r.json --dump s.safetensors
+    python -m benchmarks.peers.sglang_engine --aux-layers 1,15,28 --model DIR --batches b.npz --result r.json
 """
 
 from __future__ import annotations
@@ -39,9 +49,10 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks` importable fro
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import command_line, program
-from benchmarks.bench_options import SGLANG_ENGINE
-from benchmarks.peers.accounting import TreePeakRss
+from benchmarks.bench_options import SGLANG_AUX, SGLANG_ENGINE
+from benchmarks.peers.accounting import TreePeakRss, split_layers
 from benchmarks.peers.corpus import load_batches
+from offline_extract.engine.sglang_releases import RELEASES, installed
 
 if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
     # A CPU run (the tests'): SGLang's scheduler process re-imports this module and needs the same setup.
@@ -52,8 +63,8 @@ if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
 NAME = SGLANG_ENGINE
 
 
-def returned_states(output: dict, num_tokens: int, sample: str) -> torch.Tensor:
-    """The [T, H] prompt states of one generate() output, as bf16."""
+def returned_states(output: dict, num_tokens: int, sample: str, dtype: torch.dtype) -> torch.Tensor:
+    """The [T, W] prompt states of one generate() output (W: the final state's width, or the aux layers')."""
     parts = output["meta_info"].get("hidden_states")
     if not parts:
         raise RuntimeError(f"{sample}: SGLang returned no hidden states (is enable_return_hidden_states set?)")
@@ -64,18 +75,39 @@ def returned_states(output: dict, num_tokens: int, sample: str) -> torch.Tensor:
             f"{sample}: expected one block of {num_tokens} prompt rows, got {len(parts)} parts with "
             f"{[len(p) for p in parts]} rows"
         )
-    return torch.tensor(rows, dtype=torch.bfloat16)
+    return torch.tensor(rows, dtype=dtype)
+
+
+def aux_mode(model: str, layer_ids: tuple[int, ...]) -> dict:
+    """The server arguments of SGLang's capture-only aux mode for our `layer_ids`, where the installed SGLang
+    has it."""
+    release = installed()
+    if not release.serves_aux_layers:
+        having = " and ".join(r.version for r in RELEASES.values() if r.serves_aux_layers)
+        raise RuntimeError(
+            f"{SGLANG_AUX} runs SGLang's capture-only aux mode (--enable-return-aux-hidden-states), which SGLang "
+            f"{release.version} lacks; run the bench where SGLang {having} is installed"
+        )
+    from offline_extract.engine.sglang_adapter import capture_rule
+
+    architecture = json.loads((Path(model) / "config.json").read_text())["architectures"][0]
+    return dict(
+        enable_return_aux_hidden_states=True,
+        # Only names the capture convention: SGLang resets it, so no draft is loaded and nothing is speculated.
+        speculative_algorithm="EAGLE3",
+        return_aux_hidden_state_layer_ids=capture_rule(architecture, model).ids_for_points([k + 1 for k in layer_ids]),
+    )
 
 
 def _engine(model: str, dtype: str, device: str, longest: int, max_length: int, **kwargs):
-    """SGLang's engine as a user would start it for hidden states, with room for `longest` tokens a prefill."""
+    """SGLang's engine as a user would start it for hidden states, with room for `longest` tokens a prefill;
+    `kwargs` are its further server arguments (the hidden-state mode, the attention backend, the memory)."""
     import sglang
 
     return sglang.Engine(
         model_path=model,
         dtype=dtype,
         device=device,
-        enable_return_hidden_states=True,
         skip_tokenizer_init=True,
         disable_radix_cache=True,
         chunked_prefill_size=-1,
@@ -94,9 +126,12 @@ def _engine(model: str, dtype: str, device: str, longest: int, max_length: int, 
     )
 
 
-def _prefilled(engine, batches: list, warmup: int, dump_samples: int) -> tuple[int, float, dict[str, torch.Tensor]]:
+def _prefilled(
+    engine, batches: list, warmup: int, dump_samples: int, dtype: torch.dtype, keys: list[str]
+) -> tuple[int, float, dict[str, torch.Tensor]]:
     """The timed batches' tokens and seconds, after the warm-up ones, and the first `dump_samples` timed samples'
-    ids and returned states."""
+    ids and returned states, keyed `{sample}.input_ids` and `{sample}.{key}`, the returned width split into
+    `keys` in order."""
 
     def prefill(batch, keep: dict | None) -> int:
         outs = engine.generate(
@@ -105,11 +140,12 @@ def _prefilled(engine, batches: list, warmup: int, dump_samples: int) -> tuple[i
             return_hidden_states=True,
         )
         for ids, out in zip(batch, outs):
-            states = returned_states(out, len(ids), f"sample of {len(ids)} tokens")
-            if keep is not None and len(keep) < 2 * dump_samples:
-                n = len(keep) // 2
+            states = returned_states(out, len(ids), f"sample of {len(ids)} tokens", dtype)
+            n = None if keep is None else sum(key.endswith(".input_ids") for key in keep)
+            if n is not None and n < dump_samples:
                 keep[f"{n}.input_ids"] = torch.from_numpy(ids.astype("int32"))
-                keep[f"{n}.final"] = states
+                # Copies: safetensors refuses tensors that share their storage.
+                keep.update({f"{n}.{key}": state.clone() for key, state in split_layers(states, None, keys).items()})
         return sum(len(s) for s in batch)
 
     for batch in batches[:warmup]:
@@ -132,7 +168,12 @@ def run(
     mem_fraction_static: float | None,
     max_length: int,
     command: str,
+    aux_layers: tuple[int, ...] = (),
 ) -> dict:
+    """Prefill the batches through sglang.Engine, its final state returned, or with `aux_layers` (our layer ids)
+    those aux layers instead (the sglang-aux peer); write the result row and the dumped states."""
+    # Refused before anything starts: an SGLang without the mode would only fail on an unknown argument.
+    mode = aux_mode(model, aux_layers) if aux_layers else {"enable_return_hidden_states": True}
     if device == "cpu":
         from offline_extract.engine.sglang_adapter import prepare_process
 
@@ -145,17 +186,18 @@ def run(
     kwargs = {
         k: v for k, v in (("attention_backend", attention_backend), ("mem_fraction_static", mem_fraction_static)) if v
     }
+    keys = [str(k) for k in aux_layers] or ["final"]
     with TreePeakRss(os.getpid()) as rss:
-        engine = _engine(model, dtype, device, largest, max_length, **kwargs)
+        engine = _engine(model, dtype, device, largest, max_length, **mode, **kwargs)
         try:
-            tokens, seconds, keep = _prefilled(engine, batches, warmup, dump_samples)
+            tokens, seconds, keep = _prefilled(engine, batches, warmup, dump_samples, getattr(torch, dtype), keys)
         finally:
             engine.shutdown()
-    hidden = int(next(v for k, v in keep.items() if k.endswith(".final")).shape[1]) if keep else None
+    width = sum(int(keep[f"0.{key}"].shape[1]) for key in keys) if keep else None
     if dump is not None:
         save_file(keep, str(dump))
     row = {
-        "name": NAME,
+        "name": SGLANG_AUX if aux_layers else NAME,
         "version": sglang.__version__,
         "command": command,
         "tok_s": tokens / seconds,
@@ -163,10 +205,10 @@ def run(
         "num_samples": sum(len(b) for b in batches[warmup:]),
         "wall_s": seconds,
         "host_peak_rss_bytes": rss.peak,
-        # Nothing is written: the figure is what its returned state takes stored as ours are (bf16 state
+        # Nothing is written: the figure is what its returned states take stored as ours are (bf16 states
         # plus an int32 id a token).
-        "bytes_per_token": 2 * hidden + 4 if hidden else None,
-        "stores": {"layers": ["final"], "norm": "post-norm (Llama)", "per_token": True},
+        "bytes_per_token": 2 * width + 4 if width else None,
+        "stores": {"layers": keys, "norm": None if aux_layers else "post-norm (Llama)", "per_token": True},
         "dump": str(dump) if dump is not None else None,
     }
     result.write_text(json.dumps(row, indent=2) + "\n")
@@ -195,23 +237,15 @@ def run(
 @click.option("--attention-backend", default=None, help="Default: SGLang's own choice (fa3 on Hopper).")
 @click.option("--mem-fraction-static", default=None, type=float, help="Default: SGLang's own.")
 @click.option("--max-length", default=8192, show_default=True, help="Longest sample in tokens.")
-def main(
-    model, batches_path, result, dump, dump_samples, dtype, device, attention_backend, mem_fraction_static, max_length
-):
+@click.option(
+    "--aux-layers",
+    default=None,
+    help="Comma-separated layer ids (ours: id k = HF hidden_states[k+1]): run the sglang-aux peer, SGLang's "
+    "capture-only aux mode (0.5.23), returning these layers instead of the final state.",
+)
+def main(aux_layers, **options):
     command = command_line("python -m benchmarks.peers.sglang_engine")
-    row = run(
-        model,
-        batches_path,
-        result,
-        dump,
-        dump_samples,
-        dtype,
-        device,
-        attention_backend,
-        mem_fraction_static,
-        max_length,
-        command,
-    )
+    row = run(**options, command=command, aux_layers=tuple(int(k) for k in aux_layers.split(",")) if aux_layers else ())
     print(json.dumps(row, indent=2))
 
 

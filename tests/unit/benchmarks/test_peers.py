@@ -1,6 +1,6 @@
 """The CPU-checkable parts of the peer comparison (benchmarks/peers/): corpus hand-off, accounting, reading
-SpecForge's output layout, SGLang's own return_hidden_states path against our engine, and the result files
-that a bench cut short leaves."""
+SpecForge's output layout, SGLang's own return_hidden_states path and its capture-only aux mode against our
+engine, and the result files that a bench cut short leaves."""
 
 import json
 import os
@@ -24,6 +24,8 @@ from benchmarks.peers.sglang_engine import returned_states
 from benchmarks.peers.table import rows
 from offline_extract.data.tokenization import SampleTokenizer
 from offline_extract.engine.distributed import Layout
+from offline_extract.engine.parity import TOLERANCES
+from offline_extract.engine.sglang_releases import installed
 
 
 @pytest.fixture(scope="module")
@@ -180,11 +182,11 @@ def test_specforge_command_is_its_documented_launch(tmp_path):
 
 def test_returned_states_take_the_one_prompt_block():
     out = {"meta_info": {"hidden_states": [[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]]}}
-    assert returned_states(out, 3, "s").tolist() == [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]
+    assert returned_states(out, 3, "s", torch.bfloat16).tolist() == [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]
     with pytest.raises(RuntimeError, match="one block of 4"):
-        returned_states(out, 4, "s")
+        returned_states(out, 4, "s", torch.bfloat16)
     with pytest.raises(RuntimeError, match="no hidden states"):
-        returned_states({"meta_info": {}}, 3, "s")
+        returned_states({"meta_info": {}}, 3, "s", torch.bfloat16)
 
 
 def test_cross_check_fills_the_row_and_unknown_baselines_are_refused():
@@ -337,6 +339,61 @@ def test_sglang_return_hidden_states_is_our_post_norm_final_state(tmp_path, tiny
     assert set(checked.cosine_vs_ours) == {"final"} and final["samples"] == 3
     # Stored as bf16 by the peer module, as a user would keep them.
     assert final["cosine_min"] > 0.9999 and final["norm_ratio_mean"] == pytest.approx(1.0, abs=1e-2)
+
+
+@pytest.mark.slow
+def test_sglang_aux_returns_our_aux_layers_where_sglang_has_the_mode(
+    request, tmp_path, tiny_model_dir, hf_tokenizer, seqs
+):
+    """The bench's sglang-aux peer on CPU in fp32, through the real sglang.Engine in its own process. Under an
+    SGLang with the capture-only aux mode (0.5.23), the layers it returns for our layer ids, handed over through
+    the model file's capture rule, are ours token for token, to fp32 rounding; under one without it (0.5.17)
+    the peer is refused, naming the release it needs."""
+    popts = baselines.PeerOptions(
+        workdir=str(tmp_path / "work"),
+        cross_check_samples=3,
+        device="cpu",
+        sglang_attention_backend="torch_native",
+        sglang_mem_fraction_static=0.5,
+    )
+    [pending] = baselines.run_subprocess_peers(
+        ["sglang-aux"],
+        popts,
+        model_dir=tiny_model_dir,
+        tokenizer=hf_tokenizer,
+        batches=[seqs[:2], seqs[2:5], seqs[5:6]],
+        warmup=1,
+        max_length=2048,
+        dtype="float32",
+        num_layers=8,
+        load_format="auto",
+    )
+    row, release = pending.row, installed()
+    if not release.serves_aux_layers:
+        assert row.name == "sglang-aux" and not pending.states
+        assert (
+            "RuntimeError: sglang-aux runs SGLang's capture-only aux mode (--enable-return-aux-hidden-states), "
+            f"which SGLang {release.version} lacks; run the bench where SGLang 0.5.23 is installed"
+        ) in row.error
+        return
+    assert row.error is None, row.error
+    assert (row.name, row.version) == ("sglang-aux", release.version)
+    assert row.notes["stores"]["layers"] == ["1", "3", "4"] and row.bytes_per_token == 2 * 3 * 64 + 4
+    engine = request.getfixturevalue("tiny_engine")
+    assert tuple(engine.layer_ids) == (1, 3, 4), "the bench's layers are our engine's default ones"
+    ours = baselines.our_states(engine)
+    assert [len(ids) for _, ids, _ in pending.states] == [len(s) for s in seqs[2:5]], "the first timed samples"
+    for sample, ids, theirs in pending.states:
+        mine = ours(ids)
+        assert set(theirs) == {"1", "3", "4"}
+        for key, state in theirs.items():
+            bound = TOLERANCES["float32"]["max_rel"] * mine[key].abs().max().item()
+            assert state.dtype == torch.float32 and (state - mine[key]).abs().max().item() <= bound, (sample, key)
+        # The bound tells layers apart: the next layer's state is far outside it.
+        assert (theirs["3"] - mine["4"]).abs().max().item() > 100 * bound
+    checked = baselines.cross_check(pending, ours)
+    assert set(checked.cosine_vs_ours) == {"1", "3", "4"}
+    assert all(v["cosine_min"] > 0.99999 and v["samples"] == 3 for v in checked.cosine_vs_ours.values())
 
 
 # Stands in for SpecForge's script in the test below: reads the arguments and the corpus the bench hands it,
