@@ -13,6 +13,8 @@ under Triton's interpreter on the CPU, and tests/gpu/test_gpu_codecs.py on the G
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -124,17 +126,19 @@ def nvfp4_quantize_rows(
     rows, width = states.shape
     if rows == 0:
         return
-    _nvfp4_rows[(rows, layers)](
-        states,
-        packed,
-        blocks,
-        scales,
-        width,
-        layers,
-        width // layers,
-        boundaries,
-        **launch_constants(len(boundaries), block, top, e2m1_top),
-    )
+    # Triton launches on the current device, whatever device the pointers are on.
+    with torch.cuda.device(states.device) if states.is_cuda else contextlib.nullcontext():
+        _nvfp4_rows[(rows, layers)](
+            states,
+            packed,
+            blocks,
+            scales,
+            width,
+            layers,
+            width // layers,
+            boundaries,
+            **launch_constants(len(boundaries), block, top, e2m1_top),
+        )
 
 
 def launch_constants(boundaries: int, block: int, top: float, e2m1_top: float) -> dict:
