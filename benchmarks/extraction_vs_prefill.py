@@ -1140,7 +1140,7 @@ def _cold_start(engine: Engine, batches: list[Batch], timeline: Timeline) -> dic
         "cold_batch_s": seconds,
         "cold_tok_s": tokens / sum(seconds) if seconds else None,
         # SGLang's nvcc-built modules, built while the model loaded; the first batch waited for the rest.
-        **engine.prebuild_report(),
+        **engine.compiles.report(),
     }
 
 

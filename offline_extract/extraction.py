@@ -550,6 +550,7 @@ class Job:
                 if opts.warm_up and torch.device(checked.device).type == "cuda":  # nothing compiles on CPU
                     self.engine.warm_up()
                 self.timeline.mark("warm")
+                self.engine.compiles.warm()
                 startup_gc.start_up_done()
                 self._cached_when_warm = jit_cache_files(self.engine.jit_caches)
                 if beside is not None:
@@ -562,7 +563,7 @@ class Job:
             finally:
                 if beside is not None:
                     beside.settle()
-        prebuilt = self.engine.prebuild_report()
+        prebuilt = self.engine.compiles.report()
         for name, why in prebuilt.get("prebuild_failed", {}).items():
             note(f"kernel prebuild: {name} failed ({why}); SGLang builds it when the forward first needs it")
         for why in prebuilt.get("routing_prebuild_failed", []):
@@ -581,7 +582,7 @@ class Job:
 
     def _timings(self) -> dict:
         timings = run_timings(
-            self.timeline, self.layout.dp_size, self.extract.waits, self.gate.timings, self.engine.prebuild_report
+            self.timeline, self.layout.dp_size, self.extract.waits, self.gate.timings, self.engine.compiles.report
         )
         # What compiled once the run was warm is what its warm-up missed: the first batches paid for it.
         compiled = sorted(jit_cache_files(self.engine.jit_caches) - self._cached_when_warm)

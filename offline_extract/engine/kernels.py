@@ -249,6 +249,105 @@ class KernelPrebuild:
         }
 
 
+# The slowest of a run's Triton compiles its manifest names, each with its seconds and specialization.
+NAMED_TRITON_COMPILES = 40
+
+
+class TritonCompiles:
+    """Each Triton kernel this process compiles from now on (one found in `--jit-cache` compiles nothing and is
+    only counted), split at the warm-up's end (`warm`): its name, the constants it was specialized on and the
+    seconds its compile took, so that a fresh machine's start-up says which kernels its seconds went to.
+    Triton calls it from its compiler (`knobs.compilation.listener`), on whatever thread compiles; a listener
+    set before it still hears every compile."""
+
+    def __init__(self):
+        from triton import knobs
+
+        self._before = knobs.compilation.listener
+        self._lock = threading.Lock()
+        self._compiled: list[tuple[str, str, float]] = []
+        self._loaded = 0
+        self._warm_at: int | None = None
+        knobs.compilation.listener = self._heard
+
+    def _heard(self, *, src, metadata, metadata_group, times, cache_hit) -> None:
+        if self._before is not None:
+            self._before(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+        seconds = (times.ir_initialization + times.total_lowering + times.store_results) / 1e6
+        with self._lock:
+            if cache_hit:
+                self._loaded += 1
+            else:
+                self._compiled.append((src.name, _specialization(src), seconds))
+
+    def warm(self) -> None:
+        """The warm-up has ended: what compiles from now on, the extraction's first batches paid for."""
+        with self._lock:
+            self._warm_at = len(self._compiled)
+
+    def report(self) -> dict:
+        """The compiles until the warm-up's end (`triton_compiled`, `triton_compile_s`, the slowest of them in
+        `triton_kernels`), those after it (`triton_compiled_in_extraction`, their names), and the kernels
+        loaded from the cache (`triton_loaded`)."""
+        with self._lock:
+            compiled, loaded = list(self._compiled), self._loaded
+            warm = len(compiled) if self._warm_at is None else self._warm_at
+        start_up, later = compiled[:warm], compiled[warm:]
+        slowest = sorted(start_up, key=lambda c: -c[2])[:NAMED_TRITON_COMPILES]
+        return {
+            "triton_compiled": len(start_up),
+            "triton_compile_s": sum(seconds for *_, seconds in start_up),
+            "triton_kernels": [{"kernel": k, "specialized": spec, "seconds": s} for k, spec, s in slowest],
+            "triton_compiled_in_extraction": len(later),
+            "triton_compiled_in_extraction_kernels": sorted({k for k, *_ in later})[:NAMED_TRITON_COMPILES],
+            "triton_loaded": loaded,
+        }
+
+
+class Compiles:
+    """What one engine compiles, and when: its nvcc-built modules built ahead (`KernelPrebuild`, on a GPU), a MoE
+    model's routing compiled during the warm-up (`RoutingPrebuild`'s report, set by it) and Triton's compiles
+    (`TritonCompiles`, where Triton is installed), reported together in the run's timings."""
+
+    def __init__(self, prebuild: KernelPrebuild | None):
+        self.prebuild = prebuild
+        self.routing: dict = {}
+        try:
+            self.triton: TritonCompiles | None = TritonCompiles()
+        except ImportError:  # torch's CPU wheels come without Triton: nothing compiles with it
+            self.triton = None
+
+    def loaded(self) -> None:
+        if self.prebuild is not None:
+            self.prebuild.loaded()
+
+    def before_forward(self) -> None:
+        """Until the prebuild's modules are built (`KernelPrebuild.wait`), which the forward calls."""
+        if self.prebuild is not None:
+            self.prebuild.wait()
+
+    def warm(self) -> None:
+        """The start-up is over, warmed up or not: what compiles from now on, the extraction pays for."""
+        if self.triton is not None:
+            self.triton.warm()
+
+    def report(self) -> dict:
+        return {
+            **(self.prebuild.report() if self.prebuild is not None else {}),
+            **self.routing,
+            **(self.triton.report() if self.triton is not None else {}),
+        }
+
+
+def _specialization(src) -> str:
+    """A compiled kernel's constants (its constexprs and the arguments Triton specialized to a value), by name."""
+    try:
+        names = src.fn.arg_names
+        return ", ".join(f"{names[k[0]]}={v}" for k, v in sorted(src.constants.items()) if len(k) == 1)[:200]
+    except (AttributeError, IndexError, TypeError):  # a source of another kind, or another Triton's layout
+        return ""
+
+
 # Processes compiling a MoE model's routing for one GPU at most (`RoutingPrebuild`): each holds a CUDA context
 # (a few hundred MB of the GPU) while it runs.
 MOST_ROUTING_COMPILERS = 8

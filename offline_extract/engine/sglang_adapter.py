@@ -27,7 +27,14 @@ import torch
 
 from offline_extract.data.images import Images
 from offline_extract.engine.families import FAMILIES, CaptureRule
-from offline_extract.engine.kernels import KernelPrebuild, RoutingPrebuild, kernel_shapes, prebuild_calls, use_jit_cache
+from offline_extract.engine.kernels import (
+    Compiles,
+    KernelPrebuild,
+    RoutingPrebuild,
+    kernel_shapes,
+    prebuild_calls,
+    use_jit_cache,
+)
 from offline_extract.engine.moe import (
     recording_routing,
     routed_expert_count,
@@ -475,7 +482,7 @@ class Engine:
         sa = _server_args(cfg, self.attention_backend)
         mc = _model_config(sa, self.attention_backend, cfg)
         # On CPU nothing is compiled: the torch_native path calls none of these modules.
-        self.prebuild = (
+        self.compiles = Compiles(
             KernelPrebuild(
                 lambda: prebuild_calls(kernel_shapes(mc, cfg.tp_size)), self.jit_caches["TVM_FFI_CACHE_DIR"], cfg.gpu_id
             )
@@ -501,14 +508,7 @@ class Engine:
         if self.architecture in IMAGE_MODELS:
             init_embedding_cache()
         self._host_work = HostWork()
-        self._routing_report: dict = {}
-        if self.prebuild is not None:
-            self.prebuild.loaded()
-
-    def prebuild_report(self) -> dict:
-        """`KernelPrebuild.report`, and `RoutingPrebuild.wait`'s once the warm-up ran one; empty on CPU, where
-        nothing is built."""
-        return {**(self.prebuild.report() if self.prebuild is not None else {}), **self._routing_report}
+        self.compiles.loaded()
 
     def _configure_capture(self, model, requested: tuple[int, ...] | None) -> tuple[int, ...]:
         return self._states.configure(model, requested)
@@ -530,7 +530,7 @@ class Engine:
 
     def warm_up(self) -> None:
         """`warm_up` of this engine."""
-        self._routing_report = warm_up(self)
+        self.compiles.routing = warm_up(self)
 
     @property
     def warm_up_tokens(self) -> int:
@@ -686,8 +686,7 @@ class Engine:
             )
 
     def _extend(self, reqs: list, capture: bool) -> Captured | None:
-        if self.prebuild is not None:
-            self.prebuild.wait()
+        self.compiles.before_forward()
         self._states.switch(capture, pre_norm=self.final_state == "pre-norm")
         _forward(self.runner, reqs, capture)
         if not capture:

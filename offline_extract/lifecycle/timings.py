@@ -20,7 +20,7 @@ def run_timings(
     the last forward enqueued to the run's end (its states to the host, the last shards, under data
     parallelism the wait for the other replicas to finish theirs, rejects and index); `marks` holds every
     point of the timeline, counted from the interpreter's start. `gate` gives the parity gate's split
-    (`ParityGate.timings`), `prebuild` the kernel prebuild's (`Engine.prebuild_report`), `waits` the hot
+    (`ParityGate.timings`), `prebuild` what the engine compiled (`kernels.Compiles.report`), `waits` the hot
     loop's waits between forwards (`ExtractPhase.waits`).
 
     The tokenizer counts as ours only for the time the run waited for it: loaded beside SGLang's load
@@ -84,6 +84,8 @@ def timing_line(t: dict) -> str:
         if "prebuild_s" in t
         else ""
     )
+    if t.get("triton_compiled"):
+        prebuild += f" (Triton: {plural(t['triton_compiled'], 'kernel')} compiled in {t['triton_compile_s']:.1f} s)"
     if "routing_prebuild_s" in t:
         prebuild += (
             f" (MoE routing for {t['routing_prebuild_token_counts']} token counts {t['routing_prebuild_s']:.1f} s, "

@@ -188,6 +188,10 @@ def test_the_start_up_line_names_the_kernel_prebuild_where_one_ran(single):
     assert not [key for key in t if key.startswith("prebuild")] and "prebuild" not in timing_line(t)
     line = timing_line({**t, "prebuild_s": 11.04, "prebuild_during_load_s": 9.51})
     assert f"warm-up {t['warm_up_s']:.1f} s (kernel prebuild 11.0 s, 9.5 s of it during the load)" in line
+    # Nor does the CPU engine compile a Triton kernel; a GPU's first run says how many its start-up compiled.
+    assert t["triton_compiled"] == 0 and "Triton" not in timing_line(t)
+    line = timing_line({**t, "triton_compiled": 19, "triton_compile_s": 28.04})
+    assert "(Triton: 19 kernels compiled in 28.0 s)" in line
 
 
 def test_the_closing_lines_give_the_commands_to_inspect_and_export_the_output_and_they_run(single):

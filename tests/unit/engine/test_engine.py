@@ -350,8 +350,11 @@ def test_a_cpu_engine_where_cuda_already_started_is_refused_with_the_way_out(mon
 
 
 def test_the_cpu_engine_prebuilds_no_kernel(engine):
-    """The torch_native path calls none of SGLang's nvcc-built modules (and there is no nvcc)."""
+    """The torch_native path calls none of SGLang's nvcc-built modules (and there is no nvcc), and its load and
+    forwards compile no Triton kernel."""
     import threading
 
-    assert engine.prebuild is None and engine.prebuild_report() == {}
+    report = engine.compiles.report()
+    assert engine.compiles.prebuild is None and not any(key.startswith("prebuild") for key in report)
+    assert (report["triton_compiled"], report["triton_compiled_in_extraction"]) == (0, 0), report
     assert not [t.name for t in threading.enumerate() if t.name.startswith("prebuild ")]

@@ -150,3 +150,40 @@ def test_a_routing_prebuild_that_cannot_compile_is_recorded_not_raised(tmp_path)
     assert all(("CUDA" in why or "NVIDIA" in why) for why in report["routing_prebuild_failed"]), report
     assert 0 < report["routing_prebuild_s"] and prebuild.wait() == report
     prebuild.stop()  # nothing left running: a no-op
+
+
+def test_triton_compiles_names_each_kernel_compiled_and_splits_them_at_the_warm_up(tmp_path, monkeypatch):
+    """Compiled here for Hopper by Triton's own ptxas, as a forward's first launch compiles on a GPU: the
+    listener hears the compiler, whatever launched it."""
+    import triton
+    import triton.language as tl
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from offline_extract.engine.kernels import TritonCompiles
+
+    @triton.jit
+    def doubled(x, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(x + i, tl.load(x + i) * 2)
+
+    def compile_for(block: int) -> None:
+        source = ASTSource(fn=doubled, signature={"x": "*fp32", "BLOCK": "constexpr"}, constexprs={"BLOCK": block})
+        triton.compile(source, target=GPUTarget("cuda", 90, 32))
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    heard = []
+    monkeypatch.setattr(knobs.compilation, "listener", lambda **kw: heard.append(kw["cache_hit"]))
+    compiles = TritonCompiles()
+    compile_for(16)
+    compile_for(16)  # from the cache: nothing compiles
+    compiles.warm()
+    compile_for(32)
+    report = compiles.report()
+    assert (report["triton_compiled"], report["triton_loaded"], report["triton_compiled_in_extraction"]) == (1, 1, 1)
+    ((kernel,),) = [report["triton_kernels"]]
+    assert kernel["kernel"] == "doubled" and kernel["specialized"] == "BLOCK=16" and kernel["seconds"] > 0
+    assert report["triton_compile_s"] == kernel["seconds"]
+    assert report["triton_compiled_in_extraction_kernels"] == ["doubled"]
+    assert heard == [False, True, False], "the listener set before it hears every compile too"
