@@ -177,7 +177,10 @@ def _serve() -> None:
     given, made = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # what a library prints must not land among the results
     _import_what_a_tokenizer_needs()
-    tokenizer = pickle.load(given)
+    try:
+        tokenizer = pickle.load(given)
+    except EOFError:  # the parent ended before it had a tokenizer to hand (a run stopped while starting up)
+        return
     while True:
         try:
             work = pickle.load(given)

@@ -1,6 +1,8 @@
 import contextlib
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -190,6 +192,19 @@ def test_workers_import_the_tokenizers_libraries_before_they_are_handed_it(token
         assert len(made) == len(here) == 6 and all(_same(m, h) for (_, m), (_, h) in zip(made, here))
     finally:
         apart.close()
+
+
+def test_a_worker_whose_parent_ends_before_handing_it_a_tokenizer_ends_quietly():
+    # Started before the run has its tokenizer, a worker outlives a run stopped during its start-up: the
+    # parent's exit closes its stdin, and a traceback would land in the user's terminal seconds after.
+    done = subprocess.run(
+        [sys.executable, "-m", "offline_extract.data.tokenizer_processes"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (done.returncode, done.stderr) == (0, "")
 
 
 def test_an_image_models_tokenizer_is_refused_with_the_option_to_give(tokenizer):
