@@ -8,6 +8,7 @@ global process group (SGLang refuses one whose size differs from its TP size).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -172,15 +173,18 @@ class Coordinator:
         self.layout = layout
         self.store = None
         self._peer_timeout = peer_timeout.total_seconds()
+        self._stopped = threading.Event()
         if layout.world_size > 1:
             self.store = self._connect(namespace, connect_timeout)
             # Its own connection: the waits of the main thread hold theirs for seconds at a time.
-            threading.Thread(
+            beat = threading.Thread(
                 target=self._beat,
                 args=(self._connect(namespace, connect_timeout),),
                 daemon=True,
                 name="offline_extract-heartbeat",
-            ).start()
+            )
+            beat.start()
+            atexit.register(self._stop_beating, beat)
         self._rounds = 0
 
     @staticmethod
@@ -199,11 +203,19 @@ class Coordinator:
 
     def _beat(self, store) -> None:
         try:
-            while True:
+            while not self._stopped.is_set():
                 store.add(f"alive/{self.layout.rank}", 1)
-                time.sleep(HEARTBEAT.total_seconds())
+                self._stopped.wait(HEARTBEAT.total_seconds())
         except Exception:
             return  # the store is gone with torchrun's agent: the main thread's next wait says so
+
+    def _stop_beating(self, beat: threading.Thread) -> None:
+        """At exit, before the interpreter finalizes: a daemon thread still in a store call then is ended by
+        pthread_exit when the call takes the GIL back, inside pybind11's noexcept GIL guard, and the process
+        aborts (std::terminate, SIGABRT), so torchrun reports a run that finished as failed. The beat in
+        flight ends within the store's timeout."""
+        self._stopped.set()
+        beat.join()
 
     def _wait(self, store, keys: list[str]) -> None:
         """Until every key is set, checking every 2 x HEARTBEAT that the ranks still missing are alive."""

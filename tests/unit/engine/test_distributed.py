@@ -1,5 +1,7 @@
 """engine.distributed's Coordinator against a real TCPStore in this process, as torchrun's agent serves it."""
 
+import subprocess
+import sys
 import time
 from datetime import timedelta
 
@@ -62,6 +64,57 @@ def test_a_rank_waiting_for_a_slower_one_leaves_no_store_warnings(store_env, mon
     slow.join()
     assert gathered == {0: [0, 1], 1: [0, 1]}
     assert "waitForInput" not in capfd.readouterr().err
+    del server
+
+
+# A rank whose heartbeat waits inside a store call (C++, the GIL released) until the test releases it, and
+# whose interpreter takes seconds to finalize.
+HELD_AT_EXIT = """
+import time
+from offline_extract.engine import distributed
+
+connect = distributed.Coordinator._connect
+made = []
+
+
+class Held:
+    def __init__(self, store):
+        self.store = store
+
+    def add(self, key, amount):
+        self.store.wait(["released"])
+        return self.store.add(key, amount)
+
+
+class SlowToFinalize:
+    def __del__(self, sleep=time.sleep):  # module globals are gone by then
+        sleep(3)
+
+
+def held_heartbeat(namespace, timeout):
+    made.append(connect(namespace, timeout))
+    return made[0] if len(made) == 1 else Held(made[-1])
+
+
+distributed.Coordinator._connect = staticmethod(held_heartbeat)
+distributed.Coordinator(distributed.Layout(rank=1, world_size=2), "test")
+slow = SlowToFinalize()
+print("exiting", flush=True)
+"""
+
+
+def test_a_rank_exits_cleanly_while_its_heartbeat_is_in_a_store_call(store_env):
+    # A daemon thread whose store call returns once the interpreter finalizes is ended by pthread_exit
+    # inside pybind11's noexcept GIL guard: std::terminate, SIGABRT, and torchrun reports the run as failed.
+    server = dist.TCPStore("127.0.0.1", store_env, is_master=True, wait_for_workers=False)
+    rank = subprocess.Popen(
+        [sys.executable, "-c", HELD_AT_EXIT], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert rank.stdout.readline() == "exiting\n"
+    time.sleep(1)  # the rank is finalizing by now
+    dist.PrefixStore("offline_extract/test/", server).set("released", "1")
+    _, err = rank.communicate(timeout=120)
+    assert (rank.returncode, err) == (0, "")
     del server
 
 
