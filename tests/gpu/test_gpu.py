@@ -244,6 +244,12 @@ def test_sglangs_nvcc_modules_build_side_by_side_while_the_model_loads(tmp_path)
     # The tokenizer, too, loaded beside the model: none of its load was ours (docs/start-up.md).
     assert t["tokenizer_beside_load"] and t["marks"]["tokenizer loaded"] < t["marks"]["loaded"], t["marks"]
     assert "kernel prebuild" in proc.stderr.split("start-up ", 1)[1].split("\ntail ", 1)[0]
+    # The rest of a cold warm-up is Triton's first launches (SGLang's KV-index and position kernels among them):
+    # each named with its seconds, none left to the extraction.
+    names = {k["kernel"] for k in t["triton_kernels"]}
+    assert t["triton_compiled"] == len(t["triton_kernels"]) > 0 and t["triton_compile_s"] > 0, t["triton_kernels"]
+    assert any("position" in name for name in names), names
+    assert t["triton_compiled_in_extraction"] == 0, t["triton_compiled_in_extraction_kernels"]
 
 
 def test_gpt_oss_routing_is_compiled_for_every_token_count_before_the_first_forward(tmp_path):
