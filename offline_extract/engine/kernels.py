@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from offline_extract.engine import sglang_releases
 from offline_extract.engine.moe import Routing, routing_token_counts
 from offline_extract.options import cache_root
 
@@ -118,7 +119,6 @@ def prebuild_calls(shapes: KernelShapes) -> dict[str, Callable[[], object]]:
     from sglang.kernels.jit.utils import is_arch_support_pdl
     from sglang.kernels.ops.activation.activation import activation_module
     from sglang.kernels.ops.attention.rope import _jit_fused_rope_module, _jit_rotary_embedding_module
-    from sglang.kernels.ops.kvcache.kvcache import _jit_kvcache_module
     from sglang.kernels.ops.kvcache.set_mla_kv_buffer import set_mla_kv_buffer_module
     from sglang.srt.layers.activation import _jit_act_supported
 
@@ -137,7 +137,7 @@ def prebuild_calls(shapes: KernelShapes) -> dict[str, Callable[[], object]]:
     if shapes.kv_row_bytes:
         # The module itself, not can_use_store_cache: that one memoizes a failure as "use the slow path".
         k_bytes, v_bytes = shapes.kv_row_bytes
-        calls[f"kvcache k={k_bytes} v={v_bytes} bytes"] = partial(_jit_kvcache_module, k_bytes, v_bytes)
+        calls[f"kvcache k={k_bytes} v={v_bytes} bytes"] = sglang_releases.installed().kvcache_module(k_bytes, v_bytes)
     if shapes.mla_row_bytes:
         # The MLA pool's store of a forward of 768 tokens or more (kernels/ops/kvcache/mla_buffer.py): a TMA
         # module, taken only where the arch has PDL and the row's parts are aligned for it, and asked for

@@ -12,9 +12,10 @@ are the whole of the difference:
 - a request's extend range: 0.5.17's `Req.set_extend_range` and the prefix's KV indices in
   `Req.prefix_indices`; 0.5.23's `Req.prefix_len` and `Req.extend_end`, the prefix read from the request's
   own row (`Req.kv`);
-- the few facts each states otherwise: its tree cache's methods (`NoTreeCache`), where its triton_kernels
-  routing keeps the experts' choice, the attention backends and load formats it accepts, and whether its own
-  server can return the aux layers (`Release.serves_aux_layers`, which only the bench's peer reads).
+- the few facts each states otherwise: its tree cache's methods (`NoTreeCache`), the arguments of its KV
+  pool's store module (which the kernel prebuild asks for), where its triton_kernels routing keeps the
+  experts' choice, the attention backends and load formats it accepts, and whether its own server can return
+  the aux layers (`Release.serves_aux_layers`, which only the bench's peer reads).
 
 The releases between (0.5.18 to 0.5.22) are refused: 0.5.18 to 0.5.21 each take some of these steps one way
 and some the other, and 0.5.22, which takes them all as 0.5.23 does, has not been run here
@@ -26,6 +27,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import types
+from typing import Callable
 from dataclasses import dataclass
 
 # Oldest first; the last is what a fresh install gets (setup.cfg's range ends there).
@@ -74,6 +76,11 @@ class Release:
         raise NotImplementedError
 
     def page_size(self, runner) -> int:
+        raise NotImplementedError
+
+    def kvcache_module(self, k_row_bytes: int, v_row_bytes: int) -> Callable[[], object]:
+        """The KV pool's call for its nvcc-built store module for rows of these bytes, with the arguments SGLang
+        memoizes it under, so that a prebuild of it is the module the forward then finds."""
         raise NotImplementedError
 
     def triton_kernels_pairs(self, topk_output) -> tuple | None:
@@ -131,6 +138,11 @@ class _Release0517(Release):
     def page_size(self, runner) -> int:
         return runner.server_args.page_size
 
+    def kvcache_module(self, k_row_bytes: int, v_row_bytes: int) -> Callable[[], object]:
+        from sglang.kernels.ops.kvcache.kvcache import _jit_kvcache_module
+
+        return functools.partial(_jit_kvcache_module, k_row_bytes, v_row_bytes)
+
     def triton_kernels_pairs(self, topk_output) -> tuple | None:
         routing = getattr(topk_output, "routing_data", None)
         if routing is None:
@@ -179,6 +191,12 @@ class _Release0523(Release):
         from sglang.srt.runtime_context import get_schedule
 
         return get_schedule().page_size
+
+    def kvcache_module(self, k_row_bytes: int, v_row_bytes: int) -> Callable[[], object]:
+        from sglang.kernels.ops.kvcache.kvcache import _jit_kvcache_module
+
+        # Thread count 0: the pool leaves it to SGLang's heuristic, which is memoized under 0.
+        return functools.partial(_jit_kvcache_module, k_row_bytes, v_row_bytes, 0)
 
     def triton_kernels_pairs(self, topk_output) -> tuple | None:
         # topk.py's routing: scatter_indx is the pairs sorted by expert, the ragged metadata counts them.

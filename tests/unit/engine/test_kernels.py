@@ -45,6 +45,26 @@ def test_the_kernel_prebuild_specializes_as_the_loaded_model_calls_sglangs_modul
     assert shapes.mla_row_bytes is None
 
 
+def test_the_kv_store_module_is_prebuilt_with_the_arguments_sglangs_pool_asks_for(tiny_engine, monkeypatch):
+    """SGLang memoizes each module on its exact arguments, so a prebuild asked with others builds a module the
+    forward never finds, or fails: 0.5.23 added a thread count, which its pool passes as 0 (an H100's first
+    run under 0.5.23 recorded "missing 1 required positional argument: 'num_threads'")."""
+    from sglang.kernels.ops.kvcache import kvcache
+    from sglang.srt.layers import activation
+
+    from offline_extract.engine.kernels import kernel_shapes, prebuild_calls
+
+    asked = []
+    monkeypatch.setattr(kvcache, "_jit_kvcache_module", lambda *args, **kwargs: asked.append((args, kwargs)))
+    # SGLang defines its SiluAndMul rule on CUDA only; the activation module is not what is tested here.
+    monkeypatch.setattr(activation, "_jit_act_supported", lambda x: False, raising=False)
+    shapes = kernel_shapes(tiny_engine.runner.model_config, 1)
+    k_bytes, v_bytes = shapes.kv_row_bytes
+    assert kvcache.can_use_store_cache.__wrapped__(k_bytes, v_bytes)  # the pool's own call, not memoized
+    prebuild_calls(shapes)[f"kvcache k={k_bytes} v={v_bytes} bytes"]()
+    assert len(asked) == 2 and asked[1] == asked[0], asked
+
+
 def test_an_mla_model_prebuilds_the_pools_store_as_sglang_names_it_on_hopper(monkeypatch, tmp_path):
     """DeepSeek-V3's MLA pool stores a long forward's rows with a TMA module keyed by the latent's and the
     RoPE part's bytes (512 and 64 bf16 values: the module an H200's first run built as
