@@ -27,8 +27,8 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import types
-from typing import Callable
 from dataclasses import dataclass
+from typing import Callable
 
 # Oldest first; the last is what a fresh install gets (setup.cfg's range ends there).
 SUPPORTED = ("0.5.17", "0.5.23")

@@ -47,8 +47,7 @@ def test_the_kernel_prebuild_specializes_as_the_loaded_model_calls_sglangs_modul
 
 def test_the_kv_store_module_is_prebuilt_with_the_arguments_sglangs_pool_asks_for(tiny_engine, monkeypatch):
     """SGLang memoizes each module on its exact arguments, so a prebuild asked with others builds a module the
-    forward never finds, or fails: 0.5.23 added a thread count, which its pool passes as 0 (an H100's first
-    run under 0.5.23 recorded "missing 1 required positional argument: 'num_threads'")."""
+    forward never finds, or fails: 0.5.23's takes a thread count, which its pool passes as 0."""
     from sglang.kernels.ops.kvcache import kvcache
     from sglang.srt.layers import activation
 
