@@ -2,7 +2,7 @@
 
 The datasets (and so the exports) check every shard against the checksum that manifest.json, or a running
 run's journal, records before serving a byte of it: a flipped byte in a state is otherwise served as it is.
-That is one read of the whole output (benchmarks/checksum_throughput.py). The verdict is kept in
+That is one read of the whole output (docs/training.md gives its rates). The verdict is kept in
 OUT/.verified.json, per shard, under what changes when the file does: its size, mtime, ctime and inode, and
 the checksum it matched. A second epoch's dataset, a second process or another rank then pays one stat per
 shard. What that key cannot see is damage that leaves the file's metadata alone (a failing disk's bit rot):
