@@ -39,6 +39,9 @@ JIT_CACHES = {
     "TORCHINDUCTOR_CACHE_DIR": "torchinductor",
     "FLASHINFER_WORKSPACE_BASE": "flashinfer",
     "SGLANG_DG_CACHE_DIR": "deep_gemm",
+    # FlashInfer's CuTe DSL kernels (its RMSNorms where nvidia-cutlass-dsl is installed, as SGLang requires):
+    # read at each compile; its default is /tmp/$USER/cutlass_python_cache.
+    "CUTE_DSL_CACHE_DIR": "cute-dsl",
 }
 
 
@@ -75,6 +78,7 @@ class KernelShapes:
     0.5.17 will call them (docs/start-up.md): known from the model's config before its weights load."""
 
     dtype: torch.dtype  # activations, RoPE'd q and k, and the KV pool (kv_cache_dtype "auto")
+    hidden: int | None  # the residual stream's width, which the decoder's RMSNorms take (not split by TP)
     mlp_width: int | None  # SiluAndMul's output per rank: the intermediate size / TP; None: no dense MLP
     head_dim: int
     rope_dim: int | None  # rotated dims of each head; None: RoPE of another kind (MLA)
@@ -97,6 +101,7 @@ def kernel_shapes(model_config, tp_size: int) -> KernelShapes:
     row = dtype.itemsize * heads
     return KernelShapes(
         dtype=dtype,
+        hidden=getattr(text, "hidden_size", None),
         mlp_width=intermediate // tp_size if isinstance(intermediate, int) else None,  # a list: per layer
         head_dim=model_config.head_dim,
         rope_dim=int(getattr(text, "partial_rotary_factor", 1) * model_config.head_dim) if mha else None,
@@ -111,9 +116,24 @@ def kernel_shapes(model_config, tp_size: int) -> KernelShapes:
     )
 
 
-def prebuild_calls(shapes: KernelShapes) -> dict[str, Callable[[], object]]:
+def _rms_norms(hidden: int, dtype: torch.dtype, device: str) -> None:
+    """One row through sgl_kernel's `rmsnorm` and `fused_add_rmsnorm`, the calls of SGLang's RMSNorm on CUDA
+    (srt/layers/layernorm.py, `RMSNorm.forward_cuda`). Where FlashInfer is installed they hand the rows to it,
+    which compiles at the first call: a CuTe DSL kernel for each width, dtype and arch (any row count takes
+    the same one), or, without nvidia-cutlass-dsl, its nvcc-built norm module. FlashInfer memoizes both for
+    the process, so the forward's first call finds them compiled."""
+    from sgl_kernel import fused_add_rmsnorm, rmsnorm
+
+    x = torch.zeros(1, hidden, dtype=dtype, device=device)
+    weight = torch.ones(hidden, dtype=dtype, device=device)
+    rmsnorm(x, weight, 1e-6)
+    fused_add_rmsnorm(x, torch.zeros_like(x), weight, 1e-6)
+
+
+def prebuild_calls(shapes: KernelShapes, device: str = "cuda") -> dict[str, Callable[[], object]]:
     """The calls by which SGLang's forward gets each module for `shapes`, by a name for the record. Each is
-    memoized by SGLang (`cache_once`), so the forward's own call then returns the module built here."""
+    memoized by SGLang (`cache_once`) or FlashInfer, so the forward's own call then returns the module built
+    here. `device`: where the RMSNorms' row is made (a prebuild thread's current GPU)."""
     from functools import partial
 
     from sglang.kernels.jit.utils import is_arch_support_pdl
@@ -124,6 +144,9 @@ def prebuild_calls(shapes: KernelShapes) -> dict[str, Callable[[], object]]:
 
     dtype = str(shapes.dtype).removeprefix("torch.")
     calls: dict[str, Callable[[], object]] = {}
+    if shapes.hidden:
+        # One thread for both norms: without CuTe DSL they share one module, whose memoizing takes no lock.
+        calls[f"rms_norm hidden={shapes.hidden} {dtype}"] = partial(_rms_norms, shapes.hidden, shapes.dtype, device)
     # SGLang's own test of whether SiluAndMul takes the JIT kernel: the output row's width against the
     # vector width, read from the shape and dtype alone.
     if shapes.mlp_width and _jit_act_supported(torch.empty(0, shapes.mlp_width, dtype=shapes.dtype, device="meta")):

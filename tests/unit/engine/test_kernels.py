@@ -64,6 +64,46 @@ def test_the_kv_store_module_is_prebuilt_with_the_arguments_sglangs_pool_asks_fo
     assert len(asked) == 2 and asked[1] == asked[0], asked
 
 
+def test_the_rms_norms_are_prebuilt_as_the_loaded_models_norms_call_them(tiny_engine, monkeypatch):
+    """FlashInfer compiles an RMSNorm for each row width, dtype and contiguity (not the row count): the
+    prebuild's one row must ask sgl_kernel what every norm of the loaded model asks on CUDA, with and
+    without a residual."""
+    import sys
+
+    import torch
+    from sglang.srt.layers import activation, layernorm
+
+    from offline_extract.engine.kernels import kernel_shapes, prebuild_calls
+
+    # SGLang defines its SiluAndMul rule on CUDA only; the activation module is not what is tested here.
+    monkeypatch.setattr(activation, "_jit_act_supported", lambda x: False, raising=False)
+    asked = []
+
+    def recorder(name):
+        def call(x, *args):  # rmsnorm(x, weight, eps), fused_add_rmsnorm(x, residual, weight, eps)
+            asked.append((name, x.shape[-1], x.dtype, args[-2].dtype, x.is_contiguous()))
+
+        return call
+
+    names = ("rmsnorm", "fused_add_rmsnorm")
+    # SGLang imports them from sgl_kernel on CUDA only.
+    for name in names:
+        monkeypatch.setattr(layernorm, name, recorder(name), raising=False)
+    norms = [m for m in tiny_engine.runner.model.modules() if isinstance(m, layernorm.RMSNorm)]
+    assert len(norms) == 2 * len(tiny_engine.runner.model.model.layers) + 1
+    for norm in norms:
+        x = torch.zeros(3, norm.weight.shape[0], dtype=norm.weight.dtype)
+        norm.forward_cuda(x)
+        norm.forward_cuda(x, torch.zeros_like(x))
+    forward, asked[:] = set(asked), []
+    for name in names:
+        monkeypatch.setattr(sys.modules["sgl_kernel"], name, recorder(name), raising=False)
+    shapes = kernel_shapes(tiny_engine.runner.model_config, 1)
+    dtype = str(shapes.dtype).removeprefix("torch.")
+    prebuild_calls(shapes, device="cpu")[f"rms_norm hidden={shapes.hidden} {dtype}"]()
+    assert set(asked) == forward and len(forward) == 2, (asked, forward)
+
+
 def test_an_mla_model_prebuilds_the_pools_store_as_sglang_names_it_on_hopper(monkeypatch, tmp_path):
     """DeepSeek-V3's MLA pool stores a long forward's rows with a TMA module keyed by the latent's and the
     RoPE part's bytes (512 and 64 bf16 values: the module an H200's first run built as
