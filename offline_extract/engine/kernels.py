@@ -1,6 +1,7 @@
 """SGLang's compiled kernels: where each of its JIT compilers keeps what it builds (`use_jit_cache`, so that a
-run on a fresh machine finds the last run's), and the nvcc-built modules of a dense model's forward built ahead,
-beside the weights' load (`KernelPrebuild`, docs/start-up.md). It calls SGLang's kernel modules, so it is part of
+run on a fresh machine finds the last run's), and what a dense model's forward compiles on first use (SGLang's
+nvcc-built modules, FlashInfer's RMSNorms) built ahead, beside the weights' load (`KernelPrebuild`,
+docs/start-up.md). It calls SGLang's kernel modules, so it is part of
 the engine package, which alone touches SGLang's internals.
 """
 
@@ -178,9 +179,10 @@ def _first_line(e: Exception) -> str:
 
 
 class KernelPrebuild:
-    """SGLang's nvcc-built modules for one rank (`prebuild_calls`), each built on a thread of its own from
-    the moment the config is read, so that they compile side by side and while the weights load instead
-    of one after another inside the first forward (tens of seconds on a fresh machine, docs/start-up.md).
+    """SGLang's nvcc-built modules and FlashInfer's RMSNorms for one rank (`prebuild_calls`), each built on a
+    thread of its own from the moment the config is read, so that they compile side by side and while the
+    weights load instead of one after another inside the first forward (tens of seconds on a fresh machine,
+    docs/start-up.md).
 
     Harmless when it guesses wrong: a module nobody calls costs only its build, and the forward still
     builds what it needs. A failure is kept for the record, not raised: the forward's own call tries again.
