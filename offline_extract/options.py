@@ -349,8 +349,8 @@ class RunOptions:
         None,
         directory=True,
         help="Where the kernels SGLang compiles on first use (Triton, nvcc-built modules, Inductor, "
-        "FlashInfer and its CuTe DSL kernels, DeepGEMM) are kept between runs; a cold cache costs the first run tens of seconds. "
-        "Keep it on storage that outlives the machine or container. Variables such as TRITON_CACHE_DIR "
+        "FlashInfer and its CuTe DSL kernels, DeepGEMM) are kept between runs; a cold cache costs the first "
+        "run tens of seconds. Keep it on storage that outlives the machine or container. Variables such as TRITON_CACHE_DIR "
         "that are already set win. Default: $XDG_CACHE_HOME/offline_extract (~/.cache/offline_extract).",
     )
     warm_up: bool = _option(

@@ -1,8 +1,8 @@
 """SGLang's compiled kernels: where each of its JIT compilers keeps what it builds (`use_jit_cache`, so that a
 run on a fresh machine finds the last run's), and what a dense model's forward compiles on first use (SGLang's
 nvcc-built modules, FlashInfer's RMSNorms) built ahead, beside the weights' load (`KernelPrebuild`,
-docs/start-up.md). It calls SGLang's kernel modules, so it is part of
-the engine package, which alone touches SGLang's internals.
+docs/start-up.md). It calls SGLang's kernel modules, so it is part of the engine package, which alone touches
+SGLang's internals.
 """
 
 from __future__ import annotations
