@@ -75,8 +75,8 @@ _FUSED_ROPE_HEAD_SIZES = (64, 128, 256, 512)
 
 @dataclass(frozen=True)
 class KernelShapes:
-    """What the nvcc-built modules of a dense model's forward are specialized on, for one rank, as SGLang
-    0.5.17 will call them (docs/start-up.md): known from the model's config before its weights load."""
+    """What the nvcc-built modules and the RMSNorms of a dense model's forward are specialized on, for one
+    rank, as SGLang will call them (docs/start-up.md): known from the model's config before its weights load."""
 
     dtype: torch.dtype  # activations, RoPE'd q and k, and the KV pool (kv_cache_dtype "auto")
     hidden: int | None  # the residual stream's width, which the decoder's RMSNorms take (not split by TP)
