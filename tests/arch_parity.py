@@ -33,6 +33,7 @@ from offline_extract.engine.moe import triton_kernels_routing  # noqa: E402
 from offline_extract.engine.multimodal import IMAGE_MODELS  # noqa: E402
 from offline_extract.engine.reference import load_hf_model  # noqa: E402
 from offline_extract.engine.distributed import free_port  # noqa: E402
+from offline_extract.engine.kernels import kernel_shapes  # noqa: E402
 from offline_extract.engine.sglang_adapter import Engine, EngineConfig, prepare_process  # noqa: E402
 
 LENGTHS = (5, 37, 64)  # several requests in one batch, so packing by request is exercised too
@@ -288,6 +289,23 @@ def run_report(model, out, *args: str, script: str = __file__) -> dict:
     return report
 
 
+def _recording_qk_norm() -> set[tuple[int, str]]:
+    """The head size and dtype of each call to SGLang's QK-norm (models/utils.py apply_qk_norm) from now on,
+    as each model file calls it by the name it imported."""
+    asked: set[tuple[int, str]] = set()
+    for name, module in list(sys.modules.items()):
+        if name.startswith("sglang.srt.models.") and callable(getattr(module, "apply_qk_norm", None)):
+
+            def recording(*args, _original=module.apply_qk_norm, **kwargs):
+                q = kwargs["q"] if "q" in kwargs else args[0]
+                head_dim = kwargs["head_dim"] if "head_dim" in kwargs else args[4]
+                asked.add((head_dim, str(q.dtype).removeprefix("torch.")))
+                return _original(*args, **kwargs)
+
+            module.apply_qk_norm = recording
+    return asked
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -341,6 +359,14 @@ def main() -> None:
                 {m.qkv_backend_name for m in engine.runner.model.modules() if hasattr(m, "qkv_backend_name")}
             ),
         )
+        # What its QK-norm is asked for in the forwards below, beside what the start-up prebuilds for it.
+        qk_norm_asked = _recording_qk_norm()
+        shapes = kernel_shapes(engine.runner.model_config, 1)
+        report["qk_norm_shapes"] = {
+            "qk_norm": shapes.qk_norm,
+            "head_dim": shapes.head_dim,
+            "dtype": str(shapes.dtype).removeprefix("torch."),
+        }
         rng = np.random.default_rng(0)
         seqs = [rng.integers(6, 380, n).astype(np.int32) for n in LENGTHS]  # inside the tiny tokenizer's vocab
         if args.forced_routing:
@@ -410,6 +436,7 @@ def main() -> None:
             if samples:
                 check["images"] = _image_check(engine, hf, samples, seqs[1])
         report["checks"] = checks
+        report["qk_norm_asked"] = sorted(qk_norm_asked)
         # The warm-up a GPU run starts with: on a MoE model, a forward of each token count it names.
         report["is_moe"], report["warm_up_token_counts"] = engine.is_moe, engine.warm_up_token_counts()
         engine.warm_up()

@@ -116,6 +116,9 @@ class Family:
     quantized: str | None = None  # the quantized release format the GPU suite checks it in ("fp8", "mxfp4")
     # Further random checkpoints of the same class, on another path of it, that the CPU suite runs too.
     variants: tuple[str, ...] = ()
+    # Where its attention hands q and k to SGLang's QK-norm (models/utils.py apply_qk_norm), whose nvcc-built
+    # module the start-up builds ahead: "always", or the text config's flag that turns the norms on.
+    qk_norm: str | None = None
 
     def __post_init__(self):
         if self.refused_on_cpu and not self.not_on_cpu:
@@ -167,7 +170,7 @@ _qwen_vl = partial(
 # In the parity record's order.
 FAMILIES = (
     Family("llama", "Llama 2/3", "LlamaForCausalLM", "llama", _plus_one("llama.py:885")),
-    Family("qwen3", "Qwen3", "Qwen3ForCausalLM", "qwen3", _plus_one("qwen3.py:688"), quantized="fp8"),
+    Family("qwen3", "Qwen3", "Qwen3ForCausalLM", "qwen3", _plus_one("qwen3.py:688"), quantized="fp8", qk_norm="always"),
     Family("qwen2", "Qwen2, Qwen2.5", "Qwen2ForCausalLM", "qwen2", _plus_one("qwen2.py:747")),
     Family("mistral", "Mistral", "MistralForCausalLM", "mistral", _plus_one("llama.py:885 (inherited)")),
     _qwen_moe(
@@ -176,6 +179,7 @@ FAMILIES = (
         "Qwen3MoeForCausalLM",
         "qwen3_moe.py:1073, flags set in qwen2_moe.py:891",
         "Qwen3MoeSparseMoeBlock",
+        qk_norm="always",
     ),
     _qwen_moe(
         "qwen2_moe",
@@ -218,6 +222,7 @@ FAMILIES = (
         "glm4_moe",
         _plus_one("glm4_moe.py:1446"),
         routing=HFRouting("Glm4MoeMoE", "sigmoid_scaled"),
+        qk_norm="use_qk_norm",
     ),
     # Ids whose largest equals the layer count pass verbatim there; the ids passed here stay below N - 1.
     Family(
@@ -251,6 +256,7 @@ FAMILIES = (
             markers=("boi_token_id", "eoi_token_id"),
             indexed_tower=("vision_model.", "multi_modal_projector."),
         ),
+        qk_norm="use_qk_norm",
     ),
     # Kimi-K2 runs on the same classes; its single expert group takes another path of the routing.
     Family(
@@ -293,6 +299,7 @@ FAMILIES = (
         "qwen3_vl",
         _plus_one("qwen3_vl.py:1542"),
         images=_qwen_vl("qwen3_vl.py, served by qwen_vl.py's QwenVLImageProcessor"),
+        qk_norm="always",
     ),
 )
 

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from offline_extract.engine import sglang_releases
+from offline_extract.engine.families import FAMILIES
 from offline_extract.engine.moe import Routing, routing_token_counts
 from offline_extract.options import cache_root
 
@@ -71,6 +72,10 @@ def jit_cache_files(caches: dict[str, str]) -> set[str]:
 # Head sizes for which SGLang's RotaryEmbedding on CUDA calls the fused RoPE module; any other takes its
 # fallback kernel, a module of its own (srt/layers/rotary_embedding/base.py, RotaryEmbedding.__init__).
 _FUSED_ROPE_HEAD_SIZES = (64, 128, 256, 512)
+# Head sizes SGLang's QK-norm module takes (kernels/ops/layernorm/norm.py, can_use_fused_inplace_qknorm); any
+# other norms q and k one row at a time through the RMSNorms.
+_QK_NORM_HEAD_SIZES = (64, 128, 256, 512, 1024)
+_QK_NORM = {f.sglang_class: f.qk_norm for f in FAMILIES if f.qk_norm}
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,7 @@ class KernelShapes:
     rope_is_neox: bool
     kv_row_bytes: tuple[int, int] | None  # a K and a V row of the KV pool per rank; None: not an MHA pool
     mla_row_bytes: tuple[int, int] | None  # an MLA pool row's latent and RoPE parts; None: not an MLA pool
+    qk_norm: bool = False  # its attention norms q and k with SGLang's QK-norm (families.Family.qk_norm)
 
 
 def kernel_shapes(model_config, tp_size: int) -> KernelShapes:
@@ -100,6 +106,7 @@ def kernel_shapes(model_config, tp_size: int) -> KernelShapes:
     mla = model_config.attention_arch == AttentionArch.MLA
     heads = model_config.get_num_kv_heads(tp_size)
     row = dtype.itemsize * heads
+    qk_norm = _QK_NORM.get(model_config.hf_config.architectures[0])
     return KernelShapes(
         dtype=dtype,
         hidden=getattr(text, "hidden_size", None),
@@ -114,6 +121,7 @@ def kernel_shapes(model_config, tp_size: int) -> KernelShapes:
             if mla
             else None
         ),
+        qk_norm=qk_norm == "always" or bool(qk_norm and getattr(text, qk_norm, False)),
     )
 
 
@@ -141,6 +149,7 @@ def prebuild_calls(shapes: KernelShapes, device: str = "cuda") -> dict[str, Call
     from sglang.kernels.ops.activation.activation import activation_module
     from sglang.kernels.ops.attention.rope import _jit_fused_rope_module, _jit_rotary_embedding_module
     from sglang.kernels.ops.kvcache.set_mla_kv_buffer import set_mla_kv_buffer_module
+    from sglang.kernels.ops.layernorm.norm import _jit_qknorm_module
     from sglang.srt.layers.activation import _jit_act_supported
 
     dtype = str(shapes.dtype).removeprefix("torch.")
@@ -158,6 +167,9 @@ def prebuild_calls(shapes: KernelShapes, device: str = "cuda") -> dict[str, Call
         )
     elif shapes.rope_dim:
         calls["rotary_embedding"] = _jit_rotary_embedding_module
+    if shapes.qk_norm and shapes.head_dim in _QK_NORM_HEAD_SIZES:
+        # The module itself, not can_use_fused_inplace_qknorm: that one memoizes a failure as "norm row by row".
+        calls[f"qknorm head_dim={shapes.head_dim} {dtype}"] = partial(_jit_qknorm_module, shapes.head_dim, shapes.dtype)
     if shapes.kv_row_bytes:
         # The module itself, not can_use_store_cache: that one memoizes a failure as "use the slow path".
         k_bytes, v_bytes = shapes.kv_row_bytes

@@ -269,6 +269,17 @@ def test_a_moe_model_on_triton_kernels_prebuilds_its_routing_as_its_top_k_calls_
     assert routing["forced"] == expected or (arch != "qwen3_moe" and routing["forced"] is None), routing
 
 
+def test_the_qk_norm_module_is_prebuilt_where_the_loaded_model_asks_for_it(report):
+    """What the start-up reads from the family table and the config before the weights load
+    (`kernel_shapes(...).qk_norm`) is what the loaded model's attention hands SGLang's QK-norm in its forwards:
+    the model's head size in its dtype, or nothing (Qwen3, Qwen3-MoE, GLM-4.5 and Qwen3-VL ask; Llama asks
+    nothing)."""
+    arch, rep = report
+    assert "error" not in rep, rep.get("traceback")
+    shapes = rep["qk_norm_shapes"]
+    assert rep["qk_norm_asked"] == ([[shapes["head_dim"], shapes["dtype"]]] if shapes["qk_norm"] else [])
+
+
 def test_runs_the_expected_sglang_class(report):
     arch, rep = report
     assert rep["architecture"] == ENGINE_ARCHS[arch][0]

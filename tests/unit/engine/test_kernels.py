@@ -104,6 +104,41 @@ def test_the_rms_norms_are_prebuilt_as_the_loaded_models_norms_call_them(tiny_en
     assert set(asked) == forward and len(forward) == 2, (asked, forward)
 
 
+def test_the_qk_norm_module_is_prebuilt_with_the_arguments_sglang_asks_for_where_the_family_norms_q_and_k(
+    monkeypatch, tmp_path
+):
+    """Qwen3's attention asks SGLang's QK-norm for its head size and dtype (can_use_fused_inplace_qknorm, then
+    the module itself, each memoized on those arguments): the prebuild asks the same. GLM-4.5 norms q and k
+    only where its config says so, and Llama never."""
+    import torch
+    from sglang.kernels.ops.layernorm import norm
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.layers import activation
+
+    from offline_extract.engine.kernels import kernel_shapes, prebuild_calls
+    from offline_extract.testing.models import build_model
+
+    # SGLang defines its SiluAndMul rule on CUDA only; the activation module is not what is tested here.
+    monkeypatch.setattr(activation, "_jit_act_supported", lambda x: False, raising=False)
+    asked = []
+    monkeypatch.setattr(norm, "_jit_qknorm_module", lambda *args, **kwargs: asked.append((args, kwargs)))
+
+    def qk_norms(arch, **overrides):
+        path = build_model(
+            arch, tmp_path / f"{arch}{len(overrides)}", dtype=torch.bfloat16, weights=False, overrides=overrides
+        )
+        shapes = kernel_shapes(ModelConfig(str(path)), 1)
+        return shapes, {name: call for name, call in prebuild_calls(shapes).items() if name.startswith("qknorm")}
+
+    shapes, calls = qk_norms("qwen3")
+    assert list(calls) == [f"qknorm head_dim={shapes.head_dim} bfloat16"]
+    assert norm.can_use_fused_inplace_qknorm.__wrapped__(shapes.head_dim, torch.bfloat16)  # SGLang's own ask
+    calls[f"qknorm head_dim={shapes.head_dim} bfloat16"]()
+    assert len(asked) == 2 and asked[1] == asked[0] == ((shapes.head_dim, torch.bfloat16), {}), asked
+    assert qk_norms("glm4_moe")[1] and not qk_norms("glm4_moe", use_qk_norm=False)[1]
+    assert not qk_norms("llama")[1]
+
+
 def test_an_mla_model_prebuilds_the_pools_store_as_sglang_names_it_on_hopper(monkeypatch, tmp_path):
     """DeepSeek-V3's MLA pool stores a long forward's rows with a TMA module keyed by the latent's and the
     RoPE part's bytes (512 and 64 bf16 values: the module an H200's first run built as
