@@ -7,18 +7,21 @@ python benchmarks/main_job.py docstrings CORPUS.jsonl --records N
     real English: the standard library's docstrings, six a record, as text records and as chats in turn
     (about 800 tokens a record with SmolLM2's tokenizer); the same records on every host of one Python version;
 python benchmarks/main_job.py stacks ARGS...
-    runs `ARGS` (a Python script and its arguments) with every thread's stack dumped every
-    $OE_STACKS_EVERY seconds (default 5) into $OE_STACKS: where a cold start's minute goes, on a machine
-    with no profiler.
+    runs `ARGS` (a Python script and its arguments) with every thread's stack sampled every
+    $OE_STACKS_EVERY seconds (default 5) into $OE_STACKS, each sample headed by its seconds since the start:
+    where a cold start's minute goes, on a machine with no profiler. A sample waits for the GIL, so C code
+    that holds it shows as a gap between samples, not as a stack.
 """
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import os
 import runpy
 import sys
+import threading
+import time
+import traceback
 from pathlib import Path
 
 import click
@@ -89,8 +92,25 @@ def docstrings(corpus, records):
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.argument("args", nargs=-1, type=click.UNPROCESSED, required=True)
 def stacks(args):
-    out = open(os.environ["OE_STACKS"], "a")  # kept open for the process's life: faulthandler writes to its fd
-    faulthandler.dump_traceback_later(float(os.environ.get("OE_STACKS_EVERY", "5")), repeat=True, file=out)
+    # Python's own frames, read under the GIL: faulthandler's watchdog reads them without it, and crashed runs.
+    out, every, start = open(os.environ["OE_STACKS"], "a"), float(os.environ.get("OE_STACKS_EVERY", "5")), time.time()
+
+    def sample():
+        while True:
+            time.sleep(every)
+            names = {t.ident: t.name for t in threading.enumerate()}
+            lines = [f"Sample at {time.time() - start:.1f} s:"]
+            for ident, frame in sys._current_frames().items():
+                if ident != threading.get_ident():
+                    lines.append(f"Thread {names.get(ident, hex(ident))} (most recent call first):")
+                    lines += [
+                        f'  File "{f.f_code.co_filename}", line {line} in {f.f_code.co_name}'
+                        for f, line in traceback.walk_stack(frame)
+                    ]
+            out.write("\n".join(lines) + "\n")
+            out.flush()
+
+    threading.Thread(target=sample, name="stacks", daemon=True).start()
     script = str(Path(args[0]).resolve())
     sys.argv = [script, *args[1:]]
     sys.path[0] = os.path.dirname(script)

@@ -4,8 +4,7 @@
 # 1. bin/extract.py on the 8B-shaped model with its generated weights (benchmarks/make_8b_model.sh), a
 #    lognormal chat corpus of NUM_TOKENS (default: what fits 70% of the free disk, at most 1.5M), --verify 8,
 #    written to local disk (/tmp); with MAIN_JOB_STACKS=1 every thread's stack is sampled every 5 s
-#    (stacks_cold.txt), which showed where the cold minute goes but can crash the run (faulthandler dumps
-#    threads that are running C code);
+#    (stacks_cold.txt: where the cold minute goes);
 # 2. bin/inspect.py --verify on that output;
 # 3. the same command again into a fresh folder, now that SGLang's JIT kernels are in their cache;
 # 4. bin/bench.py on the same model and lengths, for bare prefill's rate (the ratio's denominator).
