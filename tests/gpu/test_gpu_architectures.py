@@ -149,6 +149,14 @@ def test_every_state_matches_hf_in_bf16(report):
                 assert r["median_cosine"] >= MOE_HALF_MIN_MEDIAN_COSINE, f"{arch}/{backend} forced {r['layer']}: {r}"
 
 
+def test_the_qk_norm_module_is_prebuilt_where_the_cuda_forwards_ask_for_it(report):
+    """On CUDA, SGLang's QK-norm compiles a module per (head size, dtype) on its first call: what the start-up
+    prebuilds (`kernel_shapes(...).qk_norm`) is what every backend's forwards hand it, or nothing is asked."""
+    arch, backend, rep = report
+    shapes = rep["qk_norm_shapes"]
+    assert rep["qk_norm_asked"] == ([[shapes["head_dim"], shapes["dtype"]]] if shapes["qk_norm"] else []), arch
+
+
 def test_image_chats_match_hf_in_bf16(report):
     arch, backend, rep = report
     checked = [c for c in rep["checks"] if "images" in c]
