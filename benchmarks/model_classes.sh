@@ -34,10 +34,6 @@ mkdir -p "$work" "$results/bench" "$results/runs"
 # The compilers' caches are the runs' own (--jit-cache), not whatever the environment names.
 unset TVM_FFI_CACHE_DIR TRITON_CACHE_DIR TORCHINDUCTOR_CACHE_DIR FLASHINFER_WORKSPACE_BASE SGLANG_DG_CACHE_DIR
 
-# A run's manifest kept as a result, with the command of the step that made it (`step` exports STEP_COMMAND).
-keep_run="python3 -c 'import json, os, sys; m = json.load(open(sys.argv[1])); \
-json.dump({\"command\": os.environ[\"STEP_COMMAND\"], **m}, open(sys.argv[2], \"w\"), indent=1)'"
-
 smol_load=${SMOL_LOAD_FORMAT:-auto}
 smol_inputs() {  # smol_inputs RECORDS: SMOL and $work/english.jsonl
   if [[ -z ${SMOL:-} ]]; then

@@ -8,9 +8,13 @@
 # command, exit status and seconds to $results/steps.jsonl. The caller sets results, budget and start with
 # `begin RESULTS_DIR SECONDS`, and logs (default: results); an environment assignment in front of `step` reaches
 # the command; CUDA_VISIBLE_DEVICES is recorded too; the command sees its own text as STEP_COMMAND, to keep
-# beside what it writes.
+# beside what it writes, as `$keep_run MANIFEST RESULT_JSON` in a step's command keeps a run's manifest.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+# A run's manifest kept as a result, with the command of the step that made it.
+keep_run="python3 -c 'import json, os, sys; m = json.load(open(sys.argv[1])); \
+json.dump({\"command\": os.environ[\"STEP_COMMAND\"], **m}, open(sys.argv[2], \"w\"), indent=1)'"
 
 step() {
   local name=$1 limit=$2; shift 2
