@@ -52,7 +52,7 @@ from offline_extract.engine.distributed import Coordinator, Layout, Share, layou
 from offline_extract.engine.kernels import JIT_CACHES, jit_cache_files  # noqa: E402
 from offline_extract.engine.sglang_adapter import Engine
 from offline_extract.extraction import engine_config, pending_samples, sample_tokenizer, start_tokenizer_processes
-from offline_extract.feed import extract_batches, prepared_ahead, staging_buffers
+from offline_extract.feed import extract_batches, prepared_ahead, staging_buffers, warm_up_encoding
 from offline_extract.lifecycle import startup_gc
 from offline_extract.lifecycle.timeline import Timeline
 from offline_extract.options import ExtractOptions, default_tokens_per_batch, default_writers
@@ -712,6 +712,7 @@ class _Extraction:
 
     def __init__(self, bench: _Bench, engine: Engine, clock: _ForwardClock, encoding: Encoding):
         self.bench, self.engine, self.clock, self.encoding = bench, engine, clock, encoding
+        warm_up_encoding(engine, encoding)  # as bin/extract.py's start-up does, so nothing compiles while timed
         self.staging = staging_buffers(engine, encoding)
         self.widths = encoding.widths(len(engine.layer_ids), engine.hidden_size)
         self.info = RunInfo(

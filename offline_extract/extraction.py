@@ -42,7 +42,7 @@ from offline_extract.engine.kernels import jit_cache_files
 from offline_extract.engine.multimodal import IMAGE_MODELS
 from offline_extract.engine.sglang_adapter import LAYER_CONVENTION, Engine, EngineConfig, PortTaken, import_sglang
 from offline_extract.extract_phase import ExtractPhase, count_owned, count_records, progress
-from offline_extract.feed import HostMemory
+from offline_extract.feed import HostMemory, warm_up_encoding
 from offline_extract.lifecycle import interrupts, startup_gc
 from offline_extract.lifecycle.progress import foreign_output_hidden, note
 from offline_extract.lifecycle.timeline import Timeline
@@ -549,6 +549,7 @@ class Job:
                 self.timeline.mark("loaded")
                 if opts.warm_up and torch.device(checked.device).type == "cuda":  # nothing compiles on CPU
                     self.engine.warm_up()
+                    warm_up_encoding(self.engine, encoding(opts))
                 self.timeline.mark("warm")
                 self.engine.compiles.warm()
                 startup_gc.start_up_done()

@@ -229,7 +229,7 @@ def extract_batches(
     feed = _WriterFeed(writer, nonfinite or NonFiniteGuard("fail", engine.layer_ids))
 
     def encode(aux: torch.Tensor, last: torch.Tensor) -> dict[str, torch.Tensor]:
-        return writer.encoding.encode(aux, last, len(engine.layer_ids))
+        return encode_states(engine, writer.encoding, aux, last)
 
     buffers = staging or staging_buffers(engine, writer.encoding)
     ahead = deque([incoming.next()])  # the batches after the current one; None where the run ends
@@ -246,6 +246,27 @@ def extract_batches(
                 offload.submit(piece, captured.aux, captured.last)
             on_batch(batch)
     return {"input_wait_s": incoming.waited_s, **offload.times}
+
+
+def encode_states(
+    engine: Engine, encoding: Encoding, aux: torch.Tensor, last: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """A forward's captured states in `encoding`'s staged tensors, on the device."""
+    return encoding.encode(aux, last, len(engine.layer_ids))
+
+
+# Token ids of the warm-up's one sequence: inside any vocabulary.
+_WARM_UP_IDS = np.arange(1, 18, dtype=np.int64)
+
+
+def warm_up_encoding(engine: Engine, encoding: Encoding) -> None:
+    """A short sequence's states encoded as every batch's are (`encode_states`), so that a store whose
+    quantizing compiles a kernel at its first call on the GPU (nvfp4's Triton kernel, specialized on each
+    state's width and layer count) compiles it in the start-up rather than inside the first batches."""
+    captured = engine.capture([_WARM_UP_IDS])
+    encode_states(engine, encoding, captured.aux, captured.last)
+    if torch.device(engine.device).type == "cuda":
+        torch.cuda.synchronize(engine.device)
 
 
 def staging_buffers(engine: Engine, encoding: Encoding) -> list:

@@ -3,7 +3,7 @@ that the shards hold every byte it handed over."""
 
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 import pytest
@@ -13,10 +13,11 @@ from offline_extract.data.batching import Batch, batch_by_tokens
 from offline_extract.data.tokenization import Sample
 from offline_extract.data.corpus import BadRecordError, Reject
 from offline_extract import feed as feed_module
-from offline_extract.feed import extract_batches, prepared_ahead
-from offline_extract.store import checksum, manifest
+from offline_extract.feed import extract_batches, prepared_ahead, warm_up_encoding
+from offline_extract.store import checksum, manifest, schema
 from offline_extract.store import writer as writer_module
 from offline_extract.store.journal import Journal
+from offline_extract.store.schema import Encoding
 from offline_extract.store.writer import ShardWriter
 from offline_extract.testing.shards import synthetic_run
 
@@ -87,6 +88,39 @@ def test_the_shards_hold_every_byte_the_feed_handed_over(tiny_engine, tmp_path, 
     assert [f.input_ids.tolist() for f in writer.handed] == [s.input_ids.tolist() for s in samples]
     assert len(paths) > 4
     check_written(tmp_path, run, writer, paths, shard_bytes)
+
+
+@pytest.mark.parametrize("store, final_store", [("nvfp4", None), ("fp8", "nvfp4"), ("nvfp4", "fp8")])
+def test_the_start_ups_encoding_asks_the_quantizers_what_every_batch_asks(
+    tiny_engine, tmp_path, monkeypatch, store, final_store
+):
+    """`warm_up_encoding` hands each store's quantizing a state of the dtype, width and layer count the feed's
+    batches, chunks and streamed samples hand it: a kernel compiled for those (nvfp4's Triton kernel on
+    the GPU, specialized on them) is the one every batch then runs."""
+    asked: set = set()
+
+    def recording(fmt):
+        def quantize(states, layers):
+            asked.add((fmt.words.split()[0], states.dtype, states.shape[1], layers))
+            return fmt.quantize(states, layers)
+
+        return replace(fmt, quantize=quantize)
+
+    for name, fmt in list(schema.STORES.items()):
+        if fmt.quantize is not None:
+            monkeypatch.setitem(schema.STORES, name, recording(fmt))
+    encoding = Encoding(store, final_store=final_store)
+    warm_up_encoding(tiny_engine, encoding)
+    warm, asked = set(asked), set()
+    assert {words for words, *_ in warm} == {store, final_store} - {None, "bf16"}
+    budget = tiny_engine.cfg.max_tokens_per_batch
+    samples = [_sample(i, n) for i, n in enumerate((40, 7, budget + 50, 300, 1))]
+    run = synthetic_run(tiny_engine.layer_ids, tiny_engine.hidden_size, store=store, final_store=final_store)
+    assert run.encoding == encoding
+    writer = ShardWriter(tmp_path, run)
+    extract_batches(tiny_engine, batch_by_tokens(samples, budget, 8), writer)
+    writer.close()
+    assert asked == warm
 
 
 def _slow(batches, seconds: float, made: list | None = None):
