@@ -99,20 +99,20 @@ def test_the_start_ups_encoding_asks_the_quantizers_what_every_batch_asks(
     the GPU, specialized on them) is the one every batch then runs."""
     asked: set = set()
 
-    def recording(fmt):
+    def recording(name, fmt):
         def quantize(states, layers):
-            asked.add((fmt.words.split()[0], states.dtype, states.shape[1], layers))
+            asked.add((name, states.dtype, states.shape[1], layers))
             return fmt.quantize(states, layers)
 
         return replace(fmt, quantize=quantize)
 
     for name, fmt in list(schema.STORES.items()):
         if fmt.quantize is not None:
-            monkeypatch.setitem(schema.STORES, name, recording(fmt))
+            monkeypatch.setitem(schema.STORES, name, recording(name, fmt))
     encoding = Encoding(store, final_store=final_store)
     warm_up_encoding(tiny_engine, encoding)
     warm, asked = set(asked), set()
-    assert {words for words, *_ in warm} == {store, final_store} - {None, "bf16"}
+    assert {name for name, *_ in warm} == {store, final_store} - {None, "bf16"}
     budget = tiny_engine.cfg.max_tokens_per_batch
     samples = [_sample(i, n) for i, n in enumerate((40, 7, budget + 50, 300, 1))]
     run = synthetic_run(tiny_engine.layer_ids, tiny_engine.hidden_size, store=store, final_store=final_store)
