@@ -820,7 +820,15 @@ def _first_result_extras(extraction: _Extraction, root: Path, bare: _BareFigures
             if apart is not None:
                 apart.close()
         extras |= _fed_figures(
-            bench.coord, clock, extraction.host_times, bench.timed, bench.timed_tokens, fed_s, bare.seconds, extract_s
+            bench.coord,
+            clock,
+            extraction.host_times,
+            writer,
+            bench.timed,
+            bench.timed_tokens,
+            fed_s,
+            bare.seconds,
+            extract_s,
         )
     return extras
 
@@ -1015,6 +1023,7 @@ def _fed_figures(
     coord: Coordinator,
     clock: _ForwardClock,
     host_times: dict,
+    writer: ShardWriter | None,
     timed: list[Batch],
     total_tokens: int,
     fed_s: float,
@@ -1023,7 +1032,10 @@ def _fed_figures(
 ) -> dict:
     """The extraction fed from the corpus as a run is (`fed_batches`) against bare prefill and the extraction of
     the batches made beforehand, with the seconds the forwards waited for the next batch, the slowest rank's:
-    what reading, tokenizing and the images' decoding and preparing left on the GPU's path."""
+    what reading, tokenizing and the images' decoding and preparing left on the GPU's path. With every rank's
+    side of it as the extraction's own (`_rank_report`): where the fed run falls behind the batches made
+    beforehand with no wait for input, its forwards, the GPU's idle time between them and the writes say
+    whether the forwards' thread or the writers lost the time."""
     if clock.tokens != sum(b.num_tokens for b in timed):
         raise RuntimeError(
             f"the fed extraction forwarded {clock.tokens} tokens, the timed batches hold "
@@ -1035,6 +1047,9 @@ def _fed_figures(
         "extract_fed_over_extract": extract_s / fed_s,
         "extract_fed_wall_s": fed_s,
         "extract_fed_input_wait_s": max(coord.all_gather(host_times["input_wait_s"])),
+        "extract_fed_forward_s": clock.seconds,
+        **{f"extract_fed_{k}": v for k, v in clock.phases().items()},
+        "extract_fed_ranks": coord.all_gather(_rank_report(coord.layout, clock, host_times, writer)),
     }
 
 

@@ -92,10 +92,16 @@ def test_the_fed_extraction_makes_the_timed_batches_again_from_the_records(tiny_
     fed = fed_batches(opts, run, tokenizer, coord.layout, warm, timed)
     fed_s = _timed(coord, lambda: host_times.update(extract_batches(clock, fed, None)), clock)
     tokens = sum(b.num_tokens for b in timed)
-    figures = _fed_figures(coord, clock, host_times, timed, tokens, fed_s, 1.0, 1.0)
+    figures = _fed_figures(coord, clock, host_times, None, timed, tokens, fed_s, 1.0, 1.0)
     assert figures["extract_fed_tok_s"] == pytest.approx(tokens / fed_s) and figures["extract_fed_input_wait_s"] >= 0
+    # Its forwards as the extraction's own are reported: they tell a slow forwards' thread from slow writes.
+    (rank,) = figures["extract_fed_ranks"]
+    assert rank["tokens"] == tokens and len(rank["per_forward"]["host_s"]) == len(timed)
+    assert 0 < figures["extract_fed_forward_s"] == rank["forward_s"] <= fed_s
+    # On a GPU also its idle time between forwards, as the rank reports it.
+    assert all(figures[f"extract_fed_{k}"] == rank[k] for k in clock.phases())
     with pytest.raises(RuntimeError, match="not the one read at the start"):
-        _fed_figures(coord, clock, host_times, timed[1:], tokens, fed_s, 1.0, 1.0)
+        _fed_figures(coord, clock, host_times, None, timed[1:], tokens, fed_s, 1.0, 1.0)
 
 
 def test_num_tokens_caps_the_data_at_its_start(tiny_model_dir, tmp_path):
