@@ -32,6 +32,8 @@ from offline_extract.extraction import sample_tokenizer
 from offline_extract.feed import extract_batches
 from offline_extract.store.index import iter_samples
 from offline_extract.store.manifest import file_fingerprint
+from offline_extract.store.schema import RunInfo
+from offline_extract.store.writer import ShardWriter
 from offline_extract.testing.models import build_model
 
 
@@ -90,18 +92,27 @@ def test_the_fed_extraction_makes_the_timed_batches_again_from_the_records(tiny_
     assert _ids(fed_batches(opts, run, tokenizer, coord.layout, warm, timed)) == _ids(timed)
     clock, host_times = _ForwardClock(tiny_engine), {}
     fed = fed_batches(opts, run, tokenizer, coord.layout, warm, timed)
-    fed_s = _timed(coord, lambda: host_times.update(extract_batches(clock, fed, None)), clock)
+    info = RunInfo(model=str(tiny_model_dir), layer_ids=tuple(tiny_engine.layer_ids), store="bf16", compress="none")
+    writer = ShardWriter(tmp_path / "fed", info, shard_bytes=1 << 16)
+
+    def extract():
+        host_times.update(extract_batches(clock, fed, writer))
+        writer.close()
+
+    fed_s = _timed(coord, extract, clock)
     tokens = sum(b.num_tokens for b in timed)
-    figures = _fed_figures(coord, clock, host_times, None, timed, tokens, fed_s, 1.0, 1.0)
+    figures = _fed_figures(coord, clock, host_times, writer, timed, tokens, fed_s, 1.0, 1.0)
     assert figures["extract_fed_tok_s"] == pytest.approx(tokens / fed_s) and figures["extract_fed_input_wait_s"] >= 0
-    # Its forwards as the extraction's own are reported: they tell a slow forwards' thread from slow writes.
+    # Its forwards and writes as the extraction's own are reported: they tell a slow forwards' thread from slow
+    # writes.
     (rank,) = figures["extract_fed_ranks"]
     assert rank["tokens"] == tokens and len(rank["per_forward"]["host_s"]) == len(timed)
     assert 0 < figures["extract_fed_forward_s"] == rank["forward_s"] <= fed_s
+    assert len(rank["shard_writes"]) == len(writer.writes) > 1 and rank["consume_s"] > 0
     # On a GPU also its idle time between forwards, as the rank reports it.
     assert all(figures[f"extract_fed_{k}"] == rank[k] for k in clock.phases())
     with pytest.raises(RuntimeError, match="not the one read at the start"):
-        _fed_figures(coord, clock, host_times, None, timed[1:], tokens, fed_s, 1.0, 1.0)
+        _fed_figures(coord, clock, host_times, writer, timed[1:], tokens, fed_s, 1.0, 1.0)
 
 
 def test_num_tokens_caps_the_data_at_its_start(tiny_model_dir, tmp_path):
