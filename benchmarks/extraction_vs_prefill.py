@@ -1032,10 +1032,10 @@ def _fed_figures(
 ) -> dict:
     """The extraction fed from the corpus as a run is (`fed_batches`) against bare prefill and the extraction of
     the batches made beforehand, with the seconds the forwards waited for the next batch, the slowest rank's:
-    what reading, tokenizing and the images' decoding and preparing left on the GPU's path. With every rank's
-    side of it as the extraction's own (`_rank_report`): where the fed run falls behind the batches made
-    beforehand with no wait for input, its forwards, the GPU's idle time between them and the writes say
-    whether the forwards' thread or the writers lost the time."""
+    what reading, tokenizing and the images' decoding and preparing left on the GPU's path. Every rank's side
+    of it is reported as the timed extraction's is (`_rank_report`): a fed run that falls behind the batches
+    made beforehand without waiting for input shows there whether its forwards' thread or its writers lost
+    the time."""
     if clock.tokens != sum(b.num_tokens for b in timed):
         raise RuntimeError(
             f"the fed extraction forwarded {clock.tokens} tokens, the timed batches hold "
