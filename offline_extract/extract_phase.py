@@ -1,8 +1,9 @@
 """The extraction phase of one rank, once the parity gate has passed: the pending samples made into batches, each
 batch's forwards and their states handed to this rank's shard writer (`feed`), with the progress shown and the
 output's growth set against the free space as it goes (`planning.OutputWatch`). What a run's finish reads of it is
-kept: the headers of the shards it wrote and the hot loop's waits. The passes through the records that come before
-any forward (`--strict`, `--dry-run`) show their progress as this one does (`progress`).
+kept: the headers of the shards it wrote, the hot loop's waits and its host's use of its cores. The passes through
+the records that come before any forward (`--strict`, `--dry-run`) show their progress as this one does
+(`progress`).
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ from offline_extract.summary import Tally
 class ExtractPhase:
     """One rank's extraction: its shard writer (`writer`, on a writing rank), the pass of the pending samples
     through the engine to it (`run`), and what that left for the run's finish: the headers of the shards written
-    (`written`) and the hot loop's waits for its next batch and for a free staging buffer (`waits`)."""
+    (`written`), the hot loop's waits for its next batch and for a free staging buffer (`waits`), and the host's
+    threads on its cores meanwhile (`host_use`, `HostUse.report`)."""
 
     def __init__(self, opts: ExtractOptions, layout: Layout, checked: preflight.Checked, out: Path, timeline: Timeline):
         self.opts, self.layout, self.checked, self.out, self.timeline = opts, layout, checked, out, timeline
         self.written: list = []  # ShardWriter.headers
         self.waits = {"input_wait_s": 0.0, "writer_wait_s": 0.0}  # feed.extract_batches's
+        self.host_use: dict | None = None
 
     def writer(
         self, meta: RunInfo, existing: resume.Existing, journals: ExitStack, buffers: list, on_gpu: bool
@@ -112,6 +115,7 @@ class ExtractPhase:
                     writer.abort()
                 raise
             self.waits = {name: times.get(name, 0.0) for name in self.waits}
+            self.host_use = times["host_use"]
             self.timeline.mark("drained")
             if writer is not None:
                 tally.written(writer.close(), writer)

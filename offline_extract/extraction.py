@@ -587,7 +587,13 @@ class Job:
         )
         # What compiled once the run was warm is what its warm-up missed: the first batches paid for it.
         compiled = sorted(jit_cache_files(self.engine.jit_caches) - self._cached_when_warm)
-        return {**timings, "compiled_in_extraction": len(compiled), "compiled_in_extraction_files": compiled[:40]}
+        use = {"host_use": self.extract.host_use} if self.extract.host_use is not None else {}
+        return {
+            **timings,
+            **use,
+            "compiled_in_extraction": len(compiled),
+            "compiled_in_extraction_files": compiled[:40],
+        }
 
 
 @contextmanager

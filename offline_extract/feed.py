@@ -23,6 +23,7 @@ from offline_extract.data.tokenization import Sample
 from offline_extract.engine.nonfinite import NonFiniteGuard, batch_flag
 from offline_extract.engine.offload import HostOffload, pinned_buffers
 from offline_extract.engine.sglang_adapter import Captured, Engine
+from offline_extract.lifecycle.host_use import HostUse
 from offline_extract.store.schema import FINAL_STATE_TENSOR, STATE_TENSORS, Encoding, SampleInfo
 from offline_extract.store.writer import ShardWriter, shard_buffers
 
@@ -209,7 +210,7 @@ def extract_batches(
     on_batch=lambda b: None,
     staging=None,
     nonfinite: NonFiniteGuard | None = None,
-) -> dict[str, float]:
+) -> dict:
     """The hot loop: forward each batch and hand its states to the writer without waiting for the host.
 
     A long sample's chunks are handed over one by one, so that copying the earlier ones overlaps the later
@@ -217,15 +218,16 @@ def extract_batches(
     calls. Ranks that do not write (tp_rank > 0) still take part in every forward: TP needs all of them.
     Batches with NaN or Inf go through `nonfinite` (default: fail on the first such sample).
     Returns where the host's time went around the forwards: `input_wait_s`, its wait for the next batch
-    (`_Input`), and with a writer `HostOffload.times`.
+    (`_Input`), with a writer `HostOffload.times`, and `host_use`, the host's threads on its cores (`HostUse`).
     """
     incoming = _Input(batches)
+    use = HostUse()
     if writer is None:
         while (batch := incoming.next()) is not None:
             for _ in _forwards(engine, batch):
                 pass
             on_batch(batch)
-        return {"input_wait_s": incoming.waited_s}
+        return {"input_wait_s": incoming.waited_s, "host_use": use.report()}
     feed = _WriterFeed(writer, nonfinite or NonFiniteGuard("fail", engine.layer_ids))
 
     def encode(aux: torch.Tensor, last: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -245,7 +247,7 @@ def extract_batches(
                 piece = _Piece(batch, start, stop, batch_flag(captured.aux, captured.last), ending)
                 offload.submit(piece, captured.aux, captured.last)
             on_batch(batch)
-    return {"input_wait_s": incoming.waited_s, **offload.times}
+    return {"input_wait_s": incoming.waited_s, **offload.times, "host_use": use.report()}
 
 
 def encode_states(

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 from offline_extract.formatting import plural
+from offline_extract.lifecycle.host_use import host_use_line
 from offline_extract.lifecycle.timeline import Timeline
 
 Span = Callable[[str, str], float]  # the seconds between two marks of the timeline, 0 where one is missing
@@ -104,8 +105,13 @@ def timing_line(t: dict) -> str:
         f"tail {t['tail_s']:.2f} s after the last forward: states to host {t['to_host_s']:.2f} s, last shards "
         f"{t['last_shards_s']:.2f} s, {waited}rejects and index {t['rejects_and_index_s']:.2f} s\n"
         f"between forwards, {t['input_wait_s']:.2f} s waited for input, {t['writer_wait_s']:.2f} s for the writer"
-        f"{_compiled_words(t)}"
+        f"{_host_use_words(t)}{_compiled_words(t)}"
     )
+
+
+def _host_use_words(t: dict) -> str:
+    """Where the host's cores went while the forwards ran (`HostUse`), where the run counted it."""
+    return f"\n{host_use_line(t['host_use'])}" if "host_use" in t else ""
 
 
 def _compiled_words(t: dict) -> str:

@@ -25,6 +25,7 @@ from extract_runs import GATE_PARTS, ROOT
 
 from offline_extract import extract_phase, extraction, parity_gate
 from offline_extract.lifecycle import interrupts
+from offline_extract.lifecycle.host_use import FORWARDS, host_use_line
 from offline_extract.lifecycle.timings import timing_line
 from offline_extract.options import ExtractOptions
 
@@ -145,8 +146,12 @@ def test_verify_reads_the_reference_weights_beside_the_load_and_the_gate_builds_
     # free a staging buffer are on record.
     hot_loop = t["marks"]["finished"] - t["marks"]["first forward"]
     assert 0 <= t["input_wait_s"] < hot_loop and 0 <= t["writer_wait_s"] < hot_loop
+    # So is where the host's cores went meanwhile: the forwards' own thread on a core for part of the loop.
+    use = t["host_use"]
+    assert 0 < use["threads"][FORWARDS]["cpu_s"] <= use["host_s"] < hot_loop
     assert line.endswith(
         f"\nbetween forwards, {t['input_wait_s']:.2f} s waited for input, {t['writer_wait_s']:.2f} s for the writer"
+        f"\n{host_use_line(use)}"
     )
     assert (
         f"parity gate {t['parity_gate_s']:.1f} s (engine {t['gate_engine_s']:.1f} s; HF: waited "

@@ -109,6 +109,10 @@ def test_the_fed_extraction_makes_the_timed_batches_again_from_the_records(tiny_
     assert rank["tokens"] == tokens and len(rank["per_forward"]["host_s"]) == len(timed)
     assert 0 < figures["extract_fed_forward_s"] == rank["forward_s"] <= fed_s
     assert len(rank["shard_writes"]) == len(writer.writes) > 1 and rank["consume_s"] > 0
+    # And the host's threads on its cores: the forwards' own and the writers' (a slow forwards' thread queued
+    # behind them shows there).
+    threads = rank["host_use"]["threads"]
+    assert threads["forwards"]["cpu_s"] > 0 and threads["shard-writer"]["cpu_s"] > 0
     with pytest.raises(RuntimeError, match="not the one read at the start"):
         _fed_figures(coord, clock, host_times, writer, timed[1:], tokens, fed_s, 1.0, 1.0)
 

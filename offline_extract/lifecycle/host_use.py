@@ -1,0 +1,127 @@
+"""Where the host's cores went while the forwards ran: each thread's seconds on a core and waiting in the
+kernel's run queue for one, and the garbage collector's pauses.
+
+A small model's forwards are bound by the host: whatever slows the thread that launches them slows the run.
+Its time outside the forwards' own work is spent on a core (Python, launches), queued for a core that other
+threads or processes hold, or asleep (the GIL, a wait for the GPU or for the next batch). Linux counts the
+first two for every thread (/proc/self/task/TID/schedstat); the collector's pauses hold the GIL against every
+thread. Elsewhere only the collector's pauses are reported.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import threading
+import time
+
+_TASKS = "/proc/self/task"
+# The thread the forwards run on, whichever its Python name.
+FORWARDS = "forwards"
+# Threads Python did not start (torch's, CUDA's): by the kernel's name for them.
+_NATIVE = "native {}"
+
+
+def _schedstat(tid: int) -> tuple[float, float] | None:
+    """A thread's (seconds on a core, seconds queued for one) since it started; None once it has ended."""
+    try:
+        with open(f"{_TASKS}/{tid}/schedstat") as f:
+            on_core, queued, _ = f.read().split()
+    except (OSError, ValueError):
+        return None
+    return int(on_core) / 1e9, int(queued) / 1e9
+
+
+def _comm(tid: int) -> str:
+    try:
+        with open(f"{_TASKS}/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def _group(name: str) -> str:
+    """A pool's threads under one name: `shard-writer_3` is a `shard-writer`."""
+    return re.sub(r"_\d+$", "", name)
+
+
+class HostUse:
+    """Counts from its making to `report`, made and read on the thread that runs the forwards."""
+
+    def __init__(self):
+        self._forwards = threading.get_native_id()
+        self._wall = time.perf_counter()
+        self._start = self._threads()
+        self.gc_s = 0.0
+        self.gc_longest_s = 0.0
+        self.collections = 0
+        self._gc_since: float | None = None
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_since = time.perf_counter()
+        elif self._gc_since is not None:
+            pause = time.perf_counter() - self._gc_since
+            self.gc_s += pause
+            self.gc_longest_s = max(self.gc_longest_s, pause)
+            self.collections += 1
+            self._gc_since = None
+
+    def _threads(self) -> dict[int, tuple[float, float]]:
+        if not os.path.isdir(_TASKS):
+            return {}
+        return {tid: stat for tid in map(int, os.listdir(_TASKS)) if (stat := _schedstat(tid)) is not None}
+
+    def report(self) -> dict:
+        """`host_s`, the seconds counted; `gc_*`, the collector's pauses; and per thread, or pool of threads
+        (`threads` of them), `cpu_s` on a core and `queued_s` waiting for one, the forwards' own thread as
+        `FORWARDS`. A thread that ended before this lost its seconds."""
+        gc.callbacks.remove(self._on_gc)
+        end = self._threads()
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        threads: dict[str, dict] = {}
+        for tid, (on_core, queued) in end.items():
+            was = self._start.get(tid, (0.0, 0.0))
+            if tid == self._forwards:
+                name = FORWARDS
+            else:
+                name = _group(names[tid]) if tid in names else _NATIVE.format(_comm(tid))
+            row = threads.setdefault(name, {"cpu_s": 0.0, "queued_s": 0.0, "threads": 0})
+            row["cpu_s"] += on_core - was[0]
+            row["queued_s"] += queued - was[1]
+            row["threads"] += 1
+        # Threads that did next to nothing (a pool's idle ones, the libraries' sleeping ones) are left out.
+        rounded = {
+            name: {k: round(v, 4) for k, v in row.items()}
+            for name, row in threads.items()
+            if name == FORWARDS or row["cpu_s"] + row["queued_s"] >= 0.001
+        }
+        return {
+            "host_s": round(time.perf_counter() - self._wall, 4),
+            "gc_s": round(self.gc_s, 4),
+            "gc_longest_s": round(self.gc_longest_s, 4),
+            "gc_collections": self.collections,
+            "threads": dict(sorted(rounded.items(), key=lambda kv: -kv[1]["cpu_s"])),
+        }
+
+
+def host_use_line(use: dict) -> str:
+    """`HostUse.report` in one line: the forwards' thread, the busiest others, and the collector."""
+    threads = use["threads"]
+    parts = []
+    if FORWARDS in threads:
+        own = threads[FORWARDS]
+        asleep = use["host_s"] - own["cpu_s"] - own["queued_s"]
+        parts.append(
+            f"the forwards' thread in {use['host_s']:.2f} s: {own['cpu_s']:.2f} s on a core, {own['queued_s']:.2f} s "
+            f"queued for one, {asleep:.2f} s asleep (the GIL, the GPU, the next batch)"
+        )
+    others = [(name, row) for name, row in threads.items() if name != FORWARDS][:3]
+    if others:
+        parts.append("busiest beside it " + ", ".join(f"{name} {row['cpu_s']:.2f} s" for name, row in others))
+    parts.append(
+        f"garbage collection {use['gc_s']:.2f} s in {use['gc_collections']} (longest {use['gc_longest_s']:.3f} s)"
+    )
+    return "; ".join(parts)

@@ -1,0 +1,69 @@
+"""The host's threads on its cores while the forwards ran (offline_extract.lifecycle.host_use): each thread's
+seconds on a core and queued for one, by pool, and the garbage collector's pauses."""
+
+import gc
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from offline_extract.lifecycle.host_use import FORWARDS, HostUse, host_use_line
+
+
+def _spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_each_thread_is_counted_under_its_pool_and_the_forwards_thread_under_its_own_name():
+    use = HostUse()
+    # Read while the pool's threads live, as the writer's do when the forwards end.
+    with ThreadPoolExecutor(2, thread_name_prefix="busy-helper") as pool:
+        list(pool.map(_spin, [0.2, 0.2]))
+        _spin(0.15)
+        time.sleep(0.2)
+        report = use.report()
+    threads = report["threads"]
+    assert threads["busy-helper"]["threads"] == 2 and threads["busy-helper"]["cpu_s"] >= 0.35
+    own = threads[FORWARDS]
+    assert own["threads"] == 1 and 0.15 <= own["cpu_s"] < 0.3
+    # The sleep is neither on a core nor queued for one: the line says so.
+    assert report["host_s"] >= 0.55
+    asleep = report["host_s"] - own["cpu_s"] - own["queued_s"]
+    assert asleep >= 0.2
+    line = host_use_line(report)
+    assert line.startswith(f"the forwards' thread in {report['host_s']:.2f} s: {own['cpu_s']:.2f} s on a core, ")
+    assert f", {asleep:.2f} s asleep (the GIL, the GPU, the next batch)" in line
+    assert f"busiest beside it busy-helper {threads['busy-helper']['cpu_s']:.2f} s" in line
+
+
+def test_the_collectors_pauses_are_counted_until_the_report_and_not_after():
+    use = HostUse()
+    garbage = [[] for _ in range(100_000)]
+    for item in garbage:
+        item.append(item)  # cycles: only the collector frees them
+    del garbage, item
+    gc.collect()
+    report = use.report()
+    assert report["gc_collections"] >= 1 and 0 < report["gc_longest_s"] <= report["gc_s"]
+    assert use._on_gc not in gc.callbacks
+    gc.collect()
+    assert use.collections == report["gc_collections"]
+    assert f"garbage collection {report['gc_s']:.2f} s in {report['gc_collections']} " in host_use_line(report)
+
+
+def test_threads_that_did_nothing_are_left_out():
+    with ThreadPoolExecutor(1, thread_name_prefix="idle-helper") as pool:
+        pool.submit(lambda: None).result()
+        use = HostUse()
+        time.sleep(0.05)
+        report = use.report()
+    assert "idle-helper" not in report["threads"] and FORWARDS in report["threads"]
+
+
+def test_without_the_kernels_counts_only_the_collector_is_reported(monkeypatch):
+    from offline_extract.lifecycle import host_use
+
+    monkeypatch.setattr(host_use, "_TASKS", "/nonexistent/task")
+    report = HostUse().report()
+    assert report["threads"] == {} and report["gc_collections"] >= 0
+    assert host_use_line(report).startswith("garbage collection ")
