@@ -23,7 +23,7 @@ from offline_extract.data.tokenization import Sample
 from offline_extract.engine.nonfinite import NonFiniteGuard, batch_flag
 from offline_extract.engine.offload import HostOffload, pinned_buffers
 from offline_extract.engine.sglang_adapter import Captured, Engine
-from offline_extract.lifecycle.host_use import HostUse
+from offline_extract.lifecycle import host_use
 from offline_extract.store.schema import FINAL_STATE_TENSOR, STATE_TENSORS, Encoding, SampleInfo
 from offline_extract.store.writer import ShardWriter, shard_buffers
 
@@ -171,6 +171,8 @@ def prepared_ahead(batches: Iterable[Batch], engine: Engine | None = None, depth
         except BaseException as e:  # raised to the caller, in order after the batches before it
             put(e)
             return
+        finally:
+            host_use.ending()
         put(_END)
 
     thread = threading.Thread(target=produce, name="batches-ahead", daemon=True)
@@ -221,7 +223,7 @@ def extract_batches(
     (`_Input`), with a writer `HostOffload.times`, and `host_use`, the host's threads on its cores (`HostUse`).
     """
     incoming = _Input(batches)
-    use = HostUse()
+    use = host_use.HostUse()
     if writer is None:
         while (batch := incoming.next()) is not None:
             for _ in _forwards(engine, batch):
@@ -235,7 +237,7 @@ def extract_batches(
 
     buffers = staging or staging_buffers(engine, writer.encoding)
     ahead = deque([incoming.next()])  # the batches after the current one; None where the run ends
-    with HostOffload(feed, engine.device, buffers, encode) as offload:
+    with HostOffload(feed, engine.device, buffers, encode, at_end=host_use.ending) as offload:
         while (batch := ahead.popleft()) is not None:
             for i, (start, stop, captured) in enumerate(_forwards(engine, batch)):
                 if not i:

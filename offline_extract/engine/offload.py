@@ -39,7 +39,8 @@ def pinned_buffers(
 
 
 class HostOffload(Generic[B]):
-    """`encode(aux, last)` turns a batch's captured states into the staged tensors the buffers hold."""
+    """`encode(aux, last)` turns a batch's captured states into the staged tensors the buffers hold; `at_end`
+    is called last on the drain thread."""
 
     def __init__(
         self,
@@ -47,8 +48,10 @@ class HostOffload(Generic[B]):
         device: torch.device | str,
         buffers: list,
         encode: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]],
+        at_end: Callable[[], None] = lambda: None,
     ):
         self._consume = consume
+        self._at_end = at_end
         self._encode = encode
         self._device = torch.device(device)
         self._cuda = self._device.type == "cuda"
@@ -92,6 +95,12 @@ class HostOffload(Generic[B]):
         self._ready.put((batch, done, host, buffers))
 
     def _drain(self) -> None:
+        try:
+            self._drain_all()
+        finally:
+            self._at_end()
+
+    def _drain_all(self) -> None:
         while (item := self._ready.get()) is not None:
             batch, done, host, buffers = item
             try:

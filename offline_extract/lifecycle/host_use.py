@@ -1,11 +1,15 @@
 """Where the host's cores went while the forwards ran: each thread's seconds on a core and waiting in the
-kernel's run queue for one, and the garbage collector's pauses.
+kernel's run queue for one, the same for the processes this one started (the tokenizing ones), and the garbage
+collector's pauses.
 
 A small model's forwards are bound by the host: whatever slows the thread that launches them slows the run.
 Its time outside the forwards' own work is spent on a core (Python, launches), queued for a core that other
 threads or processes hold, or asleep (the GIL, a wait for the GPU or for the next batch). Linux counts the
 first two for every thread (/proc/self/task/TID/schedstat); the collector's pauses hold the GIL against every
 thread. Elsewhere only the collector's pauses are reported.
+
+A thread gone by the report has taken its counts with it: a thread of ours that ends inside the span (the
+batches made ahead, the offload's drain) says `ending()` last, which keeps them.
 """
 
 from __future__ import annotations
@@ -41,6 +45,58 @@ def _comm(tid: int) -> str:
         return "?"
 
 
+# Each thread that said `ending()`: its native id, Python name and last counts.
+_ended: dict[int, tuple[str, tuple[float, float]]] = {}
+_ended_lock = threading.Lock()
+
+
+def ending() -> None:
+    """Called last on a thread about to end: its counts so far are kept for the report it would miss."""
+    tid = threading.get_native_id()
+    stat = _schedstat(tid)
+    if stat is not None:
+        with _ended_lock:
+            _ended[tid] = (threading.current_thread().name, stat)
+
+
+def _children() -> dict[int, str]:
+    """The processes this one started and that still run, each by the module it runs (`-m`), else its name."""
+    found: dict[int, str] = {}
+    for tid in os.listdir(_TASKS):
+        try:
+            with open(f"{_TASKS}/{tid}/children") as f:
+                pids = [int(pid) for pid in f.read().split()]
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    args = f.read().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            module = args[args.index("-m") + 1] if "-m" in args[:-1] else None
+            found[pid] = module.rsplit(".", 1)[-1] if module else os.path.basename(args[0])
+    return found
+
+
+def _process(pid: int) -> tuple[float, float]:
+    """A process's counts, all its threads'."""
+    on_core = queued = 0.0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0, 0.0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                run, wait, _ = f.read().split()
+        except (OSError, ValueError):
+            continue
+        on_core += int(run) / 1e9
+        queued += int(wait) / 1e9
+    return on_core, queued
+
+
 def _group(name: str) -> str:
     """A pool's threads under one name: `shard-writer_3` is a `shard-writer`."""
     return re.sub(r"_\d+$", "", name)
@@ -53,6 +109,8 @@ class HostUse:
         self._forwards = threading.get_native_id()
         self._wall = time.perf_counter()
         self._start = self._threads()
+        self._ended_before = set(_ended)
+        self._start_processes = self._processes()
         self.gc_s = 0.0
         self.gc_longest_s = 0.0
         self.collections = 0
@@ -74,24 +132,43 @@ class HostUse:
             return {}
         return {tid: stat for tid in map(int, os.listdir(_TASKS)) if (stat := _schedstat(tid)) is not None}
 
+    def _processes(self) -> dict[int, tuple[str, tuple[float, float]]]:
+        if not os.path.isdir(_TASKS):
+            return {}
+        return {pid: (name, _process(pid)) for pid, name in _children().items()}
+
     def report(self) -> dict:
         """`host_s`, the seconds counted; `gc_*`, the collector's pauses; and per thread, or pool of threads
         (`threads` of them), `cpu_s` on a core and `queued_s` waiting for one, the forwards' own thread as
-        `FORWARDS`. A thread that ended before this lost its seconds."""
+        `FORWARDS`; the same for the processes started here (`processes` of them, as `process NAME`). A thread
+        that ended before this without saying `ending()` lost its seconds, as did a process."""
         gc.callbacks.remove(self._on_gc)
         end = self._threads()
         names = {t.native_id: t.name for t in threading.enumerate()}
+        # One span at a time: what ended before it, or inside it, is not kept for the next.
+        with _ended_lock:
+            for tid, (name, stat) in _ended.items():
+                if tid not in end and tid not in self._ended_before:
+                    end[tid] = stat
+                    names[tid] = name
+            _ended.clear()
         threads: dict[str, dict] = {}
-        for tid, (on_core, queued) in end.items():
-            was = self._start.get(tid, (0.0, 0.0))
+
+        def count(name: str, now: tuple[float, float], was: tuple[float, float], unit: str) -> None:
+            row = threads.setdefault(name, {"cpu_s": 0.0, "queued_s": 0.0, unit: 0})
+            row["cpu_s"] += now[0] - was[0]
+            row["queued_s"] += now[1] - was[1]
+            row[unit] += 1
+
+        for tid, stat in end.items():
             if tid == self._forwards:
                 name = FORWARDS
             else:
                 name = _group(names[tid]) if tid in names else _NATIVE.format(_comm(tid))
-            row = threads.setdefault(name, {"cpu_s": 0.0, "queued_s": 0.0, "threads": 0})
-            row["cpu_s"] += on_core - was[0]
-            row["queued_s"] += queued - was[1]
-            row["threads"] += 1
+            count(name, stat, self._start.get(tid, (0.0, 0.0)), "threads")
+        for pid, (name, stat) in self._processes().items():
+            was = self._start_processes.get(pid, (name, (0.0, 0.0)))[1]
+            count(f"process {name}", stat, was, "processes")
         # Threads that did next to nothing (a pool's idle ones, the libraries' sleeping ones) are left out.
         rounded = {
             name: {k: round(v, 4) for k, v in row.items()}

@@ -2,9 +2,13 @@
 seconds on a core and queued for one, by pool, and the garbage collector's pauses."""
 
 import gc
+import subprocess
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from offline_extract.lifecycle import host_use
 from offline_extract.lifecycle.host_use import FORWARDS, HostUse, host_use_line
 
 
@@ -67,3 +71,36 @@ def test_without_the_kernels_counts_only_the_collector_is_reported(monkeypatch):
     report = HostUse().report()
     assert report["threads"] == {} and report["gc_collections"] >= 0
     assert host_use_line(report).startswith("garbage collection ")
+
+
+def test_a_thread_that_ends_inside_the_span_keeps_its_seconds_where_it_says_so():
+    def said():
+        _spin(0.1)
+        host_use.ending()
+
+    use = HostUse()
+    for target, name in ((said, "said-it"), (lambda: _spin(0.1), "said-nothing")):
+        thread = threading.Thread(target=target, name=name)
+        thread.start()
+        thread.join()
+    threads = use.report()["threads"]
+    assert threads["said-it"]["threads"] == 1 and threads["said-it"]["cpu_s"] >= 0.09
+    assert "said-nothing" not in threads
+    # Kept for that report only.
+    assert "said-it" not in HostUse().report()["threads"]
+
+
+def test_the_processes_it_started_are_counted_by_the_module_they_run(tmp_path):
+    (tmp_path / "spinner.py").write_text(
+        "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\n"
+        "print('spun', flush=True)\ntime.sleep(60)\n"
+    )
+    use = HostUse()
+    child = subprocess.Popen([sys.executable, "-m", "spinner"], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "spun\n"
+        row = use.report()["threads"]["process spinner"]
+    finally:
+        child.kill()
+        child.wait()
+    assert row["processes"] == 1 and row["cpu_s"] >= 0.3
