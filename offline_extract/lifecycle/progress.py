@@ -77,7 +77,8 @@ class RunProgress:
         )
         self._task = self._progress.add_task(label, total=None, rate="0", written="0 B")
         if count_total is not None:
-            threading.Thread(target=lambda: self._set_total(count_total()), daemon=True).start()
+            # Named for the run's report of where its cores went (`host_use`).
+            threading.Thread(target=lambda: self._set_total(count_total()), name="count-records", daemon=True).start()
 
     def _set_total(self, total: int | None) -> None:
         self.total = total
