@@ -41,8 +41,8 @@ def _comm(tid: int) -> str:
     try:
         with open(f"{_TASKS}/{tid}/comm") as f:
             return f.read().strip()
-    except OSError:
-        return "?"
+    except OSError:  # it ended between the listing and this
+        return "(ended)"
 
 
 # Each thread that said `ending()`: its native id, Python name and last counts.
@@ -185,20 +185,20 @@ class HostUse:
 
 
 def host_use_line(use: dict) -> str:
-    """`HostUse.report` in one line: the forwards' thread, the busiest others, and the collector."""
+    """`HostUse.report` in two lines: the forwards' thread, then the busiest others and the collector."""
     threads = use["threads"]
-    parts = []
+    lines = []
     if FORWARDS in threads:
         own = threads[FORWARDS]
         asleep = use["host_s"] - own["cpu_s"] - own["queued_s"]
-        parts.append(
+        lines.append(
             f"the forwards' thread in {use['host_s']:.2f} s: {own['cpu_s']:.2f} s on a core, {own['queued_s']:.2f} s "
             f"queued for one, {asleep:.2f} s asleep (the GIL, the GPU, the next batch)"
         )
     others = [(name, row) for name, row in threads.items() if name != FORWARDS][:3]
-    if others:
-        parts.append("busiest beside it " + ", ".join(f"{name} {row['cpu_s']:.2f} s" for name, row in others))
-    parts.append(
+    beside = "; ".join(f"{name} {row['cpu_s']:.2f} s" for name, row in others)
+    collector = (
         f"garbage collection {use['gc_s']:.2f} s in {use['gc_collections']} (longest {use['gc_longest_s']:.3f} s)"
     )
-    return "; ".join(parts)
+    lines.append(f"beside it on a core: {beside}; {collector}" if others else collector)
+    return "\n".join(lines)

@@ -56,6 +56,7 @@ SINGLE_ARGS = (
 # Every line a plain run prints is one of ours.
 OUR_LINES = re.compile(
     r"^(parity |start-up [\d.]+ s to the first forward:$|  ours |  SGLang's |  parity gate |tail |between forwards, "
+    r"|the forwards' thread in |beside it on a core: "
     r"|extract: \d+/24 samples, |records \d+: |tokens [\d,]+: |\d+ new shards, |next: |      python )"
 )
 
@@ -168,7 +169,7 @@ def test_start_up_and_tail_are_printed_and_kept_in_the_manifest(single):
     printed = timing_line(t)  # from the manifest's figures, as the run printed them
     assert f"\n{printed}\n" in proc.stderr
     # A part a line: the one line they made ran to 600 characters (a terminal breaks each to its width).
-    assert printed.count("\n") == 5 and max(len(line) for line in printed.splitlines()) <= 220
+    assert printed.count("\n") == 7 and max(len(line) for line in printed.splitlines()) <= 220
     line = printed
     assert (
         f"\n  parity gate {t['parity_gate_s']:.1f} s (engine {t['gate_engine_s']:.1f} s; HF: waited "

@@ -144,6 +144,18 @@ def test_the_feed_counts_its_wait_for_input_after_the_first_batch(tiny_engine, t
     assert 0.9 <= times["input_wait_s"] < 1.2 + 0.5
 
 
+def test_the_hot_loops_own_threads_keep_their_seconds_for_its_report(tiny_engine, tmp_path, monkeypatch):
+    """The batches made ahead and the offload's drain end before the hot loop reports where the host's cores
+    went (`host_use`); each says so last, on its own thread, so that its seconds are kept."""
+    said = []
+    monkeypatch.setattr(feed_module.host_use, "ending", lambda: said.append(threading.current_thread().name))
+    batches = [Batch((_sample(i, 30),)) for i in range(3)]
+    writer = ShardWriter(tmp_path, synthetic_run(tiny_engine.layer_ids))
+    extract_batches(tiny_engine, prepared_ahead(batches), writer)
+    writer.close()
+    assert sorted(said) == ["batches-ahead", "host-offload"]
+
+
 def test_batches_prepared_ahead_are_made_while_the_caller_works_and_come_in_order():
     batches = [Batch((_sample(i, 5),)) for i in range(6)]
     made, used = [], []

@@ -113,7 +113,6 @@ def test_the_fed_extraction_makes_the_timed_batches_again_from_the_records(tiny_
     # behind them shows there).
     threads = rank["host_use"]["threads"]
     assert threads["forwards"]["cpu_s"] > 0 and threads["shard-writer"]["cpu_s"] > 0
-    assert threads["host-offload"]["threads"] == threads["batches-ahead"]["threads"] == 1
     with pytest.raises(RuntimeError, match="not the one read at the start"):
         _fed_figures(coord, clock, host_times, writer, timed[1:], tokens, fed_s, 1.0, 1.0)
 

@@ -37,7 +37,7 @@ def test_each_thread_is_counted_under_its_pool_and_the_forwards_thread_under_its
     line = host_use_line(report)
     assert line.startswith(f"the forwards' thread in {report['host_s']:.2f} s: {own['cpu_s']:.2f} s on a core, ")
     assert f", {asleep:.2f} s asleep (the GIL, the GPU, the next batch)" in line
-    assert f"busiest beside it busy-helper {threads['busy-helper']['cpu_s']:.2f} s" in line
+    assert f"\nbeside it on a core: busy-helper {threads['busy-helper']['cpu_s']:.2f} s" in line
 
 
 def test_the_collectors_pauses_are_counted_until_the_report_and_not_after():
