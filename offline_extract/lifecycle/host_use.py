@@ -15,6 +15,7 @@ batches made ahead, the offload's drain) says `ending()` last, which keeps them.
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import re
 import threading
@@ -45,9 +46,11 @@ def _comm(tid: int) -> str:
         return "(ended)"
 
 
-# Each thread that said `ending()`: its native id, Python name and last counts.
-_ended: dict[int, tuple[str, tuple[float, float]]] = {}
+# Each thread that said `ending()`, by its native id: when it said it (in `_order`), its Python name and last
+# counts. A span takes those said since it began: a native id comes back for a later thread.
+_ended: dict[int, tuple[int, str, tuple[float, float]]] = {}
 _ended_lock = threading.Lock()
+_order = itertools.count()
 
 
 def ending() -> None:
@@ -56,7 +59,7 @@ def ending() -> None:
     stat = _schedstat(tid)
     if stat is not None:
         with _ended_lock:
-            _ended[tid] = (threading.current_thread().name, stat)
+            _ended[tid] = (next(_order), threading.current_thread().name, stat)
 
 
 def _children() -> dict[int, str]:
@@ -109,7 +112,8 @@ class HostUse:
         self._forwards = threading.get_native_id()
         self._wall = time.perf_counter()
         self._start = self._threads()
-        self._ended_before = set(_ended)
+        with _ended_lock:
+            self._since = next(_order)
         self._start_processes = self._processes()
         self.gc_s = 0.0
         self.gc_longest_s = 0.0
@@ -145,13 +149,13 @@ class HostUse:
         gc.callbacks.remove(self._on_gc)
         end = self._threads()
         names = {t.native_id: t.name for t in threading.enumerate()}
-        # One span at a time: what ended before it, or inside it, is not kept for the next.
         with _ended_lock:
-            for tid, (name, stat) in _ended.items():
-                if tid not in end and tid not in self._ended_before:
+            for tid, (said, name, stat) in list(_ended.items()):
+                if said < self._since:  # of no span from here on
+                    del _ended[tid]
+                elif tid not in end:
                     end[tid] = stat
                     names[tid] = name
-            _ended.clear()
         threads: dict[str, dict] = {}
 
         def count(name: str, now: tuple[float, float], was: tuple[float, float], unit: str) -> None:
@@ -196,7 +200,7 @@ def host_use_line(use: dict) -> str:
             f"queued for one, {asleep:.2f} s asleep (the GIL, the GPU, the next batch)"
         )
     others = [(name, row) for name, row in threads.items() if name != FORWARDS][:3]
-    beside = "; ".join(f"{name} {row['cpu_s']:.2f} s" for name, row in others)
+    beside = ", ".join(f"{name} {row['cpu_s']:.2f} s" for name, row in others)
     collector = (
         f"garbage collection {use['gc_s']:.2f} s in {use['gc_collections']} (longest {use['gc_longest_s']:.3f} s)"
     )

@@ -86,7 +86,7 @@ def test_a_thread_that_ends_inside_the_span_keeps_its_seconds_where_it_says_so()
     threads = use.report()["threads"]
     assert threads["said-it"]["threads"] == 1 and threads["said-it"]["cpu_s"] >= 0.09
     assert "said-nothing" not in threads
-    # Kept for that report only.
+    # Only for the spans it ended in.
     assert "said-it" not in HostUse().report()["threads"]
 
 
@@ -104,3 +104,23 @@ def test_the_processes_it_started_are_counted_by_the_module_they_run(tmp_path):
         child.kill()
         child.wait()
     assert row["processes"] == 1 and row["cpu_s"] >= 0.3
+
+
+def test_a_thread_that_ended_before_the_span_is_not_mistaken_for_a_later_one_with_its_id():
+    # Linux hands an ended thread's id to a later one: the later one's seconds are its own span's.
+    go = threading.Event()
+
+    def later():
+        go.wait()
+        _spin(0.05)
+        host_use.ending()
+
+    thread = threading.Thread(target=later, name="inside-the-span")
+    thread.start()
+    with host_use._ended_lock:  # what an earlier thread of the same id left, before the span
+        host_use._ended[thread.native_id] = (next(host_use._order), "before-the-span", (0.0, 0.0))
+    use = HostUse()
+    go.set()
+    thread.join()
+    threads = use.report()["threads"]
+    assert "before-the-span" not in threads and threads["inside-the-span"]["threads"] == 1
