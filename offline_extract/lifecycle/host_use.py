@@ -28,10 +28,11 @@ FORWARDS = "forwards"
 _NATIVE = "native {}"
 
 
-def _schedstat(tid: int) -> tuple[float, float] | None:
-    """A thread's (seconds on a core, seconds queued for one) since it started; None once it has ended."""
+def _schedstat(tid: int | str, tasks: str | None = None) -> tuple[float, float] | None:
+    """A thread's (seconds on a core, seconds queued for one) since it started, of this process or the one
+    whose `tasks` folder is given; None once it has ended."""
     try:
-        with open(f"{_TASKS}/{tid}/schedstat") as f:
+        with open(f"{tasks or _TASKS}/{tid}/schedstat") as f:
             on_core, queued, _ = f.read().split()
     except (OSError, ValueError):
         return None
@@ -90,13 +91,9 @@ def _process(pid: int) -> tuple[float, float]:
     except OSError:
         return 0.0, 0.0
     for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                run, wait, _ = f.read().split()
-        except (OSError, ValueError):
-            continue
-        on_core += int(run) / 1e9
-        queued += int(wait) / 1e9
+        if (stat := _schedstat(tid, f"/proc/{pid}/task")) is not None:
+            on_core += stat[0]
+            queued += stat[1]
     return on_core, queued
 
 
